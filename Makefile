@@ -1,0 +1,39 @@
+# Each target installs what it needs into .venv first; `make demo` and `make test` work on
+# a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test unit integration bench up down clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first: the pinned CPU build; an unpinned one would pull a CUDA build of several GB.
+	$(BIN)/pip install -q $(TORCH)
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/wildtrain up
+	$(BIN)/wildtrain train experiment=tiny
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests -q -ra
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit -q
+
+integration: $(STAMP)
+	$(BIN)/python -m pytest tests/integration -q -ra
+
+up: $(STAMP)
+	$(BIN)/wildtrain up
+
+down: $(STAMP)
+	$(BIN)/wildtrain down
+
+clean:
+	rm -rf $(VENV) .wildtrain .pytest_cache

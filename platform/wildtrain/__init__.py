@@ -1,0 +1,1 @@
+"""wildtrain: elastic LLM training on Ray + DeepSpeed for clusters that fail."""

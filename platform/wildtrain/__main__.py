@@ -1,0 +1,3 @@
+from wildtrain.cli import main
+
+main()

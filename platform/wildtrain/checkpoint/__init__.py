@@ -1,0 +1,40 @@
+"""DeepSpeed checkpoints with an opaque client state, laid out as one Ray Train checkpoint.
+
+Every rank calls `save` into its own local folder and reports it to Ray Train, which merges
+the folders in storage: rank 0 contributes the model states, the `latest` tag file and the
+client state; every rank its own ZeRO optimizer partition. This module knows nothing of
+what the client state means.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+STATE_FILE = "client_state.json"
+TAG_FILE = "latest"  # DeepSpeed's own name for the file that holds the newest tag
+
+
+def save(engine, directory: str, tag: str, client_state: str, rank: int) -> None:
+    """Write this rank's part of the checkpoint `tag` into `directory` (a collective)."""
+    engine.save_checkpoint(directory, tag=tag)
+    if rank == 0:
+        tmp = Path(directory) / (STATE_FILE + ".tmp")
+        tmp.write_text(client_state)
+        os.replace(tmp, Path(directory) / STATE_FILE)
+
+
+def read_client_state(directory: str) -> Optional[str]:
+    path = Path(directory) / STATE_FILE
+    return path.read_text() if path.is_file() else None
+
+
+def load(engine, directory: str) -> None:
+    """Load model, optimizer and LR-schedule states of the newest tag in `directory`."""
+    tag = (Path(directory) / TAG_FILE).read_text().strip()
+    load_path, _ = engine.load_checkpoint(
+        directory, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed found no checkpoint {tag!r} in {directory}")

@@ -1,0 +1,84 @@
+"""The `wildtrain` command. Thin: parse, call the modules, turn known errors into one line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from wildtrain import services
+from wildtrain.config import ConfigError, load_config, to_yaml
+
+OVERRIDES = click.argument("overrides", nargs=-1)
+
+
+def _fail(message: str, code: int) -> None:
+    click.secho(f"wildtrain: {message}", fg="red", err=True)
+    sys.exit(code)
+
+
+def _config(overrides: tuple[str, ...]):
+    try:
+        return load_config(list(overrides))
+    except ConfigError as e:
+        _fail(str(e), 2)
+
+
+@click.group()
+def main() -> None:
+    """Elastic LLM training on Ray + DeepSpeed, tracked in MLflow."""
+
+
+@main.command()
+@OVERRIDES
+def train(overrides: tuple[str, ...]) -> None:
+    """Train with the config from conf/ plus OVERRIDES (experiment=NAME, group=CHOICE, key=value)."""
+    cfg = _config(overrides)
+    # Ray, DeepSpeed and MLflow load only once the config is known to be good.
+    from wildtrain.driver import RunFailed, run
+    from wildtrain.data.dataset import DataError
+    from wildtrain.elastic import CapacityError
+    from wildtrain.tracking.mlflow_run import TrackingError
+
+    try:
+        summary = run(cfg)
+    except (DataError, TrackingError, CapacityError, RunFailed) as e:
+        _fail(str(e), 1)
+    click.echo(f"\nrun {cfg.run.name!r} finished: " + ", ".join(
+        f"{key} {value:.4g}" for key, value in summary.final_metrics.items() if key in ("step", "loss", "tokens_per_s")
+    ))
+    click.echo(f"  MLflow run:     {summary.mlflow_url}")
+    if summary.dashboard_url:
+        click.echo(f"  Ray dashboard:  {summary.dashboard_url}")
+    click.echo(f"  checkpoint:     {summary.checkpoint}")
+
+
+@main.command()
+@OVERRIDES
+def config(overrides: tuple[str, ...]) -> None:
+    """Print the resolved config."""
+    click.echo(to_yaml(_config(overrides)), nl=False)
+
+
+@main.command()
+@click.option("--state-dir", type=click.Path(path_type=Path), default=services.DEFAULT_STATE_DIR, show_default=True)
+@click.option("--ray-port", default=6379, show_default=True)
+@click.option("--dashboard-port", default=8265, show_default=True)
+@click.option("--mlflow-port", default=5000, show_default=True)
+@click.option("--num-cpus", type=int, default=None, help="Logical CPUs of the head [default: max(4, cores)].")
+def up(state_dir: Path, ray_port: int, dashboard_port: int, mlflow_port: int, num_cpus: int | None) -> None:
+    """Start the local Ray head and MLflow server (bound to 127.0.0.1) unless running."""
+    try:
+        running = services.up(state_dir, ray_port, dashboard_port, mlflow_port, num_cpus)
+    except services.ServiceError as e:
+        _fail(str(e), 1)
+    click.echo(f"Ray:            {running.ray_address} (dashboard {running.dashboard_url})")
+    click.echo(f"MLflow:         {running.mlflow_url}")
+
+
+@main.command()
+@click.option("--state-dir", type=click.Path(path_type=Path), default=services.DEFAULT_STATE_DIR, show_default=True)
+def down(state_dir: Path) -> None:
+    """Stop what `wildtrain up` started."""
+    services.down(state_dir)

@@ -1,0 +1,302 @@
+"""The typed configuration of a run and how it is assembled.
+
+Each component owns one dataclass below; `Config` groups them. A run's config is
+built in this order, later layers winning:
+
+1. the dataclass defaults (the schema),
+2. conf/config.yaml,
+3. one file per group (conf/<group>/<choice>.yaml), chosen by config.yaml's `defaults`,
+   then by the experiment's `defaults`, then by `group=choice` on the command line,
+4. the experiment's deltas (conf/experiment/<name>.yaml), selected with `experiment=<name>`,
+5. dotlist overrides from the command line (`train.steps=100`).
+
+Every mistake in any layer surfaces as a `ConfigError` whose message starts with the full
+key path, so the CLI can print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import hashlib
+import json
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+# The checkout's conf/ next to the package; a `conf/` in the current directory wins, so a
+# job submitted with `--working-dir` uses the configs it was submitted with.
+PACKAGE_CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+GROUPS = ("model", "deepspeed", "data", "cluster")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key or file at fault."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "demo"
+    # Where checkpoints and run state live: a local path or an object-store URI. Not
+    # relative to the current directory: a job's working directory is deleted after it.
+    storage: str = "~/wildtrain/runs"
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    vocab_size: int = 257
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    # Fewer key/value heads than query heads gives grouped-query attention.
+    n_kv_heads: Optional[int] = None
+    # None: the SwiGLU default of 8/3 * dim, rounded up to `multiple_of`.
+    ffn_dim: Optional[int] = None
+    multiple_of: int = 32
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+
+@dataclass
+class DataConfig:
+    # A jsonl file (one document per line) or a folder of them; relative paths are
+    # resolved against the current directory.
+    path: str = "tests/assets/tiny_corpus.jsonl"
+    text_field: str = "text"
+    tokenizer: str = "byte"
+    seq_len: int = 128
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 60
+    # Sequences per optimizer step, the same at every world size.
+    global_batch_size: int = 16
+    # The largest micro-batch a worker may run; the batch plan may pick a smaller one.
+    micro_batch_size: int = 4
+    log_every: int = 5
+    checkpoint_every: int = 20
+    seed: int = 0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 1
+
+
+@dataclass
+class ElasticConfig:
+    min_workers: int = 1
+    max_workers: int = 2
+    # Failures (worker or node deaths) tolerated before the run gives up; -1: no limit.
+    max_failures: int = 3
+    # How long Ray Train waits for a worker group to start before retrying at another size.
+    worker_start_timeout_s: float = 30.0
+    # How often a healthy, smaller-than-max group checks whether it can grow.
+    resize_check_interval_s: float = 60.0
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    # None: RAY_ADDRESS, else the local head from `wildtrain up`, else a fresh local Ray.
+    ray_address: Optional[str] = None
+    cpus_per_worker: int = 1
+    use_gpu: bool = False
+    # How long to wait for the cluster to offer `min_workers` workers before giving up.
+    capacity_wait_s: float = 30.0
+
+
+@dataclass
+class TrackingConfig:
+    uri: str = "http://127.0.0.1:5000"
+    experiment: str = "wildtrain"
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+def default_conf_dir() -> Path:
+    local = Path.cwd() / "conf"
+    return local if (local / "config.yaml").is_file() else PACKAGE_CONF_DIR
+
+
+def load_config(overrides: list[str] = (), conf_dir: Optional[Path] = None) -> Config:
+    """Assemble, type-check and validate a run's config (see the module docstring)."""
+    conf_dir = conf_dir or default_conf_dir()
+    groups, experiment, dotlist = _split_overrides(overrides)
+    root = _read_yaml(conf_dir / "config.yaml")
+    choices = dict(root.pop("defaults", {}) or {})
+    deltas: dict = {}
+    if experiment is not None:
+        deltas = _read_yaml(conf_dir / "experiment" / f"{experiment}.yaml", kind="experiment")
+        choices.update(deltas.pop("defaults", {}) or {})
+    choices.update(groups)
+
+    layers = [root]
+    for group, choice in choices.items():
+        if group not in GROUPS:
+            raise ConfigError(f"defaults.{group}: unknown config group (groups: {', '.join(GROUPS)})")
+        layers.append({group: _read_yaml(conf_dir / group / f"{choice}.yaml", kind=group)})
+    layers.append(deltas)
+
+    merged = OmegaConf.structured(Config)
+    try:
+        for layer in layers:
+            merged = OmegaConf.merge(merged, layer)
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotlist))
+        OmegaConf.resolve(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_explain(e)) from None
+    cfg: Config = OmegaConf.to_object(merged)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks across keys that the types alone cannot express."""
+    from wildtrain.engine import unservable_world_sizes  # the batch plan lives with the engine
+
+    def positive(key: str, value: float) -> None:
+        if value <= 0:
+            raise ConfigError(f"{key}: must be positive, got {value}")
+
+    positive("train.steps", cfg.train.steps)
+    positive("train.global_batch_size", cfg.train.global_batch_size)
+    positive("train.micro_batch_size", cfg.train.micro_batch_size)
+    positive("train.log_every", cfg.train.log_every)
+    positive("train.checkpoint_every", cfg.train.checkpoint_every)
+    positive("elastic.min_workers", cfg.elastic.min_workers)
+    if cfg.elastic.max_workers < cfg.elastic.min_workers:
+        raise ConfigError(
+            f"elastic.max_workers: {cfg.elastic.max_workers} is below elastic.min_workers "
+            f"({cfg.elastic.min_workers})"
+        )
+    if cfg.deepspeed.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"deepspeed.zero_stage: must be 0, 1, 2 or 3, got {cfg.deepspeed.zero_stage}")
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len: {cfg.data.seq_len} exceeds model.max_seq_len ({cfg.model.max_seq_len})"
+        )
+    if cfg.model.dim % cfg.model.n_heads:
+        raise ConfigError(f"model.n_heads: {cfg.model.n_heads} does not divide model.dim ({cfg.model.dim})")
+    kv_heads = cfg.model.n_kv_heads or cfg.model.n_heads
+    if cfg.model.n_heads % kv_heads:
+        raise ConfigError(f"model.n_kv_heads: {kv_heads} does not divide model.n_heads ({cfg.model.n_heads})")
+    bad = unservable_world_sizes(
+        cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.elastic.min_workers, cfg.elastic.max_workers
+    )
+    if bad:
+        raise ConfigError(
+            f"train.global_batch_size: {cfg.train.global_batch_size} sequences cannot be split evenly "
+            f"at world size {', '.join(map(str, bad))} with micro-batches of at most "
+            f"{cfg.train.micro_batch_size} (elastic.min_workers..max_workers = "
+            f"{cfg.elastic.min_workers}..{cfg.elastic.max_workers})"
+        )
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """`{"train.steps": 60, ...}`: the resolved config as flat key/value pairs."""
+    flat: dict[str, Any] = {}
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        key = f"{prefix}{f.name}"
+        if is_dataclass(value):
+            flat.update(flatten(value, key + "."))
+        else:
+            flat[key] = value
+    return flat
+
+
+def config_hash(cfg: Config) -> str:
+    return hashlib.sha256(json.dumps(flatten(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _split_overrides(overrides: list[str]) -> tuple[dict[str, str], Optional[str], list[str]]:
+    groups: dict[str, str] = {}
+    experiment = None
+    dotlist = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"{item}: an override must look like key=value")
+        if key == "experiment":
+            experiment = value
+        elif key in GROUPS:
+            groups[key] = value
+        else:
+            dotlist.append(item)
+    return groups, experiment, dotlist
+
+
+def _read_yaml(path: Path, kind: str = "config") -> dict:
+    if not path.is_file():
+        choices = sorted(p.stem for p in path.parent.glob("*.yaml")) if path.parent.is_dir() else []
+        hint = f" (available: {', '.join(choices)})" if choices else ""
+        raise ConfigError(f"{kind}={path.stem}: no such file {path}{hint}")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return data or {}
+
+
+def _explain(e: OmegaConfBaseException) -> str:
+    """Turn OmegaConf's multi-line errors into `full.key: what is wrong`."""
+    full_key = getattr(e, "full_key", None) or "config"
+    if isinstance(e, ConfigKeyError):
+        parent_key, _, leaf = full_key.rpartition(".")
+        section = _section(parent_key)
+        known = [f.name for f in fields(section)] if section is not None else []
+        guess = difflib.get_close_matches(leaf, known, n=1)
+        hint = f" (did you mean {parent_key + '.' if parent_key else ''}{guess[0]}?)" if guess else ""
+        return f"{full_key}: unknown key{hint}"
+    if isinstance(e, ValidationError):
+        section = _section(full_key.rpartition(".")[0])
+        types = {f.name: f.type for f in fields(section)} if section is not None else {}
+        expected = types.get(full_key.rpartition(".")[2])
+        got = re.match(r"Value '(.*)' of type '(.*?)'", str(e))
+        if expected and got:
+            return f"{full_key}: expected {expected}, got {got[1]!r} ({got[2]})"
+    return f"{full_key}: {str(e).splitlines()[0]}"
+
+
+def _section(dotted: str):
+    node: Any = Config
+    for part in filter(None, dotted.split(".")):
+        types = {f.name: f.default_factory for f in fields(node) if callable(f.default_factory)}
+        if part not in types:
+            return None
+        node = types[part]
+    return node

@@ -1,0 +1,112 @@
+"""One training run, from a validated config to `TorchTrainer.fit()`.
+
+Everything that can be checked without workers is checked before Ray starts any: the
+data exists and fits the model, the MLflow server answers, the cluster can hold the
+smallest allowed worker group. A run is identified by its name: resubmitting a name
+reopens its MLflow run and continues from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+import ray
+from ray.train import CheckpointConfig, RunConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from wildtrain import elastic, storage
+from wildtrain.config import Config, config_hash
+from wildtrain.data.dataset import DataError, find_documents, training_dataset
+from wildtrain.data.tokenizer import get_tokenizer
+from wildtrain.tracking.mlflow_run import MlflowCallback, check_reachable, finish_run, open_run, run_url
+from wildtrain.tracking.progress import ProgressCallback
+from wildtrain.train.loop import train_loop
+
+RUN_RECORD = "wildtrain_run.json"
+# Ray Train keeps the newest checkpoints; two leaves one to fall back on.
+CHECKPOINTS_KEPT = 2
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class RunSummary:
+    run_id: str
+    mlflow_url: str
+    dashboard_url: Optional[str]
+    checkpoint: Optional[str]
+    final_metrics: dict
+
+
+def run(cfg: Config) -> RunSummary:
+    _check_data(cfg)
+    check_reachable(cfg.tracking.uri)
+    dashboard_url = _connect_ray(cfg)
+    elastic.wait_for_capacity(cfg)
+
+    storage_uri = storage.resolve(cfg.run.storage)
+    record_uri = storage.join(storage_uri, cfg.run.name, RUN_RECORD)
+    record = json.loads(storage.read_text(record_uri) or "{}")
+    experiment_id, run_id = open_run(cfg, record.get("mlflow_run_id"))
+    storage.write_text(record_uri, json.dumps({"mlflow_run_id": run_id, "config_hash": config_hash(cfg)}))
+    mlflow_url = run_url(cfg.tracking.uri, experiment_id, run_id)
+    print(f"MLflow run:     {mlflow_url}", flush=True)
+    if dashboard_url:
+        print(f"Ray dashboard:  {dashboard_url}", flush=True)
+
+    elastic.controller_env(cfg)
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"cfg": cfg},
+        scaling_config=elastic.scaling_config(cfg),
+        torch_config=TorchConfig(backend="nccl" if cfg.cluster.use_gpu else "gloo"),
+        run_config=RunConfig(
+            name=cfg.run.name,
+            storage_path=storage_uri,
+            failure_config=elastic.failure_config(cfg),
+            checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_KEPT),
+            callbacks=[ProgressCallback(cfg.train.steps), MlflowCallback(cfg.tracking.uri, run_id)],
+            worker_runtime_env={"env_vars": elastic.worker_env(cfg)},
+        ),
+        datasets={"train": training_dataset(cfg.data)},
+    )
+    try:
+        result = trainer.fit()
+    except Exception as e:
+        finish_run(cfg.tracking.uri, run_id, "FAILED")
+        raise RunFailed(
+            f"run {cfg.run.name!r} failed: {e}\nIts checkpoints are kept in {storage_uri}/{cfg.run.name}; "
+            f"run the same command again to resume."
+        ) from e
+    finish_run(cfg.tracking.uri, run_id, "FINISHED")
+    return RunSummary(
+        run_id=run_id,
+        mlflow_url=mlflow_url,
+        dashboard_url=dashboard_url,
+        checkpoint=result.checkpoint.path if result.checkpoint else None,
+        final_metrics=dict(result.metrics or {}),
+    )
+
+
+def _check_data(cfg: Config) -> None:
+    find_documents(cfg.data)
+    vocab = get_tokenizer(cfg.data.tokenizer).vocab_size
+    if vocab > cfg.model.vocab_size:
+        raise DataError(
+            f"model.vocab_size: {cfg.model.vocab_size} is smaller than the {cfg.data.tokenizer!r} "
+            f"tokenizer's vocabulary ({vocab})"
+        )
+
+
+def _connect_ray(cfg: Config) -> Optional[str]:
+    """Join the configured cluster (unless this process already has); the dashboard URL."""
+    if not ray.is_initialized():
+        ray.init(address=cfg.cluster.ray_address)
+    url = ray._private.worker.get_dashboard_url()
+    if not url:
+        return None
+    return url if url.startswith("http") else f"http://{url}"

@@ -1,0 +1,70 @@
+"""Ray Train wiring for a worker group that shrinks when nodes die and grows back.
+
+Ray Train restarts the group at whatever size in [min_workers, max_workers] the cluster
+can hold; the training loop re-plans its batch for that size. What is tuned here is how
+quickly that happens: how long a group start may wait for a dead node's worker, and how
+often a healthy but smaller group looks for room to grow.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+from ray.train import FailureConfig, ScalingConfig
+
+from wildtrain.config import Config
+
+# Ray Data's read and tokenize tasks need CPUs the training workers do not hold;
+# without one to spare the data pipeline waits forever.
+DATA_CPUS = 1
+
+
+class CapacityError(RuntimeError):
+    pass
+
+
+def scaling_config(cfg: Config) -> ScalingConfig:
+    return ScalingConfig(
+        num_workers=(cfg.elastic.min_workers, cfg.elastic.max_workers),
+        use_gpu=cfg.cluster.use_gpu,
+        resources_per_worker={"CPU": cfg.cluster.cpus_per_worker},
+        elastic_resize_monitor_interval_s=cfg.elastic.resize_check_interval_s,
+    )
+
+
+def failure_config(cfg: Config) -> FailureConfig:
+    return FailureConfig(max_failures=cfg.elastic.max_failures)
+
+
+def controller_env(cfg: Config) -> None:
+    """Ray Train reads its timeouts from the driver's environment and passes them on."""
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.elastic.worker_start_timeout_s)
+
+
+def worker_env(cfg: Config) -> dict[str, str]:
+    return {} if cfg.cluster.use_gpu else {"DS_ACCELERATOR": "cpu"}
+
+
+def wait_for_capacity(cfg: Config) -> None:
+    """Return once the cluster can hold `min_workers` workers plus the data pipeline;
+    otherwise fail after `cluster.capacity_wait_s` instead of letting Ray wait forever."""
+    need_cpu = cfg.elastic.min_workers * cfg.cluster.cpus_per_worker + DATA_CPUS
+    need_gpu = cfg.elastic.min_workers if cfg.cluster.use_gpu else 0
+    deadline = time.monotonic() + cfg.cluster.capacity_wait_s
+    while True:
+        total = ray.cluster_resources()
+        have_cpu, have_gpu = total.get("CPU", 0), total.get("GPU", 0)
+        if have_cpu >= need_cpu and have_gpu >= need_gpu:
+            return
+        if time.monotonic() >= deadline:
+            raise CapacityError(
+                f"elastic.min_workers: {cfg.elastic.min_workers} workers need {need_cpu:g} CPUs "
+                f"({cfg.cluster.cpus_per_worker} each + {DATA_CPUS} for data)"
+                + (f" and {need_gpu} GPUs" if need_gpu else "")
+                + f", but the cluster has offered only {have_cpu:g} CPUs"
+                + (f" and {have_gpu:g} GPUs" if need_gpu else "")
+                + f" for {cfg.cluster.capacity_wait_s:g} s; lower elastic.min_workers or add nodes"
+            )
+        time.sleep(1.0)

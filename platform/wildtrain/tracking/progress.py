@@ -1,0 +1,28 @@
+"""Progress lines on the driver's console, from the Ray Train controller."""
+
+from __future__ import annotations
+
+import datetime
+
+from ray.train import UserCallback
+
+
+def progress_line(metrics: dict, total_steps: int) -> str:
+    step = int(metrics["step"])
+    eta = datetime.timedelta(seconds=round((total_steps - step) * metrics["step_time_s"]))
+    return (
+        f"step {step:>{len(str(total_steps))}}/{total_steps} | loss {metrics['loss']:.4f} | "
+        f"{metrics['tokens_per_s']:,.0f} tok/s | world {metrics['world_size']} | ETA {eta}"
+    )
+
+
+class ProgressCallback(UserCallback):
+    def __init__(self, total_steps: int) -> None:
+        self.total_steps = total_steps
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        reported = metrics[0]
+        if "loss" in reported:
+            print(progress_line(reported, self.total_steps), flush=True)
+        if checkpoint is not None:
+            print(f"checkpoint at step {reported['step']}: {checkpoint.path}", flush=True)
