@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import ray
-from ray.train import CheckpointConfig, RunConfig
+import ray.data
+from ray.train import CheckpointConfig, LoggingConfig, RunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from wildtrain import elastic, storage
@@ -71,6 +72,8 @@ def run(cfg: Config) -> RunSummary:
             checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_KEPT),
             callbacks=[ProgressCallback(cfg.train.steps), MlflowCallback(cfg.tracking.uri, run_id)],
             worker_runtime_env={"env_vars": elastic.worker_env(cfg)},
+            # Ray Train's per-report INFO lines would drown the progress lines.
+            logging_config=LoggingConfig(log_level="WARNING"),
         ),
         datasets={"train": training_dataset(cfg.data)},
     )
@@ -106,6 +109,9 @@ def _connect_ray(cfg: Config) -> Optional[str]:
     """Join the configured cluster (unless this process already has); the dashboard URL."""
     if not ray.is_initialized():
         ray.init(address=cfg.cluster.ray_address)
+    # One progress bar per pipeline stage, redrawn many times a second, buries the progress
+    # lines; the data wait shows up in the step metrics instead.
+    ray.data.DataContext.get_current().enable_progress_bars = False
     url = ray._private.worker.get_dashboard_url()
     if not url:
         return None

@@ -105,10 +105,12 @@ def ray_cli() -> str:
 
 
 def token_auth_env() -> dict[str, str]:
-    """The environment for Ray processes that use token authentication, with a token
-    generated in ~/.ray/auth_token if there is none: the dashboard and jobs API run
-    arbitrary code for whoever reaches them."""
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    """The environment for Ray processes: token authentication, with a token generated in
+    ~/.ray/auth_token if there is none (the dashboard and jobs API run arbitrary code for
+    whoever reaches them), and this environment's bin/ first on PATH, so a job's `python`
+    is the one wildtrain is installed in."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "PATH": path}
     subprocess.run([ray_cli(), "get-auth-token", "--generate"], env=env, capture_output=True, check=True)
     return env
 

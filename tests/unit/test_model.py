@@ -5,12 +5,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from wildtrain.config import CONF_DIR, ModelConfig
+from wildtrain.config import PACKAGE_CONF_DIR, ModelConfig
 from wildtrain.model import Transformer, flops_per_token, param_count
 
 TINY = ModelConfig()
 GQA = ModelConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=96, max_seq_len=32)
-PRESETS = sorted((CONF_DIR / "model").glob("*.yaml"))
+PRESETS = sorted((PACKAGE_CONF_DIR / "model").glob("*.yaml"))
 
 
 def make(cfg: ModelConfig, seed: int = 0) -> Transformer:

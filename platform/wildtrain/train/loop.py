@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+import warnings
 
 import ray.train
 import torch
@@ -25,6 +26,8 @@ from wildtrain.train.state import TrainState
 
 def train_loop(config: dict) -> None:
     cfg: Config = config["cfg"]
+    # DeepSpeed's ZeRO calls a deprecated collective once per step; the warning says nothing new.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     context = ray.train.get_context()
     world_size, rank = context.get_world_size(), context.get_world_rank()
     plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)

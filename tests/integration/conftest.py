@@ -1,0 +1,66 @@
+"""Shared services for the integration tests: one MLflow server and one Ray cluster
+(`ray.cluster_utils.Cluster`, with its dashboard and jobs API) per session, on 127.0.0.1
+and free ports, torn down at the end."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from wildtrain import services
+from wildtrain.config import load_config
+
+# Logical CPUs of the head: two training workers and one for Ray Data's tasks. Tests that
+# need several nodes add them and remove them again: fake nodes share one session folder,
+# and a job's working directory unpacked there is deleted by whichever node's runtime-env
+# agent lets go of it first, which a real multi-node cluster never does.
+HEAD_CPUS = 3
+
+
+@pytest.fixture(scope="session")
+def mlflow_url(tmp_path_factory) -> str:
+    port = services.free_port()
+    server = services.start_mlflow(tmp_path_factory.mktemp("mlflow"), port)
+    yield f"http://{services.HOST}:{port}"
+    services.stop_process(server.pid)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": HEAD_CPUS,
+            "include_dashboard": True,
+            "dashboard_host": services.HOST,
+            "dashboard_port": services.free_port(),
+        },
+    )
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture
+def tiny_overrides(tmp_path, mlflow_url) -> list[str]:
+    """A few-step tiny run that writes only under this test's tmp_path."""
+    return [
+        "experiment=tiny",
+        f"run.name=test-{os.getpid()}-{tmp_path.name}",
+        f"run.storage={tmp_path / 'runs'}",
+        f"tracking.uri={mlflow_url}",
+        "tracking.experiment=integration",
+        "train.steps=8",
+        "train.log_every=2",
+        "train.checkpoint_every=4",
+        "elastic.worker_start_timeout_s=20",
+    ]
+
+
+@pytest.fixture
+def tiny_config(tiny_overrides):
+    return lambda *extra: load_config([*tiny_overrides, *extra])

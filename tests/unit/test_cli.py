@@ -1,0 +1,50 @@
+"""The command line's answers to bad input: one line naming the culprit, a non-zero exit,
+and no Ray started (these run in seconds, before any cluster exists)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from wildtrain.services import free_port
+
+
+def wildtrain(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "wildtrain", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.micro_batch=3", "wildtrain: train.micro_batch: unknown key (did you mean train.micro_batch_size?)"),
+        ("train.steps=abc", "wildtrain: train.steps: expected int, got 'abc' (str)"),
+    ],
+)
+def test_config_errors_exit_2_with_one_line(override, message):
+    done = wildtrain("train", override)
+    assert done.returncode == 2
+    assert done.stderr.strip() == message
+
+
+def test_missing_data_path_exits_1_naming_the_path(tmp_path):
+    done = wildtrain("train", f"data.path={tmp_path}/missing.jsonl")
+    assert done.returncode == 1
+    assert "data.path:" in done.stderr and "missing.jsonl does not exist" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_unreachable_mlflow_exits_1_naming_the_uri(tmp_path):
+    uri = f"http://127.0.0.1:{free_port()}"
+    done = wildtrain("train", f"tracking.uri={uri}", f"run.storage={tmp_path}")
+    assert done.returncode == 1
+    assert f"tracking.uri: the MLflow server at {uri} is unreachable" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not any(tmp_path.iterdir()), "nothing may be written before tracking works"
+
+
+def test_config_command_prints_the_resolved_config():
+    done = wildtrain("config", "experiment=tiny", "train.steps=9")
+    assert done.returncode == 0
+    assert "steps: 9" in done.stdout and "name: tiny" in done.stdout

@@ -1,0 +1,85 @@
+import pytest
+
+from wildtrain.config import Config, ConfigError, config_hash, flatten, load_config
+
+
+def test_defaults_load_and_validate():
+    cfg = load_config([])
+    assert isinstance(cfg, Config)
+    assert cfg.model.name == "tiny"
+    assert cfg.deepspeed.zero_stage == 1
+
+
+def test_layers_apply_in_order_experiment_then_groups_then_dotlist():
+    cfg = load_config(["experiment=tiny", "model=125m", "deepspeed=zero3", "train.steps=7"])
+    assert cfg.run.name == "tiny"  # from the experiment's deltas
+    assert cfg.model.name == "125m" and cfg.model.dim == 768  # group chosen on the command line
+    assert cfg.deepspeed.zero_stage == 3
+    assert cfg.train.steps == 7  # the dotlist wins over the experiment's 60
+
+
+def test_experiment_can_choose_groups(tmp_path):
+    conf = tmp_path / "conf"
+    for group in ("model", "deepspeed", "data", "cluster"):
+        (conf / group).mkdir(parents=True)
+    (conf / "experiment").mkdir()
+    (conf / "config.yaml").write_text("defaults:\n  deepspeed: zero1\n")
+    (conf / "deepspeed" / "zero1.yaml").write_text("zero_stage: 1\n")
+    (conf / "deepspeed" / "zero2.yaml").write_text("zero_stage: 2\n")
+    (conf / "experiment" / "big.yaml").write_text("defaults:\n  deepspeed: zero2\ntrain:\n  steps: 3\n")
+    cfg = load_config(["experiment=big"], conf_dir=conf)
+    assert cfg.deepspeed.zero_stage == 2 and cfg.train.steps == 3
+    assert load_config(["experiment=big", "deepspeed=zero1"], conf_dir=conf).deepspeed.zero_stage == 1
+
+
+def test_unknown_key_names_full_path_and_suggests():
+    with pytest.raises(ConfigError) as e:
+        load_config(["train.micro_batch=3"])
+    assert str(e.value) == "train.micro_batch: unknown key (did you mean train.micro_batch_size?)"
+
+
+def test_unknown_key_in_a_yaml_file_names_full_path(tmp_path):
+    conf = tmp_path / "conf"
+    (conf / "experiment").mkdir(parents=True)
+    (conf / "config.yaml").write_text("{}\n")
+    (conf / "experiment" / "typo.yaml").write_text("optim:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match=r"^optim\.learning_rate: unknown key"):
+        load_config(["experiment=typo"], conf_dir=conf)
+
+
+def test_wrong_type_names_key_and_type():
+    with pytest.raises(ConfigError) as e:
+        load_config(["train.steps=abc"])
+    assert str(e.value) == "train.steps: expected int, got 'abc' (str)"
+
+
+def test_unknown_group_choice_lists_the_available_ones():
+    with pytest.raises(ConfigError, match=r"model=nope: no such file .* \(available: .*tiny"):
+        load_config(["model=nope"])
+
+
+def test_override_without_equals_is_rejected():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(["train.steps"])
+
+
+def test_unreachable_global_batch_lists_the_world_sizes():
+    with pytest.raises(ConfigError) as e:
+        load_config(["train.global_batch_size=6", "train.micro_batch_size=2", "elastic.max_workers=4"])
+    assert str(e.value).startswith("train.global_batch_size: 6 sequences cannot be split evenly at world size 4")
+
+
+def test_min_workers_above_max_workers_is_rejected():
+    with pytest.raises(ConfigError, match="^elastic.max_workers"):
+        load_config(["elastic.min_workers=3", "elastic.max_workers=2"])
+
+
+def test_seq_len_longer_than_the_model_is_rejected():
+    with pytest.raises(ConfigError, match="^data.seq_len"):
+        load_config(["data.seq_len=4096"])
+
+
+def test_flatten_and_hash_follow_the_values():
+    a, b = load_config([]), load_config(["train.steps=61"])
+    assert flatten(a)["train.steps"] == 60 and flatten(b)["train.steps"] == 61
+    assert config_hash(a) != config_hash(b) and config_hash(a) == config_hash(load_config([]))

@@ -1,0 +1,58 @@
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from wildtrain.config import Config, OptimConfig
+from wildtrain.engine import BatchPlanError, batch_plan, deepspeed_config, lr_at, unservable_world_sizes
+
+
+@given(global_batch=st.integers(1, 512), max_micro=st.integers(1, 64), world=st.integers(1, 64))
+def test_batch_plan_is_exact_and_uses_the_largest_micro_batch(global_batch, max_micro, world):
+    try:
+        plan = batch_plan(global_batch, max_micro, world)
+    except BatchPlanError:
+        assert all(global_batch % (m * world) for m in range(1, max_micro + 1))
+        return
+    assert plan.global_batch_size == global_batch
+    assert plan.world_size == world and 1 <= plan.micro_batch_size <= max_micro
+    larger = range(plan.micro_batch_size + 1, max_micro + 1)
+    assert all(global_batch % (m * world) for m in larger)
+
+
+def test_batch_plan_examples():
+    assert batch_plan(16, 4, 2).grad_accum_steps == 2
+    plan = batch_plan(24, 8, 3)
+    assert (plan.micro_batch_size, plan.grad_accum_steps) == (8, 1)
+    plan = batch_plan(24, 5, 3)  # 5 does not divide 8 sequences per worker: 4 x 2 does
+    assert (plan.micro_batch_size, plan.grad_accum_steps) == (4, 2)
+    with pytest.raises(BatchPlanError):
+        batch_plan(16, 4, 3)
+
+
+def test_unservable_world_sizes():
+    assert unservable_world_sizes(16, 4, 1, 4) == [3]
+    assert unservable_world_sizes(12, 4, 1, 4) == []
+
+
+def test_lr_warms_up_linearly_then_decays_by_cosine_to_min():
+    optim = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4)
+    assert [lr_at(s, optim, 14) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, optim, 14) == pytest.approx(1.0)
+    assert lr_at(9, optim, 14) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(14, optim, 14) == pytest.approx(0.1)
+    assert lr_at(100, optim, 14) == pytest.approx(0.1)
+
+
+def test_deepspeed_config_follows_plan_and_device():
+    cfg = Config()
+    cfg.deepspeed.zero_stage = 2
+    plan = batch_plan(16, 4, 2)
+    cpu = deepspeed_config(cfg, plan, on_cuda=False)
+    assert cpu["train_batch_size"] == 16
+    assert cpu["train_micro_batch_size_per_gpu"] == 4 and cpu["gradient_accumulation_steps"] == 2
+    assert cpu["zero_optimization"] == {"stage": 2}
+    assert cpu["gradient_clipping"] == cfg.optim.grad_clip
+    assert "bf16" not in cpu  # fp32 on CPU
+    assert deepspeed_config(cfg, plan, on_cuda=True)["bf16"] == {"enabled": True}
