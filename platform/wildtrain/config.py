@@ -111,6 +111,9 @@ class ElasticConfig:
     worker_start_timeout_s: float = 30.0
     # How often a healthy, smaller-than-max group checks whether it can grow.
     resize_check_interval_s: float = 60.0
+    # How often the controller polls its workers: the delay before a dead worker is
+    # noticed, and before a report reaches MLflow.
+    poll_interval_s: float = 1.0
 
 
 @dataclass
@@ -120,6 +123,9 @@ class ClusterConfig:
     ray_address: Optional[str] = None
     cpus_per_worker: int = 1
     use_gpu: bool = False
+    # Custom Ray resources each worker also needs, to keep workers on the nodes that
+    # offer them (e.g. {"trainer": 1} on GPU nodes, not on a CPU-only head).
+    worker_resources: dict[str, float] = field(default_factory=dict)
     # How long to wait for the cluster to offer `min_workers` workers before giving up.
     capacity_wait_s: float = 30.0
 

@@ -19,7 +19,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from wildtrain import elastic, storage
 from wildtrain.config import Config, config_hash
-from wildtrain.data.dataset import DataError, find_documents, training_dataset
+from wildtrain.data.dataset import DataError, find_documents, pack_dataset
 from wildtrain.data.tokenizer import get_tokenizer
 from wildtrain.tracking.mlflow_run import MlflowCallback, check_reachable, finish_run, open_run, run_url
 from wildtrain.tracking.progress import ProgressCallback
@@ -48,6 +48,12 @@ def run(cfg: Config) -> RunSummary:
     check_reachable(cfg.tracking.uri)
     dashboard_url = _connect_ray(cfg)
     elastic.wait_for_capacity(cfg)
+    rows = pack_dataset(cfg.data)
+    if rows.num_rows < cfg.train.global_batch_size:
+        raise DataError(
+            f"data.path: {cfg.data.path} packs into {rows.num_rows} sequences of {cfg.data.seq_len + 1} tokens; "
+            f"one global batch (train.global_batch_size) needs {cfg.train.global_batch_size}"
+        )
 
     storage_uri = storage.resolve(cfg.run.storage)
     record_uri = storage.join(storage_uri, cfg.run.name, RUN_RECORD)
@@ -62,7 +68,7 @@ def run(cfg: Config) -> RunSummary:
     elastic.controller_env(cfg)
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"cfg": cfg},
+        train_loop_config={"cfg": cfg, "rows": rows},
         scaling_config=elastic.scaling_config(cfg),
         torch_config=TorchConfig(backend="nccl" if cfg.cluster.use_gpu else "gloo"),
         run_config=RunConfig(
@@ -75,7 +81,6 @@ def run(cfg: Config) -> RunSummary:
             # Ray Train's per-report INFO lines would drown the progress lines.
             logging_config=LoggingConfig(log_level="WARNING"),
         ),
-        datasets={"train": training_dataset(cfg.data)},
     )
     try:
         result = trainer.fit()

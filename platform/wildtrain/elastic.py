@@ -29,7 +29,7 @@ def scaling_config(cfg: Config) -> ScalingConfig:
     return ScalingConfig(
         num_workers=(cfg.elastic.min_workers, cfg.elastic.max_workers),
         use_gpu=cfg.cluster.use_gpu,
-        resources_per_worker={"CPU": cfg.cluster.cpus_per_worker},
+        resources_per_worker=worker_resources(cfg),
         elastic_resize_monitor_interval_s=cfg.elastic.resize_check_interval_s,
     )
 
@@ -41,30 +41,36 @@ def failure_config(cfg: Config) -> FailureConfig:
 def controller_env(cfg: Config) -> None:
     """Ray Train reads its timeouts from the driver's environment and passes them on."""
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.elastic.worker_start_timeout_s)
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(cfg.elastic.poll_interval_s)
 
 
 def worker_env(cfg: Config) -> dict[str, str]:
     return {} if cfg.cluster.use_gpu else {"DS_ACCELERATOR": "cpu"}
 
 
+def worker_resources(cfg: Config) -> dict[str, float]:
+    return {"CPU": cfg.cluster.cpus_per_worker, **cfg.cluster.worker_resources}
+
+
 def wait_for_capacity(cfg: Config) -> None:
     """Return once the cluster can hold `min_workers` workers plus the data pipeline;
     otherwise fail after `cluster.capacity_wait_s` instead of letting Ray wait forever."""
-    need_cpu = cfg.elastic.min_workers * cfg.cluster.cpus_per_worker + DATA_CPUS
-    need_gpu = cfg.elastic.min_workers if cfg.cluster.use_gpu else 0
+    need = {name: amount * cfg.elastic.min_workers for name, amount in worker_resources(cfg).items()}
+    need["CPU"] += DATA_CPUS
+    if cfg.cluster.use_gpu:
+        need["GPU"] = cfg.elastic.min_workers
     deadline = time.monotonic() + cfg.cluster.capacity_wait_s
     while True:
         total = ray.cluster_resources()
-        have_cpu, have_gpu = total.get("CPU", 0), total.get("GPU", 0)
-        if have_cpu >= need_cpu and have_gpu >= need_gpu:
+        short = {name: amount for name, amount in need.items() if total.get(name, 0) < amount}
+        if not short:
             return
         if time.monotonic() >= deadline:
+            wanted = ", ".join(f"{amount:g} {name}" for name, amount in need.items())
+            offered = ", ".join(f"{total.get(name, 0):g} {name}" for name in need)
             raise CapacityError(
-                f"elastic.min_workers: {cfg.elastic.min_workers} workers need {need_cpu:g} CPUs "
-                f"({cfg.cluster.cpus_per_worker} each + {DATA_CPUS} for data)"
-                + (f" and {need_gpu} GPUs" if need_gpu else "")
-                + f", but the cluster has offered only {have_cpu:g} CPUs"
-                + (f" and {have_gpu:g} GPUs" if need_gpu else "")
-                + f" for {cfg.cluster.capacity_wait_s:g} s; lower elastic.min_workers or add nodes"
+                f"elastic.min_workers: {cfg.elastic.min_workers} workers need {wanted} "
+                f"({DATA_CPUS} CPU of it for data), but the cluster has offered only {offered} "
+                f"for {cfg.cluster.capacity_wait_s:g} s; lower elastic.min_workers or add nodes"
             )
         time.sleep(1.0)

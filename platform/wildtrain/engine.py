@@ -66,7 +66,7 @@ def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
     return optim.min_lr + 0.5 * (optim.lr - optim.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def deepspeed_config(cfg: Config, plan: BatchPlan, on_cuda: bool) -> dict:
+def deepspeed_config(cfg: Config, plan: BatchPlan, on_cuda: bool, load_universal: bool = False) -> dict:
     ds = {
         "train_batch_size": plan.global_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
@@ -78,10 +78,14 @@ def deepspeed_config(cfg: Config, plan: BatchPlan, on_cuda: bool) -> dict:
     }
     if on_cuda:
         ds["bf16"] = {"enabled": True}
+    if load_universal:
+        # The checkpoint to load was saved at another world size and converted to
+        # DeepSpeed's universal (world-size independent) format.
+        ds["checkpoint"] = {"load_universal": True}
     return ds
 
 
-def build_engine(cfg: Config, plan: BatchPlan, model: torch.nn.Module):
+def build_engine(cfg: Config, plan: BatchPlan, model: torch.nn.Module, load_universal: bool = False):
     """Wrap `model` in a DeepSpeed engine with AdamW and the warm-up + cosine schedule.
 
     The optimizer is torch's AdamW rather than DeepSpeed's by-name optimizers: those need
@@ -104,6 +108,6 @@ def build_engine(cfg: Config, plan: BatchPlan, model: torch.nn.Module):
         model=model,
         optimizer=optimizer,
         lr_scheduler=schedule,
-        config=deepspeed_config(cfg, plan, on_cuda=torch.cuda.is_available()),
+        config=deepspeed_config(cfg, plan, on_cuda=torch.cuda.is_available(), load_universal=load_universal),
     )
     return engine

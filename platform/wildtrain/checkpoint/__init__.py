@@ -30,9 +30,12 @@ def read_client_state(directory: str) -> Optional[str]:
     return path.read_text() if path.is_file() else None
 
 
-def load(engine, directory: str) -> None:
-    """Load model, optimizer and LR-schedule states of the newest tag in `directory`."""
-    tag = (Path(directory) / TAG_FILE).read_text().strip()
+def latest_tag(directory: str) -> str:
+    return (Path(directory) / TAG_FILE).read_text().strip()
+
+
+def load(engine, directory: str, tag: str) -> None:
+    """Load model, optimizer and LR-schedule states of checkpoint `tag` in `directory`."""
     load_path, _ = engine.load_checkpoint(
         directory, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
     )

@@ -1,21 +1,22 @@
-"""Training data: documents → token ids → packed sequences, read through Ray Data.
+"""Training data: documents → token ids → packed sequences, prepared by Ray Data.
 
 Every row is one packed sequence of `seq_len + 1` ids (inputs are the first `seq_len`,
 targets the last `seq_len`); documents are joined with the tokenizer's end-of-document id
-so no compute is spent on padding. The driver builds the dataset (`training_dataset`) and
-Ray Train splits it evenly over the workers; each worker reads its split with
-`micro_batches`, which also owns the worker's position in the data so a restart continues
-within the epoch instead of starting it over.
+so no compute is spent on padding. The driver runs the Ray Data pipeline (read, tokenize,
+pack) once, in file order, and hands the workers references to the packed blocks in Ray's
+object store; which rows a rank trains on at a step is decided by `sampler`, not by the
+order the blocks arrive in, so a restart at any world size continues exactly.
+
+Every worker holds all rows in memory: right for corpora of a few GB; streaming sharded
+data from object storage replaces `PackedRows` without touching the training loop.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
-import torch
 
 from wildtrain.config import DataConfig
 from wildtrain.data.tokenizer import get_tokenizer
@@ -26,10 +27,17 @@ class DataError(ValueError):
 
 
 @dataclass
-class DataPosition:
-    epoch: int = 0
-    # Micro-batches each worker has consumed of its split of `epoch`.
-    micro_batches: int = 0
+class PackedRows:
+    """The packed rows in Ray's object store, on the driver's node: blocks left on a
+    worker node would die with it."""
+
+    ref: object  # ray.ObjectRef[np.ndarray]
+    num_rows: int
+
+    def load(self) -> np.ndarray:
+        import ray
+
+        return ray.get(self.ref)
 
 
 def find_documents(cfg: DataConfig) -> list[Path]:
@@ -52,7 +60,8 @@ def pack(documents: list[list[int]], seq_len: int, eos_id: int) -> np.ndarray:
     return np.asarray(stream[: rows * (seq_len + 1)], dtype=np.int64).reshape(rows, seq_len + 1)
 
 
-def training_dataset(cfg: DataConfig):
+def pack_dataset(cfg: DataConfig) -> PackedRows:
+    import ray
     import ray.data
 
     files = find_documents(cfg)
@@ -64,25 +73,13 @@ def training_dataset(cfg: DataConfig):
             raise DataError(f"data.text_field: no field {text_field!r} in the documents (fields: {', '.join(batch)})")
         return {"tokens": pack([tokenizer.encode(text) for text in batch[text_field]], seq_len, tokenizer.eos_id)}
 
-    return ray.data.read_json([str(f) for f in files]).map_batches(
-        tokenize_and_pack, batch_format="numpy", batch_size=512
+    # The same documents must give the same rows in the same order on every submission.
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    packed = (
+        ray.data.read_json([str(f) for f in files])
+        .map_batches(tokenize_and_pack, batch_format="numpy", batch_size=512)
+        .materialize()
     )
-
-
-def micro_batches(shard, micro_batch_size: int, start: DataPosition) -> Iterator[tuple[DataPosition, torch.Tensor]]:
-    """Endless micro-batches `[micro_batch_size, seq_len + 1]` from this worker's split,
-    epoch after epoch, each paired with the position just after it."""
-    epoch, skip = start.epoch, start.micro_batches
-    while True:
-        index = -1
-        for index, batch in enumerate(
-            shard.iter_torch_batches(batch_size=micro_batch_size, drop_last=True, dtypes=torch.long)
-        ):
-            if index >= skip:
-                yield DataPosition(epoch, index + 1), batch["tokens"]
-        if index < 0:
-            raise DataError(
-                f"data.path: this worker's split holds fewer than {micro_batch_size} sequences; "
-                "the dataset is empty or too small for the batch plan"
-            )
-        epoch, skip = epoch + 1, 0
+    blocks = ray.get(packed.to_numpy_refs(column="tokens"))
+    rows = np.concatenate(blocks) if blocks else np.empty((0, seq_len + 1), dtype=np.int64)
+    return PackedRows(ref=ray.put(rows), num_rows=len(rows))

@@ -7,14 +7,19 @@ second MLflow run.
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import asdict
 import urllib.error
 import urllib.request
 from typing import Optional
 
-from ray.train import UserCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, WorkerGroupCallback
 
 from wildtrain.config import Config, flatten, to_yaml
+from wildtrain.tracking.timeline import Timeline
+
+TRAINING_METRICS = ("loss", "lr", "tokens_seen", "tokens_per_s", "step_time_s", "world_size", "epoch")
 
 # MLflow caps a batch at 100 params and a param value at 6000 characters.
 _PARAMS_PER_BATCH = 100
@@ -71,29 +76,72 @@ def run_url(uri: str, experiment_id: str, run_id: str) -> str:
     return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
-class MlflowCallback(UserCallback):
-    """Logs rank 0's metrics of every report, and each checkpoint, to the run."""
+class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
+    """Runs in the Ray Train controller: logs rank 0's metrics of every report, each
+    checkpoint, and the elastic timeline (failures, resizes, recoveries) to the run.
+
+    It uses Ray Train's developer callback hooks rather than `UserCallback`, which sees
+    reports but not the controller's state changes that mark failures and resizes."""
 
     def __init__(self, uri: str, run_id: str) -> None:
         self.uri = uri
         self.run_id = run_id
+        self.timeline = Timeline()
         self._client = None
 
-    def after_report(self, run_context, metrics, checkpoint) -> None:
-        from mlflow.entities import Metric
+    @property
+    def client(self):
         from mlflow.tracking import MlflowClient
 
         if self._client is None:
             self._client = MlflowClient(self.uri)
+        return self._client
+
+    def after_worker_group_start(self, worker_group) -> None:
+        self.timeline.group_started([w.metadata.node_id for w in worker_group.get_workers()])
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        kind = {"RESTARTING": "failure", "RESCHEDULING": "failure", "RESIZING": "resize"}.get(
+            current_state._state_type.state_name
+        )
+        if kind is None:
+            return
+        error = getattr(current_state, "training_failed_error", None)
+        cause = str(error).strip().splitlines()[0][:500] if error else ""
+        event = self.timeline.interrupted(kind, time.time(), cause)
+        if event is not None:
+            self._log_event(event, event["last_step"])
+            print(f"{kind} after step {event['last_step']} at world size {event['world_size']}: {cause}", flush=True)
+
+    def after_report(self, training_report, metrics) -> None:
+        from mlflow.entities import Metric
+
         reported = metrics[0]
         step = int(reported["step"])
+        recovery = self.timeline.reported(reported)
         now = int(time.time() * 1000)
         values = [
             Metric(key, float(value), now, step)
             for key, value in reported.items()
-            if key != "step" and isinstance(value, (int, float))
+            if key in TRAINING_METRICS and isinstance(value, (int, float))
         ]
-        if checkpoint is not None:
+        if recovery is not None:
+            values += [Metric(f"elastic/{key}", float(value), now, step) for key, value in asdict(recovery).items()
+                       if isinstance(value, (int, float))]
+            self._log_event(self.timeline.events[-1], step)
+            print(
+                f"recovered at world size {recovery.world_size_after} from step {recovery.restored_step} "
+                f"in {recovery.recovery_s:.1f} s (restart {recovery.restart_s:.1f} s, restore {recovery.restore_s:.1f} s, "
+                f"reshard {recovery.reshard_s:.1f} s); {recovery.steps_lost} steps redone",
+                flush=True,
+            )
+        if training_report.checkpoint is not None:
             values.append(Metric("checkpoint_step", float(step), now, step))
-            self._client.set_tag(self.run_id, "wildtrain.last_checkpoint", checkpoint.path)
-        self._client.log_batch(self.run_id, metrics=values)
+            self.client.set_tag(self.run_id, "wildtrain.last_checkpoint", training_report.checkpoint.path)
+        self.client.log_batch(self.run_id, metrics=values)
+
+    def _log_event(self, event: dict, step: int) -> None:
+        """Each event is its own small JSON artifact, so a resubmitted run appends to them."""
+        name = f"events/{event.get('at', time.time()):.3f}-{event['event']}.json"
+        self.client.log_text(self.run_id, json.dumps(event, indent=1), name)
+        self.client.log_metric(self.run_id, f"elastic/{event['event']}", 1.0, step=step)

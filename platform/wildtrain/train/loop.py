@@ -1,49 +1,53 @@
 """The per-worker training function that Ray Train runs on every worker of the group.
 
-It reads in the order it runs: plan the batch for this world size, build the engine,
-restore the last checkpoint, then step, report and checkpoint until the run's last step.
-A worker group restarted by Ray Train (a node died, capacity came back) re-enters here
-at its new size and continues from the newest checkpoint.
+It reads in the order it runs: plan the batch for this world size, restore the newest
+checkpoint (resharding it if it was saved at another size) into a new engine, then step,
+report and checkpoint until the run's last step. A worker group that Ray Train restarts
+(a node died, capacity came back) re-enters here at its new size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 import warnings
 
+import numpy as np
 import ray.train
 import torch
 import torch.distributed as dist
 
 from wildtrain import checkpoint
+from wildtrain.checkpoint.universal import convert as convert_to_universal
 from wildtrain.config import Config
-from wildtrain.data.dataset import micro_batches
+from wildtrain.data.sampler import epoch_of, rank_rows
 from wildtrain.engine import batch_plan, build_engine
 from wildtrain.model import Transformer
 from wildtrain.train.state import TrainState
 
 
 def train_loop(config: dict) -> None:
+    attempt_started = time.time()
     cfg: Config = config["cfg"]
     # DeepSpeed's ZeRO calls a deprecated collective once per step; the warning says nothing new.
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     context = ray.train.get_context()
     world_size, rank = context.get_world_size(), context.get_world_rank()
     plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+    rows = config["rows"].load()
 
     torch.manual_seed(cfg.train.seed)
-    engine = build_engine(cfg, plan, Transformer(cfg.model))
-    state = _restore(engine, world_size)
+    engine, state, restore_timing = _build_and_restore(cfg, plan, world_size, rank)
+    restored_step = state.step
     state.world_size = world_size
 
-    batches = micro_batches(ray.train.get_dataset_shard("train"), plan.micro_batch_size, state.data)
     tokens_per_step = plan.global_batch_size * cfg.data.seq_len
     window = _MetricsWindow()
-
     while state.step < cfg.train.steps:
-        for _ in range(plan.grad_accum_steps):
-            state.data, tokens = next(batches)
+        my_rows = rank_rows(state.step, rank, world_size, plan.global_batch_size, len(rows), cfg.train.seed)
+        for micro_rows in np.split(my_rows, plan.grad_accum_steps):
+            tokens = torch.from_numpy(rows[micro_rows])
             loss = engine(tokens[:, :-1], tokens[:, 1:])
             engine.backward(loss)
             engine.step()
@@ -52,15 +56,27 @@ def train_loop(config: dict) -> None:
         state.step += 1
         state.tokens_seen += tokens_per_step
 
+        first_of_attempt = state.step == restored_step + 1
         last = state.step == cfg.train.steps
-        log_due = last or state.step % cfg.train.log_every == 0
+        log_due = last or first_of_attempt or state.step % cfg.train.log_every == 0
         checkpoint_due = last or state.step % cfg.train.checkpoint_every == 0
         if not (log_due or checkpoint_due):
             continue
         metrics = {"step": state.step, "tokens_seen": state.tokens_seen, "world_size": world_size}
         if log_due:
-            metrics |= window.flush(tokens_per_step) | {"lr": engine.get_lr()[0], "epoch": state.data.epoch}
+            epoch = epoch_of(state.step - 1, len(rows), plan.global_batch_size)
+            metrics |= window.flush(tokens_per_step) | {"lr": engine.get_lr()[0], "epoch": epoch}
+        if first_of_attempt:
+            # What the controller needs to split this attempt's recovery time into its parts.
+            metrics |= restore_timing | {
+                "restored_step": restored_step,
+                "attempt_started_at": attempt_started,
+                "first_step_at": time.time(),
+            }
         if checkpoint_due:
+            # Every optimizer step applied exactly once across restarts, or nothing is saved.
+            if engine.global_steps != state.step:
+                raise RuntimeError(f"DeepSpeed counted {engine.global_steps} optimizer steps where the run is at {state.step}")
             with tempfile.TemporaryDirectory(prefix="wildtrain-ckpt-") as folder:
                 checkpoint.save(engine, folder, f"step_{state.step}", state.to_json(), rank)
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
@@ -68,21 +84,40 @@ def train_loop(config: dict) -> None:
             ray.train.report(metrics)
 
 
-def _restore(engine, world_size: int) -> TrainState:
-    """The state of the newest checkpoint Ray Train holds for this run, loaded into `engine`;
-    a fresh state when there is none."""
+def _build_and_restore(cfg: Config, plan, world_size: int, rank: int):
+    """The engine with the newest checkpoint loaded, the state saved with it, and how long
+    restoring and resharding took. A checkpoint saved at another world size is converted to
+    DeepSpeed's universal format first (once; the conversion is cached next to it)."""
     reported = ray.train.get_checkpoint()
     if reported is None:
-        return TrainState(world_size=world_size)
+        engine = build_engine(cfg, plan, Transformer(cfg.model))
+        return engine, TrainState(world_size=world_size), {"restore_s": 0.0, "reshard_s": 0.0}
+
+    started = time.perf_counter()
     with reported.as_directory() as folder:
         state = TrainState.from_json(checkpoint.read_client_state(folder))
-        if state.world_size != world_size:
-            raise NotImplementedError(
-                f"checkpoint saved at world size {state.world_size}, restoring at {world_size}: "
-                "resharding is not supported yet"
-            )
-        checkpoint.load(engine, folder)
-    return state
+        tag = checkpoint.latest_tag(folder)
+        reshard = state.world_size != world_size and cfg.deepspeed.zero_stage > 0
+        reshard_s = 0.0
+        if reshard:
+            with _rank_zero_first(rank):
+                reshard_started = time.perf_counter()
+                tag = convert_to_universal(folder, tag)
+                reshard_s = time.perf_counter() - reshard_started
+        engine = build_engine(cfg, plan, Transformer(cfg.model), load_universal=reshard)
+        checkpoint.load(engine, folder, tag)
+    restore_s = time.perf_counter() - started - reshard_s
+    return engine, state, {"restore_s": restore_s, "reshard_s": reshard_s}
+
+
+@contextlib.contextmanager
+def _rank_zero_first(rank: int):
+    """Rank 0 runs the block while the others wait; then the others run it (a cache hit)."""
+    if rank != 0:
+        dist.barrier()
+    yield
+    if rank == 0:
+        dist.barrier()
 
 
 class _MetricsWindow:

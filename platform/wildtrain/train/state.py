@@ -1,18 +1,18 @@
-"""Everything a restarted worker needs to continue exactly where the run left off."""
+"""Everything a restarted worker needs to continue exactly where the run left off.
+
+The data position is not stored: it is a pure function of the step (see data/sampler.py).
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
-
-from wildtrain.data.dataset import DataPosition
+from dataclasses import asdict, dataclass
 
 
 @dataclass
 class TrainState:
     step: int = 0
     tokens_seen: int = 0
-    data: DataPosition = field(default_factory=DataPosition)
     # The data-parallel size the checkpoint was saved at; restoring at another size reshards.
     world_size: int = 0
 
@@ -21,5 +21,4 @@ class TrainState:
 
     @classmethod
     def from_json(cls, text: str) -> "TrainState":
-        raw = json.loads(text)
-        return cls(**{**raw, "data": DataPosition(**raw["data"])})
+        return cls(**json.loads(text))

@@ -1,0 +1,72 @@
+"""Fault injection on a local fake multi-node cluster (`ray.cluster_utils.Cluster`), for
+the elastic tests and the recovery benchmark: run training in a background thread, watch
+its MLflow run, and remove or add nodes when it reaches chosen points."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from mlflow.tracking import MlflowClient
+
+from wildtrain import driver
+from wildtrain.config import Config
+
+
+@dataclass
+class BackgroundRun:
+    cfg: Config
+    summary: Optional[driver.RunSummary] = None
+    error: Optional[BaseException] = None
+    thread: threading.Thread = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.thread = threading.Thread(target=self._run, name=f"run-{self.cfg.run.name}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.summary = driver.run(self.cfg)
+        except BaseException as e:  # handed to the waiting thread
+            self.error = e
+
+    def join(self, timeout_s: float) -> driver.RunSummary:
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise TimeoutError(f"run {self.cfg.run.name!r} did not finish within {timeout_s:g} s")
+        if self.error is not None:
+            raise self.error
+        return self.summary
+
+    def mlflow_run_id(self) -> Optional[str]:
+        client = MlflowClient(self.cfg.tracking.uri)
+        experiment = client.get_experiment_by_name(self.cfg.tracking.experiment)
+        if experiment is None:
+            return None
+        runs = client.search_runs(
+            [experiment.experiment_id], filter_string=f"attributes.run_name = '{self.cfg.run.name}'"
+        )
+        return runs[0].info.run_id if runs else None
+
+    def reports(self, key: str = "world_size") -> list:
+        """The run's history of `key` (MLflow metrics) in the order it was logged."""
+        run_id = self.mlflow_run_id()
+        if run_id is None:
+            return []
+        history = MlflowClient(self.cfg.tracking.uri).get_metric_history(run_id, key)
+        return sorted(history, key=lambda m: (m.timestamp, m.step))
+
+    def wait_until(self, condition: Callable[[list], bool], what: str, timeout_s: float, key: str = "world_size") -> list:
+        """Poll the run's reports until `condition(reports)` holds; fail if the run ends first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            history = self.reports(key)
+            if condition(history):
+                return history
+            if not self.thread.is_alive():
+                raise RuntimeError(f"run ended before {what}: {self.error!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} within {timeout_s:g} s (last reports: {history[-3:]})")
+            time.sleep(0.25)
