@@ -76,7 +76,11 @@ def run(cfg: Config) -> RunSummary:
             storage_path=storage_uri,
             failure_config=elastic.failure_config(cfg),
             checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_KEPT),
-            callbacks=[ProgressCallback(cfg.train.steps), MlflowCallback(cfg.tracking.uri, run_id)],
+            callbacks=[
+                ProgressCallback(cfg.train.steps),
+                MlflowCallback(cfg.tracking.uri, run_id),
+                elastic.CapacityWatch(cfg.cluster.capacity_wait_s),
+            ],
             worker_runtime_env={"env_vars": elastic.worker_env(cfg)},
             # Ray Train's per-report INFO lines would drown the progress lines.
             logging_config=LoggingConfig(log_level="WARNING"),

@@ -13,6 +13,7 @@ import time
 
 import ray
 from ray.train import FailureConfig, ScalingConfig
+from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from wildtrain.config import Config
 
@@ -23,6 +24,27 @@ DATA_CPUS = 1
 
 class CapacityError(RuntimeError):
     pass
+
+
+class CapacityWatch(ControllerCallback):
+    """Ends the run when no worker group has run for `capacity_wait_s` (every node gone,
+    say); Ray Train alone would retry forever. It runs in the controller, whose retries
+    change its state every `elastic.worker_start_timeout_s`, so the wait is checked at
+    least that often. The error ends the run like any non-retryable failure; the run's
+    checkpoints stay where they are."""
+
+    def __init__(self, capacity_wait_s: float) -> None:
+        self.capacity_wait_s = capacity_wait_s
+        self.last_running = time.monotonic()
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        if current_state._state_type.state_name in ("RUNNING", "INITIALIZING"):
+            self.last_running = time.monotonic()
+        elif not current_state.is_terminal() and time.monotonic() - self.last_running > self.capacity_wait_s:
+            raise CapacityError(
+                f"cluster.capacity_wait_s: no worker group could run for {self.capacity_wait_s:g} s "
+                f"(the cluster cannot hold elastic.min_workers workers)"
+            )
 
 
 def scaling_config(cfg: Config) -> ScalingConfig:

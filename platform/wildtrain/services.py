@@ -22,6 +22,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 HOST = "127.0.0.1"
+# A dead node is noticed after about period x threshold. With Ray's defaults (3 s x 5)
+# a restarted worker group waits longer for a node that is gone.
+NODE_HEALTH_CHECKS = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 1000,
+    "health_check_failure_threshold": 2,
+}
 DEFAULT_STATE_DIR = Path(".wildtrain")
 
 
@@ -123,6 +131,7 @@ def start_ray_head(port: int, dashboard_port: int, num_cpus: int, temp_dir: Path
         "--node-ip-address", HOST, "--port", str(port),
         "--include-dashboard", "true", "--dashboard-host", HOST, "--dashboard-port", str(dashboard_port),
         "--num-cpus", str(num_cpus),
+        "--system-config", json.dumps(NODE_HEALTH_CHECKS),
     ]
     if temp_dir is not None:
         command += ["--temp-dir", str(temp_dir)]

@@ -18,14 +18,6 @@ from wildtrain.config import load_config
 # and a job's working directory unpacked there is deleted by whichever node's runtime-env
 # agent lets go of it first, which a real multi-node cluster never does.
 HEAD_CPUS = 3
-# Node death is noticed after about period x threshold; Ray's defaults (3 s x 5, plus the
-# stale resource view) leave a restarted group waiting half a minute for a dead node.
-FAST_NODE_HEALTH_CHECKS = {
-    "health_check_initial_delay_ms": 1000,
-    "health_check_period_ms": 1000,
-    "health_check_timeout_ms": 1000,
-    "health_check_failure_threshold": 2,
-}
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +37,7 @@ def ray_cluster(tmp_path_factory):
             "include_dashboard": True,
             "dashboard_host": services.HOST,
             "dashboard_port": services.free_port(),
-            "_system_config": FAST_NODE_HEALTH_CHECKS,
+            "_system_config": services.NODE_HEALTH_CHECKS,
         },
     )
     ray.init(address=cluster.address)

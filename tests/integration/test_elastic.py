@@ -4,22 +4,21 @@ training as a run that never failed."""
 
 from __future__ import annotations
 
-import json
 from itertools import groupby
-from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from wildtrain import driver
 from wildtrain.chaos import BackgroundRun
+from wildtrain.tracking.mlflow_run import read_events
 
 pytestmark = pytest.mark.integration
 
 # Only the worker nodes offer it, so the two training workers live on the two nodes
 # (one each) and die with them; the head keeps the driver and Ray Data.
 WORKER_SLOT = "wildtrain_worker"
-STEPS = 24
+STEPS = 40
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +32,7 @@ def worker_nodes(ray_cluster):
 
 @pytest.fixture
 def elastic_config(tiny_config):
-    return lambda name: tiny_config(
+    return lambda name, *extra: tiny_config(
         f"run.name={name}",
         f"train.steps={STEPS}",
         "train.log_every=1",
@@ -41,7 +40,7 @@ def elastic_config(tiny_config):
         f"cluster.worker_resources.{WORKER_SLOT}=1",
         "elastic.resize_check_interval_s=5",
         "elastic.worker_start_timeout_s=10",
-        "elastic.poll_interval_s=0.5",
+        *extra,
     )
 
 
@@ -79,10 +78,22 @@ def test_node_dies_and_returns_without_changing_what_is_trained(worker_nodes, el
     for step, loss in reference_losses.items():
         assert losses[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), f"step {step}"
 
-    folder = client.download_artifacts(summary.run_id, "events", str(tmp_path))
-    events = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))]
-    kinds = [e["event"] for e in sorted(events, key=lambda e: e.get("at", 0))]
+    events = read_events(mlflow_url, summary.run_id, str(tmp_path))
+    kinds = [e["event"] for e in events]
     assert "failure" in kinds and "resize" in kinds and kinds.count("recovered") == 2
     recoveries = [e for e in events if e["event"] == "recovered"]
     assert {(r["world_size_before"], r["world_size_after"]) for r in recoveries} == {(2, 1), (1, 2)}
     assert all(r["reshard_s"] > 0 for r in recoveries), "both size changes load a resharded checkpoint"
+
+
+def test_a_run_left_without_nodes_stops_and_keeps_its_checkpoints(worker_nodes, elastic_config, tmp_path):
+    """Runs last in this module: it removes every worker node."""
+    cluster = worker_nodes
+    run = BackgroundRun(elastic_config(f"stranded-{tmp_path.name}", "cluster.capacity_wait_s=15"))
+    run.wait_until(lambda h: any(m.step >= 5 for m in h), "step 5", 300)
+    for node in list(cluster.worker_nodes):
+        cluster.remove_node(node)
+    with pytest.raises(driver.RunFailed, match=r"(?s)cluster.capacity_wait_s: no worker group could run for 15 s.*run the same command again to resume"):
+        run.join(240)
+    saved = sorted((tmp_path / "runs" / run.cfg.run.name).glob("checkpoint_*/step_4"))
+    assert saved, "the checkpoint of step 4 is still there to resume from"

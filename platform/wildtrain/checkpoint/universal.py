@@ -2,9 +2,9 @@
 
 DeepSpeed refuses to load a ZeRO (stage 1-3) checkpoint saved at a different data-parallel
 world size: the optimizer state is partitioned per rank. Its `ds_to_universal` tool rewrites
-the partitions as one file per parameter, which an engine configured with
-`"checkpoint": {"load_universal": true}` loads at any world size, given the universal tag
-explicitly: `engine.load_checkpoint(folder, tag=universal_tag(tag))`.
+the partitions as one file per parameter, which an engine built with DeepSpeed's
+`"checkpoint": {"load_universal": true}` loads at any world size (`load` below). Stage 0
+checkpoints need no conversion, and `ds_to_universal` cannot convert them.
 
 Atomicity: the conversion runs in a hidden staging folder next to the checkpoint and is
 renamed into place only after a marker file was written into it last, so `folder/<tag>_universal`
@@ -81,7 +81,7 @@ def convert(folder: str, tag: str) -> str:
         try:
             os.rename(output, target)
         except OSError:
-            if not is_converted(folder, tag):  # lost no race: a real failure
+            if not is_converted(folder, tag):  # else a concurrent conversion got there first
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -110,4 +110,4 @@ def load(engine, folder: str, tag: str) -> None:
         group.update((k, v) for k, v in saved_group.items() if k != "params")
     for state in engine.optimizer.optimizer.state.values():
         if torch.is_tensor(state.get("step")):
-            pass
+            state["step"] = state["step"].clone()

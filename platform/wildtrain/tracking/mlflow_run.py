@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict
+from pathlib import Path
 import urllib.error
 import urllib.request
 from typing import Optional
@@ -19,6 +20,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Report
 from wildtrain.config import Config, flatten, to_yaml
 from wildtrain.tracking.timeline import Timeline
 
+EVENTS_DIR = "events"
 TRAINING_METRICS = ("loss", "lr", "tokens_seen", "tokens_per_s", "step_time_s", "world_size", "epoch")
 
 # MLflow caps a batch at 100 params and a param value at 6000 characters.
@@ -70,6 +72,16 @@ def finish_run(uri: str, run_id: str, status: str) -> None:
     from mlflow.tracking import MlflowClient
 
     MlflowClient(uri).set_terminated(run_id, status=status)
+
+
+def read_events(uri: str, run_id: str, folder: str) -> list[dict]:
+    """The run's elastic events (see `MlflowCallback`), oldest first."""
+    from mlflow.tracking import MlflowClient
+
+    if not MlflowClient(uri).list_artifacts(run_id, EVENTS_DIR):
+        return []
+    local = MlflowClient(uri).download_artifacts(run_id, EVENTS_DIR, folder)
+    return [json.loads(path.read_text()) for path in sorted(Path(local).glob("*.json"))]
 
 
 def run_url(uri: str, experiment_id: str, run_id: str) -> str:
@@ -142,6 +154,6 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
 
     def _log_event(self, event: dict, step: int) -> None:
         """Each event is its own small JSON artifact, so a resubmitted run appends to them."""
-        name = f"events/{event.get('at', time.time()):.3f}-{event['event']}.json"
+        name = f"{EVENTS_DIR}/{time.time():.3f}-{event['event']}.json"
         self.client.log_text(self.run_id, json.dumps(event, indent=1), name)
         self.client.log_metric(self.run_id, f"elastic/{event['event']}", 1.0, step=step)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from wildtrain import checkpoint
-from wildtrain.checkpoint.universal import convert as convert_to_universal
+from wildtrain.checkpoint import universal
 from wildtrain.config import Config
 from wildtrain.data.sampler import epoch_of, rank_rows
 from wildtrain.engine import batch_plan, build_engine
@@ -102,10 +102,10 @@ def _build_and_restore(cfg: Config, plan, world_size: int, rank: int):
         if reshard:
             with _rank_zero_first(rank):
                 reshard_started = time.perf_counter()
-                tag = convert_to_universal(folder, tag)
+                universal.convert(folder, tag)
                 reshard_s = time.perf_counter() - reshard_started
         engine = build_engine(cfg, plan, Transformer(cfg.model), load_universal=reshard)
-        checkpoint.load(engine, folder, tag)
+        (universal.load if reshard else checkpoint.load)(engine, folder, tag)
     restore_s = time.perf_counter() - started - reshard_s
     return engine, state, {"restore_s": restore_s, "reshard_s": reshard_s}
 
