@@ -68,7 +68,7 @@ def run(cfg: Config) -> RunSummary:
     elastic.controller_env(cfg)
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"cfg": cfg, "rows": rows},
+        train_loop_config={"cfg": cfg, "rows": rows, "worker_resources": elastic.worker_resources(cfg)},
         scaling_config=elastic.scaling_config(cfg),
         torch_config=TorchConfig(backend="nccl" if cfg.cluster.use_gpu else "gloo"),
         run_config=RunConfig(
@@ -79,7 +79,9 @@ def run(cfg: Config) -> RunSummary:
             callbacks=[
                 ProgressCallback(cfg.train.steps),
                 MlflowCallback(cfg.tracking.uri, run_id),
-                elastic.CapacityWatch(cfg.cluster.capacity_wait_s),
+                elastic.ElasticPolicy(
+                    cfg.cluster.capacity_wait_s, cfg.elastic.resize_check_interval_s, cfg.elastic.max_failures
+                ),
             ],
             worker_runtime_env={"env_vars": elastic.worker_env(cfg)},
             # Ray Train's per-report INFO lines would drown the progress lines.

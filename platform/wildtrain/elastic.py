@@ -9,11 +9,13 @@ often a healthy but smaller group looks for room to grow.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import ray
 from ray.train import FailureConfig, ScalingConfig
-from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+from ray.train.v2.api.exceptions import WorkerGroupError
 
 from wildtrain.config import Config
 
@@ -26,25 +28,101 @@ class CapacityError(RuntimeError):
     pass
 
 
-class CapacityWatch(ControllerCallback):
-    """Ends the run when no worker group has run for `capacity_wait_s` (every node gone,
-    say); Ray Train alone would retry forever. It runs in the controller, whose retries
-    change its state every `elastic.worker_start_timeout_s`, so the wait is checked at
-    least that often. The error ends the run like any non-retryable failure; the run's
-    checkpoints stay where they are."""
+class PlannedRegrow(RuntimeError):
+    """Raised by every worker right after a checkpoint, once the cluster has room for more
+    workers: Ray Train then restarts the group at the larger size from that checkpoint, so
+    growing redoes no step. (Ray's own resize check would stop the group mid-interval and
+    lose the steps since the last checkpoint.) Not counted against elastic.max_failures."""
 
-    def __init__(self, capacity_wait_s: float) -> None:
+
+def has_room_for_another_worker(per_worker: dict[str, float]) -> bool:
+    available = ray.available_resources()
+    return all(available.get(name, 0) >= amount for name, amount in per_worker.items())
+
+
+def refresh_resource_view() -> None:
+    """Make Ray Train's view of the cluster's nodes current.
+
+    Ray 2.60 sizes worker groups from the AutoscalingCoordinator actor's copy of the node
+    list, which it refreshes every 20 s. Without a refresh, a group restarted after a node
+    died is sized for the dead node too and waits out a whole worker-group start timeout,
+    and a node that joined waits up to 20 s to be noticed by the resize check. Asking for a
+    recomputed reservation refreshes that copy for every requester."""
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    coordinator = get_or_create_autoscaling_coordinator()
+    ray.get(coordinator.get_reserved_resources.remote("wildtrain-refresh", recompute=True), timeout=10)
+
+
+class ElasticPolicy(ControllerCallback, WorkerGroupCallback):
+    """What Ray Train's controller does not do by itself, run inside it:
+
+    - after a failure, wait (at most `node_grace_s`) for Ray to mark the group's lost nodes
+      dead, then refresh the resource view, so the restart is sized for what is alive;
+    - refresh the resource view every `refresh_interval_s`, so returning capacity is seen at
+      the next resize check;
+    - end the run when no worker group has run for `capacity_wait_s` (every node gone, say)
+      instead of retrying forever, or after more than `max_failures` failures that were not
+      planned regrows (-1: no limit). The error ends the run like any non-retryable
+      failure; its checkpoints stay where they are.
+    """
+
+    def __init__(self, capacity_wait_s: float, refresh_interval_s: float, max_failures: int, node_grace_s: float = 5.0) -> None:
         self.capacity_wait_s = capacity_wait_s
+        self.max_failures = max_failures
+        self.failures = 0
+        self.refresh_interval_s = refresh_interval_s
+        self.node_grace_s = node_grace_s
+        self.group_nodes: set[str] = set()
         self.last_running = time.monotonic()
 
+    def after_controller_start(self, train_run_context) -> None:
+        def refresh_forever() -> None:
+            while True:
+                time.sleep(self.refresh_interval_s)
+                refresh_resource_view()
+
+        threading.Thread(target=refresh_forever, name="wildtrain-resource-view", daemon=True).start()
+
+    def after_worker_group_start(self, worker_group) -> None:
+        self.group_nodes = {w.metadata.node_id for w in worker_group.get_workers()}
+
     def after_controller_state_update(self, previous_state, current_state) -> None:
-        if current_state._state_type.state_name in ("RUNNING", "INITIALIZING"):
+        name = current_state._state_type.state_name
+        if name in ("RUNNING", "INITIALIZING"):
             self.last_running = time.monotonic()
-        elif not current_state.is_terminal() and time.monotonic() - self.last_running > self.capacity_wait_s:
+            return
+        if name == "RESTARTING":
+            error = current_state.training_failed_error
+            cause = str(error)
+            # Like Ray's own policy, only workers' failures count; a group that could not
+            # start in time is the capacity wait's business.
+            if isinstance(error, WorkerGroupError) and PlannedRegrow.__name__ not in cause:
+                self.failures += 1
+                if 0 <= self.max_failures < self.failures:
+                    raise RuntimeError(
+                        f"elastic.max_failures: {self.failures} failures, more than the {self.max_failures} "
+                        f"allowed; the last: {cause.strip().splitlines()[0][:300]}"
+                    )
+                self._wait_for_lost_nodes()
+            refresh_resource_view()
+        if not current_state.is_terminal() and time.monotonic() - self.last_running > self.capacity_wait_s:
             raise CapacityError(
                 f"cluster.capacity_wait_s: no worker group could run for {self.capacity_wait_s:g} s "
                 f"(the cluster cannot hold elastic.min_workers workers)"
             )
+
+    def _wait_for_lost_nodes(self) -> None:
+        """Return once a node of the failed group is marked dead; a failure that killed no
+        node (a worker's exception) waits the whole grace."""
+        deadline = time.monotonic() + self.node_grace_s
+        while time.monotonic() < deadline:
+            alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+            if not self.group_nodes <= alive:
+                return
+            time.sleep(0.2)
 
 
 def scaling_config(cfg: Config) -> ScalingConfig:
@@ -52,12 +130,14 @@ def scaling_config(cfg: Config) -> ScalingConfig:
         num_workers=(cfg.elastic.min_workers, cfg.elastic.max_workers),
         use_gpu=cfg.cluster.use_gpu,
         resources_per_worker=worker_resources(cfg),
-        elastic_resize_monitor_interval_s=cfg.elastic.resize_check_interval_s,
+        # Growing is the workers' decision (see PlannedRegrow), not Ray's resize check.
+        elastic_resize_monitor_interval_s=365 * 24 * 3600.0,
     )
 
 
 def failure_config(cfg: Config) -> FailureConfig:
-    return FailureConfig(max_failures=cfg.elastic.max_failures)
+    # Ray would count planned regrows as failures; ElasticPolicy counts the real ones.
+    return FailureConfig(max_failures=-1)
 
 
 def controller_env(cfg: Config) -> None:

@@ -84,12 +84,16 @@ def test_node_dies_and_returns_without_changing_what_is_trained(worker_nodes, el
     recoveries = [e for e in events if e["event"] == "recovered"]
     assert {(r["world_size_before"], r["world_size_after"]) for r in recoveries} == {(2, 1), (1, 2)}
     assert all(r["reshard_s"] > 0 for r in recoveries), "both size changes load a resharded checkpoint"
+    regrow = next(r for r in recoveries if r["kind"] == "resize")
+    assert regrow["steps_lost"] == 0, "a planned regrow checkpoints first and redoes no step"
 
 
 def test_a_run_left_without_nodes_stops_and_keeps_its_checkpoints(worker_nodes, elastic_config, tmp_path):
     """Runs last in this module: it removes every worker node."""
     cluster = worker_nodes
-    run = BackgroundRun(elastic_config(f"stranded-{tmp_path.name}", "cluster.capacity_wait_s=15"))
+    # Unlimited failures: attempts to restart on the vanishing nodes fail too, and this test
+    # is about the capacity wait, not elastic.max_failures.
+    run = BackgroundRun(elastic_config(f"stranded-{tmp_path.name}", "cluster.capacity_wait_s=15", "elastic.max_failures=-1"))
     run.wait_until(lambda h: any(m.step >= 5 for m in h), "step 5", 300)
     for node in list(cluster.worker_nodes):
         cluster.remove_node(node)

@@ -120,6 +120,8 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
             return
         error = getattr(current_state, "training_failed_error", None)
         cause = str(error).strip().splitlines()[0][:500] if error else ""
+        if "PlannedRegrow" in str(error):  # wildtrain.elastic.PlannedRegrow: growing, not failing
+            kind, cause = "resize", "room for more workers"
         event = self.timeline.interrupted(kind, time.time(), cause)
         if event is not None:
             self._log_event(event, event["last_step"])

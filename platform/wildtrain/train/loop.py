@@ -22,6 +22,7 @@ from wildtrain import checkpoint
 from wildtrain.checkpoint import universal
 from wildtrain.config import Config
 from wildtrain.data.sampler import epoch_of, rank_rows
+from wildtrain.elastic import PlannedRegrow, has_room_for_another_worker
 from wildtrain.engine import batch_plan, build_engine
 from wildtrain.model import Transformer
 from wildtrain.train.state import TrainState
@@ -44,6 +45,8 @@ def train_loop(config: dict) -> None:
 
     tokens_per_step = plan.global_batch_size * cfg.data.seq_len
     window = _MetricsWindow()
+    growth = _GrowthCheck(world_size < cfg.elastic.max_workers, rank, config["worker_resources"],
+                          cfg.elastic.resize_check_interval_s)
     while state.step < cfg.train.steps:
         my_rows = rank_rows(state.step, rank, world_size, plan.global_batch_size, len(rows), cfg.train.seed)
         for micro_rows in np.split(my_rows, plan.grad_accum_steps):
@@ -58,8 +61,9 @@ def train_loop(config: dict) -> None:
 
         first_of_attempt = state.step == restored_step + 1
         last = state.step == cfg.train.steps
+        grow = not last and growth.room_now()
         log_due = last or first_of_attempt or state.step % cfg.train.log_every == 0
-        checkpoint_due = last or state.step % cfg.train.checkpoint_every == 0
+        checkpoint_due = last or grow or state.step % cfg.train.checkpoint_every == 0
         if not (log_due or checkpoint_due):
             continue
         metrics = {"step": state.step, "tokens_seen": state.tokens_seen, "world_size": world_size}
@@ -82,6 +86,8 @@ def train_loop(config: dict) -> None:
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
         else:
             ray.train.report(metrics)
+        if grow:
+            raise PlannedRegrow(f"room for more than {world_size} workers; regrowing from the checkpoint of step {state.step}")
 
 
 def _build_and_restore(cfg: Config, plan, world_size: int, rank: int):
@@ -118,6 +124,29 @@ def _rank_zero_first(rank: int):
     yield
     if rank == 0:
         dist.barrier()
+
+
+class _GrowthCheck:
+    """While the group is below max size, rank 0 looks for room for another worker every
+    `interval_s`, and every rank learns the answer at the same step."""
+
+    def __init__(self, below_max: bool, rank: int, per_worker: dict, interval_s: float) -> None:
+        self.below_max = below_max
+        self.rank = rank
+        self.per_worker = per_worker
+        self.interval_s = interval_s
+        self.next_look = time.monotonic() + interval_s
+
+    def room_now(self) -> bool:
+        if not self.below_max:
+            return False
+        room = False
+        if self.rank == 0 and time.monotonic() >= self.next_look:
+            self.next_look = time.monotonic() + self.interval_s
+            room = has_room_for_another_worker(self.per_worker)
+        decision = torch.tensor([int(room)])
+        dist.broadcast(decision, src=0)
+        return bool(decision.item())
 
 
 class _MetricsWindow:
