@@ -253,6 +253,14 @@ def test_interrupted_conversion_does_not_count_as_converted(resharded, tmp_path)
     assert sorted(os.listdir(folder)) == sorted([TAG, utag, stale.name])  # its own staging folder is gone
 
 
+def test_convert_handles_regex_characters_in_the_path(resharded, tmp_path):
+    # ds_to_universal turns its output path into a regex unescaped; run names may hold `+`.
+    folder = tmp_path / "run+1 (copy)" / "ckpt"
+    shutil.copytree(Path(_folder(str(resharded), 1), TAG), folder / TAG)
+    assert convert(str(folder), TAG) == universal_tag(TAG)
+    assert is_converted(str(folder), TAG)
+
+
 def test_convert_failure_names_the_checkpoint_and_leaves_nothing_converted(tmp_path, monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     folder = tmp_path / "ckpt"

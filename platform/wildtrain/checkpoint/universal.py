@@ -62,14 +62,16 @@ def convert(folder: str, tag: str) -> str:
         output = staging / utag
         command = [
             sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-            "--input_folder", str(source),
-            "--output_folder", str(output),
+            "--input_folder", str(source.resolve()),
+            # Relative to cwd=staging: ds_to_universal builds a regex from the output path
+            # unescaped, so a run folder named e.g. `a+b` fails with "Cannot parse dp_rank".
+            "--output_folder", utag,
             "--inject_missing_state",
             # Serial: the conversion is I/O and memory bound, and worker pools multiply memory.
             "--num_extract_workers", "1",
             "--num_merge_workers", "1",
         ]
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        done = subprocess.run(command, cwd=staging, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if done.returncode != 0:
             raise RuntimeError(
                 f"converting checkpoint {source} to the universal format failed "
