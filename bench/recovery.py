@@ -49,6 +49,13 @@ SCENARIOS = {
                    "elastic.resize_check_interval_s=5"],
         system_config=services.NODE_HEALTH_CHECKS,
     ),
+    # Checkpoints converted to the universal format in the background as they commit, so a
+    # resize loads one ready (on this CPU-only machine the conversion slows training).
+    "tuned + reshard ahead": dict(
+        overrides=["elastic.worker_start_timeout_s=10", "elastic.poll_interval_s=2",
+                   "elastic.resize_check_interval_s=5", "cluster.reshard_ahead=true"],
+        system_config=services.NODE_HEALTH_CHECKS,
+    ),
 }
 
 

@@ -80,7 +80,10 @@ def run(cfg: Config) -> RunSummary:
                 ProgressCallback(cfg.train.steps),
                 MlflowCallback(cfg.tracking.uri, run_id),
                 elastic.ElasticPolicy(
-                    cfg.cluster.capacity_wait_s, cfg.elastic.resize_check_interval_s, cfg.elastic.max_failures
+                    cfg.cluster.capacity_wait_s,
+                    cfg.elastic.resize_check_interval_s,
+                    cfg.elastic.max_failures,
+                    reshard_ahead=cfg.cluster.reshard_ahead and cfg.deepspeed.zero_stage > 0,
                 ),
             ],
             worker_runtime_env={"env_vars": elastic.worker_env(cfg)},

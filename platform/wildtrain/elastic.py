@@ -12,11 +12,13 @@ import os
 import threading
 import time
 
+import pyarrow.fs as pafs
 import ray
 from ray.train import FailureConfig, ScalingConfig
-from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, WorkerGroupCallback
 from ray.train.v2.api.exceptions import WorkerGroupError
 
+from wildtrain.checkpoint import latest_tag, universal
 from wildtrain.config import Config
 
 # Ray Data's read and tokenize tasks need CPUs the training workers do not hold;
@@ -56,21 +58,26 @@ def refresh_resource_view() -> None:
     ray.get(coordinator.get_reserved_resources.remote("wildtrain-refresh", recompute=True), timeout=10)
 
 
-class ElasticPolicy(ControllerCallback, WorkerGroupCallback):
+class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
     """What Ray Train's controller does not do by itself, run inside it:
 
     - after a failure, wait (at most `node_grace_s`) for Ray to mark the group's lost nodes
       dead, then refresh the resource view, so the restart is sized for what is alive;
     - refresh the resource view every `refresh_interval_s`, so returning capacity is seen at
       the next resize check;
+    - with `reshard_ahead`, convert each committed checkpoint to the universal format in a
+      background thread (one at a time), so a resize restores without converting;
     - end the run when no worker group has run for `capacity_wait_s` (every node gone, say)
       instead of retrying forever, or after more than `max_failures` failures that were not
       planned regrows (-1: no limit). The error ends the run like any non-retryable
       failure; its checkpoints stay where they are.
     """
 
-    def __init__(self, capacity_wait_s: float, refresh_interval_s: float, max_failures: int, node_grace_s: float = 5.0) -> None:
+    def __init__(self, capacity_wait_s: float, refresh_interval_s: float, max_failures: int,
+                 reshard_ahead: bool, node_grace_s: float = 5.0) -> None:
         self.capacity_wait_s = capacity_wait_s
+        self.reshard_ahead = reshard_ahead
+        self._converting: threading.Thread | None = None
         self.max_failures = max_failures
         self.failures = 0
         self.refresh_interval_s = refresh_interval_s
@@ -85,6 +92,27 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback):
                 refresh_resource_view()
 
         threading.Thread(target=refresh_forever, name="wildtrain-resource-view", daemon=True).start()
+
+    def after_report(self, training_report, metrics) -> None:
+        saved = training_report.checkpoint
+        # Remote storage would need the conversion uploaded; for now only local (shared) paths.
+        if not self.reshard_ahead or saved is None or not isinstance(saved.filesystem, pafs.LocalFileSystem):
+            return
+        if self._converting is not None and self._converting.is_alive():
+            return  # the next checkpoint will do; the restart converts whatever is missing
+
+        def convert() -> None:
+            try:
+                universal.convert(saved.path, latest_tag(saved.path))
+            except Exception as e:  # a failed conversion only costs the restart its time
+                print(f"converting {saved.path} ahead of a resize failed: {e}", flush=True)
+
+        self._converting = threading.Thread(target=convert, name="wildtrain-reshard-ahead", daemon=True)
+        self._converting.start()
+
+    async def before_controller_shutdown(self) -> None:
+        if self._converting is not None:
+            self._converting.join()
 
     def after_worker_group_start(self, worker_group) -> None:
         self.group_nodes = {w.metadata.node_id for w in worker_group.get_workers()}

@@ -10,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from wildtrain import driver
-from wildtrain.checkpoint import STATE_FILE
+from wildtrain.checkpoint import STATE_FILE, universal
 from wildtrain.elastic import CapacityError
 
 pytestmark = pytest.mark.integration
@@ -61,3 +61,14 @@ def test_min_workers_the_cluster_cannot_hold_fails_fast(ray_cluster, tiny_config
     cfg = tiny_config("elastic.min_workers=8", "elastic.max_workers=8", "cluster.capacity_wait_s=2")
     with pytest.raises(CapacityError, match=r"^elastic.min_workers: 8 workers need 9 CPU .* offered only 3 CPU for 2 s"):
         driver.run(cfg)
+
+
+def test_reshard_ahead_converts_committed_checkpoints_in_the_background(ray_cluster, tiny_config):
+    summary = driver.run(tiny_config("cluster.reshard_ahead=true"))
+    run_folder = Path(summary.checkpoint).parent
+    # The controller lets a conversion in flight finish before it shuts down.
+    converted = sorted(run_folder.glob(f"checkpoint_*/step_*_universal/{universal.MARKER}"))
+    assert converted, "a committed checkpoint was converted to the universal format"
+    for marker in converted:
+        original = marker.parent.parent / marker.parent.name.removesuffix("_universal")
+        assert original.is_dir(), "the original checkpoint is kept beside its conversion"
