@@ -27,6 +27,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from wildtrain.batching import unservable_world_sizes
+
 # The checkout's conf/ next to the package; a `conf/` in the current directory wins, so a
 # job submitted with `--working-dir` uses the configs it was submitted with.
 PACKAGE_CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -193,8 +195,6 @@ def load_config(overrides: list[str] = (), conf_dir: Optional[Path] = None) -> C
 
 def validate(cfg: Config) -> None:
     """Checks across keys that the types alone cannot express."""
-    from wildtrain.engine import unservable_world_sizes  # the batch plan lives with the engine
-
     def positive(key: str, value: float) -> None:
         if value <= 0:
             raise ConfigError(f"{key}: must be positive, got {value}")

@@ -78,7 +78,7 @@ def run(cfg: Config) -> RunSummary:
             checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_KEPT),
             callbacks=[
                 ProgressCallback(cfg.train.steps),
-                MlflowCallback(cfg.tracking.uri, run_id),
+                MlflowCallback(cfg.tracking.uri, run_id, elastic.is_planned_regrow),
                 elastic.ElasticPolicy(
                     cfg.cluster.capacity_wait_s,
                     cfg.elastic.resize_check_interval_s,

@@ -37,6 +37,12 @@ class PlannedRegrow(RuntimeError):
     lose the steps since the last checkpoint.) Not counted against elastic.max_failures."""
 
 
+def is_planned_regrow(error: BaseException | None) -> bool:
+    """Whether the controller's error for a restart is the workers' PlannedRegrow. Ray wraps
+    the workers' exceptions and keeps only their text."""
+    return error is not None and PlannedRegrow.__name__ in str(error)
+
+
 def has_room_for_another_worker(per_worker: dict[str, float]) -> bool:
     available = ray.available_resources()
     return all(available.get(name, 0) >= amount for name, amount in per_worker.items())
@@ -127,7 +133,7 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
             cause = str(error)
             # Like Ray's own policy, only workers' failures count; a group that could not
             # start in time is the capacity wait's business.
-            if isinstance(error, WorkerGroupError) and PlannedRegrow.__name__ not in cause:
+            if isinstance(error, WorkerGroupError) and not is_planned_regrow(error):
                 self.failures += 1
                 if 0 <= self.max_failures < self.failures:
                     raise RuntimeError(

@@ -44,7 +44,8 @@ def _config(stage: int):
 
 
 def _engine(cfg, world_size: int, load_universal: bool = False):
-    from wildtrain.engine import batch_plan, build_engine
+    from wildtrain.batching import batch_plan
+    from wildtrain.engine import build_engine
     from wildtrain.model import Transformer
 
     plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)

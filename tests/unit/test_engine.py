@@ -4,8 +4,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from wildtrain.batching import BatchPlanError, batch_plan, unservable_world_sizes
 from wildtrain.config import Config, OptimConfig
-from wildtrain.engine import BatchPlanError, batch_plan, deepspeed_config, lr_at, unservable_world_sizes
+from wildtrain.engine import deepspeed_config, lr_at
 
 
 @given(global_batch=st.integers(1, 512), max_micro=st.integers(1, 64), world=st.integers(1, 64))

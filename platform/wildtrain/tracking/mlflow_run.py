@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
-from pathlib import Path
 import urllib.error
 import urllib.request
-from typing import Optional
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Optional
 
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, WorkerGroupCallback
 
@@ -78,9 +78,10 @@ def read_events(uri: str, run_id: str, folder: str) -> list[dict]:
     """The run's elastic events (see `MlflowCallback`), oldest first."""
     from mlflow.tracking import MlflowClient
 
-    if not MlflowClient(uri).list_artifacts(run_id, EVENTS_DIR):
+    client = MlflowClient(uri)
+    if not client.list_artifacts(run_id, EVENTS_DIR):
         return []
-    local = MlflowClient(uri).download_artifacts(run_id, EVENTS_DIR, folder)
+    local = client.download_artifacts(run_id, EVENTS_DIR, folder)
     return [json.loads(path.read_text()) for path in sorted(Path(local).glob("*.json"))]
 
 
@@ -95,9 +96,10 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
     It uses Ray Train's developer callback hooks rather than `UserCallback`, which sees
     reports but not the controller's state changes that mark failures and resizes."""
 
-    def __init__(self, uri: str, run_id: str) -> None:
+    def __init__(self, uri: str, run_id: str, is_planned_regrow: Callable[[BaseException | None], bool]) -> None:
         self.uri = uri
         self.run_id = run_id
+        self.is_planned_regrow = is_planned_regrow
         self.timeline = Timeline()
         self._client = None
 
@@ -120,7 +122,7 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
             return
         error = getattr(current_state, "training_failed_error", None)
         cause = str(error).strip().splitlines()[0][:500] if error else ""
-        if "PlannedRegrow" in str(error):  # wildtrain.elastic.PlannedRegrow: growing, not failing
+        if self.is_planned_regrow(error):
             kind, cause = "resize", "room for more workers"
         event = self.timeline.interrupted(kind, time.time(), cause)
         if event is not None:

@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 
 from wildtrain import checkpoint
+from wildtrain.batching import batch_plan
 from wildtrain.checkpoint import universal
 from wildtrain.config import Config
 from wildtrain.data.sampler import epoch_of, rank_rows
 from wildtrain.elastic import PlannedRegrow, has_room_for_another_worker
-from wildtrain.engine import batch_plan, build_engine
+from wildtrain.engine import build_engine
 from wildtrain.model import Transformer
 from wildtrain.train.state import TrainState
 
