@@ -1,0 +1,67 @@
+"""RankStream reads, through Ray Data, exactly the rows the pure data order names: for every
+rank at several world sizes, and from the middle of an epoch into the next one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order
+from wildtrain.data.stream import Dataset, RankStream
+
+pytestmark = pytest.mark.integration
+
+SEQ_LEN = 7
+GLOBAL_BATCH = 4
+SEED = 11
+ROW_GROUPS = ((5, 5, 3), (6, 2))  # rows per row group, per shard: 21 rows, 5 steps per epoch
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Dataset:
+    """Two shards whose token rows encode (shard, row): row i of shard s is all s*1000+i."""
+    root = tmp_path_factory.mktemp("stream")
+    paths = []
+    for shard, groups in enumerate(ROW_GROUPS):
+        rows = sum(groups)
+        tokens = np.repeat(shard * 1000 + np.arange(rows, dtype=np.int32)[:, None], SEQ_LEN + 1, axis=1)
+        table = pa.table({"tokens": pa.array(list(tokens), type=pa.list_(pa.int32()))})
+        path = f"shard-{shard:05d}.parquet"
+        with pq.ParquetWriter(root / path, table.schema) as writer:
+            start = 0
+            for size in groups:
+                writer.write_table(table.slice(start, size))
+                start += size
+        assert pq.ParquetFile(root / path).metadata.num_row_groups == len(groups)
+        paths.append(path)
+    return Dataset(str(root), tuple(paths), Source(ROW_GROUPS))
+
+
+def _expected(step: int, rank: int, world_size: int) -> np.ndarray:
+    """The row ids (shard*1000 + row in shard) the order gives the rank at a run step."""
+    plan = plan_epoch([Source(ROW_GROUPS)], GLOBAL_BATCH, SEED, 0)
+    epoch, in_epoch = divmod(step, plan.steps)
+    plan = plan_epoch([Source(ROW_GROUPS)], GLOBAL_BATCH, SEED, epoch)
+    ids = []
+    for segment in rank_segments(plan, rank, world_size, GLOBAL_BATCH, in_epoch):
+        if segment.first_step != in_epoch:
+            continue
+        unit = segment.unit
+        first_row_of_group = sum(ROW_GROUPS[unit.shard][: unit.row_group])
+        ids.append(unit.shard * 1000 + first_row_of_group + row_order(unit, SEED, epoch)[segment.start])
+    return np.array(ids)
+
+
+@pytest.mark.parametrize("world_size,from_step", [(1, 0), (2, 3), (4, 4)])
+def test_every_rank_reads_the_rows_the_order_names(ray_cluster, dataset, world_size, from_step):
+    steps = 7  # across the end of the first epoch (5 steps)
+    for rank in range(world_size):
+        stream = RankStream([dataset], SEQ_LEN, GLOBAL_BATCH, SEED, rank, world_size, from_step)
+        for step in range(from_step, from_step + steps):
+            rows = stream.next_step()
+            assert rows.shape == (GLOBAL_BATCH // world_size, SEQ_LEN + 1)
+            assert (rows == rows[:, :1]).all()
+            np.testing.assert_array_equal(rows[:, 0], _expected(step, rank, world_size), err_msg=f"step {step} rank {rank}")
+        assert stream.wait_s > 0
