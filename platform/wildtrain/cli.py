@@ -35,15 +35,17 @@ def main() -> None:
 def train(overrides: tuple[str, ...]) -> None:
     """Train with the config from conf/ plus OVERRIDES (experiment=NAME, group=CHOICE, key=value)."""
     cfg = _config(overrides)
+    services.use_local_object_store()
     # Ray, DeepSpeed and MLflow load only once the config is known to be good.
-    from wildtrain.driver import RunFailed, run
     from wildtrain.data.dataset import DataError
+    from wildtrain.driver import RunFailed, run
     from wildtrain.elastic import CapacityError
+    from wildtrain.storage import StorageError
     from wildtrain.tracking.mlflow_run import TrackingError
 
     try:
         summary = run(cfg)
-    except (DataError, TrackingError, CapacityError, RunFailed) as e:
+    except (DataError, StorageError, TrackingError, CapacityError, RunFailed) as e:
         _fail(str(e), 1)
     click.echo(f"\nrun {cfg.run.name!r} finished: " + ", ".join(
         f"{key} {value:.4g}" for key, value in summary.final_metrics.items() if key in ("step", "loss", "tokens_per_s")
@@ -62,19 +64,47 @@ def config(overrides: tuple[str, ...]) -> None:
 
 
 @main.command()
+@click.argument("run", required=False)
+@click.option("--cluster", help="A report card over every run recorded for this cluster (cluster.name).")
+@click.option("--tracking-uri", help="The MLflow server [default: tracking.uri of the config].")
+def report(run: str | None, cluster: str | None, tracking_uri: str | None) -> None:
+    """Where a run's compute went (RUN: its name or MLflow run id): goodput, badput by cause,
+    and a plot attached to the run; or, with --cluster, the cluster's report card."""
+    from wildtrain.tracking import report as reports
+    from wildtrain.tracking.mlflow_run import TrackingError, check_reachable
+
+    if (run is None) == (cluster is None):
+        _fail("report: give either a RUN or --cluster NAME", 2)
+    uri = tracking_uri or _config(()).tracking.uri
+    try:
+        check_reachable(uri)
+        if cluster is not None:
+            click.echo(reports.report_cluster(uri, cluster))
+            return
+        run_id = reports.find_run(uri, run)
+        result = reports.report_run(uri, run_id)
+    except (TrackingError, LookupError) as e:
+        _fail(str(e), 1)
+    click.echo(reports.goodput_text(result))
+    click.echo(f"plot: {uri.rstrip('/')} run {run_id}, artifact {reports.PLOT_ARTIFACT_DIR}/run.png")
+
+
+@main.command()
 @click.option("--state-dir", type=click.Path(path_type=Path), default=services.DEFAULT_STATE_DIR, show_default=True)
 @click.option("--ray-port", default=6379, show_default=True)
 @click.option("--dashboard-port", default=8265, show_default=True)
 @click.option("--mlflow-port", default=5000, show_default=True)
 @click.option("--num-cpus", type=int, default=None, help="Logical CPUs of the head [default: max(4, cores)].")
 def up(state_dir: Path, ray_port: int, dashboard_port: int, mlflow_port: int, num_cpus: int | None) -> None:
-    """Start the local Ray head and MLflow server (bound to 127.0.0.1) unless running."""
+    """Start the local object store, Ray head and MLflow server (bound to 127.0.0.1) unless running."""
     try:
         running = services.up(state_dir, ray_port, dashboard_port, mlflow_port, num_cpus)
     except services.ServiceError as e:
         _fail(str(e), 1)
     click.echo(f"Ray:            {running.ray_address} (dashboard {running.dashboard_url})")
     click.echo(f"MLflow:         {running.mlflow_url}")
+    store = running.object_store
+    click.echo(f"object store:   {store.endpoint} (S3, bucket {store.bucket}; keys in {state_dir / 'services.json'})")
 
 
 @main.command()

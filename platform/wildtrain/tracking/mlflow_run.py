@@ -21,7 +21,14 @@ from wildtrain.config import Config, flatten, to_yaml
 from wildtrain.tracking.timeline import Timeline
 
 EVENTS_DIR = "events"
-TRAINING_METRICS = ("loss", "lr", "tokens_seen", "tokens_per_s", "step_time_s", "world_size", "epoch")
+CLUSTER_TAG = "wildtrain.cluster"
+# What the controller logs of rank 0's reports; `time/*` are means per step over the
+# report's window, `checkpoint/*` are per save.
+TRAINING_METRICS = (
+    "loss", "lr", "tokens_seen", "tokens_per_s", "step_time_s", "world_size", "epoch", "mfu",
+    "time/data_wait_s", "time/forward_backward_s", "time/optimizer_s", "time/checkpoint_stall_s",
+    "checkpoint/bytes", "checkpoint/save_s",
+)
 
 # MLflow caps a batch at 100 params and a param value at 6000 characters.
 _PARAMS_PER_BATCH = 100
@@ -60,7 +67,7 @@ def open_run(cfg: Config, run_id: Optional[str]) -> tuple[str, str]:
 
     experiment = client.get_experiment_by_name(cfg.tracking.experiment)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(cfg.tracking.experiment)
-    run = client.create_run(experiment_id, run_name=cfg.run.name, tags={"wildtrain.cluster": cfg.cluster.name})
+    run = client.create_run(experiment_id, run_name=cfg.run.name, tags={CLUSTER_TAG: cfg.cluster.name})
     params = [Param(key, str(value)[:6000]) for key, value in flatten(cfg).items()]
     for i in range(0, len(params), _PARAMS_PER_BATCH):
         client.log_batch(run.info.run_id, params=params[i : i + _PARAMS_PER_BATCH])
@@ -83,6 +90,13 @@ def read_events(uri: str, run_id: str, folder: str) -> list[dict]:
         return []
     local = client.download_artifacts(run_id, EVENTS_DIR, folder)
     return [json.loads(path.read_text()) for path in sorted(Path(local).glob("*.json"))]
+
+
+def log_event(client, run_id: str, event: dict, step: int) -> None:
+    """Each event is its own small JSON artifact, so a resubmitted run appends to them."""
+    name = f"{EVENTS_DIR}/{time.time():.3f}-{event['event']}.json"
+    client.log_text(run_id, json.dumps(event, indent=1), name)
+    client.log_metric(run_id, f"elastic/{event['event']}", 1.0, step=step)
 
 
 def run_url(uri: str, experiment_id: str, run_id: str) -> str:
@@ -112,7 +126,10 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
         return self._client
 
     def after_worker_group_start(self, worker_group) -> None:
-        self.timeline.group_started([w.metadata.node_id for w in worker_group.get_workers()])
+        nodes = [w.metadata.node_id for w in worker_group.get_workers()]
+        self.timeline.group_started(nodes)
+        # Node-seconds in service, for the cluster card's failures per node-day.
+        self.client.log_metric(self.run_id, "elastic/nodes", len(set(nodes)), step=self.timeline.last_step)
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         kind = {"RESTARTING": "failure", "RESCHEDULING": "failure", "RESIZING": "resize"}.get(
@@ -127,6 +144,7 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
         event = self.timeline.interrupted(kind, time.time(), cause)
         if event is not None:
             self._log_event(event, event["last_step"])
+            self.client.log_metric(self.run_id, "elastic/nodes", 0, step=event["last_step"])
             print(f"{kind} after step {event['last_step']} at world size {event['world_size']}: {cause}", flush=True)
 
     def after_report(self, training_report, metrics) -> None:
@@ -157,7 +175,4 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
         self.client.log_batch(self.run_id, metrics=values)
 
     def _log_event(self, event: dict, step: int) -> None:
-        """Each event is its own small JSON artifact, so a resubmitted run appends to them."""
-        name = f"{EVENTS_DIR}/{time.time():.3f}-{event['event']}.json"
-        self.client.log_text(self.run_id, json.dumps(event, indent=1), name)
-        self.client.log_metric(self.run_id, f"elastic/{event['event']}", 1.0, step=step)
+        log_event(self.client, self.run_id, event, step)
