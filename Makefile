@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/wildtrain up
+	$(BIN)/python data_pipelines/prepare.py --input tests/assets/tiny_corpus.jsonl \
+		--output s3://wildtrain/datasets/tiny --rows-per-group 128
 	$(BIN)/wildtrain train experiment=tiny
 
 test: $(STAMP)

@@ -65,13 +65,32 @@ class ModelConfig:
 
 
 @dataclass
+class DatasetConfig:
+    # A dataset written by data_pipelines/prepare.py: the folder or prefix holding its
+    # manifest.json (local path, s3://, gs://).
+    uri: str = "s3://wildtrain/datasets/tiny"
+    # Its share of the mixture, relative to the other datasets' weights.
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
-    # A jsonl file (one document per line) or a folder of them; relative paths are
-    # resolved against the current directory.
-    path: str = "tests/assets/tiny_corpus.jsonl"
-    text_field: str = "text"
-    tokenizer: str = "byte"
+    # What the run trains on, in the order data/order.py derives from train.seed.
+    datasets: list[DatasetConfig] = field(default_factory=lambda: [DatasetConfig()])
+    # Must be the seq_len the datasets were prepared with.
     seq_len: int = 128
+    # Check every shard's sha256 at start (reads all the data once); sizes, schemas and row
+    # counts are always checked.
+    verify_checksums: bool = False
+    # Train without a shard that is missing or does not match the manifest (recorded in
+    # MLflow), instead of stopping. The rows of later steps then differ from a run with it.
+    skip_bad_shards: bool = False
+    # Logical CPUs each Ray Data read task holds; reads wait on the object store, not on a core.
+    read_cpus: float = 0.25
+    # Blocks (segments of a row group) Ray Data reads ahead of training, per rank.
+    prefetch_blocks: int = 8
+    # Write the ids of every step's samples to <run>/samples/ (audits, exactly-once tests).
+    record_samples: bool = False
 
 
 @dataclass
@@ -144,6 +163,20 @@ class TrackingConfig:
 
 
 @dataclass
+class StorageConfig:
+    """How to reach object storage (s3:// URIs); gs:// and local paths need nothing here."""
+
+    # An S3-compatible endpoint such as http://127.0.0.1:8333; None: $AWS_ENDPOINT_URL, else AWS.
+    endpoint: Optional[str] = None
+    region: str = "us-east-1"
+    # The names of the variables holding the keys, never the keys: configs are logged to MLflow.
+    access_key_env: str = "AWS_ACCESS_KEY_ID"
+    secret_key_env: str = "AWS_SECRET_ACCESS_KEY"
+    # Attempts per request, with backoff, before an unreachable store is an error.
+    max_attempts: int = 5
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -154,6 +187,7 @@ class Config:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
 
 def default_conf_dir() -> Path:
@@ -245,6 +279,9 @@ def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
         key = f"{prefix}{f.name}"
         if is_dataclass(value):
             flat.update(flatten(value, key + "."))
+        elif isinstance(value, list) and value and all(is_dataclass(v) for v in value):
+            for i, item in enumerate(value):
+                flat.update(flatten(item, f"{key}.{i}."))
         else:
             flat[key] = value
     return flat

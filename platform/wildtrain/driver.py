@@ -9,19 +9,20 @@ reopens its MLflow run and continues from its newest checkpoint.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 import ray
-import ray.data
+from mlflow.tracking import MlflowClient
 from ray.train import CheckpointConfig, LoggingConfig, RunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from wildtrain import elastic, storage
 from wildtrain.config import Config, config_hash
-from wildtrain.data.dataset import DataError, find_documents, pack_dataset
-from wildtrain.data.tokenizer import get_tokenizer
-from wildtrain.tracking.mlflow_run import MlflowCallback, check_reachable, finish_run, open_run, run_url
+from wildtrain.data.dataset import open_datasets
+from wildtrain.tracking import report
+from wildtrain.tracking.mlflow_run import MlflowCallback, check_reachable, finish_run, log_event, open_run, run_url
 from wildtrain.tracking.progress import ProgressCallback
 from wildtrain.train.loop import train_loop
 
@@ -44,36 +45,39 @@ class RunSummary:
 
 
 def run(cfg: Config) -> RunSummary:
-    _check_data(cfg)
+    started_at = time.time()
+    data = open_datasets(cfg)
     check_reachable(cfg.tracking.uri)
     dashboard_url = _connect_ray(cfg)
     elastic.wait_for_capacity(cfg)
-    rows = pack_dataset(cfg.data)
-    if rows.num_rows < cfg.train.global_batch_size:
-        raise DataError(
-            f"data.path: {cfg.data.path} packs into {rows.num_rows} sequences of {cfg.data.seq_len + 1} tokens; "
-            f"one global batch (train.global_batch_size) needs {cfg.train.global_batch_size}"
-        )
 
     storage_uri = storage.resolve(cfg.run.storage)
     record_uri = storage.join(storage_uri, cfg.run.name, RUN_RECORD)
-    record = json.loads(storage.read_text(record_uri) or "{}")
+    record = json.loads(storage.read_text(record_uri, cfg.storage) or "{}")
     experiment_id, run_id = open_run(cfg, record.get("mlflow_run_id"))
-    storage.write_text(record_uri, json.dumps({"mlflow_run_id": run_id, "config_hash": config_hash(cfg)}))
+    storage.write_text(record_uri, json.dumps({"mlflow_run_id": run_id, "config_hash": config_hash(cfg)}), cfg.storage)
+    tracking = MlflowClient(cfg.tracking.uri)
+    log_event(tracking, run_id, {"event": "started", "at": started_at}, step=0)
+    for skipped in data.skipped_shards:
+        print(f"skipping shard {skipped}", flush=True)
+        log_event(tracking, run_id, {"event": "shard_skipped", "at": time.time(), "shard": skipped}, step=0)
     mlflow_url = run_url(cfg.tracking.uri, experiment_id, run_id)
     print(f"MLflow run:     {mlflow_url}", flush=True)
     if dashboard_url:
         print(f"Ray dashboard:  {dashboard_url}", flush=True)
 
     elastic.controller_env(cfg)
+    run_fs, run_path = storage.filesystem(storage_uri, cfg.storage)
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"cfg": cfg, "rows": rows, "worker_resources": elastic.worker_resources(cfg)},
+        train_loop_config={"cfg": cfg, "data": data, "worker_resources": elastic.worker_resources(cfg)},
         scaling_config=elastic.scaling_config(cfg),
         torch_config=TorchConfig(backend="nccl" if cfg.cluster.use_gpu else "gloo"),
         run_config=RunConfig(
             name=cfg.run.name,
-            storage_path=storage_uri,
+            # An explicit filesystem: Ray's own would not know the object store's endpoint.
+            storage_path=run_path,
+            storage_filesystem=run_fs,
             failure_config=elastic.failure_config(cfg),
             checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_KEPT),
             callbacks=[
@@ -94,12 +98,12 @@ def run(cfg: Config) -> RunSummary:
     try:
         result = trainer.fit()
     except Exception as e:
-        finish_run(cfg.tracking.uri, run_id, "FAILED")
+        _finish(cfg, run_id, "FAILED")
         raise RunFailed(
             f"run {cfg.run.name!r} failed: {e}\nIts checkpoints are kept in {storage_uri}/{cfg.run.name}; "
             f"run the same command again to resume."
         ) from e
-    finish_run(cfg.tracking.uri, run_id, "FINISHED")
+    _finish(cfg, run_id, "FINISHED")
     return RunSummary(
         run_id=run_id,
         mlflow_url=mlflow_url,
@@ -109,23 +113,22 @@ def run(cfg: Config) -> RunSummary:
     )
 
 
-def _check_data(cfg: Config) -> None:
-    find_documents(cfg.data)
-    vocab = get_tokenizer(cfg.data.tokenizer).vocab_size
-    if vocab > cfg.model.vocab_size:
-        raise DataError(
-            f"model.vocab_size: {cfg.model.vocab_size} is smaller than the {cfg.data.tokenizer!r} "
-            f"tokenizer's vocabulary ({vocab})"
-        )
+def _finish(cfg: Config, run_id: str, status: str) -> None:
+    """Close the MLflow run and attach where its compute went (goodput, plot); a report that
+    fails is a warning, never the run's failure."""
+    log_event(MlflowClient(cfg.tracking.uri), run_id, {"event": "stopped", "at": time.time(), "status": status}, step=0)
+    finish_run(cfg.tracking.uri, run_id, status)
+    try:
+        result = report.report_run(cfg.tracking.uri, run_id)
+        print(report.goodput_text(result), flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"warning: the run report failed: {e}", flush=True)
 
 
 def _connect_ray(cfg: Config) -> Optional[str]:
     """Join the configured cluster (unless this process already has); the dashboard URL."""
     if not ray.is_initialized():
         ray.init(address=cfg.cluster.ray_address)
-    # One progress bar per pipeline stage, redrawn many times a second, buries the progress
-    # lines; the data wait shows up in the step metrics instead.
-    ray.data.DataContext.get_current().enable_progress_bars = False
     url = ray._private.worker.get_dashboard_url()
     if not url:
         return None

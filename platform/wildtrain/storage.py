@@ -1,11 +1,27 @@
-"""Files by URI: local paths, s3://, gs://, through pyarrow filesystems."""
+"""Files by URI: local paths, s3://, gs://, through pyarrow filesystems.
+
+An s3:// URI reaches AWS or any S3-compatible store (SeaweedFS, MinIO, ...): the endpoint comes
+from `StorageConfig.endpoint` or $AWS_ENDPOINT_URL, the keys from the environment variables the
+config names. Each request is retried with backoff `max_attempts` times; a request that still
+fails raises `StorageError` naming the URI and endpoint, never the keys.
+"""
 
 from __future__ import annotations
 
+import os
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
+from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
+
+from wildtrain.config import StorageConfig
+
+
+class StorageError(OSError):
+    """A storage request that failed (after its retries); one line naming the URI and endpoint."""
 
 
 def resolve(uri: str) -> str:
@@ -15,27 +31,125 @@ def resolve(uri: str) -> str:
     return str(Path(uri).expanduser().resolve())
 
 
-def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    return pafs.FileSystem.from_uri(resolve(uri))
+def endpoint(config: Optional[StorageConfig] = None) -> Optional[str]:
+    """The S3 endpoint that s3:// URIs go to; None: AWS itself."""
+    return (config or StorageConfig()).endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def s3_filesystem(endpoint_url: Optional[str], access_key: Optional[str], secret_key: Optional[str],
+                  region: str, max_attempts: int) -> pafs.S3FileSystem:
+    """An S3 client with bounded retries; without both keys, pyarrow's default credential chain."""
+    options = {}
+    if endpoint_url:
+        url = urlsplit(endpoint_url if "://" in endpoint_url else f"https://{endpoint_url}")
+        options = {"endpoint_override": url.netloc, "scheme": url.scheme}
+    keys = {"access_key": access_key, "secret_key": secret_key} if access_key and secret_key else {}
+    return pafs.S3FileSystem(
+        region=region,
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=max_attempts),
+        **keys,
+        **options,
+    )
+
+
+def filesystem(uri: str, config: Optional[StorageConfig] = None) -> tuple[pafs.FileSystem, str]:
+    uri = resolve(uri)
+    if uri.startswith("s3://"):
+        config = config or StorageConfig()
+        fs = s3_filesystem(
+            endpoint(config), os.environ.get(config.access_key_env), os.environ.get(config.secret_key_env),
+            config.region, config.max_attempts,
+        )
+        return fs, uri[len("s3://"):].rstrip("/")
+    # gs:// and local paths: pyarrow's own defaults (GCS credentials from the environment).
+    return pafs.FileSystem.from_uri(uri)
+
+
+@contextmanager
+def errors(uri: str, config: Optional[StorageConfig] = None) -> Iterator[None]:
+    """Re-raise a failed request inside the block as one `StorageError` line naming `uri`
+    and, for s3://, the endpoint it went to."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except OSError as e:
+        where = f" (endpoint {endpoint(config) or 'AWS'})" if resolve(uri).startswith("s3://") else ""
+        raise StorageError(f"{uri}{where}: {' '.join(str(e).split())}") from e
 
 
 def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *parts])
 
 
-def read_text(uri: str) -> Optional[str]:
-    fs, path = filesystem(uri)
-    if fs.get_file_info(path).type != pafs.FileType.File:
-        return None
-    with fs.open_input_stream(path) as f:
-        return f.read().decode()
+def probe(uri: str, config: Optional[StorageConfig] = None) -> None:
+    """Fail now, with the URI and endpoint named, if the store holding `uri` does not answer."""
+    fs, path = filesystem(uri, config)
+    with errors(uri, config):
+        fs.get_file_info(path)
 
 
-def write_text(uri: str, text: str) -> None:
-    """Write via a temporary name and a rename, so readers never see half a file."""
-    fs, path = filesystem(uri)
-    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    tmp = path + ".tmp"
-    with fs.open_output_stream(tmp) as f:
-        f.write(text.encode())
-    fs.move(tmp, path)
+def list_files(uri: str, config: Optional[StorageConfig] = None) -> tuple[pafs.FileSystem, list[str]]:
+    """The filesystem of `uri` and the files there, as its paths, sorted: `uri` itself if it
+    is a file, everything under it if it is a folder or prefix, nothing if it does not exist."""
+    fs, path = filesystem(uri, config)
+    with errors(uri, config):
+        info = fs.get_file_info(path)
+        if info.type != pafs.FileType.Directory:
+            return fs, [path] if info.type == pafs.FileType.File else []
+        found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+    return fs, sorted(f.path for f in found if f.type == pafs.FileType.File)
+
+
+def read_bytes(uri: str, config: Optional[StorageConfig] = None) -> Optional[bytes]:
+    """The file's content; None if there is no file at `uri`."""
+    fs, path = filesystem(uri, config)
+    with errors(uri, config):
+        if fs.get_file_info(path).type != pafs.FileType.File:
+            return None
+        with fs.open_input_stream(path) as f:
+            return f.read()
+
+
+def read_text(uri: str, config: Optional[StorageConfig] = None) -> Optional[str]:
+    data = read_bytes(uri, config)
+    return None if data is None else data.decode()
+
+
+def write_bytes(uri: str, data: bytes, config: Optional[StorageConfig] = None) -> None:
+    """Write so that readers never see half a file."""
+    fs, path = filesystem(uri, config)
+    with errors(uri, config):
+        _write(fs, path, data)
+
+
+def write_text(uri: str, text: str, config: Optional[StorageConfig] = None) -> None:
+    write_bytes(uri, text.encode(), config)
+
+
+def write_if_changed(uri: str, data: bytes, config: Optional[StorageConfig] = None) -> bool:
+    """Write `data` unless `uri` already holds exactly these bytes; True if it wrote. A file
+    of the same size is read back and compared, so a corrupt or truncated one is replaced."""
+    fs, path = filesystem(uri, config)
+    with errors(uri, config):
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.File and info.size == len(data):
+            with fs.open_input_stream(path) as f:
+                if f.read() == data:
+                    return False
+        _write(fs, path, data)
+    return True
+
+
+def _write(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    if isinstance(fs, pafs.LocalFileSystem):
+        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        with fs.open_output_stream(tmp) as f:
+            f.write(data)
+        fs.move(tmp, path)
+    else:
+        # An object appears only once its upload completes, so a plain put is already
+        # atomic; a rename would be a second, server-side copy of every byte.
+        with fs.open_output_stream(path) as f:
+            f.write(data)

@@ -1,6 +1,6 @@
-"""Shared services for the integration tests: one MLflow server and one Ray cluster
-(`ray.cluster_utils.Cluster`, with its dashboard and jobs API) per session, on 127.0.0.1
-and free ports, torn down at the end."""
+"""Shared services for the integration tests: one MLflow server, one Ray cluster
+(`ray.cluster_utils.Cluster`, with its dashboard and jobs API) and one SeaweedFS object store
+per session, on 127.0.0.1 and free ports, torn down at the end."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import ray
 from ray.cluster_utils import Cluster
 
 from wildtrain import services
+from tests.conftest import REPO
 from wildtrain.config import load_config
+from wildtrain.data.prepare import PrepareConfig, prepare
 
 # Logical CPUs of the head: two training workers and one for Ray Data's tasks. Tests that
 # need several nodes add them and remove them again: fake nodes share one session folder,
@@ -29,7 +31,18 @@ def mlflow_url(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
+def object_store(tmp_path_factory) -> services.ObjectStore:
+    """An S3 endpoint with the bucket `wildtrain-test`; `object_store.env()` points a client at it."""
+    store = services.start_object_store(tmp_path_factory.mktemp("objectstore"), services.free_port(), "wildtrain-test")
+    yield store
+    services.stop_process(store.pid)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory, object_store):
+    # Raylets and so every worker and Ray Data task inherit the store's AWS_* variables,
+    # as on a head started by `wildtrain up`; so does this process (the driver).
+    os.environ.update(object_store.env())
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
@@ -46,11 +59,21 @@ def ray_cluster(tmp_path_factory):
     cluster.shutdown()
 
 
+@pytest.fixture(scope="session")
+def tiny_dataset(ray_cluster, object_store) -> str:
+    """The bundled tiny corpus, prepared once into the object store, as `make demo` does."""
+    uri = f"s3://{object_store.bucket}/datasets/tiny"
+    prepare(PrepareConfig(input=str(REPO / "tests/assets/tiny_corpus.jsonl"), output=uri, rows_per_group=128))
+    return uri
+
+
 @pytest.fixture
-def tiny_overrides(tmp_path, mlflow_url) -> list[str]:
-    """A few-step tiny run that writes only under this test's tmp_path."""
+def tiny_overrides(tmp_path, mlflow_url, tiny_dataset) -> list[str]:
+    """A few-step tiny run that reads the prepared tiny corpus and writes only under this
+    test's tmp_path."""
     return [
         "experiment=tiny",
+        f"data.datasets=[{{uri: {tiny_dataset}}}]",
         f"run.name=test-{os.getpid()}-{tmp_path.name}",
         f"run.storage={tmp_path / 'runs'}",
         f"tracking.uri={mlflow_url}",

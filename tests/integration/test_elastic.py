@@ -4,6 +4,7 @@ training as a run that never failed."""
 
 from __future__ import annotations
 
+import json
 from itertools import groupby
 
 import pytest
@@ -11,6 +12,9 @@ from mlflow.tracking import MlflowClient
 
 from wildtrain import driver
 from wildtrain.chaos import BackgroundRun
+from wildtrain.data.manifest import read_manifest
+from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order
+from wildtrain.data.stream import sample_ids
 from wildtrain.tracking.mlflow_run import read_events
 
 pytestmark = pytest.mark.integration
@@ -44,6 +48,21 @@ def elastic_config(tiny_config):
     )
 
 
+def expected_batches(cfg, steps: int) -> list[list[int]]:
+    """The sample ids of the first `steps` global batches, from the manifest and the pure
+    data order alone (world size 1: the global batch is the same at every size)."""
+    manifest = read_manifest(cfg.data.datasets[0].uri)
+    source = Source(tuple(tuple(shard.row_groups) for shard in manifest.shards))
+    plan = plan_epoch([source], cfg.train.global_batch_size, cfg.train.seed, 0)
+    assert plan.steps >= steps, "the test stays inside the first epoch"
+    streams: dict[int, list[int]] = {}
+    for segment in rank_segments(plan, 0, 1, cfg.train.global_batch_size, 0):
+        unit = segment.unit
+        rows = sum(source.row_groups[unit.shard][: unit.row_group]) + row_order(unit, cfg.train.seed, 0)[segment.start : segment.stop]
+        streams.setdefault(segment.stream, []).extend(sample_ids(0, unit.shard, rows).tolist())
+    return [[streams[k][step] for k in sorted(streams)] for step in range(steps)]
+
+
 def final_lineage(history) -> dict[int, float]:
     """Per step, the value logged last: steps redone after a restore replace the lost ones."""
     return {m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}
@@ -54,7 +73,7 @@ def test_node_dies_and_returns_without_changing_what_is_trained(worker_nodes, el
     client = MlflowClient(mlflow_url)
     reference = driver.run(elastic_config(f"reference-{tmp_path.name}"))
 
-    run = BackgroundRun(elastic_config(f"elastic-{tmp_path.name}"))
+    run = BackgroundRun(elastic_config(f"elastic-{tmp_path.name}", "data.record_samples=true"))
     run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6 at world size 2", 300)
     victim = next(iter(cluster.worker_nodes))
     cluster.remove_node(victim)
@@ -77,6 +96,15 @@ def test_node_dies_and_returns_without_changing_what_is_trained(worker_nodes, el
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step, loss in reference_losses.items():
         assert losses[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), f"step {step}"
+
+    # Exactly once: the global batches of the final lineage, recorded by the workers whatever
+    # their world size, are the pure order's first STEPS batches; no sample twice.
+    recorded = [json.loads(p.read_text()) for p in sorted((tmp_path / "runs" / cfg.run.name / "samples").glob("step_*.json"))]
+    assert [r["step"] for r in recorded] == list(range(1, STEPS + 1))
+    assert {r["world_size"] for r in recorded} == {1, 2}
+    trained = [r["sample_ids"] for r in recorded]
+    assert trained == expected_batches(cfg, STEPS)
+    assert len({i for batch in trained for i in batch}) == STEPS * cfg.train.global_batch_size
 
     events = read_events(mlflow_url, summary.run_id, str(tmp_path))
     kinds = [e["event"] for e in events]

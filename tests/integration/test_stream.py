@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order
-from wildtrain.data.stream import Dataset, RankStream
+from wildtrain.config import Config
+from wildtrain.data.stream import Dataset, RankStream, sample_ids
 
 pytestmark = pytest.mark.integration
 
@@ -39,6 +40,12 @@ def dataset(tmp_path_factory) -> Dataset:
     return Dataset(str(root), tuple(paths), Source(ROW_GROUPS))
 
 
+def _config() -> Config:
+    cfg = Config()
+    cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.seed = SEQ_LEN, GLOBAL_BATCH, SEED
+    return cfg
+
+
 def _expected(step: int, rank: int, world_size: int) -> np.ndarray:
     """The row ids (shard*1000 + row in shard) the order gives the rank at a run step."""
     plan = plan_epoch([Source(ROW_GROUPS)], GLOBAL_BATCH, SEED, 0)
@@ -58,10 +65,13 @@ def _expected(step: int, rank: int, world_size: int) -> np.ndarray:
 def test_every_rank_reads_the_rows_the_order_names(ray_cluster, dataset, world_size, from_step):
     steps = 7  # across the end of the first epoch (5 steps)
     for rank in range(world_size):
-        stream = RankStream([dataset], SEQ_LEN, GLOBAL_BATCH, SEED, rank, world_size, from_step)
+        stream = RankStream([dataset], _config(), rank, world_size, from_step)
         for step in range(from_step, from_step + steps):
             rows = stream.next_step()
-            assert rows.shape == (GLOBAL_BATCH // world_size, SEQ_LEN + 1)
-            assert (rows == rows[:, :1]).all()
-            np.testing.assert_array_equal(rows[:, 0], _expected(step, rank, world_size), err_msg=f"step {step} rank {rank}")
+            assert rows.tokens.shape == (GLOBAL_BATCH // world_size, SEQ_LEN + 1)
+            assert (rows.tokens == rows.tokens[:, :1]).all()
+            expected = _expected(step, rank, world_size)
+            np.testing.assert_array_equal(rows.tokens[:, 0], expected, err_msg=f"step {step} rank {rank}")
+            shard, row = expected // 1000, expected % 1000
+            np.testing.assert_array_equal(rows.sample_ids, sample_ids(0, shard, row))
         assert stream.wait_s > 0

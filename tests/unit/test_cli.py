@@ -4,8 +4,10 @@ and no Ray started (these run in seconds, before any cluster exists)."""
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+from tests.helpers.datasets import write_dataset
 from wildtrain.services import free_port
 
 
@@ -28,20 +30,23 @@ def test_config_errors_exit_2_with_one_line(override, message):
     assert done.stderr.strip() == message
 
 
-def test_missing_data_path_exits_1_naming_the_path(tmp_path):
-    done = wildtrain("train", f"data.path={tmp_path}/missing.jsonl")
+def test_unprepared_dataset_exits_1_naming_the_key_and_how_to_prepare(tmp_path):
+    done = wildtrain("train", f"data.datasets=[{{uri: {tmp_path}/missing}}]")
     assert done.returncode == 1
-    assert "data.path:" in done.stderr and "missing.jsonl does not exist" in done.stderr
+    assert f"data.datasets.0.uri: no manifest.json at {tmp_path}/missing; prepare the dataset first" in done.stderr
     assert "Traceback" not in done.stderr
 
 
 def test_unreachable_mlflow_exits_1_naming_the_uri(tmp_path):
+    dataset = tmp_path / "data"
+    write_dataset(dataset, [np.zeros((32, 129), dtype=np.int32)], rows_per_group=16)
     uri = f"http://127.0.0.1:{free_port()}"
-    done = wildtrain("train", f"tracking.uri={uri}", f"run.storage={tmp_path}")
+    runs = tmp_path / "runs"
+    done = wildtrain("train", f"tracking.uri={uri}", f"run.storage={runs}", f"data.datasets=[{{uri: {dataset}}}]")
     assert done.returncode == 1
     assert f"tracking.uri: the MLflow server at {uri} is unreachable" in done.stderr
     assert "Traceback" not in done.stderr
-    assert not any(tmp_path.iterdir()), "nothing may be written before tracking works"
+    assert not runs.exists(), "nothing may be written before tracking works"
 
 
 def test_config_command_prints_the_resolved_config():

@@ -1,85 +1,83 @@
-"""Training data: documents → token ids → packed sequences, prepared by Ray Data.
+"""The run's datasets, opened from their manifests and checked before any worker starts.
 
-Every row is one packed sequence of `seq_len + 1` ids (inputs are the first `seq_len`,
-targets the last `seq_len`); documents are joined with the tokenizer's end-of-document id
-so no compute is spent on padding. The driver runs the Ray Data pipeline (read, tokenize,
-pack) once, in file order, and hands the workers references to the packed blocks in Ray's
-object store; which rows a rank trains on at a step is decided by `sampler`, not by the
-order the blocks arrive in, so a restart at any world size continues exactly.
-
-Every worker holds all rows in memory: right for corpora of a few GB; streaming sharded
-data from object storage replaces `PackedRows` without touching the training loop.
+Everything that can be wrong with prepared data is found here, on the driver, with the
+dataset and shard named: a missing manifest, a seq_len or tokenizer that does not fit the
+model, datasets of a mixture tokenized differently, a shard that is missing or does not
+match its manifest, too few rows for one global batch. The workers then stream the shards
+(`data.stream`) in the order `data.order` derives from the step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
-import numpy as np
+from wildtrain import storage
+from wildtrain.config import Config
+from wildtrain.data.manifest import MANIFEST, DataError, Manifest, read_manifest, verify_shard
+from wildtrain.data.order import Source, plan_epoch
+from wildtrain.data.stream import Dataset
 
-from wildtrain.config import DataConfig
-from wildtrain.data.tokenizer import get_tokenizer
-
-
-class DataError(ValueError):
-    pass
+__all__ = ["DataError", "OpenedData", "open_datasets"]
 
 
 @dataclass
-class PackedRows:
-    """The packed rows in Ray's object store, on the driver's node: blocks left on a
-    worker node would die with it."""
-
-    ref: object  # ray.ObjectRef[np.ndarray]
-    num_rows: int
-
-    def load(self) -> np.ndarray:
-        import ray
-
-        return ray.get(self.ref)
+class OpenedData:
+    datasets: list[Dataset]
+    steps_per_epoch: int
+    tokenizer: dict
+    # "<dataset uri>/<shard>: <why>" for each shard left out (data.skip_bad_shards).
+    skipped_shards: list[str] = field(default_factory=list)
 
 
-def find_documents(cfg: DataConfig) -> list[Path]:
-    path = Path(cfg.path).expanduser().resolve()
-    if path.is_dir():
-        files = sorted(path.glob("*.jsonl"))
-        if not files:
-            raise DataError(f"data.path: no .jsonl files in {path}")
-        return files
-    if path.is_file():
-        return [path]
-    raise DataError(f"data.path: {cfg.path} does not exist (resolved to {path})")
+def open_datasets(cfg: Config) -> OpenedData:
+    datasets, skipped, tokenizer = [], [], None
+    for index, spec in enumerate(cfg.data.datasets):
+        key = f"data.datasets.{index}.uri"
+        root = storage.resolve(spec.uri)
+        if storage.read_text(storage.join(root, MANIFEST), cfg.storage) is None:
+            raise DataError(
+                f"{key}: no {MANIFEST} at {root}; prepare the dataset first: "
+                f"python data_pipelines/prepare.py --input <corpus> --output {spec.uri}"
+            )
+        manifest = read_manifest(root, cfg.storage)
+        _check_fits(cfg, key, manifest)
+        if tokenizer is not None and manifest.tokenizer != tokenizer:
+            raise DataError(f"{key}: tokenized with {manifest.tokenizer}, data.datasets.0 with {tokenizer}")
+        tokenizer = manifest.tokenizer
+        if spec.weight <= 0:
+            raise DataError(f"data.datasets.{index}.weight: must be positive, got {spec.weight}")
+
+        row_groups = []
+        for shard in manifest.shards:
+            try:
+                verify_shard(root, shard, manifest.seq_len + 1, cfg.data.verify_checksums, cfg.storage)
+                row_groups.append(tuple(shard.row_groups))
+            except DataError as e:
+                if not cfg.data.skip_bad_shards:
+                    raise DataError(f"{key}: {e} (set data.skip_bad_shards=true to train without it)") from None
+                skipped.append(f"{root}/{shard.path}: {e}")
+                row_groups.append(())
+        source = Source(tuple(row_groups), spec.weight)
+        if source.rows == 0:
+            raise DataError(f"{key}: no usable rows in {root}")
+        datasets.append(Dataset(root, tuple(s.path for s in manifest.shards), source))
+
+    steps = plan_epoch([d.source for d in datasets], cfg.train.global_batch_size, cfg.train.seed, 0).steps
+    if steps == 0:
+        rows = sum(d.source.rows for d in datasets)
+        raise DataError(
+            f"data.datasets: {rows} rows in all, fewer than one global batch "
+            f"(train.global_batch_size={cfg.train.global_batch_size})"
+        )
+    return OpenedData(datasets, steps, tokenizer, skipped)
 
 
-def pack(documents: list[list[int]], seq_len: int, eos_id: int) -> np.ndarray:
-    """Concatenate documents, each closed by `eos_id`, and cut the stream into rows of
-    `seq_len + 1` ids; the tail that does not fill a row is dropped."""
-    stream = [token for doc in documents for token in (*doc, eos_id)]
-    rows = len(stream) // (seq_len + 1)
-    return np.asarray(stream[: rows * (seq_len + 1)], dtype=np.int64).reshape(rows, seq_len + 1)
-
-
-def pack_dataset(cfg: DataConfig) -> PackedRows:
-    import ray
-    import ray.data
-
-    files = find_documents(cfg)
-    tokenizer = get_tokenizer(cfg.tokenizer)
-    text_field, seq_len = cfg.text_field, cfg.seq_len
-
-    def tokenize_and_pack(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if text_field not in batch:
-            raise DataError(f"data.text_field: no field {text_field!r} in the documents (fields: {', '.join(batch)})")
-        return {"tokens": pack([tokenizer.encode(text) for text in batch[text_field]], seq_len, tokenizer.eos_id)}
-
-    # The same documents must give the same rows in the same order on every submission.
-    ray.data.DataContext.get_current().execution_options.preserve_order = True
-    packed = (
-        ray.data.read_json([str(f) for f in files])
-        .map_batches(tokenize_and_pack, batch_format="numpy", batch_size=512)
-        .materialize()
-    )
-    blocks = ray.get(packed.to_numpy_refs(column="tokens"))
-    rows = np.concatenate(blocks) if blocks else np.empty((0, seq_len + 1), dtype=np.int64)
-    return PackedRows(ref=ray.put(rows), num_rows=len(rows))
+def _check_fits(cfg: Config, key: str, manifest: Manifest) -> None:
+    if manifest.seq_len != cfg.data.seq_len:
+        raise DataError(f"{key}: prepared with seq_len {manifest.seq_len}, but data.seq_len is {cfg.data.seq_len}")
+    vocab = manifest.tokenizer["vocab_size"]
+    if vocab > cfg.model.vocab_size:
+        raise DataError(
+            f"{key}: its {manifest.tokenizer['kind']} tokenizer has {vocab} ids, more than "
+            f"model.vocab_size ({cfg.model.vocab_size})"
+        )

@@ -24,9 +24,11 @@ from typing import Iterator
 import numpy as np
 
 from wildtrain import storage
+from wildtrain.config import Config, StorageConfig
+from wildtrain.data.manifest import DataError
 from wildtrain.data.order import Segment, Source, plan_epoch, rank_segments, rank_streams, row_order, split_step
 
-STREAM, TOKENS = "stream", "tokens"
+STREAM, TOKENS, SAMPLE_IDS = "stream", "tokens", "sample_ids"
 
 
 @dataclass(frozen=True)
@@ -38,26 +40,40 @@ class Dataset:
     source: Source
 
 
-def read_segment(dataset: Dataset, segment: Segment, seed: int, epoch: int, seq_len: int):
-    """The rows of one segment as one block: stream id, and tokens (rows × seq_len+1)."""
+def sample_ids(source, shard, rows_in_shard) -> np.ndarray:
+    """One int64 per row that names it across the run's datasets: (dataset, shard, row)."""
+    source, shard, row = (np.asarray(x, dtype=np.int64) for x in (source, shard, rows_in_shard))
+    return (source << 48) | (shard << 28) | row
+
+
+def read_segment(dataset: Dataset, segment: Segment, seed: int, epoch: int, seq_len: int, config: StorageConfig):
+    """The rows of one segment as one block: stream, sample ids, tokens (rows × seq_len+1)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from ray.data.extensions import ArrowTensorArray
 
     unit = segment.unit
     uri = storage.join(dataset.root, dataset.shard_paths[unit.shard])
-    fs, path = storage.filesystem(uri)
-    with fs.open_input_file(path) as f:
-        column = pq.ParquetFile(f).read_row_group(unit.row_group, columns=[TOKENS]).column(TOKENS).combine_chunks()
+    fs, path = storage.filesystem(uri, config)
+    try:
+        with storage.errors(uri, config), fs.open_input_file(path) as f:
+            column = pq.ParquetFile(f).read_row_group(unit.row_group, columns=[TOKENS]).column(TOKENS).combine_chunks()
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"shard {uri}: row group {unit.row_group} unreadable: {e}") from None
+    if len(column) != unit.size:
+        raise DataError(f"shard {uri}: row group {unit.row_group} has {len(column)} rows, the manifest says {unit.size}")
     tokens = column.flatten().to_numpy().reshape(len(column), seq_len + 1)
     rows = row_order(unit, seed, epoch)[segment.start : segment.stop]
+    first_row = sum(dataset.source.row_groups[unit.shard][: unit.row_group])
     yield pa.table({
         STREAM: pa.array(np.full(len(rows), segment.stream, dtype=np.int32)),
+        SAMPLE_IDS: pa.array(sample_ids(unit.source, unit.shard, first_row + rows)),
         TOKENS: ArrowTensorArray.from_numpy(tokens[rows].astype(np.int64)),
     })
 
 
-def epoch_dataset(datasets: list[Dataset], segments: list[Segment], seed: int, epoch: int, seq_len: int, read_cpus: float):
+def epoch_dataset(datasets: list[Dataset], segments: list[Segment], seed: int, epoch: int, seq_len: int,
+                  read_cpus: float, config: StorageConfig):
     import ray.data
     from ray.data.block import BlockMetadata
     from ray.data.datasource import Datasource, ReadTask
@@ -71,7 +87,7 @@ def epoch_dataset(datasets: list[Dataset], segments: list[Segment], seed: int, e
         def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None) -> list[ReadTask]:
             return [
                 ReadTask(
-                    partial(read_segment, datasets[s.unit.source], s, seed, epoch, seq_len),
+                    partial(read_segment, datasets[s.unit.source], s, seed, epoch, seq_len, config),
                     BlockMetadata(num_rows=s.stop - s.start, size_bytes=(s.stop - s.start) * row_bytes,
                                   exec_stats=None, input_files=None),
                 )
@@ -79,29 +95,35 @@ def epoch_dataset(datasets: list[Dataset], segments: list[Segment], seed: int, e
             ]
 
     ds = ray.data.read_datasource(Segments(), num_cpus=read_cpus)
-    ds.context.execution_options.preserve_order = True  # this dataset's own context copy
+    # This dataset's own context copy: rows in read-task order, and no progress bars, which
+    # would bury the run's progress lines; the data wait is a step metric instead.
+    ds.context.execution_options.preserve_order = True
+    ds.context.enable_progress_bars = False
     return ds
+
+
+@dataclass(frozen=True)
+class Step:
+    """One rank's share of one optimizer step."""
+
+    sample_ids: np.ndarray  # (rows,) see `sample_ids`
+    tokens: np.ndarray  # (rows, seq_len + 1)
 
 
 class RankStream:
     """Rank `rank` of `world_size`'s rows for every step from `from_step` on.
 
-    `next_step()` returns the rows (global_batch/world_size × seq_len+1) and adds the time it
-    waited for them to `wait_s`."""
+    `next_step()` returns global_batch/world_size rows and adds the time it waited for them
+    to `wait_s`."""
 
-    def __init__(self, datasets: list[Dataset], seq_len: int, global_batch_size: int, seed: int,
-                 rank: int, world_size: int, from_step: int, read_cpus: float = 0.5, prefetch_blocks: int = 8) -> None:
+    def __init__(self, datasets: list[Dataset], cfg: Config, rank: int, world_size: int, from_step: int) -> None:
         self.datasets = datasets
-        self.seq_len = seq_len
-        self.global_batch_size = global_batch_size
-        self.seed = seed
+        self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
-        self.read_cpus = read_cpus
-        self.prefetch_blocks = prefetch_blocks
         self.sources = [d.source for d in datasets]
-        self.steps_per_epoch = plan_epoch(self.sources, global_batch_size, seed, 0).steps
-        self.streams = rank_streams(rank, world_size, global_batch_size)
+        self.steps_per_epoch = plan_epoch(self.sources, cfg.train.global_batch_size, cfg.train.seed, 0).steps
+        self.streams = rank_streams(rank, world_size, cfg.train.global_batch_size)
         self.step = from_step
         self.wait_s = 0.0
         self._epoch = -1
@@ -109,22 +131,25 @@ class RankStream:
         self._queues: dict[int, deque] = {}
 
     def _start_epoch(self, epoch: int, step_in_epoch: int) -> None:
-        plan = plan_epoch(self.sources, self.global_batch_size, self.seed, epoch)
-        segments = rank_segments(plan, self.rank, self.world_size, self.global_batch_size, step_in_epoch)
-        ds = epoch_dataset(self.datasets, segments, self.seed, epoch, self.seq_len, self.read_cpus)
-        self._blocks = iter(ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=self.prefetch_blocks))
+        cfg = self.cfg
+        plan = plan_epoch(self.sources, cfg.train.global_batch_size, cfg.train.seed, epoch)
+        segments = rank_segments(plan, self.rank, self.world_size, cfg.train.global_batch_size, step_in_epoch)
+        ds = epoch_dataset(self.datasets, segments, cfg.train.seed, epoch, cfg.data.seq_len, cfg.data.read_cpus, cfg.storage)
+        batches = ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=cfg.data.prefetch_blocks)
+        self._blocks = iter(batches)
         self._queues = {stream: deque() for stream in self.streams}
         self._epoch = epoch
 
     def _fill(self, stream: int) -> None:
         while not self._queues[stream]:
             block = next(self._blocks)
-            streams, tokens = block[STREAM], block[TOKENS]
+            streams = block[STREAM]
             # Rows of one stream arrive in order; a block may hold several streams' rows.
             for s in np.unique(streams):
-                self._queues[int(s)].extend(tokens[streams == s])
+                mine = streams == s
+                self._queues[int(s)].extend(zip(block[SAMPLE_IDS][mine], block[TOKENS][mine]))
 
-    def next_step(self) -> np.ndarray:
+    def next_step(self) -> Step:
         started = time.perf_counter()
         epoch, step_in_epoch = split_step(self.step, self.steps_per_epoch)
         if epoch != self._epoch:
@@ -135,4 +160,4 @@ class RankStream:
             rows.append(self._queues[stream].popleft())
         self.step += 1
         self.wait_s += time.perf_counter() - started
-        return np.stack(rows)
+        return Step(np.array([i for i, _ in rows]), np.stack([t for _, t in rows]))

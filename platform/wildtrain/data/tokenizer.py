@@ -1,11 +1,37 @@
-"""Tokenizers by name. Byte-level needs no download, so the defaults run anywhere."""
+"""Tokenizers: byte-level (the default: no download, runs anywhere), a HuggingFace
+`tokenizer.json`, or a byte-level BPE trained on the corpus by `prepare`.
+
+Each has `encode(text) -> ids`, an end-of-document id that separates packed documents, a
+vocabulary size, and `describe()`: what a dataset manifest records of it.
+"""
 
 from __future__ import annotations
+
+import hashlib
+from typing import Iterable, Optional, Protocol
+
+from wildtrain import storage
+from wildtrain.config import StorageConfig
+from wildtrain.data.manifest import DataError
+
+# End-of-document tokens by convention, in order of preference; a trained BPE gets the first.
+EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+
+
+class Tokenizer(Protocol):
+    kind: str
+    eos_id: int
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def describe(self) -> dict: ...
 
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, plus one end-of-document id that separates packed documents."""
 
+    kind = "byte"
     eos_id = 256
     vocab_size = 257
 
@@ -15,11 +41,85 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def describe(self) -> dict:
+        return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
 
-TOKENIZERS = {"byte": ByteTokenizer}
+
+class HFTokenizer:
+    """A `tokenizers` tokenizer built from the text of its tokenizer.json, which is kept
+    verbatim: its sha256 names the exact file a dataset was tokenized with."""
+
+    def __init__(self, json_text: str, kind: str = "hf", name: str = "tokenizer.json"):
+        from tokenizers import Tokenizer as Backend
+
+        try:
+            self._backend = Backend.from_str(json_text)
+        except Exception as e:  # the Rust side raises a bare Exception for any parse error
+            raise DataError(f"{name}: not a tokenizer.json ({e})") from None
+        eos = [i for i in map(self._backend.token_to_id, EOS_TOKENS) if i is not None]
+        if not eos:
+            raise DataError(f"{name}: no end-of-document token (none of {', '.join(EOS_TOKENS)})")
+        self.json = json_text
+        self.kind = kind
+        self.eos_id = eos[0]
+        self.vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        # Packing adds the end-of-document id itself; a template's BOS/EOS would double it.
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids)
+
+    def describe(self) -> dict:
+        return {
+            "kind": self.kind,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "sha256": hashlib.sha256(self.json.encode()).hexdigest(),
+        }
 
 
-def get_tokenizer(name: str) -> ByteTokenizer:
-    if name not in TOKENIZERS:
-        raise ValueError(f"data.tokenizer: unknown tokenizer {name!r} (known: {', '.join(TOKENIZERS)})")
-    return TOKENIZERS[name]()
+def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
+    """A byte-level BPE trained on `texts`: any text encodes, none to an unknown token.
+    Training is deterministic: the same texts in the same order give the same tokenizer.json."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 1:
+        raise DataError(f"data.tokenizer: bpe:{vocab_size} is below the {len(alphabet) + 1} ids of a byte-level BPE")
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS_TOKENS[0]], initial_alphabet=alphabet, show_progress=False
+    )
+    backend.train_from_iterator(texts, trainer)
+    return HFTokenizer(backend.to_str(), kind="bpe")
+
+
+def bpe_vocab_size(spec: str) -> Optional[int]:
+    """VOCAB of a `bpe:VOCAB` spec; None for any other spec."""
+    if not spec.startswith("bpe:"):
+        return None
+    size = spec[len("bpe:"):]
+    if not size.isdigit():
+        raise DataError(f"data.tokenizer: {spec!r} must be bpe:VOCAB with VOCAB a number of ids")
+    return int(size)
+
+
+def get_tokenizer(spec: str, config: Optional[StorageConfig] = None) -> Tokenizer:
+    """`byte`, or the path or URI of a tokenizer.json."""
+    if spec == "byte":
+        return ByteTokenizer()
+    if spec.endswith(".json"):
+        text = storage.read_text(spec, config)
+        if text is None:
+            raise DataError(f"data.tokenizer: {spec} does not exist")
+        return HFTokenizer(text, name=spec)
+    if bpe_vocab_size(spec) is not None:
+        raise DataError(
+            f"data.tokenizer: {spec} is trained by data_pipelines/prepare.py; use the "
+            "tokenizer.json it saves next to the dataset"
+        )
+    raise DataError(f"data.tokenizer: unknown tokenizer {spec!r} (byte, bpe:VOCAB or a tokenizer.json)")

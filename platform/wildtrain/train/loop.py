@@ -9,6 +9,7 @@ report and checkpoint until the run's last step. A worker group that Ray Train r
 from __future__ import annotations
 
 import contextlib
+import json
 import tempfile
 import time
 import warnings
@@ -18,11 +19,11 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from wildtrain import checkpoint
+from wildtrain import checkpoint, storage
 from wildtrain.batching import batch_plan
 from wildtrain.checkpoint import universal
 from wildtrain.config import Config
-from wildtrain.data.sampler import epoch_of, rank_rows
+from wildtrain.data.stream import RankStream
 from wildtrain.elastic import PlannedRegrow, has_room_for_another_worker
 from wildtrain.engine import build_engine
 from wildtrain.model import Transformer
@@ -37,28 +38,33 @@ def train_loop(config: dict) -> None:
     context = ray.train.get_context()
     world_size, rank = context.get_world_size(), context.get_world_rank()
     plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
-    rows = config["rows"].load()
+    data = config["data"]
 
     torch.manual_seed(cfg.train.seed)
     engine, state, restore_timing = _build_and_restore(cfg, plan, world_size, rank)
     restored_step = state.step
     state.world_size = world_size
+    # The data position is the step: the stream starts where the restored model stopped.
+    stream = RankStream(data.datasets, cfg, rank, world_size, from_step=state.step)
+    samples = _SampleRecorder(cfg, rank) if cfg.data.record_samples else None
 
     tokens_per_step = plan.global_batch_size * cfg.data.seq_len
     window = _MetricsWindow()
     growth = _GrowthCheck(world_size < cfg.elastic.max_workers, rank, config["worker_resources"],
                           cfg.elastic.resize_check_interval_s)
     while state.step < cfg.train.steps:
-        my_rows = rank_rows(state.step, rank, world_size, plan.global_batch_size, len(rows), cfg.train.seed)
-        for micro_rows in np.split(my_rows, plan.grad_accum_steps):
-            tokens = torch.from_numpy(rows[micro_rows])
-            loss = engine(tokens[:, :-1], tokens[:, 1:])
+        batch = stream.next_step()
+        tokens = torch.from_numpy(batch.tokens)
+        for micro_batch in tokens.split(plan.micro_batch_size):
+            loss = engine(micro_batch[:, :-1], micro_batch[:, 1:])
             engine.backward(loss)
             engine.step()
             window.add_loss(loss)
         window.end_step()
         state.step += 1
         state.tokens_seen += tokens_per_step
+        if samples is not None:
+            samples.record(state.step, batch.sample_ids)
 
         first_of_attempt = state.step == restored_step + 1
         last = state.step == cfg.train.steps
@@ -69,8 +75,8 @@ def train_loop(config: dict) -> None:
             continue
         metrics = {"step": state.step, "tokens_seen": state.tokens_seen, "world_size": world_size}
         if log_due:
-            epoch = epoch_of(state.step - 1, len(rows), plan.global_batch_size)
-            metrics |= window.flush(tokens_per_step) | {"lr": engine.get_lr()[0], "epoch": epoch}
+            epoch = (state.step - 1) // data.steps_per_epoch
+            metrics |= window.flush(tokens_per_step, stream) | {"lr": engine.get_lr()[0], "epoch": epoch}
         if first_of_attempt:
             # What the controller needs to split this attempt's recovery time into its parts.
             metrics |= restore_timing | {
@@ -150,6 +156,24 @@ class _GrowthCheck:
         return bool(decision.item())
 
 
+class _SampleRecorder:
+    """Writes the sample ids of every global batch to <run>/samples/step_<n>.json (rank 0,
+    gathered from all ranks in rank order); a step redone after a restore overwrites its
+    file, so the folder holds the batches of the run's final lineage."""
+
+    def __init__(self, cfg: Config, rank: int) -> None:
+        self.folder = storage.join(storage.resolve(cfg.run.storage), cfg.run.name, "samples")
+        self.rank = rank
+        self.storage = cfg.storage
+
+    def record(self, step: int, ids: np.ndarray) -> None:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, ids.tolist())
+        if self.rank == 0:
+            record = {"step": step, "world_size": len(gathered), "sample_ids": [i for rank in gathered for i in rank]}
+            storage.write_text(storage.join(self.folder, f"step_{step:08d}.json"), json.dumps(record), self.storage)
+
+
 class _MetricsWindow:
     """Loss and throughput since the last report; the loss is averaged over all ranks."""
 
@@ -166,13 +190,19 @@ class _MetricsWindow:
     def end_step(self) -> None:
         self.optimizer_steps += 1
 
-    def flush(self, tokens_per_step: int) -> dict:
+    def flush(self, tokens_per_step: int, stream: RankStream) -> dict:
         loss = self.loss_sum / max(1, self.micro_steps)
         if dist.is_initialized():
             dist.all_reduce(loss)
             loss /= dist.get_world_size()
         elapsed = time.perf_counter() - self.started
         steps = max(1, self.optimizer_steps)
-        metrics = {"loss": float(loss), "step_time_s": elapsed / steps, "tokens_per_s": steps * tokens_per_step / elapsed}
+        data_wait_s, stream.wait_s = stream.wait_s, 0.0
+        metrics = {
+            "loss": float(loss),
+            "step_time_s": elapsed / steps,
+            "tokens_per_s": steps * tokens_per_step / elapsed,
+            "time/data_wait_s": data_wait_s / steps,
+        }
         self.__init__()
         return metrics

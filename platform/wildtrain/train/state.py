@@ -1,6 +1,6 @@
 """Everything a restarted worker needs to continue exactly where the run left off.
 
-The data position is not stored: it is a pure function of the step (see data/sampler.py).
+The data position is not stored: it is a pure function of the step (see data/order.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,58 @@
+"""Tokenize, pack and shard a corpus into a training dataset (see wildtrain.data.prepare).
+
+    python data_pipelines/prepare.py --input tests/assets/tiny_corpus.jsonl --output s3://wildtrain/tiny
+    ray job submit --working-dir . -- python data_pipelines/prepare.py --input ... --output ...
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from wildtrain import services
+from wildtrain.config import StorageConfig
+from wildtrain.data.manifest import DataError
+from wildtrain.data.prepare import PrepareConfig, prepare
+from wildtrain.storage import StorageError
+
+
+@click.command()
+@click.option("--input", "input_uri", required=True,
+              help="A .jsonl/.json, .txt or .parquet file, or a folder or prefix of them (local, s3://, gs://).")
+@click.option("--output", required=True, help="The dataset root: shards, manifest.json and tokenizer.json go here.")
+@click.option("--seq-len", type=int, default=PrepareConfig.seq_len, show_default=True)
+@click.option("--tokenizer", default=PrepareConfig.tokenizer, show_default=True,
+              help="byte, bpe:VOCAB (trained on the input) or the path or URI of a tokenizer.json.")
+@click.option("--text-field", default=PrepareConfig.text_field, show_default=True,
+              help="The text field of jsonl records or text column of Parquet files.")
+@click.option("--rows-per-shard", type=int, default=PrepareConfig.rows_per_shard, show_default=True)
+@click.option("--rows-per-group", type=int, default=PrepareConfig.rows_per_group, show_default=True)
+@click.option("--endpoint", default=None, help="S3-compatible endpoint for s3:// URIs  [default: $AWS_ENDPOINT_URL, else AWS]")
+@click.option("--region", default=StorageConfig.region, show_default=True)
+@click.option("--max-attempts", type=int, default=StorageConfig.max_attempts, show_default=True,
+              help="Attempts per object-store request before giving up.")
+def main(input_uri: str, output: str, seq_len: int, tokenizer: str, text_field: str, rows_per_shard: int,
+         rows_per_group: int, endpoint: str | None, region: str, max_attempts: int) -> None:
+    """Write INPUT's documents to OUTPUT as Parquet shards of packed rows plus manifest.json.
+    Rerunning writes only missing or changed shards."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    services.use_local_object_store()
+    cfg = PrepareConfig(
+        input=input_uri, output=output, seq_len=seq_len, tokenizer=tokenizer, text_field=text_field,
+        rows_per_shard=rows_per_shard, rows_per_group=rows_per_group,
+        storage=StorageConfig(endpoint=endpoint, region=region, max_attempts=max_attempts),
+    )
+    try:
+        result = prepare(cfg)
+    except (DataError, StorageError) as e:
+        click.secho(f"prepare: {e}", fg="red", err=True)
+        sys.exit(1)
+    manifest = result.manifest
+    click.echo(f"{output}: {manifest.rows} rows, {manifest.tokens} tokens in {len(manifest.shards)} shards "
+               f"({len(result.written)} written, {len(result.unchanged)} unchanged)")
+
+
+if __name__ == "__main__":
+    main()
