@@ -2,13 +2,14 @@
 
 What a rank reads and in which order is decided by `data.order` (a pure function of the step,
 so a restart at any world size resumes exactly); this module does the reading. Every epoch
-becomes one Ray Data dataset built from a `Datasource` with one read task per segment: the
-manifests already know every shard's row groups and row counts, so Ray Data starts without
-listing files or reading Parquet footers, and a read task fetches one row group straight from
-the object store (no copy to local disk), permutes it as the order says, and yields the
-segment's rows tagged with their stream. Ray Data runs the reads ahead of training (in order,
-`preserve_order` on this dataset's own context); `RankStream` routes rows into one queue per
-stream and hands out a step's rows, one per stream, as training asks for them.
+becomes one Ray Data dataset built from a `Datasource` with one read task per row group the
+rank needs: the manifests already know every shard's row groups and row counts, so Ray Data
+starts without listing files or reading Parquet footers, and a read task fetches its row
+group straight from the object store (no copy to local disk), permutes it as the order says,
+and yields the rank's rows of it tagged with their stream and step. Ray Data runs the reads
+ahead of training (in order, `preserve_order` on this dataset's own context); `RankStream`
+files the rows by stream and step and hands out a step's rows, one per stream, as training
+asks for them.
 
 Memory per rank: about one row group per stream the rank owns, plus Ray Data's prefetch.
 """
@@ -16,7 +17,6 @@ Memory per rank: about one row group per stream the rank owns, plus Ray Data's p
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from typing import Iterator
@@ -28,7 +28,7 @@ from wildtrain.config import Config, StorageConfig
 from wildtrain.data.manifest import DataError
 from wildtrain.data.order import Segment, Source, plan_epoch, rank_segments, rank_streams, row_order, split_step
 
-STREAM, TOKENS, SAMPLE_IDS = "stream", "tokens", "sample_ids"
+STREAM, STEP, TOKENS, SAMPLE_IDS = "stream", "step", "tokens", "sample_ids"
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,15 @@ def sample_ids(source, shard, rows_in_shard) -> np.ndarray:
     return (source << 48) | (shard << 28) | row
 
 
-def read_segment(dataset: Dataset, segment: Segment, seed: int, epoch: int, seq_len: int, config: StorageConfig):
-    """The rows of one segment as one block: stream, sample ids, tokens (rows × seq_len+1)."""
+def read_unit(dataset: Dataset, segments: list[Segment], seed: int, epoch: int, seq_len: int, config: StorageConfig):
+    """One block from one read of a unit's row group: the rows of each of `segments` (all
+    of that unit) with their stream, the step (in the epoch) that trains on them, sample ids,
+    and tokens as (rows × seq_len+1) int32."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from ray.data.extensions import ArrowTensorArray
 
-    unit = segment.unit
+    unit = segments[0].unit
     uri = storage.join(dataset.root, dataset.shard_paths[unit.shard])
     fs, path = storage.filesystem(uri, config)
     try:
@@ -63,38 +65,47 @@ def read_segment(dataset: Dataset, segment: Segment, seed: int, epoch: int, seq_
     if len(column) != unit.size:
         raise DataError(f"shard {uri}: row group {unit.row_group} has {len(column)} rows, the manifest says {unit.size}")
     tokens = column.flatten().to_numpy().reshape(len(column), seq_len + 1)
-    rows = row_order(unit, seed, epoch)[segment.start : segment.stop]
+    order = row_order(unit, seed, epoch)
+    rows = np.concatenate([order[s.start : s.stop] for s in segments])
+    streams = np.concatenate([np.full(s.stop - s.start, s.stream, dtype=np.int32) for s in segments])
+    steps = np.concatenate([np.arange(s.first_step, s.first_step + s.stop - s.start, dtype=np.int32) for s in segments])
     first_row = sum(dataset.source.row_groups[unit.shard][: unit.row_group])
     yield pa.table({
-        STREAM: pa.array(np.full(len(rows), segment.stream, dtype=np.int32)),
+        STREAM: pa.array(streams),
+        STEP: pa.array(steps),
         SAMPLE_IDS: pa.array(sample_ids(unit.source, unit.shard, first_row + rows)),
-        TOKENS: ArrowTensorArray.from_numpy(tokens[rows].astype(np.int64)),
+        TOKENS: ArrowTensorArray.from_numpy(tokens[rows]),
     })
 
 
 def epoch_dataset(datasets: list[Dataset], segments: list[Segment], seed: int, epoch: int, seq_len: int,
                   read_cpus: float, config: StorageConfig):
+    """The rank's segments as a Ray Data dataset: one read task per unit (a row group read
+    once, even where two of the rank's streams meet in it), in the order the rank first
+    needs each unit."""
     import ray.data
     from ray.data.block import BlockMetadata
     from ray.data.datasource import Datasource, ReadTask
 
-    row_bytes = (seq_len + 1) * 8
+    by_unit: dict = {}
+    for segment in segments:  # in the order they are needed: dicts keep first insertion
+        by_unit.setdefault(segment.unit, []).append(segment)
+    row_bytes = (seq_len + 1) * 4
 
-    class Segments(Datasource):
+    class Units(Datasource):
         def estimate_inmemory_data_size(self) -> int:
             return sum(s.stop - s.start for s in segments) * row_bytes
 
         def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None) -> list[ReadTask]:
-            return [
-                ReadTask(
-                    partial(read_segment, datasets[s.unit.source], s, seed, epoch, seq_len, config),
-                    BlockMetadata(num_rows=s.stop - s.start, size_bytes=(s.stop - s.start) * row_bytes,
-                                  exec_stats=None, input_files=None),
-                )
-                for s in segments
-            ]
+            tasks = []
+            for unit, unit_segments in by_unit.items():
+                rows = sum(s.stop - s.start for s in unit_segments)
+                read = partial(read_unit, datasets[unit.source], unit_segments, seed, epoch, seq_len, config)
+                tasks.append(ReadTask(read, BlockMetadata(num_rows=rows, size_bytes=rows * row_bytes,
+                                                          exec_stats=None, input_files=None)))
+            return tasks
 
-    ds = ray.data.read_datasource(Segments(), num_cpus=read_cpus)
+    ds = ray.data.read_datasource(Units(), num_cpus=read_cpus)
     # This dataset's own context copy: rows in read-task order, and no progress bars, which
     # would bury the run's progress lines; the data wait is a step metric instead.
     ds.context.execution_options.preserve_order = True
@@ -107,7 +118,7 @@ class Step:
     """One rank's share of one optimizer step."""
 
     sample_ids: np.ndarray  # (rows,) see `sample_ids`
-    tokens: np.ndarray  # (rows, seq_len + 1)
+    tokens: np.ndarray  # (rows, seq_len + 1) int32
 
 
 class RankStream:
@@ -128,7 +139,7 @@ class RankStream:
         self.wait_s = 0.0
         self._epoch = -1
         self._blocks: Iterator[dict] = iter(())
-        self._queues: dict[int, deque] = {}
+        self._pending: dict[int, dict[int, tuple]] = {}
 
     def _start_epoch(self, epoch: int, step_in_epoch: int) -> None:
         cfg = self.cfg
@@ -137,27 +148,26 @@ class RankStream:
         ds = epoch_dataset(self.datasets, segments, cfg.train.seed, epoch, cfg.data.seq_len, cfg.data.read_cpus, cfg.storage)
         batches = ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=cfg.data.prefetch_blocks)
         self._blocks = iter(batches)
-        self._queues = {stream: deque() for stream in self.streams}
+        self._pending = {stream: {} for stream in self.streams}
         self._epoch = epoch
 
-    def _fill(self, stream: int) -> None:
-        while not self._queues[stream]:
+    def _take(self, stream: int, step: int) -> tuple:
+        """(sample id, tokens) of the stream's row for `step`. A row group shared by two
+        streams arrives when the first of them needs it, so rows can come ahead of their
+        turn: they wait here, keyed by step."""
+        pending = self._pending[stream]
+        while step not in pending:
             block = next(self._blocks)
-            streams = block[STREAM]
-            # Rows of one stream arrive in order; a block may hold several streams' rows.
-            for s in np.unique(streams):
-                mine = streams == s
-                self._queues[int(s)].extend(zip(block[SAMPLE_IDS][mine], block[TOKENS][mine]))
+            for row_stream, row_step, sample_id, tokens in zip(block[STREAM], block[STEP], block[SAMPLE_IDS], block[TOKENS]):
+                self._pending[int(row_stream)][int(row_step)] = (sample_id, tokens)
+        return pending.pop(step)
 
     def next_step(self) -> Step:
         started = time.perf_counter()
         epoch, step_in_epoch = split_step(self.step, self.steps_per_epoch)
         if epoch != self._epoch:
             self._start_epoch(epoch, step_in_epoch)
-        rows = []
-        for stream in self.streams:
-            self._fill(stream)
-            rows.append(self._queues[stream].popleft())
+        rows = [self._take(stream, step_in_epoch) for stream in self.streams]
         self.step += 1
         self.wait_s += time.perf_counter() - started
         return Step(np.array([i for i, _ in rows]), np.stack([t for _, t in rows]))

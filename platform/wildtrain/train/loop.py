@@ -54,7 +54,7 @@ def train_loop(config: dict) -> None:
                           cfg.elastic.resize_check_interval_s)
     while state.step < cfg.train.steps:
         batch = stream.next_step()
-        tokens = torch.from_numpy(batch.tokens)
+        tokens = torch.from_numpy(batch.tokens).long()
         for micro_batch in tokens.split(plan.micro_batch_size):
             loss = engine(micro_batch[:, :-1], micro_batch[:, 1:])
             engine.backward(loss)
