@@ -155,6 +155,8 @@ class ClusterConfig:
     reshard_ahead: bool = True
     # How long to wait for the cluster to offer `min_workers` workers before giving up.
     capacity_wait_s: float = 30.0
+    # Peak FLOP/s of one device for MFU; None: looked up by device name (measured on CPU).
+    peak_flops_per_device: Optional[float] = None
 
 
 @dataclass

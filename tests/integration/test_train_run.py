@@ -1,23 +1,26 @@
-"""A real run: two DeepSpeed workers under Ray Train on a fake two-node cluster, tracked
-on a real MLflow server, checkpointed through Ray Train."""
+"""A real run: two DeepSpeed workers under Ray Train, reading the tiny corpus from a real
+SeaweedFS store, tracked on a real MLflow server, checkpointed through Ray Train."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 from mlflow.tracking import MlflowClient
 
-from wildtrain import driver
+from wildtrain import driver, storage
 from wildtrain.checkpoint import STATE_FILE, universal
 from wildtrain.elastic import CapacityError
 
 pytestmark = pytest.mark.integration
 
 
-def test_two_worker_run_trains_tracks_and_checkpoints(ray_cluster, tiny_config, mlflow_url):
-    cfg = tiny_config()
+def test_two_worker_run_trains_tracks_and_checkpoints_into_the_object_store(ray_cluster, object_store, tiny_config,
+                                                                            mlflow_url, tmp_path):
+    runs = f"s3://{object_store.bucket}/runs-{tmp_path.name}"
+    cfg = tiny_config(f"run.storage={runs}")
     summary = driver.run(cfg)
 
     client = MlflowClient(mlflow_url)
@@ -35,14 +38,25 @@ def test_two_worker_run_trains_tracks_and_checkpoints(ray_cluster, tiny_config, 
     assert {m.step for m in client.get_metric_history(summary.run_id, "checkpoint_step")} == {4, 8}
     assert "config.yaml" in [a.path for a in client.list_artifacts(summary.run_id)]
 
-    checkpoint = Path(summary.checkpoint)
-    assert json.loads((checkpoint / STATE_FILE).read_text())["step"] == 8
-    tag = (checkpoint / "latest").read_text().strip()
-    assert tag == "step_8"
-    saved = sorted(p.name for p in (checkpoint / tag).iterdir())
+    # Where the time went: the step split, MFU against the measured CPU peak, goodput and its plot.
+    metrics = client.get_run(summary.run_id).data.metrics  # newest values
+    for phase in ("data_wait", "forward_backward", "optimizer", "checkpoint_stall"):
+        assert f"time/{phase}_s" in metrics, phase
+    assert 0 < metrics["time/forward_backward_s"] < metrics["step_time_s"]
+    assert 0 < metrics["mfu"] < 1
+    assert 0 < metrics["goodput"] <= 1
+    plots = {a.path: a.file_size for a in client.list_artifacts(summary.run_id, "report")}
+    assert plots.get("report/run.png", 0) > 1000
+
+    fs, _ = storage.filesystem(runs)
+    checkpoint = summary.checkpoint  # a path in the bucket
+    with fs.open_input_stream(f"{checkpoint}/{STATE_FILE}") as f:
+        assert json.loads(f.read())["step"] == 8
+    with fs.open_input_stream(f"{checkpoint}/latest") as f:
+        assert f.read().decode().strip() == "step_8"
+    saved = {Path(i.path).name for i in fs.get_file_info(pafs.FileSelector(f"{checkpoint}/step_8"))}
     # Both ranks' ZeRO partitions were merged into the one checkpoint.
-    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in saved
-    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in saved
+    assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= saved
 
 
 def test_resubmitted_run_continues_its_checkpoint_and_mlflow_run(ray_cluster, tiny_config, mlflow_url):

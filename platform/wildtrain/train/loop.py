@@ -13,6 +13,7 @@ import json
 import tempfile
 import time
 import warnings
+from typing import Optional
 
 import numpy as np
 import ray.train
@@ -26,7 +27,8 @@ from wildtrain.config import Config
 from wildtrain.data.stream import RankStream
 from wildtrain.elastic import PlannedRegrow, has_room_for_another_worker
 from wildtrain.engine import build_engine
-from wildtrain.model import Transformer
+from wildtrain.model import Transformer, flops_per_token
+from wildtrain.tracking.mfu import Peak, mfu, peak_flops
 from wildtrain.train.state import TrainState
 
 
@@ -49,16 +51,18 @@ def train_loop(config: dict) -> None:
     samples = _SampleRecorder(cfg, rank) if cfg.data.record_samples else None
 
     tokens_per_step = plan.global_batch_size * cfg.data.seq_len
-    window = _MetricsWindow()
+    window = _MetricsWindow(tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len), _peak(cfg), world_size, stream)
     growth = _GrowthCheck(world_size < cfg.elastic.max_workers, rank, config["worker_resources"],
                           cfg.elastic.resize_check_interval_s)
     while state.step < cfg.train.steps:
         batch = stream.next_step()
         tokens = torch.from_numpy(batch.tokens).long()
         for micro_batch in tokens.split(plan.micro_batch_size):
-            loss = engine(micro_batch[:, :-1], micro_batch[:, 1:])
-            engine.backward(loss)
-            engine.step()
+            with window.timed("forward_backward"):
+                loss = engine(micro_batch[:, :-1], micro_batch[:, 1:])
+                engine.backward(loss)
+            with window.timed("optimizer"):
+                engine.step()
             window.add_loss(loss)
         window.end_step()
         state.step += 1
@@ -76,7 +80,7 @@ def train_loop(config: dict) -> None:
         metrics = {"step": state.step, "tokens_seen": state.tokens_seen, "world_size": world_size}
         if log_due:
             epoch = (state.step - 1) // data.steps_per_epoch
-            metrics |= window.flush(tokens_per_step, stream) | {"lr": engine.get_lr()[0], "epoch": epoch}
+            metrics |= window.flush() | {"lr": engine.get_lr()[0], "epoch": epoch}
         if first_of_attempt:
             # What the controller needs to split this attempt's recovery time into its parts.
             metrics |= restore_timing | {
@@ -88,7 +92,7 @@ def train_loop(config: dict) -> None:
             # Every optimizer step applied exactly once across restarts, or nothing is saved.
             if engine.global_steps != state.step:
                 raise RuntimeError(f"DeepSpeed counted {engine.global_steps} optimizer steps where the run is at {state.step}")
-            with tempfile.TemporaryDirectory(prefix="wildtrain-ckpt-") as folder:
+            with window.timed("checkpoint_stall"), tempfile.TemporaryDirectory(prefix="wildtrain-ckpt-") as folder:
                 checkpoint.save(engine, folder, f"step_{state.step}", state.to_json(), rank)
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
         else:
@@ -174,14 +178,44 @@ class _SampleRecorder:
             storage.write_text(storage.join(self.folder, f"step_{step:08d}.json"), json.dumps(record), self.storage)
 
 
-class _MetricsWindow:
-    """Loss and throughput since the last report; the loss is averaged over all ranks."""
+def _peak(cfg: Config) -> Optional[Peak]:
+    device = torch.cuda.get_device_name() if cfg.cluster.use_gpu else "cpu"
+    return peak_flops(device, cfg.cluster.peak_flops_per_device)
 
-    def __init__(self) -> None:
+
+class _MetricsWindow:
+    """Loss, throughput, MFU and where the time went since the last report: means per step
+    of `time/<phase>_s` (data wait from the stream, forward+backward, optimizer, checkpoint
+    stall); the loss is averaged over all ranks."""
+
+    PHASES = ("forward_backward", "optimizer", "checkpoint_stall")
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: Optional[Peak], world_size: int,
+                 stream: RankStream) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak = peak
+        self.world_size = world_size
+        self.stream = stream
+        self._reset()
+
+    def _reset(self) -> None:
         self.loss_sum = torch.zeros(())
         self.micro_steps = 0
         self.optimizer_steps = 0
+        self.phase_s = dict.fromkeys(self.PHASES, 0.0)
+        self.stream.wait_s = 0.0
         self.started = time.perf_counter()
+
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # kernels run asynchronously; time them, not their launch
+            self.phase_s[phase] += time.perf_counter() - started
 
     def add_loss(self, loss: torch.Tensor) -> None:
         self.loss_sum += loss.detach().float().cpu()
@@ -190,19 +224,22 @@ class _MetricsWindow:
     def end_step(self) -> None:
         self.optimizer_steps += 1
 
-    def flush(self, tokens_per_step: int, stream: RankStream) -> dict:
+    def flush(self) -> dict:
         loss = self.loss_sum / max(1, self.micro_steps)
         if dist.is_initialized():
             dist.all_reduce(loss)
             loss /= dist.get_world_size()
         elapsed = time.perf_counter() - self.started
         steps = max(1, self.optimizer_steps)
-        data_wait_s, stream.wait_s = stream.wait_s, 0.0
+        tokens_per_s = steps * self.tokens_per_step / elapsed
         metrics = {
             "loss": float(loss),
             "step_time_s": elapsed / steps,
-            "tokens_per_s": steps * tokens_per_step / elapsed,
-            "time/data_wait_s": data_wait_s / steps,
+            "tokens_per_s": tokens_per_s,
+            "time/data_wait_s": self.stream.wait_s / steps,
         }
-        self.__init__()
+        metrics |= {f"time/{phase}_s": seconds / steps for phase, seconds in self.phase_s.items()}
+        if self.peak is not None:
+            metrics["mfu"] = mfu(self.flops_per_token, tokens_per_s, self.peak, self.world_size)
+        self._reset()
         return metrics
