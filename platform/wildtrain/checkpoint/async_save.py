@@ -1,0 +1,545 @@
+"""Asynchronous, verified checkpoints: training waits only while the state is copied to host memory.
+
+A save has two halves.
+
+Capture, on the training thread (`AsyncSaver.save_engine`, `save_state`): DeepSpeed's
+`save_checkpoint` runs as usual (it is a collective, builds every state dict and names every
+file) but with the engine's checkpoint writer swapped for one that copies each tensor into a
+host buffer instead of serializing it: pinned on CUDA, and reused from the previous save,
+because a fresh multi-GB allocation costs page faults (or a slow cudaHostAlloc) that a reused
+one does not. The small files DeepSpeed writes itself (`latest`, its recovery script) and the
+client state go straight to the rank's local staging folder.
+
+Background, on one writer thread: `torch.save` of the host copies into the staging folder;
+upload to each store (primary first, then replicas), hashing while reading; verification
+(sizes, and by default every sha256 read back); this rank's part record; then rank 0 waits
+for every rank's part record, commits the manifest (see `manifest.py`) and applies
+retention. The staging folder is deleted afterwards.
+
+Why not run DeepSpeed's own save to a fast local folder synchronously and only upload in the
+background? Because serializing and writing is most of a save's cost. Measured with
+bench/checkpoint_stall.py (the 125m preset, 134M parameters, ZeRO-1, one rank, this 2-core
+CPU machine shared with other jobs, 2.14 GB per save): DeepSpeed's save to local disk
+stalled training 4.2-5.7 s, the whole synchronous save with upload, verification and commit
+12-14 s, the capture 0.14 s with reused buffers (1.1 s the first time, when they are
+allocated). On CUDA the gap is wider: the capture is a device-to-pinned-host copy (0.29 s
+for 15.7 GB on one H200, see DESIGN.md) against 18.5 s for `torch.save` of the same state.
+The price is host memory: the buffers stay allocated, one copy of this rank's checkpoint
+(two while a queued save waits), and the background work competes with training for CPU
+and memory bandwidth (on 2 shared cores, steps ran 2.6-4.4x slower while a save was
+uploading; not measured on a GPU node, whose host cores mostly idle).
+
+At most one save is in flight. When the next one is due before it has finished, `policy`
+decides: "skip" records the new one as skipped; "queue" captures it and keeps it to run
+next (a newer one replaces it, recorded as skipped; the queue costs a second host copy of the
+state). With several ranks the decision must be the same on every rank, because the capture
+is a collective: each rank asks `admission()`, the loop all-reduces "any rank would skip",
+and passes that as `blocked_elsewhere`.
+
+Storage problems never raise into training: every save ends as one `SaveOutcome` (saved,
+partial, failed or skipped; why; how long the training thread waited; how long the rest
+took; bytes), which `drain()` hands to the loop, and the next save is the retry. A full disk
+names the path and the bytes needed. `timeout_s` bounds the background half: it is checked
+between chunks of every upload and hash, between files, and while waiting for other ranks.
+A single storage call that never returns cannot be interrupted from Python; that save then
+stays in flight, and later saves are skipped (or queued) with a reason naming the call and
+how long it has been running.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import shutil
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Sequence
+
+import torch
+
+from wildtrain import checkpoint
+from wildtrain.checkpoint.manifest import (
+    CHUNK_BYTES, CommitError, DeadlineExceeded, ManifestError, Store, StoreLike, as_store, check_deadline,
+    checkpoint_name, collect_parts, commit, upload, write_part,
+)
+from wildtrain.checkpoint.retention import RetentionPolicy, apply_retention
+
+Policy = Literal["skip", "queue"]
+Status = Literal["saved", "partial", "failed", "skipped"]
+Failure = Literal["", "timeout", "disk_full", "verify", "storage", "error"]
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """What the manifest records besides the files; the same on every rank."""
+
+    step: int
+    tag: str  # DeepSpeed's tag (the engine files' subfolder)
+    world_size: int
+    zero_stage: int
+    data_position: dict = field(default_factory=dict)
+    config_hash: str = ""
+
+
+@dataclass(frozen=True)
+class DiskFull:
+    path: str
+    bytes_needed: int
+    bytes_free: Optional[int]  # None where the store reports no free space (object stores)
+
+    def __str__(self) -> str:
+        free = "unknown" if self.bytes_free is None else f"{self.bytes_free:,}"
+        return f"no space left on device for {self.path}: {self.bytes_needed:,} bytes needed, {free} free"
+
+
+class DiskFullError(OSError):
+    def __init__(self, disk_full: DiskFull) -> None:
+        super().__init__(errno.ENOSPC, str(disk_full))
+        self.disk_full = disk_full
+
+
+@dataclass(frozen=True)
+class SaveOutcome:
+    step: int
+    name: str
+    status: Status  # partial: stored in some stores, not all
+    reason: str = ""
+    failure: Failure = ""
+    stall_s: float = 0.0  # the training thread blocked in the capture
+    background_s: float = 0.0  # staging write, upload, verification, commit
+    bytes: int = 0  # this rank's files
+    stored: tuple[str, ...] = ()  # stores where rank 0 committed (other ranks: uploaded their part)
+    notes: tuple[str, ...] = ()  # deletions by retention, problems that did not fail the save
+    disk_full: Optional[DiskFull] = None
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / self.background_s / 1e6 if self.background_s > 0 else 0.0
+
+
+def metrics(outcomes: Sequence[SaveOutcome]) -> dict[str, float]:
+    """The loop's checkpoint metrics for the saves that ended since its last report."""
+    reported = {f"checkpoint/{status}": float(sum(o.status == status for o in outcomes))
+                for status in ("saved", "partial", "failed", "skipped")}
+    if outcomes:  # every capture stalled training, whatever became of the save afterwards
+        reported["checkpoint/stall_s"] = max(o.stall_s for o in outcomes)
+    stored = [o for o in outcomes if o.status in ("saved", "partial")]
+    if stored:
+        last = stored[-1]
+        reported |= {"checkpoint/save_s": last.background_s, "checkpoint/bytes": float(last.bytes),
+                     "checkpoint/mb_per_s": last.mb_per_s, "checkpoint/step": float(last.step)}
+    return reported
+
+
+@dataclass(frozen=True)
+class InFlight:
+    step: int
+    running_s: float
+    doing: str
+
+
+@dataclass(frozen=True)
+class Admission:
+    action: Literal["start", "queue", "skip"]
+    reason: str = ""
+    disk_full: Optional[DiskFull] = None
+
+
+def admit(policy: Policy, in_flight: Optional[InFlight], blocked_elsewhere: bool,
+          staging: str, staging_free: Optional[int], bytes_needed: int) -> Admission:
+    """Whether a save due now starts, waits for the one in flight, or is skipped.
+    `bytes_needed` is the previous save's size: the staging disk must hold another."""
+    if staging_free is not None and staging_free < bytes_needed:
+        full = DiskFull(staging, bytes_needed, staging_free)
+        return Admission("skip", f"staging disk full: {full}", full)
+    if in_flight is not None and policy == "skip":
+        return Admission("skip", f"the save of step {in_flight.step} is still in flight after "
+                                 f"{in_flight.running_s:.1f} s ({in_flight.doing})")
+    if blocked_elsewhere:
+        return Admission("skip", "another rank cannot save now")
+    if in_flight is not None:
+        return Admission("queue", f"waits for the save of step {in_flight.step}")
+    return Admission("start")
+
+
+def _disk_free(path: str) -> Optional[int]:
+    """Free bytes on the local filesystem that holds (or would hold) `path`; None for URIs."""
+    if "://" in path:
+        return None
+    existing = Path(path)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return shutil.disk_usage(existing).free
+
+
+def _is_no_space(error: BaseException) -> bool:
+    return isinstance(error, OSError) and (error.errno == errno.ENOSPC or "No space left on device" in str(error))
+
+
+class _HostBuffers:
+    """Host tensors reused across saves, one spare per tensor position."""
+
+    def __init__(self, pin: bool) -> None:
+        self._pin = pin
+        self._spare: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            spare = self._spare.pop(key, None)
+        if spare is not None and spare.shape == like.shape and spare.dtype == like.dtype:
+            return spare
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self._pin)
+
+    def give_back(self, buffers: Mapping[str, torch.Tensor]) -> None:
+        with self._lock:
+            self._spare.update(buffers)
+
+
+@dataclass
+class _Job:
+    meta: CheckpointMeta
+    name: str
+    folder: Path
+    pending: list[tuple[str, Any]] = field(default_factory=list)  # (path in folder, host copy)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    stall_s: float = 0.0
+    started: Optional[float] = None  # monotonic, when the writer thread took it
+    doing: str = "queued"
+
+    def pending_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+
+class _CapturingWriter:
+    """Stands in for a DeepSpeed engine's checkpoint engine during one `save_checkpoint`:
+    keeps host copies of what DeepSpeed would serialize, and delegates everything else."""
+
+    def __init__(self, inner, capture: Callable[[str, Any], None]) -> None:
+        self._inner = inner
+        self._capture = capture
+
+    def save(self, state_dict, path: str) -> None:
+        self._capture(path, state_dict)
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # the host copies are compact already; DeepSpeed's clone would be one more copy
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+class AsyncSaver:
+    """One per worker: saves this rank's part of each checkpoint in the background (see the
+    module docstring). `attempt` must be the same on every rank of the worker group and
+    differ between groups (`manifest.new_attempt_token`, broadcast from rank 0)."""
+
+    def __init__(self, stores: Sequence[StoreLike], staging_dir: str, *, rank: int, world_size: int, attempt: str,
+                 policy: Policy = "skip", timeout_s: float = 1800.0, verify_upload: bool = True,
+                 retention: Optional[RetentionPolicy] = None, known_good: Iterable[tuple[str, str]] = (),
+                 disk_free: Callable[[str], Optional[int]] = _disk_free) -> None:
+        if policy not in ("skip", "queue"):
+            raise ValueError(f"checkpoint save policy {policy!r}: expected 'skip' or 'queue'")
+        if not stores:
+            raise ValueError("AsyncSaver needs at least one store")
+        self.stores: list[Store] = [as_store(s) for s in stores]
+        self.staging = Path(staging_dir)
+        self.rank = rank
+        self.world_size = world_size
+        self.attempt = attempt
+        self.policy = policy
+        self.timeout_s = timeout_s
+        self.verify_upload = verify_upload
+        self.retention = retention
+        # (store URI, checkpoint name) pairs known to be good, which retention never deletes
+        # all of: restored from, or uploaded and verified by this saver.
+        self._good: set[tuple[str, str]] = set(known_good)
+        self._disk_free = disk_free
+        self._buffers = _HostBuffers(pin=torch.cuda.is_available())
+        self._last_bytes = 0
+        self._cond = threading.Condition()
+        self._running: Optional[_Job] = None
+        self._queued: Optional[_Job] = None
+        self._outcomes: list[SaveOutcome] = []
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._work, name=f"wildtrain-checkpoint-rank{rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ training thread
+
+    @property
+    def busy(self) -> bool:
+        with self._cond:
+            return self._running is not None or self._queued is not None
+
+    def admission(self, *, blocked_elsewhere: bool = False, policy: Optional[Policy] = None) -> Admission:
+        """What a save due now would do on this rank; with several ranks, all-reduce
+        `action == "skip"` and pass the result to `save_*` as `blocked_elsewhere`."""
+        with self._cond:
+            job = self._running or self._queued
+            in_flight = None if job is None else InFlight(
+                job.meta.step, time.monotonic() - job.started if job.started is not None else 0.0, job.doing)
+        self.staging.mkdir(parents=True, exist_ok=True)
+        return admit(policy or self.policy, in_flight, blocked_elsewhere, str(self.staging),
+                     self._disk_free(str(self.staging)), self._last_bytes)
+
+    def save_engine(self, engine, meta: CheckpointMeta, client_state: str, *, blocked_elsewhere: bool = False,
+                    policy: Optional[Policy] = None) -> Admission:
+        """Capture this rank's part of a DeepSpeed checkpoint (a collective: every rank calls
+        it, with the same `blocked_elsewhere`) and hand it to the writer thread. The local
+        folder has the layout of `wildtrain.checkpoint.save`."""
+        started = time.perf_counter()
+        admission = self._admit(meta, blocked_elsewhere, policy)
+        if admission.action == "skip":
+            return admission
+        job = self._new_job(meta)
+        original = engine.checkpoint_engine
+        engine.checkpoint_engine = _CapturingWriter(original, lambda path, state: self._capture(job, path, state))
+        try:
+            checkpoint.save(engine, str(job.folder), meta.tag, client_state, self.rank)
+            self._wait_for_copies()
+        except BaseException:
+            self._discard(job)
+            raise
+        finally:
+            engine.checkpoint_engine = original
+        job.stall_s = time.perf_counter() - started
+        self._enqueue(job)
+        return admission
+
+    def save_state(self, meta: CheckpointMeta, files: Mapping[str, Any], *, blocked_elsewhere: bool = False,
+                   policy: Optional[Policy] = None) -> Admission:
+        """Capture `files` (path in the checkpoint folder → a nested container of tensors for
+        `torch.save`, or `bytes` written as they are) and hand them to the writer thread."""
+        started = time.perf_counter()
+        admission = self._admit(meta, blocked_elsewhere, policy)
+        if admission.action == "skip":
+            return admission
+        job = self._new_job(meta)
+        try:
+            for path, obj in files.items():
+                self._capture(job, str(job.folder / path), obj)
+            self._wait_for_copies()
+        except BaseException:
+            self._discard(job)
+            raise
+        job.stall_s = time.perf_counter() - started
+        self._enqueue(job)
+        return admission
+
+    def drain(self) -> list[SaveOutcome]:
+        """The outcomes recorded since the last call, oldest first."""
+        with self._cond:
+            outcomes, self._outcomes = self._outcomes, []
+        return outcomes
+
+    def flush(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait until no save is in flight or queued; False if `timeout_s` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._running is None and self._queued is None, timeout_s)
+
+    def close(self, timeout_s: Optional[float] = None) -> bool:
+        """Finish the saves in flight and queued, then stop the writer thread."""
+        finished = self.flush(timeout_s)
+        self._closing.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(timeout_s if finished else 0)
+        return finished
+
+    def _admit(self, meta: CheckpointMeta, blocked_elsewhere: bool, policy: Optional[Policy]) -> Admission:
+        admission = self.admission(blocked_elsewhere=blocked_elsewhere, policy=policy)
+        if admission.action == "skip":
+            self._record(SaveOutcome(meta.step, checkpoint_name(meta.step, self.attempt), "skipped", admission.reason,
+                                     "disk_full" if admission.disk_full else "", disk_full=admission.disk_full))
+        return admission
+
+    def _new_job(self, meta: CheckpointMeta) -> _Job:
+        name = checkpoint_name(meta.step, self.attempt)
+        folder = self.staging / f"{name}.rank{self.rank}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        return _Job(meta, name, folder)
+
+    def _capture(self, job: _Job, path: str, state: Any) -> None:
+        rel = Path(path).relative_to(job.folder).as_posix()
+        # Buffers are matched by position in the file, not by the tag folder, which changes every save.
+        key = rel.removeprefix(f"{job.meta.tag}/")
+        host = state if isinstance(state, bytes) else _to_host(state, key, job, self._buffers, {})
+        job.pending.append((rel, host))
+
+    @staticmethod
+    def _wait_for_copies() -> None:
+        # DeepSpeed updates parameters on side streams too, so an event on the current
+        # stream would not order the copies before the next step's in-place updates.
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def _enqueue(self, job: _Job) -> None:
+        with self._cond:
+            superseded, self._queued = self._queued, job
+            self._cond.notify_all()
+        if superseded is not None:
+            self._record(SaveOutcome(superseded.meta.step, superseded.name, "skipped",
+                                     f"superseded by the save of step {job.meta.step} while queued",
+                                     stall_s=superseded.stall_s))
+            self._discard(superseded)
+
+    def _discard(self, job: _Job) -> None:
+        self._buffers.give_back(job.buffers)
+        shutil.rmtree(job.folder, ignore_errors=True)
+
+    def _record(self, outcome: SaveOutcome) -> None:
+        with self._cond:
+            self._outcomes.append(outcome)
+
+    # ------------------------------------------------------------ writer thread
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queued is not None or self._closing.is_set())
+                if self._queued is None:
+                    return
+                job, self._queued = self._queued, None
+                job.started = time.monotonic()
+                self._running = job
+            try:
+                outcome = self._run(job)
+            except Exception as e:  # a bug here must neither stop training nor leave the saver busy for good
+                outcome = SaveOutcome(job.meta.step, job.name, "failed", _describe(e), "error", job.stall_s)
+            finally:
+                self._discard(job)
+            with self._cond:
+                self._outcomes.append(outcome)
+                self._running = None
+                self._cond.notify_all()
+
+    def _run(self, job: _Job) -> SaveOutcome:
+        started = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        meta = job.meta
+
+        def outcome(status: Status, reason: str = "", failure: Failure = "", **extra) -> SaveOutcome:
+            return SaveOutcome(meta.step, job.name, status, reason, failure, job.stall_s,
+                               time.perf_counter() - started, **extra)
+
+        try:
+            self._write_staging(job, deadline)
+        except DiskFullError as e:
+            return outcome("failed", str(e.disk_full), "disk_full", disk_full=e.disk_full)
+        except DeadlineExceeded as e:
+            return outcome("failed", f"step {meta.step}: {e}", "timeout")
+        except Exception as e:  # a checkpoint that cannot be written must not stop training
+            return outcome("failed", f"writing step {meta.step} to {job.folder}: {_describe(e)}", "error")
+        size = sum(p.stat().st_size for p in job.folder.rglob("*") if p.is_file())
+        self._last_bytes = size
+
+        stored, errors, notes = [], [], []
+        failure: Failure = ""
+        disk_full = None
+        for store in self.stores:
+            try:
+                self._store(job, store, deadline, notes)
+                stored.append(store.uri)
+            except Exception as e:
+                where = store.describe(job.name)
+                kind: Failure
+                if _is_no_space(e):
+                    disk_full = DiskFull(where, size, self._disk_free(where))
+                    kind, message = "disk_full", str(disk_full)
+                elif isinstance(e, DeadlineExceeded):
+                    kind, message = "timeout", f"{e} (timeout_s={self.timeout_s})"
+                elif isinstance(e, (CommitError, ManifestError)):
+                    kind, message = "verify", str(e)
+                elif isinstance(e, OSError):
+                    kind, message = "storage", f"{where}: {e}"
+                else:
+                    kind, message = "error", f"{where}: {_describe(e)}"
+                failure = failure or kind  # the primary's failure, if it failed, names the save's
+                errors.append(message)
+        status: Status = "saved" if not errors else "partial" if stored else "failed"
+        return outcome(status, "; ".join(errors), failure, bytes=size, stored=tuple(stored),
+                       notes=tuple(notes), disk_full=disk_full)
+
+    def _write_staging(self, job: _Job, deadline: float) -> None:
+        needed = job.pending_bytes()
+        free = self._disk_free(str(job.folder))
+        if free is not None and free < needed:
+            self._last_bytes = needed  # so that admission skips saves until the disk has room
+            raise DiskFullError(DiskFull(str(job.folder), needed, free))
+        for rel, obj in job.pending:
+            check_deadline(deadline, f"writing {job.folder / rel}")
+            path = job.folder / rel
+            job.doing = f"writing {path}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                if isinstance(obj, bytes):
+                    path.write_bytes(obj)
+                else:
+                    torch.save(obj, path)
+            except Exception as e:
+                # torch's writer reports a full disk as a RuntimeError without an errno, so
+                # a failed write on a disk that is now (nearly) full counts as a full disk.
+                free = self._disk_free(str(path))
+                if _is_no_space(e) or (free is not None and free < CHUNK_BYTES):
+                    raise DiskFullError(DiskFull(str(path), needed, free)) from e
+                raise
+
+    def _store(self, job: _Job, store: Store, deadline: float, notes: list[str]) -> None:
+        def progress(doing: str) -> None:
+            job.doing = doing
+
+        files = upload(str(job.folder), store, job.name, deadline=deadline, verify=self.verify_upload,
+                       on_progress=progress)
+        write_part(store, job.name, self.rank, files)
+        if self.rank != 0:
+            return
+        job.doing = f"waiting for the other ranks' parts of {store.describe(job.name)}"
+        everything = collect_parts(store, job.name, self.world_size, deadline=deadline, wait=self._closing.wait)
+        meta = job.meta
+        commit(store, job.name, step=meta.step, tag=meta.tag, world_size=meta.world_size, zero_stage=meta.zero_stage,
+               files=everything, data_position=meta.data_position, config_hash=meta.config_hash)
+        if self.verify_upload:
+            self._good.add((store.uri, job.name))
+        if self.retention is None:
+            return
+        job.doing = f"applying retention in {store.uri}"
+        try:
+            plan = apply_retention(store, self.retention, {name for uri, name in self._good if uri == store.uri})
+            notes += [f"deleted {store.describe(name)}: {why}" for name, why in zip(plan.delete, plan.reasons)]
+        except OSError as e:  # the checkpoint is committed; deletion is retried after the next one
+            notes.append(f"retention in {store.uri} failed: {e}")
+
+
+def _describe(error: BaseException) -> str:
+    """The error and where it came from: a bug here should be findable from the metrics log."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return f"{type(error).__name__}: {error}{where}"
+
+
+def _to_host(obj: Any, key: str, job: _Job, buffers: _HostBuffers, memo: dict[int, Any]) -> Any:
+    """A copy of `obj` whose tensors live in host buffers, so training may change the
+    originals at once. Containers keep their type (and a state dict its `_metadata`)."""
+    if torch.is_tensor(obj):
+        if id(obj) not in memo:  # a tensor referenced twice (tied weights) is copied once
+            host = buffers.take(key, obj)
+            host.copy_(obj.detach(), non_blocking=host.is_pinned())
+            job.buffers[key] = host
+            memo[id(obj)] = host
+        return memo[id(obj)]
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = _to_host(v, f"{key}/{k}", job, buffers, memo)
+        return out
+    if isinstance(obj, list):
+        return [_to_host(v, f"{key}/{i}", job, buffers, memo) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        items = [_to_host(v, f"{key}/{i}", job, buffers, memo) for i, v in enumerate(obj)]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return copy.deepcopy(obj)
