@@ -33,6 +33,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from wildtrain.chaos import BackgroundRun  # noqa: E402
 from wildtrain.config import load_config  # noqa: E402
+from wildtrain.data.prepare import PrepareConfig, prepare  # noqa: E402
 from wildtrain.tracking.mlflow_run import read_events  # noqa: E402
 
 WORKER_SLOT = "wildtrain_worker"
@@ -57,6 +58,17 @@ SCENARIOS = {
         system_config=services.NODE_HEALTH_CHECKS,
     ),
 }
+
+
+def prepare_tiny(uri: str) -> str:
+    """The bundled tiny corpus in the object store, as `make demo` prepares it."""
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        prepare(PrepareConfig(input=str(Path(__file__).resolve().parents[1] / "tests/assets/tiny_corpus.jsonl"),
+                              output=uri, rows_per_group=128))
+    finally:
+        ray.shutdown()
+    return uri
 
 
 def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path) -> list[dict]:
@@ -108,14 +120,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-recovery-"))
+    store = services.start_object_store(root / "objectstore", services.free_port(), "bench")
+    os.environ.update(store.env())  # before any cluster starts: its workers inherit it
     port = services.free_port()
     mlflow = services.start_mlflow(root / "mlflow", port)
     try:
+        dataset = prepare_tiny(f"s3://{store.bucket}/datasets/tiny")
         rows = []
         for name, scenario in SCENARIOS.items():
-            rows += run_scenario(name, scenario["overrides"], scenario["system_config"], f"http://{services.HOST}:{port}", args.steps, root)
+            overrides = [f"data.datasets=[{{uri: {dataset}}}]", *scenario["overrides"]]
+            rows += run_scenario(name, overrides, scenario["system_config"], f"http://{services.HOST}:{port}", args.steps, root)
     finally:
         services.stop_process(mlflow.pid)
+        services.stop_process(store.pid)
 
     columns = ["scenario", "event", "detection", "restart", "restore", "reshard", "first step", "steps lost"]
     print("\n| " + " | ".join(columns) + " |")

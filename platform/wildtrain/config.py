@@ -160,6 +160,51 @@ class ClusterConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # Where committed checkpoints live; None: <run.storage>/<run.name>/checkpoints.
+    store: Optional[str] = None
+    # A second store (another bucket or provider) every checkpoint is also committed to;
+    # restore falls back to it when the primary's copy is gone or corrupt.
+    replica: Optional[str] = None
+    # Local folder for each rank's files between capture and upload.
+    staging_dir: str = "/tmp/wildtrain-staging"
+    # A save due while the previous one is still in flight: "skip" it, or "queue" it.
+    policy: str = "skip"
+    # A save not committed within this time is recorded as failed; training goes on.
+    timeout_s: float = 1800.0
+    # Read every uploaded file back and compare its sha256 (restore always checks).
+    verify_upload: bool = True
+    # Keep the newest `keep_last` committed checkpoints, plus every step that is a multiple
+    # of `keep_every` (0: none) for good.
+    keep_last: int = 2
+    keep_every: int = 0
+
+
+@dataclass
+class MonitorConfig:
+    # Every `straggler_every` steps the ranks' busy times are compared; a rank slower than
+    # the median by `straggler_factor` in `straggler_patience` checks in a row is flagged.
+    straggler_every: int = 10
+    straggler_factor: float = 1.5
+    straggler_patience: int = 3
+    # A rank whose matmul rate in the pre-flight check of a new worker group is below this
+    # share of the group's median fails the check (a `health` event in MLflow).
+    health_min_ratio: float = 0.5
+    # No optimizer step for this long: dump every thread's stack and fail the attempt, so the
+    # group restarts from the last checkpoint (0: off). Mind long first steps (compilation).
+    hang_timeout_s: float = 600.0
+
+
+@dataclass
+class ChaosConfig:
+    """Faults injected on purpose, for drills and tests; off by default."""
+
+    # This rank sleeps `slow_step_s` in every step's forward pass (-1: none).
+    slow_rank: int = -1
+    slow_step_s: float = 0.0
+
+
+@dataclass
 class TrackingConfig:
     uri: str = "http://127.0.0.1:5000"
     experiment: str = "wildtrain"
@@ -189,6 +234,9 @@ class Config:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
 
@@ -241,6 +289,15 @@ def validate(cfg: Config) -> None:
     positive("train.micro_batch_size", cfg.train.micro_batch_size)
     positive("train.log_every", cfg.train.log_every)
     positive("train.checkpoint_every", cfg.train.checkpoint_every)
+    positive("monitor.straggler_every", cfg.monitor.straggler_every)
+    positive("monitor.straggler_factor", cfg.monitor.straggler_factor)
+    positive("monitor.straggler_patience", cfg.monitor.straggler_patience)
+    positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
+    positive("checkpoint.timeout_s", cfg.checkpoint.timeout_s)
+    if cfg.checkpoint.keep_every < 0:
+        raise ConfigError(f"checkpoint.keep_every: must be 0 (off) or positive, got {cfg.checkpoint.keep_every}")
+    if cfg.checkpoint.policy not in ("skip", "queue"):
+        raise ConfigError(f"checkpoint.policy: expected 'skip' or 'queue', got {cfg.checkpoint.policy!r}")
     positive("elastic.min_workers", cfg.elastic.min_workers)
     if cfg.elastic.max_workers < cfg.elastic.min_workers:
         raise ConfigError(

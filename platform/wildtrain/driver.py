@@ -15,20 +15,19 @@ from typing import Optional
 
 import ray
 from mlflow.tracking import MlflowClient
-from ray.train import CheckpointConfig, LoggingConfig, RunConfig
+from ray.train import LoggingConfig, RunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from wildtrain import elastic, storage
 from wildtrain.config import Config, config_hash
+from wildtrain.checkpoint.manifest import list_candidates
 from wildtrain.data.dataset import open_datasets
 from wildtrain.tracking import report
 from wildtrain.tracking.mlflow_run import MlflowCallback, check_reachable, finish_run, log_event, open_run, run_url
 from wildtrain.tracking.progress import ProgressCallback
-from wildtrain.train.loop import train_loop
+from wildtrain.train.loop import checkpoint_stores, hang_dump_folder, train_loop
 
 RUN_RECORD = "wildtrain_run.json"
-# Ray Train keeps the newest checkpoints; two leaves one to fall back on.
-CHECKPOINTS_KEPT = 2
 
 
 class RunFailed(RuntimeError):
@@ -79,10 +78,9 @@ def run(cfg: Config) -> RunSummary:
             storage_path=run_path,
             storage_filesystem=run_fs,
             failure_config=elastic.failure_config(cfg),
-            checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_KEPT),
             callbacks=[
                 ProgressCallback(cfg.train.steps),
-                MlflowCallback(cfg.tracking.uri, run_id, elastic.is_planned_regrow),
+                MlflowCallback(cfg.tracking.uri, run_id, elastic.is_planned_regrow, hang_dump_folder(cfg), cfg.storage),
                 elastic.ElasticPolicy(
                     cfg.cluster.capacity_wait_s,
                     cfg.elastic.resize_check_interval_s,
@@ -96,7 +94,7 @@ def run(cfg: Config) -> RunSummary:
         ),
     )
     try:
-        result = trainer.fit()
+        trainer.fit()
     except Exception as e:
         _finish(cfg, run_id, "FAILED")
         raise RunFailed(
@@ -108,9 +106,16 @@ def run(cfg: Config) -> RunSummary:
         run_id=run_id,
         mlflow_url=mlflow_url,
         dashboard_url=dashboard_url,
-        checkpoint=result.checkpoint.path if result.checkpoint else None,
-        final_metrics=dict(result.metrics or {}),
+        checkpoint=_newest_checkpoint(cfg),
+        # The newest value of each metric: Ray Train's result only knows checkpointed reports.
+        final_metrics=tracking.get_run(run_id).data.metrics,
     )
+
+
+def _newest_checkpoint(cfg: Config) -> Optional[str]:
+    committed = [c for c in list_candidates(checkpoint_stores(cfg)) if c.manifest is not None]
+    newest = max(committed, key=lambda c: (c.step, c.created), default=None)
+    return storage.join(newest.store, newest.name) if newest else None
 
 
 def _finish(cfg: Config, run_id: str, status: str) -> None:

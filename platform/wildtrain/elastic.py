@@ -12,7 +12,6 @@ import os
 import threading
 import time
 
-import pyarrow.fs as pafs
 import ray
 from ray.train import FailureConfig, ScalingConfig
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, WorkerGroupCallback
@@ -100,18 +99,19 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
         threading.Thread(target=refresh_forever, name="wildtrain-resource-view", daemon=True).start()
 
     def after_report(self, training_report, metrics) -> None:
-        saved = training_report.checkpoint
-        # Remote storage would need the conversion uploaded; for now only local (shared) paths.
-        if not self.reshard_ahead or saved is None or not isinstance(saved.filesystem, pafs.LocalFileSystem):
+        # Remote stores would need the conversion uploaded; for now only local (shared) paths.
+        local = [path for path in metrics[0].get("committed_checkpoints", []) if "://" not in path]
+        if not self.reshard_ahead or not local:
             return
         if self._converting is not None and self._converting.is_alive():
             return  # the next checkpoint will do; the restart converts whatever is missing
+        folder = local[0]
 
         def convert() -> None:
             try:
-                universal.convert(saved.path, latest_tag(saved.path))
+                universal.convert(folder, latest_tag(folder))
             except Exception as e:  # a failed conversion only costs the restart its time
-                print(f"converting {saved.path} ahead of a resize failed: {e}", flush=True)
+                print(f"converting {folder} ahead of a resize failed: {e}", flush=True)
 
         self._converting = threading.Thread(target=convert, name="wildtrain-reshard-ahead", daemon=True)
         self._converting.start()

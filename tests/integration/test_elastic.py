@@ -127,5 +127,5 @@ def test_a_run_left_without_nodes_stops_and_keeps_its_checkpoints(worker_nodes, 
         cluster.remove_node(node)
     with pytest.raises(driver.RunFailed, match=r"(?s)cluster.capacity_wait_s: no worker group could run for 15 s.*run the same command again to resume"):
         run.join(240)
-    saved = sorted((tmp_path / "runs" / run.cfg.run.name).glob("checkpoint_*/step_4"))
-    assert saved, "the checkpoint of step 4 is still there to resume from"
+    saved = sorted((tmp_path / "runs" / run.cfg.run.name / "checkpoints").glob("step_000000004-*/manifest.json"))
+    assert saved, "the committed checkpoint of step 4 is still there to resume from"

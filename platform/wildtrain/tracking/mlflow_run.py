@@ -17,17 +17,17 @@ from typing import Callable, Optional
 
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, WorkerGroupCallback
 
-from wildtrain.config import Config, flatten, to_yaml
+from wildtrain import storage
+from wildtrain.config import Config, StorageConfig, flatten, to_yaml
 from wildtrain.tracking.timeline import Timeline
 
 EVENTS_DIR = "events"
 CLUSTER_TAG = "wildtrain.cluster"
-# What the controller logs of rank 0's reports; `time/*` are means per step over the
-# report's window, `checkpoint/*` are per save.
+# What the controller logs of rank 0's reports, besides every `checkpoint/*` (per save);
+# `time/*` are means per step over the report's window.
 TRAINING_METRICS = (
-    "loss", "lr", "tokens_seen", "tokens_per_s", "step_time_s", "world_size", "epoch", "mfu",
-    "time/data_wait_s", "time/forward_backward_s", "time/optimizer_s", "time/checkpoint_stall_s",
-    "checkpoint/bytes", "checkpoint/save_s",
+    "step", "loss", "lr", "tokens_seen", "tokens_per_s", "step_time_s", "world_size", "epoch", "mfu",
+    "time/data_wait_s", "time/forward_s", "time/backward_s", "time/optimizer_s", "time/checkpoint_stall_s",
 )
 
 # MLflow caps a batch at 100 params and a param value at 6000 characters.
@@ -110,10 +110,14 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
     It uses Ray Train's developer callback hooks rather than `UserCallback`, which sees
     reports but not the controller's state changes that mark failures and resizes."""
 
-    def __init__(self, uri: str, run_id: str, is_planned_regrow: Callable[[BaseException | None], bool]) -> None:
+    def __init__(self, uri: str, run_id: str, is_planned_regrow: Callable[[BaseException | None], bool],
+                 hang_dumps: str, storage_config: StorageConfig) -> None:
         self.uri = uri
         self.run_id = run_id
         self.is_planned_regrow = is_planned_regrow
+        self.hang_dumps = hang_dumps  # where workers' hang watchdogs write their stacks
+        self.storage_config = storage_config
+        self._attached: set[str] = set()
         self.timeline = Timeline()
         self._client = None
 
@@ -145,6 +149,7 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
         if event is not None:
             self._log_event(event, event["last_step"])
             self.client.log_metric(self.run_id, "elastic/nodes", 0, step=event["last_step"])
+            self._attach_hang_dumps(event["last_step"])
             print(f"{kind} after step {event['last_step']} at world size {event['world_size']}: {cause}", flush=True)
 
     def after_report(self, training_report, metrics) -> None:
@@ -157,7 +162,7 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
         values = [
             Metric(key, float(value), now, step)
             for key, value in reported.items()
-            if key in TRAINING_METRICS and isinstance(value, (int, float))
+            if (key in TRAINING_METRICS or key.startswith("checkpoint/")) and isinstance(value, (int, float))
         ]
         if recovery is not None:
             values += [Metric(f"elastic/{key}", float(value), now, step) for key, value in asdict(recovery).items()
@@ -169,10 +174,25 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
                 f"reshard {recovery.reshard_s:.1f} s); {recovery.steps_lost} steps redone",
                 flush=True,
             )
-        if training_report.checkpoint is not None:
-            values.append(Metric("checkpoint_step", float(step), now, step))
-            self.client.set_tag(self.run_id, "wildtrain.last_checkpoint", training_report.checkpoint.path)
+        for event in reported.get("events", []):  # the workers' own: checkpoint fallbacks and failures
+            self._log_event(event, step)
+            print(f"{event['event']} at step {step}: {event.get('reason', '')}", flush=True)
+        for committed in reported.get("committed_checkpoints", []):
+            self.client.set_tag(self.run_id, "wildtrain.last_checkpoint", committed)
         self.client.log_batch(self.run_id, metrics=values)
+
+    def _attach_hang_dumps(self, step: int) -> None:
+        """Stacks a hang watchdog wrote before it failed the attempt: artifacts under hangs/."""
+        _, paths = storage.list_files(self.hang_dumps, self.storage_config)
+        for path in paths:
+            name = path.rsplit("/", 1)[-1]
+            if name in self._attached:
+                continue
+            self._attached.add(name)
+            text = storage.read_text(storage.join(self.hang_dumps, name), self.storage_config) or ""
+            self.client.log_text(self.run_id, text, f"hangs/{name}")
+            self._log_event({"event": "hang", "at": time.time(), "dump": f"hangs/{name}",
+                             "reason": text.splitlines()[0] if text else ""}, step)
 
     def _log_event(self, event: dict, step: int) -> None:
         log_event(self.client, self.run_id, event, step)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -22,14 +24,20 @@ import torch.distributed as dist
 
 from wildtrain import checkpoint, storage
 from wildtrain.batching import batch_plan
-from wildtrain.checkpoint import universal
-from wildtrain.config import Config
+from wildtrain.checkpoint import async_save, universal
+from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta, SaveOutcome
+from wildtrain.checkpoint.manifest import Candidate, new_attempt_token, restore
+from wildtrain.checkpoint.retention import RetentionPolicy
+from wildtrain.config import Config, config_hash
 from wildtrain.data.stream import RankStream
 from wildtrain.elastic import PlannedRegrow, has_room_for_another_worker
 from wildtrain.engine import build_engine
 from wildtrain.model import Transformer, flops_per_token
 from wildtrain.tracking.mfu import Peak, mfu, peak_flops
+from wildtrain.tracking.stragglers import StragglerDetector
+from wildtrain.train import health
 from wildtrain.train.state import TrainState
+from wildtrain.train.watchdog import HangWatchdog
 
 
 def train_loop(config: dict) -> None:
@@ -43,9 +51,16 @@ def train_loop(config: dict) -> None:
     data = config["data"]
 
     torch.manual_seed(cfg.train.seed)
-    engine, state, restore_timing = _build_and_restore(cfg, plan, world_size, rank)
+    stores = checkpoint_stores(cfg)
+    engine, state, restored = _build_and_restore(cfg, plan, world_size, rank, stores)
     restored_step = state.step
     state.world_size = world_size
+    saver = AsyncSaver(
+        stores, cfg.checkpoint.staging_dir, rank=rank, world_size=world_size, attempt=_broadcast(new_attempt_token()),
+        policy=cfg.checkpoint.policy, timeout_s=cfg.checkpoint.timeout_s, verify_upload=cfg.checkpoint.verify_upload,
+        retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
+        known_good=[restored.candidate.key] if restored.candidate else [],
+    )
     # The data position is the step: the stream starts where the restored model stopped.
     stream = RankStream(data.datasets, cfg, rank, world_size, from_step=state.step)
     samples = _SampleRecorder(cfg, rank) if cfg.data.record_samples else None
@@ -54,77 +69,159 @@ def train_loop(config: dict) -> None:
     window = _MetricsWindow(tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len), _peak(cfg), world_size, stream)
     growth = _GrowthCheck(world_size < cfg.elastic.max_workers, rank, config["worker_resources"],
                           cfg.elastic.resize_check_interval_s)
-    while state.step < cfg.train.steps:
-        batch = stream.next_step()
-        tokens = torch.from_numpy(batch.tokens).long()
-        for micro_batch in tokens.split(plan.micro_batch_size):
-            with window.timed("forward_backward"):
-                loss = engine(micro_batch[:, :-1], micro_batch[:, 1:])
-                engine.backward(loss)
-            with window.timed("optimizer"):
-                engine.step()
-            window.add_loss(loss)
-        window.end_step()
-        state.step += 1
-        state.tokens_seen += tokens_per_step
-        if samples is not None:
-            samples.record(state.step, batch.sample_ids)
+    monitor = _Monitor(cfg, rank, world_size)
+    watchdog = HangWatchdog(cfg.monitor.hang_timeout_s, hang_dump_folder(cfg), rank, cfg.storage)
+    try:
+        while state.step < cfg.train.steps:
+            batch = stream.next_step()
+            tokens = torch.from_numpy(batch.tokens).long()
+            for micro_batch in tokens.split(plan.micro_batch_size):
+                with window.timed("forward"):
+                    if rank == cfg.chaos.slow_rank:
+                        time.sleep(cfg.chaos.slow_step_s)  # a drill (chaos.*), off by default
+                    loss = engine(micro_batch[:, :-1], micro_batch[:, 1:])
+                with window.timed("backward"):
+                    engine.backward(loss)
+                with window.timed("optimizer"):
+                    engine.step()
+                window.add_loss(loss)
+            window.end_step()
+            state.step += 1
+            state.tokens_seen += tokens_per_step
+            watchdog.progress(state.step)
+            monitor.step_done(state.step, window.busy_s)
+            if samples is not None:
+                samples.record(state.step, batch.sample_ids)
 
-        first_of_attempt = state.step == restored_step + 1
-        last = state.step == cfg.train.steps
-        grow = not last and growth.room_now()
-        log_due = last or first_of_attempt or state.step % cfg.train.log_every == 0
-        checkpoint_due = last or grow or state.step % cfg.train.checkpoint_every == 0
-        if not (log_due or checkpoint_due):
-            continue
-        metrics = {"step": state.step, "tokens_seen": state.tokens_seen, "world_size": world_size}
-        if log_due:
-            epoch = (state.step - 1) // data.steps_per_epoch
-            metrics |= window.flush() | {"lr": engine.get_lr()[0], "epoch": epoch}
-        if first_of_attempt:
-            # What the controller needs to split this attempt's recovery time into its parts.
-            metrics |= restore_timing | {
-                "restored_step": restored_step,
-                "attempt_started_at": attempt_started,
-                "first_step_at": time.time(),
-            }
-        if checkpoint_due:
-            # Every optimizer step applied exactly once across restarts, or nothing is saved.
-            if engine.global_steps != state.step:
-                raise RuntimeError(f"DeepSpeed counted {engine.global_steps} optimizer steps where the run is at {state.step}")
-            with window.timed("checkpoint_stall"), tempfile.TemporaryDirectory(prefix="wildtrain-ckpt-") as folder:
-                checkpoint.save(engine, folder, f"step_{state.step}", state.to_json(), rank)
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
-        else:
-            ray.train.report(metrics)
-        if grow:
-            raise PlannedRegrow(f"room for more than {world_size} workers; regrowing from the checkpoint of step {state.step}")
+            first_of_attempt = state.step == restored_step + 1
+            last = state.step == cfg.train.steps
+            grow = not last and growth.room_now()
+            log_due = last or first_of_attempt or state.step % cfg.train.log_every == 0
+            checkpoint_due = last or grow or state.step % cfg.train.checkpoint_every == 0
+            if not (log_due or checkpoint_due):
+                continue
+            if checkpoint_due:
+                # Every optimizer step applied exactly once across restarts, or nothing is saved.
+                if engine.global_steps != state.step:
+                    raise RuntimeError(f"DeepSpeed counted {engine.global_steps} optimizer steps where the run is at {state.step}")
+                with window.timed("checkpoint_stall"):
+                    _save(saver, engine, cfg, state, world_size, must_commit=last or grow)
+                watchdog.progress(state.step)  # a save that must commit may wait long on storage
+            metrics = {"step": state.step, "tokens_seen": state.tokens_seen, "world_size": world_size}
+            if log_due:
+                epoch = (state.step - 1) // data.steps_per_epoch
+                metrics |= window.flush() | {"lr": engine.get_lr()[0], "epoch": epoch}
+                monitor.export(metrics)
+            events = monitor.take_events()
+            if first_of_attempt:
+                # What the controller needs to split this attempt's recovery time into its parts.
+                metrics |= restored.timing | {
+                    "restored_step": restored_step,
+                    "attempt_started_at": attempt_started,
+                    "first_step_at": time.time(),
+                }
+                events += restored.events
+            ray.train.report(metrics | _saves_report(saver.drain(), events))
+            if grow:
+                raise PlannedRegrow(f"room for more than {world_size} workers; regrowing from the checkpoint of step {state.step}")
+    finally:
+        watchdog.stop()
 
 
-def _build_and_restore(cfg: Config, plan, world_size: int, rank: int):
-    """The engine with the newest checkpoint loaded, the state saved with it, and how long
-    restoring and resharding took. A checkpoint saved at another world size is converted to
-    DeepSpeed's universal format first (once; the conversion is cached next to it)."""
-    reported = ray.train.get_checkpoint()
-    if reported is None:
-        engine = build_engine(cfg, plan, Transformer(cfg.model))
-        return engine, TrainState(world_size=world_size), {"restore_s": 0.0, "reshard_s": 0.0}
+def hang_dump_folder(cfg: Config) -> str:
+    return storage.join(storage.resolve(cfg.run.storage), cfg.run.name, "hangs")
 
+
+def checkpoint_stores(cfg: Config) -> list[str]:
+    """The checkpoint stores of the run, primary first."""
+    primary = cfg.checkpoint.store or storage.join(storage.resolve(cfg.run.storage), cfg.run.name, "checkpoints")
+    return [primary] + ([storage.resolve(cfg.checkpoint.replica)] if cfg.checkpoint.replica else [])
+
+
+@dataclass
+class _Restored:
+    candidate: Optional[Candidate]
+    timing: dict  # restore_s, reshard_s: the controller splits the recovery time with them
+    events: list[dict]  # committed checkpoints passed over, and why
+
+
+def _build_and_restore(cfg: Config, plan, world_size: int, rank: int, stores: list[str]):
+    """The engine with the newest good committed checkpoint loaded, the state saved with it,
+    and what the restore did. A checkpoint saved at another world size is converted to
+    DeepSpeed's universal format first (in a local store once, cached next to it, and maybe
+    already done ahead by the controller; otherwise in each rank's own copy)."""
     started = time.perf_counter()
-    with reported.as_directory() as folder:
-        state = TrainState.from_json(checkpoint.read_client_state(folder))
-        tag = checkpoint.latest_tag(folder)
-        reshard = state.world_size != world_size and cfg.deepspeed.zero_stage > 0
-        reshard_s = 0.0
+    local = tempfile.mkdtemp(prefix=f"wildtrain-restore-rank{rank}-")
+    try:
+        restored = restore(stores, local, rank=rank, world_size=world_size, agree=_all_ranks)
+        if restored is None:
+            engine = build_engine(cfg, plan, Transformer(cfg.model))
+            return engine, TrainState(world_size=world_size), _Restored(None, {"restore_s": 0.0, "reshard_s": 0.0}, [])
+        events = [{"event": "checkpoint_fallback", "at": time.time(), "store": s.store, "checkpoint": s.name,
+                   "step": s.step, "reason": s.reason} for s in restored.skipped]
+        state = TrainState.from_json(checkpoint.read_client_state(restored.folder))
+        tag = restored.manifest.tag
+        reshard = restored.manifest.world_size != world_size and cfg.deepspeed.zero_stage > 0
+        folder, reshard_s = restored.folder, 0.0
         if reshard:
-            with _rank_zero_first(rank):
-                reshard_started = time.perf_counter()
+            reshard_started = time.perf_counter()
+            if "://" not in restored.candidate.store:  # a shared local store: convert there, once
+                folder = storage.join(restored.candidate.store, restored.candidate.name)
+                with _rank_zero_first(rank):
+                    universal.convert(folder, tag)
+            else:
                 universal.convert(folder, tag)
-                reshard_s = time.perf_counter() - reshard_started
+            reshard_s = time.perf_counter() - reshard_started
         engine = build_engine(cfg, plan, Transformer(cfg.model), load_universal=reshard)
         (universal.load if reshard else checkpoint.load)(engine, folder, tag)
-    restore_s = time.perf_counter() - started - reshard_s
-    return engine, state, {"restore_s": restore_s, "reshard_s": reshard_s}
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    timing = {"restore_s": time.perf_counter() - started - reshard_s, "reshard_s": reshard_s}
+    return engine, state, _Restored(restored.candidate, timing, events)
+
+
+def _save(saver: AsyncSaver, engine, cfg: Config, state: TrainState, world_size: int, must_commit: bool) -> None:
+    """Capture this rank's part of the checkpoint and let it commit in the background; with
+    `must_commit` (the last step, a planned regrow) wait for the commit, and fail the
+    attempt if it did not happen, so the restart redoes the steps instead of losing them."""
+    policy = "queue" if must_commit else None
+    # Skipping is collective: one rank still busy with the previous save skips it for all.
+    skip = _any_rank(saver.admission(policy=policy).action == "skip")
+    meta = CheckpointMeta(step=state.step, tag=f"step_{state.step}", world_size=world_size,
+                          zero_stage=cfg.deepspeed.zero_stage, data_position={"step": state.step, "seed": cfg.train.seed},
+                          config_hash=config_hash(cfg))
+    saver.save_engine(engine, meta, state.to_json(), blocked_elsewhere=skip, policy=policy)
+    if must_commit and not saver.flush(cfg.checkpoint.timeout_s):
+        raise RuntimeError(f"the checkpoint of step {state.step} did not commit within checkpoint.timeout_s")
+
+
+def _saves_report(outcomes: list[SaveOutcome], events: list[dict]) -> dict:
+    """Metrics and events for the saves that ended since the last report: the controller
+    logs them (rank 0's), and converts each committed local checkpoint ahead of a resize."""
+    report = async_save.metrics(outcomes)
+    events = events + [
+        {"event": f"checkpoint_{o.status}", "at": time.time(), "step": o.step, "checkpoint": o.name,
+         "reason": o.reason, "failure": o.failure, "disk_full": str(o.disk_full) if o.disk_full else ""}
+        for o in outcomes if o.status != "saved"
+    ]
+    committed = [f"{store}/{o.name}" for o in outcomes if o.status in ("saved", "partial") for store in o.stored]
+    return report | {"events": events, "committed_checkpoints": committed}
+
+
+def _broadcast(value: str) -> str:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_ranks(ok: bool) -> bool:
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _any_rank(yes: bool) -> bool:
+    return not _all_ranks(not yes)
 
 
 @contextlib.contextmanager
@@ -185,10 +282,10 @@ def _peak(cfg: Config) -> Optional[Peak]:
 
 class _MetricsWindow:
     """Loss, throughput, MFU and where the time went since the last report: means per step
-    of `time/<phase>_s` (data wait from the stream, forward+backward, optimizer, checkpoint
+    of `time/<phase>_s` (data wait from the stream, forward, backward, optimizer, checkpoint
     stall); the loss is averaged over all ranks."""
 
-    PHASES = ("forward_backward", "optimizer", "checkpoint_stall")
+    PHASES = ("forward", "backward", "optimizer", "checkpoint_stall")
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, peak: Optional[Peak], world_size: int,
                  stream: RankStream) -> None:
@@ -197,9 +294,12 @@ class _MetricsWindow:
         self.peak = peak
         self.world_size = world_size
         self.stream = stream
+        self.busy_total_s = 0.0
         self._reset()
 
     def _reset(self) -> None:
+        if hasattr(self, "phase_s"):
+            self.busy_total_s += self.phase_s["forward"]
         self.loss_sum = torch.zeros(())
         self.micro_steps = 0
         self.optimizer_steps = 0
@@ -216,6 +316,12 @@ class _MetricsWindow:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # kernels run asynchronously; time them, not their launch
             self.phase_s[phase] += time.perf_counter() - started
+
+    @property
+    def busy_s(self) -> float:
+        """Forward time since the attempt started: a rank's own work. Backward and optimizer
+        steps end in collectives (gradient reductions), where fast ranks wait for slow ones."""
+        return self.busy_total_s + self.phase_s["forward"]
 
     def add_loss(self, loss: torch.Tensor) -> None:
         self.loss_sum += loss.detach().float().cpu()
@@ -243,3 +349,65 @@ class _MetricsWindow:
             metrics["mfu"] = mfu(self.flops_per_token, tokens_per_s, self.peak, self.world_size)
         self._reset()
         return metrics
+
+
+class _Monitor:
+    """Per-worker monitoring besides the metrics window: the new group's health check,
+    stragglers (every rank's forward time gathered every `monitor.straggler_every` steps,
+    judged on rank 0) and the live numbers
+    exported through Ray's metrics API, so the Ray dashboard shows them per worker."""
+
+    def __init__(self, cfg: Config, rank: int, world_size: int) -> None:
+        from ray.util.metrics import Gauge
+
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.detector = StragglerDetector(cfg.monitor.straggler_factor, cfg.monitor.straggler_patience)
+        self.nodes = [None] * world_size
+        dist.all_gather_object(self.nodes, ray.get_runtime_context().get_node_id())
+        self.busy_at_last_check = 0.0
+        self.events: list[dict] = self._preflight()
+        tags = {"run": cfg.run.name, "rank": str(rank)}
+        self.gauges = {
+            key: Gauge(f"wildtrain_{key.replace('/', '_')}", description=f"wildtrain {key} of the newest report",
+                       tag_keys=tuple(tags)).set_default_tags(tags)
+            for key in ("loss", "tokens_per_s", "step_time_s", "mfu", "time/data_wait_s")
+        }
+
+    def _preflight(self) -> list[dict]:
+        """The new group's health check (train/health.py); its events, on rank 0."""
+        cfg = self.cfg
+        device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.use_gpu else torch.device("cpu")
+        drill_s = cfg.chaos.slow_step_s if self.rank == cfg.chaos.slow_rank else 0.0
+        rates = [torch.zeros(1) for _ in range(self.world_size)]
+        dist.all_gather(rates, torch.tensor([health.measure_matmul(device, drill_s)]))
+        bandwidth = health.measure_allreduce(device)
+        if self.rank != 0:
+            return []
+        ranks = [health.RankHealth(r, self.nodes[r], float(rate)) for r, rate in enumerate(rates)]
+        return health.judge(ranks, bandwidth, cfg.monitor.health_min_ratio, time.time())
+
+    def step_done(self, step: int, busy_s: float) -> None:
+        if step % self.cfg.monitor.straggler_every:
+            return
+        busy = torch.tensor([busy_s - self.busy_at_last_check])
+        self.busy_at_last_check = busy_s
+        gathered = [torch.zeros(1) for _ in range(self.world_size)]
+        dist.all_gather(gathered, busy)
+        if self.rank != 0:
+            return
+        for slow in self.detector.observe([float(t) for t in gathered]):
+            event = {"event": "straggler", "at": time.time(), "step": step, "rank": slow.rank,
+                     "node": self.nodes[slow.rank], "factor": round(slow.factor, 2), "intervals": slow.intervals,
+                     "reason": f"rank {slow.rank} on node {self.nodes[slow.rank]} {slow.factor:.1f}x slower than the median"}
+            self.events.append(event)
+
+    def export(self, metrics: dict) -> None:
+        for key, gauge in self.gauges.items():
+            if key in metrics:
+                gauge.set(metrics[key])
+
+    def take_events(self) -> list[dict]:
+        events, self.events = self.events, []
+        return events

@@ -1,0 +1,25 @@
+from wildtrain.tracking.stragglers import Straggler, StragglerDetector
+
+
+def test_a_rank_slow_for_patience_intervals_is_flagged_once():
+    detector = StragglerDetector(factor=1.5, patience=3)
+    times = [1.0, 1.1, 2.0, 0.9]  # rank 2 is 2x the median (1.05)
+    assert detector.observe(times) == []
+    assert detector.observe(times) == []
+    (flag,) = detector.observe(times)
+    assert flag == Straggler(rank=2, factor=2.0 / 1.05, intervals=3)
+    assert detector.observe(times) == [], "flagged once per streak"
+
+
+def test_a_streak_that_breaks_starts_again():
+    detector = StragglerDetector(factor=1.5, patience=2)
+    assert detector.observe([1.0, 3.0, 1.0]) == []
+    assert detector.observe([1.0, 1.0, 1.0]) == []  # back to normal
+    assert detector.observe([1.0, 3.0, 1.0]) == []
+    assert [f.rank for f in detector.observe([1.0, 3.0, 1.0])] == [1]
+
+
+def test_uniformly_slow_ranks_are_not_stragglers():
+    detector = StragglerDetector(factor=1.2, patience=1)
+    assert detector.observe([5.0, 5.1, 4.9, 5.0]) == []
+    assert detector.observe([0.0, 0.0]) == []  # nothing measured yet
