@@ -270,3 +270,15 @@ def test_metrics_summarize_the_outcomes_since_the_last_report(store, make_saver)
     reported = metrics(saver.drain())
     assert reported["checkpoint/saved"] == 1.0 and reported["checkpoint/failed"] == 0.0
     assert reported["checkpoint/step"] == 10 and reported["checkpoint/bytes"] > 0 and reported["checkpoint/stall_s"] > 0
+
+
+def test_a_gated_save_commits_only_once_its_step_is_released(store, make_saver):
+    saver = make_saver(commit_when_released=True)
+    saver.save_state(meta(4), {"state.pt": state(1.0)})
+    assert not saver.flush(0.5), "uploaded, but waiting for the report of step 4 to be collected"
+    assert committed_steps(store) == []
+    saver.release(3)
+    assert not saver.flush(0.5)
+    saver.release(4)
+    assert saver.flush(WAIT_S)
+    assert committed_steps(store) == [4]

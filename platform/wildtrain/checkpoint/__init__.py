@@ -1,7 +1,8 @@
-"""DeepSpeed checkpoints with an opaque client state, laid out as one Ray Train checkpoint.
+"""DeepSpeed checkpoints with an opaque client state, in one folder per checkpoint.
 
-Every rank calls `save` into its own local folder and reports it to Ray Train, which merges
-the folders in storage: rank 0 contributes the model states, the `latest` tag file and the
+Every rank calls `save` into a folder of its own (captured into host memory by
+`async_save.AsyncSaver`, which uploads it to the checkpoint store and commits it with a
+manifest, see `manifest`): rank 0 contributes the model states, the `latest` tag file and the
 client state; every rank its own ZeRO optimizer partition. This module knows nothing of
 what the client state means.
 """

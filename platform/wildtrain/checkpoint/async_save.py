@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import math
 import shutil
 import threading
 import time
@@ -240,7 +241,7 @@ class AsyncSaver:
     def __init__(self, stores: Sequence[StoreLike], staging_dir: str, *, rank: int, world_size: int, attempt: str,
                  policy: Policy = "skip", timeout_s: float = 1800.0, verify_upload: bool = True,
                  retention: Optional[RetentionPolicy] = None, known_good: Iterable[tuple[str, str]] = (),
-                 disk_free: Callable[[str], Optional[int]] = _disk_free) -> None:
+                 disk_free: Callable[[str], Optional[int]] = _disk_free, commit_when_released: bool = False) -> None:
         if policy not in ("skip", "queue"):
             raise ValueError(f"checkpoint save policy {policy!r}: expected 'skip' or 'queue'")
         if not stores:
@@ -265,6 +266,9 @@ class AsyncSaver:
         self._queued: Optional[_Job] = None
         self._outcomes: list[SaveOutcome] = []
         self._closing = threading.Event()
+        # With `commit_when_released`, rank 0 commits a save only once `release` covers its
+        # step (see `release`); otherwise as soon as every rank's files are in.
+        self._released = -1 if commit_when_released else math.inf
         self._thread = threading.Thread(target=self._work, name=f"wildtrain-checkpoint-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -329,6 +333,15 @@ class AsyncSaver:
         job.stall_s = time.perf_counter() - started
         self._enqueue(job)
         return admission
+
+    def release(self, step: int) -> None:
+        """Let saves of steps up to `step` commit. The training loop calls it once the
+        controller has collected its reports up to `step`: a checkpoint committed before its
+        step's metrics reached the controller could be restored after a crash with those
+        metrics lost for good."""
+        with self._cond:
+            self._released = max(self._released, step)
+            self._cond.notify_all()
 
     def drain(self) -> list[SaveOutcome]:
         """The outcomes recorded since the last call, oldest first."""
@@ -501,6 +514,11 @@ class AsyncSaver:
         job.doing = f"waiting for the other ranks' parts of {store.describe(job.name)}"
         everything = collect_parts(store, job.name, self.world_size, deadline=deadline, wait=self._closing.wait)
         meta = job.meta
+        job.doing = f"waiting for the report of step {meta.step} to be collected"
+        with self._cond:
+            while self._released < meta.step:
+                check_deadline(deadline, job.doing)
+                self._cond.wait(timeout=1.0)
         commit(store, job.name, step=meta.step, tag=meta.tag, world_size=meta.world_size, zero_stage=meta.zero_stage,
                files=everything, data_position=meta.data_position, config_hash=meta.config_hash)
         if self.verify_upload:

@@ -59,8 +59,9 @@ def train_loop(config: dict) -> None:
         stores, cfg.checkpoint.staging_dir, rank=rank, world_size=world_size, attempt=_broadcast(new_attempt_token()),
         policy=cfg.checkpoint.policy, timeout_s=cfg.checkpoint.timeout_s, verify_upload=cfg.checkpoint.verify_upload,
         retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
-        known_good=[restored.candidate.key] if restored.candidate else [],
+        known_good=[restored.candidate.key] if restored.candidate else [], commit_when_released=True,
     )
+    reported_step = state.step  # the newest step whose report the controller has for sure
     # The data position is the step: the stream starts where the restored model stopped.
     stream = RankStream(data.datasets, cfg, rank, world_size, from_step=state.step)
     samples = _SampleRecorder(cfg, rank) if cfg.data.record_samples else None
@@ -122,6 +123,9 @@ def train_loop(config: dict) -> None:
                 }
                 events += restored.events
             ray.train.report(metrics | _saves_report(saver.drain(), events))
+            # Ray's result queue holds one report: this one is in, so the previous one is out.
+            saver.release(reported_step)
+            reported_step = state.step
             if grow:
                 raise PlannedRegrow(f"room for more than {world_size} workers; regrowing from the checkpoint of step {state.step}")
     finally:
@@ -191,6 +195,8 @@ def _save(saver: AsyncSaver, engine, cfg: Config, state: TrainState, world_size:
                           zero_stage=cfg.deepspeed.zero_stage, data_position={"step": state.step, "seed": cfg.train.seed},
                           config_hash=config_hash(cfg))
     saver.save_engine(engine, meta, state.to_json(), blocked_elsewhere=skip, policy=policy)
+    if must_commit:
+        saver.release(state.step)  # the last report, or the regrow's, follows right after
     if must_commit and not saver.flush(cfg.checkpoint.timeout_s):
         raise RuntimeError(f"the checkpoint of step {state.step} did not commit within checkpoint.timeout_s")
 
