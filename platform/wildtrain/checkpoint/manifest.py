@@ -38,6 +38,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import pyarrow.fs as pafs
 
 from wildtrain import storage
+from wildtrain.config import StorageConfig
 
 MANIFEST = "manifest.json"
 PARTS_DIR = "_parts"
@@ -109,8 +110,8 @@ class Store:
     uri: str  # for messages
 
     @classmethod
-    def from_uri(cls, uri: str) -> "Store":
-        fs, root = storage.filesystem(uri)
+    def from_uri(cls, uri: str, config: Optional[StorageConfig] = None) -> "Store":
+        fs, root = storage.filesystem(uri, config)
         return cls(fs, root.rstrip("/"), storage.resolve(uri))
 
     def path(self, *parts: str) -> str:

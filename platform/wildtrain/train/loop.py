@@ -26,7 +26,7 @@ from wildtrain import checkpoint, storage
 from wildtrain.batching import batch_plan
 from wildtrain.checkpoint import async_save, universal
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta, SaveOutcome
-from wildtrain.checkpoint.manifest import Candidate, new_attempt_token, restore
+from wildtrain.checkpoint.manifest import Candidate, Store, new_attempt_token, restore
 from wildtrain.checkpoint.retention import RetentionPolicy
 from wildtrain.config import Config, config_hash
 from wildtrain.data.stream import RankStream
@@ -136,10 +136,11 @@ def hang_dump_folder(cfg: Config) -> str:
     return storage.join(storage.resolve(cfg.run.storage), cfg.run.name, "hangs")
 
 
-def checkpoint_stores(cfg: Config) -> list[str]:
-    """The checkpoint stores of the run, primary first."""
+def checkpoint_stores(cfg: Config) -> list[Store]:
+    """The checkpoint stores of the run, primary first, reached with the run's storage config."""
     primary = cfg.checkpoint.store or storage.join(storage.resolve(cfg.run.storage), cfg.run.name, "checkpoints")
-    return [primary] + ([storage.resolve(cfg.checkpoint.replica)] if cfg.checkpoint.replica else [])
+    uris = [primary] + ([cfg.checkpoint.replica] if cfg.checkpoint.replica else [])
+    return [Store.from_uri(uri, cfg.storage) for uri in uris]
 
 
 @dataclass
@@ -149,7 +150,7 @@ class _Restored:
     events: list[dict]  # committed checkpoints passed over, and why
 
 
-def _build_and_restore(cfg: Config, plan, world_size: int, rank: int, stores: list[str]):
+def _build_and_restore(cfg: Config, plan, world_size: int, rank: int, stores: list[Store]):
     """The engine with the newest good committed checkpoint loaded, the state saved with it,
     and what the restore did. A checkpoint saved at another world size is converted to
     DeepSpeed's universal format first (in a local store once, cached next to it, and maybe
@@ -300,12 +301,12 @@ class _MetricsWindow:
         self.peak = peak
         self.world_size = world_size
         self.stream = stream
-        self.busy_total_s = 0.0
+        # Forward time since the attempt started: a rank's own work, for straggler checks.
+        # Backward and optimizer steps end in gradient reductions, where fast ranks wait.
+        self.busy_s = 0.0
         self._reset()
 
     def _reset(self) -> None:
-        if hasattr(self, "phase_s"):
-            self.busy_total_s += self.phase_s["forward"]
         self.loss_sum = torch.zeros(())
         self.micro_steps = 0
         self.optimizer_steps = 0
@@ -321,13 +322,11 @@ class _MetricsWindow:
         finally:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # kernels run asynchronously; time them, not their launch
-            self.phase_s[phase] += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self.phase_s[phase] += elapsed
+            if phase == "forward":
+                self.busy_s += elapsed
 
-    @property
-    def busy_s(self) -> float:
-        """Forward time since the attempt started: a rank's own work. Backward and optimizer
-        steps end in collectives (gradient reductions), where fast ranks wait for slow ones."""
-        return self.busy_total_s + self.phase_s["forward"]
 
     def add_loss(self, loss: torch.Tensor) -> None:
         self.loss_sum += loss.detach().float().cpu()
