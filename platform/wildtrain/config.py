@@ -190,6 +190,10 @@ class MonitorConfig:
     # A rank whose matmul rate in the pre-flight check of a new worker group is below this
     # share of the group's median fails the check (a `health` event in MLflow).
     health_min_ratio: float = 0.5
+    # Leave the nodes that fail the pre-flight check out of the run: the group re-forms
+    # without them (a Ray label selector on node ids), unless that would leave fewer than
+    # elastic.min_workers workers. Off: a failed check is only recorded.
+    exclude_unhealthy: bool = False
     # No optimizer step for this long: dump every thread's stack and fail the attempt, so the
     # group restarts from the last checkpoint (0: off). Mind long first steps (compilation).
     hang_timeout_s: float = 600.0
@@ -199,9 +203,14 @@ class MonitorConfig:
 class ChaosConfig:
     """Faults injected on purpose, for drills and tests; off by default."""
 
-    # This rank sleeps `slow_step_s` in every step's forward pass (-1: none).
+    # This rank sleeps `slow_step_s` in every step's forward pass and health-check matmul
+    # (-1: none); so does every rank on a node that carries the Ray label `slow_node_label`.
     slow_rank: int = -1
+    slow_node_label: Optional[str] = None
     slow_step_s: float = 0.0
+
+    def slows(self, rank: int, node_labels: dict[str, str]) -> bool:
+        return rank == self.slow_rank or (self.slow_node_label is not None and self.slow_node_label in node_labels)
 
 
 @dataclass
@@ -299,6 +308,8 @@ def validate(cfg: Config) -> None:
     if cfg.checkpoint.policy not in ("skip", "queue"):
         raise ConfigError(f"checkpoint.policy: expected 'skip' or 'queue', got {cfg.checkpoint.policy!r}")
     positive("elastic.min_workers", cfg.elastic.min_workers)
+    # A worker that holds nothing would fit any node any number of times.
+    positive("cluster.cpus_per_worker", cfg.cluster.cpus_per_worker)
     if cfg.elastic.max_workers < cfg.elastic.min_workers:
         raise ConfigError(
             f"elastic.max_workers: {cfg.elastic.max_workers} is below elastic.min_workers "

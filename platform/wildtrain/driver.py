@@ -80,13 +80,8 @@ def run(cfg: Config) -> RunSummary:
             failure_config=elastic.failure_config(cfg),
             callbacks=[
                 ProgressCallback(cfg.train.steps),
-                MlflowCallback(cfg.tracking.uri, run_id, elastic.is_planned_regrow, hang_dump_folder(cfg), cfg.storage),
-                elastic.ElasticPolicy(
-                    cfg.cluster.capacity_wait_s,
-                    cfg.elastic.resize_check_interval_s,
-                    cfg.elastic.max_failures,
-                    reshard_ahead=cfg.cluster.reshard_ahead and cfg.deepspeed.zero_stage > 0,
-                ),
+                MlflowCallback(cfg.tracking.uri, run_id, elastic.classify_restart, hang_dump_folder(cfg), cfg.storage),
+                elastic.ElasticPolicy(cfg),
             ],
             worker_runtime_env={"env_vars": elastic.worker_env(cfg)},
             # Ray Train's per-report INFO lines would drown the progress lines.

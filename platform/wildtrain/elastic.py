@@ -3,22 +3,27 @@
 Ray Train restarts the group at whatever size in [min_workers, max_workers] the cluster
 can hold; the training loop re-plans its batch for that size. What is tuned here is how
 quickly that happens: how long a group start may wait for a dead node's worker, and how
-often a healthy but smaller group looks for room to grow.
+often a healthy but smaller group looks for room to grow, and which nodes a group may not
+use because they failed its health check.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import threading
 import time
 
 import ray
+from ray.experimental import internal_kv
 from ray.train import FailureConfig, ScalingConfig
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, WorkerGroupCallback
 from ray.train.v2.api.exceptions import WorkerGroupError
 
 from wildtrain.checkpoint import latest_tag, universal
 from wildtrain.config import Config
+from wildtrain.tracking.timeline import Restart
 
 # Ray Data's read and tokenize tasks need CPUs the training workers do not hold;
 # without one to spare the data pipeline waits forever.
@@ -36,15 +41,79 @@ class PlannedRegrow(RuntimeError):
     lose the steps since the last checkpoint.) Not counted against elastic.max_failures."""
 
 
-def is_planned_regrow(error: BaseException | None) -> bool:
-    """Whether the controller's error for a restart is the workers' PlannedRegrow. Ray wraps
-    the workers' exceptions and keeps only their text."""
-    return error is not None and PlannedRegrow.__name__ in str(error)
+class UnhealthyNodes(RuntimeError):
+    """Raised by every worker of a group whose pre-flight health check failed nodes, with
+    monitor.exclude_unhealthy on: the controller leaves those nodes out and the group
+    re-forms without them. Ray keeps only the text of workers' exceptions, so the check's
+    results ride in it, as one JSON line after `MARKER`."""
+
+    MARKER = "wildtrain-health-check:"
+
+    def __init__(self, nodes: list[str], checks: list[dict]) -> None:
+        super().__init__(
+            f"the health check failed on node(s) {', '.join(nodes)}; re-forming the group without them "
+            f"(monitor.exclude_unhealthy)\n{self.MARKER} {json.dumps({'nodes': nodes, 'checks': checks})}"
+        )
+        self.nodes, self.checks = nodes, checks
+
+    def __reduce__(self):  # Ray pickles it to the controller; the default would pass only the text
+        return type(self), (self.nodes, self.checks)
 
 
-def has_room_for_another_worker(per_worker: dict[str, float]) -> bool:
-    available = ray.available_resources()
-    return all(available.get(name, 0) >= amount for name, amount in per_worker.items())
+def classify_restart(error: BaseException | None) -> Restart:
+    """Why the controller is restarting the group, from its error: Ray's summary of the
+    workers' exceptions (truncated), and each worker's own traceback text, whole."""
+    text = str(error).strip() if error is not None else ""
+    per_worker = "\n".join(str(failure) for failure in getattr(error, "worker_failures", {}).values())
+    if PlannedRegrow.__name__ in text + per_worker:
+        return Restart("resize", "room for more workers", planned=True)
+    # Every rank raises UnhealthyNodes; only rank 0's carries the check's results.
+    found = [json.loads(m) for m in re.findall(rf"^{re.escape(UnhealthyNodes.MARKER)} (\{{.*\}})$", per_worker, re.MULTILINE)]
+    if found:
+        nodes = sorted({node for f in found for node in f["nodes"]})
+        at = time.time()
+        excluded = [{"event": "node_excluded", "at": at, "node": node, "reason": "failed the pre-flight health check"}
+                    for node in nodes]
+        return Restart("failure", f"health check failed on node(s) {', '.join(nodes)}; left out of the run",
+                       planned=True, events=[check for f in found for check in f["checks"]] + excluded)
+    return Restart("failure", text.splitlines()[0][:500] if text else "", planned=False)
+
+
+def excluded_nodes(run_name: str) -> set[str]:
+    """The nodes left out of this run, in Ray's key-value store: the controller writes them,
+    every worker group reads them when it looks for room to grow."""
+    value = internal_kv._internal_kv_get(_exclusion_key(run_name), namespace=_KV_NAMESPACE)
+    return set(json.loads(value)) if value else set()
+
+
+def exclude_nodes(run_name: str, nodes: set[str]) -> None:
+    nodes = excluded_nodes(run_name) | nodes
+    internal_kv._internal_kv_put(_exclusion_key(run_name), json.dumps(sorted(nodes)), overwrite=True,
+                                 namespace=_KV_NAMESPACE)
+
+
+_KV_NAMESPACE = "wildtrain"
+
+
+def _exclusion_key(run_name: str) -> str:
+    return f"excluded_nodes/{run_name}"
+
+
+def workers_that_fit(nodes: dict[str, dict[str, float]], per_worker: dict[str, float], excluded: set[str]) -> int:
+    """How many workers the nodes (id → resources) hold, leaving out the excluded ones."""
+    return sum(
+        min(int(resources.get(name, 0) // amount) for name, amount in per_worker.items() if amount > 0)
+        for node, resources in nodes.items()
+        if node not in excluded
+    )
+
+
+def has_room_for_another_worker(per_worker: dict[str, float], excluded: set[str]) -> bool:
+    """Whether one node that is not excluded has a worker's resources free (Ray has no public
+    per-node view of what is free)."""
+    from ray._private.state import available_resources_per_node
+
+    return workers_that_fit(available_resources_per_node(), per_worker, excluded) > 0
 
 
 def refresh_resource_view() -> None:
@@ -72,20 +141,23 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
       the next resize check;
     - with `reshard_ahead`, convert each committed checkpoint to the universal format in a
       background thread (one at a time), so a resize restores without converting;
+    - leave out the nodes a group's health check failed (`UnhealthyNodes`): later groups
+      get a label selector that avoids them and are sized for the nodes that are left;
     - end the run when no worker group has run for `capacity_wait_s` (every node gone, say)
       instead of retrying forever, or after more than `max_failures` failures that were not
       planned regrows (-1: no limit). The error ends the run like any non-retryable
       failure; its checkpoints stay where they are.
     """
 
-    def __init__(self, capacity_wait_s: float, refresh_interval_s: float, max_failures: int,
-                 reshard_ahead: bool, node_grace_s: float = 5.0) -> None:
-        self.capacity_wait_s = capacity_wait_s
-        self.reshard_ahead = reshard_ahead
+    def __init__(self, cfg: Config, node_grace_s: float = 5.0) -> None:
+        self.run_name = cfg.run.name
+        self.min_workers = cfg.elastic.min_workers
+        self.capacity_wait_s = cfg.cluster.capacity_wait_s
+        self.reshard_ahead = cfg.cluster.reshard_ahead and cfg.deepspeed.zero_stage > 0
         self._converting: threading.Thread | None = None
-        self.max_failures = max_failures
+        self.max_failures = cfg.elastic.max_failures
         self.failures = 0
-        self.refresh_interval_s = refresh_interval_s
+        self.refresh_interval_s = cfg.elastic.resize_check_interval_s
         self.node_grace_s = node_grace_s
         self.group_nodes: set[str] = set()
         self.last_running = time.monotonic()
@@ -123,6 +195,19 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
     def after_worker_group_start(self, worker_group) -> None:
         self.group_nodes = {w.metadata.node_id for w in worker_group.get_workers()}
 
+    def before_controller_execute_resize_decision(self, resize_decision) -> None:
+        # Ray sizes the group by every live node's resources; the excluded ones hold none of
+        # its workers. (Below min_workers the start waits for capacity, as for dead nodes.)
+        excluded = excluded_nodes(self.run_name)
+        if excluded:
+            alive = {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
+            fit = workers_that_fit(alive, resize_decision.resources_per_worker, excluded)
+            resize_decision.num_workers = max(self.min_workers, min(resize_decision.num_workers, fit))
+
+    def on_controller_start_worker_group(self, *, scaling_config, num_workers: int) -> dict[str, str] | None:
+        excluded = excluded_nodes(self.run_name)
+        return {"ray.io/node-id": f"!in({','.join(sorted(excluded))})"} if excluded else None
+
     def after_controller_state_update(self, previous_state, current_state) -> None:
         name = current_state._state_type.state_name
         if name in ("RUNNING", "INITIALIZING"):
@@ -130,15 +215,18 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
             return
         if name == "RESTARTING":
             error = current_state.training_failed_error
-            cause = str(error)
+            restart = classify_restart(error)
+            newly_excluded = {e["node"] for e in restart.events if e["event"] == "node_excluded"}
+            if newly_excluded:
+                exclude_nodes(self.run_name, newly_excluded)
             # Like Ray's own policy, only workers' failures count; a group that could not
             # start in time is the capacity wait's business.
-            if isinstance(error, WorkerGroupError) and not is_planned_regrow(error):
+            if isinstance(error, WorkerGroupError) and not restart.planned:
                 self.failures += 1
                 if 0 <= self.max_failures < self.failures:
                     raise RuntimeError(
                         f"elastic.max_failures: {self.failures} failures, more than the {self.max_failures} "
-                        f"allowed; the last: {cause.strip().splitlines()[0][:300]}"
+                        f"allowed; the last: {restart.cause[:300]}"
                     )
                 self._wait_for_lost_nodes()
             refresh_resource_view()
@@ -185,7 +273,8 @@ def worker_env(cfg: Config) -> dict[str, str]:
 
 
 def worker_resources(cfg: Config) -> dict[str, float]:
-    return {"CPU": cfg.cluster.cpus_per_worker, **cfg.cluster.worker_resources}
+    gpu = {"GPU": 1} if cfg.cluster.use_gpu else {}
+    return {"CPU": cfg.cluster.cpus_per_worker, **gpu, **cfg.cluster.worker_resources}
 
 
 def wait_for_capacity(cfg: Config) -> None:
@@ -193,8 +282,6 @@ def wait_for_capacity(cfg: Config) -> None:
     otherwise fail after `cluster.capacity_wait_s` instead of letting Ray wait forever."""
     need = {name: amount * cfg.elastic.min_workers for name, amount in worker_resources(cfg).items()}
     need["CPU"] += DATA_CPUS
-    if cfg.cluster.use_gpu:
-        need["GPU"] = cfg.elastic.min_workers
     deadline = time.monotonic() + cfg.cluster.capacity_wait_s
     while True:
         total = ray.cluster_resources()

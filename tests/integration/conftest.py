@@ -50,7 +50,10 @@ def ray_cluster(tmp_path_factory, object_store):
             "include_dashboard": True,
             "dashboard_host": services.HOST,
             "dashboard_port": services.free_port(),
-            "_system_config": services.NODE_HEALTH_CHECKS,
+            # The Prometheus endpoint that workers' `ray.util.metrics` reach (the dashboard's
+            # source), refreshed every second rather than every 10.
+            "metrics_export_port": services.free_port(),
+            "_system_config": {**services.NODE_HEALTH_CHECKS, "metrics_report_interval_ms": 1000},
         },
     )
     ray.init(address=cluster.address)

@@ -1,11 +1,15 @@
-"""Bad ranks on a real run: one made slow is flagged as a straggler; one stopped with SIGSTOP
-makes the others' hang watchdogs dump their stacks and fail the attempt, which restarts."""
+"""Bad ranks on a real run: one made slow is flagged as a straggler; a node made slow fails the
+pre-flight health check and is left out, and the group re-forms without it; one rank
+stopped with SIGSTOP makes the others' hang watchdogs dump their stacks and fail the
+attempt, which restarts."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -18,10 +22,31 @@ from wildtrain.tracking.mlflow_run import read_events
 pytestmark = pytest.mark.integration
 
 
+def _ray_gauges(metrics_port: int, name: str, run: str) -> dict[str, float]:
+    """rank → value of the gauge `name` of the run, as Ray's Prometheus endpoint shows it now."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values = {}
+    for labels, value in re.findall(rf"^ray_{name}\{{(.*?)\}} (\S+)$", text, re.MULTILINE):
+        tags = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if tags.get("run") == run:
+            values[tags["rank"]] = float(value)
+    return values
+
+
 def test_a_slow_rank_is_flagged_as_a_straggler(ray_cluster, tiny_config, mlflow_url, tmp_path):
     cfg = tiny_config("train.steps=12", "chaos.slow_rank=1", "chaos.slow_step_s=0.15", "monitor.straggler_every=2",
                       "monitor.straggler_patience=2", "monitor.straggler_factor=1.5")
-    summary = driver.run(cfg)
+    run = BackgroundRun(cfg)
+    # While it trains, every worker's live numbers reach Ray's metrics endpoint (and so the
+    # dashboard); a worker's series goes a few seconds after the worker does.
+    port = ray_cluster.head_node.metrics_export_port
+    deadline = time.monotonic() + 300
+    while len(losses := _ray_gauges(port, "wildtrain_loss", cfg.run.name)) < 2 and run.thread.is_alive():
+        assert time.monotonic() < deadline, "no wildtrain_loss gauges on Ray's metrics endpoint"
+        time.sleep(0.5)
+    assert set(losses) == {"0", "1"} and all(0 < loss < 10 for loss in losses.values())
+    summary = run.join(600)
     events = [e for e in read_events(mlflow_url, summary.run_id, str(tmp_path)) if e["event"] == "straggler"]
     assert events, "rank 1 slept in every forward pass"
     assert {e["rank"] for e in events} == {1}
@@ -31,6 +56,43 @@ def test_a_slow_rank_is_flagged_as_a_straggler(ray_cluster, tiny_config, mlflow_
     matmul = {e["rank"]: e["passed"] for e in checks if e["check"] == "matmul"}
     assert matmul == {0: True, 1: False}
     assert any(e["check"] == "allreduce" for e in checks)
+
+
+# Only the added nodes offer it, so the training workers run there, one per node.
+WORKER_SLOT = "wildtrain_worker"
+SLOW_LABEL = "wildtrain-drill-slow"
+
+
+@pytest.fixture
+def three_nodes_one_slow(ray_cluster):
+    """Three worker nodes; the one labelled SLOW_LABEL is slowed by the chaos drill."""
+    slow = ray_cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1}, labels={SLOW_LABEL: "yes"})
+    healthy = [ray_cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1}) for _ in range(2)]
+    ray_cluster.wait_for_nodes()
+    yield slow.node_id, {node.node_id for node in healthy}
+    for node in [slow, *healthy]:
+        ray_cluster.remove_node(node)
+
+
+def test_a_node_failing_the_health_check_is_left_out_and_the_group_reforms_without_it(
+    three_nodes_one_slow, tiny_config, mlflow_url, tmp_path
+):
+    slow, healthy = three_nodes_one_slow
+    cfg = tiny_config("train.global_batch_size=12", "elastic.max_workers=3", f"cluster.worker_resources.{WORKER_SLOT}=1",
+                      "monitor.exclude_unhealthy=true", f"chaos.slow_node_label={SLOW_LABEL}", "chaos.slow_step_s=0.2")
+    summary = driver.run(cfg)
+
+    events = read_events(mlflow_url, summary.run_id, str(tmp_path))
+    assert [e["node"] for e in events if e["event"] == "node_excluded"] == [slow]
+    checks = [e for e in events if e["event"] == "health" and e["check"] == "matmul"]
+    # The first group ran on all three nodes and failed only the slow one; the group that
+    # trained ran on the two others and passed.
+    assert sorted((e["node"] == slow, e["passed"]) for e in checks) == [(False, True)] * 4 + [(True, False)]
+    assert {e["node"] for e in checks} == healthy | {slow}
+    history = MlflowClient(mlflow_url).get_metric_history(summary.run_id, "world_size")
+    assert {m.value for m in history} == {2}
+    assert summary.final_metrics["step"] == cfg.train.steps
+    assert "elastic/failure" in summary.final_metrics, "the re-forming is on the run's timeline"
 
 
 def _train_workers(started_after: float) -> list[psutil.Process]:
@@ -49,7 +111,8 @@ def test_a_stopped_rank_is_detected_as_a_hang_and_the_attempt_restarts(ray_clust
     run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6", 300)
     workers = _train_workers(started)
     assert len(workers) == 2, [w.cmdline() for w in workers]
-    os.kill(workers[1].pid, signal.SIGSTOP)  # alive but silent: its peer waits in a collective
+    stopped = workers[1]
+    os.kill(stopped.pid, signal.SIGSTOP)  # alive but silent: its peer waits in a collective
     try:
         summary = run.join(600)
     finally:
@@ -59,6 +122,9 @@ def test_a_stopped_rank_is_detected_as_a_hang_and_the_attempt_restarts(ray_clust
     events = read_events(mlflow_url, summary.run_id, str(tmp_path))
     hangs = [e for e in events if e["event"] == "hang"]
     assert hangs and "no optimizer step for" in hangs[0]["reason"]
+    # The stopped rank cannot dump its own stacks; the event names it as the silent one.
+    assert [r["pid"] for r in hangs[0]["silent_ranks"]] == [stopped.pid]
+    assert f"pid {stopped.pid}" in hangs[0]["reason"]
     dumps = [a.path for a in MlflowClient(mlflow_url).list_artifacts(summary.run_id, "hangs")]
     assert dumps, "the watchdog's stacks are attached to the run"
     text = MlflowClient(mlflow_url).download_artifacts(summary.run_id, dumps[0], str(tmp_path))

@@ -1,6 +1,6 @@
 import torch
 
-from wildtrain.train.health import RankHealth, judge, measure_matmul
+from wildtrain.train.health import RankHealth, judge, measure_matmul, nodes_to_exclude
 
 
 def test_a_rank_far_below_the_median_fails_the_matmul_check():
@@ -18,3 +18,15 @@ def test_matmul_rate_is_positive_and_a_drill_slows_it():
     fast = measure_matmul(device)
     slow = measure_matmul(device, extra_s=0.05)
     assert fast > 0 and slow < fast
+
+
+def _matmul(node: str, passed: bool, rank: int = 0) -> dict:
+    return {"event": "health", "check": "matmul", "rank": rank, "node": node, "passed": passed}
+
+
+def test_the_nodes_of_failed_ranks_are_excluded_while_enough_ranks_remain():
+    events = [_matmul("a", True, 0), _matmul("b", False, 1), _matmul("b", False, 2), _matmul("c", True, 3),
+              {"event": "health", "check": "allreduce", "rank": -1, "node": "group", "passed": True}]
+    assert nodes_to_exclude(events, min_workers=2) == ["b"]
+    assert nodes_to_exclude(events, min_workers=3) == [], "leaving b out would leave 2 ranks, fewer than 3"
+    assert nodes_to_exclude([_matmul("a", True), _matmul("c", True, 1)], min_workers=1) == []

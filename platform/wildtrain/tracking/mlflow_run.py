@@ -8,6 +8,7 @@ second MLflow run.
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -19,7 +20,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Report
 
 from wildtrain import storage
 from wildtrain.config import Config, StorageConfig, flatten, to_yaml
-from wildtrain.tracking.timeline import Timeline
+from wildtrain.tracking.timeline import Restart, Timeline
 
 EVENTS_DIR = "events"
 CLUSTER_TAG = "wildtrain.cluster"
@@ -29,6 +30,9 @@ TRAINING_METRICS = (
     "step", "loss", "lr", "tokens_seen", "tokens_per_s", "step_time_s", "world_size", "epoch", "mfu",
     "time/data_wait_s", "time/forward_s", "time/backward_s", "time/optimizer_s", "time/checkpoint_stall_s",
 )
+
+# The watchdog's dump file names: <time>-rank<r>.txt.
+_DUMP_RANK = re.compile(r"-rank(\d+)\.txt$")
 
 # MLflow caps a batch at 100 params and a param value at 6000 characters.
 _PARAMS_PER_BATCH = 100
@@ -110,15 +114,16 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
     It uses Ray Train's developer callback hooks rather than `UserCallback`, which sees
     reports but not the controller's state changes that mark failures and resizes."""
 
-    def __init__(self, uri: str, run_id: str, is_planned_regrow: Callable[[BaseException | None], bool],
+    def __init__(self, uri: str, run_id: str, classify_restart: Callable[[BaseException | None], Restart],
                  hang_dumps: str, storage_config: StorageConfig) -> None:
         self.uri = uri
         self.run_id = run_id
-        self.is_planned_regrow = is_planned_regrow
+        self.classify_restart = classify_restart
         self.hang_dumps = hang_dumps  # where workers' hang watchdogs write their stacks
         self.storage_config = storage_config
         self._attached: set[str] = set()
         self.timeline = Timeline()
+        self.worker_pids: list[int] = []  # by rank, of the newest group
         self._client = None
 
     @property
@@ -130,27 +135,30 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
         return self._client
 
     def after_worker_group_start(self, worker_group) -> None:
-        nodes = [w.metadata.node_id for w in worker_group.get_workers()]
+        workers = sorted(worker_group.get_workers(), key=lambda w: w.distributed_context.world_rank)
+        nodes = [w.metadata.node_id for w in workers]
+        self.worker_pids = [w.metadata.pid for w in workers]
         self.timeline.group_started(nodes)
         # Node-seconds in service, for the cluster card's failures per node-day.
         self.client.log_metric(self.run_id, "elastic/nodes", len(set(nodes)), step=self.timeline.last_step)
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
-        kind = {"RESTARTING": "failure", "RESCHEDULING": "failure", "RESIZING": "resize"}.get(
-            current_state._state_type.state_name
-        )
+        state = current_state._state_type.state_name
+        kind = {"RESTARTING": "failure", "RESCHEDULING": "failure", "RESIZING": "resize"}.get(state)
         if kind is None:
             return
-        error = getattr(current_state, "training_failed_error", None)
-        cause = str(error).strip().splitlines()[0][:500] if error else ""
-        if self.is_planned_regrow(error):
-            kind, cause = "resize", "room for more workers"
-        event = self.timeline.interrupted(kind, time.time(), cause)
+        restart = self.classify_restart(getattr(current_state, "training_failed_error", None))
+        if kind == "failure":
+            kind = restart.kind
+        event = self.timeline.interrupted(kind, time.time(), restart.cause)
         if event is not None:
             self._log_event(event, event["last_step"])
             self.client.log_metric(self.run_id, "elastic/nodes", 0, step=event["last_step"])
-            self._attach_hang_dumps(event["last_step"])
-            print(f"{kind} after step {event['last_step']} at world size {event['world_size']}: {cause}", flush=True)
+            self._attach_hang_dumps(event["last_step"], event["nodes"])
+            print(f"{kind} after step {event['last_step']} at world size {event['world_size']}: {restart.cause}", flush=True)
+        if state == "RESTARTING":  # once per failed group, even within one outage
+            for carried in restart.events:  # a failed health check's results, the nodes left out
+                self._log_event(carried, self.timeline.last_step)
 
     def after_report(self, training_report, metrics) -> None:
         from mlflow.entities import Metric
@@ -181,18 +189,30 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
             self.client.set_tag(self.run_id, "wildtrain.last_checkpoint", committed)
         self.client.log_batch(self.run_id, metrics=values)
 
-    def _attach_hang_dumps(self, step: int) -> None:
-        """Stacks a hang watchdog wrote before it failed the attempt: artifacts under hangs/."""
+    def _attach_hang_dumps(self, step: int, nodes: list[str]) -> None:
+        """Stacks the hang watchdogs wrote before they failed the attempt, as artifacts under
+        hangs/, and one `hang` event. A rank that wrote none could not run its watchdog
+        (stopped, or stuck outside Python with the GIL held): the event names it, since it
+        is the likeliest cause of the others' wait."""
         _, paths = storage.list_files(self.hang_dumps, self.storage_config)
-        for path in paths:
-            name = path.rsplit("/", 1)[-1]
-            if name in self._attached:
-                continue
+        dumps = sorted(name for name in (path.rsplit("/", 1)[-1] for path in paths) if name not in self._attached)
+        if not dumps:
+            return
+        reasons = []
+        for name in dumps:
             self._attached.add(name)
             text = storage.read_text(storage.join(self.hang_dumps, name), self.storage_config) or ""
             self.client.log_text(self.run_id, text, f"hangs/{name}")
-            self._log_event({"event": "hang", "at": time.time(), "dump": f"hangs/{name}",
-                             "reason": text.splitlines()[0] if text else ""}, step)
+            reasons.append(text.splitlines()[0] if text else "")
+        dumped = {int(found.group(1)) for found in map(_DUMP_RANK.search, dumps) if found}
+        silent = [{"rank": rank, "node": node, "pid": self.worker_pids[rank] if rank < len(self.worker_pids) else None}
+                  for rank, node in enumerate(nodes) if rank not in dumped]
+        reason = reasons[0] + "".join(
+            f"; rank {s['rank']} (pid {s['pid']} on node {s['node']}) wrote no stacks: stopped, or stuck outside Python"
+            for s in silent
+        )
+        self._log_event({"event": "hang", "at": time.time(), "dumps": [f"hangs/{name}" for name in dumps],
+                         "silent_ranks": silent, "reason": reason}, step)
 
     def _log_event(self, event: dict, step: int) -> None:
         log_event(self.client, self.run_id, event, step)

@@ -9,6 +9,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 
+@dataclass(frozen=True)
+class Restart:
+    """Why the controller restarts a worker group (see `elastic.classify_restart`)."""
+
+    kind: str  # "failure" or "resize"
+    cause: str
+    # wildtrain's own decision (a planned regrow, leaving out unhealthy nodes), not a fault
+    # of the workers: not counted against elastic.max_failures.
+    planned: bool
+    events: list[dict] = field(default_factory=list)  # what the restart carries for MLflow
+
+
 @dataclass
 class Interruption:
     kind: str  # "failure" or "resize"

@@ -4,7 +4,9 @@ Each rank times a short burst of matmuls on its device; the group times all-redu
 buffer. A rank whose matmul rate is below `min_ratio` of the group's median (a throttled GPU,
 a node whose cores someone else is using) fails the check. Every rank's result becomes a
 `health` event (node, check, passed, detail) in MLflow, which the cluster report card counts.
-`judge` is pure; `measure_matmul` and `measure_allreduce` do the timing.
+With `monitor.exclude_unhealthy`, the nodes of failed ranks are left out of the run
+(`nodes_to_exclude`; the exclusion itself is `elastic.ElasticPolicy`'s).
+`judge` and `nodes_to_exclude` are pure; `measure_matmul` and `measure_allreduce` do the timing.
 """
 
 from __future__ import annotations
@@ -73,6 +75,15 @@ def judge(ranks: list[RankHealth], allreduce_gb_per_s: float, min_ratio: float, 
     events.append({"event": "health", "at": at, "check": "allreduce", "rank": -1, "node": "group",
                    "passed": True, "detail": f"{allreduce_gb_per_s:.2f} GB/s bus bandwidth, {len(ranks)} ranks"})
     return events
+
+
+def nodes_to_exclude(events: list[dict], min_workers: int) -> list[str]:
+    """The nodes of the ranks that failed the check, or none if leaving them out would
+    leave fewer than `min_workers` ranks: a slow group beats no group."""
+    ranks = [e for e in events if e["check"] == "matmul"]
+    failed = sorted({e["node"] for e in ranks if not e["passed"]})
+    kept = sum(e["node"] not in failed for e in ranks)
+    return failed if failed and kept >= min_workers else []
 
 
 def _sync(device: torch.device) -> None:

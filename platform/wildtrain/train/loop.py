@@ -30,7 +30,7 @@ from wildtrain.checkpoint.manifest import Candidate, Store, new_attempt_token, r
 from wildtrain.checkpoint.retention import RetentionPolicy
 from wildtrain.config import Config, config_hash
 from wildtrain.data.stream import RankStream
-from wildtrain.elastic import PlannedRegrow, has_room_for_another_worker
+from wildtrain.elastic import PlannedRegrow, UnhealthyNodes, excluded_nodes, has_room_for_another_worker
 from wildtrain.engine import build_engine
 from wildtrain.model import Transformer, flops_per_token
 from wildtrain.tracking.mfu import Peak, mfu, peak_flops
@@ -56,7 +56,7 @@ def train_loop(config: dict) -> None:
     restored_step = state.step
     state.world_size = world_size
     saver = AsyncSaver(
-        stores, cfg.checkpoint.staging_dir, rank=rank, world_size=world_size, attempt=_broadcast(new_attempt_token()),
+        stores, cfg.checkpoint.staging_dir, rank=rank, world_size=world_size, attempt=_broadcast_object(new_attempt_token()),
         policy=cfg.checkpoint.policy, timeout_s=cfg.checkpoint.timeout_s, verify_upload=cfg.checkpoint.verify_upload,
         retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
         known_good=[restored.candidate.key] if restored.candidate else [], commit_when_released=True,
@@ -69,8 +69,10 @@ def train_loop(config: dict) -> None:
     tokens_per_step = plan.global_batch_size * cfg.data.seq_len
     window = _MetricsWindow(tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len), _peak(cfg), world_size, stream)
     growth = _GrowthCheck(world_size < cfg.elastic.max_workers, rank, config["worker_resources"],
-                          cfg.elastic.resize_check_interval_s)
+                          cfg.elastic.resize_check_interval_s, cfg.run.name)
     monitor = _Monitor(cfg, rank, world_size)
+    if monitor.unhealthy_nodes:
+        raise UnhealthyNodes(monitor.unhealthy_nodes, monitor.take_events())
     watchdog = HangWatchdog(cfg.monitor.hang_timeout_s, hang_dump_folder(cfg), rank, cfg.storage)
     try:
         while state.step < cfg.train.steps:
@@ -78,7 +80,7 @@ def train_loop(config: dict) -> None:
             tokens = torch.from_numpy(batch.tokens).long()
             for micro_batch in tokens.split(plan.micro_batch_size):
                 with window.timed("forward"):
-                    if rank == cfg.chaos.slow_rank:
+                    if monitor.slowed_by_chaos:
                         time.sleep(cfg.chaos.slow_step_s)  # a drill (chaos.*), off by default
                     loss = engine(micro_batch[:, :-1], micro_batch[:, 1:])
                 with window.timed("backward"):
@@ -215,7 +217,8 @@ def _saves_report(outcomes: list[SaveOutcome], events: list[dict]) -> dict:
     return report | {"events": events, "committed_checkpoints": committed}
 
 
-def _broadcast(value: str) -> str:
+def _broadcast_object(value):
+    """Rank 0's `value`, on every rank."""
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -243,13 +246,15 @@ def _rank_zero_first(rank: int):
 
 class _GrowthCheck:
     """While the group is below max size, rank 0 looks for room for another worker every
-    `interval_s`, and every rank learns the answer at the same step."""
+    `interval_s` (on a node not left out of the run), and every rank learns the answer at
+    the same step."""
 
-    def __init__(self, below_max: bool, rank: int, per_worker: dict, interval_s: float) -> None:
+    def __init__(self, below_max: bool, rank: int, per_worker: dict, interval_s: float, run_name: str) -> None:
         self.below_max = below_max
         self.rank = rank
         self.per_worker = per_worker
         self.interval_s = interval_s
+        self.run_name = run_name
         self.next_look = time.monotonic() + interval_s
 
     def room_now(self) -> bool:
@@ -258,7 +263,7 @@ class _GrowthCheck:
         room = False
         if self.rank == 0 and time.monotonic() >= self.next_look:
             self.next_look = time.monotonic() + self.interval_s
-            room = has_room_for_another_worker(self.per_worker)
+            room = has_room_for_another_worker(self.per_worker, excluded_nodes(self.run_name))
         decision = torch.tensor([int(room)])
         dist.broadcast(decision, src=0)
         return bool(decision.item())
@@ -357,10 +362,11 @@ class _MetricsWindow:
 
 
 class _Monitor:
-    """Per-worker monitoring besides the metrics window: the new group's health check,
-    stragglers (every rank's forward time gathered every `monitor.straggler_every` steps,
-    judged on rank 0) and the live numbers
-    exported through Ray's metrics API, so the Ray dashboard shows them per worker."""
+    """Per-worker monitoring besides the metrics window: the new group's health check (and,
+    with monitor.exclude_unhealthy, the nodes to leave out, known to every rank), stragglers
+    (every rank's forward time gathered every `monitor.straggler_every` steps, judged on
+    rank 0) and the live numbers exported through Ray's metrics API, so the Ray dashboard
+    shows them per worker."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int) -> None:
         from ray.util.metrics import Gauge
@@ -371,8 +377,11 @@ class _Monitor:
         self.detector = StragglerDetector(cfg.monitor.straggler_factor, cfg.monitor.straggler_patience)
         self.nodes = [None] * world_size
         dist.all_gather_object(self.nodes, ray.get_runtime_context().get_node_id())
+        self.slowed_by_chaos = cfg.chaos.slows(rank, ray.get_runtime_context().get_node_labels())
         self.busy_at_last_check = 0.0
         self.events: list[dict] = self._preflight()
+        excluded = health.nodes_to_exclude(self.events, cfg.elastic.min_workers) if cfg.monitor.exclude_unhealthy else []
+        self.unhealthy_nodes: list[str] = _broadcast_object(excluded)
         tags = {"run": cfg.run.name, "rank": str(rank)}
         self.gauges = {
             key: Gauge(f"wildtrain_{key.replace('/', '_')}", description=f"wildtrain {key} of the newest report",
@@ -384,7 +393,7 @@ class _Monitor:
         """The new group's health check (train/health.py); its events, on rank 0."""
         cfg = self.cfg
         device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.use_gpu else torch.device("cpu")
-        drill_s = cfg.chaos.slow_step_s if self.rank == cfg.chaos.slow_rank else 0.0
+        drill_s = cfg.chaos.slow_step_s if self.slowed_by_chaos else 0.0
         rates = [torch.zeros(1) for _ in range(self.world_size)]
         dist.all_gather(rates, torch.tensor([health.measure_matmul(device, drill_s)]))
         bandwidth = health.measure_allreduce(device)

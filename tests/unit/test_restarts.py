@@ -1,0 +1,60 @@
+"""The controller's pure decisions about restarts: why a group restarts, and how many
+workers the nodes that are not left out can hold."""
+
+from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+from ray.train.v2.api.exceptions import WorkerGroupError
+
+from wildtrain.elastic import PlannedRegrow, UnhealthyNodes, classify_restart, workers_that_fit
+
+
+def _worker_group_error(*worker_errors: BaseException) -> WorkerGroupError:
+    """What the controller holds: each worker's traceback text, and a summary of them all
+    that Ray truncates."""
+    tracebacks = {rank: f"Traceback (most recent call last):\n  ...\n{type(e).__module__}.{type(e).__name__}: {e}"
+                  for rank, e in enumerate(worker_errors)}
+    summary = "\n".join(f"[Rank {rank} Error Snippet]:\n{text[:40]}..." for rank, text in tracebacks.items())
+    return WorkerGroupError(summary, {rank: UserExceptionWithTraceback(worker_errors[rank], text)
+                                      for rank, text in tracebacks.items()})
+
+
+def test_a_failed_health_check_restarts_as_planned_and_names_the_nodes_to_leave_out():
+    checks = [{"event": "health", "check": "matmul", "rank": 0, "node": "good", "passed": True},
+              {"event": "health", "check": "matmul", "rank": 1, "node": "slow", "passed": False}]
+    # Every rank raises; only rank 0 knows the check's results.
+    error = _worker_group_error(UnhealthyNodes(["slow"], checks), UnhealthyNodes(["slow"], []))
+    restart = classify_restart(error)
+    assert restart.kind == "failure" and restart.planned
+    assert "slow" in restart.cause
+    assert restart.events[:2] == checks
+    (excluded,) = restart.events[2:]
+    assert (excluded["event"], excluded["node"]) == ("node_excluded", "slow")
+
+
+def test_planned_regrows_and_real_failures_are_told_apart():
+    regrow = classify_restart(_worker_group_error(PlannedRegrow("room for more than 1 workers")))
+    assert (regrow.kind, regrow.planned) == ("resize", True)
+    crash = classify_restart(_worker_group_error(ValueError("bad batch")))
+    assert (crash.kind, crash.planned, crash.events) == ("failure", False, [])
+    assert crash.cause == "Training failed due to worker errors:"
+    assert "bad batch" in str(_worker_group_error(ValueError("bad batch")).worker_failures[0])
+    assert not classify_restart(None).planned
+
+
+def test_workers_that_fit_leave_out_excluded_nodes_and_count_the_scarcest_resource():
+    nodes = {
+        "a": {"CPU": 8, "GPU": 2},
+        "b": {"CPU": 8, "GPU": 8},
+        "c": {"CPU": 1, "GPU": 8},
+        "head": {"CPU": 16},
+    }
+    per_worker = {"CPU": 1, "GPU": 1}
+    assert workers_that_fit(nodes, per_worker, excluded=set()) == 2 + 8 + 1
+    assert workers_that_fit(nodes, per_worker, excluded={"b"}) == 3
+    assert workers_that_fit(nodes, {"CPU": 2}, excluded={"head"}) == 4 + 4 + 0
+
+
+def test_unhealthy_nodes_survives_pickling_as_ray_sends_it_to_the_controller():
+    import pickle
+
+    error = pickle.loads(pickle.dumps(UnhealthyNodes(["slow"], [{"event": "health"}])))
+    assert (error.nodes, error.checks) == (["slow"], [{"event": "health"}])
