@@ -11,7 +11,7 @@ health checks are set when the head starts). Prints one row per interruption:
     first step  node killed (or added) → first optimizer step at the new size
     steps lost  steps done before the interruption that the restored checkpoint lacked
 
-Usage: .venv/bin/python bench/recovery.py [--steps 60]
+Usage: .venv/bin/python bench/recovery.py [--steps 60] [--only "wildtrain tuned"]
 """
 
 from __future__ import annotations
@@ -118,7 +118,9 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--only", choices=sorted(SCENARIOS), help="run this scenario alone")
     args = parser.parse_args()
+    scenarios = {args.only: SCENARIOS[args.only]} if args.only else SCENARIOS
     root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-recovery-"))
     store = services.start_object_store(root / "objectstore", services.free_port(), "bench")
     os.environ.update(store.env())  # before any cluster starts: its workers inherit it
@@ -127,7 +129,7 @@ def main() -> None:
     try:
         dataset = prepare_tiny(f"s3://{store.bucket}/datasets/tiny")
         rows = []
-        for name, scenario in SCENARIOS.items():
+        for name, scenario in scenarios.items():
             overrides = [f"data.datasets=[{{uri: {dataset}}}]", *scenario["overrides"]]
             rows += run_scenario(name, overrides, scenario["system_config"], f"http://{services.HOST}:{port}", args.steps, root)
     finally:
