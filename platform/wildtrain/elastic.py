@@ -72,7 +72,7 @@ def classify_restart(error: BaseException | None) -> Restart:
     if found:
         nodes = sorted({node for f in found for node in f["nodes"]})
         at = time.time()
-        excluded = [{"event": "node_excluded", "at": at, "node": node, "reason": "failed the pre-flight health check"}
+        excluded = [{"event": "node_excluded", "at": at, "node": node, "reason": f"node {node} failed the pre-flight health check; left out of the run"}
                     for node in nodes]
         return Restart("failure", f"health check failed on node(s) {', '.join(nodes)}; left out of the run",
                        planned=True, events=[check for f in found for check in f["checks"]] + excluded)

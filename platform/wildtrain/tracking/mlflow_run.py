@@ -182,9 +182,8 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
                 f"reshard {recovery.reshard_s:.1f} s); {recovery.steps_lost} steps redone",
                 flush=True,
             )
-        for event in reported.get("events", []):  # the workers' own: checkpoint fallbacks and failures
+        for event in reported.get("events", []):  # the workers' own: health, stragglers, checkpoints
             self._log_event(event, step)
-            print(f"{event['event']} at step {step}: {event.get('reason', '')}", flush=True)
         for committed in reported.get("committed_checkpoints", []):
             self.client.set_tag(self.run_id, "wildtrain.last_checkpoint", committed)
         self.client.log_batch(self.run_id, metrics=values)
@@ -215,4 +214,11 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
                          "silent_ranks": silent, "reason": reason}, step)
 
     def _log_event(self, event: dict, step: int) -> None:
+        """Into MLflow, and onto the log unless it is a passed health check."""
         log_event(self.client, self.run_id, event, step)
+        if event["event"] == "health":
+            if not event["passed"]:
+                print(f"health check failed at step {step}: {event['check']} on node {event['node']}: {event['detail']}",
+                      flush=True)
+        elif event["event"] not in ("failure", "resize", "recovered"):  # printed by their own lines
+            print(f"{event['event']} at step {step}: {event.get('reason', '')}", flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import shutil
 import tempfile
 import time
@@ -21,6 +22,7 @@ import numpy as np
 import ray.train
 import torch
 import torch.distributed as dist
+from ray.train.v2._internal.execution import context as ray_train_context
 
 from wildtrain import checkpoint, storage
 from wildtrain.batching import batch_plan
@@ -45,6 +47,9 @@ def train_loop(config: dict) -> None:
     cfg: Config = config["cfg"]
     # DeepSpeed's ZeRO calls a deprecated collective once per step; the warning says nothing new.
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+    # Ray Train logs every report's whole metrics dict at INFO, under a logger named by its
+    # file path, which RunConfig's LoggingConfig does not reach; the progress lines say it.
+    logging.getLogger(ray_train_context.__file__).setLevel(logging.WARNING)
     context = ray.train.get_context()
     world_size, rank = context.get_world_size(), context.get_world_rank()
     plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
