@@ -137,8 +137,9 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
 
     - after a failure, wait (at most `node_grace_s`) for Ray to mark the group's lost nodes
       dead, then refresh the resource view, so the restart is sized for what is alive;
-    - refresh the resource view every `refresh_interval_s`, so returning capacity is seen at
-      the next resize check;
+    - refresh the resource view at the start and every `refresh_interval_s`, so the first
+      group is sized for the nodes there are, and returning capacity is seen at the next
+      resize check;
     - with `reshard_ahead`, convert each committed checkpoint to the universal format in a
       background thread (one at a time), so a resize restores without converting;
     - leave out the nodes a group's health check failed (`UnhealthyNodes`): later groups
@@ -163,6 +164,10 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
         self.last_running = time.monotonic()
 
     def after_controller_start(self, train_run_context) -> None:
+        # The first group too is sized from the coordinator's copy of the node list, which
+        # may be up to 20 s old: nodes that joined just before the submission would be missed.
+        refresh_resource_view()
+
         def refresh_forever() -> None:
             while True:
                 time.sleep(self.refresh_interval_s)
