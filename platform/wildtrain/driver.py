@@ -20,10 +20,10 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from wildtrain import elastic, storage
 from wildtrain.config import Config, config_hash
-from wildtrain.checkpoint.manifest import list_candidates
+from wildtrain.checkpoint.manifest import choose_restore, list_candidates
 from wildtrain.data.dataset import open_datasets
 from wildtrain.tracking import report
-from wildtrain.tracking.mlflow_run import MlflowCallback, check_reachable, finish_run, log_event, open_run, run_url
+from wildtrain.tracking.mlflow_run import MlflowCallback, check_reachable, log_event, open_run, run_url
 from wildtrain.tracking.progress import ProgressCallback
 from wildtrain.train.loop import checkpoint_stores, hang_dump_folder, train_loop
 
@@ -91,12 +91,12 @@ def run(cfg: Config) -> RunSummary:
     try:
         trainer.fit()
     except Exception as e:
-        _finish(cfg, run_id, "FAILED")
+        _finish(tracking, cfg, run_id, "FAILED")
         raise RunFailed(
             f"run {cfg.run.name!r} failed: {e}\nIts checkpoints are kept in {storage_uri}/{cfg.run.name}; "
             f"run the same command again to resume."
         ) from e
-    _finish(cfg, run_id, "FINISHED")
+    _finish(tracking, cfg, run_id, "FINISHED")
     return RunSummary(
         run_id=run_id,
         mlflow_url=mlflow_url,
@@ -108,16 +108,16 @@ def run(cfg: Config) -> RunSummary:
 
 
 def _newest_checkpoint(cfg: Config) -> Optional[str]:
-    committed = [c for c in list_candidates(checkpoint_stores(cfg)) if c.manifest is not None]
-    newest = max(committed, key=lambda c: (c.step, c.created), default=None)
+    """The committed checkpoint a resubmission would try first."""
+    newest = choose_restore(list_candidates(checkpoint_stores(cfg)), verified={}).verify_next
     return storage.join(newest.store, newest.name) if newest else None
 
 
-def _finish(cfg: Config, run_id: str, status: str) -> None:
+def _finish(tracking: MlflowClient, cfg: Config, run_id: str, status: str) -> None:
     """Close the MLflow run and attach where its compute went (goodput, plot); a report that
     fails is a warning, never the run's failure."""
-    log_event(MlflowClient(cfg.tracking.uri), run_id, {"event": "stopped", "at": time.time(), "status": status}, step=0)
-    finish_run(cfg.tracking.uri, run_id, status)
+    log_event(tracking, run_id, {"event": "stopped", "at": time.time(), "status": status}, step=0)
+    tracking.set_terminated(run_id, status=status)
     try:
         result = report.report_run(cfg.tracking.uri, run_id)
         print(report.goodput_text(result), flush=True)

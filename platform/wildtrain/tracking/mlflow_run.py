@@ -79,12 +79,6 @@ def open_run(cfg: Config, run_id: Optional[str]) -> tuple[str, str]:
     return experiment_id, run.info.run_id
 
 
-def finish_run(uri: str, run_id: str, status: str) -> None:
-    from mlflow.tracking import MlflowClient
-
-    MlflowClient(uri).set_terminated(run_id, status=status)
-
-
 def read_events(uri: str, run_id: str, folder: str) -> list[dict]:
     """The run's elastic events (see `MlflowCallback`), oldest first."""
     from mlflow.tracking import MlflowClient
