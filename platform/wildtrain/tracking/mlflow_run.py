@@ -8,7 +8,6 @@ second MLflow run.
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +20,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Report
 from wildtrain import storage
 from wildtrain.config import Config, StorageConfig, flatten, to_yaml
 from wildtrain.tracking.timeline import Restart, Timeline
+from wildtrain.train.watchdog import rank_of_dump
 
 EVENTS_DIR = "events"
 CLUSTER_TAG = "wildtrain.cluster"
@@ -30,9 +30,6 @@ TRAINING_METRICS = (
     "step", "loss", "lr", "tokens_seen", "tokens_per_s", "step_time_s", "world_size", "epoch", "mfu",
     "time/data_wait_s", "time/forward_s", "time/backward_s", "time/optimizer_s", "time/checkpoint_stall_s",
 )
-
-# The watchdog's dump file names: <time>-rank<r>.txt.
-_DUMP_RANK = re.compile(r"-rank(\d+)\.txt$")
 
 # MLflow caps a batch at 100 params and a param value at 6000 characters.
 _PARAMS_PER_BATCH = 100
@@ -197,7 +194,7 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
             text = storage.read_text(storage.join(self.hang_dumps, name), self.storage_config) or ""
             self.client.log_text(self.run_id, text, f"hangs/{name}")
             reasons.append(text.splitlines()[0] if text else "")
-        dumped = {int(found.group(1)) for found in map(_DUMP_RANK.search, dumps) if found}
+        dumped = {rank_of_dump(name) for name in dumps}
         silent = [{"rank": rank, "node": node, "pid": self.worker_pids[rank] if rank < len(self.worker_pids) else None}
                   for rank, node in enumerate(nodes) if rank not in dumped]
         reason = reasons[0] + "".join(

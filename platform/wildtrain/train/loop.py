@@ -56,6 +56,11 @@ def train_loop(config: dict) -> None:
     data = config["data"]
 
     torch.manual_seed(cfg.train.seed)
+    # The health check first: a group that is about to re-form without a node should not
+    # download and load a checkpoint before it finds out.
+    monitor = _Monitor(cfg, rank, world_size)
+    if monitor.unhealthy_nodes:
+        raise UnhealthyNodes(monitor.unhealthy_nodes, monitor.take_events())
     stores = checkpoint_stores(cfg)
     engine, state, restored = _build_and_restore(cfg, plan, world_size, rank, stores)
     restored_step = state.step
@@ -75,9 +80,6 @@ def train_loop(config: dict) -> None:
     window = _MetricsWindow(tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len), _peak(cfg), world_size, stream)
     growth = _GrowthCheck(world_size < cfg.elastic.max_workers, rank, config["worker_resources"],
                           cfg.elastic.resize_check_interval_s, cfg.run.name)
-    monitor = _Monitor(cfg, rank, world_size)
-    if monitor.unhealthy_nodes:
-        raise UnhealthyNodes(monitor.unhealthy_nodes, monitor.take_events())
     watchdog = HangWatchdog(cfg.monitor.hang_timeout_s, hang_dump_folder(cfg), rank, cfg.storage)
     try:
         while state.step < cfg.train.steps:
@@ -205,8 +207,8 @@ def _save(saver: AsyncSaver, engine, cfg: Config, state: TrainState, world_size:
     saver.save_engine(engine, meta, state.to_json(), blocked_elsewhere=skip, policy=policy)
     if must_commit:
         saver.release(state.step)  # the last report, or the regrow's, follows right after
-    if must_commit and not saver.flush(cfg.checkpoint.timeout_s):
-        raise RuntimeError(f"the checkpoint of step {state.step} did not commit within checkpoint.timeout_s")
+        if not saver.flush(cfg.checkpoint.timeout_s):
+            raise RuntimeError(f"the checkpoint of step {state.step} did not commit within checkpoint.timeout_s")
 
 
 def _saves_report(outcomes: list[SaveOutcome], events: list[dict]) -> dict:
@@ -336,7 +338,6 @@ class _MetricsWindow:
             self.phase_s[phase] += elapsed
             if phase == "forward":
                 self.busy_s += elapsed
-
 
     def add_loss(self, loss: torch.Tensor) -> None:
         self.loss_sum += loss.detach().float().cpu()

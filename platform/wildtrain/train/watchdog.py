@@ -11,6 +11,7 @@ checkpoint. The controller attaches the dumps to the MLflow run (`tracking.mlflo
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -20,6 +21,16 @@ from wildtrain import storage
 from wildtrain.config import StorageConfig
 
 HANG_EXIT_CODE = 86
+_DUMP_NAME = re.compile(r"-rank(\d+)\.txt$")
+
+
+def dump_name(rank: int) -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-rank{rank}.txt"
+
+
+def rank_of_dump(name: str) -> int | None:
+    found = _DUMP_NAME.search(name)
+    return int(found.group(1)) if found else None
 
 
 def thread_stacks() -> str:
@@ -56,7 +67,7 @@ class HangWatchdog:
                 report = (f"rank {self.rank}: no optimizer step for {stalled:.0f} s after step {self.step} "
                           f"(monitor.hang_timeout_s={self.timeout_s:g}); stacks:\n{thread_stacks()}")
                 print(report, file=sys.stderr, flush=True)
-                name = f"{time.strftime('%Y%m%d-%H%M%S')}-rank{self.rank}.txt"
+                name = dump_name(self.rank)
                 try:
                     storage.write_text(storage.join(self.dump_folder, name), report, self.config)
                 finally:
