@@ -50,6 +50,8 @@ def ray_cluster(tmp_path_factory, object_store):
             "include_dashboard": True,
             "dashboard_host": services.HOST,
             "dashboard_port": services.free_port(),
+            # Ray's default agent port (52365) is taken while `wildtrain up`'s head runs.
+            "dashboard_agent_listen_port": services.free_port(),
             # The Prometheus endpoint that workers' `ray.util.metrics` reach (the dashboard's
             # source), refreshed every second rather than every 10.
             "metrics_export_port": services.free_port(),
