@@ -195,8 +195,15 @@ class MonitorConfig:
     # elastic.min_workers workers. Off: a failed check is only recorded.
     exclude_unhealthy: bool = False
     # No optimizer step for this long: dump every thread's stack and fail the attempt, so the
-    # group restarts from the last checkpoint (0: off). Mind long first steps (compilation).
+    # group restarts from the last checkpoint (0: off). A save that must commit (the last
+    # step, a planned regrow) may wait checkpoint.timeout_s on top of it.
     hang_timeout_s: float = 600.0
+    # The same, from a worker's start to its first optimizer step (0: off): the health check,
+    # the restore with any resharding (21 s for a 95M model on 2 CPU cores here, growing
+    # with the model), DeepSpeed's first JIT build of its C++ ops (35 s or more on a fresh
+    # machine) and compilation (minutes for large models) all come before it. 30 min leaves
+    # room for checkpoints far larger than the measured ones; raise it for slower restores.
+    startup_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -305,6 +312,10 @@ def validate(cfg: Config) -> None:
     positive("checkpoint.timeout_s", cfg.checkpoint.timeout_s)
     if cfg.checkpoint.keep_every < 0:
         raise ConfigError(f"checkpoint.keep_every: must be 0 (off) or positive, got {cfg.checkpoint.keep_every}")
+    for key, value in (("monitor.hang_timeout_s", cfg.monitor.hang_timeout_s),
+                       ("monitor.startup_timeout_s", cfg.monitor.startup_timeout_s)):
+        if value < 0:
+            raise ConfigError(f"{key}: must be 0 (off) or positive, got {value}")
     if cfg.checkpoint.policy not in ("skip", "queue"):
         raise ConfigError(f"checkpoint.policy: expected 'skip' or 'queue', got {cfg.checkpoint.policy!r}")
     positive("elastic.min_workers", cfg.elastic.min_workers)

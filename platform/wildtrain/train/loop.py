@@ -56,6 +56,9 @@ def train_loop(config: dict) -> None:
     data = config["data"]
 
     torch.manual_seed(cfg.train.seed)
+    # From here to the first step (health check, restore, engine build) under the start-up bound.
+    watchdog = HangWatchdog(cfg.monitor.hang_timeout_s, cfg.monitor.startup_timeout_s, hang_dump_folder(cfg), rank,
+                            cfg.storage)
     # The health check first: a group that is about to re-form without a node should not
     # download and load a checkpoint before it finds out.
     monitor = _Monitor(cfg, rank, world_size)
@@ -80,7 +83,6 @@ def train_loop(config: dict) -> None:
     window = _MetricsWindow(tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len), _peak(cfg), world_size, stream)
     growth = _GrowthCheck(world_size < cfg.elastic.max_workers, rank, config["worker_resources"],
                           cfg.elastic.resize_check_interval_s, cfg.run.name)
-    watchdog = HangWatchdog(cfg.monitor.hang_timeout_s, hang_dump_folder(cfg), rank, cfg.storage)
     try:
         while state.step < cfg.train.steps:
             batch = stream.next_step()
@@ -114,9 +116,11 @@ def train_loop(config: dict) -> None:
                 # Every optimizer step applied exactly once across restarts, or nothing is saved.
                 if engine.global_steps != state.step:
                     raise RuntimeError(f"DeepSpeed counted {engine.global_steps} optimizer steps where the run is at {state.step}")
-                with window.timed("checkpoint_stall"):
+                # A save that must commit waits on storage up to checkpoint.timeout_s, longer than a hang.
+                commit_wait = (watchdog.waiting(f"the commit of step {state.step}", up_to_s=cfg.checkpoint.timeout_s)
+                               if last or grow else contextlib.nullcontext())
+                with window.timed("checkpoint_stall"), commit_wait:
                     _save(saver, engine, cfg, state, world_size, must_commit=last or grow)
-                watchdog.progress(state.step)  # a save that must commit may wait long on storage
             metrics = {"step": state.step, "tokens_seen": state.tokens_seen, "world_size": world_size}
             if log_due:
                 epoch = (state.step - 1) // data.steps_per_epoch
