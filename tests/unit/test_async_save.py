@@ -1,5 +1,6 @@
 import errno
 import threading
+import time
 
 import pyarrow.fs as pafs
 import pytest
@@ -280,5 +281,72 @@ def test_a_gated_save_commits_only_once_its_step_is_released(store, make_saver):
     saver.release(3)
     assert not saver.flush(0.5)
     saver.release(4)
+    assert saver.flush(WAIT_S)
+    assert committed_steps(store) == [4]
+
+
+def two_ranks(tmp_path, store, rank1_faults: Faults, **options) -> list[AsyncSaver]:
+    """Savers for ranks 0 and 1 of one group, writing into the same folder; rank 1 through `rank1_faults`."""
+    rank1_store = Store(faulty_filesystem(pafs.LocalFileSystem(), rank1_faults), store.root, store.uri)
+    return [AsyncSaver([s], str(tmp_path / f"staging{r}"), rank=r, world_size=2, attempt="a1", **options)
+            for r, s in ((0, store), (1, rank1_store))]
+
+
+def save_both(savers: list[AsyncSaver], step: int) -> None:
+    savers[0].save_state(meta(step, world_size=2), {"shared.pt": state(float(step))})
+    savers[1].save_state(meta(step, world_size=2), {"zero_pp_rank_1_mp_rank_00_x.pt": state(float(step))})
+
+
+def test_rank_0_gives_up_at_once_when_another_rank_records_a_failed_upload(tmp_path, store):
+    broken = Faults(fail_next=1, match=lambda path: path.endswith(".pt"))
+    savers = two_ranks(tmp_path, store, broken, timeout_s=600)
+    save_both(savers, 10)
+    # Well within the 600 s timeout: rank 0 learns of the failure from rank 1's part record.
+    assert all(s.flush(WAIT_S) for s in savers)
+    [outcome] = savers[0].drain()
+    assert outcome.status == "failed" and outcome.failure == "storage"
+    assert "rank 1: " in outcome.reason and "injected" in outcome.reason
+    save_both(savers, 20)
+    assert all(s.close(WAIT_S) for s in savers)
+    assert committed_steps(store) == [20]
+
+
+def test_after_an_outage_that_also_hid_the_failure_record_the_next_save_commits(tmp_path, store):
+    # Rank 1's store fails every write, its part records included, until the outage ends.
+    outage = Faults(fail_next=10**6)
+    savers = two_ranks(tmp_path, store, outage, timeout_s=600)
+    save_both(savers, 10)
+    assert not savers[0].flush(1.0), "rank 0 waits for rank 1's part while the store is down"
+    assert savers[0].admission().action == "skip"  # later saves are skipped meanwhile
+    outage.fail_next = 0
+    assert all(s.flush(WAIT_S) for s in savers), "once the store is back, rank 1's record ends the wait"
+    assert [o.status for o in savers[0].drain()] == ["failed"]
+    save_both(savers, 20)
+    assert all(s.close(WAIT_S) for s in savers)
+    assert committed_steps(store) == [20]
+
+
+def test_each_store_has_its_own_deadline(tmp_path, store):
+    # The primary's upload takes longer than timeout_s; the replica still gets its full time.
+    slow = Faults(gate=threading.Event(), match=lambda path: path.endswith(".pt"))
+    primary = Store(faulty_filesystem(pafs.LocalFileSystem(), slow), str(tmp_path / "primary"), "primary")
+    saver = AsyncSaver([primary, store], str(tmp_path / "staging"), rank=0, world_size=1, attempt="a1", timeout_s=1.0)
+    saver.save_state(meta(10), {"state.pt": state(1.0)})
+    assert slow.write_blocked.wait(WAIT_S)
+    time.sleep(1.2)  # past the primary's deadline; its next chunk check fails it
+    slow.gate.set()
+    assert saver.close(WAIT_S)
+    [outcome] = saver.drain()
+    assert outcome.status == "partial" and outcome.stored == (store.uri,) and outcome.failure == "timeout"
+    assert committed_steps(store) == [10]
+
+
+def test_a_save_commits_as_soon_as_the_controller_has_its_report(store, make_saver):
+    collected = threading.Event()
+    saver = make_saver(commit_when_released=True, reports_collected=collected.is_set)
+    saver.save_state(meta(4), {"state.pt": state(1.0)})
+    saver.reported(4)
+    assert not saver.flush(0.5), "the report of step 4 is still in Ray's queue"
+    collected.set()  # no later report needed: the controller took this one
     assert saver.flush(WAIT_S)
     assert committed_steps(store) == [4]

@@ -9,7 +9,7 @@ import pytest
 from tests.helpers.faulty_fs import Faults, faulty_filesystem
 from wildtrain.checkpoint.manifest import (
     MANIFEST, Candidate, CheckpointManifest, CommitError, DeadlineExceeded, FileEntry, NoGoodCheckpoint, Store,
-    checkpoint_name, choose_restore, collect_parts, commit, files_for_rank, list_candidates, read_manifest, restore,
+    PartFailed, checkpoint_name, choose_restore, collect_parts, commit, files_for_rank, list_candidates, read_manifest, restore,
     step_of, upload, verify, write_part,
 )
 
@@ -243,3 +243,11 @@ def test_names_carry_the_step_and_foreign_folders_are_ignored(tmp_path, store):
     (tmp_path / "primary" / "not-a-checkpoint").mkdir(parents=True)
     name = save(tmp_path, store, 5)
     assert [c.name for c in list_candidates([store])] == [name]
+
+
+def test_a_rank_that_records_a_failed_part_ends_the_wait_at_once(tmp_path, store):
+    name = checkpoint_name(100, "a")
+    write_part(store, name, 0, [FileEntry("latest", 4, "a" * 64)])
+    write_part(store, name, 1, [], failed="s3://b/x: connection reset")
+    with pytest.raises(PartFailed, match="rank 1: s3://b/x: connection reset"):
+        collect_parts(store, name, 2, deadline=None)

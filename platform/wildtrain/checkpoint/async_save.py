@@ -64,7 +64,7 @@ import torch
 from wildtrain import checkpoint
 from wildtrain.checkpoint.manifest import (
     CHUNK_BYTES, CommitError, DeadlineExceeded, ManifestError, Store, StoreLike, as_store, check_deadline,
-    checkpoint_name, collect_parts, commit, upload, write_part,
+    PartFailed, checkpoint_name, commit, poll_parts, upload, write_part,
 )
 from wildtrain.checkpoint.retention import RetentionPolicy, apply_retention
 
@@ -210,6 +210,7 @@ class _Job:
     stall_s: float = 0.0
     started: Optional[float] = None  # monotonic, when the writer thread took it
     doing: str = "queued"
+    notes: list[str] = field(default_factory=list)  # deletions by retention, problems that did not fail it
 
     def pending_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers.values())
@@ -241,7 +242,8 @@ class AsyncSaver:
     def __init__(self, stores: Sequence[StoreLike], staging_dir: str, *, rank: int, world_size: int, attempt: str,
                  policy: Policy = "skip", timeout_s: float = 1800.0, verify_upload: bool = True,
                  retention: Optional[RetentionPolicy] = None, known_good: Iterable[tuple[str, str]] = (),
-                 disk_free: Callable[[str], Optional[int]] = _disk_free, commit_when_released: bool = False) -> None:
+                 disk_free: Callable[[str], Optional[int]] = _disk_free, commit_when_released: bool = False,
+                 reports_collected: Callable[[], bool] = lambda: False) -> None:
         if policy not in ("skip", "queue"):
             raise ValueError(f"checkpoint save policy {policy!r}: expected 'skip' or 'queue'")
         if not stores:
@@ -266,9 +268,12 @@ class AsyncSaver:
         self._queued: Optional[_Job] = None
         self._outcomes: list[SaveOutcome] = []
         self._closing = threading.Event()
-        # With `commit_when_released`, rank 0 commits a save only once `release` covers its
-        # step (see `release`); otherwise as soon as every rank's files are in.
+        # With `commit_when_released`, rank 0 commits a save only once its step's report is
+        # collected: `release` covers the step, or `reported` does and `reports_collected()`
+        # (the controller has taken every report handed to Ray) holds. Otherwise at once.
         self._released = -1 if commit_when_released else math.inf
+        self._reported = -1
+        self._reports_collected = reports_collected
         self._thread = threading.Thread(target=self._work, name=f"wildtrain-checkpoint-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -342,6 +347,12 @@ class AsyncSaver:
         with self._cond:
             self._released = max(self._released, step)
             self._cond.notify_all()
+
+    def reported(self, step: int) -> None:
+        """The report of `step` was handed to Ray: saves up to `step` may commit as soon as
+        `reports_collected()` says the controller has it, whenever the next report comes."""
+        with self._cond:
+            self._reported = max(self._reported, step)
 
     def drain(self) -> list[SaveOutcome]:
         """The outcomes recorded since the last call, oldest first."""
@@ -433,7 +444,6 @@ class AsyncSaver:
 
     def _run(self, job: _Job) -> SaveOutcome:
         started = time.perf_counter()
-        deadline = time.monotonic() + self.timeout_s
         meta = job.meta
 
         def outcome(status: Status, reason: str = "", failure: Failure = "", **extra) -> SaveOutcome:
@@ -441,42 +451,47 @@ class AsyncSaver:
                                time.perf_counter() - started, **extra)
 
         try:
-            self._write_staging(job, deadline)
-        except DiskFullError as e:
-            return outcome("failed", str(e.disk_full), "disk_full", disk_full=e.disk_full)
-        except DeadlineExceeded as e:
-            return outcome("failed", f"step {meta.step}: {e}", "timeout")
+            self._write_staging(job, time.monotonic() + self.timeout_s)
         except Exception as e:  # a checkpoint that cannot be written must not stop training
-            return outcome("failed", f"writing step {meta.step} to {job.folder}: {_describe(e)}", "error")
+            if isinstance(e, DiskFullError):
+                failed = outcome("failed", str(e.disk_full), "disk_full", disk_full=e.disk_full)
+            elif isinstance(e, DeadlineExceeded):
+                failed = outcome("failed", f"step {meta.step}: {e}", "timeout")
+            else:
+                failed = outcome("failed", f"writing step {meta.step} to {job.folder}: {_describe(e)}", "error")
+            self._tell_rank_zero(job, [(store, time.monotonic() + self.timeout_s) for store in self.stores],
+                                 failed.reason)
+            return failed
         size = sum(p.stat().st_size for p in job.folder.rglob("*") if p.is_file())
         self._last_bytes = size
 
-        stored, errors, notes = [], [], []
-        failure: Failure = ""
-        disk_full = None
+        # This rank's part in every store first, each store with its own deadline, so that a
+        # store that is down costs the others nothing.
+        uploaded: list[tuple[Store, float]] = []
+        errors: dict[str, tuple[Failure, str, Optional[DiskFull]]] = {}
         for store in self.stores:
+            deadline = time.monotonic() + self.timeout_s
             try:
-                self._store(job, store, deadline, notes)
-                stored.append(store.uri)
+                files = upload(str(job.folder), store, job.name, deadline=deadline, verify=self.verify_upload,
+                               on_progress=lambda doing: setattr(job, "doing", doing))
+                write_part(store, job.name, self.rank, files)
+                uploaded.append((store, deadline))
             except Exception as e:
-                where = store.describe(job.name)
-                kind: Failure
-                if _is_no_space(e):
-                    disk_full = DiskFull(where, size, self._disk_free(where))
-                    kind, message = "disk_full", str(disk_full)
-                elif isinstance(e, DeadlineExceeded):
-                    kind, message = "timeout", f"{e} (timeout_s={self.timeout_s})"
-                elif isinstance(e, (CommitError, ManifestError)):
-                    kind, message = "verify", str(e)
-                elif isinstance(e, OSError):
-                    kind, message = "storage", f"{where}: {e}"
-                else:
-                    kind, message = "error", f"{where}: {_describe(e)}"
-                failure = failure or kind  # the primary's failure, if it failed, names the save's
-                errors.append(message)
+                errors[store.uri] = self._failure(e, store.describe(job.name), size)
+        if self.rank != 0:
+            self._tell_rank_zero(job, [(s, time.monotonic() + self.timeout_s) for s in self.stores if s.uri in errors],
+                                 "; ".join(message for _, message, _ in errors.values()))
+            stored = [store.uri for store, _ in uploaded]
+        else:
+            stored, notes = self._commit_everywhere(job, uploaded, errors, size)
+            job.notes = notes
+        failure: Failure = next((kind for kind, _, _ in errors.values() if kind), "")
+        disk_full = next((full for _, _, full in errors.values() if full), None)
         status: Status = "saved" if not errors else "partial" if stored else "failed"
-        return outcome(status, "; ".join(errors), failure, bytes=size, stored=tuple(stored),
-                       notes=tuple(notes), disk_full=disk_full)
+        # The stores in the order given: the primary's failure, if it failed, names the save's.
+        reason = "; ".join(errors[s.uri][1] for s in self.stores if s.uri in errors)
+        return outcome(status, reason, failure, bytes=size, stored=tuple(s.uri for s in self.stores if s.uri in stored),
+                       notes=tuple(job.notes), disk_full=disk_full)
 
     def _write_staging(self, job: _Job, deadline: float) -> None:
         needed = job.pending_bytes()
@@ -502,35 +517,104 @@ class AsyncSaver:
                     raise DiskFullError(DiskFull(str(path), needed, free)) from e
                 raise
 
-    def _store(self, job: _Job, store: Store, deadline: float, notes: list[str]) -> None:
-        def progress(doing: str) -> None:
-            job.doing = doing
+    def _failure(self, error: Exception, where: str, size: int) -> tuple[Failure, str, Optional[DiskFull]]:
+        if _is_no_space(error):
+            full = DiskFull(where, size, self._disk_free(where))
+            return "disk_full", str(full), full
+        if isinstance(error, DeadlineExceeded):
+            return "timeout", f"{error} (timeout_s={self.timeout_s})", None
+        if isinstance(error, PartFailed):
+            return "storage", str(error), None
+        if isinstance(error, (CommitError, ManifestError)):
+            return "verify", str(error), None
+        if isinstance(error, OSError):
+            return "storage", f"{where}: {error}", None
+        return "error", f"{where}: {_describe(error)}", None
 
-        files = upload(str(job.folder), store, job.name, deadline=deadline, verify=self.verify_upload,
-                       on_progress=progress)
-        write_part(store, job.name, self.rank, files)
-        if self.rank != 0:
-            return
-        job.doing = f"waiting for the other ranks' parts of {store.describe(job.name)}"
-        everything = collect_parts(store, job.name, self.world_size, deadline=deadline, wait=self._closing.wait)
-        meta = job.meta
-        job.doing = f"waiting for the report of step {meta.step} to be collected"
+    def _tell_rank_zero(self, job: _Job, stores: Sequence[tuple[Store, float]], reason: str) -> None:
+        """Record in each store that this rank's part failed, so rank 0 stops waiting for it.
+        The store may be the one that is down: keep trying (with backoff) until the record
+        is in, the store's deadline passes, or the saver closes. Meanwhile this save stays in
+        flight, and later saves are skipped, as they would fail against a store that is down."""
+        if self.rank == 0:
+            return  # rank 0 commits; nobody waits for its part
+        for store, deadline in stores:
+            interval = 1.0
+            while True:
+                job.doing = f"recording in {store.describe(job.name)} that rank {self.rank}'s part failed"
+                try:
+                    write_part(store, job.name, self.rank, (), failed=reason or "failed")
+                    break
+                except OSError:
+                    if time.monotonic() + interval > deadline or self._closing.wait(interval):
+                        break
+                    interval = min(interval * 2, 30.0)
+
+    def _commit_everywhere(self, job: _Job, uploaded: Sequence[tuple[Store, float]],
+                           errors: dict[str, tuple[Failure, str, Optional[DiskFull]]], size: int):
+        """Rank 0: commit the checkpoint in each store where every rank's part is in, polling
+        all stores together (object stores notify nobody); a store where a rank recorded a
+        failure, or whose deadline passed, is given up at once without holding up the others.
+        A commit also waits until the controller has the step's report (see `release`)."""
+        meta, stored, notes = job.meta, [], []
+        pending = dict((store.uri, (store, deadline)) for store, deadline in uploaded)
+        interval = 0.05
+        while pending:
+            for uri, (store, deadline) in list(pending.items()):
+                try:
+                    parts = poll_parts(store, job.name, self.world_size)
+                    if parts.failed:
+                        raise PartFailed(f"{store.describe(job.name)}: " + "; ".join(parts.failed))
+                    if parts.missing:
+                        job.doing = f"waiting for ranks {list(parts.missing)}' parts of {store.describe(job.name)}"
+                        check_deadline(deadline, f"waiting for ranks {list(parts.missing)} of {self.world_size} "
+                                                 f"to upload checkpoint {store.describe(job.name)}")
+                        continue
+                    if not self._report_collected(meta.step):
+                        job.doing = f"waiting for the report of step {meta.step} to be collected"
+                        check_deadline(deadline, job.doing)
+                        continue
+                    commit(store, job.name, step=meta.step, tag=meta.tag, world_size=meta.world_size,
+                           zero_stage=meta.zero_stage, files=parts.files, data_position=meta.data_position,
+                           config_hash=meta.config_hash)
+                except Exception as e:
+                    if isinstance(e, OSError) and not isinstance(e, DeadlineExceeded):
+                        # A listing or read that failed may work on the next poll; the deadline decides.
+                        if time.monotonic() < deadline:
+                            continue
+                    errors[uri] = self._failure(e, store.describe(job.name), size)
+                    del pending[uri]
+                    continue
+                del pending[uri]
+                stored.append(uri)
+                notes += self._after_commit(job, store)
+            if pending and self._closing.wait(interval):
+                for uri, (store, _) in pending.items():
+                    errors[uri] = ("timeout", f"cancelled waiting to commit {store.describe(job.name)}", None)
+                break
+            interval = min(2.0, interval * 2)
+        return stored, notes
+
+    def _report_collected(self, step: int) -> bool:
         with self._cond:
-            while self._released < meta.step:
-                check_deadline(deadline, job.doing)
-                self._cond.wait(timeout=1.0)
-        commit(store, job.name, step=meta.step, tag=meta.tag, world_size=meta.world_size, zero_stage=meta.zero_stage,
-               files=everything, data_position=meta.data_position, config_hash=meta.config_hash)
+            if self._released >= step:
+                return True
+            if self._reported >= step and self._reports_collected():
+                self._released = max(self._released, self._reported)
+                return True
+            return False
+
+    def _after_commit(self, job: _Job, store: Store) -> list[str]:
         if self.verify_upload:
             self._good.add((store.uri, job.name))
         if self.retention is None:
-            return
+            return []
         job.doing = f"applying retention in {store.uri}"
         try:
             plan = apply_retention(store, self.retention, {name for uri, name in self._good if uri == store.uri})
-            notes += [f"deleted {store.describe(name)}: {why}" for name, why in zip(plan.delete, plan.reasons)]
+            return [f"deleted {store.describe(name)}: {why}" for name, why in zip(plan.delete, plan.reasons)]
         except OSError as e:  # the checkpoint is committed; deletion is retried after the next one
-            notes.append(f"retention in {store.uri} failed: {e}")
+            return [f"retention in {store.uri} failed: {e}"]
 
 
 def _describe(error: BaseException) -> str:

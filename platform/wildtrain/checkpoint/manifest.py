@@ -213,49 +213,82 @@ def upload(local_dir: str, store: StoreLike, name: str, *, deadline: Optional[fl
     return tuple(entries)
 
 
-def write_part(store: StoreLike, name: str, rank: int, files: Sequence[FileEntry]) -> None:
-    """Record that `rank` uploaded `files`, every one verified, into checkpoint `name`."""
+def write_part(store: StoreLike, name: str, rank: int, files: Sequence[FileEntry], failed: str = "") -> None:
+    """Record that `rank` uploaded `files`, every one verified, into checkpoint `name`; or,
+    with `failed`, that it could not, and why: rank 0 then gives up on this save at once
+    instead of waiting out its deadline for a part that will never come."""
     store = as_store(store)
-    record = json.dumps({"rank": rank, "files": [asdict(f) for f in files]}).encode()
+    record = json.dumps({"rank": rank, "files": [asdict(f) for f in files], "failed": failed}).encode()
     store.fs.create_dir(store.path(name, PARTS_DIR), recursive=True)
     _write_atomic(store, store.path(name, PARTS_DIR, f"rank_{rank:05d}.json"), record)
 
 
-def collect_parts(store: StoreLike, name: str, world_size: int, *, deadline: Optional[float],
-                  wait: Callable[[float], Any] = time.sleep) -> tuple[FileEntry, ...]:
-    """Every rank's files, once all `world_size` part records are in; polls the store with a
-    growing interval (object stores notify nobody), and gives up at `deadline`, or when
-    `wait` (given the interval) returns true, as `threading.Event.wait` does once set."""
+class PartFailed(CommitError):
+    """Another rank recorded that its part of the checkpoint could not be stored."""
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What the part records of one checkpoint say so far."""
+
+    missing: tuple[int, ...]  # ranks with no record yet
+    failed: tuple[str, ...]  # "rank r: why", for ranks that recorded a failure
+    files: tuple[FileEntry, ...]  # every rank's files, once none is missing or failed
+
+
+def poll_parts(store: StoreLike, name: str, world_size: int) -> Parts:
+    """The part records of checkpoint `name` as they stand now."""
     store = as_store(store)
-    parts_dir = store.path(name, PARTS_DIR)
-    interval = 0.05
-    while True:
-        infos = store.fs.get_file_info(pafs.FileSelector(parts_dir, allow_not_found=True))
-        present = {info.base_name for info in infos if info.base_name.endswith(".json")}
-        missing = [r for r in range(world_size) if f"rank_{r:05d}.json" not in present]
-        if not missing:
-            break
-        if deadline is not None and time.monotonic() + interval > deadline:
-            raise DeadlineExceeded(
-                f"timed out waiting for ranks {missing} of {world_size} to upload checkpoint {store.describe(name)}"
-            )
-        if wait(interval):
-            raise DeadlineExceeded(f"cancelled waiting for ranks {missing} to upload checkpoint {store.describe(name)}")
-        interval = min(2.0, interval * 2)
-    owner: dict[str, tuple[int, FileEntry]] = {}
+    infos = store.fs.get_file_info(pafs.FileSelector(store.path(name, PARTS_DIR), allow_not_found=True))
+    present = {info.base_name for info in infos if info.base_name.endswith(".json")}
+    records: dict[int, tuple[list[FileEntry], str]] = {}
     for rank in range(world_size):
+        if f"rank_{rank:05d}.json" not in present:
+            continue
         where = store.describe(name, PARTS_DIR, f"rank_{rank:05d}.json")
         text = _read_text(store, store.path(name, PARTS_DIR, f"rank_{rank:05d}.json"))
         try:
-            files = [FileEntry(**f) for f in json.loads(text or "")["files"]]
+            raw = json.loads(text or "")
+            records[rank] = ([FileEntry(**f) for f in raw["files"]], raw.get("failed", ""))
         except (ValueError, TypeError, KeyError) as e:
             raise ManifestError(f"{where}: not a part record: {e}") from None
+    missing = tuple(r for r in range(world_size) if r not in records)
+    failed = tuple(f"rank {rank}: {why}" for rank, (_, why) in sorted(records.items()) if why)
+    if missing or failed:
+        return Parts(missing, failed, ())
+    owner: dict[str, tuple[int, FileEntry]] = {}
+    for rank, (files, _) in sorted(records.items()):
         for entry in files:
             if entry.path in owner and owner[entry.path][1] != entry:
                 raise CommitError(f"{store.describe(name, entry.path)}: ranks {owner[entry.path][0]} and {rank} "
                                   "uploaded different contents")
             owner[entry.path] = (rank, entry)
-    return tuple(entry for _, entry in sorted(owner.values(), key=lambda item: item[1].path))
+    return Parts((), (), tuple(entry for _, entry in sorted(owner.values(), key=lambda item: item[1].path)))
+
+
+def collect_parts(store: StoreLike, name: str, world_size: int, *, deadline: Optional[float],
+                  wait: Callable[[float], Any] = time.sleep) -> tuple[FileEntry, ...]:
+    """Every rank's files, once all `world_size` part records are in; polls the store with a
+    growing interval (object stores notify nobody), and gives up at `deadline`, when a rank
+    recorded a failure (`PartFailed`), or when `wait` (given the interval) returns true, as
+    `threading.Event.wait` does once set."""
+    store = as_store(store)
+    interval = 0.05
+    while True:
+        parts = poll_parts(store, name, world_size)
+        if parts.failed:
+            raise PartFailed(f"{store.describe(name)}: " + "; ".join(parts.failed))
+        if not parts.missing:
+            return parts.files
+        if deadline is not None and time.monotonic() + interval > deadline:
+            raise DeadlineExceeded(
+                f"timed out waiting for ranks {list(parts.missing)} of {world_size} to upload checkpoint "
+                f"{store.describe(name)}"
+            )
+        if wait(interval):
+            raise DeadlineExceeded(
+                f"cancelled waiting for ranks {list(parts.missing)} to upload checkpoint {store.describe(name)}")
+        interval = min(2.0, interval * 2)
 
 
 def commit(store: StoreLike, name: str, *, step: int, tag: str, world_size: int, zero_stage: int,
