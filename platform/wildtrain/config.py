@@ -129,7 +129,13 @@ class ElasticConfig:
     max_workers: int = 2
     # Failures (worker or node deaths) tolerated before the run gives up; -1: no limit.
     max_failures: int = 3
-    # How long Ray Train waits for a worker group to start before retrying at another size.
+    # How long a worker group's start waits for room for its workers (their placement group)
+    # before Ray Train retries at the size it then sees. Where the room exists, the placement
+    # takes well under a second; a longer wait means the size does not fit, most often
+    # because Ray still counts a dead node (~30 s after the death, measured here). Ray's 60 s
+    # default made a node's loss cost 74 s, 10 s made it 37.5 s (measured). 30 s leaves a
+    # loaded GCS room; a start that fits but is slow afterwards (actors, runtime env) is not
+    # bounded by it.
     worker_start_timeout_s: float = 30.0
     # How often a healthy, smaller-than-max group checks whether it can grow.
     resize_check_interval_s: float = 60.0
@@ -153,8 +159,13 @@ class ClusterConfig:
     # resize finds it ready: right where the head's CPUs idle beside GPU training, wrong
     # on a CPU-only cluster, where the conversion takes cores from training.
     reshard_ahead: bool = True
-    # How long to wait for the cluster to offer `min_workers` workers before giving up.
-    capacity_wait_s: float = 30.0
+    # How long to wait for the cluster to offer `min_workers` workers before giving up: at
+    # submission, and whenever no worker group runs (see elastic.CapacityClock for what
+    # counts). A node's death alone spends ~5 s in the node grace, up to ~30 s of Ray still
+    # counting the dead node, and a start attempt of the smallest group that times out on
+    # that stale view (elastic.worker_start_timeout_s): about 65 s at the defaults, so 120 s
+    # ends a run only when capacity is really gone, not while a smaller group starts.
+    capacity_wait_s: float = 120.0
     # Peak FLOP/s of one device for MFU; None: looked up by device name (measured on CPU).
     peak_flops_per_device: Optional[float] = None
 
@@ -319,6 +330,8 @@ def validate(cfg: Config) -> None:
     if cfg.checkpoint.policy not in ("skip", "queue"):
         raise ConfigError(f"checkpoint.policy: expected 'skip' or 'queue', got {cfg.checkpoint.policy!r}")
     positive("elastic.min_workers", cfg.elastic.min_workers)
+    positive("elastic.worker_start_timeout_s", cfg.elastic.worker_start_timeout_s)
+    positive("cluster.capacity_wait_s", cfg.cluster.capacity_wait_s)
     # A worker that holds nothing would fit any node any number of times.
     positive("cluster.cpus_per_worker", cfg.cluster.cpus_per_worker)
     if cfg.elastic.max_workers < cfg.elastic.min_workers:

@@ -14,10 +14,18 @@ import os
 import re
 import threading
 import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
 
 import ray
+from ray.exceptions import RayActorError
 from ray.experimental import internal_kv
 from ray.train import FailureConfig, ScalingConfig
+from ray.train.v2._internal.exceptions import (
+    WorkerGroupStartupTimeoutError,
+    WorkerHealthCheckFailedError,
+    WorkerHealthCheckTimeoutError,
+)
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, WorkerGroupCallback
 from ray.train.v2.api.exceptions import WorkerGroupError
 
@@ -132,11 +140,133 @@ def refresh_resource_view() -> None:
     ray.get(coordinator.get_reserved_resources.remote("wildtrain-refresh", recompute=True), timeout=10)
 
 
+class ResourceView:
+    """Refreshes the resource view (`refresh_resource_view`) without letting a failure end
+    the run or stop the refreshes: a refresh only saves time, since the coordinator refreshes
+    its copy by itself every 20 s. A GCS that times out under load would otherwise end the run
+    from a controller hook, or silently end the refresh thread. Each distinct error is logged
+    once, not once per retry."""
+
+    def __init__(self, refresh: Callable[[], None] = refresh_resource_view) -> None:
+        self._refresh = refresh
+        self._logged: set[str] = set()
+        self.last = float("-inf")  # time.monotonic() of the last attempt
+
+    def refresh(self) -> bool:
+        self.last = time.monotonic()
+        try:
+            self._refresh()
+            return True
+        except Exception as e:
+            error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+            if error not in self._logged:
+                self._logged.add(error)
+                print(f"refreshing Ray's resource view failed ({error}); Ray refreshes it every 20 s "
+                      f"by itself and wildtrain keeps retrying", flush=True)
+            return False
+
+    def refresh_every(self, interval_s: float) -> threading.Thread:
+        def refresh_forever() -> None:
+            while True:
+                time.sleep(interval_s)
+                self.refresh()
+
+        thread = threading.Thread(target=refresh_forever, name="wildtrain-resource-view", daemon=True)
+        thread.start()
+        return thread
+
+
+def lost_a_worker_process(error: BaseException | None) -> bool:
+    """Whether a failed group lost a worker's process, so a node may be gone, rather than
+    only seeing the training function raise. Ray reports a worker whose process (or node)
+    died, or that stopped answering, as a failed or timed-out health check wrapping the
+    actor's error; an exception raised in the training function arrives as itself."""
+    lost = (WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError, RayActorError)
+    return any(isinstance(failure, lost) for failure in getattr(error, "worker_failures", {}).values())
+
+
+@dataclass(frozen=True)
+class FailureBudget:
+    """The failures counted against elastic.max_failures (-1: no limit). A failure is known
+    by its error: while the cluster lacks capacity, the controller re-enters its RESTARTING
+    state, with the same error, at every turn of its loop."""
+
+    max_failures: int
+    failures: int = 0
+    last_error: Optional[BaseException] = field(default=None, compare=False, repr=False)
+
+    def is_new(self, error: BaseException) -> bool:
+        return error is not self.last_error
+
+    def after(self, error: BaseException, counts: bool) -> "FailureBudget":
+        if not self.is_new(error):
+            return self
+        return replace(self, failures=self.failures + int(counts), last_error=error)
+
+    @property
+    def exceeded(self) -> bool:
+        return 0 <= self.max_failures < self.failures
+
+
+@dataclass(frozen=True)
+class CapacityClock:
+    """How long the controller has gone without capacity for a worker group, the time that
+    cluster.capacity_wait_s bounds.
+
+    It runs from the moment no group runs until one runs again (a start that succeeds, however
+    slowly, ends the wait): while Ray's scaling policy sees room for fewer than min_workers,
+    and through start attempts that failed. One kind of failed attempt is not counted: one
+    for more than min_workers workers that timed out waiting for room, the first time at
+    its size. After a node dies, Ray's resource view still counts it for up to ~30 s, so the
+    first attempt may be sized for a group that cannot fit while a smaller one can; its
+    time says nothing about the capacity for min_workers. A second timed-out attempt at the
+    same size counts (the view is not merely stale), so the wait stays bounded."""
+
+    min_workers: int
+    waiting_since: Optional[float] = None  # time.monotonic(); None while a group runs
+    attempt_started: Optional[float] = None  # the start attempt in flight, if any
+    forgiven_sizes: frozenset[int] = frozenset()  # sizes whose timed-out attempt was not counted
+
+    def running(self) -> "CapacityClock":
+        return CapacityClock(self.min_workers)
+
+    def waiting(self, now: float) -> "CapacityClock":
+        return self if self.waiting_since is not None else replace(self, waiting_since=now)
+
+    def attempt(self, now: float) -> "CapacityClock":
+        return replace(self.waiting(now), attempt_started=now)
+
+    @property
+    def in_attempt(self) -> bool:
+        return self.attempt_started is not None
+
+    def attempt_failed(self, now: float, size: int, timed_out: bool) -> "CapacityClock":
+        clock = replace(self.waiting(now), attempt_started=None)
+        if timed_out and size > self.min_workers and size not in self.forgiven_sizes:
+            return replace(clock, waiting_since=clock.waiting_since + (now - self.attempt_started),
+                           forgiven_sizes=self.forgiven_sizes | {size})
+        return clock
+
+    def waited_s(self, now: float) -> float:
+        return 0.0 if self.waiting_since is None else now - self.waiting_since
+
+
+# Controller states in which a worker group exists and runs (or drains, or is resized), and
+# those in which the controller has none and waits for a scaling decision that can start one.
+_GROUP_STATES = ("RUNNING", "PREEMPTING", "RESIZING")
+_WAITING_STATES = ("INITIALIZING", "RESTARTING", "RESCHEDULING")
+# While it waits, Ray's controller loop turns without pausing; its scaling policy reads the
+# resource view at most once a second, so refreshing it once a second loses nothing and
+# keeps the loop from spinning a core.
+_WAIT_REFRESH_S = 1.0
+
+
 class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
     """What Ray Train's controller does not do by itself, run inside it:
 
-    - after a failure, wait (at most `node_grace_s`) for Ray to mark the group's lost nodes
-      dead, then refresh the resource view, so the restart is sized for what is alive;
+    - after a failure that lost a worker's process, wait (at most `node_grace_s`) for Ray to
+      mark the group's lost nodes dead; after any failure, refresh the resource view, so
+      the restart is sized for what is alive (a refresh that fails is logged, never fatal);
     - refresh the resource view at the start and every `refresh_interval_s`, so the first
       group is sized for the nodes there are, and returning capacity is seen at the next
       resize check;
@@ -145,9 +275,10 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
     - leave out the nodes a group's health check failed (`UnhealthyNodes`): later groups
       get a label selector that avoids them and are sized for the nodes that are left;
     - end the run when no worker group has run for `capacity_wait_s` (every node gone, say)
-      instead of retrying forever, or after more than `max_failures` failures that were not
-      planned regrows (-1: no limit). The error ends the run like any non-retryable
-      failure; its checkpoints stay where they are.
+      instead of retrying forever (`CapacityClock` says what counts as waiting), or after
+      more than `max_failures` failures that were not planned regrows (-1: no limit;
+      `FailureBudget`). The error ends the run like any non-retryable failure; its
+      checkpoints stay where they are.
     """
 
     def __init__(self, cfg: Config, node_grace_s: float = 5.0) -> None:
@@ -156,24 +287,18 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
         self.capacity_wait_s = cfg.cluster.capacity_wait_s
         self.reshard_ahead = cfg.cluster.reshard_ahead and cfg.deepspeed.zero_stage > 0
         self._converting: threading.Thread | None = None
-        self.max_failures = cfg.elastic.max_failures
-        self.failures = 0
+        self.budget = FailureBudget(cfg.elastic.max_failures)
+        self.capacity = CapacityClock(cfg.elastic.min_workers)
+        self.view = ResourceView()
         self.refresh_interval_s = cfg.elastic.resize_check_interval_s
         self.node_grace_s = node_grace_s
         self.group_nodes: set[str] = set()
-        self.last_running = time.monotonic()
 
     def after_controller_start(self, train_run_context) -> None:
         # The first group too is sized from the coordinator's copy of the node list, which
         # may be up to 20 s old: nodes that joined just before the submission would be missed.
-        refresh_resource_view()
-
-        def refresh_forever() -> None:
-            while True:
-                time.sleep(self.refresh_interval_s)
-                refresh_resource_view()
-
-        threading.Thread(target=refresh_forever, name="wildtrain-resource-view", daemon=True).start()
+        self.view.refresh()
+        self.view.refresh_every(self.refresh_interval_s)
 
     def after_report(self, training_report, metrics) -> None:
         # Remote stores would need the conversion uploaded; for now only local (shared) paths.
@@ -215,38 +340,63 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         name = current_state._state_type.state_name
-        if name in ("RUNNING", "INITIALIZING"):
-            self.last_running = time.monotonic()
+        now = time.monotonic()
+        if name in _GROUP_STATES:
+            self.capacity = self.capacity.running()
             return
-        if name == "RESTARTING":
-            error = current_state.training_failed_error
-            restart = classify_restart(error)
-            newly_excluded = {e["node"] for e in restart.events if e["event"] == "node_excluded"}
-            if newly_excluded:
-                exclude_nodes(self.run_name, newly_excluded)
-            # Like Ray's own policy, only workers' failures count; a group that could not
-            # start in time is the capacity wait's business.
-            if isinstance(error, WorkerGroupError) and not restart.planned:
-                self.failures += 1
-                if 0 <= self.max_failures < self.failures:
-                    raise RuntimeError(
-                        f"elastic.max_failures: {self.failures} failures, more than the {self.max_failures} "
-                        f"allowed; the last: {restart.cause[:300]}"
-                    )
-                self._wait_for_lost_nodes()
-            refresh_resource_view()
-        if not current_state.is_terminal() and time.monotonic() - self.last_running > self.capacity_wait_s:
+        if name == "SCHEDULING":
+            self.capacity = self.capacity.attempt(now)
+            return
+        if name not in _WAITING_STATES:  # shutting down, or done
+            return
+        self.capacity = self.capacity.waiting(now)
+        error = getattr(current_state, "training_failed_error", None)
+        if name == "RESTARTING" and self.budget.is_new(error):
+            self._after_failure(error)
+        elif name == "RESCHEDULING" and self.capacity.in_attempt:
+            # The start attempt failed. Too big a group for a stale view, most often: let
+            # the next decision see what is alive.
+            size = getattr(getattr(previous_state, "scaling_decision", None), "num_workers", self.min_workers)
+            timed_out = isinstance(getattr(error, "controller_failure", None), WorkerGroupStartupTimeoutError)
+            self.capacity = self.capacity.attempt_failed(now, size, timed_out)
+            self.view.refresh()
+        else:  # the same wait, another turn of the controller's loop
+            time.sleep(max(0.0, self.view.last + _WAIT_REFRESH_S - time.monotonic()))
+            self.view.refresh()
+        if self.capacity.waited_s(time.monotonic()) > self.capacity_wait_s:
             raise CapacityError(
                 f"cluster.capacity_wait_s: no worker group could run for {self.capacity_wait_s:g} s "
                 f"(the cluster cannot hold elastic.min_workers workers)"
             )
 
+    def _after_failure(self, error: BaseException) -> None:
+        """Once per failure of a running group: leave out the nodes its health check failed,
+        count it, and size the restart for the nodes that are alive."""
+        restart = classify_restart(error)
+        newly_excluded = {e["node"] for e in restart.events if e["event"] == "node_excluded"}
+        if newly_excluded:
+            exclude_nodes(self.run_name, newly_excluded)
+        # Like Ray's own policy, only workers' failures count; a group that could not
+        # start in time is the capacity wait's business.
+        self.budget = self.budget.after(error, counts=isinstance(error, WorkerGroupError) and not restart.planned)
+        if self.budget.exceeded:
+            raise RuntimeError(
+                f"elastic.max_failures: {self.budget.failures} failures, more than the {self.budget.max_failures} "
+                f"allowed; the last: {restart.cause[:300]}"
+            )
+        if lost_a_worker_process(error):
+            self._wait_for_lost_nodes()
+        self.view.refresh()
+
     def _wait_for_lost_nodes(self) -> None:
-        """Return once a node of the failed group is marked dead; a failure that killed no
-        node (a worker's exception) waits the whole grace."""
+        """Return once a node of the failed group is marked dead, or after the grace if the
+        process died on a node that lives (a hang's exit, an out-of-memory kill)."""
         deadline = time.monotonic() + self.node_grace_s
         while time.monotonic() < deadline:
-            alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+            try:
+                alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+            except Exception:  # the GCS is slow to answer: the restart's own retries take over
+                return
             if not self.group_nodes <= alive:
                 return
             time.sleep(0.2)
