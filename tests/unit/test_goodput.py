@@ -14,6 +14,7 @@ from wildtrain.tracking.goodput import (
     Waiting,
     account,
     goodput_over_time,
+    stalled_s,
 )
 
 
@@ -138,6 +139,31 @@ def test_an_instant_claimed_twice_counts_once_for_the_badput():
     assert parts(account(events, now=110.0)) == {"productive": 90.0, "waiting": 20.0}
 
 
+def test_a_window_far_slower_than_the_usual_counts_its_excess_as_stalled():
+    # Windows of 10 steps at 1 s each; one was held up for 60 s (a report blocked on a
+    # stopped tracking server): only its time beyond the usual 10 s is stalled.
+    events = [RunStarted(0.0)] + [Steps(10 * i + 1, 10 * i + 10, 10.0 * i, 10.0 * (i + 1)) for i in range(5)]
+    events += [Steps(51, 60, 50.0, 120.0, data_wait_s=2.0), Steps(61, 70, 120.0, 130.0)]
+    goodput = account(events, now=130.0)
+    assert_adds_up(goodput)
+    assert parts(goodput) == {"productive": 50.0 + 10.0 + 10.0, "stalled": 70.0 - 2.0 - 10.0, "data_wait": 2.0}
+    assert stalled_s([e for e in events if isinstance(e, Steps)]) == [0.0] * 5 + [58.0, 0.0]
+
+
+def test_slower_steps_at_a_smaller_world_size_are_not_a_stall():
+    fast = [Steps(i, i, float(i), i + 1.0, world_size=4) for i in range(1, 6)]
+    slow = [Steps(i, i, 2.0 + 4 * i, 6.0 + 4 * i, world_size=1) for i in range(6, 9)]  # a quarter of the workers
+    assert stalled_s(fast + slow) == [0.0] * 8
+    # Too few windows at one size to know its usual: none is judged.
+    assert stalled_s([Steps(1, 1, 0.0, 1.0), Steps(2, 2, 1.0, 100.0)]) == [0.0, 0.0]
+
+
+def test_a_stalled_window_whose_steps_were_redone_is_lost():
+    events = [RunStarted(0.0), AttemptStarted(0.0, 0)] + [Steps(i, i, i - 1.0, float(i)) for i in range(1, 5)]
+    events += [Steps(5, 5, 4.0, 64.0), Interrupted(64.0, "failure"), AttemptStarted(70.0, restored_step=4)]
+    assert parts(account(events, now=70.0)) == {"productive": 4.0, "lost": 60.0, "startup": 6.0}
+
+
 def test_parts_larger_than_their_window_are_cut_to_fit_it():
     events = [RunStarted(0.0), Steps(1, 1, 0.0, 10.0, data_wait_s=8.0, checkpoint_stall_s=8.0)]
     assert parts(account(events, now=10.0)) == {"productive": 0.0, "data_wait": 8.0, "checkpoint_stall": 2.0}
@@ -178,8 +204,8 @@ events = st.one_of(
     st.builds(lambda t, d: Waiting(t, t + d), times, durations),
     st.builds(AttemptStarted, times, steps, durations, durations),
     st.builds(Interrupted, times, st.sampled_from(["failure", "resize"])),
-    st.builds(lambda first, n, t, d, w, c: Steps(first, first + n, t, t + d, w, c),
-              steps, st.integers(0, 9), times, durations, durations, durations),
+    st.builds(lambda first, n, t, d, w, c, size: Steps(first, first + n, t, t + d, w, c, size),
+              steps, st.integers(0, 9), times, durations, durations, durations, st.integers(0, 2)),
 )
 
 

@@ -10,6 +10,7 @@ from wildtrain.tracking.report import (
     DATA_WAIT,
     MFU,
     NODES,
+    WORLD_SIZE,
     RunRecord,
     RunStats,
     Sample,
@@ -51,6 +52,7 @@ def record() -> RunRecord:
         "loss": tuple(Sample(at, step, 5.0 - 0.1 * step) for at, step, _ in reports),
         MFU: tuple(Sample(at, step, 0.3 + 0.01 * i) for i, (at, step, _) in enumerate(reports)),
         DATA_WAIT: (Sample(1020.0, 5, 0.5),),
+        WORLD_SIZE: tuple(Sample(at, step, 2.0 if at < 1035.0 else 1.0) for at, step, _ in reports),
         NODES: (Sample(1010.0, 0, 2.0), Sample(1035.0, 10, 0.0), Sample(1050.0, 8, 1.0), Sample(1060.0, 10, 0.0)),
         CHECKPOINT_BYTES: (Sample(1025.0, 8, 1.5e9), Sample(1055.0, 10, 1.5e9)),
         CHECKPOINT_SAVE_S: (Sample(1025.0, 8, 4.0), Sample(1055.0, 10, 6.0)),
@@ -67,8 +69,9 @@ def test_goodput_events_from_the_timeline_and_the_reports():
     # a window per report, from the previous report of the same attempt; an attempt's
     # first report is its first step alone
     assert [e for e in events if isinstance(e, Steps)] == [
-        Steps(1, 1, 1010.0, 1012.0), Steps(2, 5, 1012.0, 1020.0, data_wait_s=2.0), Steps(6, 10, 1020.0, 1030.0),
-        Steps(9, 9, 1052.0, 1053.0), Steps(10, 10, 1053.0, 1055.0),
+        Steps(1, 1, 1010.0, 1012.0, world_size=2), Steps(2, 5, 1012.0, 1020.0, data_wait_s=2.0, world_size=2),
+        Steps(6, 10, 1020.0, 1030.0, world_size=2), Steps(9, 9, 1052.0, 1053.0, world_size=1),
+        Steps(10, 10, 1053.0, 1055.0, world_size=1),
     ]
 
 
@@ -77,7 +80,7 @@ def test_a_run_summary():
     # steps 9, 10 of [1020, 1030) redone: 4 s lost, and 5 s until the failure was noticed
     assert stats.goodput == Goodput(60.0, 2.0 + 6.0 + 6.0 + 3.0, {
         "startup": 10.0 + 10.0 + 2.0 + 5.0, "waiting": 0.0, "restore": 5.0, "lost": 4.0 + 5.0,
-        "checkpoint_stall": 0.0, "data_wait": 2.0, "stopped": 0.0, "unreported": 0.0,
+        "checkpoint_stall": 0.0, "data_wait": 2.0, "stalled": 0.0, "stopped": 0.0, "unreported": 0.0,
     })
     assert stats.mfu == pytest.approx(0.32)
     assert stats.failures == 1 and stats.recoveries_s == (1052.0 - 1035.0,)

@@ -6,12 +6,17 @@ and resize), went into training progress that was kept, and where the rest went.
 and reshard times), the driver (each submission starting and stopping), the controller
 (waits for capacity) and the training loop's reports (windows of consecutive steps with
 their data-wait and checkpoint-stall parts). `tracking.report` builds them from MLflow.
+
+A window's steps are not productive just because they ran: a window whose steps took far
+longer than the run's usual at its world size was held up (a report blocked on a stopped
+server, a stopped rank, a throttled node), and its time beyond the usual is STALLED.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
+import statistics
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -22,14 +27,21 @@ RESTORE = "restore"
 LOST = "lost"
 CHECKPOINT_STALL = "checkpoint_stall"
 DATA_WAIT = "data_wait"
+STALLED = "stalled"
 STOPPED = "stopped"
 UNREPORTED = "unreported"
-BADPUT_CAUSES = (STARTUP, WAITING, RESTORE, LOST, CHECKPOINT_STALL, DATA_WAIT, STOPPED, UNREPORTED)
+BADPUT_CAUSES = (STARTUP, WAITING, RESTORE, LOST, CHECKPOINT_STALL, DATA_WAIT, STALLED, STOPPED, UNREPORTED)
 
 # An instant that several intervals claim (clocks of different hosts disagree, an outage
 # reported twice) counts once, for the first claimant here: badput before productive, so
 # goodput is never overstated.
-_PRECEDENCE = (LOST, RESTORE, WAITING, CHECKPOINT_STALL, DATA_WAIT, PRODUCTIVE)
+_PRECEDENCE = (LOST, RESTORE, WAITING, CHECKPOINT_STALL, DATA_WAIT, STALLED, PRODUCTIVE)
+
+# A window stalled when its steps took more than this many times the median step of the
+# run's windows at its world size; judged only once there are enough windows for a median
+# to mean the usual. Normal jitter, and a step or two slower after a restart, stay below.
+STALL_FACTOR = 3.0
+STALL_MIN_WINDOWS = 3
 
 # Times are counted in whole ticks of 1/1024 s: every part is then a float the sum of the
 # parts reproduces exactly, with no rounding however many segments a long run has.
@@ -80,8 +92,8 @@ class Interrupted:
 @dataclass(frozen=True)
 class Steps:
     """Optimizer steps `first`..`last` (inclusive), run back to back over [start, end):
-    one report window of the training loop. `data_wait_s` and `checkpoint_stall_s` are
-    the window's totals of those parts."""
+    one report window of the training loop at `world_size` (0: not known). `data_wait_s`
+    and `checkpoint_stall_s` are the window's totals of those parts."""
 
     first: int
     last: int
@@ -89,6 +101,12 @@ class Steps:
     end: float
     data_wait_s: float = 0.0
     checkpoint_stall_s: float = 0.0
+    world_size: int = 0
+
+    @property
+    def step_s(self) -> float:
+        """Time per step besides data wait and checkpoint stall."""
+        return max(0.0, self.end - self.start - self.data_wait_s - self.checkpoint_stall_s) / (self.last - self.first + 1)
 
 
 Event = Union[RunStarted, RunStopped, Waiting, AttemptStarted, Interrupted, Steps]
@@ -115,11 +133,11 @@ def account(events: Sequence[Event], now: float) -> Goodput:
     1. Intervals claim time, and where they overlap the first of LOST, RESTORE, WAITING,
        CHECKPOINT_STALL, DATA_WAIT, PRODUCTIVE wins:
        - a `Steps` window: its steps that were later redone are LOST (its tail: the newest
-         steps); the rest is DATA_WAIT at its start, CHECKPOINT_STALL at its end and
-         PRODUCTIVE between, each part scaled to the steps kept. Parts larger than the
-         window (clock noise) are cut to fit it. A step is redone when an attempt that
-         starts at or after the window's end restored an older step, or a window that
-         starts at or after its end runs it again.
+         steps); the rest is DATA_WAIT at its start, CHECKPOINT_STALL at its end, STALLED
+         before that (see `stalled_s`) and PRODUCTIVE between, each part scaled to the
+         steps kept. Parts larger than the window (clock noise) are cut to fit it. A step
+         is redone when an attempt that starts at or after the window's end restored an
+         older step, or a window that starts at or after its end runs it again.
        - RESTORE for `restore_s + reshard_s` from an `AttemptStarted`;
        - WAITING for a `Waiting`.
     2. Unclaimed time takes the cause of the latest event before it: STARTUP after a
@@ -223,9 +241,8 @@ def _claims(events: Sequence[Event]) -> list[tuple[int, int, str]]:
     for i in range(len(markers) - 1, -1, -1):
         kept_below[i] = min(kept_below[i + 1], markers[i][1])
 
-    for e in events:
-        if not isinstance(e, Steps):
-            continue
+    windows = [e for e in events if isinstance(e, Steps)]
+    for e, held_up_s in zip(windows, stalled_s(windows)):
         start, end = _tick(e.start), _tick(e.end)
         redone_from = kept_below[bisect.bisect_left(marker_ticks, end)]
         n = e.last - e.first + 1
@@ -233,13 +250,30 @@ def _claims(events: Sequence[Event]) -> list[tuple[int, int, str]]:
         kept = (end - start) * kept_steps // n
         data_wait = min(kept, round(e.data_wait_s * _TICKS_PER_S * kept_steps / n))
         stall = min(kept - data_wait, round(e.checkpoint_stall_s * _TICKS_PER_S * kept_steps / n))
+        held_up = min(kept - data_wait - stall, round(held_up_s * _TICKS_PER_S * kept_steps / n))
         claims += [
             (start, start + data_wait, DATA_WAIT),
-            (start + data_wait, start + kept - stall, PRODUCTIVE),
+            (start + data_wait, start + kept - stall - held_up, PRODUCTIVE),
+            (start + kept - stall - held_up, start + kept - stall, STALLED),
             (start + kept - stall, start + kept, CHECKPOINT_STALL),
             (start + kept, end, LOST),
         ]
     return [claim for claim in claims if claim[1] > claim[0]]
+
+
+def stalled_s(windows: Sequence[Steps]) -> list[float]:
+    """Per window, the time its steps were held up: beyond the median step of the windows
+    at its world size, when its steps took more than STALL_FACTOR times that median."""
+    by_size = collections.defaultdict(list)
+    for w in windows:
+        by_size[w.world_size].append(w.step_s)
+    usual = {size: statistics.median(times) for size, times in by_size.items() if len(times) >= STALL_MIN_WINDOWS}
+    stalled = []
+    for w in windows:
+        median = usual.get(w.world_size)
+        held_up = median is not None and w.step_s > STALL_FACTOR * median
+        stalled.append((w.step_s - median) * (w.last - w.first + 1) if held_up else 0.0)
+    return stalled
 
 
 # Ties at one instant: a window that ends as the group is interrupted ends first; a stop

@@ -31,7 +31,9 @@ CHECKPOINT_BYTES = "checkpoint/bytes"  # per save
 CHECKPOINT_SAVE_S = "checkpoint/save_s"  # per save
 # From the controller: the distinct nodes of the worker group when it starts, 0 when it stops.
 NODES = "elastic/nodes"
-HISTORY_KEYS = ("loss", "step_time_s", MFU, DATA_WAIT, CHECKPOINT_STALL, CHECKPOINT_BYTES, CHECKPOINT_SAVE_S, NODES)
+WORLD_SIZE = "world_size"  # per report, like step_time_s: stalls are judged per world size
+HISTORY_KEYS = ("loss", "step_time_s", MFU, DATA_WAIT, CHECKPOINT_STALL, CHECKPOINT_BYTES, CHECKPOINT_SAVE_S, NODES,
+                WORLD_SIZE)
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ def _step_windows(history: History, events: Sequence[goodput.Event]) -> list[Ste
     boundaries = sorted(e.at for e in events if isinstance(e, (RunStarted, Interrupted, AttemptStarted)))
     data_wait = {(s.at, s.step): s.value for s in history.get(DATA_WAIT, ())}
     stall = {(s.at, s.step): s.value for s in history.get(CHECKPOINT_STALL, ())}
+    world_size = {(s.at, s.step): int(s.value) for s in history.get(WORLD_SIZE, ())}
     windows = []
     previous: Optional[Sample] = None
     for report in history.get("step_time_s", ()):
@@ -124,7 +127,7 @@ def _step_windows(history: History, events: Sequence[goodput.Event]) -> list[Ste
         start = previous.at if same_attempt else report.at - report.value
         key = (report.at, report.step)
         windows.append(Steps(report.step - steps + 1, report.step, start, report.at,
-                             steps * data_wait.get(key, 0.0), steps * stall.get(key, 0.0)))
+                             steps * data_wait.get(key, 0.0), steps * stall.get(key, 0.0), world_size.get(key, 0)))
         previous = report
     return windows
 
