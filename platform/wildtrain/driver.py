@@ -23,7 +23,9 @@ from wildtrain.config import Config, config_hash
 from wildtrain.checkpoint.manifest import choose_restore, list_candidates
 from wildtrain.data.dataset import open_datasets
 from wildtrain.tracking import report
-from wildtrain.tracking.mlflow_run import MlflowCallback, check_reachable, log_event, open_run, run_url
+from wildtrain.tracking.mlflow_run import (
+    FLUSH_TIMEOUT_S, MlflowCallback, Tracker, check_reachable, log_event, open_run, run_url, tracking_folder,
+)
 from wildtrain.tracking.progress import ProgressCallback
 from wildtrain.train.loop import checkpoint_stores, hang_dump_folder, train_loop
 
@@ -80,7 +82,8 @@ def run(cfg: Config) -> RunSummary:
             failure_config=elastic.failure_config(cfg),
             callbacks=[
                 ProgressCallback(cfg.train.steps),
-                MlflowCallback(cfg.tracking.uri, run_id, elastic.classify_restart, hang_dump_folder(cfg), cfg.storage),
+                MlflowCallback(cfg.tracking.uri, run_id, elastic.classify_restart, hang_dump_folder(cfg), cfg.storage,
+                               tracking_folder(cfg)),
                 elastic.ElasticPolicy(cfg),
             ],
             worker_runtime_env={"env_vars": elastic.worker_env(cfg)},
@@ -91,12 +94,12 @@ def run(cfg: Config) -> RunSummary:
     try:
         trainer.fit()
     except Exception as e:
-        _finish(tracking, cfg, run_id, "FAILED")
+        _finish(cfg, run_id, "FAILED")
         raise RunFailed(
             f"run {cfg.run.name!r} failed: {e}\nIts checkpoints are kept in {storage_uri}/{cfg.run.name}; "
             f"run the same command again to resume."
         ) from e
-    _finish(tracking, cfg, run_id, "FINISHED")
+    _finish(cfg, run_id, "FINISHED")
     return RunSummary(
         run_id=run_id,
         mlflow_url=mlflow_url,
@@ -113,11 +116,16 @@ def _newest_checkpoint(cfg: Config) -> Optional[str]:
     return storage.join(newest.store, newest.name) if newest else None
 
 
-def _finish(tracking: MlflowClient, cfg: Config, run_id: str, status: str) -> None:
+def _finish(cfg: Config, run_id: str, status: str) -> None:
     """Close the MLflow run and attach where its compute went (goodput, plot); a report that
-    fails is a warning, never the run's failure."""
-    log_event(tracking, run_id, {"event": "stopped", "at": time.time(), "status": status}, step=0)
-    tracking.set_terminated(run_id, status=status)
+    fails is a warning, never the run's failure. A server that is down by now holds the
+    end up for a bounded time: what it did not take waits in a local file (printed)."""
+    tracking = Tracker(cfg.tracking.uri, run_id, tracking_folder(cfg))
+    tracking.event({"event": "stopped", "at": time.time(), "status": status}, step=0)
+    tracking.terminated(status)
+    if tracking.close(FLUSH_TIMEOUT_S) is not None:
+        print("warning: no run report: MLflow is unreachable", flush=True)
+        return
     try:
         result = report.report_run(cfg.tracking.uri, run_id)
         print(report.goodput_text(result), flush=True)

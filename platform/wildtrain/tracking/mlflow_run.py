@@ -2,12 +2,15 @@
 
 The driver opens (or, for a resubmitted run, reopens) the run; `MlflowCallback` logs from
 the Ray Train controller, which outlives worker restarts, so a restart never starts a
-second MLflow run.
+second MLflow run. The controller's records go through a `Tracker`: `ray.train.report`
+returns on the worker only once the controller has handled the report, so a call to a
+slow or stopped MLflow server there would stop training.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +21,8 @@ from typing import Callable, Optional
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, WorkerGroupCallback
 
 from wildtrain import storage
-from wildtrain.config import Config, StorageConfig, flatten, to_yaml
+from wildtrain.config import Config, RunConfig, StorageConfig, flatten, to_yaml
+from wildtrain.tracking.buffer import Outage, TrackingBuffer
 from wildtrain.tracking.timeline import Restart, Timeline
 from wildtrain.train.watchdog import rank_of_dump
 
@@ -33,6 +37,13 @@ TRAINING_METRICS = (
 
 # MLflow caps a batch at 100 params and a param value at 6000 characters.
 _PARAMS_PER_BATCH = 100
+
+# In the controller, a request to a stopped server fails after this long, once: the
+# tracker retries it with its own backoff, in order, and records the outage. MLflow's own
+# retries (7, minutes in all) would hold the records behind it without a word.
+_REQUEST_TIMEOUT_S = 10
+# At the end of a run, how long the records still waiting may take to send.
+FLUSH_TIMEOUT_S = 30.0
 
 
 class TrackingError(RuntimeError):
@@ -60,6 +71,8 @@ def open_run(cfg: Config, run_id: Optional[str]) -> tuple[str, str]:
     from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
+    from wildtrain.config import redact
+
     client = MlflowClient(cfg.tracking.uri)
     if run_id is not None:
         run = client.get_run(run_id)
@@ -69,10 +82,11 @@ def open_run(cfg: Config, run_id: Optional[str]) -> tuple[str, str]:
     experiment = client.get_experiment_by_name(cfg.tracking.experiment)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(cfg.tracking.experiment)
     run = client.create_run(experiment_id, run_name=cfg.run.name, tags={CLUSTER_TAG: cfg.cluster.name})
-    params = [Param(key, str(value)[:6000]) for key, value in flatten(cfg).items()]
+    # Everyone who can read the experiment sees params: no user:password from a URI in them.
+    params = [Param(key, redact(str(value))[:6000]) for key, value in flatten(cfg).items()]
     for i in range(0, len(params), _PARAMS_PER_BATCH):
         client.log_batch(run.info.run_id, params=params[i : i + _PARAMS_PER_BATCH])
-    client.log_text(run.info.run_id, to_yaml(cfg), "config.yaml")
+    client.log_text(run.info.run_id, redact(to_yaml(cfg)), "config.yaml")
     return experiment_id, run.info.run_id
 
 
@@ -88,10 +102,112 @@ def read_events(uri: str, run_id: str, folder: str) -> list[dict]:
 
 
 def log_event(client, run_id: str, event: dict, step: int) -> None:
-    """Each event is its own small JSON artifact, so a resubmitted run appends to them."""
-    name = f"{EVENTS_DIR}/{time.time():.3f}-{event['event']}.json"
-    client.log_text(run_id, json.dumps(event, indent=1), name)
-    client.log_metric(run_id, f"elastic/{event['event']}", 1.0, step=step)
+    """Log an event now (for the driver, outside training); `Tracker.event` buffers it."""
+    for record in _event_records(run_id, event, step):
+        _send(client, record)
+
+
+def _event_records(run_id: str, event: dict, step: int) -> list[dict]:
+    """Each event is its own small JSON artifact, so a resubmitted run appends to them;
+    named and stamped when it happened, however late it is sent."""
+    now = time.time()
+    return [
+        {"op": "text", "run_id": run_id, "path": f"{EVENTS_DIR}/{now:.3f}-{event['event']}.json",
+         "text": json.dumps(event, indent=1)},
+        {"op": "metrics", "run_id": run_id, "metrics": [[f"elastic/{event['event']}", 1.0, int(now * 1000), step]]},
+    ]
+
+
+def _send(client, record: dict) -> None:
+    """One buffered record to MLflow. Each is idempotent (a metric point with its
+    timestamp, a tag, a named artifact), so sending one again after a timeout is harmless."""
+    from mlflow.entities import Metric
+
+    run_id = record["run_id"]
+    op = record["op"]
+    if op == "metrics":
+        client.log_batch(run_id, metrics=[Metric(key, value, at, step) for key, value, at, step in record["metrics"]])
+    elif op == "tag":
+        client.set_tag(run_id, record["key"], record["value"])
+    elif op == "text":
+        client.log_text(run_id, record["text"], record["path"])
+    elif op == "terminated":
+        client.set_terminated(run_id, status=record["status"], end_time=record["end_time"])
+    else:
+        raise ValueError(f"unknown tracking record {op!r}")
+
+
+def _transient(error: BaseException) -> bool:
+    """Whether a failed send may succeed later (the server or network), rather than being
+    refused for good (a bad request, a deleted run)."""
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(error, MlflowException):
+        status = error.get_http_status_code()
+        return status >= 500 or status == 429
+    return isinstance(error, (OSError, requests.RequestException))
+
+
+def tracking_folder(cfg: Config) -> Path:
+    """The local folder of records waiting on MLflow: spilled in a long outage, or left
+    unsent at the end of a run (sent first by the run's next tracker). Under the run's
+    folder when that is local, else under the default local one."""
+    runs = storage.resolve(cfg.run.storage)
+    local = runs if "://" not in runs else storage.resolve(RunConfig.storage)
+    return Path(local) / cfg.run.name / "tracking"
+
+
+class Tracker:
+    """A run's MLflow records, sent in order by a background thread (`TrackingBuffer`):
+    no call here waits on the server. An outage is recorded as a `tracking_outage` event
+    once the server takes records again."""
+
+    def __init__(self, uri: str, run_id: str, folder: Path, bounded_requests: bool = False) -> None:
+        from mlflow.tracking import MlflowClient
+
+        if bounded_requests:  # process-wide: for the controller, where only this tracker calls MLflow
+            os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(_REQUEST_TIMEOUT_S)
+            os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+        self.run_id = run_id
+        self.step = 0  # the newest step logged: where an outage event is marked
+        client = MlflowClient(uri)
+        self._buffer = TrackingBuffer(lambda record: _send(client, record), folder, is_transient=_transient,
+                                      on_outage=self._outage)
+
+    def metrics(self, values: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        self.step = max(self.step, step)
+        self._buffer.put({"op": "metrics", "run_id": self.run_id,
+                          "metrics": [[key, float(value), now, step] for key, value in values.items()]})
+
+    def event(self, event: dict, step: int) -> None:
+        for record in _event_records(self.run_id, event, step):
+            self._buffer.put(record)
+
+    def tag(self, key: str, value: str) -> None:
+        self._buffer.put({"op": "tag", "run_id": self.run_id, "key": key, "value": value})
+
+    def text(self, text: str, path: str) -> None:
+        self._buffer.put({"op": "text", "run_id": self.run_id, "path": path, "text": text})
+
+    def terminated(self, status: str) -> None:
+        self._buffer.put({"op": "terminated", "run_id": self.run_id, "status": status,
+                          "end_time": int(time.time() * 1000)})
+
+    def close(self, timeout_s: float) -> Optional[Path]:
+        """Send what is left within `timeout_s`; the file of what could not be (None: all was)."""
+        unsent = self._buffer.close(timeout_s)
+        if unsent is not None:
+            print(f"warning: MLflow did not take every record within {timeout_s:g} s; they are kept in "
+                  f"{unsent} and sent first by the run's next submission", flush=True)
+        return unsent
+
+    def _outage(self, outage: Outage) -> None:
+        event = outage.event()
+        self.event(event, self.step)
+        print(f"tracking_outage: MLflow did not answer for {event['seconds']:.1f} s "
+              f"({'recovered' if outage.resolved else 'still down'}; {outage.error})", flush=True)
 
 
 def run_url(uri: str, experiment_id: str, run_id: str) -> str:
@@ -106,24 +222,35 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
     reports but not the controller's state changes that mark failures and resizes."""
 
     def __init__(self, uri: str, run_id: str, classify_restart: Callable[[BaseException | None], Restart],
-                 hang_dumps: str, storage_config: StorageConfig) -> None:
+                 hang_dumps: str, storage_config: StorageConfig, folder: Path) -> None:
         self.uri = uri
         self.run_id = run_id
+        self.folder = folder  # see `tracking_folder`
         self.classify_restart = classify_restart
         self.hang_dumps = hang_dumps  # where workers' hang watchdogs write their stacks
         self.storage_config = storage_config
         self._attached: set[str] = set()
         self.timeline = Timeline()
         self.worker_pids: list[int] = []  # by rank, of the newest group
-        self._client = None
+        self._tracking: Optional[Tracker] = None
 
     @property
-    def client(self):
-        from mlflow.tracking import MlflowClient
+    def tracking(self) -> Tracker:
+        # Made in the controller: the callback is built in the driver and pickled there.
+        if self._tracking is None:
+            self._tracking = Tracker(self.uri, self.run_id, self.folder, bounded_requests=True)
+        return self._tracking
 
-        if self._client is None:
-            self._client = MlflowClient(self.uri)
-        return self._client
+    def after_controller_finish(self, result) -> None:
+        self._close()
+
+    def before_controller_abort(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._tracking is not None:
+            self._tracking.close(FLUSH_TIMEOUT_S)
+            self._tracking = None
 
     def after_worker_group_start(self, worker_group) -> None:
         workers = sorted(worker_group.get_workers(), key=lambda w: w.distributed_context.world_rank)
@@ -131,7 +258,7 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
         self.worker_pids = [w.metadata.pid for w in workers]
         self.timeline.group_started(nodes)
         # Node-seconds in service, for the cluster card's failures per node-day.
-        self.client.log_metric(self.run_id, "elastic/nodes", len(set(nodes)), step=self.timeline.last_step)
+        self.tracking.metrics({"elastic/nodes": len(set(nodes))}, self.timeline.last_step)
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         state = current_state._state_type.state_name
@@ -144,7 +271,7 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
         event = self.timeline.interrupted(kind, time.time(), restart.cause)
         if event is not None:
             self._log_event(event, event["last_step"])
-            self.client.log_metric(self.run_id, "elastic/nodes", 0, step=event["last_step"])
+            self.tracking.metrics({"elastic/nodes": 0}, event["last_step"])
             self._attach_hang_dumps(event["last_step"], event["nodes"])
             print(f"{kind} after step {event['last_step']} at world size {event['world_size']}: {restart.cause}", flush=True)
         if state == "RESTARTING":  # once per failed group, even within one outage
@@ -152,20 +279,13 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
                 self._log_event(carried, self.timeline.last_step)
 
     def after_report(self, training_report, metrics) -> None:
-        from mlflow.entities import Metric
-
         reported = metrics[0]
         step = int(reported["step"])
         recovery = self.timeline.reported(reported)
-        now = int(time.time() * 1000)
-        values = [
-            Metric(key, float(value), now, step)
-            for key, value in reported.items()
-            if (key in TRAINING_METRICS or key.startswith("checkpoint/")) and isinstance(value, (int, float))
-        ]
+        values = {key: value for key, value in reported.items()
+                  if (key in TRAINING_METRICS or key.startswith("checkpoint/")) and isinstance(value, (int, float))}
         if recovery is not None:
-            values += [Metric(f"elastic/{key}", float(value), now, step) for key, value in asdict(recovery).items()
-                       if isinstance(value, (int, float))]
+            values |= {f"elastic/{key}": value for key, value in asdict(recovery).items() if isinstance(value, (int, float))}
             self._log_event(self.timeline.events[-1], step)
             print(
                 f"recovered at world size {recovery.world_size_after} from step {recovery.restored_step} "
@@ -176,8 +296,8 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
         for event in reported.get("events", []):  # the workers' own: health, stragglers, checkpoints
             self._log_event(event, step)
         for committed in reported.get("committed_checkpoints", []):
-            self.client.set_tag(self.run_id, "wildtrain.last_checkpoint", committed)
-        self.client.log_batch(self.run_id, metrics=values)
+            self.tracking.tag("wildtrain.last_checkpoint", committed)
+        self.tracking.metrics(values, step)
 
     def _attach_hang_dumps(self, step: int, nodes: list[str]) -> None:
         """Stacks the hang watchdogs wrote before they failed the attempt, as artifacts under
@@ -192,7 +312,7 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
         for name in dumps:
             self._attached.add(name)
             text = storage.read_text(storage.join(self.hang_dumps, name), self.storage_config) or ""
-            self.client.log_text(self.run_id, text, f"hangs/{name}")
+            self.tracking.text(text, f"hangs/{name}")
             reasons.append(text.splitlines()[0] if text else "")
         dumped = {rank_of_dump(name) for name in dumps}
         silent = [{"rank": rank, "node": node, "pid": self.worker_pids[rank] if rank < len(self.worker_pids) else None}
@@ -206,7 +326,7 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
 
     def _log_event(self, event: dict, step: int) -> None:
         """Into MLflow, and onto the log unless it is a passed health check."""
-        log_event(self.client, self.run_id, event, step)
+        self.tracking.event(event, step)
         if event["event"] == "health":
             if not event["passed"]:
                 print(f"health check failed at step {step}: {event['check']} on node {event['node']}: {event['detail']}",

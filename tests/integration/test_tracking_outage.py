@@ -1,0 +1,77 @@
+"""Tracking never blocks training: a full run whose MLflow server is stopped (SIGSTOP, as a
+hung or overloaded server looks to its clients) while it trains keeps training at its
+usual pace, records the outage, and has every report in MLflow afterwards, in order.
+
+WILDTRAIN_MLFLOW_PAUSE_S sets the pause (default 20 s), to measure a longer one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from wildtrain import services
+from wildtrain.chaos import BackgroundRun
+from wildtrain.tracking.mlflow_run import read_events
+
+pytestmark = pytest.mark.integration
+
+PAUSE_S = float(os.environ.get("WILDTRAIN_MLFLOW_PAUSE_S", "20"))
+LOG_EVERY = 5
+
+
+@pytest.fixture
+def own_mlflow(tmp_path):
+    """An MLflow server for this test alone: pausing the session's would stall other tests."""
+    port = services.free_port()
+    server = services.start_mlflow(tmp_path / "mlflow", port)
+    yield server, f"http://{services.HOST}:{port}"
+    os.killpg(server.pid, signal.SIGCONT)
+    services.stop_process(server.pid)
+
+
+def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(ray_cluster, tiny_config, own_mlflow,
+                                                                           tmp_path):
+    server, url = own_mlflow
+    # Long enough that training runs on well after the pause; saves only at the end, so
+    # that every window is steps alone.
+    steps = int((PAUSE_S + 30) * 3)
+    cfg = tiny_config(f"tracking.uri={url}", f"train.steps={steps}", f"train.log_every={LOG_EVERY}",
+                      f"train.checkpoint_every={steps}")
+    run = BackgroundRun(cfg)
+    run.wait_until(lambda reports: any(m.step >= 2 * LOG_EVERY for m in reports), "the first reports", 300,
+                   key="step_time_s")
+
+    paused_at = time.time()
+    os.killpg(server.pid, signal.SIGSTOP)
+    try:
+        time.sleep(PAUSE_S)
+    finally:
+        os.killpg(server.pid, signal.SIGCONT)
+    resumed_at = time.time()
+    summary = run.join(600)
+
+    client = MlflowClient(url)
+    history = sorted(client.get_metric_history(summary.run_id, "step_time_s"), key=lambda m: m.timestamp)
+    assert [m.step for m in history] == [1, *range(LOG_EVERY, steps + 1, LOG_EVERY)], "a report is missing or out of order"
+    assert history[-1].timestamp / 1000 > resumed_at, f"the run ended before the pause did: make it longer than {steps} steps"
+
+    # Training went on at its usual pace through the pause: the controller took reports
+    # all along, and no window's steps were slow. (The first window is the first step.)
+    during = [m for m in history if paused_at < m.timestamp / 1000 < resumed_at]
+    median = statistics.median(m.value for m in history[1:])
+    worst = max(history[1:], key=lambda m: m.value)
+    print(f"MLflow paused {PAUSE_S:g} s: {len(during)} reports during the pause; step_time_s median {median:.3f} s, "
+          f"worst {worst.value:.3f} s at step {worst.step} ({worst.value / median:.2f}x), worst during the pause "
+          f"{max(m.value for m in during) / median:.2f}x")
+    assert len(during) >= PAUSE_S / 4, "reports stopped while MLflow was paused"
+    assert worst.value < 2 * median, "a report window stalled"
+
+    [outage] = [e for e in read_events(url, summary.run_id, str(tmp_path / "events")) if e["event"] == "tracking_outage"]
+    assert outage["resolved"] and paused_at - 1 < outage["start"] < outage["end"] < resumed_at + 15
+    assert PAUSE_S / 2 < outage["seconds"] <= PAUSE_S + 15
+    assert client.get_run(summary.run_id).data.metrics["badput/stalled_s"] == 0

@@ -1,0 +1,79 @@
+"""The controller's MLflow logging against a hung server (a socket that accepts and never
+answers, as a stopped process does) and a real MLflow store (SQLite, no server)."""
+
+import json
+import socket
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from wildtrain.config import StorageConfig
+from wildtrain.tracking import mlflow_run
+from wildtrain.tracking.mlflow_run import MlflowCallback, Tracker, read_events
+from wildtrain.tracking.timeline import Restart
+
+
+@pytest.fixture
+def hung_server():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A real MLflow store and a run in it."""
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("test", artifact_location=str(tmp_path / "artifacts"))
+    return client, client.create_run(experiment).info.run_id
+
+
+def test_reports_never_wait_on_a_hung_mlflow_server_and_nothing_is_lost(hung_server, tmp_path, monkeypatch):
+    # The callback bounds MLflow's requests process-wide: undo that after the test.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "120")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "7")
+    monkeypatch.setattr(mlflow_run, "FLUSH_TIMEOUT_S", 0.5)
+    callback = MlflowCallback(hung_server, "r1", lambda e: Restart("failure", "", False), str(tmp_path / "hangs"),
+                              StorageConfig(), tmp_path / "tracking")
+    started = time.perf_counter()
+    for step in range(1, 101):
+        callback.after_report(None, [{"step": step, "loss": 5.0 - step / 100, "world_size": 2, "events": []}])
+    assert time.perf_counter() - started < 1.0, "the report path waited on MLflow"
+
+    started = time.perf_counter()
+    callback.after_controller_finish(None)
+    assert time.perf_counter() - started < 5.0, "the end of the run waits a bounded time"
+    [unsent] = (tmp_path / "tracking").glob("*-unsent.jsonl")
+    records = [json.loads(line) for line in unsent.read_text().splitlines()]
+    assert [r["metrics"][0][3] for r in records] == list(range(1, 101))  # every report's step, in order
+
+
+def test_what_a_tracker_could_not_send_the_runs_next_tracker_sends_first(store, tmp_path, monkeypatch):
+    client, run_id = store
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # refused at once: an outage from the start
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens
+    folder = tmp_path / "tracking"
+
+    first = Tracker(down, run_id, folder)
+    for step in (1, 2, 3):
+        first.metrics({"loss": 4.0 - step, "step_time_s": 0.1}, step)
+    first.event({"event": "resize", "at": time.time()}, 3)
+    unsent = first.close(timeout_s=0.5)
+    assert unsent is not None and unsent.parent == folder
+
+    second = Tracker(client.tracking_uri, run_id, folder)
+    second.metrics({"loss": 0.5}, 4)
+    second.terminated("FINISHED")
+    assert second.close(timeout_s=30) is None
+    assert not unsent.exists()
+
+    history = sorted(client.get_metric_history(run_id, "loss"), key=lambda m: m.timestamp)
+    assert [(m.step, m.value) for m in history] == [(1, 3.0), (2, 2.0), (3, 1.0), (4, 0.5)]
+    events = read_events(client.tracking_uri, run_id, str(tmp_path / "events"))
+    assert [e["event"] for e in events] == ["resize", "tracking_outage"]
+    assert events[1]["resolved"] is False and events[1]["seconds"] >= 0
+    assert client.get_run(run_id).info.status == "FINISHED"
