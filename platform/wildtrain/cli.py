@@ -8,13 +8,14 @@ from pathlib import Path
 import click
 
 from wildtrain import services
-from wildtrain.config import ConfigError, load_config, to_yaml
+from wildtrain.config import ConfigError, load_config, redact, to_yaml
 
 OVERRIDES = click.argument("overrides", nargs=-1)
 
 
 def _fail(message: str, code: int) -> None:
-    click.secho(f"wildtrain: {message}", fg="red", err=True)
+    # Errors quote addresses from the config, which may carry a user:password.
+    click.secho(f"wildtrain: {redact(message)}", fg="red", err=True)
     sys.exit(code)
 
 
@@ -36,6 +37,7 @@ def train(overrides: tuple[str, ...]) -> None:
     """Train with the config from conf/ plus OVERRIDES (experiment=NAME, group=CHOICE, key=value)."""
     cfg = _config(overrides)
     services.use_local_object_store()
+    services.prepare_ray_client(cfg.cluster.ray_address)
     # Ray, DeepSpeed and MLflow load only once the config is known to be good.
     from wildtrain.data.dataset import DataError
     from wildtrain.driver import RunFailed, run
@@ -45,14 +47,14 @@ def train(overrides: tuple[str, ...]) -> None:
 
     try:
         summary = run(cfg)
-    except (DataError, StorageError, TrackingError, CapacityError, RunFailed) as e:
+    except (DataError, StorageError, TrackingError, CapacityError, RunFailed, services.ServiceError) as e:
         _fail(str(e), 1)
     click.echo(f"\nrun {cfg.run.name!r} finished: " + ", ".join(
         f"{key} {value:.4g}" for key, value in summary.final_metrics.items() if key in ("step", "loss", "tokens_per_s")
     ))
-    click.echo(f"  MLflow run:     {summary.mlflow_url}")
+    click.echo(f"  MLflow run:     {redact(summary.mlflow_url)}")
     if summary.dashboard_url:
-        click.echo(f"  Ray dashboard:  {summary.dashboard_url}")
+        click.echo(f"  Ray dashboard:  {redact(summary.dashboard_url)}")
     click.echo(f"  checkpoint:     {summary.checkpoint}")
 
 
@@ -94,11 +96,15 @@ def report(run: str | None, cluster: str | None, tracking_uri: str | None) -> No
 @click.option("--ray-port", default=6379, show_default=True)
 @click.option("--dashboard-port", default=8265, show_default=True)
 @click.option("--mlflow-port", default=5000, show_default=True)
+@click.option("--object-store-port", default=8333, show_default=True)
 @click.option("--num-cpus", type=int, default=None, help="Logical CPUs of the head [default: max(4, cores)].")
-def up(state_dir: Path, ray_port: int, dashboard_port: int, mlflow_port: int, num_cpus: int | None) -> None:
-    """Start the local object store, Ray head and MLflow server (bound to 127.0.0.1) unless running."""
+def up(state_dir: Path, ray_port: int, dashboard_port: int, mlflow_port: int, object_store_port: int,
+       num_cpus: int | None) -> None:
+    """Start the local object store, Ray head and MLflow server (bound to 127.0.0.1) unless
+    running. The Ray head's other ports are free ones, recorded in STATE_DIR/services.json."""
     try:
-        running = services.up(state_dir, ray_port, dashboard_port, mlflow_port, num_cpus)
+        running = services.up(state_dir, services.RayPorts(gcs=ray_port, dashboard=dashboard_port), mlflow_port,
+                              num_cpus, object_store_port)
     except services.ServiceError as e:
         _fail(str(e), 1)
     click.echo(f"Ray:            {running.ray_address} (dashboard {running.dashboard_url})")
@@ -110,5 +116,8 @@ def up(state_dir: Path, ray_port: int, dashboard_port: int, mlflow_port: int, nu
 @main.command()
 @click.option("--state-dir", type=click.Path(path_type=Path), default=services.DEFAULT_STATE_DIR, show_default=True)
 def down(state_dir: Path) -> None:
-    """Stop what `wildtrain up` started."""
-    services.down(state_dir)
+    """Stop what `wildtrain up` started, and no other Ray cluster on this machine."""
+    try:
+        services.down(state_dir)
+    except services.ServiceError as e:
+        _fail(str(e), 1)

@@ -148,7 +148,9 @@ class ElasticConfig:
 @dataclass
 class ClusterConfig:
     name: str = "local"
-    # None: RAY_ADDRESS, else the local head from `wildtrain up`, else a fresh local Ray.
+    # None: RAY_ADDRESS, else the head `wildtrain up` recorded in .wildtrain/services.json,
+    # else the run stops and says to run `wildtrain up`: never a private Ray started on the
+    # spot, whose CPUs the workers could take all of, leaving Ray Data none.
     ray_address: Optional[str] = None
     cpus_per_worker: int = 1
     use_gpu: bool = False
@@ -380,6 +382,17 @@ def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
         else:
             flat[key] = value
     return flat
+
+
+# user:password@ (or a token@) in any scheme://... URI.
+_URI_CREDENTIALS = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/?#@\s]+@")
+
+
+def redact(text: str) -> str:
+    """`text` with the credentials of every URI in it (`http://user:pass@host`) replaced by
+    `***`: values such as tracking.uri and cluster.ray_address end up in MLflow params,
+    printed URLs and errors, which others read."""
+    return _URI_CREDENTIALS.sub(r"\1***@", text)
 
 
 def config_hash(cfg: Config) -> str:

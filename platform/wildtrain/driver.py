@@ -18,8 +18,8 @@ from mlflow.tracking import MlflowClient
 from ray.train import LoggingConfig, RunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from wildtrain import elastic, storage
-from wildtrain.config import Config, config_hash
+from wildtrain import elastic, services, storage
+from wildtrain.config import Config, config_hash, redact
 from wildtrain.checkpoint.manifest import choose_restore, list_candidates
 from wildtrain.data.dataset import open_datasets
 from wildtrain.tracking import report
@@ -134,10 +134,11 @@ def _finish(cfg: Config, run_id: str, status: str) -> None:
 
 
 def _connect_ray(cfg: Config) -> Optional[str]:
-    """Join the configured cluster (unless this process already has); the dashboard URL."""
+    """Join the chosen cluster (see `services.choose_ray_address`) unless this process already
+    has (a test fixture, a caller with its own `ray.init`); the dashboard URL."""
     if not ray.is_initialized():
-        ray.init(address=cfg.cluster.ray_address)
+        ray.init(address=services.ray_address(cfg.cluster.ray_address))
     url = ray._private.worker.get_dashboard_url()
     if not url:
         return None
-    return url if url.startswith("http") else f"http://{url}"
+    return redact(url if url.startswith("http") else f"http://{url}")

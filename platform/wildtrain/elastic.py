@@ -33,9 +33,17 @@ from wildtrain.checkpoint import latest_tag, universal
 from wildtrain.config import Config
 from wildtrain.tracking.timeline import Restart
 
-# Ray Data's read and tokenize tasks need CPUs the training workers do not hold;
-# without one to spare the data pipeline waits forever.
-DATA_CPUS = 1
+def data_cpus(cfg: Config) -> float:
+    """The CPUs Ray Data's reads need beside the training workers, which hold theirs for the
+    whole run: one read task (`data.read_cpus`) at a time at least, or the pipeline, and
+    with it training, waits forever."""
+    return cfg.data.read_cpus
+
+
+def largest_group(total: dict[str, float], per_worker: dict[str, float], max_workers: int) -> int:
+    """The most workers, up to `max_workers`, that resources `total` hold: the size Ray Train
+    starts a group at when the whole cluster is free (at most: it also counts per node)."""
+    return min([max_workers] + [int(total.get(name, 0) // amount) for name, amount in per_worker.items() if amount > 0])
 
 
 class CapacityError(RuntimeError):
@@ -434,21 +442,32 @@ def worker_resources(cfg: Config) -> dict[str, float]:
 
 def wait_for_capacity(cfg: Config) -> None:
     """Return once the cluster can hold `min_workers` workers plus the data pipeline;
-    otherwise fail after `cluster.capacity_wait_s` instead of letting Ray wait forever."""
-    need = {name: amount * cfg.elastic.min_workers for name, amount in worker_resources(cfg).items()}
-    need["CPU"] += DATA_CPUS
+    otherwise fail after `cluster.capacity_wait_s` instead of letting Ray wait forever. Fail
+    at once where the group Ray Train would start takes the CPUs the data reads need."""
+    per_worker = worker_resources(cfg)
+    data = data_cpus(cfg)
+    need = {name: amount * cfg.elastic.min_workers for name, amount in per_worker.items()}
+    need["CPU"] += data
     deadline = time.monotonic() + cfg.cluster.capacity_wait_s
     while True:
         total = ray.cluster_resources()
         short = {name: amount for name, amount in need.items() if total.get(name, 0) < amount}
         if not short:
-            return
+            break
         if time.monotonic() >= deadline:
             wanted = ", ".join(f"{amount:g} {name}" for name, amount in need.items())
             offered = ", ".join(f"{total.get(name, 0):g} {name}" for name in need)
             raise CapacityError(
                 f"elastic.min_workers: {cfg.elastic.min_workers} workers need {wanted} "
-                f"({DATA_CPUS} CPU of it for data), but the cluster has offered only {offered} "
+                f"({data:g} CPU of it for data), but the cluster has offered only {offered} "
                 f"for {cfg.cluster.capacity_wait_s:g} s; lower elastic.min_workers or add nodes"
             )
         time.sleep(1.0)
+    size = largest_group(total, per_worker, cfg.elastic.max_workers)
+    spare = total.get("CPU", 0) - size * per_worker.get("CPU", 0)
+    if spare < data:
+        raise CapacityError(
+            f"elastic.max_workers: a group of {size} workers would hold {size * per_worker.get('CPU', 0):g} "
+            f"of the cluster's {total.get('CPU', 0):g} CPUs, leaving {spare:g} for Ray Data's reads, which need "
+            f"{data:g} (data.read_cpus); the run would wait forever. Lower elastic.max_workers or add CPUs"
+        )

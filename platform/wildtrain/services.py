@@ -4,9 +4,10 @@ to 127.0.0.1.
 
 `up` starts what is not already running and records the addresses in
 `<state_dir>/services.json` (with the object store's keys, so readable by its owner only);
-`down` stops what `up` started. The Ray head gets the object store's AWS_* variables, so every
-job and worker on it reaches the store with no setup. Test fixtures use the same `start_*`
-functions on free ports.
+`down` stops what `up` started and nothing else: other Ray clusters on the machine (a test
+suite's, another checkout's) keep running. The Ray head gets the object store's AWS_*
+variables, so every job and worker on it reaches the store with no setup. Test fixtures use
+the same `start_*` functions on free ports.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Optional
 
+import psutil
 import pyarrow.fs as pafs
 
 from wildtrain import storage
@@ -56,8 +59,56 @@ WEED_DISABLED = ("-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.
                  "-master.telemetry=false")
 
 
+# `ray start` turns a loopback --node-ip-address into the machine's address, and with it the
+# dashboard agent, runtime-env agent, metrics and client server listen beyond 127.0.0.1 and the
+# GCS and raylet on every interface. Ray keeps a loopback node address only where it believes
+# multi-node clusters unsupported (Windows, macOS); this variable says so on Linux too. A
+# client needs it as well, before it imports Ray, or it resolves 127.0.0.1 to the machine's
+# address, where nothing listens.
+LOOPBACK_ONLY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
 class ServiceError(RuntimeError):
     pass
+
+
+def choose_ray_address(configured: Optional[str], environ_address: Optional[str],
+                       recorded: Optional[str], state_file: Path) -> str:
+    """The cluster a run joins: `cluster.ray_address`, else $RAY_ADDRESS, else the head
+    `wildtrain up` recorded in `state_file`. Never a private Ray started on the spot: its
+    CPUs would be whatever this machine has, not what the run was sized for, and a run that
+    cannot get them waits forever."""
+    for address in (configured, environ_address, recorded):
+        if address:
+            return address
+    raise ServiceError(
+        f"cluster.ray_address: not set, RAY_ADDRESS is not set and there is no {state_file.absolute()}; "
+        f"run `wildtrain up` to start the local services, or set cluster.ray_address "
+        f"(or RAY_ADDRESS) to a running cluster"
+    )
+
+
+def ray_address(configured: Optional[str], state_dir: Path = DEFAULT_STATE_DIR) -> str:
+    state_file = state_dir / "services.json"
+    recorded = json.loads(state_file.read_text())["ray_address"] if state_file.is_file() else None
+    return choose_ray_address(configured, os.environ.get("RAY_ADDRESS"), recorded, state_file)
+
+
+def is_loopback(address: str) -> bool:
+    return address.rsplit(":", 1)[0].strip("[]") in LOOPBACK_HOSTS
+
+
+def prepare_ray_client(configured: Optional[str], state_dir: Path = DEFAULT_STATE_DIR) -> None:
+    """Let this process reach the head the run will join where that is a loopback-only one;
+    call before Ray is imported. Where there is no head to join, the driver says so, after
+    the checks a user should hear about first (data, MLflow)."""
+    try:
+        address = ray_address(configured, state_dir)
+    except ServiceError:
+        return
+    if is_loopback(address):
+        os.environ.update(LOOPBACK_ONLY_ENV)
 
 
 @dataclass
@@ -88,12 +139,31 @@ class Services:
     mlflow_pid: int
     # None in a services.json written before `up` started an object store.
     object_store: Optional[ObjectStore] = None
+    # None in a services.json written before `up` gave the head a temp dir of its own.
+    ray_temp_dir: Optional[str] = None
+    ray_ports: dict = field(default_factory=dict)
+
+
+# Ports handed out by `free_port` (or claimed by `claim_ports`) in this process: the kernel
+# often gives a port that was just released again at once, before whoever it was chosen for
+# has bound it, so two services of one `up` would get the same one.
+_handed_out: set[int] = set()
+
+
+def claim_ports(ports) -> None:
+    """Keep `free_port` from handing out `ports`, which are chosen already."""
+    _handed_out.update(ports)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise ServiceError(f"no free port on {HOST} that this process has not handed out already")
 
 
 def free_port_with_offset(offset: int) -> int:
@@ -149,8 +219,7 @@ def _tail(log: Path, lines: int = 15) -> str:
 
 def start_mlflow(root: Path, port: int, timeout_s: float = 120.0) -> subprocess.Popen:
     """An MLflow tracking server on 127.0.0.1:`port`, storing runs in `root`."""
-    root = root.resolve()
-    root.mkdir(parents=True, exist_ok=True)
+    root = private_dir(root.resolve())
     log = root / "mlflow.log"
     process = subprocess.Popen(
         [
@@ -185,9 +254,8 @@ def start_object_store(root: Path, port: int, bucket: str = "wildtrain", timeout
     if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
         # SeaweedFS only logs a warning for an invalid name and then never creates the bucket.
         raise ServiceError(f"bucket {bucket!r}: not a valid S3 bucket name (3-63 of a-z, 0-9, '.', '-')")
-    root = root.resolve()
-    data_dir = root / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
+    root = private_dir(root.resolve())
+    data_dir = private_dir(root / "data")
     log = root / "weed.log"
     access_key, secret_key = object_store_keys()
     process = subprocess.Popen(
@@ -264,38 +332,128 @@ def token_auth_env() -> dict[str, str]:
     return env
 
 
-def start_ray_head(port: int, dashboard_port: int, num_cpus: int, temp_dir: Path | None = None,
-                   env: dict[str, str] | None = None) -> str:
-    """A Ray head on 127.0.0.1 with its dashboard and jobs API, token authentication on;
-    `env` is added to the environment of its processes. Returns the GCS address."""
-    command = [
+@dataclass(frozen=True)
+class RayPorts:
+    """Every TCP port a head started by `start_ray_head` listens on (besides its workers',
+    which the OS picks). None: a free port, chosen at start. Ray's own defaults are fixed
+    numbers, so a second cluster on the machine would collide on them: the agent's 52365
+    makes its jobs API answer "No available agent to submit job"."""
+
+    gcs: Optional[int] = 6379
+    dashboard: Optional[int] = 8265
+    dashboard_agent: Optional[int] = None
+    dashboard_agent_grpc: Optional[int] = None
+    runtime_env_agent: Optional[int] = None
+    metrics_export: Optional[int] = None
+    # `ray start` always starts a Ray Client server and cannot be told not to.
+    client_server: Optional[int] = None
+    node_manager: Optional[int] = None
+    object_manager: Optional[int] = None
+    # The autoscaler's and the dashboard's own metrics, set only through the environment.
+    autoscaler_metrics: Optional[int] = None
+    dashboard_metrics: Optional[int] = None
+
+    def chosen(self) -> "RayPorts":
+        return replace(self, **{f.name: free_port() for f in fields(self) if getattr(self, f.name) is None})
+
+
+def ray_head_command(ports: RayPorts, num_cpus: int, temp_dir: Path) -> list[str]:
+    return [
         ray_cli(), "start", "--head", "--disable-usage-stats",
-        "--node-ip-address", HOST, "--port", str(port),
-        "--include-dashboard", "true", "--dashboard-host", HOST, "--dashboard-port", str(dashboard_port),
+        "--node-ip-address", HOST, "--port", str(ports.gcs),
+        "--include-dashboard", "true", "--dashboard-host", HOST, "--dashboard-port", str(ports.dashboard),
+        "--dashboard-agent-listen-port", str(ports.dashboard_agent),
+        "--dashboard-agent-grpc-port", str(ports.dashboard_agent_grpc),
+        "--runtime-env-agent-port", str(ports.runtime_env_agent),
+        "--metrics-export-port", str(ports.metrics_export),
+        "--ray-client-server-port", str(ports.client_server),
+        "--node-manager-port", str(ports.node_manager),
+        "--object-manager-port", str(ports.object_manager),
+        # 0: ports the OS picks, instead of the 10002-19999 range every `ray start` shares.
+        "--min-worker-port", "0", "--max-worker-port", "0",
         "--num-cpus", str(num_cpus),
         "--system-config", json.dumps(NODE_HEALTH_CHECKS),
+        # Its own temp dir: its sessions, sockets and discovery file apart from any other
+        # Ray's, and what `stop_ray_head` finds its processes by.
+        "--temp-dir", str(temp_dir),
     ]
-    if temp_dir is not None:
-        command += ["--temp-dir", str(temp_dir)]
-    done = subprocess.run(command, capture_output=True, text=True, env={**token_auth_env(), **(env or {})})
+
+
+def start_ray_head(ports: RayPorts, num_cpus: int, temp_dir: Path, env: dict[str, str] | None = None) -> str:
+    """A Ray head on 127.0.0.1 only, with its dashboard and jobs API, token authentication
+    on, its files under `temp_dir` (absolute and short: Ray's socket paths must fit 107
+    bytes); `env` is added to the environment of its processes. Returns the GCS address."""
+    metric_ports = {"AUTOSCALER_METRIC_PORT": str(ports.autoscaler_metrics),
+                    "DASHBOARD_METRIC_PORT": str(ports.dashboard_metrics)}
+    done = subprocess.run(ray_head_command(ports, num_cpus, temp_dir), capture_output=True, text=True,
+                          env={**token_auth_env(), **LOOPBACK_ONLY_ENV, **metric_ports, **(env or {})})
     if done.returncode != 0:
+        stop_ray_head(temp_dir, f"{HOST}:{ports.gcs}")
         raise ServiceError(f"`ray start --head` failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    wait_healthy(f"http://{HOST}:{dashboard_port}/api/version", None, Path("ray start"), 60.0)
-    return f"{HOST}:{port}"
+    # Ray opens its temp dir to everyone (0777, for a /tmp/ray that users share); this one is
+    # the head's alone and holds its logs and spilled objects.
+    temp_dir.chmod(0o700)
+    wait_healthy(f"http://{HOST}:{ports.dashboard}/api/version", None, Path("ray start"), 60.0)
+    return f"{HOST}:{ports.gcs}"
 
 
-def stop_ray() -> None:
-    subprocess.run([ray_cli(), "stop", "--force"], capture_output=True)
+def ray_head_processes(temp_dir: Path, gcs_address: str) -> list[psutil.Process]:
+    """The head's processes: those started with its temp dir on their command line (GCS,
+    raylet, dashboard, monitors), its Ray Client server (named by the GCS address alone),
+    and all their descendants (agents, workers, jobs, the dashboard's modules)."""
+    roots = []
+    for process in psutil.process_iter(["cmdline"]):
+        args = process.info["cmdline"] or []
+        if any(_names(arg, temp_dir) for arg in args) or (
+            "ray.util.client.server" in args and f"--address={gcs_address}" in args
+        ):
+            roots.append(process)
+    found = {p.pid: p for p in roots}
+    for root in roots:
+        try:
+            found.update({p.pid: p for p in root.children(recursive=True)})
+        except psutil.NoSuchProcess:
+            pass
+    return list(found.values())
 
 
-def up(state_dir: Path = DEFAULT_STATE_DIR, ray_port: int = 6379, dashboard_port: int = 8265,
-       mlflow_port: int = 5000, num_cpus: int | None = None, object_store_port: int = 8333,
-       bucket: str = "wildtrain") -> Services:
+def _names(arg: str, folder: Path) -> bool:
+    """Whether a command-line argument is `folder` or a path inside it (not a sibling that
+    merely starts with the same name)."""
+    return any(path == str(folder) or path.startswith(f"{folder}/") for path in (arg, arg.split("=", 1)[-1]))
+
+
+def stop_ray_head(temp_dir: Path, gcs_address: str, timeout_s: float = 15.0) -> None:
+    """Stop one head and nothing else. (`ray stop` stops every Ray of the user on the machine:
+    it has no notion of one cluster.)"""
+    processes = ray_head_processes(temp_dir, gcs_address)
+    for process in processes:
+        try:
+            process.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5.0)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def private_dir(path: Path) -> Path:
+    """`path` created readable by its owner only: it holds the user's data and keys."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)  # mkdir leaves an existing folder's mode as it was
+    return path
+
+
+def up(state_dir: Path = DEFAULT_STATE_DIR, ray_ports: RayPorts = RayPorts(), mlflow_port: int = 5000,
+       num_cpus: int | None = None, object_store_port: int = 8333, bucket: str = "wildtrain") -> Services:
     state_file = state_dir / "services.json"
     if state_file.is_file():
-        state = json.loads(state_file.read_text())
-        store = state.pop("object_store", None)
-        running = Services(**state, object_store=ObjectStore(**store) if store else None)
+        running = read_services(state_file)
         if (
             is_healthy(running.mlflow_url + "/health")
             and is_healthy(running.dashboard_url + "/api/version")
@@ -304,23 +462,40 @@ def up(state_dir: Path = DEFAULT_STATE_DIR, ray_port: int = 6379, dashboard_port
         ):
             return running
         down(state_dir)
+    private_dir(state_dir)
+    claim_ports([mlflow_port, object_store_port, *(port for port in asdict(ray_ports).values() if port is not None)])
     # The store first: the Ray head's processes inherit its address and keys.
     store = start_object_store(state_dir / "objectstore", object_store_port, bucket)
     # Logical CPUs are a scheduling budget: leave room for Ray Data's tasks beside the
     # training workers even on a 2-core machine.
     num_cpus = num_cpus or max(4, os.cpu_count() or 1)
-    ray_address = start_ray_head(ray_port, dashboard_port, num_cpus, env=store.env())
-    mlflow = start_mlflow(state_dir / "mlflow", mlflow_port)
+    ports = ray_ports.chosen()
+    temp_dir = Path(tempfile.mkdtemp(prefix="wildtrain-ray-"))
+    try:
+        ray_address = start_ray_head(ports, num_cpus, temp_dir, env=store.env())
+        mlflow = start_mlflow(state_dir / "mlflow", mlflow_port)
+    except ServiceError:
+        stop_ray_head(temp_dir, f"{HOST}:{ports.gcs}")
+        stop_process(store.pid)
+        raise
     services = Services(
         ray_address=ray_address,
-        dashboard_url=f"http://{HOST}:{dashboard_port}",
+        dashboard_url=f"http://{HOST}:{ports.dashboard}",
         mlflow_url=f"http://{HOST}:{mlflow_port}",
         mlflow_pid=mlflow.pid,
         object_store=store,
+        ray_temp_dir=str(temp_dir),
+        ray_ports=asdict(ports),
     )
     state_file.touch(mode=0o600)
     state_file.write_text(json.dumps(asdict(services), indent=2))
     return services
+
+
+def read_services(state_file: Path) -> Services:
+    state = json.loads(state_file.read_text())
+    store = state.pop("object_store", None)
+    return Services(**state, object_store=ObjectStore(**store) if store else None)
 
 
 def use_local_object_store(state_dir: Path = DEFAULT_STATE_DIR) -> Optional[str]:
@@ -337,10 +512,17 @@ def use_local_object_store(state_dir: Path = DEFAULT_STATE_DIR) -> Optional[str]
 
 def down(state_dir: Path = DEFAULT_STATE_DIR) -> None:
     state_file = state_dir / "services.json"
-    if state_file.is_file():
-        state = json.loads(state_file.read_text())
-        stop_process(state["mlflow_pid"])
-        if state.get("object_store"):
-            stop_process(state["object_store"]["pid"])
-        state_file.unlink()
-    stop_ray()
+    if not state_file.is_file():
+        return
+    running = read_services(state_file)
+    stop_process(running.mlflow_pid)
+    if running.object_store is not None:
+        stop_process(running.object_store.pid)
+    if running.ray_temp_dir is None:
+        raise ServiceError(
+            f"{state_file} was written by an older wildtrain and does not say which Ray processes are "
+            f"its head ({running.ray_address}); stop it with `ray stop` (which stops every Ray cluster "
+            f"of yours on this machine), then remove {state_file}"
+        )
+    stop_ray_head(Path(running.ray_temp_dir), running.ray_address)
+    state_file.unlink()

@@ -1,0 +1,107 @@
+"""Which Ray a run joins, what `wildtrain up` asks of `ray start`, and what never leaves the
+machine in MLflow params, printed URLs and errors (no Ray, no servers)."""
+
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from wildtrain import services
+from wildtrain.config import flatten, load_config, redact
+from wildtrain.elastic import largest_group
+from wildtrain.services import RayPorts, ServiceError, choose_ray_address
+
+STATE = Path(".wildtrain/services.json")
+
+
+@pytest.mark.parametrize(
+    "configured, environ, recorded, chosen",
+    [
+        ("10.0.0.5:6379", "127.0.0.1:7000", "127.0.0.1:6379", "10.0.0.5:6379"),
+        (None, "127.0.0.1:7000", "127.0.0.1:6379", "127.0.0.1:7000"),
+        (None, None, "127.0.0.1:6379", "127.0.0.1:6379"),
+        (None, "", "127.0.0.1:6379", "127.0.0.1:6379"),
+    ],
+)
+def test_the_address_is_the_config_then_ray_address_then_wildtrain_up(configured, environ, recorded, chosen):
+    assert choose_ray_address(configured, environ, recorded, STATE) == chosen
+
+
+def test_no_address_anywhere_is_an_error_that_says_to_run_wildtrain_up():
+    with pytest.raises(ServiceError) as e:
+        choose_ray_address(None, None, None, STATE)
+    message = str(e.value)
+    assert message.startswith("cluster.ray_address: ")
+    assert "run `wildtrain up`" in message and str(STATE) in message and "RAY_ADDRESS" in message
+
+
+def test_the_recorded_head_is_read_from_services_json(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (tmp_path / "services.json").write_text('{"ray_address": "127.0.0.1:6390"}')
+    assert services.ray_address(None, tmp_path) == "127.0.0.1:6390"
+    with pytest.raises(ServiceError, match="wildtrain up"):
+        services.ray_address(None, tmp_path / "elsewhere")
+
+
+@pytest.mark.parametrize(
+    "address, loopback",
+    [("127.0.0.1:6379", True), ("localhost:6379", True), ("[::1]:6379", True), ("10.0.0.5:6379", False)],
+)
+def test_loopback_addresses(address, loopback):
+    assert services.is_loopback(address) is loopback
+
+
+def test_the_head_gets_every_port_and_its_own_temp_dir():
+    ports = RayPorts().chosen()
+    command = services.ray_head_command(ports, 4, Path("/tmp/wildtrain-ray-x"))
+    env_only = {"autoscaler_metrics", "dashboard_metrics"}
+    for field in fields(RayPorts):
+        if field.name not in env_only:
+            assert str(getattr(ports, field.name)) in command, field.name
+    assert len({getattr(ports, f.name) for f in fields(RayPorts)}) == len(fields(RayPorts)), "each port its own"
+    assert command[command.index("--temp-dir") + 1] == "/tmp/wildtrain-ray-x"
+    assert command[command.index("--node-ip-address") + 1] == "127.0.0.1"
+
+
+def test_a_temp_dir_names_paths_inside_it_not_its_siblings():
+    folder = Path("/tmp/wildtrain-ray-abc")
+    assert services._names("--temp-dir=/tmp/wildtrain-ray-abc", folder)
+    assert services._names("/tmp/wildtrain-ray-abc/session_1/logs", folder)
+    assert services._names("--log_dir=/tmp/wildtrain-ray-abc/session_1/logs", folder)
+    assert not services._names("--temp-dir=/tmp/wildtrain-ray-abcd", folder)
+    assert not services._names("/tmp/wildtrain-ray-abcd/session_1", folder)
+
+
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        ("http://user:secret@mlflow.example:5000", "http://***@mlflow.example:5000"),
+        ("the MLflow server at https://tok@host/x is unreachable", "the MLflow server at https://***@host/x is unreachable"),
+        ("ray://u:p@10.0.0.5:10001 and s3://bucket/a@b", "ray://***@10.0.0.5:10001 and s3://bucket/a@b"),
+        ("http://127.0.0.1:5000/#/experiments/1", "http://127.0.0.1:5000/#/experiments/1"),
+    ],
+)
+def test_redact_hides_credentials_in_uris_only(text, shown):
+    assert redact(text) == shown
+    assert "secret" not in redact(text)
+
+
+def test_params_of_a_config_with_credentials_show_none():
+    cfg = load_config(["tracking.uri=http://alice:hunter2@mlflow.example:5000", "cluster.ray_address=ray://bob:pw@h:10001"])
+    params = {key: redact(str(value)) for key, value in flatten(cfg).items()}
+    assert params["tracking.uri"] == "http://***@mlflow.example:5000"
+    assert not any("hunter2" in value or ":pw@" in value for value in params.values())
+
+
+@pytest.mark.parametrize(
+    "total, per_worker, max_workers, size",
+    [
+        ({"CPU": 2}, {"CPU": 1}, 2, 2),  # a 2-CPU private Ray: the group leaves no CPU to the data
+        ({"CPU": 4}, {"CPU": 1}, 2, 2),
+        ({"CPU": 3}, {"CPU": 1}, 4, 3),
+        ({"CPU": 6, "slot": 3}, {"CPU": 1, "slot": 1}, 4, 3),
+        ({"CPU": 8, "GPU": 2}, {"CPU": 1, "GPU": 1}, 4, 2),
+    ],
+)
+def test_largest_group(total, per_worker, max_workers, size):
+    assert largest_group(total, per_worker, max_workers) == size
