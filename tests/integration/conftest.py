@@ -43,6 +43,10 @@ def ray_cluster(tmp_path_factory, object_store):
     # Raylets and so every worker and Ray Data task inherit the store's AWS_* variables,
     # as on a head started by `wildtrain up`; so does this process (the driver).
     os.environ.update(object_store.env())
+    # The autoscaler's and the dashboard's own metrics ports are fixed numbers unless set in
+    # the environment the cluster's processes inherit; `wildtrain up`'s head may hold them.
+    # (Ray picks the agents' other ports, the raylet's and the workers' free by itself.)
+    os.environ.update(AUTOSCALER_METRIC_PORT=str(services.free_port()), DASHBOARD_METRIC_PORT=str(services.free_port()))
     cluster = Cluster(
         initialize_head=True,
         head_node_args={

@@ -24,8 +24,10 @@ def test_ray_job_submit_of_the_tiny_run_succeeds(ray_cluster, tiny_overrides):
         ],
         capture_output=True, text=True, timeout=480,
     )
-    status = JobSubmissionClient(dashboard).get_job_status(submission_id)
-    assert status == JobStatus.SUCCEEDED, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.returncode == 0
+    # The submit's own output first: where the submission itself failed ("No available agent
+    # to submit job"), there is no job whose status could say why.
+    output = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, output
+    assert JobSubmissionClient(dashboard).get_job_status(submission_id) == JobStatus.SUCCEEDED, output
     assert "step 4/4" in done.stdout
     assert "finished" in done.stdout
