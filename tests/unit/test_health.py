@@ -1,6 +1,8 @@
+import time
+
 import torch
 
-from wildtrain.train.health import RankHealth, judge, measure_matmul, nodes_to_exclude
+from wildtrain.train.health import RankHealth, burst_for, judge, measure_allreduce, measure_matmul, nodes_to_exclude
 
 
 def test_a_rank_far_below_the_median_fails_the_matmul_check():
@@ -30,3 +32,23 @@ def test_the_nodes_of_failed_ranks_are_excluded_while_enough_ranks_remain():
     assert nodes_to_exclude(events, min_workers=2) == ["b"]
     assert nodes_to_exclude(events, min_workers=3) == [], "leaving b out would leave 2 ranks, fewer than 3"
     assert nodes_to_exclude([_matmul("a", True), _matmul("c", True, 1)], min_workers=1) == []
+
+
+def test_the_burst_is_sized_for_the_device():
+    gpu, cpu = burst_for("cuda"), burst_for("cpu")
+    assert gpu.dtype == torch.bfloat16 and cpu.dtype == torch.float32
+    # 100 ms of matmuls on either; on a GPU each is big enough to be more than launch jitter.
+    assert gpu.budget_s == cpu.budget_s == 0.1
+    assert 2 * gpu.matmul_size**3 >= 1e12
+    # The GPU's all-reduce measures bus bandwidth (NCCL saturates past tens of MB); the CPU's stays short.
+    assert gpu.allreduce_bytes >= 64 << 20 > cpu.allreduce_bytes
+
+
+def test_the_matmul_burst_runs_for_its_time_budget():
+    started = time.perf_counter()
+    measure_matmul(torch.device("cpu"), budget_s=0.2)
+    assert 0.2 <= time.perf_counter() - started < 1.0
+
+
+def test_the_allreduce_without_a_group_is_a_group_of_one():
+    assert measure_allreduce(torch.device("cpu")) == 0.0

@@ -11,17 +11,14 @@ With `monitor.exclude_unhealthy`, the nodes of failed ranks are left out of the 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-MATMUL_SIZE = 512
-MATMUL_REPEATS = 20
-ALLREDUCE_BYTES = 16 << 20
-ALLREDUCE_REPEATS = 3
+from wildtrain.train import collectives
 
 
 @dataclass(frozen=True)
@@ -31,34 +28,70 @@ class RankHealth:
     matmul_flops_per_s: float
 
 
-def measure_matmul(device: torch.device, extra_s: float = 0.0) -> float:
-    """FLOP/s of this rank's device over a burst of square matmuls; `extra_s` is added to
-    each (a chaos drill's slow rank, as it is to each forward pass)."""
-    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device)
-    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device)
-    torch.mm(a, b)  # allocation and thread start-up are not the device's speed
+@dataclass(frozen=True)
+class Burst:
+    """How much work the check times on one kind of device. Each burst runs for a fixed
+    time rather than a fixed count: twenty 512³ fp32 matmuls take ~0.1 ms on an H200,
+    launch jitter and not a measurement, and would exclude healthy GPUs."""
+
+    matmul_size: int
+    dtype: torch.dtype
+    budget_s: float  # matmuls repeat until this much time has passed
+    allreduce_bytes: int  # large enough that bus bandwidth, not latency, sets the time
+    allreduce_repeats: int
+
+
+def burst_for(device_type: str) -> Burst:
+    if device_type == "cuda":
+        # bf16 on the tensor cores, as training runs; 8192³ is ~1 ms there, so the budget
+        # holds ~100 of them. 64 MB is past the size where NCCL reaches its bus bandwidth.
+        return Burst(8192, torch.bfloat16, 0.1, 64 << 20, 5)
+    # A CPU rank (gloo) has no bf16 matmul worth timing; 4 MB keeps the all-reduce short
+    # on the few cores a CPU worker has.
+    return Burst(512, torch.float32, 0.1, 4 << 20, 3)
+
+
+def measure_matmul(device: torch.device, extra_s: float = 0.0, budget_s: float | None = None) -> float:
+    """FLOP/s of this rank's device over `budget_s` (the device's `Burst` budget by default)
+    of square matmuls; `extra_s` is added to each (a chaos drill's slow rank, as it is to
+    each forward pass)."""
+    burst = burst_for(device.type)
+    budget_s = burst.budget_s if budget_s is None else budget_s
+    n = burst.matmul_size
+    a = torch.randn(n, n, device=device, dtype=burst.dtype)
+    b = torch.randn(n, n, device=device, dtype=burst.dtype)
+    torch.mm(a, b)  # allocation, kernel selection and thread start-up are not the device's speed
     _sync(device)
+    # Each chunk is sized from the rate so far to end near the budget: a sync per chunk
+    # rather than per matmul, so the launches stay queued.
+    done, chunk, elapsed = 0, 1, 0.0
     started = time.perf_counter()
-    for _ in range(MATMUL_REPEATS):
-        torch.mm(a, b)
-        time.sleep(extra_s)
-    _sync(device)
-    return MATMUL_REPEATS * 2.0 * MATMUL_SIZE**3 / (time.perf_counter() - started)
+    while elapsed < budget_s:
+        for _ in range(chunk):
+            torch.mm(a, b)
+            if extra_s:
+                time.sleep(extra_s)
+        _sync(device)
+        done += chunk
+        elapsed = time.perf_counter() - started
+        chunk = max(1, math.ceil((budget_s - elapsed) / (elapsed / done)))
+    return done * 2.0 * n**3 / elapsed
 
 
 def measure_allreduce(device: torch.device) -> float:
     """Bus bandwidth in GB/s of all-reducing a buffer over the group (the NCCL-tests
     convention: bytes × 2(n-1)/n per second)."""
-    world = dist.get_world_size()
-    buffer = torch.ones(ALLREDUCE_BYTES // 4, device=device)
-    dist.all_reduce(buffer)
+    burst = burst_for(device.type)
+    world = collectives.world_size()
+    buffer = torch.ones(burst.allreduce_bytes // 4, device=device)
+    collectives.sum_(buffer)  # the first call sets up the communicator and its buffers
     _sync(device)
     started = time.perf_counter()
-    for _ in range(ALLREDUCE_REPEATS):
-        dist.all_reduce(buffer)
+    for _ in range(burst.allreduce_repeats):
+        collectives.sum_(buffer)
     _sync(device)
-    seconds = (time.perf_counter() - started) / ALLREDUCE_REPEATS
-    return ALLREDUCE_BYTES * 2 * (world - 1) / max(world, 1) / seconds / 1e9
+    seconds = (time.perf_counter() - started) / burst.allreduce_repeats
+    return burst.allreduce_bytes * 2 * (world - 1) / max(world, 1) / seconds / 1e9
 
 
 def judge(ranks: list[RankHealth], allreduce_gb_per_s: float, min_ratio: float, at: float) -> list[dict]:
