@@ -1,14 +1,16 @@
-"""DeepSpeed from our config: the LR schedule and the engine for a batch plan
-(`wildtrain.batching`)."""
+"""DeepSpeed from our config: the LR schedule, the model (partitioned from the start under
+ZeRO-3) and the engine for a batch plan (`wildtrain.batching`)."""
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 from wildtrain.batching import BatchPlan
 from wildtrain.config import Config, OptimConfig
+from wildtrain.model import Transformer
 
 
 def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -42,20 +44,51 @@ def deepspeed_config(cfg: Config, plan: BatchPlan, on_cuda: bool, load_universal
     return ds
 
 
+def compiles(cfg: Config, on_cuda: bool) -> bool:
+    """Whether the engine compiles the model: `model.compile`, or on CUDA only when unset."""
+    return on_cuda if cfg.model.compile is None else cfg.model.compile
+
+
+def build_model(cfg: Config, plan: BatchPlan, on_cuda: Optional[bool] = None) -> Transformer:
+    """The model for `build_engine`. Under ZeRO-3 it is built partitioned (DeepSpeed's
+    zero.Init, on the device DeepSpeed trains on): each rank holds only its shard, where a
+    plain build would hold the whole fp32 model on every rank first (84 GB for the 21b
+    preset), at every restart. The weights are those of the plain build with the same seed:
+    rank 0 draws them one parameter at a time, gathered, and the others receive its draw."""
+    if cfg.deepspeed.zero_stage != 3:
+        return Transformer(cfg.model)
+    import deepspeed
+    import torch.distributed as dist
+
+    on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
+    with deepspeed.zero.Init(config_dict_or_path=deepspeed_config(cfg, plan, on_cuda)):
+        model = Transformer(cfg.model)  # its own init ran on empty shards: drawn again below
+    for param, init in model.initializers():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            if dist.get_rank() == 0:
+                init(param)
+    return model
+
+
 def build_engine(cfg: Config, plan: BatchPlan, model: torch.nn.Module, load_universal: bool = False):
-    """Wrap `model` in a DeepSpeed engine with AdamW and the warm-up + cosine schedule.
+    """Wrap `model` (from `build_model`) in a DeepSpeed engine with AdamW and the warm-up +
+    cosine schedule, compiled when `compiles` says so.
 
     The optimizer is torch's AdamW rather than DeepSpeed's by-name optimizers: those need
-    compiled ops that the CPU build (DS_BUILD_OPS=0) does not have."""
+    compiled ops that the CPU build (DS_BUILD_OPS=0) does not have. On CUDA it is torch's
+    fused kernel: one launch for all parameters instead of several per tensor."""
     import deepspeed
 
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    on_cuda = torch.cuda.is_available()
+    # A partitioned parameter (zero.Init) is an empty tensor; its true shape is DeepSpeed's.
+    decay = [p for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) >= 2]
+    no_decay = [p for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.optim.lr,
         betas=(cfg.optim.beta1, cfg.optim.beta2),
         eps=cfg.optim.eps,
+        fused=on_cuda,
     )
     # LambdaLR multiplies the base lr; dividing by it keeps lr_at the single source of truth.
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -65,6 +98,11 @@ def build_engine(cfg: Config, plan: BatchPlan, model: torch.nn.Module, load_univ
         model=model,
         optimizer=optimizer,
         lr_scheduler=schedule,
-        config=deepspeed_config(cfg, plan, on_cuda=torch.cuda.is_available(), load_universal=load_universal),
+        config=deepspeed_config(cfg, plan, on_cuda=on_cuda, load_universal=load_universal),
     )
+    if compiles(cfg, on_cuda):
+        # The engine's compile, not torch.compile(model): it compiles the module in place,
+        # so parameter names (and checkpoints) are those of an uncompiled run, and it keeps
+        # ZeRO-3's parameter hooks outside the graph. The first steps pay for compiling.
+        engine.compile()
     return engine

@@ -8,11 +8,12 @@ output head; no biases.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from wildtrain.config import ModelConfig
 
@@ -26,8 +27,10 @@ def ffn_hidden_dim(cfg: ModelConfig) -> int:
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    # Integer ranges, made fp32 afterwards: DeepSpeed's zero.Init makes every floating
+    # tensor a constructor returns bf16, and bf16 positions above 256 are not integers.
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len).float(), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -116,18 +119,22 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.apply(self._init_weights)
+        for param, init in self.initializers():
+            init(param)
+
+    def initializers(self) -> Iterator[tuple[nn.Parameter, Callable[[torch.Tensor], None]]]:
+        """Each parameter the init scheme sets, with how, in the order that draws the random
+        numbers. A model built partitioned (DeepSpeed's zero.Init) has only shards by the
+        time its __init__ runs, so its builder gathers each parameter and applies these."""
+        matmul = [m.weight for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+        for weight in matmul:
+            yield weight, lambda w: nn.init.normal_(w, std=0.02)
         # GPT-2 scheme: each block adds two projections to the residual stream, so scaling
         # them keeps the stream's variance from growing with depth.
-        residual_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for block in self.layers:
-            nn.init.normal_(block.attention.wo.weight, std=residual_std)
-            nn.init.normal_(block.feed_forward.w2.weight, std=residual_std)
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
+            for weight in (block.attention.wo.weight, block.feed_forward.w2.weight):
+                yield weight, lambda w: nn.init.normal_(w, std=residual_std)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -140,7 +147,13 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         h = self.tok_embeddings(tokens)
         for block in self.layers:
-            h = block(h, cos, sin)
+            if self.cfg.activation_checkpointing and self.training:
+                # Recomputes the block in backward instead of keeping its activations: about
+                # a third more compute for memory that no longer grows with depth. The
+                # non-reentrant form works with ZeRO-3's parameter hooks and torch.compile.
+                h = checkpoint(block, h, cos, sin, use_reentrant=False)
+            else:
+                h = block(h, cos, sin)
         logits = self.output(self.norm(h))
         if targets is None:
             return logits
