@@ -163,9 +163,10 @@ class ClusterConfig:
     # Custom Ray resources each worker also needs, to keep workers on the nodes that
     # offer them (e.g. {"trainer": 1} on GPU nodes, not on a CPU-only head).
     worker_resources: dict[str, float] = field(default_factory=dict)
-    # Convert each committed checkpoint to the universal format in the background, so a
-    # resize finds it ready: right where the head's CPUs idle beside GPU training, wrong
-    # on a CPU-only cluster, where the conversion takes cores from training.
+    # Convert each committed checkpoint to the universal format in the background (on the
+    # head, in checkpoint.staging_dir) and commit the copy beside it, so a resize finds it
+    # ready: right where the head's CPUs idle beside GPU training, wrong on a CPU-only
+    # cluster, where the conversion takes cores from training.
     reshard_ahead: bool = True
     # How long to wait for the cluster to offer `min_workers` workers before giving up: at
     # submission, and whenever no worker group runs (see elastic.CapacityClock for what

@@ -29,7 +29,8 @@ from ray.train.v2._internal.exceptions import (
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, WorkerGroupCallback
 from ray.train.v2.api.exceptions import WorkerGroupError
 
-from wildtrain.checkpoint import latest_tag, universal
+from wildtrain.checkpoint import reshard
+from wildtrain.checkpoint.manifest import Store, read_manifest
 from wildtrain.config import Config
 from wildtrain.tracking.timeline import Restart
 
@@ -46,6 +47,10 @@ def largest_group(total: dict[str, float], per_worker: dict[str, float], max_wor
     return min([max_workers] + [int(total.get(name, 0) // amount) for name, amount in per_worker.items() if amount > 0])
 
 
+# How long the end of a run waits for a conversion ahead of a resize to commit.
+_CONVERSION_SHUTDOWN_WAIT_S = 60.0
+
+
 class CapacityError(RuntimeError):
     pass
 
@@ -55,6 +60,39 @@ class PlannedRegrow(RuntimeError):
     workers: Ray Train then restarts the group at the larger size from that checkpoint, so
     growing redoes no step. (Ray's own resize check would stop the group mid-interval and
     lose the steps since the last checkpoint.) Not counted against elastic.max_failures."""
+
+
+class RunCannotContinue(RuntimeError):
+    """Raised by a worker when restarting the group cannot help (a shard that went bad, a
+    final checkpoint that cannot commit): the controller ends the run with this message
+    instead of restarting into the same error until the failure budget is spent. Ray keeps
+    only the text of workers' exceptions, so the message rides in it after `MARKER`."""
+
+    MARKER = "wildtrain-cannot-continue:"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{message}\n{self.MARKER} {json.dumps(message)}")
+        self.message = message
+
+    def __reduce__(self):  # Ray pickles it to the controller; the default would pass the marker twice
+        return type(self), (self.message,)
+
+
+class FinalCheckpointFailed(RunCannotContinue):
+    """The run's last step is trained but its checkpoint did not commit within
+    checkpoint.timeout_s, retries included; restarting would redo steps only to meet the
+    same storage."""
+
+    def __init__(self, step: int, resume_from: str) -> None:
+        super().__init__(
+            f"the final checkpoint (step {step}) could not be committed within checkpoint.timeout_s; "
+            f"the newest committed checkpoint is {resume_from}: fix the store and run the same command "
+            "again to resume from it"
+        )
+        self.step, self.resume_from = step, resume_from
+
+    def __reduce__(self):
+        return type(self), (self.step, self.resume_from)
 
 
 class UnhealthyNodes(RuntimeError):
@@ -83,6 +121,9 @@ def classify_restart(error: BaseException | None) -> Restart:
     per_worker = "\n".join(str(failure) for failure in getattr(error, "worker_failures", {}).values())
     if PlannedRegrow.__name__ in text + per_worker:
         return Restart("resize", "room for more workers", planned=True)
+    fatal = re.search(rf"^{re.escape(RunCannotContinue.MARKER)} (\".*\")$", text + "\n" + per_worker, re.MULTILINE)
+    if fatal:
+        return Restart("failure", json.loads(fatal[1]), planned=False, fatal=True)
     # Every rank raises UnhealthyNodes; only rank 0's carries the check's results.
     found = [json.loads(m) for m in re.findall(rf"^{re.escape(UnhealthyNodes.MARKER)} (\{{.*\}})$", per_worker, re.MULTILINE)]
     if found:
@@ -279,7 +320,8 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
       group is sized for the nodes there are, and returning capacity is seen at the next
       resize check;
     - with `reshard_ahead`, convert each committed checkpoint to the universal format in a
-      background thread (one at a time), so a resize restores without converting;
+      background thread (one at a time) and commit the copy beside it (`checkpoint.reshard`),
+      so a resize, in any store, restores without converting;
     - leave out the nodes a group's health check failed (`UnhealthyNodes`): later groups
       get a label selector that avoids them and are sized for the nodes that are left;
     - end the run when no worker group has run for `capacity_wait_s` (every node gone, say)
@@ -294,6 +336,8 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
         self.min_workers = cfg.elastic.min_workers
         self.capacity_wait_s = cfg.cluster.capacity_wait_s
         self.reshard_ahead = cfg.cluster.reshard_ahead and cfg.deepspeed.zero_stage > 0
+        self.storage_config = cfg.storage
+        self.staging_dir = cfg.checkpoint.staging_dir
         self._converting: threading.Thread | None = None
         self.budget = FailureBudget(cfg.elastic.max_failures)
         self.capacity = CapacityClock(cfg.elastic.min_workers)
@@ -309,26 +353,31 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
         self.view.refresh_every(self.refresh_interval_s)
 
     def after_report(self, training_report, metrics) -> None:
-        # Remote stores would need the conversion uploaded; for now only local (shared) paths.
-        local = [path for path in metrics[0].get("committed_checkpoints", []) if "://" not in path]
-        if not self.reshard_ahead or not local:
+        committed = metrics[0].get("committed_checkpoints", [])
+        if not self.reshard_ahead or not committed:
             return
         if self._converting is not None and self._converting.is_alive():
             return  # the next checkpoint will do; the restart converts whatever is missing
-        folder = local[0]
+        store_uri, name = committed[0].rsplit("/", 1)  # the primary's copy
 
         def convert() -> None:
             try:
-                universal.convert(folder, latest_tag(folder))
+                store = Store.from_uri(store_uri, self.storage_config)
+                manifest = read_manifest(store, name)
+                if manifest is not None:
+                    reshard.convert_in_store(store, name, manifest, self.staging_dir)
             except Exception as e:  # a failed conversion only costs the restart its time
-                print(f"converting {folder} ahead of a resize failed: {e}", flush=True)
+                print(f"converting {committed[0]} ahead of a resize failed: {e}", flush=True)
 
         self._converting = threading.Thread(target=convert, name="wildtrain-reshard-ahead", daemon=True)
         self._converting.start()
 
     async def before_controller_shutdown(self) -> None:
+        # A conversion cut short leaves no committed copy, only a folder retention removes
+        # with its checkpoint; waiting longer would hold up the run's end for a resize that
+        # may never come.
         if self._converting is not None:
-            self._converting.join()
+            self._converting.join(timeout=_CONVERSION_SHUTDOWN_WAIT_S)
 
     def after_worker_group_start(self, worker_group) -> None:
         self.group_nodes = {w.metadata.node_id for w in worker_group.get_workers()}
@@ -386,6 +435,8 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
             exclude_nodes(self.run_name, newly_excluded)
         # Like Ray's own policy, only workers' failures count; a group that could not
         # start in time is the capacity wait's business.
+        if restart.fatal:
+            raise RuntimeError(restart.cause)
         self.budget = self.budget.after(error, counts=isinstance(error, WorkerGroupError) and not restart.planned)
         if self.budget.exceeded:
             raise RuntimeError(

@@ -5,6 +5,8 @@
     faults.fail_next = 1          # the next matching write raises OSError(EIO)
     faults.corrupt = "truncate"   # matching writes silently store half their bytes
     faults.gate = threading.Event()  # matching writes wait until the test sets it
+    faults.hidden = lambda path: ...  # listings leave these out (a listing that lags)
+    faults.lost_reads = 1         # the next read of a `read_match` path is a 404, once
 
 Tests wait on events (`faults.write_blocked`), never on sleeps.
 """
@@ -29,6 +31,11 @@ class Faults:
     gate: Optional[threading.Event] = None  # matching writes wait until it is set
     write_blocked: threading.Event = field(default_factory=threading.Event)  # set when a write waits at the gate
     writes: int = 0  # matching write calls so far
+    # Reads and listings of an eventually consistent store: listings that leave out paths
+    # written lately, reads that answer 404 for an object that exists.
+    hidden: Callable[[str], bool] = lambda path: False
+    read_match: Callable[[str], bool] = lambda path: False
+    lost_reads: int = 0  # the next N reads of `read_match` paths raise FileNotFoundError
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def before_write(self, path: str, data: bytes) -> bytes:
@@ -101,7 +108,7 @@ class FaultyHandler(pafs.FileSystemHandler):
         return self.inner.get_file_info(paths)
 
     def get_file_info_selector(self, selector):
-        return self.inner.get_file_info(selector)
+        return [info for info in self.inner.get_file_info(selector) if not self.faults.hidden(info.path)]
 
     def create_dir(self, path, recursive):
         self.inner.create_dir(path, recursive=recursive)
@@ -125,6 +132,12 @@ class FaultyHandler(pafs.FileSystemHandler):
         self.inner.copy_file(src, dest)
 
     def open_input_stream(self, path):
+        if self.faults.read_match(path):
+            with self.faults._lock:
+                lost = self.faults.lost_reads > 0
+                self.faults.lost_reads -= lost
+            if lost:
+                raise FileNotFoundError(errno.ENOENT, "injected 404", path)
         return self.inner.open_input_stream(path)
 
     def open_input_file(self, path):

@@ -75,3 +75,18 @@ def test_every_rank_reads_the_rows_the_order_names(ray_cluster, dataset, world_s
             shard, row = expected // 1000, expected % 1000
             np.testing.assert_array_equal(rows.sample_ids, sample_ids(0, shard, row))
         assert stream.wait_s > 0
+
+
+def test_a_shard_that_goes_bad_mid_run_is_one_error_naming_it(ray_cluster, dataset, tmp_path):
+    import shutil
+
+    from wildtrain.data.manifest import ShardCorrupt
+
+    copy = tmp_path / "copy"
+    shutil.copytree(dataset.root, copy)
+    broken = Dataset(str(copy), dataset.shard_paths, dataset.source)
+    (copy / dataset.shard_paths[1]).write_bytes(b"not parquet any more")  # rewritten under the run
+    stream = RankStream([broken], _config(), 0, 1, 0)
+    with pytest.raises(ShardCorrupt, match=rf"^shard {copy}/shard-00001.parquet: row group \d unreadable"):
+        for _ in range(5):  # one epoch reads every shard
+            stream.next_step()

@@ -251,3 +251,25 @@ def test_a_rank_that_records_a_failed_part_ends_the_wait_at_once(tmp_path, store
     write_part(store, name, 1, [], failed="s3://b/x: connection reset")
     with pytest.raises(PartFailed, match="rank 1: s3://b/x: connection reset"):
         collect_parts(store, name, 2, deadline=None)
+
+
+def test_at_another_world_size_a_rank_downloads_only_the_universal_copy(tmp_path, store):
+    from wildtrain.checkpoint import reshard
+
+    name = save(tmp_path, store, 100, world_size=2)
+    copy_name = f"{name}.uc0ffee"
+    local = stage(tmp_path / "copy", {"step_universal/zero/w/fp32.pt": b"w" * 50, "client_state.json": b"{}"})
+    files = upload(local, store, copy_name)
+    commit(store, copy_name, step=100, tag="step_universal", world_size=2, zero_stage=1, files=files,
+           data_position={}, config_hash="c0ffee")
+    asked = []
+
+    def universal_copy(s, candidate):
+        asked.append(candidate.name)
+        return reshard.find_universal(s, candidate.name)
+
+    restored = restore([store], str(tmp_path / "local"), rank=0, world_size=3, universal_copy=universal_copy)
+    downloaded = {p.relative_to(restored.folder).as_posix() for p in Path(restored.folder).rglob("*") if p.is_file()}
+    assert asked == [name] and restored.candidate.name == name and restored.manifest.world_size == 2
+    assert downloaded == {"step_universal/zero/w/fp32.pt", "client_state.json"}
+    assert [c.name for c in list_candidates([store])] == [name], "a copy is no restore candidate by itself"

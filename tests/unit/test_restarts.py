@@ -58,3 +58,18 @@ def test_unhealthy_nodes_survives_pickling_as_ray_sends_it_to_the_controller():
 
     error = pickle.loads(pickle.dumps(UnhealthyNodes(["slow"], [{"event": "health"}])))
     assert (error.nodes, error.checks) == (["slow"], [{"event": "health"}])
+
+
+def test_an_error_a_restart_cannot_help_ends_the_run_with_its_message():
+    import pickle
+
+    from wildtrain.elastic import FinalCheckpointFailed, RunCannotContinue
+
+    final = FinalCheckpointFailed(60, "s3://b/run/checkpoints/step_000000040-ab")
+    restart = classify_restart(_worker_group_error(final, pickle.loads(pickle.dumps(final))))
+    assert restart.fatal and not restart.planned
+    assert restart.cause.startswith("the final checkpoint (step 60) could not be committed")
+    assert restart.cause.endswith("again to resume from it") and "step_000000040-ab" in restart.cause
+    shard = classify_restart(_worker_group_error(RunCannotContinue("shard s3://b/d/shard-1.parquet: gone")))
+    assert shard.fatal and shard.cause == "shard s3://b/d/shard-1.parquet: gone"
+    assert not classify_restart(_worker_group_error(ValueError("bad batch"))).fatal

@@ -85,3 +85,47 @@ def test_apply_removes_manifests_and_folders_and_keeps_the_only_good_one(tmp_pat
     assert sorted(c.name for c in list_candidates([store])) == [names[0], names[1], names[3]]
     assert not (tmp_path / "store" / names[2]).exists()
     assert all((tmp_path / "store" / n / MANIFEST).is_file() for n in (names[0], names[1], names[3]))
+
+
+def test_a_commit_whose_manifest_read_answers_404_once_is_not_deleted(tmp_path):
+    import pyarrow.fs as pafs
+
+    from tests.helpers.faulty_fs import Faults, faulty_filesystem
+
+    local = Store.from_uri(str(tmp_path / "store"))
+    names = [_commit(tmp_path, local, step) for step in (10, 20)]
+    # An eventually consistent store answers 404 once for step 10's manifest, which exists.
+    flaky = Faults(read_match=lambda path: path.endswith(f"{names[0]}/{MANIFEST}"), lost_reads=1)
+    store = Store(faulty_filesystem(pafs.LocalFileSystem(), flaky), local.root, local.uri)
+
+    plan = apply_retention(store, RetentionPolicy(keep_last=2), good=set())
+
+    assert plan.delete == ()
+    assert sorted(c.name for c in list_candidates([local])) == names
+    assert all(c.manifest is not None for c in list_candidates([local]))
+
+
+def test_a_folder_without_a_manifest_on_two_reads_is_deleted(tmp_path):
+    store = Store.from_uri(str(tmp_path / "store"))
+    names = [_commit(tmp_path, store, step) for step in (10, 20)]
+    (tmp_path / "store" / names[0] / MANIFEST).unlink()  # a save that never committed
+
+    plan = apply_retention(store, RetentionPolicy(keep_last=2), good=set())
+
+    assert plan.delete == (names[0],) and plan.uncommitted == (names[0],)
+    assert not (tmp_path / "store" / names[0]).exists()
+
+
+def test_a_deleted_checkpoint_takes_its_universal_copies_with_it(tmp_path):
+    from wildtrain.checkpoint.reshard import copies_of
+
+    store = Store.from_uri(str(tmp_path / "store"))
+    names = [_commit(tmp_path, store, step) for step in (10, 20)]
+    (tmp_path / "store" / f"{names[0]}.ua1b2").mkdir()  # a conversion cut short
+    (tmp_path / "store" / f"{names[0]}.ua1b2" / "part.pt").write_bytes(b"x")
+    (tmp_path / "store" / f"{names[1]}.uc3d4").mkdir()
+
+    apply_retention(store, RetentionPolicy(keep_last=1), good=set())
+
+    assert copies_of(store, names[0]) == [] and not (tmp_path / "store" / names[0]).exists()
+    assert copies_of(store, names[1]) == [f"{names[1]}.uc3d4"]

@@ -273,6 +273,10 @@ class AsyncSaver:
         # (the controller has taken every report handed to Ray) holds. Otherwise at once.
         self._released = -1 if commit_when_released else math.inf
         self._reported = -1
+        self._tries = (-1, 0)  # (step, captures of it so far)
+        # Rank 0: where the newest checkpoint this saver committed is (store URI/name), to be
+        # named when the run cannot go on without a newer one.
+        self.last_commit: Optional[str] = None
         self._reports_collected = reports_collected
         self._thread = threading.Thread(target=self._work, name=f"wildtrain-checkpoint-rank{rank}", daemon=True)
         self._thread.start()
@@ -354,6 +358,12 @@ class AsyncSaver:
         with self._cond:
             self._reported = max(self._reported, step)
 
+    def committed(self, step: int) -> bool:
+        """Whether a save of `step` ended committed in at least one store, among the outcomes
+        not drained yet (rank 0 commits; on other ranks: whether this rank's part got in)."""
+        with self._cond:
+            return any(o.step == step and o.status in ("saved", "partial") for o in self._outcomes)
+
     def drain(self) -> list[SaveOutcome]:
         """The outcomes recorded since the last call, oldest first."""
         with self._cond:
@@ -382,7 +392,12 @@ class AsyncSaver:
         return admission
 
     def _new_job(self, meta: CheckpointMeta) -> _Job:
-        name = checkpoint_name(meta.step, self.attempt)
+        # A step saved again (a must-commit save retried) gets a folder of its own, so that
+        # the earlier try's part records, failed ones included, are not read as this one's.
+        # Every rank counts the same tries: the capture is a collective.
+        tries = self._tries[1] + 1 if self._tries[0] == meta.step else 1
+        self._tries = (meta.step, tries)
+        name = checkpoint_name(meta.step, self.attempt if tries == 1 else f"{self.attempt}t{tries}")
         folder = self.staging / f"{name}.rank{self.rank}"
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
@@ -587,6 +602,8 @@ class AsyncSaver:
                     continue
                 del pending[uri]
                 stored.append(uri)
+                if not stored[:-1]:  # the first store committed: the primary, if it works
+                    self.last_commit = store.describe(job.name)
                 notes += self._after_commit(job, store)
             if pending and self._closing.wait(interval):
                 for uri, (store, _) in pending.items():

@@ -361,6 +361,12 @@ def verify(store: StoreLike, name: str, manifest: CheckpointManifest, *, rank: O
     return verify_files(store, name, files, deadline=deadline)
 
 
+def needs_universal(manifest: CheckpointManifest, world_size: int) -> bool:
+    """ZeRO partitions the optimizer state per rank: another world size needs the universal
+    format. Stage 0 keeps whole states, which load at any size, and cannot be converted."""
+    return manifest.world_size != world_size and manifest.zero_stage > 0
+
+
 def files_for_rank(manifest: CheckpointManifest, rank: int, world_size: int) -> tuple[FileEntry, ...]:
     """The files a rank reads to restore: at the saved world size, its own ZeRO partition
     and the shared files, not the other ranks' partitions (DeepSpeed reads only its own);
@@ -483,6 +489,11 @@ def list_candidates(stores: Sequence[StoreLike]) -> list[Candidate]:
     return found
 
 
+def newest_committed(stores: Sequence[StoreLike]) -> Optional[Candidate]:
+    """The committed checkpoint a restore would try first (not verified yet)."""
+    return choose_restore(list_candidates(stores), verified={}).verify_next
+
+
 @dataclass(frozen=True)
 class Restored:
     candidate: Candidate
@@ -495,15 +506,22 @@ class Restored:
 
 def restore(stores: Sequence[StoreLike], local_dir: str, *, rank: int, world_size: int,
             agree: Callable[[bool], bool] = lambda ok: ok,
+            listing: Callable[[Callable[[], list[Candidate]]], list[Candidate]] = lambda list_them: list_them(),
+            universal_copy: Optional[Callable[[Store, Candidate], tuple[str, CheckpointManifest]]] = None,
             deadline: Optional[float] = None) -> Optional[Restored]:
     """Download the newest checkpoint whose files all verify into `local_dir/<name>`
     (`local_dir` private to this rank), falling back past bad ones. Each rank downloads
-    only what it reads (`files_for_rank`); `agree` turns this rank's verdict into the
-    group's (all ranks must call it equally often; with several ranks, an all-reduce of
-    the minimum), so all ranks restore the same checkpoint. None: the stores hold no
-    committed checkpoint."""
+    only what it reads (`files_for_rank`). All ranks must restore the same checkpoint, so
+    with several ranks, `listing` runs the listing it is given on rank 0 only and hands its
+    result to every rank (listings of an eventually consistent store can differ between
+    ranks, and a rank that saw nothing would build a fresh engine while the others wait in
+    a collective); and `agree` turns this rank's verdict on a candidate into the group's
+    (an all-reduce of the minimum; all ranks call it equally often). A checkpoint saved at
+    another world size is read from its universal copy, which `universal_copy` finds or
+    makes (`reshard.convert_in_store`; a collective too), when given; otherwise every file
+    is downloaded. None: the stores hold no committed checkpoint."""
     started = time.perf_counter()
-    candidates = list_candidates(stores)
+    candidates = listing(lambda: list_candidates(stores))
     store_by_uri = {s.uri: s for s in map(as_store, stores)}
     verified: dict[tuple[str, str], Optional[str]] = {}
     bytes_read = 0
@@ -523,12 +541,16 @@ def restore(stores: Sequence[StoreLike], local_dir: str, *, rank: int, world_siz
         c = decision.verify_next
         folder = Path(local_dir, c.name)
         shutil.rmtree(folder, ignore_errors=True)
+        store = store_by_uri[c.store]
         try:
-            result = fetch(store_by_uri[c.store], c.name, files_for_rank(c.manifest, rank, world_size), str(folder),
-                           deadline=deadline)
+            source, files = c.name, files_for_rank(c.manifest, rank, world_size)
+            if universal_copy is not None and needs_universal(c.manifest, world_size):
+                source, copy = universal_copy(store, c)
+                files = copy.files
+            result = fetch(store, source, files, str(folder), deadline=deadline)
             problem = "; ".join(result.problems) or None
             bytes_read += result.bytes_read
-        except OSError as e:  # includes a missed deadline
+        except (OSError, CommitError) as e:  # OSError includes a missed deadline
             problem = f"{c.store}/{c.name}: {e}"
         if not agree(problem is None):
             problem = problem or "another rank's files failed verification"

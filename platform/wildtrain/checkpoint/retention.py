@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
-from wildtrain.checkpoint.manifest import MANIFEST, Candidate, StoreLike, as_store, list_candidates
+from wildtrain.checkpoint.manifest import (
+    MANIFEST, Candidate, ManifestError, Store, StoreLike, as_store, list_candidates, read_manifest,
+)
+from wildtrain.checkpoint.reshard import copies_of
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ def to_delete(committed_steps: Sequence[int], keep_last: int, keep_every: int, g
 class RetentionPlan:
     delete: tuple[str, ...]  # checkpoint folder names
     reasons: tuple[str, ...]  # one per name, for the log
+    # Of `delete`, the folders seen without a manifest: deleted only if a second read finds
+    # none either, since an eventually consistent store may answer 404 for one that exists.
+    uncommitted: tuple[str, ...] = ()
 
 
 def plan_retention(candidates: Sequence[Candidate], policy: RetentionPolicy, good: Collection[str]) -> RetentionPlan:
@@ -62,30 +68,47 @@ def plan_retention(candidates: Sequence[Candidate], policy: RetentionPolicy, goo
     good_steps = {step for step, c in best.items() if c.name in good}
     for step in to_delete(list(best), policy.keep_last, policy.keep_every, good_steps):
         delete.append((best[step].name, f"retention (keep_last={policy.keep_last}, keep_every={policy.keep_every})"))
+    uncommitted = []
     if best:
         newest = max(best)
-        delete += [
+        uncommitted = [
             (c.name, f"never committed, older than step {newest}")
             for c in candidates
             if c.manifest is None and c.problem is None and c.step is not None and c.step < newest
         ]
-    return RetentionPlan(tuple(name for name, _ in delete), tuple(reason for _, reason in delete))
+    delete += uncommitted
+    return RetentionPlan(tuple(name for name, _ in delete), tuple(reason for _, reason in delete),
+                         tuple(name for name, _ in uncommitted))
 
 
 def delete_checkpoint(store: StoreLike, name: str) -> None:
-    """The manifest goes first, so the checkpoint stops existing at once and a crash
-    midway leaves an uncommitted folder, never a committed one with files missing."""
+    """The checkpoint and its universal copies (`reshard`). Each manifest goes first, so a
+    checkpoint stops existing at once and a crash midway leaves an uncommitted folder, never
+    a committed one with files missing."""
     store = as_store(store)
-    manifest = store.path(name, MANIFEST)
-    if store.fs.get_file_info(manifest).is_file:
-        store.fs.delete_file(manifest)
-    store.fs.delete_dir(store.path(name))
+    for folder in [*copies_of(store, name), name]:
+        manifest = store.path(folder, MANIFEST)
+        if store.fs.get_file_info(manifest).is_file:
+            store.fs.delete_file(manifest)
+        store.fs.delete_dir(store.path(folder))
 
 
 def apply_retention(store: StoreLike, policy: RetentionPolicy, good: Collection[str]) -> RetentionPlan:
-    """Delete, in `store`, what `plan_retention` says; returns the plan carried out."""
+    """Delete, in `store`, what `plan_retention` says, except a folder seen uncommitted that
+    a second read does not confirm; returns the plan carried out. A read that fails keeps
+    the folder: only a folder known to be uncommitted may go."""
     store = as_store(store)
     plan = plan_retention(list_candidates([store]), policy, good)
-    for name in plan.delete:
+    confirmed = [(name, why) for name, why in zip(plan.delete, plan.reasons)
+                 if name not in plan.uncommitted or _confirmed_uncommitted(store, name)]
+    for name, _ in confirmed:
         delete_checkpoint(store, name)
-    return plan
+    return RetentionPlan(tuple(name for name, _ in confirmed), tuple(why for _, why in confirmed),
+                         tuple(name for name, _ in confirmed if name in plan.uncommitted))
+
+
+def _confirmed_uncommitted(store: Store, name: str) -> bool:
+    try:
+        return read_manifest(store, name) is None
+    except (OSError, ManifestError):
+        return False

@@ -36,6 +36,11 @@ class DataError(ValueError):
     """Data that cannot be used; the message names the file, shard or key at fault."""
 
 
+class ShardCorrupt(DataError):
+    """A shard that went bad after the run started (deleted, truncated, rewritten): reading
+    it again will not help, unlike a read that failed because the store did not answer."""
+
+
 @dataclass
 class Shard:
     path: str  # relative to the dataset root

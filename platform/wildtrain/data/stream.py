@@ -16,7 +16,9 @@ Memory per rank: about one row group per stream the rank owns, plus Ray Data's p
 
 from __future__ import annotations
 
+import re
 import time
+import traceback
 from dataclasses import dataclass
 from functools import partial
 from typing import Iterator
@@ -25,7 +27,7 @@ import numpy as np
 
 from wildtrain import storage
 from wildtrain.config import Config, StorageConfig
-from wildtrain.data.manifest import DataError
+from wildtrain.data.manifest import DataError, ShardCorrupt
 from wildtrain.data.order import Segment, Source, plan_epoch, rank_segments, rank_streams, row_order, split_step
 
 STREAM, STEP, TOKENS, SAMPLE_IDS = "stream", "step", "tokens", "sample_ids"
@@ -61,9 +63,13 @@ def read_unit(dataset: Dataset, segments: list[Segment], seed: int, epoch: int, 
         with storage.errors(uri, config), fs.open_input_file(path) as f:
             column = pq.ParquetFile(f).read_row_group(unit.row_group, columns=[TOKENS]).column(TOKENS).combine_chunks()
     except (OSError, pa.ArrowException) as e:
-        raise DataError(f"shard {uri}: row group {unit.row_group} unreadable: {e}") from None
+        gone = isinstance(e.__cause__, FileNotFoundError) or isinstance(e, FileNotFoundError)
+        # A store that does not answer may answer the restarted group; a shard that is gone
+        # or no longer Parquet will not be back.
+        error = ShardCorrupt if gone or not isinstance(e, OSError) else DataError
+        raise error(f"shard {uri}: row group {unit.row_group} unreadable: {e}") from None
     if len(column) != unit.size:
-        raise DataError(f"shard {uri}: row group {unit.row_group} has {len(column)} rows, the manifest says {unit.size}")
+        raise ShardCorrupt(f"shard {uri}: row group {unit.row_group} has {len(column)} rows, the manifest says {unit.size}")
     tokens = column.flatten().to_numpy().reshape(len(column), seq_len + 1)
     order = row_order(unit, seed, epoch)
     rows = np.concatenate([order[s.start : s.stop] for s in segments])
@@ -157,7 +163,15 @@ class RankStream:
         turn: they wait here, keyed by step."""
         pending = self._pending[stream]
         while step not in pending:
-            block = next(self._blocks)
+            try:
+                block = next(self._blocks)
+            except Exception as e:
+                # Ray Data re-raises a read task's error wrapped in its own; the shard's
+                # message survives only as text.
+                corrupt = re.search(rf"{ShardCorrupt.__name__}: (shard .*)", "".join(traceback.format_exception(e)))
+                if corrupt:
+                    raise ShardCorrupt(corrupt[1]) from None
+                raise
             for row_stream, row_step, sample_id, tokens in zip(block[STREAM], block[STEP], block[SAMPLE_IDS], block[TOKENS]):
                 self._pending[int(row_stream)][int(row_step)] = (sample_id, tokens)
         return pending.pop(step)

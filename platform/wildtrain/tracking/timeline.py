@@ -19,6 +19,8 @@ class Restart:
     # of the workers: not counted against elastic.max_failures.
     planned: bool
     events: list[dict] = field(default_factory=list)  # what the restart carries for MLflow
+    # A restart cannot help (`elastic.RunCannotContinue`): the run ends with `cause`.
+    fatal: bool = False
 
 
 @dataclass

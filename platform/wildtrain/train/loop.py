@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import shutil
 import tempfile
 import time
@@ -22,17 +21,20 @@ import numpy as np
 import ray.train
 import torch
 import torch.distributed as dist
-from ray.train.v2._internal.execution import context as ray_train_context
-
-from wildtrain import checkpoint, storage
+from wildtrain import checkpoint, ray_compat, storage
 from wildtrain.batching import batch_plan
-from wildtrain.checkpoint import async_save, universal
+from wildtrain.checkpoint import async_save, reshard, universal
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta, SaveOutcome
-from wildtrain.checkpoint.manifest import Candidate, Store, new_attempt_token, restore
+from wildtrain.checkpoint.manifest import (
+    Candidate, CommitError, Store, needs_universal, new_attempt_token, restore,
+)
 from wildtrain.checkpoint.retention import RetentionPolicy
 from wildtrain.config import Config, config_hash
+from wildtrain.data.manifest import ShardCorrupt
 from wildtrain.data.stream import RankStream
-from wildtrain.elastic import PlannedRegrow, UnhealthyNodes, excluded_nodes, has_room_for_another_worker
+from wildtrain.elastic import (
+    FinalCheckpointFailed, PlannedRegrow, RunCannotContinue, UnhealthyNodes, excluded_nodes, has_room_for_another_worker,
+)
 from wildtrain.engine import build_engine
 from wildtrain.model import Transformer, flops_per_token
 from wildtrain.tracking.mfu import Peak, mfu, peak_flops
@@ -47,9 +49,7 @@ def train_loop(config: dict) -> None:
     cfg: Config = config["cfg"]
     # DeepSpeed's ZeRO calls a deprecated collective once per step; the warning says nothing new.
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
-    # Ray Train logs every report's whole metrics dict at INFO, under a logger named by its
-    # file path, which RunConfig's LoggingConfig does not reach; the progress lines say it.
-    logging.getLogger(ray_train_context.__file__).setLevel(logging.WARNING)
+    ray_compat.quiet_report_log()
     context = ray.train.get_context()
     world_size, rank = context.get_world_size(), context.get_world_rank()
     plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
@@ -73,6 +73,7 @@ def train_loop(config: dict) -> None:
         policy=cfg.checkpoint.policy, timeout_s=cfg.checkpoint.timeout_s, verify_upload=cfg.checkpoint.verify_upload,
         retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
         known_good=[restored.candidate.key] if restored.candidate else [], commit_when_released=True,
+        reports_collected=ray_compat.reports_collected,
     )
     reported_step = state.step  # the newest step whose report the controller has for sure
     # The data position is the step: the stream starts where the restored model stopped.
@@ -85,7 +86,11 @@ def train_loop(config: dict) -> None:
                           cfg.elastic.resize_check_interval_s, cfg.run.name)
     try:
         while state.step < cfg.train.steps:
-            batch = stream.next_step()
+            try:
+                batch = stream.next_step()
+            except ShardCorrupt as e:
+                raise RunCannotContinue(f"{e}; to train on without it, resubmit with data.skip_bad_shards=true "
+                                        "and data.allow_order_change=true (the rows of later steps change)") from None
             tokens = torch.from_numpy(batch.tokens).long()
             for micro_batch in tokens.split(plan.micro_batch_size):
                 with window.timed("forward"):
@@ -120,7 +125,18 @@ def train_loop(config: dict) -> None:
                 commit_wait = (watchdog.waiting(f"the commit of step {state.step}", up_to_s=cfg.checkpoint.timeout_s)
                                if last or grow else contextlib.nullcontext())
                 with window.timed("checkpoint_stall"), commit_wait:
-                    _save(saver, engine, cfg, state, world_size, must_commit=last or grow)
+                    # The last save is retried; a regrow's is not: training on at this size is no loss.
+                    committed = _save(saver, engine, cfg, state, world_size, must_commit=last or grow, retry=last)
+                if grow and not committed:
+                    # Regrowing now would restart from an older checkpoint and redo steps, and a
+                    # regrow is no failure, so storage trouble plus free room would loop.
+                    grow = False
+                    monitor.events.append({"event": "regrow_postponed", "at": time.time(), "step": state.step,
+                                           "reason": f"the checkpoint of step {state.step} did not commit; "
+                                                     "training on at this size"})
+                elif last and not committed:
+                    newest = saver.last_commit or (storage.join(*restored.candidate.key) if restored.candidate else None)
+                    raise FinalCheckpointFailed(state.step, _broadcast_object(newest) or "none")
             metrics = {"step": state.step, "tokens_seen": state.tokens_seen, "world_size": world_size}
             if log_due:
                 epoch = (state.step - 1) // data.steps_per_epoch
@@ -136,8 +152,10 @@ def train_loop(config: dict) -> None:
                 }
                 events += restored.events
             ray.train.report(metrics | _saves_report(saver.drain(), events))
-            # Ray's result queue holds one report: this one is in, so the previous one is out.
+            # Ray's result queue holds one report: this one is in, so the previous one is out;
+            # this one's save commits once the controller polls (`reports_collected`).
             saver.release(reported_step)
+            saver.reported(state.step)
             reported_step = state.step
             if grow:
                 raise PlannedRegrow(f"room for more than {world_size} workers; regrowing from the checkpoint of step {state.step}")
@@ -165,54 +183,76 @@ class _Restored:
 
 def _build_and_restore(cfg: Config, plan, world_size: int, rank: int, stores: list[Store]):
     """The engine with the newest good committed checkpoint loaded, the state saved with it,
-    and what the restore did. A checkpoint saved at another world size is converted to
-    DeepSpeed's universal format first (in a local store once, cached next to it, and maybe
-    already done ahead by the controller; otherwise in each rank's own copy)."""
+    and what the restore did. A checkpoint saved at another world size is loaded from its
+    universal copy in the store, which rank 0 makes unless the controller made it ahead."""
     started = time.perf_counter()
+    reshard_s = 0.0
+
+    def universal_copy(store: Store, candidate: Candidate):
+        nonlocal reshard_s
+        converting = time.perf_counter()
+        copy = None
+        if rank == 0:
+            try:
+                copy = reshard.convert_in_store(store, candidate.name, candidate.manifest, cfg.checkpoint.staging_dir)
+            except Exception as e:  # the candidate is passed over like one that fails verification
+                copy = f"converting it to the universal format failed: {e}"
+        copy = _broadcast_object(copy)
+        reshard_s += time.perf_counter() - converting
+        if isinstance(copy, str):
+            raise CommitError(copy)
+        return copy
+
     local = tempfile.mkdtemp(prefix=f"wildtrain-restore-rank{rank}-")
     try:
-        restored = restore(stores, local, rank=rank, world_size=world_size, agree=_all_ranks)
+        restored = restore(stores, local, rank=rank, world_size=world_size, agree=_all_ranks,
+                           listing=lambda list_them: _broadcast_object(list_them() if rank == 0 else None),
+                           universal_copy=universal_copy)
         if restored is None:
             engine = build_engine(cfg, plan, Transformer(cfg.model))
             return engine, TrainState(world_size=world_size), _Restored(None, {"restore_s": 0.0, "reshard_s": 0.0}, [])
         events = [{"event": "checkpoint_fallback", "at": time.time(), "store": s.store, "checkpoint": s.name,
                    "step": s.step, "reason": s.reason} for s in restored.skipped]
         state = TrainState.from_json(checkpoint.read_client_state(restored.folder))
-        tag = restored.manifest.tag
-        reshard = restored.manifest.world_size != world_size and cfg.deepspeed.zero_stage > 0
-        folder, reshard_s = restored.folder, 0.0
-        if reshard:
-            reshard_started = time.perf_counter()
-            if "://" not in restored.candidate.store:  # a shared local store: convert there, once
-                folder = storage.join(restored.candidate.store, restored.candidate.name)
-                with _rank_zero_first(rank):
-                    universal.convert(folder, tag)
-            else:
-                universal.convert(folder, tag)
-            reshard_s = time.perf_counter() - reshard_started
-        engine = build_engine(cfg, plan, Transformer(cfg.model), load_universal=reshard)
-        (universal.load if reshard else checkpoint.load)(engine, folder, tag)
+        universal_load = needs_universal(restored.manifest, world_size)
+        engine = build_engine(cfg, plan, Transformer(cfg.model), load_universal=universal_load)
+        (universal.load if universal_load else checkpoint.load)(engine, restored.folder, restored.manifest.tag)
     finally:
         shutil.rmtree(local, ignore_errors=True)
     timing = {"restore_s": time.perf_counter() - started - reshard_s, "reshard_s": reshard_s}
     return engine, state, _Restored(restored.candidate, timing, events)
 
 
-def _save(saver: AsyncSaver, engine, cfg: Config, state: TrainState, world_size: int, must_commit: bool) -> None:
-    """Capture this rank's part of the checkpoint and let it commit in the background; with
-    `must_commit` (the last step, a planned regrow) wait for the commit, and fail the
-    attempt if it did not happen, so the restart redoes the steps instead of losing them."""
-    policy = "queue" if must_commit else None
-    # Skipping is collective: one rank still busy with the previous save skips it for all.
-    skip = _any_rank(saver.admission(policy=policy).action == "skip")
+def _save(saver: AsyncSaver, engine, cfg: Config, state: TrainState, world_size: int, must_commit: bool,
+          retry: bool = False) -> bool:
+    """Capture this rank's part of the checkpoint and let it commit in the background. With
+    `must_commit` (the last step, a planned regrow) wait for the commit, and with `retry`
+    try a save that failed again, with backoff, for up to checkpoint.timeout_s in all;
+    whether it committed (the same answer on every rank). Without, False: the commit is yet
+    to come."""
     meta = CheckpointMeta(step=state.step, tag=f"step_{state.step}", world_size=world_size,
                           zero_stage=cfg.deepspeed.zero_stage, data_position={"step": state.step, "seed": cfg.train.seed},
                           config_hash=config_hash(cfg))
-    saver.save_engine(engine, meta, state.to_json(), blocked_elsewhere=skip, policy=policy)
-    if must_commit:
-        saver.release(state.step)  # the last report, or the regrow's, follows right after
-        if not saver.flush(cfg.checkpoint.timeout_s):
-            raise RuntimeError(f"the checkpoint of step {state.step} did not commit within checkpoint.timeout_s")
+    if not must_commit:
+        # Skipping is collective: one rank still busy with the previous save skips it for all.
+        skip = _any_rank(saver.admission().action == "skip")
+        saver.save_engine(engine, meta, state.to_json(), blocked_elsewhere=skip)
+        return False
+    deadline = time.monotonic() + cfg.checkpoint.timeout_s
+    backoff_s = 5.0
+    while True:
+        # Queued behind a save in flight; skipped only when a staging disk is full.
+        skip = _any_rank(saver.admission(policy="queue").action == "skip")
+        saver.save_engine(engine, meta, state.to_json(), blocked_elsewhere=skip, policy="queue")
+        if not skip:
+            saver.release(state.step)  # the last report, or the regrow's, follows right after
+            saver.flush(max(0.0, deadline - time.monotonic()))
+        committed = _broadcast_object(saver.committed(state.step))  # rank 0 commits; its word counts
+        if committed or not retry or time.monotonic() + backoff_s > deadline:
+            return committed
+        print(f"the checkpoint of step {state.step} did not commit; trying again in {backoff_s:g} s", flush=True)
+        time.sleep(backoff_s)
+        backoff_s = min(4 * backoff_s, 60.0)
 
 
 def _saves_report(outcomes: list[SaveOutcome], events: list[dict]) -> dict:
@@ -243,16 +283,6 @@ def _all_ranks(ok: bool) -> bool:
 
 def _any_rank(yes: bool) -> bool:
     return not _all_ranks(not yes)
-
-
-@contextlib.contextmanager
-def _rank_zero_first(rank: int):
-    """Rank 0 runs the block while the others wait; then the others run it (a cache hit)."""
-    if rank != 0:
-        dist.barrier()
-    yield
-    if rank == 0:
-        dist.barrier()
 
 
 class _GrowthCheck:
