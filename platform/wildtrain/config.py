@@ -98,6 +98,10 @@ class DataConfig:
     prefetch_blocks: int = 8
     # Write the ids of every step's samples to <run>/samples/ (audits, exactly-once tests).
     record_samples: bool = False
+    # A resubmitted run whose data order would change (train.seed, train.global_batch_size,
+    # data.seq_len, the datasets, their weights or manifests, the shards left out) is refused;
+    # true starts the new order at the restored step instead, recorded as an event.
+    allow_order_change: bool = False
 
 
 @dataclass

@@ -20,8 +20,9 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from wildtrain import elastic, services, storage
 from wildtrain.config import Config, config_hash, redact
-from wildtrain.checkpoint.manifest import choose_restore, list_candidates
-from wildtrain.data.dataset import open_datasets
+from wildtrain.checkpoint.manifest import newest_committed
+from wildtrain.data.dataset import DataError, open_datasets
+from wildtrain.data.pins import OrderPins, order_changes, order_pins
 from wildtrain.tracking import report
 from wildtrain.tracking.mlflow_run import (
     FLUSH_TIMEOUT_S, MlflowCallback, Tracker, check_reachable, log_event, open_run, run_url, tracking_folder,
@@ -48,22 +49,28 @@ class RunSummary:
 def run(cfg: Config) -> RunSummary:
     started_at = time.time()
     data = open_datasets(cfg)
+    storage_uri = storage.resolve(cfg.run.storage)
+    record_uri = storage.join(storage_uri, cfg.run.name, RUN_RECORD)
+    record = json.loads(storage.read_text(record_uri, cfg.storage) or "{}")
+    pins = order_pins(cfg, data)
+    order_changed = _check_order(cfg, record, pins)
     check_reachable(cfg.tracking.uri)
     dashboard_url = _connect_ray(cfg)
     elastic.wait_for_capacity(cfg)
 
-    storage_uri = storage.resolve(cfg.run.storage)
-    record_uri = storage.join(storage_uri, cfg.run.name, RUN_RECORD)
-    record = json.loads(storage.read_text(record_uri, cfg.storage) or "{}")
     experiment_id, run_id = open_run(cfg, record.get("mlflow_run_id"))
-    storage.write_text(record_uri, json.dumps({"mlflow_run_id": run_id, "config_hash": config_hash(cfg)}), cfg.storage)
+    storage.write_text(record_uri, json.dumps({"mlflow_run_id": run_id, "config_hash": config_hash(cfg),
+                                               "data_order": pins.to_dict()}), cfg.storage)
     tracking = MlflowClient(cfg.tracking.uri)
     log_event(tracking, run_id, {"event": "started", "at": started_at}, step=0)
+    if order_changed:
+        log_event(tracking, run_id, {"event": "data_order_changed", "at": time.time(), "changes": order_changed,
+                                     "reason": "; ".join(order_changed)}, step=0)
     for skipped in data.skipped_shards:
         print(f"skipping shard {skipped}", flush=True)
         log_event(tracking, run_id, {"event": "shard_skipped", "at": time.time(), "shard": skipped}, step=0)
     mlflow_url = run_url(cfg.tracking.uri, experiment_id, run_id)
-    print(f"MLflow run:     {mlflow_url}", flush=True)
+    print(f"MLflow run:     {redact(mlflow_url)}", flush=True)
     if dashboard_url:
         print(f"Ray dashboard:  {dashboard_url}", flush=True)
 
@@ -110,9 +117,23 @@ def run(cfg: Config) -> RunSummary:
     )
 
 
+def _check_order(cfg: Config, record: dict, pins: OrderPins) -> list[str]:
+    """What changed in the data order since the run record pinned it; refused (before Ray
+    starts) unless data.allow_order_change."""
+    changes = order_changes(OrderPins.from_dict(record["data_order"]) if "data_order" in record else None, pins)
+    if changes and not cfg.data.allow_order_change:
+        raise DataError(
+            f"run {cfg.run.name!r} was started with another data order, and resuming it would train on "
+            "other rows than the ones its checkpoints assume: " + "; ".join(changes)
+            + ". Submit it with the original values, give it a new run.name, or set "
+            "data.allow_order_change=true to continue in the new order from the restored step"
+        )
+    return changes
+
+
 def _newest_checkpoint(cfg: Config) -> Optional[str]:
     """The committed checkpoint a resubmission would try first."""
-    newest = choose_restore(list_candidates(checkpoint_stores(cfg)), verified={}).verify_next
+    newest = newest_committed(checkpoint_stores(cfg))
     return storage.join(newest.store, newest.name) if newest else None
 
 

@@ -10,7 +10,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from wildtrain import driver, storage
-from wildtrain.checkpoint import STATE_FILE, universal
+from wildtrain.checkpoint import STATE_FILE, reshard
+from wildtrain.checkpoint.manifest import Store, list_candidates
+from wildtrain.data.dataset import DataError
 from wildtrain.elastic import CapacityError
 from wildtrain.tracking.mlflow_run import read_events
 
@@ -73,6 +75,9 @@ def test_resubmitted_run_continues_its_checkpoint_and_mlflow_run(ray_cluster, ti
     # Each submission logs its first step, then every 2nd: the second resumed after step 4.
     assert sorted(steps) == [1, 2, 4, 5, 6, 8]
     assert client.get_run(first.run_id).info.status == "FINISHED"
+    # Another seed would resume step 8 in another data order: refused before Ray starts.
+    with pytest.raises(DataError, match=r"train\.seed: 0 -> 1.*data\.allow_order_change=true"):
+        driver.run(tiny_config("train.steps=12", "train.seed=1"))
 
 
 def test_min_workers_the_cluster_cannot_hold_fails_fast(ray_cluster, tiny_config):
@@ -81,15 +86,33 @@ def test_min_workers_the_cluster_cannot_hold_fails_fast(ray_cluster, tiny_config
         driver.run(cfg)
 
 
-def test_reshard_ahead_converts_committed_checkpoints_in_the_background(ray_cluster, tiny_config):
-    summary = driver.run(tiny_config("cluster.reshard_ahead=true"))
-    store = Path(summary.checkpoint).parent
-    # The controller lets a conversion in flight finish before it shuts down.
-    converted = sorted(store.glob(f"step_*/step_*_universal/{universal.MARKER}"))
-    assert converted, "a committed checkpoint was converted to the universal format"
-    for marker in converted:
-        original = marker.parent.parent / marker.parent.name.removesuffix("_universal")
-        assert original.is_dir(), "the original checkpoint is kept beside its conversion"
+def test_reshard_ahead_commits_a_universal_copy_beside_a_checkpoint_in_the_object_store(
+        ray_cluster, object_store, tiny_config, mlflow_url, tmp_path):
+    store_uri = f"s3://{object_store.bucket}/reshard-{tmp_path.name}"
+    first = driver.run(tiny_config(f"checkpoint.store={store_uri}", "cluster.reshard_ahead=true"))
+    store = Store.from_uri(store_uri)
+    name = first.checkpoint.rsplit("/", 1)[-1]
+    # The controller converted a committed checkpoint in the background and committed the copy.
+    copies = [c for c in (reshard.find_universal(store, n) for n in committed_names(store)) if c]
+    assert copies, "no universal copy committed beside a checkpoint"
+    copy_name, copy = copies[0]
+    assert copy.tag.endswith("_universal") and copy.world_size == 2
+    paths = {f.path for f in copy.files}
+    assert STATE_FILE in paths and f"{copy.tag}/zero/optimizer_state.pt" in paths
+    assert not any("zero_pp_rank_" in p for p in paths), "the copy holds no per-rank partition"
+
+    # At one worker the run restores its newest checkpoint through a universal copy.
+    second = driver.run(tiny_config(f"checkpoint.store={store_uri}", "elastic.min_workers=1",
+                                    "elastic.max_workers=1", "train.steps=10"))
+    assert reshard.find_universal(store, name) is not None
+    steps = [m.step for m in MlflowClient(mlflow_url).get_metric_history(second.run_id, "loss")]
+    assert 9 in steps and 10 in steps and max(steps) == 10
+    world_sizes = {m.value for m in MlflowClient(mlflow_url).get_metric_history(second.run_id, "world_size")}
+    assert world_sizes == {1.0, 2.0}
+
+
+def committed_names(store) -> list[str]:
+    return [c.name for c in list_candidates([store]) if c.manifest is not None]
 
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(ray_cluster, tiny_config, mlflow_url, tmp_path):

@@ -9,11 +9,12 @@ match its manifest, too few rows for one global batch. The workers then stream t
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from wildtrain import storage
 from wildtrain.config import Config
-from wildtrain.data.manifest import MANIFEST, DataError, Manifest, read_manifest, verify_shard
+from wildtrain.data.manifest import MANIFEST, DataError, Manifest, verify_shard
 from wildtrain.data.order import Source, plan_epoch
 from wildtrain.data.stream import Dataset
 
@@ -27,19 +28,24 @@ class OpenedData:
     tokenizer: dict
     # "<dataset uri>/<shard>: <why>" for each shard left out (data.skip_bad_shards).
     skipped_shards: list[str] = field(default_factory=list)
+    # sha256 of each dataset's manifest.json, in the order of `datasets`: the order of the
+    # rows depends on the manifests, so the run record pins them (see `data.pins`).
+    manifest_sha256: list[str] = field(default_factory=list)
 
 
 def open_datasets(cfg: Config) -> OpenedData:
-    datasets, skipped, tokenizer = [], [], None
+    datasets, skipped, tokenizer, hashes = [], [], None, []
     for index, spec in enumerate(cfg.data.datasets):
         key = f"data.datasets.{index}.uri"
         root = storage.resolve(spec.uri)
-        if storage.read_text(storage.join(root, MANIFEST), cfg.storage) is None:
+        text = storage.read_text(storage.join(root, MANIFEST), cfg.storage)
+        if text is None:
             raise DataError(
                 f"{key}: no {MANIFEST} at {root}; prepare the dataset first: "
                 f"python data_pipelines/prepare.py --input <corpus> --output {spec.uri}"
             )
-        manifest = read_manifest(root, cfg.storage)
+        manifest = Manifest.from_json(text, storage.join(root, MANIFEST))
+        hashes.append(hashlib.sha256(text.encode()).hexdigest())
         _check_fits(cfg, key, manifest)
         if tokenizer is not None and manifest.tokenizer != tokenizer:
             raise DataError(f"{key}: tokenized with {manifest.tokenizer}, data.datasets.0 with {tokenizer}")
@@ -69,7 +75,7 @@ def open_datasets(cfg: Config) -> OpenedData:
             f"data.datasets: {rows} rows in all, fewer than one global batch "
             f"(train.global_batch_size={cfg.train.global_batch_size})"
         )
-    return OpenedData(datasets, steps, tokenizer, skipped)
+    return OpenedData(datasets, steps, tokenizer, skipped, hashes)
 
 
 def _check_fits(cfg: Config, key: str, manifest: Manifest) -> None:
