@@ -385,8 +385,13 @@ def start_ray_head(ports: RayPorts, num_cpus: int, temp_dir: Path, env: dict[str
     bytes); `env` is added to the environment of its processes. Returns the GCS address."""
     metric_ports = {"AUTOSCALER_METRIC_PORT": str(ports.autoscaler_metrics),
                     "DASHBOARD_METRIC_PORT": str(ports.dashboard_metrics)}
+    # Ray's own helpers that find "the" cluster without an address (Ray Train's placement
+    # group cleaner asks the state API) pick the newest of all Ray instances on the machine
+    # unless RAY_ADDRESS names theirs: beside a test cluster they removed the wrong group's
+    # placement group. Every process of the head inherits its own address.
+    own_address = {"RAY_ADDRESS": f"{HOST}:{ports.gcs}"}
     done = subprocess.run(ray_head_command(ports, num_cpus, temp_dir), capture_output=True, text=True,
-                          env={**token_auth_env(), **LOOPBACK_ONLY_ENV, **metric_ports, **(env or {})})
+                          env={**token_auth_env(), **LOOPBACK_ONLY_ENV, **metric_ports, **own_address, **(env or {})})
     if done.returncode != 0:
         stop_ray_head(temp_dir, f"{HOST}:{ports.gcs}")
         raise ServiceError(f"`ray start --head` failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")

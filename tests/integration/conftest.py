@@ -47,9 +47,15 @@ def ray_cluster(tmp_path_factory, object_store):
     # the environment the cluster's processes inherit; `wildtrain up`'s head may hold them.
     # (Ray picks the agents' other ports, the raylet's and the workers' free by itself.)
     os.environ.update(AUTOSCALER_METRIC_PORT=str(services.free_port()), DASHBOARD_METRIC_PORT=str(services.free_port()))
+    # Ray's helpers that look for "the" cluster without an address (Ray Train's placement
+    # group cleaner) take the newest Ray instance on the machine unless RAY_ADDRESS names
+    # theirs; beside `wildtrain up`'s head they removed this cluster's placement groups.
+    gcs_port = services.free_port()
+    os.environ["RAY_ADDRESS"] = f"{services.HOST}:{gcs_port}"
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
+            "gcs_server_port": gcs_port,
             "num_cpus": HEAD_CPUS,
             "include_dashboard": True,
             "dashboard_host": services.HOST,

@@ -9,6 +9,7 @@ slow or stopped MLflow server there would stop training.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -101,6 +102,9 @@ def read_events(uri: str, run_id: str, folder: str) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted(Path(local).glob("*.json"))]
 
 
+_EVENT_COUNTER = itertools.count()
+
+
 def log_event(client, run_id: str, event: dict, step: int) -> None:
     """Log an event now (for the driver, outside training); `Tracker.event` buffers it."""
     for record in _event_records(run_id, event, step):
@@ -111,8 +115,10 @@ def _event_records(run_id: str, event: dict, step: int) -> list[dict]:
     """Each event is its own small JSON artifact, so a resubmitted run appends to them;
     named and stamped when it happened, however late it is sent."""
     now = time.time()
+    # Buffered events are named within the same millisecond (a health check's, one per
+    # rank): the counter keeps each its own file, in the order they happened.
     return [
-        {"op": "text", "run_id": run_id, "path": f"{EVENTS_DIR}/{now:.3f}-{event['event']}.json",
+        {"op": "text", "run_id": run_id, "path": f"{EVENTS_DIR}/{now:.3f}-{next(_EVENT_COUNTER):06d}-{event['event']}.json",
          "text": json.dumps(event, indent=1)},
         {"op": "metrics", "run_id": run_id, "metrics": [[f"elastic/{event['event']}", 1.0, int(now * 1000), step]]},
     ]
