@@ -24,7 +24,8 @@ from wildtrain.data.prepare import PrepareConfig, prepare
 pytestmark = pytest.mark.integration
 
 OUTAGE_S = float(os.environ.get("WILDTRAIN_OUTAGE_S", "15"))
-STEPS = 60
+# Steps take at least 0.5 s (chaos.slow_step_s): enough of them to outlast the outage.
+STEPS = max(60, int(2 * OUTAGE_S) + 24)
 CHECKPOINT_EVERY = 3
 
 
