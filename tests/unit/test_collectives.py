@@ -16,7 +16,6 @@ TRAIN = Path(collectives.__file__).parent
 HELPER = "collectives.py"
 # Modules that still call them directly and are to move to the helper. The test fails
 # when one of them no longer does, so the entry goes as soon as the module is migrated.
-PENDING_MIGRATION = {"loop.py"}
 
 # Names of torch.distributed functions that communicate: all_reduce, broadcast, all_gather*,
 # reduce*, gather, scatter*, barrier, send/recv, the *_object* family and any new one
@@ -83,12 +82,10 @@ dist.is_initialized()
 
 def test_no_module_of_the_training_loop_calls_a_collective_but_the_helper():
     modules = sorted(p.name for p in TRAIN.glob("*.py"))
-    assert HELPER in modules and PENDING_MIGRATION <= set(modules)
+    assert HELPER in modules and "loop.py" in modules
     bypassing = {name: calls for name in modules if name != HELPER
                  for calls in [collective_calls((TRAIN / name).read_text())] if calls}
-    assert set(bypassing) - PENDING_MIGRATION == set(), f"collectives outside train/{HELPER}: {bypassing}"
-    migrated = PENDING_MIGRATION - set(bypassing)
-    assert not migrated, f"{sorted(migrated)} no longer call collectives directly: remove them from PENDING_MIGRATION"
+    assert bypassing == {}, f"collectives outside train/{HELPER}: {bypassing}"
 
 
 @pytest.mark.parametrize("backend, device", [

@@ -19,8 +19,9 @@ from typing import Optional
 
 import numpy as np
 import ray.train
+import ray.train.torch
 import torch
-import torch.distributed as dist
+
 from wildtrain import checkpoint, ray_compat, storage
 from wildtrain.batching import batch_plan
 from wildtrain.checkpoint import async_save, reshard, universal
@@ -35,12 +36,13 @@ from wildtrain.data.stream import RankStream
 from wildtrain.elastic import (
     FinalCheckpointFailed, PlannedRegrow, RunCannotContinue, UnhealthyNodes, excluded_nodes, has_room_for_another_worker,
 )
-from wildtrain.engine import build_engine
-from wildtrain.model import Transformer, flops_per_token
-from wildtrain.tracking.mfu import Peak, mfu, peak_flops
+from wildtrain.engine import build_engine, build_model
+from wildtrain.model import flops_per_token
+from wildtrain.tracking.mfu import Peak, peak_flops
 from wildtrain.tracking.stragglers import StragglerDetector
-from wildtrain.train import health
+from wildtrain.train import collectives, health
 from wildtrain.train.state import TrainState
+from wildtrain.train.step import DeviceBatches, StepMetrics, train_step
 from wildtrain.train.watchdog import HangWatchdog
 
 
@@ -56,12 +58,14 @@ def train_loop(config: dict) -> None:
     data = config["data"]
 
     torch.manual_seed(cfg.train.seed)
+    # Ray Train set this worker's CUDA device; NCCL's collectives and the batches go there.
+    device = ray.train.torch.get_device() if cfg.cluster.use_gpu else torch.device("cpu")
     # From here to the first step (health check, restore, engine build) under the start-up bound.
     watchdog = HangWatchdog(cfg.monitor.hang_timeout_s, cfg.monitor.startup_timeout_s, hang_dump_folder(cfg), rank,
                             cfg.storage)
     # The health check first: a group that is about to re-form without a node should not
     # download and load a checkpoint before it finds out.
-    monitor = _Monitor(cfg, rank, world_size)
+    monitor = _Monitor(cfg, rank, world_size, device)
     if monitor.unhealthy_nodes:
         raise UnhealthyNodes(monitor.unhealthy_nodes, monitor.take_events())
     stores = checkpoint_stores(cfg)
@@ -69,7 +73,7 @@ def train_loop(config: dict) -> None:
     restored_step = state.step
     state.world_size = world_size
     saver = AsyncSaver(
-        stores, cfg.checkpoint.staging_dir, rank=rank, world_size=world_size, attempt=_broadcast_object(new_attempt_token()),
+        stores, cfg.checkpoint.staging_dir, rank=rank, world_size=world_size, attempt=collectives.broadcast_object(new_attempt_token()),
         policy=cfg.checkpoint.policy, timeout_s=cfg.checkpoint.timeout_s, verify_upload=cfg.checkpoint.verify_upload,
         retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
         known_good=[restored.candidate.key] if restored.candidate else [], commit_when_released=True,
@@ -81,39 +85,34 @@ def train_loop(config: dict) -> None:
     samples = _SampleRecorder(cfg, rank) if cfg.data.record_samples else None
 
     tokens_per_step = plan.global_batch_size * cfg.data.seq_len
-    window = _MetricsWindow(tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len), _peak(cfg), world_size, stream)
+    window = StepMetrics(tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len), _peak(cfg), world_size, device,
+                         data_wait=stream)
+    # Each step's batch is copied to the device while the step before it trains.
+    batches = DeviceBatches((stream.next_step() for _ in range(cfg.train.steps - state.step)), device,
+                            tokens=lambda step: step.tokens)
+    slow_forward_s = cfg.chaos.slow_step_s if monitor.slowed_by_chaos else 0.0  # a drill (chaos.*), off by default
     growth = _GrowthCheck(world_size < cfg.elastic.max_workers, rank, config["worker_resources"],
                           cfg.elastic.resize_check_interval_s, cfg.run.name)
     try:
         while state.step < cfg.train.steps:
             try:
-                batch = stream.next_step()
+                tokens, batch = next(batches)
             except ShardCorrupt as e:
                 raise RunCannotContinue(f"{e}; to train on without it, resubmit with data.skip_bad_shards=true "
                                         "and data.allow_order_change=true (the rows of later steps change)") from None
-            tokens = torch.from_numpy(batch.tokens).long()
-            for micro_batch in tokens.split(plan.micro_batch_size):
-                with window.timed("forward"):
-                    if monitor.slowed_by_chaos:
-                        time.sleep(cfg.chaos.slow_step_s)  # a drill (chaos.*), off by default
-                    loss = engine(micro_batch[:, :-1], micro_batch[:, 1:])
-                with window.timed("backward"):
-                    engine.backward(loss)
-                with window.timed("optimizer"):
-                    engine.step()
-                window.add_loss(loss)
-            window.end_step()
+            train_step(engine, plan, tokens, window, slow_forward_s)
             state.step += 1
             state.tokens_seen += tokens_per_step
             watchdog.progress(state.step)
-            monitor.step_done(state.step, window.busy_s)
+            monitor.step_done(state.step, window)
             if samples is not None:
                 samples.record(state.step, batch.sample_ids)
 
             first_of_attempt = state.step == restored_step + 1
             last = state.step == cfg.train.steps
-            grow = not last and growth.room_now()
             log_due = last or first_of_attempt or state.step % cfg.train.log_every == 0
+            # Looked for at report steps only, which synchronize the ranks anyway: no collective per step.
+            grow = not last and log_due and growth.room_now()
             checkpoint_due = last or grow or state.step % cfg.train.checkpoint_every == 0
             if not (log_due or checkpoint_due):
                 continue
@@ -136,7 +135,7 @@ def train_loop(config: dict) -> None:
                                                      "training on at this size"})
                 elif last and not committed:
                     newest = saver.last_commit or (storage.join(*restored.candidate.key) if restored.candidate else None)
-                    raise FinalCheckpointFailed(state.step, _broadcast_object(newest) or "none")
+                    raise FinalCheckpointFailed(state.step, collectives.broadcast_object(newest) or "none")
             metrics = {"step": state.step, "tokens_seen": state.tokens_seen, "world_size": world_size}
             if log_due:
                 epoch = (state.step - 1) // data.steps_per_epoch
@@ -197,7 +196,7 @@ def _build_and_restore(cfg: Config, plan, world_size: int, rank: int, stores: li
                 copy = reshard.convert_in_store(store, candidate.name, candidate.manifest, cfg.checkpoint.staging_dir)
             except Exception as e:  # the candidate is passed over like one that fails verification
                 copy = f"converting it to the universal format failed: {e}"
-        copy = _broadcast_object(copy)
+        copy = collectives.broadcast_object(copy)
         reshard_s += time.perf_counter() - converting
         if isinstance(copy, str):
             raise CommitError(copy)
@@ -205,22 +204,27 @@ def _build_and_restore(cfg: Config, plan, world_size: int, rank: int, stores: li
 
     local = tempfile.mkdtemp(prefix=f"wildtrain-restore-rank{rank}-")
     try:
-        restored = restore(stores, local, rank=rank, world_size=world_size, agree=_all_ranks,
-                           listing=lambda list_them: _broadcast_object(list_them() if rank == 0 else None),
+        restored = restore(stores, local, rank=rank, world_size=world_size, agree=collectives.all_ranks,
+                           listing=lambda list_them: collectives.broadcast_object(list_them() if rank == 0 else None),
                            universal_copy=universal_copy)
         if restored is None:
-            engine = build_engine(cfg, plan, Transformer(cfg.model))
+            engine = build_engine(cfg, plan, build_model(cfg, plan))
             return engine, TrainState(world_size=world_size), _Restored(None, {"restore_s": 0.0, "reshard_s": 0.0}, [])
         events = [{"event": "checkpoint_fallback", "at": time.time(), "store": s.store, "checkpoint": s.name,
                    "step": s.step, "reason": s.reason} for s in restored.skipped]
         state = TrainState.from_json(checkpoint.read_client_state(restored.folder))
         universal_load = needs_universal(restored.manifest, world_size)
-        engine = build_engine(cfg, plan, Transformer(cfg.model), load_universal=universal_load)
+        engine = build_engine(cfg, plan, build_model(cfg, plan), load_universal=universal_load)
         (universal.load if universal_load else checkpoint.load)(engine, restored.folder, restored.manifest.tag)
     finally:
         shutil.rmtree(local, ignore_errors=True)
     timing = {"restore_s": time.perf_counter() - started - reshard_s, "reshard_s": reshard_s}
     return engine, state, _Restored(restored.candidate, timing, events)
+
+
+# A final save that did not commit is tried again after this, then 4x longer each time
+# (at most a minute): a store's blip passes within seconds, an outage within minutes.
+FIRST_COMMIT_RETRY_S = 5.0
 
 
 def _save(saver: AsyncSaver, engine, cfg: Config, state: TrainState, world_size: int, must_commit: bool,
@@ -235,19 +239,19 @@ def _save(saver: AsyncSaver, engine, cfg: Config, state: TrainState, world_size:
                           config_hash=config_hash(cfg))
     if not must_commit:
         # Skipping is collective: one rank still busy with the previous save skips it for all.
-        skip = _any_rank(saver.admission().action == "skip")
+        skip = collectives.any_rank(saver.admission().action == "skip")
         saver.save_engine(engine, meta, state.to_json(), blocked_elsewhere=skip)
         return False
     deadline = time.monotonic() + cfg.checkpoint.timeout_s
-    backoff_s = 5.0
+    backoff_s = FIRST_COMMIT_RETRY_S
     while True:
         # Queued behind a save in flight; skipped only when a staging disk is full.
-        skip = _any_rank(saver.admission(policy="queue").action == "skip")
+        skip = collectives.any_rank(saver.admission(policy="queue").action == "skip")
         saver.save_engine(engine, meta, state.to_json(), blocked_elsewhere=skip, policy="queue")
         if not skip:
             saver.release(state.step)  # the last report, or the regrow's, follows right after
             saver.flush(max(0.0, deadline - time.monotonic()))
-        committed = _broadcast_object(saver.committed(state.step))  # rank 0 commits; its word counts
+        committed = collectives.broadcast_object(saver.committed(state.step))  # rank 0 commits; its word counts
         if committed or not retry or time.monotonic() + backoff_s > deadline:
             return committed
         print(f"the checkpoint of step {state.step} did not commit; trying again in {backoff_s:g} s", flush=True)
@@ -268,27 +272,10 @@ def _saves_report(outcomes: list[SaveOutcome], events: list[dict]) -> dict:
     return report | {"events": events, "committed_checkpoints": committed}
 
 
-def _broadcast_object(value):
-    """Rank 0's `value`, on every rank."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _all_ranks(ok: bool) -> bool:
-    flag = torch.tensor([int(ok)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def _any_rank(yes: bool) -> bool:
-    return not _all_ranks(not yes)
-
-
 class _GrowthCheck:
-    """While the group is below max size, rank 0 looks for room for another worker every
-    `interval_s` (on a node not left out of the run), and every rank learns the answer at
-    the same step."""
+    """While the group is below max size, rank 0 looks for room for another worker at most
+    every `interval_s` (on a node not left out of the run), and every rank learns the answer
+    at the same step: each rank calls `room_now` at the same steps."""
 
     def __init__(self, below_max: bool, rank: int, per_worker: dict, interval_s: float, run_name: str) -> None:
         self.below_max = below_max
@@ -305,9 +292,7 @@ class _GrowthCheck:
         if self.rank == 0 and time.monotonic() >= self.next_look:
             self.next_look = time.monotonic() + self.interval_s
             room = has_room_for_another_worker(self.per_worker, excluded_nodes(self.run_name))
-        decision = torch.tensor([int(room)])
-        dist.broadcast(decision, src=0)
-        return bool(decision.item())
+        return collectives.broadcast_flag(room)
 
 
 class _SampleRecorder:
@@ -321,8 +306,7 @@ class _SampleRecorder:
         self.storage = cfg.storage
 
     def record(self, step: int, ids: np.ndarray) -> None:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, ids.tolist())
+        gathered = collectives.all_gather_object(ids.tolist())
         if self.rank == 0:
             record = {"step": step, "world_size": len(gathered), "sample_ids": [i for rank in gathered for i in rank]}
             storage.write_text(storage.join(self.folder, f"step_{step:08d}.json"), json.dumps(record), self.storage)
@@ -333,74 +317,6 @@ def _peak(cfg: Config) -> Optional[Peak]:
     return peak_flops(device, cfg.cluster.peak_flops_per_device)
 
 
-class _MetricsWindow:
-    """Loss, throughput, MFU and where the time went since the last report: means per step
-    of `time/<phase>_s` (data wait from the stream, forward, backward, optimizer, checkpoint
-    stall); the loss is averaged over all ranks."""
-
-    PHASES = ("forward", "backward", "optimizer", "checkpoint_stall")
-
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: Optional[Peak], world_size: int,
-                 stream: RankStream) -> None:
-        self.tokens_per_step = tokens_per_step
-        self.flops_per_token = flops_per_token
-        self.peak = peak
-        self.world_size = world_size
-        self.stream = stream
-        # Forward time since the attempt started: a rank's own work, for straggler checks.
-        # Backward and optimizer steps end in gradient reductions, where fast ranks wait.
-        self.busy_s = 0.0
-        self._reset()
-
-    def _reset(self) -> None:
-        self.loss_sum = torch.zeros(())
-        self.micro_steps = 0
-        self.optimizer_steps = 0
-        self.phase_s = dict.fromkeys(self.PHASES, 0.0)
-        self.stream.wait_s = 0.0
-        self.started = time.perf_counter()
-
-    @contextlib.contextmanager
-    def timed(self, phase: str):
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # kernels run asynchronously; time them, not their launch
-            elapsed = time.perf_counter() - started
-            self.phase_s[phase] += elapsed
-            if phase == "forward":
-                self.busy_s += elapsed
-
-    def add_loss(self, loss: torch.Tensor) -> None:
-        self.loss_sum += loss.detach().float().cpu()
-        self.micro_steps += 1
-
-    def end_step(self) -> None:
-        self.optimizer_steps += 1
-
-    def flush(self) -> dict:
-        loss = self.loss_sum / max(1, self.micro_steps)
-        if dist.is_initialized():
-            dist.all_reduce(loss)
-            loss /= dist.get_world_size()
-        elapsed = time.perf_counter() - self.started
-        steps = max(1, self.optimizer_steps)
-        tokens_per_s = steps * self.tokens_per_step / elapsed
-        metrics = {
-            "loss": float(loss),
-            "step_time_s": elapsed / steps,
-            "tokens_per_s": tokens_per_s,
-            "time/data_wait_s": self.stream.wait_s / steps,
-        }
-        metrics |= {f"time/{phase}_s": seconds / steps for phase, seconds in self.phase_s.items()}
-        if self.peak is not None:
-            metrics["mfu"] = mfu(self.flops_per_token, tokens_per_s, self.peak, self.world_size)
-        self._reset()
-        return metrics
-
-
 class _Monitor:
     """Per-worker monitoring besides the metrics window: the new group's health check (and,
     with monitor.exclude_unhealthy, the nodes to leave out, known to every rank), stragglers
@@ -408,20 +324,20 @@ class _Monitor:
     rank 0) and the live numbers exported through Ray's metrics API, so the Ray dashboard
     shows them per worker."""
 
-    def __init__(self, cfg: Config, rank: int, world_size: int) -> None:
+    def __init__(self, cfg: Config, rank: int, world_size: int, device: torch.device) -> None:
         from ray.util.metrics import Gauge
 
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
+        self.device = device
         self.detector = StragglerDetector(cfg.monitor.straggler_factor, cfg.monitor.straggler_patience)
-        self.nodes = [None] * world_size
-        dist.all_gather_object(self.nodes, ray.get_runtime_context().get_node_id())
+        self.nodes = collectives.all_gather_object(ray.get_runtime_context().get_node_id())
         self.slowed_by_chaos = cfg.chaos.slows(rank, ray.get_runtime_context().get_node_labels())
         self.busy_at_last_check = 0.0
         self.events: list[dict] = self._preflight()
         excluded = health.nodes_to_exclude(self.events, cfg.elastic.min_workers) if cfg.monitor.exclude_unhealthy else []
-        self.unhealthy_nodes: list[str] = _broadcast_object(excluded)
+        self.unhealthy_nodes: list[str] = collectives.broadcast_object(excluded)
         tags = {"run": cfg.run.name, "rank": str(rank)}
         self.gauges = {
             key: Gauge(f"wildtrain_{key.replace('/', '_')}", description=f"wildtrain {key} of the newest report",
@@ -432,23 +348,20 @@ class _Monitor:
     def _preflight(self) -> list[dict]:
         """The new group's health check (train/health.py); its events, on rank 0."""
         cfg = self.cfg
-        device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.use_gpu else torch.device("cpu")
         drill_s = cfg.chaos.slow_step_s if self.slowed_by_chaos else 0.0
-        rates = [torch.zeros(1) for _ in range(self.world_size)]
-        dist.all_gather(rates, torch.tensor([health.measure_matmul(device, drill_s)]))
-        bandwidth = health.measure_allreduce(device)
+        rates = collectives.all_gather_floats(health.measure_matmul(self.device, drill_s))
+        bandwidth = health.measure_allreduce(self.device)
         if self.rank != 0:
             return []
         ranks = [health.RankHealth(r, self.nodes[r], float(rate)) for r, rate in enumerate(rates)]
         return health.judge(ranks, bandwidth, cfg.monitor.health_min_ratio, time.time())
 
-    def step_done(self, step: int, busy_s: float) -> None:
+    def step_done(self, step: int, window: StepMetrics) -> None:
         if step % self.cfg.monitor.straggler_every:
             return
-        busy = torch.tensor([busy_s - self.busy_at_last_check])
+        busy_s = window.busy_s  # on CUDA this waits for the device: only on check steps
+        gathered = collectives.all_gather_floats(busy_s - self.busy_at_last_check)
         self.busy_at_last_check = busy_s
-        gathered = [torch.zeros(1) for _ in range(self.world_size)]
-        dist.all_gather(gathered, busy)
         if self.rank != 0:
             return
         for slow in self.detector.observe([float(t) for t in gathered]):
