@@ -117,3 +117,22 @@ def test_gpu_smoke_restores_the_async_checkpoint_exactly():
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count(" exact") >= 2
+
+
+def test_the_async_capture_copies_into_pinned_buffers_on_its_own_stream(tmp_path):
+    from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
+
+    weights = torch.randn(1024, 1024, device="cuda")
+    saver = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="g1")
+    assert saver._copy_stream is not None
+    meta = CheckpointMeta(step=1, tag="step_1", world_size=1, zero_stage=0)
+    saver.save_state(meta, {"state.pt": {"w": weights}})
+    expected = weights.cpu()
+    weights.add_(1.0)  # training goes on at once: the capture must hold the values it copied
+    assert saver.close(60)
+    spare = saver._buffers._spare  # the host copies, kept for the next save
+    assert spare and all(buffer.is_pinned() for buffer in spare.values())
+    [outcome] = saver.drain()
+    assert outcome.status == "saved"
+    restored = torch.load(tmp_path / "store" / outcome.name / "state.pt")
+    assert torch.equal(restored["w"], expected)

@@ -5,7 +5,8 @@ A save has two halves.
 Capture, on the training thread (`AsyncSaver.save_engine`, `save_state`): DeepSpeed's
 `save_checkpoint` runs as usual (it is a collective, builds every state dict and names every
 file) but with the engine's checkpoint writer swapped for one that copies each tensor into a
-host buffer instead of serializing it: pinned on CUDA, and reused from the previous save,
+host buffer instead of serializing it: on CUDA on a copy stream of its own into pinned
+memory, so the wait is for the copies alone, and reused from the previous save,
 because a fresh multi-GB allocation costs page faults (or a slow cudaHostAlloc) that a reused
 one does not. The small files DeepSpeed writes itself (`latest`, its recovery script) and the
 client state go straight to the rank's local staging folder.
@@ -48,6 +49,7 @@ how long it has been running.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import math
@@ -262,6 +264,9 @@ class AsyncSaver:
         self._good: set[tuple[str, str]] = set(known_good)
         self._disk_free = disk_free
         self._buffers = _HostBuffers(pin=torch.cuda.is_available())
+        # The device-to-host copies run on a stream of their own, so waiting for them waits
+        # for nothing else (a step's kernels queued behind the save, another stream's work).
+        self._copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._last_bytes = 0
         self._cond = threading.Condition()
         self._running: Optional[_Job] = None
@@ -312,8 +317,8 @@ class AsyncSaver:
         original = engine.checkpoint_engine
         engine.checkpoint_engine = _CapturingWriter(original, lambda path, state: self._capture(job, path, state))
         try:
-            checkpoint.save(engine, str(job.folder), meta.tag, client_state, self.rank)
-            self._wait_for_copies()
+            with self._copying():
+                checkpoint.save(engine, str(job.folder), meta.tag, client_state, self.rank)
         except BaseException:
             self._discard(job)
             raise
@@ -333,9 +338,9 @@ class AsyncSaver:
             return admission
         job = self._new_job(meta)
         try:
-            for path, obj in files.items():
-                self._capture(job, str(job.folder / path), obj)
-            self._wait_for_copies()
+            with self._copying():
+                for path, obj in files.items():
+                    self._capture(job, str(job.folder / path), obj)
         except BaseException:
             self._discard(job)
             raise
@@ -407,15 +412,22 @@ class AsyncSaver:
         rel = Path(path).relative_to(job.folder).as_posix()
         # Buffers are matched by position in the file, not by the tag folder, which changes every save.
         key = rel.removeprefix(f"{job.meta.tag}/")
-        host = state if isinstance(state, bytes) else _to_host(state, key, job, self._buffers, {})
+        host = state if isinstance(state, bytes) else _to_host(state, key, job, self._buffers, {}, self._copy_stream)
         job.pending.append((rel, host))
 
-    @staticmethod
-    def _wait_for_copies() -> None:
-        # DeepSpeed updates parameters on side streams too, so an event on the current
-        # stream would not order the copies before the next step's in-place updates.
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+    @contextlib.contextmanager
+    def _copying(self):
+        """Capture inside: each tensor's copy queues on the copy stream (`_to_host`), and
+        leaving waits for them, so training may change the originals afterwards. Only the
+        copies go there: DeepSpeed's own work during a save stays on its streams."""
+        if self._copy_stream is None:
+            yield
+            return
+        # The state as of now: DeepSpeed updates parameters on side streams too, so ordering
+        # after the current stream alone could copy a half-applied optimizer step.
+        torch.cuda.synchronize()
+        yield
+        self._copy_stream.synchronize()
 
     def _enqueue(self, job: _Job) -> None:
         with self._cond:
@@ -563,7 +575,8 @@ class AsyncSaver:
                 except OSError:
                     if time.monotonic() + interval > deadline or self._closing.wait(interval):
                         break
-                    interval = min(interval * 2, 30.0)
+                    # Short: once the store is back, rank 0 should hear of the failure at once.
+                    interval = min(interval * 2, 5.0)
 
     def _commit_everywhere(self, job: _Job, uploaded: Sequence[tuple[Store, float]],
                            errors: dict[str, tuple[Failure, str, Optional[DiskFull]]], size: int):
@@ -641,24 +654,32 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}{where}"
 
 
-def _to_host(obj: Any, key: str, job: _Job, buffers: _HostBuffers, memo: dict[int, Any]) -> Any:
+def _to_host(obj: Any, key: str, job: _Job, buffers: _HostBuffers, memo: dict[int, Any],
+             stream: Optional["torch.cuda.Stream"] = None) -> Any:
     """A copy of `obj` whose tensors live in host buffers, so training may change the
     originals at once. Containers keep their type (and a state dict its `_metadata`)."""
     if torch.is_tensor(obj):
         if id(obj) not in memo:  # a tensor referenced twice (tied weights) is copied once
             host = buffers.take(key, obj)
-            host.copy_(obj.detach(), non_blocking=host.is_pinned())
+            if stream is not None and obj.is_cuda:
+                # The allocator must not hand a temporary's memory (DeepSpeed builds some state
+                # dicts on the fly) to the training stream while this copy still reads it.
+                obj.record_stream(stream)
+                with torch.cuda.stream(stream):
+                    host.copy_(obj.detach(), non_blocking=True)
+            else:
+                host.copy_(obj.detach())
             job.buffers[key] = host
             memo[id(obj)] = host
         return memo[id(obj)]
     if isinstance(obj, dict):
         out = copy.copy(obj)
         for k, v in obj.items():
-            out[k] = _to_host(v, f"{key}/{k}", job, buffers, memo)
+            out[k] = _to_host(v, f"{key}/{k}", job, buffers, memo, stream)
         return out
     if isinstance(obj, list):
-        return [_to_host(v, f"{key}/{i}", job, buffers, memo) for i, v in enumerate(obj)]
+        return [_to_host(v, f"{key}/{i}", job, buffers, memo, stream) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
-        items = [_to_host(v, f"{key}/{i}", job, buffers, memo) for i, v in enumerate(obj)]
+        items = [_to_host(v, f"{key}/{i}", job, buffers, memo, stream) for i, v in enumerate(obj)]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return copy.deepcopy(obj)
