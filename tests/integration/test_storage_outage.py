@@ -3,7 +3,7 @@ SIGSTOP, then continued): training goes on, a later periodic checkpoint commits 
 store is back, and the final checkpoint is the last step.
 
 Only the checkpoints live in the paused store: the data is prepared into a local folder,
-so the outage tests the saves, not the reads. `WILDTRAIN_OUTAGE_S` sets the outage (15 s
+so the outage tests the saves, not the reads. `WILDTRAIN_OUTAGE_S` sets the outage (10 s
 by default; the issue's drill is 45 s). Run with `-s` to see the measured steps."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from wildtrain.data.prepare import PrepareConfig, prepare
 
 pytestmark = pytest.mark.integration
 
-OUTAGE_S = float(os.environ.get("WILDTRAIN_OUTAGE_S", "15"))
+OUTAGE_S = float(os.environ.get("WILDTRAIN_OUTAGE_S", "10"))
 # Steps take at least 0.5 s (chaos.slow_step_s): enough of them to outlast the outage.
 STEPS = max(60, int(2 * OUTAGE_S) + 24)
 CHECKPOINT_EVERY = 3
@@ -92,7 +92,7 @@ def test_a_final_checkpoint_that_cannot_commit_ends_the_run_naming_the_newest_co
     store_uri = f"s3://{object_store.bucket}/final-{tmp_path.name}"
     cfg = tiny_config(
         f"data.datasets=[{{uri: {local_dataset}}}]", f"checkpoint.store={store_uri}", f"train.steps={steps}",
-        "train.checkpoint_every=4", "checkpoint.timeout_s=20", "chaos.slow_rank=0", "chaos.slow_step_s=0.5",
+        "train.checkpoint_every=4", "checkpoint.timeout_s=12", "chaos.slow_rank=0", "chaos.slow_step_s=0.5",
     )
     store = Store.from_uri(store_uri)
     result: dict = {}

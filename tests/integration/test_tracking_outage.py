@@ -2,7 +2,7 @@
 hung or overloaded server looks to its clients) while it trains keeps training at its
 usual pace, records the outage, and has every report in MLflow afterwards, in order.
 
-WILDTRAIN_MLFLOW_PAUSE_S sets the pause (default 20 s), to measure a longer one."""
+WILDTRAIN_MLFLOW_PAUSE_S sets the pause (default 12 s), to measure a longer one."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from wildtrain.tracking.mlflow_run import read_events
 
 pytestmark = pytest.mark.integration
 
-PAUSE_S = float(os.environ.get("WILDTRAIN_MLFLOW_PAUSE_S", "20"))
+PAUSE_S = float(os.environ.get("WILDTRAIN_MLFLOW_PAUSE_S", "12"))
 LOG_EVERY = 5
 
 
@@ -39,7 +39,7 @@ def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(ray_
     server, url = own_mlflow
     # Long enough that training runs on well after the pause; saves only at the end, so
     # that every window is steps alone.
-    steps = int((PAUSE_S + 30) * 3)
+    steps = int((PAUSE_S + 20) * 3)
     cfg = tiny_config(f"tracking.uri={url}", f"train.steps={steps}", f"train.log_every={LOG_EVERY}",
                       f"train.checkpoint_every={steps}")
     run = BackgroundRun(cfg)
