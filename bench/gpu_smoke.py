@@ -14,9 +14,7 @@ Usage: python bench/gpu_smoke.py [--device cuda|cpu] [--steps 50] [--preset 125m
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -39,20 +37,9 @@ def _args() -> argparse.Namespace:
 ARGS = _args()
 import torch  # noqa: E402
 
-ON_CUDA = (ARGS.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
-if ON_CUDA and not torch.cuda.is_available():
-    sys.exit("--device cuda: no CUDA device here")
-if not ON_CUDA:
-    os.environ["DS_ACCELERATOR"] = "cpu"  # before deepspeed is imported
+from one_process import on_cuda  # noqa: E402
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+ON_CUDA = on_cuda(ARGS.device)
 
 import numpy as np  # noqa: E402
 
