@@ -73,7 +73,8 @@ def train_loop(config: dict) -> None:
     restored_step = state.step
     state.world_size = world_size
     saver = AsyncSaver(
-        stores, cfg.checkpoint.staging_dir, rank=rank, world_size=world_size, attempt=collectives.broadcast_object(new_attempt_token()),
+        stores, cfg.checkpoint.staging_dir, rank=rank, world_size=world_size,
+        attempt=collectives.broadcast_object(new_attempt_token()),
         policy=cfg.checkpoint.policy, timeout_s=cfg.checkpoint.timeout_s, verify_upload=cfg.checkpoint.verify_upload,
         retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
         known_good=[restored.candidate.key] if restored.candidate else [], commit_when_released=True,
