@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from ray.train import LoggingConfig, RunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from wildtrain import elastic, services, storage
+from wildtrain import elastic, ray_compat, services, storage
 from wildtrain.config import Config, config_hash, redact
 from wildtrain.checkpoint.manifest import newest_committed
 from wildtrain.data.dataset import DataError, open_datasets
@@ -159,7 +159,7 @@ def _connect_ray(cfg: Config) -> Optional[str]:
     has (a test fixture, a caller with its own `ray.init`); the dashboard URL."""
     if not ray.is_initialized():
         ray.init(address=services.ray_address(cfg.cluster.ray_address))
-    url = ray._private.worker.get_dashboard_url()
+    url = ray_compat.dashboard_url()
     if not url:
         return None
     return redact(url if url.startswith("http") else f"http://{url}")

@@ -19,16 +19,10 @@ from typing import Callable, Optional
 
 import ray
 from ray.exceptions import RayActorError
-from ray.experimental import internal_kv
 from ray.train import FailureConfig, ScalingConfig
-from ray.train.v2._internal.exceptions import (
-    WorkerGroupStartupTimeoutError,
-    WorkerHealthCheckFailedError,
-    WorkerHealthCheckTimeoutError,
-)
-from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, WorkerGroupCallback
 from ray.train.v2.api.exceptions import WorkerGroupError
 
+from wildtrain import ray_compat
 from wildtrain.checkpoint import reshard
 from wildtrain.checkpoint.manifest import Store, read_manifest
 from wildtrain.config import Config
@@ -139,14 +133,13 @@ def classify_restart(error: BaseException | None) -> Restart:
 def excluded_nodes(run_name: str) -> set[str]:
     """The nodes left out of this run, in Ray's key-value store: the controller writes them,
     every worker group reads them when it looks for room to grow."""
-    value = internal_kv._internal_kv_get(_exclusion_key(run_name), namespace=_KV_NAMESPACE)
+    value = ray_compat.kv_get(_exclusion_key(run_name), _KV_NAMESPACE)
     return set(json.loads(value)) if value else set()
 
 
 def exclude_nodes(run_name: str, nodes: set[str]) -> None:
     nodes = excluded_nodes(run_name) | nodes
-    internal_kv._internal_kv_put(_exclusion_key(run_name), json.dumps(sorted(nodes)), overwrite=True,
-                                 namespace=_KV_NAMESPACE)
+    ray_compat.kv_put(_exclusion_key(run_name), json.dumps(sorted(nodes)), _KV_NAMESPACE)
 
 
 _KV_NAMESPACE = "wildtrain"
@@ -168,9 +161,7 @@ def workers_that_fit(nodes: dict[str, dict[str, float]], per_worker: dict[str, f
 def has_room_for_another_worker(per_worker: dict[str, float], excluded: set[str]) -> bool:
     """Whether one node that is not excluded has a worker's resources free (Ray has no public
     per-node view of what is free)."""
-    from ray._private.state import available_resources_per_node
-
-    return workers_that_fit(available_resources_per_node(), per_worker, excluded) > 0
+    return workers_that_fit(ray_compat.available_resources_per_node(), per_worker, excluded) > 0
 
 
 def refresh_resource_view() -> None:
@@ -181,12 +172,7 @@ def refresh_resource_view() -> None:
     died is sized for the dead node too and waits out a whole worker-group start timeout,
     and a node that joined waits up to 20 s to be noticed by the resize check. Asking for a
     recomputed reservation refreshes that copy for every requester."""
-    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-        get_or_create_autoscaling_coordinator,
-    )
-
-    coordinator = get_or_create_autoscaling_coordinator()
-    ray.get(coordinator.get_reserved_resources.remote("wildtrain-refresh", recompute=True), timeout=10)
+    ray_compat.refresh_train_resource_view()
 
 
 class ResourceView:
@@ -230,7 +216,7 @@ def lost_a_worker_process(error: BaseException | None) -> bool:
     only seeing the training function raise. Ray reports a worker whose process (or node)
     died, or that stopped answering, as a failed or timed-out health check wrapping the
     actor's error; an exception raised in the training function arrives as itself."""
-    lost = (WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError, RayActorError)
+    lost = (ray_compat.WorkerHealthCheckFailedError, ray_compat.WorkerHealthCheckTimeoutError, RayActorError)
     return any(isinstance(failure, lost) for failure in getattr(error, "worker_failures", {}).values())
 
 
@@ -310,7 +296,7 @@ _WAITING_STATES = ("INITIALIZING", "RESTARTING", "RESCHEDULING")
 _WAIT_REFRESH_S = 1.0
 
 
-class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
+class ElasticPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
     """What Ray Train's controller does not do by itself, run inside it:
 
     - after a failure that lost a worker's process, wait (at most `node_grace_s`) for Ray to
@@ -380,7 +366,7 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
             self._converting.join(timeout=_CONVERSION_SHUTDOWN_WAIT_S)
 
     def after_worker_group_start(self, worker_group) -> None:
-        self.group_nodes = {w.metadata.node_id for w in worker_group.get_workers()}
+        self.group_nodes = {w.node_id for w in ray_compat.group_workers(worker_group)}
 
     def before_controller_execute_resize_decision(self, resize_decision) -> None:
         # Ray sizes the group by every live node's resources; the excluded ones hold none of
@@ -396,7 +382,7 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
         return {"ray.io/node-id": f"!in({','.join(sorted(excluded))})"} if excluded else None
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
-        name = current_state._state_type.state_name
+        name = ray_compat.state_name(current_state)
         now = time.monotonic()
         if name in _GROUP_STATES:
             self.capacity = self.capacity.running()
@@ -414,7 +400,7 @@ class ElasticPolicy(ControllerCallback, WorkerGroupCallback, ReportCallback):
             # The start attempt failed. Too big a group for a stale view, most often: let
             # the next decision see what is alive.
             size = getattr(getattr(previous_state, "scaling_decision", None), "num_workers", self.min_workers)
-            timed_out = isinstance(getattr(error, "controller_failure", None), WorkerGroupStartupTimeoutError)
+            timed_out = isinstance(getattr(error, "controller_failure", None), ray_compat.WorkerGroupStartupTimeoutError)
             self.capacity = self.capacity.attempt_failed(now, size, timed_out)
             self.view.refresh()
         else:  # the same wait, another turn of the controller's loop

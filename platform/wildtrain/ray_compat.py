@@ -8,8 +8,31 @@ seconds rather than in the middle of a run.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Optional
 
+import ray
+from ray.experimental import internal_kv
+from ray.train.v2._internal.exceptions import (
+    WorkerGroupStartupTimeoutError,
+    WorkerHealthCheckFailedError,
+    WorkerHealthCheckTimeoutError,
+)
 from ray.train.v2._internal.execution import context as _train_context
+from ray.train.v2._internal.execution.callback import (
+    ControllerCallback,
+    ReportCallback,
+    WorkerGroupCallback,
+)
+
+# Ray Train's developer callback hooks (the controller's state changes, worker-group starts,
+# reports) and the errors its worker groups fail with, used by the elastic policy and MLflow.
+__all__ = [
+    "ControllerCallback", "ReportCallback", "WorkerGroupCallback", "WorkerGroupStartupTimeoutError",
+    "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError", "available_resources_per_node",
+    "dashboard_url", "group_workers", "kv_get", "kv_put", "quiet_report_log", "refresh_train_resource_view",
+    "reports_collected", "state_name",
+]
 
 
 def reports_collected() -> bool:
@@ -25,3 +48,53 @@ def quiet_report_log() -> None:
     """Ray Train logs every report's whole metrics dict at INFO, under a logger named by its
     file path, which RunConfig's LoggingConfig does not reach; our progress lines say it."""
     logging.getLogger(_train_context.__file__).setLevel(logging.WARNING)
+
+
+def dashboard_url() -> Optional[str]:
+    """The dashboard of the cluster this process joined, if it has one."""
+    return ray._private.worker.get_dashboard_url() or None
+
+
+def kv_get(key: str, namespace: str) -> Optional[bytes]:
+    return internal_kv._internal_kv_get(key, namespace=namespace)
+
+
+def kv_put(key: str, value: str, namespace: str) -> None:
+    internal_kv._internal_kv_put(key, value, overwrite=True, namespace=namespace)
+
+
+def available_resources_per_node() -> dict[str, dict[str, float]]:
+    """What is free on each node (Ray has no public per-node view of it)."""
+    from ray._private.state import available_resources_per_node as per_node
+
+    return per_node()
+
+
+def refresh_train_resource_view(timeout_s: float = 10) -> None:
+    """Make the AutoscalingCoordinator, which Ray Train sizes worker groups from, recompute
+    its copy of the node list (refreshed by itself only every 20 s)."""
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    coordinator = get_or_create_autoscaling_coordinator()
+    ray.get(coordinator.get_reserved_resources.remote("wildtrain-refresh", recompute=True), timeout=timeout_s)
+
+
+def state_name(controller_state) -> str:
+    """The name of a Ray Train controller state (RUNNING, RESTARTING, ...)."""
+    return controller_state._state_type.state_name
+
+
+@dataclass(frozen=True)
+class GroupWorker:
+    rank: int
+    node_id: str
+    pid: int
+
+
+def group_workers(worker_group) -> list[GroupWorker]:
+    """The workers of a started group, in rank order."""
+    workers = [GroupWorker(w.distributed_context.world_rank, w.metadata.node_id, w.metadata.pid)
+               for w in worker_group.get_workers()]
+    return sorted(workers, key=lambda w: w.rank)

@@ -19,9 +19,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
-from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, WorkerGroupCallback
 
-from wildtrain import storage
+from wildtrain import ray_compat, storage
 from wildtrain.config import Config, RunConfig, StorageConfig, flatten, to_yaml
 from wildtrain.tracking.buffer import Outage, TrackingBuffer
 from wildtrain.tracking.timeline import Restart, Timeline
@@ -220,7 +219,7 @@ def run_url(uri: str, experiment_id: str, run_id: str) -> str:
     return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
-class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
+class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, ray_compat.WorkerGroupCallback):
     """Runs in the Ray Train controller: logs rank 0's metrics of every report, each
     checkpoint, and the elastic timeline (failures, resizes, recoveries) to the run.
 
@@ -259,15 +258,15 @@ class MlflowCallback(ReportCallback, ControllerCallback, WorkerGroupCallback):
             self._tracking = None
 
     def after_worker_group_start(self, worker_group) -> None:
-        workers = sorted(worker_group.get_workers(), key=lambda w: w.distributed_context.world_rank)
-        nodes = [w.metadata.node_id for w in workers]
-        self.worker_pids = [w.metadata.pid for w in workers]
+        workers = ray_compat.group_workers(worker_group)
+        nodes = [w.node_id for w in workers]
+        self.worker_pids = [w.pid for w in workers]
         self.timeline.group_started(nodes)
         # Node-seconds in service, for the cluster card's failures per node-day.
         self.tracking.metrics({"elastic/nodes": len(set(nodes))}, self.timeline.last_step)
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
-        state = current_state._state_type.state_name
+        state = ray_compat.state_name(current_state)
         kind = {"RESTARTING": "failure", "RESCHEDULING": "failure", "RESIZING": "resize"}.get(state)
         if kind is None:
             return
