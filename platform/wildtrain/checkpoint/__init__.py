@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Optional
 
 STATE_FILE = "client_state.json"
-TAG_FILE = "latest"  # DeepSpeed's own name for the file that holds the newest tag
 
 
 def save(engine, directory: str, tag: str, client_state: str, rank: int) -> None:
@@ -29,10 +28,6 @@ def save(engine, directory: str, tag: str, client_state: str, rank: int) -> None
 def read_client_state(directory: str) -> Optional[str]:
     path = Path(directory) / STATE_FILE
     return path.read_text() if path.is_file() else None
-
-
-def latest_tag(directory: str) -> str:
-    return (Path(directory) / TAG_FILE).read_text().strip()
 
 
 def load(engine, directory: str, tag: str) -> None:
