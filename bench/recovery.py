@@ -34,6 +34,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from wildtrain.chaos import BackgroundRun  # noqa: E402
 from wildtrain.config import load_config  # noqa: E402
 from wildtrain.data.prepare import PrepareConfig, prepare  # noqa: E402
+from wildtrain.events import Failure, Interrupted, Recovered  # noqa: E402
 from wildtrain.tracking.mlflow_run import read_events  # noqa: E402
 
 WORKER_SLOT = "wildtrain_worker"
@@ -97,20 +98,20 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
         ray.shutdown()
         cluster.shutdown()
 
-    interruptions = [e for e in events if e["event"] in ("failure", "resize")]
-    recoveries = [e for e in events if e["event"] == "recovered"]
+    interruptions = [e for e in events if isinstance(e, Interrupted)]
+    recoveries = [e for e in events if isinstance(e, Recovered)]
     rows = []
     for cause_at, interruption, recovery in zip((killed_at, added_at), interruptions, recoveries):
         rows.append({
             "scenario": name,
-            "event": f"{'shrink' if interruption['event'] == 'failure' else 'regrow'} "
-                     f"{recovery['world_size_before']}→{recovery['world_size_after']}",
-            "detection": interruption["at"] - cause_at,
-            "restart": recovery["restart_s"],
-            "restore": recovery["restore_s"],
-            "reshard": recovery["reshard_s"],
-            "first step": recovery["recovery_s"] + interruption["at"] - cause_at,
-            "steps lost": recovery["steps_lost"],
+            "event": f"{'shrink' if isinstance(interruption, Failure) else 'regrow'} "
+                     f"{recovery.world_size_before}→{recovery.world_size_after}",
+            "detection": interruption.at - cause_at,
+            "restart": recovery.restart_s,
+            "restore": recovery.restore_s,
+            "reshard": recovery.reshard_s,
+            "first step": recovery.recovery_s + interruption.at - cause_at,
+            "steps lost": recovery.steps_lost,
         })
     return rows
 

@@ -41,7 +41,7 @@ def train(overrides: tuple[str, ...]) -> None:
     # Ray, DeepSpeed and MLflow load only once the config is known to be good.
     from wildtrain.data.dataset import DataError
     from wildtrain.driver import RunFailed, run
-    from wildtrain.elastic import CapacityError
+    from wildtrain.elastic.signals import CapacityError
     from wildtrain.storage import StorageError
     from wildtrain.tracking.mlflow_run import TrackingError
 

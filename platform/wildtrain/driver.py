@@ -8,6 +8,7 @@ reopens its MLflow run and continues from its newest checkpoint.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -18,19 +19,22 @@ from mlflow.tracking import MlflowClient
 from ray.train import LoggingConfig, RunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from wildtrain import elastic, ray_compat, services, storage
+from wildtrain import ray_compat, services, storage
 from wildtrain.config import Config, config_hash, redact
 from wildtrain.checkpoint.manifest import newest_committed
 from wildtrain.data.dataset import DataError, open_datasets
+from wildtrain.elastic import scaling
+from wildtrain.elastic.controller import controller_callbacks
+from wildtrain.elastic.signals import classify_restart
 from wildtrain.data.pins import OrderPins, order_changes, order_pins
+from wildtrain.layout import RunLayout, checkpoint_stores
+from wildtrain.events import DataOrderChanged, ShardSkipped, Started, Stopped
 from wildtrain.tracking import report
 from wildtrain.tracking.mlflow_run import (
-    FLUSH_TIMEOUT_S, MlflowCallback, Tracker, check_reachable, log_event, open_run, run_url, tracking_folder,
+    FLUSH_TIMEOUT_S, MlflowCallback, Tracker, check_reachable, log_event, open_run, run_url,
 )
 from wildtrain.tracking.progress import ProgressCallback
-from wildtrain.train.loop import checkpoint_stores, hang_dump_folder, train_loop
-
-RUN_RECORD = "wildtrain_run.json"
+from wildtrain.train.loop import LoopInputs, train_loop
 
 
 class RunFailed(RuntimeError):
@@ -49,51 +53,49 @@ class RunSummary:
 def run(cfg: Config) -> RunSummary:
     started_at = time.time()
     data = open_datasets(cfg)
-    storage_uri = storage.resolve(cfg.run.storage)
-    record_uri = storage.join(storage_uri, cfg.run.name, RUN_RECORD)
-    record = json.loads(storage.read_text(record_uri, cfg.storage) or "{}")
+    layout = RunLayout.of(cfg)
+    record = json.loads(storage.read_text(layout.record, cfg.storage) or "{}")
     pins = order_pins(cfg, data)
     order_changed = _check_order(cfg, record, pins)
     check_reachable(cfg.tracking.uri)
     dashboard_url = _connect_ray(cfg)
-    elastic.wait_for_capacity(cfg)
+    scaling.wait_for_capacity(cfg)
 
     experiment_id, run_id = open_run(cfg, record.get("mlflow_run_id"))
-    storage.write_text(record_uri, json.dumps({"mlflow_run_id": run_id, "config_hash": config_hash(cfg),
+    storage.write_text(layout.record, json.dumps({"mlflow_run_id": run_id, "config_hash": config_hash(cfg),
                                                "data_order": pins.to_dict()}), cfg.storage)
     tracking = MlflowClient(cfg.tracking.uri)
-    log_event(tracking, run_id, {"event": "started", "at": started_at}, step=0)
+    log_event(tracking, run_id, Started(started_at), step=0)
     if order_changed:
-        log_event(tracking, run_id, {"event": "data_order_changed", "at": time.time(), "changes": order_changed,
-                                     "reason": "; ".join(order_changed)}, step=0)
+        log_event(tracking, run_id, DataOrderChanged(time.time(), order_changed, "; ".join(order_changed)), step=0)
     for skipped in data.skipped_shards:
         print(f"skipping shard {skipped}", flush=True)
-        log_event(tracking, run_id, {"event": "shard_skipped", "at": time.time(), "shard": skipped}, step=0)
+        log_event(tracking, run_id, ShardSkipped(time.time(), skipped), step=0)
     mlflow_url = run_url(cfg.tracking.uri, experiment_id, run_id)
     print(f"MLflow run:     {redact(mlflow_url)}", flush=True)
     if dashboard_url:
         print(f"Ray dashboard:  {dashboard_url}", flush=True)
 
-    elastic.controller_env(cfg)
-    run_fs, run_path = storage.filesystem(storage_uri, cfg.storage)
+    scaling.controller_env(cfg)
+    run_fs, run_path = storage.filesystem(storage.resolve(cfg.run.storage), cfg.storage)
+    mlflow = MlflowCallback(cfg.tracking.uri, run_id, classify_restart, layout.hangs, cfg.storage,
+                            layout.tracking)
+    inputs = LoopInputs(cfg, data, scaling.worker_resources(cfg))
     trainer = TorchTrainer(
-        train_loop,
-        train_loop_config={"cfg": cfg, "data": data, "worker_resources": elastic.worker_resources(cfg)},
-        scaling_config=elastic.scaling_config(cfg),
+        # Typed inputs rather than Ray's `train_loop_config` dict.
+        functools.partial(train_loop, inputs),
+        scaling_config=scaling.scaling_config(cfg),
         torch_config=TorchConfig(backend="nccl" if cfg.cluster.use_gpu else "gloo"),
         run_config=RunConfig(
             name=cfg.run.name,
             # An explicit filesystem: Ray's own would not know the object store's endpoint.
             storage_path=run_path,
             storage_filesystem=run_fs,
-            failure_config=elastic.failure_config(cfg),
-            callbacks=[
-                ProgressCallback(cfg.train.steps),
-                MlflowCallback(cfg.tracking.uri, run_id, elastic.classify_restart, hang_dump_folder(cfg), cfg.storage,
-                               tracking_folder(cfg)),
-                elastic.ElasticPolicy(cfg),
-            ],
-            worker_runtime_env={"env_vars": elastic.worker_env(cfg)},
+            failure_config=scaling.failure_config(cfg),
+            # Ray hands the list to the controller as one argument: the elastic callbacks'
+            # events go through the same MLflow callback, not a copy of it.
+            callbacks=[ProgressCallback(cfg.train.steps), mlflow, *controller_callbacks(cfg, mlflow.record_event)],
+            worker_runtime_env={"env_vars": scaling.worker_env(cfg)},
             # Ray Train's per-report INFO lines would drown the progress lines.
             logging_config=LoggingConfig(log_level="WARNING"),
         ),
@@ -103,7 +105,7 @@ def run(cfg: Config) -> RunSummary:
     except Exception as e:
         _finish(cfg, run_id, "FAILED")
         raise RunFailed(
-            f"run {cfg.run.name!r} failed: {e}\nIts checkpoints are kept in {storage_uri}/{cfg.run.name}; "
+            f"run {cfg.run.name!r} failed: {e}\nIts checkpoints are kept in {layout.checkpoint_uris[0]}; "
             f"run the same command again to resume."
         ) from e
     _finish(cfg, run_id, "FINISHED")
@@ -141,8 +143,8 @@ def _finish(cfg: Config, run_id: str, status: str) -> None:
     """Close the MLflow run and attach where its compute went (goodput, plot); a report that
     fails is a warning, never the run's failure. A server that is down by now holds the
     end up for a bounded time: what it did not take waits in a local file (printed)."""
-    tracking = Tracker(cfg.tracking.uri, run_id, tracking_folder(cfg))
-    tracking.event({"event": "stopped", "at": time.time(), "status": status}, step=0)
+    tracking = Tracker(cfg.tracking.uri, run_id, RunLayout.of(cfg).tracking)
+    tracking.event(Stopped(time.time(), status), step=0)
     tracking.terminated(status)
     if tracking.close(FLUSH_TIMEOUT_S) is not None:
         print("warning: no run report: MLflow is unreachable", flush=True)

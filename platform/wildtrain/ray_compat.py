@@ -14,6 +14,7 @@ from typing import Optional
 import ray
 from ray.experimental import internal_kv
 from ray.train.v2._internal.exceptions import (
+    UserExceptionWithTraceback,
     WorkerGroupStartupTimeoutError,
     WorkerHealthCheckFailedError,
     WorkerHealthCheckTimeoutError,
@@ -26,8 +27,10 @@ from ray.train.v2._internal.execution.callback import (
 )
 
 # Ray Train's developer callback hooks (the controller's state changes, worker-group starts,
-# reports) and the errors its worker groups fail with, used by the elastic policy and MLflow.
+# reports) and the errors its worker groups fail with, used by the elastic policy and MLflow
+# (and by tests, to stand in for what a failed group carries).
 __all__ = [
+    "UserExceptionWithTraceback",
     "ControllerCallback", "ReportCallback", "WorkerGroupCallback", "WorkerGroupStartupTimeoutError",
     "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError", "available_resources_per_node",
     "dashboard_url", "group_workers", "kv_get", "kv_put", "quiet_report_log", "refresh_train_resource_view",

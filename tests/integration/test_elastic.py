@@ -15,6 +15,7 @@ from wildtrain.chaos import BackgroundRun
 from wildtrain.data.manifest import read_manifest
 from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order
 from wildtrain.data.stream import sample_ids
+from wildtrain.events import Failure, Recovered, Resize
 from wildtrain.tracking.mlflow_run import read_events
 
 pytestmark = pytest.mark.integration
@@ -107,13 +108,13 @@ def test_node_dies_and_returns_without_changing_what_is_trained(worker_nodes, el
     assert len({i for batch in trained for i in batch}) == STEPS * cfg.train.global_batch_size
 
     events = read_events(mlflow_url, summary.run_id, str(tmp_path))
-    kinds = [e["event"] for e in events]
-    assert "failure" in kinds and "resize" in kinds and kinds.count("recovered") == 2
-    recoveries = [e for e in events if e["event"] == "recovered"]
-    assert {(r["world_size_before"], r["world_size_after"]) for r in recoveries} == {(2, 1), (1, 2)}
-    assert all(r["reshard_s"] > 0 for r in recoveries), "both size changes load a resharded checkpoint"
-    regrow = next(r for r in recoveries if r["kind"] == "resize")
-    assert regrow["steps_lost"] == 0, "a planned regrow checkpoints first and redoes no step"
+    kinds = [type(e) for e in events]
+    assert Failure in kinds and Resize in kinds and kinds.count(Recovered) == 2
+    recoveries = [e for e in events if isinstance(e, Recovered)]
+    assert {(r.world_size_before, r.world_size_after) for r in recoveries} == {(2, 1), (1, 2)}
+    assert all(r.reshard_s > 0 for r in recoveries), "both size changes load a resharded checkpoint"
+    regrow = next(r for r in recoveries if r.kind == "resize")
+    assert regrow.steps_lost == 0, "a planned regrow checkpoints first and redoes no step"
 
 
 def test_a_run_left_without_nodes_stops_and_keeps_its_checkpoints(worker_nodes, elastic_config, tmp_path):

@@ -17,6 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from wildtrain import driver
 from wildtrain.chaos import BackgroundRun
+from wildtrain.events import Hang, HealthCheck, NodeExcluded, Recovered, Straggler
 from wildtrain.tracking.mlflow_run import read_events
 
 pytestmark = pytest.mark.integration
@@ -47,15 +48,15 @@ def test_a_slow_rank_is_flagged_as_a_straggler(ray_cluster, tiny_config, mlflow_
         time.sleep(0.5)
     assert set(losses) == {"0", "1"} and all(0 < loss < 10 for loss in losses.values())
     summary = run.join(600)
-    events = [e for e in read_events(mlflow_url, summary.run_id, str(tmp_path)) if e["event"] == "straggler"]
+    events = [e for e in read_events(mlflow_url, summary.run_id, str(tmp_path)) if isinstance(e, Straggler)]
     assert events, "rank 1 slept in every forward pass"
-    assert {e["rank"] for e in events} == {1}
-    assert events[0]["factor"] > 1.5 and events[0]["node"]
+    assert {e.rank for e in events} == {1}
+    assert events[0].factor > 1.5 and events[0].node
     # The same drill slows its pre-flight matmul check: it fails, its peer passes.
-    checks = [e for e in read_events(mlflow_url, summary.run_id, str(tmp_path / "again")) if e["event"] == "health"]
-    matmul = {e["rank"]: e["passed"] for e in checks if e["check"] == "matmul"}
+    checks = [e for e in read_events(mlflow_url, summary.run_id, str(tmp_path / "again")) if isinstance(e, HealthCheck)]
+    matmul = {e.rank: e.passed for e in checks if e.check == "matmul"}
     assert matmul == {0: True, 1: False}
-    assert any(e["check"] == "allreduce" for e in checks)
+    assert any(e.check == "allreduce" for e in checks)
 
 
 # Only the added nodes offer it, so the training workers run there, one per node.
@@ -83,12 +84,12 @@ def test_a_node_failing_the_health_check_is_left_out_and_the_group_reforms_witho
     summary = driver.run(cfg)
 
     events = read_events(mlflow_url, summary.run_id, str(tmp_path))
-    assert [e["node"] for e in events if e["event"] == "node_excluded"] == [slow]
-    checks = [e for e in events if e["event"] == "health" and e["check"] == "matmul"]
+    assert [e.node for e in events if isinstance(e, NodeExcluded)] == [slow]
+    checks = [e for e in events if isinstance(e, HealthCheck) and e.check == "matmul"]
     # The first group ran on all three nodes and failed only the slow one; the group that
     # trained ran on the two others and passed.
-    assert sorted((e["node"] == slow, e["passed"]) for e in checks) == [(False, True)] * 4 + [(True, False)]
-    assert {e["node"] for e in checks} == healthy | {slow}
+    assert sorted((e.node == slow, e.passed) for e in checks) == [(False, True)] * 4 + [(True, False)]
+    assert {e.node for e in checks} == healthy | {slow}
     history = MlflowClient(mlflow_url).get_metric_history(summary.run_id, "world_size")
     assert {m.value for m in history} == {2}
     assert summary.final_metrics["step"] == cfg.train.steps
@@ -120,14 +121,14 @@ def test_a_stopped_rank_is_detected_as_a_hang_and_the_attempt_restarts(ray_clust
             os.kill(workers[1].pid, signal.SIGCONT)
 
     events = read_events(mlflow_url, summary.run_id, str(tmp_path))
-    hangs = [e for e in events if e["event"] == "hang"]
-    assert hangs and "no optimizer step for" in hangs[0]["reason"]
+    hangs = [e for e in events if isinstance(e, Hang)]
+    assert hangs and "no optimizer step for" in hangs[0].reason
     # The stopped rank cannot dump its own stacks; the event names it as the silent one.
-    assert [r["pid"] for r in hangs[0]["silent_ranks"]] == [stopped.pid]
-    assert f"pid {stopped.pid}" in hangs[0]["reason"]
+    assert [r["pid"] for r in hangs[0].silent_ranks] == [stopped.pid]
+    assert f"pid {stopped.pid}" in hangs[0].reason
     dumps = [a.path for a in MlflowClient(mlflow_url).list_artifacts(summary.run_id, "hangs")]
     assert dumps, "the watchdog's stacks are attached to the run"
     text = MlflowClient(mlflow_url).download_artifacts(summary.run_id, dumps[0], str(tmp_path))
     assert "--- thread MainThread ---" in open(text).read()
-    assert any(e["event"] == "recovered" for e in events), "the attempt restarted"
+    assert any(isinstance(e, Recovered) for e in events), "the attempt restarted"
     assert summary.final_metrics["step"] == 30

@@ -16,6 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from wildtrain import services
 from wildtrain.chaos import BackgroundRun
+from wildtrain.events import TrackingOutage
 from wildtrain.tracking.mlflow_run import read_events
 
 pytestmark = pytest.mark.integration
@@ -71,7 +72,7 @@ def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(ray_
     assert len(during) >= PAUSE_S / 4, "reports stopped while MLflow was paused"
     assert worst.value < 2 * median, "a report window stalled"
 
-    [outage] = [e for e in read_events(url, summary.run_id, str(tmp_path / "events")) if e["event"] == "tracking_outage"]
-    assert outage["resolved"] and paused_at - 1 < outage["start"] < outage["end"] < resumed_at + 15
-    assert PAUSE_S / 2 < outage["seconds"] <= PAUSE_S + 15
+    [outage] = [e for e in read_events(url, summary.run_id, str(tmp_path / "events")) if isinstance(e, TrackingOutage)]
+    assert outage.resolved and paused_at - 1 < outage.start < outage.end < resumed_at + 15
+    assert PAUSE_S / 2 < outage.seconds <= PAUSE_S + 15
     assert client.get_run(summary.run_id).data.metrics["badput/stalled_s"] == 0

@@ -13,7 +13,8 @@ from wildtrain import driver, storage
 from wildtrain.checkpoint import STATE_FILE, reshard
 from wildtrain.checkpoint.manifest import Store, list_candidates
 from wildtrain.data.dataset import DataError
-from wildtrain.elastic import CapacityError
+from wildtrain.elastic.signals import CapacityError
+from wildtrain.events import CheckpointFallback
 from wildtrain.tracking.mlflow_run import read_events
 
 pytestmark = pytest.mark.integration
@@ -127,8 +128,8 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(ray_cluster,
     second = driver.run(tiny_config("train.steps=10"))
     assert second.run_id == first.run_id
     events = read_events(mlflow_url, first.run_id, str(tmp_path / "events"))
-    (fallback,) = [e for e in events if e["event"] == "checkpoint_fallback"]
-    assert fallback["step"] == 8 and "sha256" in fallback["reason"]
+    (fallback,) = [e for e in events if isinstance(e, CheckpointFallback)]
+    assert fallback.step == 8 and "sha256" in fallback.reason
     # The resubmission restored step 4 (each attempt logs its first step: here 5) and went on to 10.
     steps = [m.step for m in MlflowClient(mlflow_url).get_metric_history(first.run_id, "loss")]
     assert 5 in steps and 9 not in steps and max(steps) == 10

@@ -8,12 +8,16 @@ from types import SimpleNamespace
 
 import pytest
 from ray.exceptions import ActorDiedError
-from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError, WorkerHealthCheckFailedError
+
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
-from wildtrain import elastic
+from wildtrain.elastic import controller, nodes as elastic_nodes
+from wildtrain.ray_compat import WorkerGroupStartupTimeoutError, WorkerHealthCheckFailedError
 from wildtrain.config import load_config
-from wildtrain.elastic import CapacityClock, CapacityError, ElasticPolicy, FailureBudget, ResourceView, lost_a_worker_process
+from wildtrain.events import Waiting
+from wildtrain.elastic.controller import CapacityClock, FailureBudget, RestartPolicy
+from wildtrain.elastic.nodes import ResourceView, lost_a_worker_process
+from wildtrain.elastic.signals import CapacityError
 
 
 class FakeTime:
@@ -23,6 +27,9 @@ class FakeTime:
         self.now = 1000.0
 
     def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
         return self.now
 
     def sleep(self, seconds: float) -> None:
@@ -50,7 +57,8 @@ def start_timed_out(workers: int) -> ControllerError:
 @pytest.fixture
 def clock(monkeypatch) -> FakeTime:
     fake = FakeTime()
-    monkeypatch.setattr(elastic, "time", fake)
+    monkeypatch.setattr(controller, "time", fake)
+    monkeypatch.setattr(elastic_nodes, "time", fake)
     return fake
 
 
@@ -64,12 +72,12 @@ def nodes(monkeypatch):
         calls.append(1)
         return [{"NodeID": node, "Alive": alive} for node, alive in table.items()]
 
-    monkeypatch.setattr(elastic.ray, "nodes", ray_nodes)
+    monkeypatch.setattr(controller.ray, "nodes", ray_nodes)
     return SimpleNamespace(table=table, calls=calls)
 
 
-def policy(*overrides: str) -> ElasticPolicy:
-    p = ElasticPolicy(load_config(list(overrides)))
+def policy(*overrides: str, recorded: list | None = None) -> RestartPolicy:
+    p = RestartPolicy(load_config(list(overrides)), record_event=(recorded if recorded is not None else []).append)
     p.view = ResourceView(lambda: None)
     p.group_nodes = {"a", "b"}
     return p
@@ -151,6 +159,29 @@ def test_a_run_without_capacity_ends_after_capacity_wait_s(clock, nodes):
         for _ in range(100):
             p.after_controller_state_update(restarting, restarting)
     assert 15 < clock.now - started < 17, "each turn of the controller's loop waits for the next refresh"
+
+
+def test_a_wait_for_room_is_recorded_when_a_group_runs_again_and_a_usual_restart_is_not(clock, nodes):
+    recorded = []
+    p = policy(recorded=recorded)
+    error = worker_exception()
+    p.after_controller_state_update(state("RUNNING"), state("RESTARTING", error))
+    p.after_controller_state_update(state("RESTARTING", error), state("SCHEDULING", workers=2))
+    p.after_controller_state_update(state("SCHEDULING", workers=2), state("RUNNING"))
+    assert recorded == [], "a restart that found room at once waited for nothing"
+
+    error = worker_exception()
+    stopped_at = clock.now
+    restarting = state("RESTARTING", error)
+    p.after_controller_state_update(state("RUNNING"), restarting)
+    for _ in range(10):  # no room: the controller's loop turns without a decision
+        p.after_controller_state_update(restarting, restarting)
+    p.after_controller_state_update(restarting, state("SCHEDULING", workers=1))
+    clock.now += 3.0
+    p.after_controller_state_update(state("SCHEDULING", workers=1), state("RUNNING"))
+    [waiting] = recorded
+    assert isinstance(waiting, Waiting)
+    assert (waiting.start, waiting.end) == (stopped_at, clock.now)
 
 
 def test_the_capacity_clock_forgives_one_timed_out_attempt_per_size_above_the_minimum():

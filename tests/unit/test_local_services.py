@@ -8,7 +8,7 @@ import pytest
 
 from wildtrain import services
 from wildtrain.config import flatten, load_config, redact
-from wildtrain.elastic import largest_group
+from wildtrain.elastic.scaling import largest_group
 from wildtrain.services import RayPorts, ServiceError, choose_ray_address
 
 STATE = Path(".wildtrain/services.json")

@@ -10,8 +10,9 @@ from mlflow.tracking import MlflowClient
 
 from wildtrain.config import StorageConfig
 from wildtrain.tracking import mlflow_run
+from wildtrain.events import Resize, TrackingOutage
 from wildtrain.tracking.mlflow_run import MlflowCallback, Tracker, read_events
-from wildtrain.tracking.timeline import Restart
+from wildtrain.elastic.signals import Restart
 
 
 @pytest.fixture
@@ -61,7 +62,7 @@ def test_what_a_tracker_could_not_send_the_runs_next_tracker_sends_first(store, 
     first = Tracker(down, run_id, folder)
     for step in (1, 2, 3):
         first.metrics({"loss": 4.0 - step, "step_time_s": 0.1}, step)
-    first.event({"event": "resize", "at": time.time()}, 3)
+    first.event(Resize(time.time(), world_size=2, last_step=3), 3)
     unsent = first.close(timeout_s=0.5)
     assert unsent is not None and unsent.parent == folder
 
@@ -74,6 +75,6 @@ def test_what_a_tracker_could_not_send_the_runs_next_tracker_sends_first(store, 
     history = sorted(client.get_metric_history(run_id, "loss"), key=lambda m: m.timestamp)
     assert [(m.step, m.value) for m in history] == [(1, 3.0), (2, 2.0), (3, 1.0), (4, 0.5)]
     events = read_events(client.tracking_uri, run_id, str(tmp_path / "events"))
-    assert [e["event"] for e in events] == ["resize", "tracking_outage"]
-    assert events[1]["resolved"] is False and events[1]["seconds"] >= 0
+    assert [type(e) for e in events] == [Resize, TrackingOutage]
+    assert events[1].resolved is False and events[1].seconds >= 0
     assert client.get_run(run_id).info.status == "FINISHED"

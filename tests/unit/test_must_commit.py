@@ -10,7 +10,7 @@ from tests.helpers.faulty_fs import Faults, faulty_filesystem
 from wildtrain.checkpoint.async_save import AsyncSaver
 from wildtrain.checkpoint.manifest import Store, list_candidates
 from wildtrain.config import Config
-from wildtrain.train import loop
+from wildtrain.train import checkpointing
 from wildtrain.train.state import TrainState
 
 
@@ -40,12 +40,12 @@ def committed(store: Store) -> list[str]:
 
 
 def test_the_last_save_is_retried_until_it_commits(tmp_path, failing_store, monkeypatch):
-    monkeypatch.setattr(loop, "FIRST_COMMIT_RETRY_S", 0.05)
+    monkeypatch.setattr(checkpointing, "FIRST_COMMIT_RETRY_S", 0.05)
     faults, store = failing_store
     faults.fail_next = 2  # two tries fail, the third commits
     saver = saver_for(tmp_path, store)
     cfg = Config()
-    assert loop._save(saver, FakeEngine(), cfg, TrainState(step=60), 1, must_commit=True, retry=True)
+    assert checkpointing.save(saver, FakeEngine(), cfg, TrainState(step=60), 1, must_commit=True, retry=True)
     # Each try has a folder of its own, so an earlier try's part records cannot mislead the next.
     assert committed(store) == ["step_000000060-a1t3"]
     assert [o.status for o in saver.drain()] == ["failed", "failed", "saved"]
@@ -56,16 +56,16 @@ def test_a_regrow_save_that_fails_is_tried_once(tmp_path, failing_store):
     faults, store = failing_store
     faults.fail_next = 1
     saver = saver_for(tmp_path, store)
-    assert not loop._save(saver, FakeEngine(), Config(), TrainState(step=40), 1, must_commit=True, retry=False)
+    assert not checkpointing.save(saver, FakeEngine(), Config(), TrainState(step=40), 1, must_commit=True, retry=False)
     assert committed(store) == [] and [o.status for o in saver.drain()] == ["failed"]
 
 
 def test_the_last_save_gives_up_at_checkpoint_timeout(tmp_path, failing_store, monkeypatch):
-    monkeypatch.setattr(loop, "FIRST_COMMIT_RETRY_S", 0.05)
+    monkeypatch.setattr(checkpointing, "FIRST_COMMIT_RETRY_S", 0.05)
     faults, store = failing_store
     faults.fail_next = 10**6
     cfg = Config()
     cfg.checkpoint.timeout_s = 1.0
-    assert not loop._save(saver_for(tmp_path, store), FakeEngine(), cfg, TrainState(step=60), 1,
+    assert not checkpointing.save(saver_for(tmp_path, store), FakeEngine(), cfg, TrainState(step=60), 1,
                           must_commit=True, retry=True)
     assert committed(store) == []

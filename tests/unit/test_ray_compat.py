@@ -50,3 +50,20 @@ def test_controller_states_carry_the_name_state_name_reads():
 def test_workers_carry_what_group_workers_reads():
     fields = {f.name for f in dataclasses.fields(Worker)}
     assert {"distributed_context", "metadata"} <= fields
+
+
+def test_every_hook_our_callbacks_define_is_one_ray_calls_with_those_parameters():
+    """A hook Ray renamed would never be called, silently: each of ours must still be a
+    method of a Ray callback base, taking the same parameters."""
+    from wildtrain.elastic.controller import NodeExclusion, ReshardAhead, RestartPolicy
+    from wildtrain.tracking.mlflow_run import MlflowCallback
+
+    bases = (ControllerCallback, ReportCallback, WorkerGroupCallback)
+    for ours in (RestartPolicy, NodeExclusion, ReshardAhead, MlflowCallback):
+        hooks = [name for name in vars(ours) if name.startswith(("after_", "before_", "on_"))]
+        assert hooks, ours
+        for name in hooks:
+            rays = [getattr(base, name) for base in bases if hasattr(base, name)]
+            assert rays, f"{ours.__name__}.{name} is not a hook of Ray's callbacks"
+            assert list(inspect.signature(getattr(ours, name)).parameters) == list(inspect.signature(rays[0]).parameters), \
+                f"{ours.__name__}.{name} no longer matches Ray's signature"

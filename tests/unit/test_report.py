@@ -23,12 +23,13 @@ from wildtrain.tracking.report import (
     report_run,
     summarize,
 )
+from wildtrain.events import Event, HealthCheck
 from wildtrain.tracking.timeline import Timeline
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def recorded_events() -> list[dict]:
+def recorded_events() -> list[Event]:
     """What the controller's timeline records for: a failure at 1035 after step 10 at
     world size 2; the next group started at 1045 from step 8's checkpoint."""
     timeline = Timeline()
@@ -39,8 +40,8 @@ def recorded_events() -> list[dict]:
     timeline.group_started(["a"])
     timeline.reported({"step": 9, "world_size": 1, "restored_step": 8, "attempt_started_at": 1045.0,
                        "first_step_at": 1052.0, "restore_s": 3.0, "reshard_s": 2.0})
-    health = [{"event": "health", "node": "a", "check": "gpu-burn", "passed": True},
-              {"event": "health", "node": "b", "check": "nccl-allreduce", "passed": False, "detail": "12 GB/s"}]
+    health = [HealthCheck(1001.0, "gpu-burn", 0, "a", passed=True, detail=""),
+              HealthCheck(1001.0, "nccl-allreduce", -1, "b", passed=False, detail="12 GB/s")]
     return timeline.events + health
 
 
@@ -155,7 +156,7 @@ def log_record(uri, tmp_path, r: RunRecord, cluster: str) -> str:
                                tags={"wildtrain.cluster": cluster}).info.run_id
     client.log_batch(run_id, metrics=[Metric(key, s.value, int(s.at * 1000), s.step) for key, samples in r.history.items() for s in samples])
     for i, event in enumerate(r.events):
-        client.log_text(run_id, json.dumps(event), f"events/{i:03d}-{event['event']}.json")
+        client.log_text(run_id, json.dumps(event.to_dict()), f"events/{i:03d}-{event.KIND}.json")
     client.set_terminated(run_id, "FINISHED", end_time=int(r.ended_at * 1000))
     return run_id
 

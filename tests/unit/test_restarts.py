@@ -1,10 +1,12 @@
 """The controller's pure decisions about restarts: why a group restarts, and how many
 workers the nodes that are not left out can hold."""
 
-from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
 from ray.train.v2.api.exceptions import WorkerGroupError
 
-from wildtrain.elastic import PlannedRegrow, UnhealthyNodes, classify_restart, workers_that_fit
+from wildtrain.events import HealthCheck, NodeExcluded
+from wildtrain.ray_compat import UserExceptionWithTraceback
+from wildtrain.elastic.nodes import workers_that_fit
+from wildtrain.elastic.signals import PlannedRegrow, UnhealthyNodes, classify_restart
 
 
 def _worker_group_error(*worker_errors: BaseException) -> WorkerGroupError:
@@ -18,8 +20,7 @@ def _worker_group_error(*worker_errors: BaseException) -> WorkerGroupError:
 
 
 def test_a_failed_health_check_restarts_as_planned_and_names_the_nodes_to_leave_out():
-    checks = [{"event": "health", "check": "matmul", "rank": 0, "node": "good", "passed": True},
-              {"event": "health", "check": "matmul", "rank": 1, "node": "slow", "passed": False}]
+    checks = [HealthCheck(1.0, "matmul", 0, "good", True, "1.0x"), HealthCheck(1.0, "matmul", 1, "slow", False, "0.2x")]
     # Every rank raises; only rank 0 knows the check's results.
     error = _worker_group_error(UnhealthyNodes(["slow"], checks), UnhealthyNodes(["slow"], []))
     restart = classify_restart(error)
@@ -27,7 +28,7 @@ def test_a_failed_health_check_restarts_as_planned_and_names_the_nodes_to_leave_
     assert "slow" in restart.cause
     assert restart.events[:2] == checks
     (excluded,) = restart.events[2:]
-    assert (excluded["event"], excluded["node"]) == ("node_excluded", "slow")
+    assert isinstance(excluded, NodeExcluded) and excluded.node == "slow"
 
 
 def test_planned_regrows_and_real_failures_are_told_apart():
@@ -56,14 +57,15 @@ def test_workers_that_fit_leave_out_excluded_nodes_and_count_the_scarcest_resour
 def test_unhealthy_nodes_survives_pickling_as_ray_sends_it_to_the_controller():
     import pickle
 
-    error = pickle.loads(pickle.dumps(UnhealthyNodes(["slow"], [{"event": "health"}])))
-    assert (error.nodes, error.checks) == (["slow"], [{"event": "health"}])
+    check = HealthCheck(1.0, "matmul", 1, "slow", False, "0.2x")
+    error = pickle.loads(pickle.dumps(UnhealthyNodes(["slow"], [check])))
+    assert (error.nodes, error.checks) == (["slow"], [check])
 
 
 def test_an_error_a_restart_cannot_help_ends_the_run_with_its_message():
     import pickle
 
-    from wildtrain.elastic import FinalCheckpointFailed, RunCannotContinue
+    from wildtrain.elastic.signals import FinalCheckpointFailed, RunCannotContinue
 
     final = FinalCheckpointFailed(60, "s3://b/run/checkpoints/step_000000040-ab")
     restart = classify_restart(_worker_group_error(final, pickle.loads(pickle.dumps(final))))

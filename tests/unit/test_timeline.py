@@ -1,3 +1,4 @@
+from wildtrain.events import Failure
 from wildtrain.tracking.timeline import Timeline
 
 
@@ -16,7 +17,8 @@ def test_a_failure_and_its_recovery_are_split_into_parts():
     for step in range(2, 7):
         timeline.reported({"step": step, "world_size": 2})
     event = timeline.interrupted("failure", at=100.0, cause="node-b died")
-    assert event["last_step"] == 6 and event["world_size"] == 2 and event["nodes"] == ["node-a", "node-b"]
+    assert isinstance(event, Failure)
+    assert event.last_step == 6 and event.world_size == 2 and event.nodes == ["node-a", "node-b"]
     # the controller retries once more before the group is back: still one outage
     assert timeline.interrupted("failure", at=105.0) is None
 
@@ -25,7 +27,7 @@ def test_a_failure_and_its_recovery_are_split_into_parts():
     assert (recovery.world_size_before, recovery.world_size_after) == (2, 1)
     assert recovery.restart_s == 10.0 and recovery.recovery_s == 18.0
     assert recovery.restored_step == 4 and recovery.steps_lost == 2
-    assert [e["event"] for e in timeline.events] == ["failure", "recovered"]
+    assert [e.KIND for e in timeline.events] == ["failure", "recovered"]
 
 
 def test_reports_without_an_interruption_complete_nothing():

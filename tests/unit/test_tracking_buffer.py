@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from wildtrain.events import TrackingOutage
 from wildtrain.tracking.buffer import Backoff, Outage, TrackingBuffer
 
 FAST = Backoff(first_s=0.01, max_s=0.05)
@@ -54,7 +55,7 @@ def test_records_arrive_in_order_after_the_server_comes_back(tmp_path):
     assert server.received == list(range(50))
     assert len(outages) == 1 and outages[0].resolved
     assert outages[0].start < down_at < outages[0].end
-    assert outages[0].event()["event"] == "tracking_outage"
+    assert isinstance(outages[0].event(), TrackingOutage)
     assert "connection refused" in outages[0].error
 
 
@@ -107,7 +108,7 @@ def test_what_close_cannot_send_waits_in_a_file_that_the_next_buffer_sends_first
 
     def record_outage(outage: Outage) -> None:
         outages.append(outage)
-        first.put({"i": "outage", **outage.event()})
+        first.put({"i": "outage", **outage.event().to_dict()})
 
     first = TrackingBuffer(server.send, tmp_path, capacity=3, backoff=FAST, on_outage=record_outage)
     for i in range(10):

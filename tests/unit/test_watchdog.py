@@ -8,7 +8,8 @@ import time
 import pytest
 
 from wildtrain.config import StorageConfig
-from wildtrain.train.watchdog import HANG_EXIT_CODE, HangWatchdog, rank_of_dump
+from wildtrain.layout import rank_of_hang_dump
+from wildtrain.train.watchdog import HANG_EXIT_CODE, HangWatchdog
 
 
 class Exits:
@@ -32,7 +33,7 @@ def _watchdog(tmp_path, exits, hang_s: float, startup_s: float) -> HangWatchdog:
 
 def _dump(tmp_path) -> str:
     (path,) = (tmp_path / "hangs").iterdir()
-    assert rank_of_dump(path.name) == 1
+    assert rank_of_hang_dump(path.name) == 1
     return path.read_text()
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from wildtrain.events import TrackingOutage
+
 
 @dataclass(frozen=True)
 class Backoff:
@@ -45,9 +47,8 @@ class Outage:
     error: str  # the last failure
     resolved: bool
 
-    def event(self) -> dict:
-        return {"event": "tracking_outage", "at": self.end, "start": self.start, "end": self.end,
-                "seconds": self.end - self.start, "error": self.error, "resolved": self.resolved}
+    def event(self) -> TrackingOutage:
+        return TrackingOutage(self.end, self.start, self.end, self.end - self.start, self.error, self.resolved)
 
 
 @dataclass

@@ -21,10 +21,12 @@ from typing import Callable, Optional
 
 
 from wildtrain import ray_compat, storage
-from wildtrain.config import Config, RunConfig, StorageConfig, flatten, to_yaml
+from wildtrain.config import Config, StorageConfig, flatten, to_yaml
+from wildtrain.events import Event, HealthCheck, Hang, Interrupted, Recovered, from_dict
 from wildtrain.tracking.buffer import Outage, TrackingBuffer
-from wildtrain.tracking.timeline import Restart, Timeline
-from wildtrain.train.watchdog import rank_of_dump
+from wildtrain.elastic.signals import Restart
+from wildtrain.tracking.timeline import Timeline
+from wildtrain.layout import rank_of_hang_dump
 
 EVENTS_DIR = "events"
 CLUSTER_TAG = "wildtrain.cluster"
@@ -90,7 +92,7 @@ def open_run(cfg: Config, run_id: Optional[str]) -> tuple[str, str]:
     return experiment_id, run.info.run_id
 
 
-def read_events(uri: str, run_id: str, folder: str) -> list[dict]:
+def read_events(uri: str, run_id: str, folder: str) -> list[Event]:
     """The run's elastic events (see `MlflowCallback`), oldest first."""
     from mlflow.tracking import MlflowClient
 
@@ -98,28 +100,28 @@ def read_events(uri: str, run_id: str, folder: str) -> list[dict]:
     if not client.list_artifacts(run_id, EVENTS_DIR):
         return []
     local = client.download_artifacts(run_id, EVENTS_DIR, folder)
-    return [json.loads(path.read_text()) for path in sorted(Path(local).glob("*.json"))]
+    return [from_dict(json.loads(path.read_text())) for path in sorted(Path(local).glob("*.json"))]
 
 
 _EVENT_COUNTER = itertools.count()
 
 
-def log_event(client, run_id: str, event: dict, step: int) -> None:
+def log_event(client, run_id: str, event: Event, step: int) -> None:
     """Log an event now (for the driver, outside training); `Tracker.event` buffers it."""
     for record in _event_records(run_id, event, step):
         _send(client, record)
 
 
-def _event_records(run_id: str, event: dict, step: int) -> list[dict]:
+def _event_records(run_id: str, event: Event, step: int) -> list[dict]:
     """Each event is its own small JSON artifact, so a resubmitted run appends to them;
     named and stamped when it happened, however late it is sent."""
     now = time.time()
     # Buffered events are named within the same millisecond (a health check's, one per
     # rank): the counter keeps each its own file, in the order they happened.
     return [
-        {"op": "text", "run_id": run_id, "path": f"{EVENTS_DIR}/{now:.3f}-{next(_EVENT_COUNTER):06d}-{event['event']}.json",
-         "text": json.dumps(event, indent=1)},
-        {"op": "metrics", "run_id": run_id, "metrics": [[f"elastic/{event['event']}", 1.0, int(now * 1000), step]]},
+        {"op": "text", "run_id": run_id, "path": f"{EVENTS_DIR}/{now:.3f}-{next(_EVENT_COUNTER):06d}-{event.KIND}.json",
+         "text": json.dumps(event.to_dict(), indent=1)},
+        {"op": "metrics", "run_id": run_id, "metrics": [[f"elastic/{event.KIND}", 1.0, int(now * 1000), step]]},
     ]
 
 
@@ -154,15 +156,6 @@ def _transient(error: BaseException) -> bool:
     return isinstance(error, (OSError, requests.RequestException))
 
 
-def tracking_folder(cfg: Config) -> Path:
-    """The local folder of records waiting on MLflow: spilled in a long outage, or left
-    unsent at the end of a run (sent first by the run's next tracker). Under the run's
-    folder when that is local, else under the default local one."""
-    runs = storage.resolve(cfg.run.storage)
-    local = runs if "://" not in runs else storage.resolve(RunConfig.storage)
-    return Path(local) / cfg.run.name / "tracking"
-
-
 class Tracker:
     """A run's MLflow records, sent in order by a background thread (`TrackingBuffer`):
     no call here waits on the server. An outage is recorded as a `tracking_outage` event
@@ -186,7 +179,7 @@ class Tracker:
         self._buffer.put({"op": "metrics", "run_id": self.run_id,
                           "metrics": [[key, float(value), now, step] for key, value in values.items()]})
 
-    def event(self, event: dict, step: int) -> None:
+    def event(self, event: Event, step: int) -> None:
         for record in _event_records(self.run_id, event, step):
             self._buffer.put(record)
 
@@ -211,8 +204,7 @@ class Tracker:
     def _outage(self, outage: Outage) -> None:
         event = outage.event()
         self.event(event, self.step)
-        print(f"tracking_outage: MLflow did not answer for {event['seconds']:.1f} s "
-              f"({'recovered' if outage.resolved else 'still down'}; {outage.error})", flush=True)
+        print(f"{event.KIND}: {event.summary()}", flush=True)
 
 
 def run_url(uri: str, experiment_id: str, run_id: str) -> str:
@@ -230,7 +222,7 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
                  hang_dumps: str, storage_config: StorageConfig, folder: Path) -> None:
         self.uri = uri
         self.run_id = run_id
-        self.folder = folder  # see `tracking_folder`
+        self.folder = folder  # see `RunLayout.tracking`
         self.classify_restart = classify_restart
         self.hang_dumps = hang_dumps  # where workers' hang watchdogs write their stacks
         self.storage_config = storage_config
@@ -275,10 +267,10 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
             kind = restart.kind
         event = self.timeline.interrupted(kind, time.time(), restart.cause)
         if event is not None:
-            self._log_event(event, event["last_step"])
-            self.tracking.metrics({"elastic/nodes": 0}, event["last_step"])
-            self._attach_hang_dumps(event["last_step"], event["nodes"])
-            print(f"{kind} after step {event['last_step']} at world size {event['world_size']}: {restart.cause}", flush=True)
+            self._log_event(event, event.last_step)
+            self.tracking.metrics({"elastic/nodes": 0}, event.last_step)
+            self._attach_hang_dumps(event.last_step, event.nodes)
+            print(f"{kind} after step {event.last_step} at world size {event.world_size}: {restart.cause}", flush=True)
         if state == "RESTARTING":  # once per failed group, even within one outage
             for carried in restart.events:  # a failed health check's results, the nodes left out
                 self._log_event(carried, self.timeline.last_step)
@@ -290,8 +282,9 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
         values = {key: value for key, value in reported.items()
                   if (key in TRAINING_METRICS or key.startswith("checkpoint/")) and isinstance(value, (int, float))}
         if recovery is not None:
-            values |= {f"elastic/{key}": value for key, value in asdict(recovery).items() if isinstance(value, (int, float))}
-            self._log_event(self.timeline.events[-1], step)
+            values |= {f"elastic/{key}": value for key, value in asdict(recovery).items()
+                       if key != "at" and isinstance(value, (int, float))}
+            self._log_event(recovery, step)
             print(
                 f"recovered at world size {recovery.world_size_after} from step {recovery.restored_step} "
                 f"in {recovery.recovery_s:.1f} s (restart {recovery.restart_s:.1f} s, restore {recovery.restore_s:.1f} s, "
@@ -319,22 +312,24 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
             text = storage.read_text(storage.join(self.hang_dumps, name), self.storage_config) or ""
             self.tracking.text(text, f"hangs/{name}")
             reasons.append(text.splitlines()[0] if text else "")
-        dumped = {rank_of_dump(name) for name in dumps}
+        dumped = {rank_of_hang_dump(name) for name in dumps}
         silent = [{"rank": rank, "node": node, "pid": self.worker_pids[rank] if rank < len(self.worker_pids) else None}
                   for rank, node in enumerate(nodes) if rank not in dumped]
         reason = reasons[0] + "".join(
             f"; rank {s['rank']} (pid {s['pid']} on node {s['node']}) wrote no stacks: stopped, or stuck outside Python"
             for s in silent
         )
-        self._log_event({"event": "hang", "at": time.time(), "dumps": [f"hangs/{name}" for name in dumps],
-                         "silent_ranks": silent, "reason": reason}, step)
+        self._log_event(Hang(time.time(), [f"hangs/{name}" for name in dumps], silent, reason), step)
 
-    def _log_event(self, event: dict, step: int) -> None:
+    def record_event(self, event: Event) -> None:
+        """An event of another controller callback, at the newest step reported."""
+        self._log_event(event, self.timeline.last_step)
+
+    def _log_event(self, event: Event, step: int) -> None:
         """Into MLflow, and onto the log unless it is a passed health check."""
         self.tracking.event(event, step)
-        if event["event"] == "health":
-            if not event["passed"]:
-                print(f"health check failed at step {step}: {event['check']} on node {event['node']}: {event['detail']}",
-                      flush=True)
-        elif event["event"] not in ("failure", "resize", "recovered"):  # printed by their own lines
-            print(f"{event['event']} at step {step}: {event.get('reason', '')}", flush=True)
+        if isinstance(event, HealthCheck):
+            if not event.passed:
+                print(f"health check failed at step {step}: {event.summary()}", flush=True)
+        elif not isinstance(event, (Interrupted, Recovered)):  # printed by their own lines
+            print(f"{event.KIND} at step {step}: {event.summary()}", flush=True)

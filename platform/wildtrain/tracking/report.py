@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from wildtrain import events as run_events
 from wildtrain.tracking import goodput
 from wildtrain.tracking.goodput import AttemptStarted, Interrupted, RunStarted, RunStopped, Steps, Waiting
 from wildtrain.tracking.mlflow_run import CLUSTER_TAG, read_events
@@ -53,7 +54,7 @@ class RunRecord:
     started_at: float
     ended_at: Optional[float]  # None while the run is running
     history: History
-    events: tuple[dict, ...]  # the elastic events, as `mlflow_run.read_events` returns them
+    events: tuple[run_events.Event, ...]  # as `mlflow_run.read_events` returns them
 
 
 @dataclass(frozen=True)
@@ -94,19 +95,18 @@ def goodput_events(record: RunRecord) -> list[goodput.Event]:
     # A recovery's restart time counts from the interruption (or resubmission) before it.
     restart_from = record.started_at
     for e in record.events:
-        kind = e["event"]
-        if kind == "started":
-            events.append(RunStarted(e["at"]))
-            restart_from = e["at"]
-        elif kind == "stopped":
-            events.append(RunStopped(e["at"]))
-        elif kind == "waiting":
-            events.append(Waiting(e["start"], e["end"]))
-        elif kind in ("failure", "resize"):
-            events.append(Interrupted(e["at"], kind))
-            restart_from = e["at"]
-        elif kind == "recovered":
-            events.append(AttemptStarted(restart_from + e["restart_s"], int(e["restored_step"]), e["restore_s"], e["reshard_s"]))
+        if isinstance(e, run_events.Started):
+            events.append(RunStarted(e.at))
+            restart_from = e.at
+        elif isinstance(e, run_events.Stopped):
+            events.append(RunStopped(e.at))
+        elif isinstance(e, run_events.Waiting):
+            events.append(Waiting(e.start, e.end))
+        elif isinstance(e, run_events.Interrupted):
+            events.append(Interrupted(e.at, e.KIND))
+            restart_from = e.at
+        elif isinstance(e, run_events.Recovered):
+            events.append(AttemptStarted(restart_from + e.restart_s, e.restored_step, e.restore_s, e.reshard_s))
     return events + _step_windows(record.history, events)
 
 
@@ -136,20 +136,19 @@ def summarize(record: RunRecord, now: float) -> RunStats:
     """A run's figures for the cluster card, as of `now`."""
     events = record.events
     mfu = [s.value for s in record.history.get(MFU, ())]
-    health = [e for e in events if e["event"] == "health"]
+    health = [e for e in events if isinstance(e, run_events.HealthCheck)]
     return RunStats(
         run_id=record.run_id,
         name=record.name,
         goodput=goodput.account(goodput_events(record), now),
         mfu=statistics.fmean(mfu) if mfu else None,
-        failures=sum(e["event"] == "failure" for e in events),
-        recoveries_s=tuple(e["recovery_s"] for e in events if e["event"] == "recovered" and e["kind"] == "failure"),
+        failures=sum(isinstance(e, run_events.Failure) for e in events),
+        recoveries_s=tuple(e.recovery_s for e in events if isinstance(e, run_events.Recovered) and e.kind == "failure"),
         node_s=_node_seconds(record.history.get(NODES, ()), now),
         checkpoint_bytes=math.fsum(s.value for s in record.history.get(CHECKPOINT_BYTES, ())),
         checkpoint_save_s=math.fsum(s.value for s in record.history.get(CHECKPOINT_SAVE_S, ())),
-        health_passed=sum(bool(e["passed"]) for e in health),
-        health_failed=tuple(f"{e['node']}: {e['check']}" + (f" ({e['detail']})" if e.get("detail") else "")
-                            for e in health if not e["passed"]),
+        health_passed=sum(e.passed for e in health),
+        health_failed=tuple(f"{e.node}: {e.check}" + (f" ({e.detail})" if e.detail else "") for e in health if not e.passed),
     )
 
 

@@ -5,7 +5,7 @@ buffer. A rank whose matmul rate is below `min_ratio` of the group's median (a t
 a node whose cores someone else is using) fails the check. Every rank's result becomes a
 `health` event (node, check, passed, detail) in MLflow, which the cluster report card counts.
 With `monitor.exclude_unhealthy`, the nodes of failed ranks are left out of the run
-(`nodes_to_exclude`; the exclusion itself is `elastic.ElasticPolicy`'s).
+(`nodes_to_exclude`; the exclusion itself is `elastic.controller`'s).
 `judge` and `nodes_to_exclude` are pure; `measure_matmul` and `measure_allreduce` do the timing.
 """
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wildtrain.events import HealthCheck
 from wildtrain.train import collectives
 
 
@@ -94,28 +95,25 @@ def measure_allreduce(device: torch.device) -> float:
     return burst.allreduce_bytes * 2 * (world - 1) / max(world, 1) / seconds / 1e9
 
 
-def judge(ranks: list[RankHealth], allreduce_gb_per_s: float, min_ratio: float, at: float) -> list[dict]:
-    """The `health` events of one group's check."""
+def judge(ranks: list[RankHealth], allreduce_gb_per_s: float, min_ratio: float, at: float) -> list[HealthCheck]:
+    """The results of one group's check."""
     median = statistics.median(r.matmul_flops_per_s for r in ranks)
-    events = []
+    checks = []
     for r in ranks:
         ratio = r.matmul_flops_per_s / median if median > 0 else 1.0
-        events.append({
-            "event": "health", "at": at, "check": "matmul", "rank": r.rank, "node": r.node,
-            "passed": ratio >= min_ratio,
-            "detail": f"{r.matmul_flops_per_s / 1e9:.1f} GFLOP/s, {ratio:.2f}x the group median",
-        })
-    events.append({"event": "health", "at": at, "check": "allreduce", "rank": -1, "node": "group",
-                   "passed": True, "detail": f"{allreduce_gb_per_s:.2f} GB/s bus bandwidth, {len(ranks)} ranks"})
-    return events
+        checks.append(HealthCheck(at, "matmul", r.rank, r.node, passed=ratio >= min_ratio,
+                                  detail=f"{r.matmul_flops_per_s / 1e9:.1f} GFLOP/s, {ratio:.2f}x the group median"))
+    checks.append(HealthCheck(at, "allreduce", -1, "group", passed=True,
+                              detail=f"{allreduce_gb_per_s:.2f} GB/s bus bandwidth, {len(ranks)} ranks"))
+    return checks
 
 
-def nodes_to_exclude(events: list[dict], min_workers: int) -> list[str]:
+def nodes_to_exclude(checks: list[HealthCheck], min_workers: int) -> list[str]:
     """The nodes of the ranks that failed the check, or none if leaving them out would
     leave fewer than `min_workers` ranks: a slow group beats no group."""
-    ranks = [e for e in events if e["check"] == "matmul"]
-    failed = sorted({e["node"] for e in ranks if not e["passed"]})
-    kept = sum(e["node"] not in failed for e in ranks)
+    ranks = [c for c in checks if c.check == "matmul"]
+    failed = sorted({c.node for c in ranks if not c.passed})
+    kept = sum(c.node not in failed for c in ranks)
     return failed if failed and kept >= min_workers else []
 
 

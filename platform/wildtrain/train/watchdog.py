@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
 import threading
 import time
@@ -28,18 +27,9 @@ from typing import Callable
 
 from wildtrain import storage
 from wildtrain.config import StorageConfig
+from wildtrain.layout import hang_dump_name
 
 HANG_EXIT_CODE = 86
-_DUMP_NAME = re.compile(r"-rank(\d+)\.txt$")
-
-
-def dump_name(rank: int) -> str:
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-rank{rank}.txt"
-
-
-def rank_of_dump(name: str) -> int | None:
-    found = _DUMP_NAME.search(name)
-    return int(found.group(1)) if found else None
 
 
 def thread_stacks() -> str:
@@ -122,6 +112,6 @@ class HangWatchdog:
         report = f"{reason}; stacks:\n{thread_stacks()}"
         print(report, file=sys.stderr, flush=True)
         try:
-            storage.write_text(storage.join(self.dump_folder, dump_name(self.rank)), report, self.config)
+            storage.write_text(storage.join(self.dump_folder, hang_dump_name(self.rank)), report, self.config)
         finally:
             self.exit(HANG_EXIT_CODE)  # os._exit: the main thread is stuck in C, nothing else ends it

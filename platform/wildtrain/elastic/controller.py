@@ -1,0 +1,295 @@
+"""What Ray Train's controller does not do by itself, as callbacks that run inside it, one
+per concern: restarts (failures counted, lost nodes awaited, capacity waited for, the
+resource view kept fresh), nodes left out, and checkpoints converted ahead of a resize."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
+
+import ray
+
+from wildtrain import ray_compat
+from wildtrain.checkpoint import reshard
+from wildtrain.checkpoint.manifest import Store, read_manifest
+from wildtrain.config import Config
+from wildtrain.elastic.nodes import (
+    ResourceView, exclude_nodes, excluded_nodes, lost_a_worker_process, workers_that_fit,
+)
+from wildtrain.elastic.signals import CapacityError, NodeExcluded, classify_restart
+from wildtrain.events import Event, Waiting
+from ray.train.v2.api.exceptions import WorkerGroupError
+
+
+# How long the end of a run waits for a conversion ahead of a resize to commit.
+_CONVERSION_SHUTDOWN_WAIT_S = 60.0
+
+
+@dataclass(frozen=True)
+class FailureBudget:
+    """The failures counted against elastic.max_failures (-1: no limit). A failure is known
+    by its error: while the cluster lacks capacity, the controller re-enters its RESTARTING
+    state, with the same error, at every turn of its loop."""
+
+    max_failures: int
+    failures: int = 0
+    last_error: Optional[BaseException] = field(default=None, compare=False, repr=False)
+
+    def is_new(self, error: BaseException) -> bool:
+        return error is not self.last_error
+
+    def after(self, error: BaseException, counts: bool) -> "FailureBudget":
+        if not self.is_new(error):
+            return self
+        return replace(self, failures=self.failures + int(counts), last_error=error)
+
+    @property
+    def exceeded(self) -> bool:
+        return 0 <= self.max_failures < self.failures
+
+
+@dataclass(frozen=True)
+class CapacityClock:
+    """How long the controller has gone without capacity for a worker group, the time that
+    cluster.capacity_wait_s bounds.
+
+    It runs from the moment no group runs until one runs again (a start that succeeds, however
+    slowly, ends the wait): while Ray's scaling policy sees room for fewer than min_workers,
+    and through start attempts that failed. One kind of failed attempt is not counted: one
+    for more than min_workers workers that timed out waiting for room, the first time at
+    its size. After a node dies, Ray's resource view still counts it for up to ~30 s, so the
+    first attempt may be sized for a group that cannot fit while a smaller one can; its
+    time says nothing about the capacity for min_workers. A second timed-out attempt at the
+    same size counts (the view is not merely stale), so the wait stays bounded."""
+
+    min_workers: int
+    waiting_since: Optional[float] = None  # time.monotonic(); None while a group runs
+    attempt_started: Optional[float] = None  # the start attempt in flight, if any
+    forgiven_sizes: frozenset[int] = frozenset()  # sizes whose timed-out attempt was not counted
+    # Since when the wait is for room (a counted failed attempt, or no group to attempt),
+    # not a restart going its usual way: goodput's WAITING.
+    no_room_since: Optional[float] = None
+
+    def running(self) -> "CapacityClock":
+        return CapacityClock(self.min_workers)
+
+    def no_room(self, now: float) -> "CapacityClock":
+        clock = self.waiting(now)
+        return clock if clock.no_room_since is not None else replace(clock, no_room_since=clock.waiting_since)
+
+    def waiting(self, now: float) -> "CapacityClock":
+        return self if self.waiting_since is not None else replace(self, waiting_since=now)
+
+    def attempt(self, now: float) -> "CapacityClock":
+        return replace(self.waiting(now), attempt_started=now)
+
+    @property
+    def in_attempt(self) -> bool:
+        return self.attempt_started is not None
+
+    def attempt_failed(self, now: float, size: int, timed_out: bool) -> "CapacityClock":
+        clock = replace(self.waiting(now), attempt_started=None)
+        if timed_out and size > self.min_workers and size not in self.forgiven_sizes:
+            return replace(clock, waiting_since=clock.waiting_since + (now - self.attempt_started),
+                           forgiven_sizes=self.forgiven_sizes | {size})
+        if clock.no_room_since is None:
+            clock = replace(clock, no_room_since=self.attempt_started)
+        return clock
+
+    def waited_s(self, now: float) -> float:
+        return 0.0 if self.waiting_since is None else now - self.waiting_since
+
+
+# Controller states in which a worker group exists and runs (or drains, or is resized), and
+# those in which the controller has none and waits for a scaling decision that can start one.
+_GROUP_STATES = ("RUNNING", "PREEMPTING", "RESIZING")
+
+
+_WAITING_STATES = ("INITIALIZING", "RESTARTING", "RESCHEDULING")
+
+
+# While it waits, Ray's controller loop turns without pausing; its scaling policy reads the
+# resource view at most once a second, so refreshing it once a second loses nothing and
+# keeps the loop from spinning a core.
+_WAIT_REFRESH_S = 1.0
+
+
+def controller_callbacks(cfg: Config, record_event: Callable[[Event], None]) -> list:
+    """The controller callbacks of a run; `record_event` logs an event to its MLflow run."""
+    callbacks = [RestartPolicy(cfg, record_event), NodeExclusion(cfg)]
+    if cfg.cluster.reshard_ahead and cfg.deepspeed.zero_stage > 0:
+        callbacks.append(ReshardAhead(cfg))
+    return callbacks
+
+
+class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallback):
+    """How the controller restarts a worker group:
+
+    - after a failure that lost a worker's process, wait (at most `node_grace_s`) for Ray to
+      mark the group's lost nodes dead; after any failure, refresh the resource view, so
+      the restart is sized for what is alive (a refresh that fails is logged, never fatal);
+    - refresh the resource view at the start and every `refresh_interval_s`, so the first
+      group is sized for the nodes there are, and returning capacity is seen at the next
+      resize check;
+    - leave out the nodes a group's health check failed (`UnhealthyNodes`), for
+      `NodeExclusion` to keep later groups off them;
+    - end the run when no worker group has run for `capacity_wait_s` (every node gone, say)
+      instead of retrying forever (`CapacityClock` says what counts as waiting), or after
+      more than `max_failures` failures that were not planned regrows (-1: no limit;
+      `FailureBudget`). The error ends the run like any non-retryable failure; its
+      checkpoints stay where they are. A wait for room is recorded (`Waiting`) once a group
+      runs again.
+    """
+
+    def __init__(self, cfg: Config, record_event: Callable[[Event], None], node_grace_s: float = 5.0) -> None:
+        self.run_name = cfg.run.name
+        self.min_workers = cfg.elastic.min_workers
+        self.capacity_wait_s = cfg.cluster.capacity_wait_s
+        self.budget = FailureBudget(cfg.elastic.max_failures)
+        self.capacity = CapacityClock(cfg.elastic.min_workers)
+        self.view = ResourceView()
+        self.refresh_interval_s = cfg.elastic.resize_check_interval_s
+        self.node_grace_s = node_grace_s
+        self.group_nodes: set[str] = set()
+        self.record_event = record_event
+
+    def after_controller_start(self, train_run_context) -> None:
+        # The first group too is sized from the coordinator's copy of the node list, which
+        # may be up to 20 s old: nodes that joined just before the submission would be missed.
+        self.view.refresh()
+        self.view.refresh_every(self.refresh_interval_s)
+
+    def after_worker_group_start(self, worker_group) -> None:
+        self.group_nodes = {w.node_id for w in ray_compat.group_workers(worker_group)}
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        name = ray_compat.state_name(current_state)
+        now = time.monotonic()
+        if name in _GROUP_STATES:
+            if self.capacity.no_room_since is not None:
+                waited_s = now - self.capacity.no_room_since
+                wall = time.time()
+                self.record_event(Waiting(wall, wall - waited_s, wall))
+            self.capacity = self.capacity.running()
+            return
+        if name == "SCHEDULING":
+            self.capacity = self.capacity.attempt(now)
+            return
+        if name not in _WAITING_STATES:  # shutting down, or done
+            return
+        self.capacity = self.capacity.waiting(now)
+        error = getattr(current_state, "training_failed_error", None)
+        if name == "RESTARTING" and self.budget.is_new(error):
+            self._after_failure(error)
+        elif name == "RESCHEDULING" and self.capacity.in_attempt:
+            # The start attempt failed. Too big a group for a stale view, most often: let
+            # the next decision see what is alive.
+            size = getattr(getattr(previous_state, "scaling_decision", None), "num_workers", self.min_workers)
+            timed_out = isinstance(getattr(error, "controller_failure", None), ray_compat.WorkerGroupStartupTimeoutError)
+            self.capacity = self.capacity.attempt_failed(now, size, timed_out)
+            self.view.refresh()
+        else:  # another turn of the controller's loop
+            if previous_state is not None and ray_compat.state_name(previous_state) == name:
+                self.capacity = self.capacity.no_room(now)  # a turn that decided nothing: no room for a group
+            time.sleep(max(0.0, self.view.last + _WAIT_REFRESH_S - time.monotonic()))
+            self.view.refresh()
+        if self.capacity.waited_s(time.monotonic()) > self.capacity_wait_s:
+            raise CapacityError(
+                f"cluster.capacity_wait_s: no worker group could run for {self.capacity_wait_s:g} s "
+                f"(the cluster cannot hold elastic.min_workers workers)"
+            )
+
+    def _after_failure(self, error: BaseException) -> None:
+        """Once per failure of a running group: leave out the nodes its health check failed,
+        count it, and size the restart for the nodes that are alive."""
+        restart = classify_restart(error)
+        newly_excluded = {e.node for e in restart.events if isinstance(e, NodeExcluded)}
+        if newly_excluded:
+            exclude_nodes(self.run_name, newly_excluded)
+        # Like Ray's own policy, only workers' failures count; a group that could not
+        # start in time is the capacity wait's business.
+        if restart.fatal:
+            raise RuntimeError(restart.cause)
+        self.budget = self.budget.after(error, counts=isinstance(error, WorkerGroupError) and not restart.planned)
+        if self.budget.exceeded:
+            raise RuntimeError(
+                f"elastic.max_failures: {self.budget.failures} failures, more than the {self.budget.max_failures} "
+                f"allowed; the last: {restart.cause[:300]}"
+            )
+        if lost_a_worker_process(error):
+            self._wait_for_lost_nodes()
+        self.view.refresh()
+
+    def _wait_for_lost_nodes(self) -> None:
+        """Return once a node of the failed group is marked dead, or after the grace if the
+        process died on a node that lives (a hang's exit, an out-of-memory kill)."""
+        deadline = time.monotonic() + self.node_grace_s
+        while time.monotonic() < deadline:
+            try:
+                alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+            except Exception:  # the GCS is slow to answer: the restart's own retries take over
+                return
+            if not self.group_nodes <= alive:
+                return
+            time.sleep(0.2)
+
+
+class NodeExclusion(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallback):
+    """Keeps worker groups off the nodes left out of the run (`RestartPolicy` records them)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.run_name = cfg.run.name
+        self.min_workers = cfg.elastic.min_workers
+
+    def before_controller_execute_resize_decision(self, resize_decision) -> None:
+        # Ray sizes the group by every live node's resources; the excluded ones hold none of
+        # its workers. (Below min_workers the start waits for capacity, as for dead nodes.)
+        excluded = excluded_nodes(self.run_name)
+        if excluded:
+            alive = {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
+            fit = workers_that_fit(alive, resize_decision.resources_per_worker, excluded)
+            resize_decision.num_workers = max(self.min_workers, min(resize_decision.num_workers, fit))
+
+    def on_controller_start_worker_group(self, *, scaling_config, num_workers: int) -> dict[str, str] | None:
+        excluded = excluded_nodes(self.run_name)
+        return {"ray.io/node-id": f"!in({','.join(sorted(excluded))})"} if excluded else None
+
+
+class ReshardAhead(ray_compat.ReportCallback, ray_compat.ControllerCallback):
+    """Converts each committed checkpoint to the universal format in a background thread (one
+    at a time) and commits the copy beside it (`checkpoint.reshard`), so a resize, in any
+    store, restores without converting."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.storage_config = cfg.storage
+        self.staging_dir = cfg.checkpoint.staging_dir
+        self._converting: threading.Thread | None = None
+
+    def after_report(self, training_report, metrics) -> None:
+        committed = metrics[0].get("committed_checkpoints", [])
+        if not committed:
+            return
+        if self._converting is not None and self._converting.is_alive():
+            return  # the next checkpoint will do; the restart converts whatever is missing
+        store_uri, name = committed[0].rsplit("/", 1)  # the primary's copy
+
+        def convert() -> None:
+            try:
+                store = Store.from_uri(store_uri, self.storage_config)
+                manifest = read_manifest(store, name)
+                if manifest is not None:
+                    reshard.convert_in_store(store, name, manifest, self.staging_dir)
+            except Exception as e:  # a failed conversion only costs the restart its time
+                print(f"converting {committed[0]} ahead of a resize failed: {e}", flush=True)
+
+        self._converting = threading.Thread(target=convert, name="wildtrain-reshard-ahead", daemon=True)
+        self._converting.start()
+
+    async def before_controller_shutdown(self) -> None:
+        # A conversion cut short leaves no committed copy, only a folder retention removes
+        # with its checkpoint; waiting longer would hold up the run's end for a resize that
+        # may never come.
+        if self._converting is not None:
+            self._converting.join(timeout=_CONVERSION_SHUTDOWN_WAIT_S)

@@ -1,0 +1,69 @@
+"""Where a run keeps what it writes: one folder per run under `run.storage` (a local path
+or an object-store URI), shared by the driver, the workers and the controller.
+
+    <run.storage>/<run.name>/
+        wildtrain_run.json     the run record: its MLflow run, config hash, data order pins
+        checkpoints/           committed checkpoints (unless checkpoint.store names another)
+        hangs/<time>-rank<r>.txt   the hang watchdog's stacks, attached to MLflow by the controller
+        samples/step_<n>.json  each global batch's sample ids (data.record_samples)
+        tracking/              MLflow records not yet sent (always on a local disk)
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from wildtrain import storage
+from wildtrain.checkpoint.manifest import Store
+from wildtrain.config import Config, RunConfig
+
+_HANG_DUMP = re.compile(r"-rank(\d+)\.txt$")
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    root: str  # <run.storage>/<run.name>, resolved
+    checkpoint_uris: tuple[str, ...]  # primary first, then the replica
+    tracking: Path
+
+    @classmethod
+    def of(cls, cfg: Config) -> "RunLayout":
+        root = storage.join(storage.resolve(cfg.run.storage), cfg.run.name)
+        primary = cfg.checkpoint.store or storage.join(root, "checkpoints")
+        # Unsent records go to a local disk even when the run's folder is in an object
+        # store: they must survive the MLflow outage they wait out, not add a dependency.
+        local_runs = root if "://" not in root else storage.join(storage.resolve(RunConfig.storage), cfg.run.name)
+        return cls(root, (primary,) + ((cfg.checkpoint.replica,) if cfg.checkpoint.replica else ()),
+                   Path(local_runs) / "tracking")
+
+    @property
+    def record(self) -> str:
+        return storage.join(self.root, "wildtrain_run.json")
+
+    @property
+    def hangs(self) -> str:
+        return storage.join(self.root, "hangs")
+
+    @property
+    def samples(self) -> str:
+        return storage.join(self.root, "samples")
+
+    def sample_file(self, step: int) -> str:
+        return storage.join(self.samples, f"step_{step:08d}.json")
+
+
+def checkpoint_stores(cfg: Config) -> list[Store]:
+    """The checkpoint stores of the run, primary first, reached with the run's storage config."""
+    return [Store.from_uri(uri, cfg.storage) for uri in RunLayout.of(cfg).checkpoint_uris]
+
+
+def hang_dump_name(rank: int) -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-rank{rank}.txt"
+
+
+def rank_of_hang_dump(name: str) -> int | None:
+    found = _HANG_DUMP.search(name)
+    return int(found.group(1)) if found else None

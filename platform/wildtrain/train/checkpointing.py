@@ -1,0 +1,122 @@
+"""The worker's side of checkpoints: restore the newest good one into a new engine at this
+world size, and save one (in the background, or waiting for its commit where the run
+cannot go on without it), with what the controller logs about each save.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from wildtrain import checkpoint
+from wildtrain.batching import BatchPlan
+from wildtrain.checkpoint import async_save, reshard, universal
+from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta, SaveOutcome
+from wildtrain.checkpoint.manifest import Candidate, CommitError, Store, needs_universal, restore
+from wildtrain.config import Config, config_hash
+from wildtrain.engine import build_engine, build_model
+from wildtrain.events import CheckpointFailed, CheckpointFallback, CheckpointPartial, CheckpointSkipped, Event
+from wildtrain.train import collectives
+from wildtrain.train.state import TrainState
+
+
+@dataclass
+class Restored:
+    candidate: Optional[Candidate]  # None: nothing to restore, the run starts from scratch
+    timing: dict  # restore_s, reshard_s: the controller splits the recovery time with them
+    events: list[CheckpointFallback]  # committed checkpoints passed over, and why
+
+
+def build_and_restore(cfg: Config, plan: BatchPlan, world_size: int, rank: int, stores: list[Store]):
+    """The engine with the newest good committed checkpoint loaded, the state saved with it,
+    and what the restore did. A checkpoint saved at another world size is loaded from its
+    universal copy in the store, which rank 0 makes unless the controller made it ahead."""
+    started = time.perf_counter()
+    reshard_s = 0.0
+
+    def universal_copy(store: Store, candidate: Candidate):
+        nonlocal reshard_s
+        converting = time.perf_counter()
+        copy = None
+        if rank == 0:
+            try:
+                copy = reshard.convert_in_store(store, candidate.name, candidate.manifest, cfg.checkpoint.staging_dir)
+            except Exception as e:  # the candidate is passed over like one that fails verification
+                copy = f"converting it to the universal format failed: {e}"
+        copy = collectives.broadcast_object(copy)
+        reshard_s += time.perf_counter() - converting
+        if isinstance(copy, str):
+            raise CommitError(copy)
+        return copy
+
+    local = tempfile.mkdtemp(prefix=f"wildtrain-restore-rank{rank}-")
+    try:
+        restored = restore(stores, local, rank=rank, world_size=world_size, agree=collectives.all_ranks,
+                           listing=lambda list_them: collectives.broadcast_object(list_them() if rank == 0 else None),
+                           universal_copy=universal_copy)
+        if restored is None:
+            engine = build_engine(cfg, plan, build_model(cfg, plan))
+            return engine, TrainState(world_size=world_size), Restored(None, {"restore_s": 0.0, "reshard_s": 0.0}, [])
+        events = [CheckpointFallback(time.time(), s.store, s.name, s.step, s.reason) for s in restored.skipped]
+        state = TrainState.from_json(checkpoint.read_client_state(restored.folder))
+        universal_load = needs_universal(restored.manifest, world_size)
+        engine = build_engine(cfg, plan, build_model(cfg, plan), load_universal=universal_load)
+        (universal.load if universal_load else checkpoint.load)(engine, restored.folder, restored.manifest.tag)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    timing = {"restore_s": time.perf_counter() - started - reshard_s, "reshard_s": reshard_s}
+    return engine, state, Restored(restored.candidate, timing, events)
+
+
+# A final save that did not commit is tried again after this, then 4x longer each time
+# (at most a minute): a store's blip passes within seconds, an outage within minutes.
+FIRST_COMMIT_RETRY_S = 5.0
+
+
+def save(saver: AsyncSaver, engine, cfg: Config, state: TrainState, world_size: int, must_commit: bool,
+         retry: bool = False) -> bool:
+    """Capture this rank's part of the checkpoint and let it commit in the background. With
+    `must_commit` (the last step, a planned regrow) wait for the commit, and with `retry`
+    try a save that failed again, with backoff, for up to checkpoint.timeout_s in all;
+    whether it committed (the same answer on every rank). Without, False: the commit is yet
+    to come."""
+    meta = CheckpointMeta(step=state.step, tag=f"step_{state.step}", world_size=world_size,
+                          zero_stage=cfg.deepspeed.zero_stage, data_position={"step": state.step, "seed": cfg.train.seed},
+                          config_hash=config_hash(cfg))
+    if not must_commit:
+        # Skipping is collective: one rank still busy with the previous save skips it for all.
+        skip = collectives.any_rank(saver.admission().action == "skip")
+        saver.save_engine(engine, meta, state.to_json(), blocked_elsewhere=skip)
+        return False
+    deadline = time.monotonic() + cfg.checkpoint.timeout_s
+    backoff_s = FIRST_COMMIT_RETRY_S
+    while True:
+        # Queued behind a save in flight; skipped only when a staging disk is full.
+        skip = collectives.any_rank(saver.admission(policy="queue").action == "skip")
+        saver.save_engine(engine, meta, state.to_json(), blocked_elsewhere=skip, policy="queue")
+        if not skip:
+            saver.release(state.step)  # the last report, or the regrow's, follows right after
+            saver.flush(max(0.0, deadline - time.monotonic()))
+        committed = collectives.broadcast_object(saver.committed(state.step))  # rank 0 commits; its word counts
+        if committed or not retry or time.monotonic() + backoff_s > deadline:
+            return committed
+        print(f"the checkpoint of step {state.step} did not commit; trying again in {backoff_s:g} s", flush=True)
+        time.sleep(backoff_s)
+        backoff_s = min(4 * backoff_s, 60.0)
+
+
+_NOT_SAVED = {"failed": CheckpointFailed, "skipped": CheckpointSkipped, "partial": CheckpointPartial}
+
+
+def saves_report(outcomes: list[SaveOutcome]) -> dict:
+    """Metrics and events for the saves that ended since the last report: the controller
+    logs them (rank 0's), and converts each committed local checkpoint ahead of a resize."""
+    events: list[Event] = [
+        _NOT_SAVED[o.status](time.time(), o.step, o.name, o.reason, o.failure, str(o.disk_full) if o.disk_full else "")
+        for o in outcomes if o.status != "saved"
+    ]
+    committed = [f"{store}/{o.name}" for o in outcomes if o.status in ("saved", "partial") for store in o.stored]
+    return async_save.metrics(outcomes) | {"events": events, "committed_checkpoints": committed}

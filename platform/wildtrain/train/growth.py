@@ -1,0 +1,31 @@
+"""A worker group below its largest size looks for room to grow at report steps."""
+
+from __future__ import annotations
+
+import time
+
+from wildtrain.elastic.nodes import excluded_nodes, has_room_for_another_worker
+from wildtrain.train import collectives
+
+
+class GrowthCheck:
+    """While the group is below max size, rank 0 looks for room for another worker at most
+    every `interval_s` (on a node not left out of the run), and every rank learns the answer
+    at the same step: each rank calls `room_now` at the same steps."""
+
+    def __init__(self, below_max: bool, rank: int, per_worker: dict, interval_s: float, run_name: str) -> None:
+        self.below_max = below_max
+        self.rank = rank
+        self.per_worker = per_worker
+        self.interval_s = interval_s
+        self.run_name = run_name
+        self.next_look = time.monotonic() + interval_s
+
+    def room_now(self) -> bool:
+        if not self.below_max:
+            return False
+        room = False
+        if self.rank == 0 and time.monotonic() >= self.next_look:
+            self.next_look = time.monotonic() + self.interval_s
+            room = has_room_for_another_worker(self.per_worker, excluded_nodes(self.run_name))
+        return collectives.broadcast_flag(room)

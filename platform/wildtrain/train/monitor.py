@@ -1,0 +1,76 @@
+"""Per-worker monitoring besides the metrics window: the new group's health check,
+stragglers, and the live numbers the Ray dashboard shows per worker."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+import torch
+
+from wildtrain.config import Config
+from wildtrain.events import Event, HealthCheck, Straggler
+from wildtrain.tracking.stragglers import StragglerDetector
+from wildtrain.train import collectives, health
+from wildtrain.train.step import StepMetrics
+
+
+class Monitor:
+    """The new group's health check (and, with monitor.exclude_unhealthy, the nodes to leave
+    out, known to every rank), stragglers (every rank's forward time gathered every
+    `monitor.straggler_every` steps, judged on rank 0) and the live numbers exported through
+    Ray's metrics API. Its events ride in rank 0's next report."""
+
+    def __init__(self, cfg: Config, rank: int, world_size: int, device: torch.device) -> None:
+        from ray.util.metrics import Gauge
+
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.detector = StragglerDetector(cfg.monitor.straggler_factor, cfg.monitor.straggler_patience)
+        self.nodes = collectives.all_gather_object(ray.get_runtime_context().get_node_id())
+        self.slowed_by_chaos = cfg.chaos.slows(rank, ray.get_runtime_context().get_node_labels())
+        self.busy_at_last_check = 0.0
+        self.events: list[Event] = self._preflight()
+        excluded = health.nodes_to_exclude(self.events, cfg.elastic.min_workers) if cfg.monitor.exclude_unhealthy else []
+        self.unhealthy_nodes: list[str] = collectives.broadcast_object(excluded)
+        tags = {"run": cfg.run.name, "rank": str(rank)}
+        self.gauges = {
+            key: Gauge(f"wildtrain_{key.replace('/', '_')}", description=f"wildtrain {key} of the newest report",
+                       tag_keys=tuple(tags)).set_default_tags(tags)
+            for key in ("loss", "tokens_per_s", "step_time_s", "mfu", "time/data_wait_s")
+        }
+
+    def _preflight(self) -> list[HealthCheck]:
+        """The new group's health check (train/health.py); its results, on rank 0."""
+        cfg = self.cfg
+        drill_s = cfg.chaos.slow_step_s if self.slowed_by_chaos else 0.0
+        rates = collectives.all_gather_floats(health.measure_matmul(self.device, drill_s))
+        bandwidth = health.measure_allreduce(self.device)
+        if self.rank != 0:
+            return []
+        ranks = [health.RankHealth(r, self.nodes[r], float(rate)) for r, rate in enumerate(rates)]
+        return health.judge(ranks, bandwidth, cfg.monitor.health_min_ratio, time.time())
+
+    def step_done(self, step: int, window: StepMetrics) -> None:
+        if step % self.cfg.monitor.straggler_every:
+            return
+        busy_s = window.busy_s  # on CUDA this waits for the device: only on check steps
+        gathered = collectives.all_gather_floats(busy_s - self.busy_at_last_check)
+        self.busy_at_last_check = busy_s
+        if self.rank != 0:
+            return
+        for slow in self.detector.observe([float(t) for t in gathered]):
+            node = self.nodes[slow.rank]
+            self.events.append(Straggler(time.time(), step, slow.rank, node, round(slow.factor, 2), slow.intervals,
+                                         f"rank {slow.rank} on node {node} {slow.factor:.1f}x slower than the median"))
+
+    def export(self, metrics: dict) -> None:
+        for key, gauge in self.gauges.items():
+            if key in metrics:
+                gauge.set(metrics[key])
+
+    def take_events(self) -> list[Event]:
+        events, self.events = self.events, []
+        return events
