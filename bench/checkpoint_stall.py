@@ -45,9 +45,9 @@ os.environ.update(MASTER_ADDR=services.HOST, MASTER_PORT=str(services.free_port(
 
 from wildtrain import checkpoint  # noqa: E402
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta  # noqa: E402
-from wildtrain.checkpoint.manifest import (  # noqa: E402
-    Store, checkpoint_name, collect_parts, commit, restore, upload, write_part,
-)
+from wildtrain.checkpoint.format import checkpoint_name  # noqa: E402
+from wildtrain.checkpoint.restore import restore  # noqa: E402
+from wildtrain.checkpoint.store import Store, collect_parts, commit, upload, write_part  # noqa: E402
 from wildtrain.config import config_hash, load_config  # noqa: E402
 from wildtrain.batching import batch_plan  # noqa: E402
 from wildtrain.engine import build_engine  # noqa: E402

@@ -20,7 +20,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from wildtrain import elastic, ray_compat, services, storage
 from wildtrain.config import Config, config_hash, redact
-from wildtrain.checkpoint.manifest import newest_committed
+from wildtrain.checkpoint.restore import newest_committed
 from wildtrain.data.dataset import DataError, open_datasets
 from wildtrain.data.pins import OrderPins, order_changes, order_pins
 from wildtrain.tracking import report

@@ -24,7 +24,7 @@ from ray.train.v2.api.exceptions import WorkerGroupError
 
 from wildtrain import ray_compat
 from wildtrain.checkpoint import reshard
-from wildtrain.checkpoint.manifest import Store, read_manifest
+from wildtrain.checkpoint.store import Store, read_manifest
 from wildtrain.config import Config
 from wildtrain.tracking.timeline import Restart
 

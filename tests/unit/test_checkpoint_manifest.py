@@ -7,10 +7,10 @@ import pyarrow.fs as pafs
 import pytest
 
 from tests.helpers.faulty_fs import Faults, faulty_filesystem
-from wildtrain.checkpoint.manifest import (
-    MANIFEST, Candidate, CheckpointManifest, CommitError, DeadlineExceeded, FileEntry, NoGoodCheckpoint, Store,
-    PartFailed, checkpoint_name, choose_restore, collect_parts, commit, files_for_rank, list_candidates, read_manifest, restore,
-    step_of, upload, verify, write_part,
+from wildtrain.checkpoint.format import MANIFEST, CheckpointManifest, FileEntry, checkpoint_name, files_for_rank, step_of
+from wildtrain.checkpoint.restore import Candidate, NoGoodCheckpoint, choose_restore, list_candidates, restore
+from wildtrain.checkpoint.store import (
+    CommitError, DeadlineExceeded, PartFailed, Store, collect_parts, commit, read_manifest, upload, verify, write_part,
 )
 
 SHARED = "step/mp_rank_00_model_states.pt"

@@ -2,7 +2,7 @@
 
 Every rank calls `save` into a folder of its own (captured into host memory by
 `async_save.AsyncSaver`, which uploads it to the checkpoint store and commits it with a
-manifest, see `manifest`): rank 0 contributes the model states, the `latest` tag file and the
+manifest, see `store`): rank 0 contributes the model states, the `latest` tag file and the
 client state; every rank its own ZeRO optimizer partition. This module knows nothing of
 what the client state means.
 """

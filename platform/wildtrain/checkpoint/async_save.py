@@ -14,7 +14,7 @@ client state go straight to the rank's local staging folder.
 Background, on one writer thread: `torch.save` of the host copies into the staging folder;
 upload to each store (primary first, then replicas), hashing while reading; verification
 (sizes, and by default every sha256 read back); this rank's part record; then rank 0 waits
-for every rank's part record, commits the manifest (see `manifest.py`) and applies
+for every rank's part record, commits the manifest (see `store.py`) and applies
 retention. The staging folder is deleted afterwards.
 
 Why not run DeepSpeed's own save to a fast local folder synchronously and only upload in the
@@ -64,9 +64,10 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Sequence
 import torch
 
 from wildtrain import checkpoint
-from wildtrain.checkpoint.manifest import (
-    CHUNK_BYTES, CommitError, DeadlineExceeded, ManifestError, Store, StoreLike, as_store, check_deadline,
-    PartFailed, checkpoint_name, commit, poll_parts, upload, write_part,
+from wildtrain.checkpoint.format import ManifestError, checkpoint_name
+from wildtrain.checkpoint.store import (
+    CHUNK_BYTES, CommitError, DeadlineExceeded, PartFailed, Store, StoreLike, as_store, check_deadline, commit,
+    poll_parts, upload, write_part,
 )
 from wildtrain.checkpoint.retention import RetentionPolicy, apply_retention
 
@@ -239,7 +240,7 @@ class _CapturingWriter:
 class AsyncSaver:
     """One per worker: saves this rank's part of each checkpoint in the background (see the
     module docstring). `attempt` must be the same on every rank of the worker group and
-    differ between groups (`manifest.new_attempt_token`, broadcast from rank 0)."""
+    differ between groups (`format.new_attempt_token`, broadcast from rank 0)."""
 
     def __init__(self, stores: Sequence[StoreLike], staging_dir: str, *, rank: int, world_size: int, attempt: str,
                  policy: Policy = "skip", timeout_s: float = 1800.0, verify_upload: bool = True,

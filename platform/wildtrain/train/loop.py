@@ -26,9 +26,9 @@ from wildtrain import checkpoint, ray_compat, storage
 from wildtrain.batching import batch_plan
 from wildtrain.checkpoint import async_save, reshard, universal
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta, SaveOutcome
-from wildtrain.checkpoint.manifest import (
-    Candidate, CommitError, Store, needs_universal, new_attempt_token, restore,
-)
+from wildtrain.checkpoint.format import needs_universal, new_attempt_token
+from wildtrain.checkpoint.restore import Candidate, restore
+from wildtrain.checkpoint.store import CommitError, Store
 from wildtrain.checkpoint.retention import RetentionPolicy
 from wildtrain.config import Config, config_hash
 from wildtrain.data.manifest import ShardCorrupt

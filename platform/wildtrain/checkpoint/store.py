@@ -1,35 +1,17 @@
-"""Committed checkpoints in a store: upload, manifest, atomic commit, verification, restore.
+"""Checkpoints in a store: upload, part records, atomic commit, fetch and verification.
 
-A store is a folder given by URI (a local path, s3://, gs://; see `wildtrain.storage`).
-Each checkpoint is one subfolder, named by `checkpoint_name(step, attempt)`:
-
-    <store>/step_000000100-3f9a1c/
-        latest, client_state.json, <tag>/...   the files of every rank: one DeepSpeed folder
-        _parts/rank_00000.json ...             each rank's uploaded files, sizes and sha256
-        manifest.json                          written last: the checkpoint exists from here on
-
-A checkpoint is committed when, and only when, its `manifest.json` exists. Rank 0 writes
-it after every rank's part record is in and every listed file is in the store with its
-size; it is written under a temporary name and moved into place (a rename on a local
-path; on object stores a single PUT/copy, which readers see whole or not at all). A crash
-at any point before leaves a folder without a manifest, which `choose_restore` never
-picks. Restore trusts nothing else: every file it reads is hashed on the way and
-compared with the manifest, so a file that was truncated, rotted or deleted after the
-commit makes the restore fall back to the previous good checkpoint, in this store or a
-replica, and the decision lists what it skipped and why.
-
-Names carry the attempt (a token every rank of one worker group shares) so that a step
-saved again after a fallback never writes into the folder, or reads the part records, of
-the earlier attempt's save of that step.
+Rank 0 writes a checkpoint's manifest (see `format`) after every rank's part record is in
+and every listed file is in the store with its size, in one atomic write
+(under a private name, then moved into place): a crash at any point before leaves a folder without a manifest,
+which a restore never picks. Every file is hashed while it is uploaded or downloaded, so
+that copying and checksumming read each byte once.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 import secrets
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,67 +20,14 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import pyarrow.fs as pafs
 
 from wildtrain import storage
+from wildtrain.checkpoint.format import MANIFEST, PARTS_DIR, CheckpointManifest, FileEntry, ManifestError, files_for_rank
 from wildtrain.config import StorageConfig
 
-MANIFEST = "manifest.json"
-PARTS_DIR = "_parts"
-FORMAT = 1
 CHUNK_BYTES = 8 << 20  # large enough for object-store throughput, small enough to notice a deadline
-_NAME = re.compile(r"^step_(\d+)-([0-9A-Za-z]+)$")
-# DeepSpeed's per-rank ZeRO files (optimizer partitions; ZeRO-3 model partitions too).
-_RANK_FILE = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_")
-
-
-class ManifestError(ValueError):
-    """A manifest or part record that cannot be read; the message names its path."""
 
 
 class CommitError(RuntimeError):
     """A checkpoint that cannot be committed; the message names the checkpoint and what is missing."""
-
-
-class NoGoodCheckpoint(RuntimeError):
-    """Committed checkpoints exist, but none passed verification."""
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    path: str  # relative to the checkpoint's folder, '/'-separated
-    bytes: int
-    sha256: str
-
-
-@dataclass(frozen=True)
-class CheckpointManifest:
-    step: int
-    tag: str  # DeepSpeed's tag: the subfolder that holds the engine's files
-    world_size: int
-    zero_stage: int
-    files: tuple[FileEntry, ...]
-    data_position: dict
-    config_hash: str
-    created: float  # seconds since the epoch, when committed
-    format: int = FORMAT
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.bytes for f in self.files)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str, where: str) -> "CheckpointManifest":
-        try:
-            raw = json.loads(text)
-            if raw.get("format") != FORMAT:
-                raise ManifestError(f"{where}: manifest format {raw.get('format')!r}, this version reads {FORMAT}")
-            raw["files"] = tuple(FileEntry(**f) for f in raw["files"])
-            return cls(**raw)
-        except ManifestError:
-            raise
-        except (ValueError, TypeError, KeyError) as e:
-            raise ManifestError(f"{where}: not a checkpoint manifest: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -126,23 +55,6 @@ StoreLike = Union[Store, str]
 
 def as_store(store: StoreLike) -> Store:
     return store if isinstance(store, Store) else Store.from_uri(store)
-
-
-def checkpoint_name(step: int, attempt: str) -> str:
-    if not re.fullmatch(r"[0-9A-Za-z]+", attempt):
-        raise ValueError(f"attempt token {attempt!r}: letters and digits only")
-    return f"step_{step:09d}-{attempt}"
-
-
-def step_of(name: str) -> Optional[int]:
-    """The step in a checkpoint folder's name; None for folders this module did not name."""
-    match = _NAME.match(name)
-    return int(match[1]) if match else None
-
-
-def new_attempt_token() -> str:
-    """A token for one worker group; rank 0 draws it and every rank must use the same one."""
-    return secrets.token_hex(4)
 
 
 class DeadlineExceeded(TimeoutError):
@@ -360,27 +272,6 @@ def verify(store: StoreLike, name: str, manifest: CheckpointManifest, *, rank: O
     files = manifest.files if rank is None else files_for_rank(manifest, rank, world_size or manifest.world_size)
     return verify_files(store, name, files, deadline=deadline)
 
-
-def needs_universal(manifest: CheckpointManifest, world_size: int) -> bool:
-    """ZeRO partitions the optimizer state per rank: another world size needs the universal
-    format. Stage 0 keeps whole states, which load at any size, and cannot be converted."""
-    return manifest.world_size != world_size and manifest.zero_stage > 0
-
-
-def files_for_rank(manifest: CheckpointManifest, rank: int, world_size: int) -> tuple[FileEntry, ...]:
-    """The files a rank reads to restore: at the saved world size, its own ZeRO partition
-    and the shared files, not the other ranks' partitions (DeepSpeed reads only its own);
-    at another world size every file, because converting to the universal format reads all."""
-    if world_size != manifest.world_size:
-        return manifest.files
-
-    def other_rank(entry: FileEntry) -> bool:
-        match = _RANK_FILE.search(entry.path)
-        return match is not None and int(match[1]) != rank
-
-    return tuple(f for f in manifest.files if not other_rank(f))
-
-
 def fetch(store: StoreLike, name: str, files: Sequence[FileEntry], local_dir: str, *,
           deadline: Optional[float] = None) -> Verification:
     """Download `files` of checkpoint `name` into `local_dir`, hashing on the way, so that
@@ -404,156 +295,3 @@ def fetch(store: StoreLike, name: str, files: Sequence[FileEntry], local_dir: st
         elif sha != entry.sha256:
             problems.append(f"{where}: sha256 {sha[:12]}…, the manifest says {entry.sha256[:12]}…")
     return Verification(tuple(problems), bytes_read)
-
-
-# ---------------------------------------------------------------- choosing what to restore
-
-
-@dataclass(frozen=True)
-class Candidate:
-    store: str  # the store's URI
-    store_index: int  # 0: the primary; replicas after it
-    name: str
-    step: Optional[int]
-    manifest: Optional[CheckpointManifest]  # None: never committed
-    problem: Optional[str] = None  # a manifest that exists but cannot be read
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.store, self.name)
-
-    @property
-    def created(self) -> float:
-        return self.manifest.created if self.manifest else 0.0
-
-
-@dataclass(frozen=True)
-class Skipped:
-    store: str
-    name: str
-    step: Optional[int]
-    reason: str
-
-
-@dataclass(frozen=True)
-class RestoreDecision:
-    """Either `restore` (a verified good checkpoint) or `verify_next` (the newest candidate
-    whose verification is not known yet) or neither (nothing left to try), with the newer
-    candidates passed over on the way."""
-
-    restore: Optional[Candidate]
-    verify_next: Optional[Candidate]
-    skipped: tuple[Skipped, ...]
-
-
-def choose_restore(candidates: Sequence[Candidate],
-                   verified: Mapping[tuple[str, str], Optional[str]]) -> RestoreDecision:
-    """Walk the candidates from the newest (by step; a step saved twice, by its newest
-    commit; the same checkpoint in several stores, primary first) and stop at the first one
-    that is verified good or not verified yet. `verified` maps a candidate's key to None
-    (good) or what was wrong with it."""
-    committed_at: dict[str, float] = {}
-    for c in candidates:
-        committed_at[c.name] = max(committed_at.get(c.name, 0.0), c.created)
-    ordered = sorted(candidates, key=lambda c: (
-        -(c.step if c.step is not None else -1), -committed_at[c.name], c.name, c.store_index))
-    skipped = []
-    for c in ordered:
-        if c.problem is not None:
-            skipped.append(Skipped(c.store, c.name, c.step, c.problem))
-        elif c.manifest is None:
-            skipped.append(Skipped(c.store, c.name, c.step, "not committed (no manifest)"))
-        elif c.key not in verified:
-            return RestoreDecision(None, c, tuple(skipped))
-        elif verified[c.key] is None:
-            return RestoreDecision(c, None, tuple(skipped))
-        else:
-            skipped.append(Skipped(c.store, c.name, c.step, verified[c.key]))
-    return RestoreDecision(None, None, tuple(skipped))
-
-
-def list_candidates(stores: Sequence[StoreLike]) -> list[Candidate]:
-    """Every checkpoint folder in `stores`, committed or not."""
-    found = []
-    for index, store in enumerate(map(as_store, stores)):
-        infos = store.fs.get_file_info(pafs.FileSelector(store.root, allow_not_found=True))
-        for info in infos:
-            if info.type != pafs.FileType.Directory or step_of(info.base_name) is None:
-                continue
-            name = info.base_name
-            try:
-                manifest, problem = read_manifest(store, name), None
-            except ManifestError as e:
-                manifest, problem = None, str(e)
-            found.append(Candidate(store.uri, index, name, step_of(name), manifest, problem))
-    return found
-
-
-def newest_committed(stores: Sequence[StoreLike]) -> Optional[Candidate]:
-    """The committed checkpoint a restore would try first (not verified yet)."""
-    return choose_restore(list_candidates(stores), verified={}).verify_next
-
-
-@dataclass(frozen=True)
-class Restored:
-    candidate: Candidate
-    manifest: CheckpointManifest
-    folder: str  # a local DeepSpeed folder: `latest`, client_state.json, <tag>/
-    skipped: tuple[Skipped, ...]
-    bytes_read: int
-    seconds: float
-
-
-def restore(stores: Sequence[StoreLike], local_dir: str, *, rank: int, world_size: int,
-            agree: Callable[[bool], bool] = lambda ok: ok,
-            listing: Callable[[Callable[[], list[Candidate]]], list[Candidate]] = lambda list_them: list_them(),
-            universal_copy: Optional[Callable[[Store, Candidate], tuple[str, CheckpointManifest]]] = None,
-            deadline: Optional[float] = None) -> Optional[Restored]:
-    """Download the newest checkpoint whose files all verify into `local_dir/<name>`
-    (`local_dir` private to this rank), falling back past bad ones. Each rank downloads
-    only what it reads (`files_for_rank`). All ranks must restore the same checkpoint, so
-    with several ranks, `listing` runs the listing it is given on rank 0 only and hands its
-    result to every rank (listings of an eventually consistent store can differ between
-    ranks, and a rank that saw nothing would build a fresh engine while the others wait in
-    a collective); and `agree` turns this rank's verdict on a candidate into the group's
-    (an all-reduce of the minimum; all ranks call it equally often). A checkpoint saved at
-    another world size is read from its universal copy, which `universal_copy` finds or
-    makes (`reshard.convert_in_store`; a collective too), when given; otherwise every file
-    is downloaded. None: the stores hold no committed checkpoint."""
-    started = time.perf_counter()
-    candidates = listing(lambda: list_candidates(stores))
-    store_by_uri = {s.uri: s for s in map(as_store, stores)}
-    verified: dict[tuple[str, str], Optional[str]] = {}
-    bytes_read = 0
-    while True:
-        decision = choose_restore(candidates, verified)
-        chosen = decision.restore
-        if chosen is not None:
-            return Restored(chosen, chosen.manifest, str(Path(local_dir, chosen.name)), decision.skipped,
-                            bytes_read, time.perf_counter() - started)
-        if decision.verify_next is None:
-            if any(c.manifest is not None for c in candidates):
-                raise NoGoodCheckpoint(
-                    "no committed checkpoint passed verification: "
-                    + "; ".join(f"{s.store}/{s.name}: {s.reason}" for s in decision.skipped)
-                )
-            return None
-        c = decision.verify_next
-        folder = Path(local_dir, c.name)
-        shutil.rmtree(folder, ignore_errors=True)
-        store = store_by_uri[c.store]
-        try:
-            source, files = c.name, files_for_rank(c.manifest, rank, world_size)
-            if universal_copy is not None and needs_universal(c.manifest, world_size):
-                source, copy = universal_copy(store, c)
-                files = copy.files
-            result = fetch(store, source, files, str(folder), deadline=deadline)
-            problem = "; ".join(result.problems) or None
-            bytes_read += result.bytes_read
-        except (OSError, CommitError) as e:  # OSError includes a missed deadline
-            problem = f"{c.store}/{c.name}: {e}"
-        if not agree(problem is None):
-            problem = problem or "another rank's files failed verification"
-        verified[c.key] = problem
-        if problem is not None:
-            shutil.rmtree(folder, ignore_errors=True)
