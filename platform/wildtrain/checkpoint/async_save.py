@@ -64,10 +64,10 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Sequence
 import torch
 
 from wildtrain import checkpoint
-from wildtrain.checkpoint.format import ManifestError, checkpoint_name
+from wildtrain.checkpoint.format import FileEntry, ManifestError, checkpoint_name
 from wildtrain.checkpoint.store import (
-    CHUNK_BYTES, CommitError, DeadlineExceeded, PartFailed, Store, StoreLike, as_store, check_deadline, commit,
-    poll_parts, upload, write_part,
+    CHUNK_BYTES, Cancelled, CommitError, DeadlineExceeded, PartFailed, Store, StoreLike, as_store, check_deadline,
+    commit, commit_when_complete, upload, write_part,
 )
 from wildtrain.checkpoint.retention import RetentionPolicy, apply_retention
 
@@ -549,6 +549,8 @@ class AsyncSaver:
         if _is_no_space(error):
             full = DiskFull(where, size, self._disk_free(where))
             return "disk_full", str(full), full
+        if isinstance(error, Cancelled):
+            return "timeout", str(error), None
         if isinstance(error, DeadlineExceeded):
             return "timeout", f"{error} (timeout_s={self.timeout_s})", None
         if isinstance(error, PartFailed):
@@ -581,49 +583,28 @@ class AsyncSaver:
 
     def _commit_everywhere(self, job: _Job, uploaded: Sequence[tuple[Store, float]],
                            errors: dict[str, tuple[Failure, str, Optional[DiskFull]]], size: int):
-        """Rank 0: commit the checkpoint in each store where every rank's part is in, polling
-        all stores together (object stores notify nobody); a store where a rank recorded a
-        failure, or whose deadline passed, is given up at once without holding up the others.
-        A commit also waits until the controller has the step's report (see `release`)."""
+        """Rank 0: commit the checkpoint in each store where every rank's part is in (see
+        `commit_when_complete`), then apply retention there. A commit also waits until the
+        controller has the step's report (see `release`)."""
         meta, stored, notes = job.meta, [], []
-        pending = dict((store.uri, (store, deadline)) for store, deadline in uploaded)
-        interval = 0.05
-        while pending:
-            for uri, (store, deadline) in list(pending.items()):
-                try:
-                    parts = poll_parts(store, job.name, self.world_size)
-                    if parts.failed:
-                        raise PartFailed(f"{store.describe(job.name)}: " + "; ".join(parts.failed))
-                    if parts.missing:
-                        job.doing = f"waiting for ranks {list(parts.missing)}' parts of {store.describe(job.name)}"
-                        check_deadline(deadline, f"waiting for ranks {list(parts.missing)} of {self.world_size} "
-                                                 f"to upload checkpoint {store.describe(job.name)}")
-                        continue
-                    if not self._report_collected(meta.step):
-                        job.doing = f"waiting for the report of step {meta.step} to be collected"
-                        check_deadline(deadline, job.doing)
-                        continue
-                    commit(store, job.name, step=meta.step, tag=meta.tag, world_size=meta.world_size,
-                           zero_stage=meta.zero_stage, files=parts.files, data_position=meta.data_position,
-                           config_hash=meta.config_hash)
-                except Exception as e:
-                    if isinstance(e, OSError) and not isinstance(e, DeadlineExceeded):
-                        # A listing or read that failed may work on the next poll; the deadline decides.
-                        if time.monotonic() < deadline:
-                            continue
-                    errors[uri] = self._failure(e, store.describe(job.name), size)
-                    del pending[uri]
-                    continue
-                del pending[uri]
-                stored.append(uri)
-                if not stored[:-1]:  # the first store committed: the primary, if it works
-                    self.last_commit = store.describe(job.name)
-                notes += self._after_commit(job, store)
-            if pending and self._closing.wait(interval):
-                for uri, (store, _) in pending.items():
-                    errors[uri] = ("timeout", f"cancelled waiting to commit {store.describe(job.name)}", None)
-                break
-            interval = min(2.0, interval * 2)
+
+        def commit_in(store: Store, files: tuple[FileEntry, ...]) -> None:
+            commit(store, job.name, step=meta.step, tag=meta.tag, world_size=meta.world_size,
+                   zero_stage=meta.zero_stage, files=files, data_position=meta.data_position,
+                   config_hash=meta.config_hash)
+            stored.append(store.uri)
+            if len(stored) == 1:  # the first store committed: the primary, if it works
+                self.last_commit = store.describe(job.name)
+            notes.extend(self._after_commit(job, store))
+
+        def held_by() -> Optional[str]:
+            collected = self._report_collected(meta.step)
+            return None if collected else f"waiting for the report of step {meta.step} to be collected"
+
+        failed = commit_when_complete(uploaded, job.name, self.world_size, commit_in, held_by=held_by,
+                                      wait=self._closing.wait, on_progress=lambda doing: setattr(job, "doing", doing))
+        describe = {store.uri: store.describe(job.name) for store, _ in uploaded}
+        errors |= {uri: self._failure(error, describe[uri], size) for uri, error in failed.items()}
         return stored, notes
 
     def _report_collected(self, step: int) -> bool:

@@ -178,29 +178,52 @@ def poll_parts(store: StoreLike, name: str, world_size: int) -> Parts:
     return Parts((), (), tuple(entry for _, entry in sorted(owner.values(), key=lambda item: item[1].path)))
 
 
-def collect_parts(store: StoreLike, name: str, world_size: int, *, deadline: Optional[float],
-                  wait: Callable[[float], Any] = time.sleep) -> tuple[FileEntry, ...]:
-    """Every rank's files, once all `world_size` part records are in; polls the store with a
-    growing interval (object stores notify nobody), and gives up at `deadline`, when a rank
-    recorded a failure (`PartFailed`), or when `wait` (given the interval) returns true, as
-    `threading.Event.wait` does once set."""
-    store = as_store(store)
+class Cancelled(DeadlineExceeded):
+    """Waiting for a checkpoint's parts was called off before its deadline."""
+
+
+def commit_when_complete(targets: Sequence[tuple[Store, float]], name: str, world_size: int,
+                         commit: Callable[[Store, tuple[FileEntry, ...]], Any], *,
+                         held_by: Callable[[], Optional[str]] = lambda: None,
+                         wait: Callable[[float], Any] = time.sleep,
+                         on_progress: Callable[[str], None] = lambda doing: None) -> dict[str, Exception]:
+    """Call `commit(store, files)` for each of `targets` (a store and its deadline) once every
+    rank's part record of checkpoint `name` is in that store. All stores are polled together,
+    with a growing interval (object stores notify nobody), so that a store that is down holds
+    up none of the others. A store is given up when a rank recorded a failure there
+    (`PartFailed`), the records disagree (`CommitError`), its deadline passes
+    (`DeadlineExceeded`) or `commit` raises; a request that failed (`OSError`) may work at the
+    next poll, so until the deadline it is tried again. While `held_by()` names something
+    else a commit waits for, it waits. When `wait(interval)` returns true, as
+    `threading.Event.wait` does once set, every store still pending is given up (`Cancelled`).
+    Returns the errors by store URI; the stores without one were committed."""
+    pending = {store.uri: (store, deadline) for store, deadline in targets}
+    errors: dict[str, Exception] = {}
     interval = 0.05
-    while True:
-        parts = poll_parts(store, name, world_size)
-        if parts.failed:
-            raise PartFailed(f"{store.describe(name)}: " + "; ".join(parts.failed))
-        if not parts.missing:
-            return parts.files
-        if deadline is not None and time.monotonic() + interval > deadline:
-            raise DeadlineExceeded(
-                f"timed out waiting for ranks {list(parts.missing)} of {world_size} to upload checkpoint "
-                f"{store.describe(name)}"
-            )
-        if wait(interval):
-            raise DeadlineExceeded(
-                f"cancelled waiting for ranks {list(parts.missing)} to upload checkpoint {store.describe(name)}")
+    while pending:
+        for uri, (store, deadline) in list(pending.items()):
+            try:
+                parts = poll_parts(store, name, world_size)
+                if parts.failed:
+                    raise PartFailed(f"{store.describe(name)}: " + "; ".join(parts.failed))
+                waiting = (f"waiting for ranks {list(parts.missing)} of {world_size} to upload checkpoint "
+                           f"{store.describe(name)}" if parts.missing else held_by())
+                if waiting:
+                    on_progress(waiting)
+                    check_deadline(deadline, waiting)
+                    continue
+                commit(store, parts.files)
+            except Exception as e:
+                if isinstance(e, OSError) and not isinstance(e, DeadlineExceeded) and time.monotonic() < deadline:
+                    continue
+                errors[uri] = e
+            del pending[uri]
+        if pending and wait(interval):
+            errors |= {uri: Cancelled(f"cancelled waiting to commit {store.describe(name)}")
+                       for uri, (store, _) in pending.items()}
+            break
         interval = min(2.0, interval * 2)
+    return errors
 
 
 def commit(store: StoreLike, name: str, *, step: int, tag: str, world_size: int, zero_stage: int,
