@@ -20,7 +20,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import pyarrow.fs as pafs
 
 from wildtrain import storage
-from wildtrain.checkpoint.format import MANIFEST, PARTS_DIR, CheckpointManifest, FileEntry, ManifestError, files_for_rank
+from wildtrain.checkpoint.format import (
+    MANIFEST, PARTS_DIR, CheckpointManifest, FileEntry, ManifestError, files_for_rank,
+)
 from wildtrain.config import StorageConfig
 
 CHUNK_BYTES = 8 << 20  # large enough for object-store throughput, small enough to notice a deadline

@@ -24,12 +24,13 @@ import torch
 
 from wildtrain import checkpoint, ray_compat, storage
 from wildtrain.batching import batch_plan
-from wildtrain.checkpoint import async_save, reshard, universal
-from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta, SaveOutcome
+from wildtrain.checkpoint import reshard, save_policy, universal
+from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
 from wildtrain.checkpoint.format import needs_universal, new_attempt_token
 from wildtrain.checkpoint.restore import Candidate, restore
-from wildtrain.checkpoint.store import CommitError, Store
 from wildtrain.checkpoint.retention import RetentionPolicy
+from wildtrain.checkpoint.save_policy import SaveOutcome
+from wildtrain.checkpoint.store import CommitError, Store
 from wildtrain.config import Config, config_hash
 from wildtrain.data.manifest import ShardCorrupt
 from wildtrain.data.stream import RankStream
@@ -263,7 +264,7 @@ def _save(saver: AsyncSaver, engine, cfg: Config, state: TrainState, world_size:
 def _saves_report(outcomes: list[SaveOutcome], events: list[dict]) -> dict:
     """Metrics and events for the saves that ended since the last report: the controller
     logs them (rank 0's), and converts each committed local checkpoint ahead of a resize."""
-    report = async_save.metrics(outcomes)
+    report = save_policy.metrics(outcomes)
     events = events + [
         {"event": f"checkpoint_{o.status}", "at": time.time(), "step": o.step, "checkpoint": o.name,
          "reason": o.reason, "failure": o.failure, "disk_full": str(o.disk_full) if o.disk_full else ""}
