@@ -2,7 +2,7 @@
 
 Rank 0 writes a checkpoint's manifest (see `format`) after every rank's part record is in
 and every listed file is in the store with its size, in one atomic write
-(under a private name, then moved into place): a crash at any point before leaves a folder without a manifest,
+(`storage.write_atomic`): a crash at any point before leaves a folder without a manifest,
 which a restore never picks. Every file is hashed while it is uploaded or downloaded, so
 that copying and checksumming read each byte once.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import secrets
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -85,14 +84,6 @@ def _hash_through(reader, write: Optional[Callable[[bytes], Any]], deadline: Opt
             write(chunk)
 
 
-def _write_atomic(store: Store, path: str, data: bytes) -> None:
-    """Readers see all of `path` or none of it: written under a private name, then moved."""
-    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-    with store.fs.open_output_stream(tmp) as out:
-        out.write(data)
-    store.fs.move(tmp, path)
-
-
 def _read_text(store: Store, path: str) -> Optional[str]:
     try:
         with store.fs.open_input_stream(path) as f:
@@ -134,7 +125,7 @@ def write_part(store: StoreLike, name: str, rank: int, files: Sequence[FileEntry
     store = as_store(store)
     record = json.dumps({"rank": rank, "files": [asdict(f) for f in files], "failed": failed}).encode()
     store.fs.create_dir(store.path(name, PARTS_DIR), recursive=True)
-    _write_atomic(store, store.path(name, PARTS_DIR, f"rank_{rank:05d}.json"), record)
+    storage.write_atomic(store.fs, store.path(name, PARTS_DIR, f"rank_{rank:05d}.json"), record)
 
 
 class PartFailed(CommitError):
@@ -243,7 +234,7 @@ def commit(store: StoreLike, name: str, *, step: int, tag: str, world_size: int,
         files=tuple(sorted(files, key=lambda f: f.path)), data_position=dict(data_position),
         config_hash=config_hash, created=time.time(),
     )
-    _write_atomic(store, store.path(name, MANIFEST), manifest.to_json().encode())
+    storage.write_atomic(store.fs, store.path(name, MANIFEST), manifest.to_json().encode())
     return manifest
 
 
