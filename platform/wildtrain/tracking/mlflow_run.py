@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 
 from wildtrain import ray_compat, storage
-from wildtrain.config import Config, RunConfig, StorageConfig, flatten, to_yaml
+from wildtrain.config import Config, RunSectionConfig, StorageConfig, flatten, to_yaml
 from wildtrain.tracking.buffer import Outage, TrackingBuffer
 from wildtrain.tracking.timeline import Restart, Timeline
 from wildtrain.train.watchdog import rank_of_dump
@@ -159,7 +159,7 @@ def tracking_folder(cfg: Config) -> Path:
     unsent at the end of a run (sent first by the run's next tracker). Under the run's
     folder when that is local, else under the default local one."""
     runs = storage.resolve(cfg.run.storage)
-    local = runs if "://" not in runs else storage.resolve(RunConfig.storage)
+    local = runs if "://" not in runs else storage.resolve(RunSectionConfig.storage)
     return Path(local) / cfg.run.name / "tracking"
 
 
