@@ -45,9 +45,9 @@ os.environ.update(MASTER_ADDR=services.HOST, MASTER_PORT=str(services.free_port(
 
 from wildtrain import checkpoint  # noqa: E402
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta  # noqa: E402
-from wildtrain.checkpoint.manifest import (  # noqa: E402
-    Store, checkpoint_name, collect_parts, commit, restore, upload, write_part,
-)
+from wildtrain.checkpoint.format import checkpoint_name  # noqa: E402
+from wildtrain.checkpoint.restore import restore  # noqa: E402
+from wildtrain.checkpoint.store import Store, commit, commit_when_complete, upload, write_part  # noqa: E402
 from wildtrain.config import config_hash, load_config  # noqa: E402
 from wildtrain.batching import batch_plan  # noqa: E402
 from wildtrain.engine import build_engine  # noqa: E402
@@ -136,9 +136,13 @@ def run_sync(engine, cfg, store: Store, work: Path, step, args) -> tuple[Row, Ro
         files = upload(str(folder), store, name)
         write_part(store, name, 0, files)
         meta = _meta(engine, cfg, number)
-        commit(store, name, step=meta.step, tag=meta.tag, world_size=1, zero_stage=meta.zero_stage,
-               files=collect_parts(store, name, 1, deadline=None), data_position=meta.data_position,
-               config_hash=meta.config_hash)
+        failed = commit_when_complete(
+            [(store, time.monotonic() + cfg.checkpoint.timeout_s)], name, 1,
+            lambda store, files: commit(store, name, step=meta.step, tag=meta.tag, world_size=1,
+                                        zero_stage=meta.zero_stage, files=files, data_position=meta.data_position,
+                                        config_hash=meta.config_hash))
+        if failed:
+            raise failed[store.uri]
         stalls.append(time.perf_counter() - started)
         sizes.append(sum(f.bytes for f in files))
         shutil.rmtree(folder)

@@ -46,7 +46,8 @@ import numpy as np  # noqa: E402
 from wildtrain import checkpoint  # noqa: E402
 from wildtrain.batching import batch_plan  # noqa: E402
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta  # noqa: E402
-from wildtrain.checkpoint.manifest import Store, restore  # noqa: E402
+from wildtrain.checkpoint.restore import restore  # noqa: E402
+from wildtrain.checkpoint.store import Store  # noqa: E402
 from wildtrain.config import load_config  # noqa: E402
 from wildtrain.engine import build_engine, build_model  # noqa: E402
 from wildtrain.model import flops_per_token, param_count  # noqa: E402

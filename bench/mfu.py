@@ -56,7 +56,7 @@ import numpy as np  # noqa: E402
 
 from wildtrain.batching import batch_plan  # noqa: E402
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta  # noqa: E402
-from wildtrain.checkpoint.manifest import Store  # noqa: E402
+from wildtrain.checkpoint.store import Store  # noqa: E402
 from wildtrain.config import Config, load_config  # noqa: E402
 from wildtrain.engine import build_engine, build_model, lr_at  # noqa: E402
 from wildtrain.model import Transformer, flops_per_token, param_count  # noqa: E402

@@ -18,11 +18,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from wildtrain import services
+
+REPO = Path(__file__).resolve().parents[1]
+# The fault injection is a test helper (tests/helpers/chaos.py), imported from the checkout's
+# root: `python bench/recovery.py` puts bench/ on sys.path, not the root.
+sys.path.insert(0, str(REPO))
 
 # Ray reads its authentication mode once, on import: the fake clusters use tokens, as
 # `wildtrain up` does.
@@ -31,7 +37,7 @@ os.environ.update(services.token_auth_env())
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from wildtrain.chaos import BackgroundRun  # noqa: E402
+from tests.helpers.chaos import BackgroundRun  # noqa: E402
 from wildtrain.config import load_config  # noqa: E402
 from wildtrain.data.prepare import PrepareConfig, prepare  # noqa: E402
 from wildtrain.events import Failure, Interrupted, Recovered  # noqa: E402
@@ -65,7 +71,7 @@ def prepare_tiny(uri: str) -> str:
     """The bundled tiny corpus in the object store, as `make demo` prepares it."""
     ray.init(num_cpus=2, include_dashboard=False)
     try:
-        prepare(PrepareConfig(input=str(Path(__file__).resolve().parents[1] / "tests/assets/tiny_corpus.jsonl"),
+        prepare(PrepareConfig(input=str(REPO / "tests/assets/tiny_corpus.jsonl"),
                               output=uri, rows_per_group=128))
     finally:
         ray.shutdown()

@@ -40,7 +40,10 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class RunConfig:
+class RunSectionConfig:
+    """The `run:` section. Not `RunConfig`, the name of Ray Train's settings of a whole run,
+    which the driver uses beside this."""
+
     name: str = "demo"
     # Where checkpoints and run state live: a local path or an object-store URI. Not
     # relative to the current directory: a job's working directory is deleted after it.
@@ -266,7 +269,7 @@ class StorageConfig:
 
 @dataclass
 class Config:
-    run: RunConfig = field(default_factory=RunConfig)
+    run: RunSectionConfig = field(default_factory=RunSectionConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

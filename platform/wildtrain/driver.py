@@ -21,7 +21,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from wildtrain import ray_compat, services, storage
 from wildtrain.config import Config, config_hash, redact
-from wildtrain.checkpoint.manifest import newest_committed
+from wildtrain.checkpoint.restore import newest_committed
 from wildtrain.data.dataset import DataError, open_datasets
 from wildtrain.elastic import scaling
 from wildtrain.elastic.controller import controller_callbacks

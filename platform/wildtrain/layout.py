@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from wildtrain import storage
-from wildtrain.checkpoint.manifest import Store
-from wildtrain.config import Config, RunConfig
+from wildtrain.checkpoint.store import Store
+from wildtrain.config import Config, RunSectionConfig
 
 _HANG_DUMP = re.compile(r"-rank(\d+)\.txt$")
 
@@ -35,7 +35,7 @@ class RunLayout:
         primary = cfg.checkpoint.store or storage.join(root, "checkpoints")
         # Unsent records go to a local disk even when the run's folder is in an object
         # store: they must survive the MLflow outage they wait out, not add a dependency.
-        local_runs = root if "://" not in root else storage.join(storage.resolve(RunConfig.storage), cfg.run.name)
+        local_runs = root if "://" not in root else storage.join(storage.resolve(RunSectionConfig.storage), cfg.run.name)
         return cls(root, (primary,) + ((cfg.checkpoint.replica,) if cfg.checkpoint.replica else ()),
                    Path(local_runs) / "tracking")
 

@@ -120,7 +120,7 @@ def write_bytes(uri: str, data: bytes, config: Optional[StorageConfig] = None) -
     """Write so that readers never see half a file."""
     fs, path = filesystem(uri, config)
     with errors(uri, config):
-        _write(fs, path, data)
+        write_atomic(fs, path, data)
 
 
 def write_text(uri: str, text: str, config: Optional[StorageConfig] = None) -> None:
@@ -137,19 +137,21 @@ def write_if_changed(uri: str, data: bytes, config: Optional[StorageConfig] = No
             with fs.open_input_stream(path) as f:
                 if f.read() == data:
                     return False
-        _write(fs, path, data)
+        write_atomic(fs, path, data)
     return True
 
 
-def _write(fs: pafs.FileSystem, path: str, data: bytes) -> None:
-    if isinstance(fs, pafs.LocalFileSystem):
-        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        with fs.open_output_stream(tmp) as f:
-            f.write(data)
-        fs.move(tmp, path)
-    else:
+def write_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    """Write `data` to `path` so that readers see all of it or none of it, and a write that
+    fails leaves what was there before."""
+    if isinstance(fs, (pafs.S3FileSystem, pafs.GcsFileSystem)):
         # An object appears only once its upload completes, so a plain put is already
         # atomic; a rename would be a second, server-side copy of every byte.
         with fs.open_output_stream(path) as f:
             f.write(data)
+        return
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with fs.open_output_stream(tmp) as f:
+        f.write(data)
+    fs.move(tmp, path)

@@ -46,7 +46,8 @@ def _train_and_save(rank: int, world_size: int, port: int, root: str) -> None:
 
     from tests.helpers.faulty_fs import Faults, faulty_filesystem
     from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
-    from wildtrain.checkpoint.manifest import Store, new_attempt_token
+    from wildtrain.checkpoint.format import new_attempt_token
+    from wildtrain.checkpoint.store import Store
 
     token = [new_attempt_token()]
     dist.broadcast_object_list(token, src=0)
@@ -84,7 +85,7 @@ def _restore(rank: int, world_size: int, port: int, root: str) -> None:
     _init_process(rank, world_size, port)
     from wildtrain import checkpoint
     from wildtrain.checkpoint import universal
-    from wildtrain.checkpoint.manifest import restore
+    from wildtrain.checkpoint.restore import restore
 
     for stage in STAGES:
         local = Path(root, f"restore{stage}_{world_size}_{rank}")

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
-from wildtrain.checkpoint.manifest import MANIFEST, Store, checkpoint_name, list_candidates, read_manifest, restore
+from wildtrain.checkpoint.format import MANIFEST, checkpoint_name
+from wildtrain.checkpoint.restore import list_candidates, restore
+from wildtrain.checkpoint.store import Store, read_manifest
 from wildtrain.checkpoint.retention import RetentionPolicy
 
 pytestmark = pytest.mark.integration

@@ -10,8 +10,8 @@ from itertools import groupby
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.helpers.chaos import BackgroundRun
 from wildtrain import driver
-from wildtrain.chaos import BackgroundRun
 from wildtrain.data.manifest import read_manifest
 from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order
 from wildtrain.data.stream import sample_ids

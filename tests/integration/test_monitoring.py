@@ -15,8 +15,8 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.helpers.chaos import BackgroundRun
 from wildtrain import driver
-from wildtrain.chaos import BackgroundRun
 from wildtrain.events import Hang, HealthCheck, NodeExcluded, Recovered, Straggler
 from wildtrain.tracking.mlflow_run import read_events
 

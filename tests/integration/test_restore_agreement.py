@@ -15,7 +15,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from wildtrain import services
-from wildtrain.checkpoint.manifest import Store, checkpoint_name, commit, restore, upload, write_part
+from wildtrain.checkpoint.format import checkpoint_name
+from wildtrain.checkpoint.restore import restore
+from wildtrain.checkpoint.store import Store, commit, upload, write_part
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,8 @@ from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO
 from wildtrain import driver
-from wildtrain.checkpoint.manifest import Store, list_candidates
+from wildtrain.checkpoint.restore import list_candidates
+from wildtrain.checkpoint.store import Store
 from wildtrain.data.prepare import PrepareConfig, prepare
 
 pytestmark = pytest.mark.integration

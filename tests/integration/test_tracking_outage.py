@@ -14,8 +14,8 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.helpers.chaos import BackgroundRun
 from wildtrain import services
-from wildtrain.chaos import BackgroundRun
 from wildtrain.events import TrackingOutage
 from wildtrain.tracking.mlflow_run import read_events
 

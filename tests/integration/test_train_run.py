@@ -11,7 +11,8 @@ from mlflow.tracking import MlflowClient
 
 from wildtrain import driver, storage
 from wildtrain.checkpoint import STATE_FILE, reshard
-from wildtrain.checkpoint.manifest import Store, list_candidates
+from wildtrain.checkpoint.restore import list_candidates
+from wildtrain.checkpoint.store import Store
 from wildtrain.data.dataset import DataError
 from wildtrain.elastic.signals import CapacityError
 from wildtrain.events import CheckpointFallback

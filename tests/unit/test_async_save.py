@@ -7,9 +7,12 @@ import pytest
 import torch
 
 from tests.helpers.faulty_fs import Faults, faulty_filesystem
-from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta, InFlight, admit, metrics
-from wildtrain.checkpoint.manifest import Store, checkpoint_name, list_candidates, read_manifest, restore
+from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
+from wildtrain.checkpoint.format import checkpoint_name
+from wildtrain.checkpoint.restore import list_candidates, restore
+from wildtrain.checkpoint.store import Store, read_manifest
 from wildtrain.checkpoint.retention import RetentionPolicy
+from wildtrain.checkpoint.save_policy import InFlight, admit, metrics
 
 WAIT_S = 30  # a bound for events that should come at once; never waited out in a passing run
 

@@ -8,7 +8,8 @@ import torch
 
 from tests.helpers.faulty_fs import Faults, faulty_filesystem
 from wildtrain.checkpoint.async_save import AsyncSaver
-from wildtrain.checkpoint.manifest import Store, list_candidates
+from wildtrain.checkpoint.restore import list_candidates
+from wildtrain.checkpoint.store import Store
 from wildtrain.config import Config
 from wildtrain.train import checkpointing
 from wildtrain.train.state import TrainState

@@ -3,9 +3,9 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wildtrain.checkpoint.manifest import (
-    MANIFEST, Candidate, CheckpointManifest, Store, checkpoint_name, commit, list_candidates, upload,
-)
+from wildtrain.checkpoint.format import MANIFEST, CheckpointManifest, checkpoint_name
+from wildtrain.checkpoint.restore import Candidate, list_candidates
+from wildtrain.checkpoint.store import Store, commit, upload
 from wildtrain.checkpoint.retention import RetentionPolicy, apply_retention, plan_retention, to_delete
 
 

@@ -2,16 +2,17 @@
 
 Every rank calls `save` into a folder of its own (captured into host memory by
 `async_save.AsyncSaver`, which uploads it to the checkpoint store and commits it with a
-manifest, see `manifest`): rank 0 contributes the model states, the `latest` tag file and the
+manifest, see `store`): rank 0 contributes the model states, the `latest` tag file and the
 client state; every rank its own ZeRO optimizer partition. This module knows nothing of
 what the client state means.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional
+
+from wildtrain import storage
 
 STATE_FILE = "client_state.json"
 
@@ -20,9 +21,7 @@ def save(engine, directory: str, tag: str, client_state: str, rank: int) -> None
     """Write this rank's part of the checkpoint `tag` into `directory` (a collective)."""
     engine.save_checkpoint(directory, tag=tag)
     if rank == 0:
-        tmp = Path(directory) / (STATE_FILE + ".tmp")
-        tmp.write_text(client_state)
-        os.replace(tmp, Path(directory) / STATE_FILE)
+        storage.write_text(str(Path(directory) / STATE_FILE), client_state)
 
 
 def read_client_state(directory: str) -> Optional[str]:

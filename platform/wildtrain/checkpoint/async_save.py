@@ -5,16 +5,13 @@ A save has two halves.
 Capture, on the training thread (`AsyncSaver.save_engine`, `save_state`): DeepSpeed's
 `save_checkpoint` runs as usual (it is a collective, builds every state dict and names every
 file) but with the engine's checkpoint writer swapped for one that copies each tensor into a
-host buffer instead of serializing it: on CUDA on a copy stream of its own into pinned
-memory, so the wait is for the copies alone, and reused from the previous save,
-because a fresh multi-GB allocation costs page faults (or a slow cudaHostAlloc) that a reused
-one does not. The small files DeepSpeed writes itself (`latest`, its recovery script) and the
+host buffer instead of serializing it (see `host_copy`). The small files DeepSpeed writes itself (`latest`, its recovery script) and the
 client state go straight to the rank's local staging folder.
 
 Background, on one writer thread: `torch.save` of the host copies into the staging folder;
 upload to each store (primary first, then replicas), hashing while reading; verification
 (sizes, and by default every sha256 read back); this rank's part record; then rank 0 waits
-for every rank's part record, commits the manifest (see `manifest.py`) and applies
+for every rank's part record, commits the manifest (see `store.py`) and applies
 retention. The staging folder is deleted afterwards.
 
 Why not run DeepSpeed's own save to a fast local folder synchronously and only upload in the
@@ -30,12 +27,10 @@ The price is host memory: the buffers stay allocated, one copy of this rank's ch
 and memory bandwidth (on 2 shared cores, steps ran 2.6-4.4x slower while a save was
 uploading; not measured on a GPU node, whose host cores mostly idle).
 
-At most one save is in flight. When the next one is due before it has finished, `policy`
-decides: "skip" records the new one as skipped; "queue" captures it and keeps it to run
-next (a newer one replaces it, recorded as skipped; the queue costs a second host copy of the
-state). With several ranks the decision must be the same on every rank, because the capture
-is a collective: each rank asks `admission()`, the loop all-reduces "any rank would skip",
-and passes that as `blocked_elsewhere`.
+At most one save is in flight; one due meanwhile is skipped or queued as `policy` says (see
+`save_policy`). With several ranks the decision must be the same on every rank, because the
+capture is a collective: each rank asks `admission()`, the loop all-reduces "any rank would
+skip", and passes that as `blocked_elsewhere`.
 
 Storage problems never raise into training: every save ends as one `SaveOutcome` (saved,
 partial, failed or skipped; why; how long the training thread waited; how long the rest
@@ -49,8 +44,6 @@ how long it has been running.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import errno
 import math
 import shutil
@@ -59,20 +52,19 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from wildtrain import checkpoint
-from wildtrain.checkpoint.manifest import (
-    CHUNK_BYTES, CommitError, DeadlineExceeded, ManifestError, Store, StoreLike, as_store, check_deadline,
-    PartFailed, checkpoint_name, commit, poll_parts, upload, write_part,
-)
+from wildtrain.checkpoint.format import FileEntry, ManifestError, checkpoint_name
+from wildtrain.checkpoint.host_copy import CapturingWriter, HostBuffers, copying, to_host
 from wildtrain.checkpoint.retention import RetentionPolicy, apply_retention
-
-Policy = Literal["skip", "queue"]
-Status = Literal["saved", "partial", "failed", "skipped"]
-Failure = Literal["", "timeout", "disk_full", "verify", "storage", "error"]
+from wildtrain.checkpoint.save_policy import Admission, DiskFull, Failure, InFlight, Policy, SaveOutcome, Status, admit
+from wildtrain.checkpoint.store import (
+    CHUNK_BYTES, Cancelled, CommitError, DeadlineExceeded, PartFailed, Store, StoreLike, as_store, check_deadline,
+    commit, commit_when_complete, upload, write_part,
+)
 
 
 @dataclass(frozen=True)
@@ -87,85 +79,10 @@ class CheckpointMeta:
     config_hash: str = ""
 
 
-@dataclass(frozen=True)
-class DiskFull:
-    path: str
-    bytes_needed: int
-    bytes_free: Optional[int]  # None where the store reports no free space (object stores)
-
-    def __str__(self) -> str:
-        free = "unknown" if self.bytes_free is None else f"{self.bytes_free:,}"
-        return f"no space left on device for {self.path}: {self.bytes_needed:,} bytes needed, {free} free"
-
-
 class DiskFullError(OSError):
     def __init__(self, disk_full: DiskFull) -> None:
         super().__init__(errno.ENOSPC, str(disk_full))
         self.disk_full = disk_full
-
-
-@dataclass(frozen=True)
-class SaveOutcome:
-    step: int
-    name: str
-    status: Status  # partial: stored in some stores, not all
-    reason: str = ""
-    failure: Failure = ""
-    stall_s: float = 0.0  # the training thread blocked in the capture
-    background_s: float = 0.0  # staging write, upload, verification, commit
-    bytes: int = 0  # this rank's files
-    stored: tuple[str, ...] = ()  # stores where rank 0 committed (other ranks: uploaded their part)
-    notes: tuple[str, ...] = ()  # deletions by retention, problems that did not fail the save
-    disk_full: Optional[DiskFull] = None
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes / self.background_s / 1e6 if self.background_s > 0 else 0.0
-
-
-def metrics(outcomes: Sequence[SaveOutcome]) -> dict[str, float]:
-    """The loop's checkpoint metrics for the saves that ended since its last report."""
-    reported = {f"checkpoint/{status}": float(sum(o.status == status for o in outcomes))
-                for status in ("saved", "partial", "failed", "skipped")}
-    if outcomes:  # every capture stalled training, whatever became of the save afterwards
-        reported["checkpoint/stall_s"] = max(o.stall_s for o in outcomes)
-    stored = [o for o in outcomes if o.status in ("saved", "partial")]
-    if stored:
-        last = stored[-1]
-        reported |= {"checkpoint/save_s": last.background_s, "checkpoint/bytes": float(last.bytes),
-                     "checkpoint/mb_per_s": last.mb_per_s, "checkpoint/step": float(last.step)}
-    return reported
-
-
-@dataclass(frozen=True)
-class InFlight:
-    step: int
-    running_s: float
-    doing: str
-
-
-@dataclass(frozen=True)
-class Admission:
-    action: Literal["start", "queue", "skip"]
-    reason: str = ""
-    disk_full: Optional[DiskFull] = None
-
-
-def admit(policy: Policy, in_flight: Optional[InFlight], blocked_elsewhere: bool,
-          staging: str, staging_free: Optional[int], bytes_needed: int) -> Admission:
-    """Whether a save due now starts, waits for the one in flight, or is skipped.
-    `bytes_needed` is the previous save's size: the staging disk must hold another."""
-    if staging_free is not None and staging_free < bytes_needed:
-        full = DiskFull(staging, bytes_needed, staging_free)
-        return Admission("skip", f"staging disk full: {full}", full)
-    if in_flight is not None and policy == "skip":
-        return Admission("skip", f"the save of step {in_flight.step} is still in flight after "
-                                 f"{in_flight.running_s:.1f} s ({in_flight.doing})")
-    if blocked_elsewhere:
-        return Admission("skip", "another rank cannot save now")
-    if in_flight is not None:
-        return Admission("queue", f"waits for the save of step {in_flight.step}")
-    return Admission("start")
 
 
 def _disk_free(path: str) -> Optional[int]:
@@ -180,26 +97,6 @@ def _disk_free(path: str) -> Optional[int]:
 
 def _is_no_space(error: BaseException) -> bool:
     return isinstance(error, OSError) and (error.errno == errno.ENOSPC or "No space left on device" in str(error))
-
-
-class _HostBuffers:
-    """Host tensors reused across saves, one spare per tensor position."""
-
-    def __init__(self, pin: bool) -> None:
-        self._pin = pin
-        self._spare: dict[str, torch.Tensor] = {}
-        self._lock = threading.Lock()
-
-    def take(self, key: str, like: torch.Tensor) -> torch.Tensor:
-        with self._lock:
-            spare = self._spare.pop(key, None)
-        if spare is not None and spare.shape == like.shape and spare.dtype == like.dtype:
-            return spare
-        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self._pin)
-
-    def give_back(self, buffers: Mapping[str, torch.Tensor]) -> None:
-        with self._lock:
-            self._spare.update(buffers)
 
 
 @dataclass
@@ -218,28 +115,10 @@ class _Job:
         return sum(t.numel() * t.element_size() for t in self.buffers.values())
 
 
-class _CapturingWriter:
-    """Stands in for a DeepSpeed engine's checkpoint engine during one `save_checkpoint`:
-    keeps host copies of what DeepSpeed would serialize, and delegates everything else."""
-
-    def __init__(self, inner, capture: Callable[[str, Any], None]) -> None:
-        self._inner = inner
-        self._capture = capture
-
-    def save(self, state_dict, path: str) -> None:
-        self._capture(path, state_dict)
-
-    def preserves_storage_sharing(self) -> bool:
-        return False  # the host copies are compact already; DeepSpeed's clone would be one more copy
-
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)
-
-
 class AsyncSaver:
     """One per worker: saves this rank's part of each checkpoint in the background (see the
     module docstring). `attempt` must be the same on every rank of the worker group and
-    differ between groups (`manifest.new_attempt_token`, broadcast from rank 0)."""
+    differ between groups (`format.new_attempt_token`, broadcast from rank 0)."""
 
     def __init__(self, stores: Sequence[StoreLike], staging_dir: str, *, rank: int, world_size: int, attempt: str,
                  policy: Policy = "skip", timeout_s: float = 1800.0, verify_upload: bool = True,
@@ -263,7 +142,7 @@ class AsyncSaver:
         # all of: restored from, or uploaded and verified by this saver.
         self._good: set[tuple[str, str]] = set(known_good)
         self._disk_free = disk_free
-        self._buffers = _HostBuffers(pin=torch.cuda.is_available())
+        self._buffers = HostBuffers(pin=torch.cuda.is_available())
         # The device-to-host copies run on a stream of their own, so waiting for them waits
         # for nothing else (a step's kernels queued behind the save, another stream's work).
         self._copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
@@ -315,9 +194,9 @@ class AsyncSaver:
             return admission
         job = self._new_job(meta)
         original = engine.checkpoint_engine
-        engine.checkpoint_engine = _CapturingWriter(original, lambda path, state: self._capture(job, path, state))
+        engine.checkpoint_engine = CapturingWriter(original, lambda path, state: self._capture(job, path, state))
         try:
-            with self._copying():
+            with copying(self._copy_stream):
                 checkpoint.save(engine, str(job.folder), meta.tag, client_state, self.rank)
         except BaseException:
             self._discard(job)
@@ -338,7 +217,7 @@ class AsyncSaver:
             return admission
         job = self._new_job(meta)
         try:
-            with self._copying():
+            with copying(self._copy_stream):
                 for path, obj in files.items():
                     self._capture(job, str(job.folder / path), obj)
         except BaseException:
@@ -412,22 +291,8 @@ class AsyncSaver:
         rel = Path(path).relative_to(job.folder).as_posix()
         # Buffers are matched by position in the file, not by the tag folder, which changes every save.
         key = rel.removeprefix(f"{job.meta.tag}/")
-        host = state if isinstance(state, bytes) else _to_host(state, key, job, self._buffers, {}, self._copy_stream)
+        host = state if isinstance(state, bytes) else to_host(state, key, self._buffers, job.buffers, {}, self._copy_stream)
         job.pending.append((rel, host))
-
-    @contextlib.contextmanager
-    def _copying(self):
-        """Capture inside: each tensor's copy queues on the copy stream (`_to_host`), and
-        leaving waits for them, so training may change the originals afterwards. Only the
-        copies go there: DeepSpeed's own work during a save stays on its streams."""
-        if self._copy_stream is None:
-            yield
-            return
-        # The state as of now: DeepSpeed updates parameters on side streams too, so ordering
-        # after the current stream alone could copy a half-applied optimizer step.
-        torch.cuda.synchronize()
-        yield
-        self._copy_stream.synchronize()
 
     def _enqueue(self, job: _Job) -> None:
         with self._cond:
@@ -548,6 +413,8 @@ class AsyncSaver:
         if _is_no_space(error):
             full = DiskFull(where, size, self._disk_free(where))
             return "disk_full", str(full), full
+        if isinstance(error, Cancelled):
+            return "timeout", str(error), None
         if isinstance(error, DeadlineExceeded):
             return "timeout", f"{error} (timeout_s={self.timeout_s})", None
         if isinstance(error, PartFailed):
@@ -580,49 +447,28 @@ class AsyncSaver:
 
     def _commit_everywhere(self, job: _Job, uploaded: Sequence[tuple[Store, float]],
                            errors: dict[str, tuple[Failure, str, Optional[DiskFull]]], size: int):
-        """Rank 0: commit the checkpoint in each store where every rank's part is in, polling
-        all stores together (object stores notify nobody); a store where a rank recorded a
-        failure, or whose deadline passed, is given up at once without holding up the others.
-        A commit also waits until the controller has the step's report (see `release`)."""
+        """Rank 0: commit the checkpoint in each store where every rank's part is in (see
+        `commit_when_complete`), then apply retention there. A commit also waits until the
+        controller has the step's report (see `release`)."""
         meta, stored, notes = job.meta, [], []
-        pending = dict((store.uri, (store, deadline)) for store, deadline in uploaded)
-        interval = 0.05
-        while pending:
-            for uri, (store, deadline) in list(pending.items()):
-                try:
-                    parts = poll_parts(store, job.name, self.world_size)
-                    if parts.failed:
-                        raise PartFailed(f"{store.describe(job.name)}: " + "; ".join(parts.failed))
-                    if parts.missing:
-                        job.doing = f"waiting for ranks {list(parts.missing)}' parts of {store.describe(job.name)}"
-                        check_deadline(deadline, f"waiting for ranks {list(parts.missing)} of {self.world_size} "
-                                                 f"to upload checkpoint {store.describe(job.name)}")
-                        continue
-                    if not self._report_collected(meta.step):
-                        job.doing = f"waiting for the report of step {meta.step} to be collected"
-                        check_deadline(deadline, job.doing)
-                        continue
-                    commit(store, job.name, step=meta.step, tag=meta.tag, world_size=meta.world_size,
-                           zero_stage=meta.zero_stage, files=parts.files, data_position=meta.data_position,
-                           config_hash=meta.config_hash)
-                except Exception as e:
-                    if isinstance(e, OSError) and not isinstance(e, DeadlineExceeded):
-                        # A listing or read that failed may work on the next poll; the deadline decides.
-                        if time.monotonic() < deadline:
-                            continue
-                    errors[uri] = self._failure(e, store.describe(job.name), size)
-                    del pending[uri]
-                    continue
-                del pending[uri]
-                stored.append(uri)
-                if not stored[:-1]:  # the first store committed: the primary, if it works
-                    self.last_commit = store.describe(job.name)
-                notes += self._after_commit(job, store)
-            if pending and self._closing.wait(interval):
-                for uri, (store, _) in pending.items():
-                    errors[uri] = ("timeout", f"cancelled waiting to commit {store.describe(job.name)}", None)
-                break
-            interval = min(2.0, interval * 2)
+
+        def commit_in(store: Store, files: tuple[FileEntry, ...]) -> None:
+            commit(store, job.name, step=meta.step, tag=meta.tag, world_size=meta.world_size,
+                   zero_stage=meta.zero_stage, files=files, data_position=meta.data_position,
+                   config_hash=meta.config_hash)
+            stored.append(store.uri)
+            if len(stored) == 1:  # the first store committed: the primary, if it works
+                self.last_commit = store.describe(job.name)
+            notes.extend(self._after_commit(job, store))
+
+        def held_by() -> Optional[str]:
+            collected = self._report_collected(meta.step)
+            return None if collected else f"waiting for the report of step {meta.step} to be collected"
+
+        failed = commit_when_complete(uploaded, job.name, self.world_size, commit_in, held_by=held_by,
+                                      wait=self._closing.wait, on_progress=lambda doing: setattr(job, "doing", doing))
+        describe = {store.uri: store.describe(job.name) for store, _ in uploaded}
+        errors |= {uri: self._failure(error, describe[uri], size) for uri, error in failed.items()}
         return stored, notes
 
     def _report_collected(self, step: int) -> bool:
@@ -652,34 +498,3 @@ def _describe(error: BaseException) -> str:
     frames = traceback.extract_tb(error.__traceback__)
     where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
     return f"{type(error).__name__}: {error}{where}"
-
-
-def _to_host(obj: Any, key: str, job: _Job, buffers: _HostBuffers, memo: dict[int, Any],
-             stream: Optional["torch.cuda.Stream"] = None) -> Any:
-    """A copy of `obj` whose tensors live in host buffers, so training may change the
-    originals at once. Containers keep their type (and a state dict its `_metadata`)."""
-    if torch.is_tensor(obj):
-        if id(obj) not in memo:  # a tensor referenced twice (tied weights) is copied once
-            host = buffers.take(key, obj)
-            if stream is not None and obj.is_cuda:
-                # The allocator must not hand a temporary's memory (DeepSpeed builds some state
-                # dicts on the fly) to the training stream while this copy still reads it.
-                obj.record_stream(stream)
-                with torch.cuda.stream(stream):
-                    host.copy_(obj.detach(), non_blocking=True)
-            else:
-                host.copy_(obj.detach())
-            job.buffers[key] = host
-            memo[id(obj)] = host
-        return memo[id(obj)]
-    if isinstance(obj, dict):
-        out = copy.copy(obj)
-        for k, v in obj.items():
-            out[k] = _to_host(v, f"{key}/{k}", job, buffers, memo, stream)
-        return out
-    if isinstance(obj, list):
-        return [_to_host(v, f"{key}/{i}", job, buffers, memo, stream) for i, v in enumerate(obj)]
-    if isinstance(obj, tuple):
-        items = [_to_host(v, f"{key}/{i}", job, buffers, memo, stream) for i, v in enumerate(obj)]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return copy.deepcopy(obj)

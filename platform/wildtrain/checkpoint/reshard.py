@@ -27,9 +27,8 @@ from typing import Optional
 import pyarrow.fs as pafs
 
 from wildtrain.checkpoint import STATE_FILE, universal
-from wildtrain.checkpoint.manifest import (
-    CheckpointManifest, CommitError, StoreLike, as_store, commit, fetch, new_attempt_token, read_manifest, upload,
-)
+from wildtrain.checkpoint.format import CheckpointManifest, new_attempt_token
+from wildtrain.checkpoint.store import CommitError, StoreLike, as_store, commit, fetch, read_manifest, upload
 
 
 def copies_of(store: StoreLike, name: str) -> list[str]:

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
-from wildtrain.checkpoint.manifest import (
-    MANIFEST, Candidate, ManifestError, Store, StoreLike, as_store, list_candidates, read_manifest,
-)
+from wildtrain.checkpoint.format import MANIFEST, ManifestError
+from wildtrain.checkpoint.restore import Candidate, list_candidates
+from wildtrain.checkpoint.store import Store, StoreLike, as_store, read_manifest
 from wildtrain.checkpoint.reshard import copies_of
 
 

@@ -13,7 +13,7 @@ import ray
 
 from wildtrain import ray_compat
 from wildtrain.checkpoint import reshard
-from wildtrain.checkpoint.manifest import Store, read_manifest
+from wildtrain.checkpoint.store import Store, read_manifest
 from wildtrain.config import Config
 from wildtrain.elastic.nodes import (
     ResourceView, exclude_nodes, excluded_nodes, lost_a_worker_process, workers_that_fit,

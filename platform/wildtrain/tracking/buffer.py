@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from wildtrain import storage
 from wildtrain.events import TrackingOutage
 
 
@@ -233,9 +234,7 @@ class TrackingBuffer:
             return None
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self._file_name("unsent")
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(lines))
-        os.replace(tmp, path)
+        storage.write_text(str(path), "".join(lines))
         for spilled in self._spilled:
             spilled.path.unlink(missing_ok=True)
         self._spilled = []

@@ -13,9 +13,12 @@ from typing import Optional
 
 from wildtrain import checkpoint
 from wildtrain.batching import BatchPlan
-from wildtrain.checkpoint import async_save, reshard, universal
-from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta, SaveOutcome
-from wildtrain.checkpoint.manifest import Candidate, CommitError, Store, needs_universal, restore
+from wildtrain.checkpoint import reshard, save_policy, universal
+from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
+from wildtrain.checkpoint.format import needs_universal
+from wildtrain.checkpoint.restore import Candidate, restore
+from wildtrain.checkpoint.save_policy import SaveOutcome
+from wildtrain.checkpoint.store import CommitError, Store
 from wildtrain.config import Config, config_hash
 from wildtrain.engine import build_engine, build_model
 from wildtrain.events import CheckpointFailed, CheckpointFallback, CheckpointPartial, CheckpointSkipped, Event
@@ -119,4 +122,4 @@ def saves_report(outcomes: list[SaveOutcome]) -> dict:
         for o in outcomes if o.status != "saved"
     ]
     committed = [f"{store}/{o.name}" for o in outcomes if o.status in ("saved", "partial") for store in o.stored]
-    return async_save.metrics(outcomes) | {"events": events, "committed_checkpoints": committed}
+    return save_policy.metrics(outcomes) | {"events": events, "committed_checkpoints": committed}

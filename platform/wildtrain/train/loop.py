@@ -21,7 +21,7 @@ import torch
 from wildtrain import ray_compat, storage
 from wildtrain.batching import batch_plan
 from wildtrain.checkpoint.async_save import AsyncSaver
-from wildtrain.checkpoint.manifest import new_attempt_token
+from wildtrain.checkpoint.format import new_attempt_token
 from wildtrain.checkpoint.retention import RetentionPolicy
 from wildtrain.config import Config
 from wildtrain.data.dataset import OpenedData
