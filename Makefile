@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/wildtrain train experiment=tiny
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -q -ra
+	$(BIN)/python -m pytest tests -q -ra --durations=15
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q
