@@ -147,7 +147,8 @@ def main() -> None:
     progress(f"setup: SeaweedFS and a local Ray with {RAY_CPUS} CPUs")
     store = services.start_object_store(root / "objectstore", services.free_port(), "bench")
     os.environ.update(store.env())
-    ray.init(num_cpus=RAY_CPUS, include_dashboard=False, logging_level="WARNING")
+    # A Ray of its own, not whichever cluster on this machine started last.
+    ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, logging_level="WARNING")
     try:
         uri = f"s3://{store.bucket}/synthetic"
         progress(f"setup: writing {args.tokens / 1e6:.0f}M synthetic tokens in {SHARDS} shards to {uri}")
