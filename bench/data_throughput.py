@@ -5,12 +5,13 @@ Starts a SeaweedFS object store and a local Ray instance, writes a synthetic pre
 
   1. tokens/s of one rank streaming a whole epoch through `RankStream` (Ray Data read tasks,
      segment routing), next to a plain loop that reads the same row groups with pyarrow in
-     the same process, and their ratio;
+     the same process, and their ratio: from the first batch on (steady state), the medians
+     of `--repeats` passes of each, run alternately so a shared machine's load hits both;
   2. the time from creating a rank's stream to its first batch, at the start of the epoch
      and mid-epoch (what every restart and resize pays again);
   3. the data-wait share of step time in a short tiny-model training run on the same stack.
 
-Usage: .venv/bin/python bench/data_throughput.py [--tokens 64e6] [--skip-training]
+Usage: .venv/bin/python bench/data_throughput.py [--tokens 64e6] [--repeats 3] [--skip-training]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from wildtrain import services
@@ -44,6 +46,8 @@ GLOBAL_BATCH = 32
 SHARDS = 8
 ROWS_PER_GROUP = 256
 REPO = Path(__file__).resolve().parents[1]
+RAY_CPUS = 4
+PLAIN, RAY_DATA = "plain pyarrow", "Ray Data (RankStream)"
 
 
 def write_synthetic(root: str, total_tokens: float) -> None:
@@ -60,31 +64,45 @@ def write_synthetic(root: str, total_tokens: float) -> None:
                                   shards=shards, rows=sum(s.rows for s in shards), tokens=sum(s.tokens for s in shards)))
 
 
-def plain_pyarrow(root: str, shard_paths: tuple[str, ...]) -> tuple[int, float]:
-    """Every row group of every shard, decoded to a (rows, seq_len+1) array, as RankStream's
-    read tasks do; (tokens, seconds)."""
-    started, tokens = time.perf_counter(), 0
+@dataclass(frozen=True)
+class Pass:
+    """One pass over the data: all of it, and the part up to the first batch."""
+
+    tokens: int
+    seconds: float
+    first_tokens: int
+    first_s: float
+
+    @property
+    def steady(self) -> float:
+        """Tokens/s from the first batch on: what training sees between restarts."""
+        return (self.tokens - self.first_tokens) / (self.seconds - self.first_s)
+
+
+def plain_pyarrow(root: str, shard_paths: tuple[str, ...]) -> Pass:
+    """Every row group of every shard, decoded to the (rows, seq_len+1) int32 array
+    RankStream's read tasks decode, in one loop in this process."""
+    started, tokens, first = time.perf_counter(), 0, None
     for path in shard_paths:
         fs, file_path = storage.filesystem(storage.join(root, path))
         with fs.open_input_file(file_path) as f:
             parquet = pq.ParquetFile(f)
             for group in range(parquet.num_row_groups):
                 column = parquet.read_row_group(group, columns=[TOKENS]).column(TOKENS).combine_chunks()
-                rows = column.flatten().to_numpy().reshape(len(column), SEQ_LEN + 1).astype(np.int64)
-                tokens += rows.size
-    return tokens, time.perf_counter() - started
+                tokens += column.flatten().to_numpy().reshape(len(column), SEQ_LEN + 1).size
+                first = first or (tokens, time.perf_counter() - started)
+    return Pass(tokens, time.perf_counter() - started, *first)
 
 
-def ray_data_epoch(datasets, cfg) -> tuple[int, float, float]:
-    """One rank (of one) streaming the whole epoch; (tokens, seconds, first batch seconds)."""
+def ray_data_epoch(datasets, cfg) -> Pass:
+    """One rank (of one) streaming the whole epoch through RankStream."""
     started = time.perf_counter()
     stream = RankStream(datasets.datasets, cfg, rank=0, world_size=1, from_step=0)
-    stream.next_step()
-    first = time.perf_counter() - started
-    tokens = GLOBAL_BATCH * (SEQ_LEN + 1)
+    tokens = stream.next_step().tokens.size
+    first = (tokens, time.perf_counter() - started)
     for _ in range(datasets.steps_per_epoch - 1):
         tokens += stream.next_step().tokens.size
-    return tokens, time.perf_counter() - started, first
+    return Pass(tokens, time.perf_counter() - started, *first)
 
 
 def first_batch(datasets, cfg, from_step: int) -> float:
@@ -115,38 +133,58 @@ def training_data_wait(root: Path, dataset_uri: str) -> tuple[float, float]:
         services.stop_process(mlflow.pid)
 
 
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=float, default=64e6)
+    parser.add_argument("--repeats", type=int, default=3, help="passes of each path, alternating; medians reported")
     parser.add_argument("--skip-training", action="store_true")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-data-"))
+    progress(f"setup: SeaweedFS and a local Ray with {RAY_CPUS} CPUs")
     store = services.start_object_store(root / "objectstore", services.free_port(), "bench")
     os.environ.update(store.env())
-    ray.init(num_cpus=4, include_dashboard=False)
+    # A Ray of its own, not whichever cluster on this machine started last.
+    ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, logging_level="WARNING")
     try:
         uri = f"s3://{store.bucket}/synthetic"
+        progress(f"setup: writing {args.tokens / 1e6:.0f}M synthetic tokens in {SHARDS} shards to {uri}")
         write_synthetic(uri, args.tokens)
         cfg = load_config([f"data.datasets=[{{uri: {uri}}}]", f"data.seq_len={SEQ_LEN}", "model.max_seq_len=1024",
                            f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=4"])
         datasets = open_datasets(cfg)
-        plain_tokens, plain_s = plain_pyarrow(uri, datasets.datasets[0].shard_paths)
-        ray_tokens, ray_s, first_at_start = ray_data_epoch(datasets, cfg)
+        passes: dict[str, list[Pass]] = {PLAIN: [], RAY_DATA: []}
+        for repeat in range(1, args.repeats + 1):
+            for name, run in ((PLAIN, lambda: plain_pyarrow(uri, datasets.datasets[0].shard_paths)),
+                              (RAY_DATA, lambda: ray_data_epoch(datasets, cfg))):
+                progress(f"{name}, pass {repeat}/{args.repeats} ...")
+                passes[name].append(run())
+                p = passes[name][-1]
+                progress(f"{name}, pass {repeat}/{args.repeats}: {p.steady / 1e6:.1f}M tokens/s from the first batch on, "
+                         f"first batch {p.first_s:.2f} s")
+        progress("Ray Data: first batch of a stream created mid-epoch (a restart), 3 tries")
         mid_epoch = [first_batch(datasets, cfg, datasets.steps_per_epoch // 2) for _ in range(3)]
 
-        print(f"\n{plain_tokens / 1e6:.1f}M tokens in {len(datasets.datasets[0].shard_paths)} shards "
-              f"(SeaweedFS, row groups of {ROWS_PER_GROUP} rows of {SEQ_LEN + 1} tokens), one rank:\n")
-        print("| path | tokens | seconds | tokens/s | ratio to pyarrow |")
+        plain = statistics.median(p.steady for p in passes[PLAIN])
+        print(f"\n{passes[PLAIN][0].tokens / 1e6:.1f}M tokens in {SHARDS} shards (SeaweedFS, row groups of "
+              f"{ROWS_PER_GROUP} rows of {SEQ_LEN + 1} tokens), one rank, data.read_cpus={cfg.data.read_cpus:g}; "
+              f"medians of {args.repeats} passes, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores:\n")
+        print("| path | tokens/s from the first batch on | ratio to pyarrow | whole pass s | first batch s |")
         print("|---|---|---|---|---|")
-        print(f"| plain pyarrow | {plain_tokens:,} | {plain_s:.2f} | {plain_tokens / plain_s / 1e6:.1f}M | 1.00 |")
-        print(f"| Ray Data (RankStream) | {ray_tokens:,} | {ray_s:.2f} | {ray_tokens / ray_s / 1e6:.1f}M | "
-              f"{(ray_tokens / ray_s) / (plain_tokens / plain_s):.2f} |")
+        for name in (PLAIN, RAY_DATA):
+            steady = statistics.median(p.steady for p in passes[name])
+            print(f"| {name} | {steady / 1e6:.1f}M | {steady / plain:.2f} | "
+                  f"{statistics.median(p.seconds for p in passes[name]):.2f} | "
+                  f"{statistics.median(p.first_s for p in passes[name]):.2f} |")
         print("\n| first batch after creating the stream | seconds |")
         print("|---|---|")
-        print(f"| epoch start | {first_at_start:.2f} |")
         print(f"| mid-epoch (a restart), 3 tries | {', '.join(f'{t:.2f}' for t in mid_epoch)} |")
 
         if not args.skip_training:
+            progress("training: preparing the tiny corpus and running 40 steps of the tiny model")
             tiny = f"s3://{store.bucket}/tiny"
             prepare(PrepareConfig(input=str(REPO / "tests/assets/tiny_corpus.jsonl"), output=tiny, rows_per_group=128))
             wait, step = training_data_wait(root, tiny)

@@ -94,11 +94,12 @@ class DataConfig:
     # Train without a shard that is missing or does not match the manifest (recorded in
     # MLflow), instead of stopping. The rows of later steps then differ from a run with it.
     skip_bad_shards: bool = False
-    # Logical CPUs each Ray Data read task holds. Fractions run more reads at once but make
-    # Ray start (and reap) a worker process per extra task: 0.25 was 7x slower than 1 here.
+    # Logical CPUs each Ray Data read task holds, and the most a rank's reads hold at once.
+    # Fractions run more reads at once but make Ray start (and reap) a worker process per
+    # extra task: 0.25 was 7x slower than 1 here.
     read_cpus: float = 1.0
-    # Blocks (segments of a row group) Ray Data reads ahead of training, per rank.
-    prefetch_blocks: int = 8
+    # Read tasks' blocks (about 16 MiB of rows each) Ray Data holds ahead of training, per rank.
+    prefetch_blocks: int = 4
     # Write the ids of every step's samples to <run>/samples/ (audits, exactly-once tests).
     record_samples: bool = False
     # A resubmitted run whose data order would change (train.seed, train.global_batch_size,

@@ -10,6 +10,7 @@ import pytest
 
 from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order
 from wildtrain.config import Config
+from wildtrain.data import stream
 from wildtrain.data.stream import Dataset, RankStream, sample_ids
 
 pytestmark = pytest.mark.integration
@@ -18,6 +19,7 @@ SEQ_LEN = 7
 GLOBAL_BATCH = 4
 SEED = 11
 ROW_GROUPS = ((5, 5, 3), (6, 2))  # rows per row group, per shard: 21 rows, 5 steps per epoch
+ROW_BYTES = (SEQ_LEN + 1) * 4
 
 
 @pytest.fixture(scope="module")
@@ -61,20 +63,23 @@ def _expected(step: int, rank: int, world_size: int) -> np.ndarray:
     return np.array(ids)
 
 
-@pytest.mark.parametrize("world_size,from_step", [(1, 0), (2, 3), (4, 4)])
-def test_every_rank_reads_the_rows_the_order_names(ray_cluster, dataset, world_size, from_step):
+# Read tasks of every unit alone, of a few units, and of the whole epoch: rows that arrive
+# in one block or across several, ahead of their turn or just in time.
+@pytest.mark.parametrize("world_size,from_step,task_bytes", [(1, 0, 1), (2, 3, 3 * ROW_BYTES), (4, 4, stream.READ_TASK_BYTES)])
+def test_every_rank_reads_the_rows_the_order_names(ray_cluster, dataset, monkeypatch, world_size, from_step, task_bytes):
+    monkeypatch.setattr(stream, "READ_TASK_BYTES", task_bytes)
     steps = 7  # across the end of the first epoch (5 steps)
     for rank in range(world_size):
-        stream = RankStream([dataset], _config(), rank, world_size, from_step)
+        reader = RankStream([dataset], _config(), rank, world_size, from_step)
         for step in range(from_step, from_step + steps):
-            rows = stream.next_step()
+            rows = reader.next_step()
             assert rows.tokens.shape == (GLOBAL_BATCH // world_size, SEQ_LEN + 1)
             assert (rows.tokens == rows.tokens[:, :1]).all()
             expected = _expected(step, rank, world_size)
             np.testing.assert_array_equal(rows.tokens[:, 0], expected, err_msg=f"step {step} rank {rank}")
             shard, row = expected // 1000, expected % 1000
             np.testing.assert_array_equal(rows.sample_ids, sample_ids(0, shard, row))
-        assert stream.wait_s > 0
+        assert reader.wait_s > 0
 
 
 def test_a_shard_that_goes_bad_mid_run_is_one_error_naming_it(ray_cluster, dataset, tmp_path):
@@ -86,7 +91,7 @@ def test_a_shard_that_goes_bad_mid_run_is_one_error_naming_it(ray_cluster, datas
     shutil.copytree(dataset.root, copy)
     broken = Dataset(str(copy), dataset.shard_paths, dataset.source)
     (copy / dataset.shard_paths[1]).write_bytes(b"not parquet any more")  # rewritten under the run
-    stream = RankStream([broken], _config(), 0, 1, 0)
+    reader = RankStream([broken], _config(), 0, 1, 0)
     with pytest.raises(ShardCorrupt, match=rf"^shard {copy}/shard-00001.parquet: row group \d unreadable"):
         for _ in range(5):  # one epoch reads every shard
-            stream.next_step()
+            reader.next_step()

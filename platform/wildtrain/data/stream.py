@@ -2,16 +2,18 @@
 
 What a rank reads and in which order is decided by `data.order` (a pure function of the step,
 so a restart at any world size resumes exactly); this module does the reading. Every epoch
-becomes one Ray Data dataset built from a `Datasource` with one read task per row group the
-rank needs: the manifests already know every shard's row groups and row counts, so Ray Data
-starts without listing files or reading Parquet footers, and a read task fetches its row
-group straight from the object store (no copy to local disk), permutes it as the order says,
-and yields the rank's rows of it tagged with their stream and step. Ray Data runs the reads
-ahead of training (in order, `preserve_order` on this dataset's own context); `RankStream`
-files the rows by stream and step and hands out a step's rows, one per stream, as training
-asks for them.
+becomes one Ray Data dataset built from a `Datasource` whose read tasks each read a run of
+the row groups the rank needs, in the order it first needs them: the manifests already know
+every shard's row groups and row counts, so Ray Data starts without listing files or reading
+Parquet footers up front. A read task fetches its row groups straight from the object store
+(no copy to local disk, a few shards at a time), permutes each as the order says, and
+yields one block of the rank's rows tagged with their stream and step. Ray Data runs the
+reads ahead of training within `data.read_cpus` (in order, `preserve_order` on this
+dataset's own context); `RankStream` files each block's rows as runs of consecutive steps
+per stream and hands out a step's rows, one per stream, as training asks for them.
 
-Memory per rank: about one row group per stream the rank owns, plus Ray Data's prefetch.
+Memory per rank: about one row group per stream the rank owns, plus `data.prefetch_blocks`
+read tasks' blocks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import re
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Iterator
@@ -28,9 +31,16 @@ import numpy as np
 from wildtrain import storage
 from wildtrain.config import Config, StorageConfig
 from wildtrain.data.manifest import DataError, ShardCorrupt
-from wildtrain.data.order import Segment, Source, plan_epoch, rank_segments, rank_streams, row_order, split_step
+from wildtrain.data.order import Segment, Source, Unit, plan_epoch, rank_segments, rank_streams, row_order, split_step
 
 STREAM, STEP, TOKENS, SAMPLE_IDS = "stream", "step", "tokens", "sample_ids"
+# Tokens one read task reads, in bytes. Opening a shard (a HEAD and a footer read) and
+# starting a Ray task each cost about as much as reading a 1 MiB row group here: one task per
+# row group ran at 0.3x a plain pyarrow loop (bench/data_throughput.py).
+READ_TASK_BYTES = 16 << 20
+# Shards a read task reads at once. A task's CPU time was a quarter of its wall time here,
+# the rest waiting on the store, so a few requests in flight keep its one CPU busy.
+READ_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -48,47 +58,90 @@ def sample_ids(source, shard, rows_in_shard) -> np.ndarray:
     return (source << 48) | (shard << 28) | row
 
 
-def read_unit(dataset: Dataset, segments: list[Segment], seed: int, epoch: int, seq_len: int, config: StorageConfig):
-    """One block from one read of a unit's row group: the rows of each of `segments` (all
-    of that unit) with their stream, the step (in the epoch) that trains on them, sample ids,
-    and tokens as (rows × seq_len+1) int32."""
+def read_units(datasets: list[Dataset], units: list[list[Segment]], seed: int, epoch: int, seq_len: int,
+               config: StorageConfig):
+    """One block of a read task's units, each a list of the segments read from it: per row,
+    its stream, the step (in the epoch) that trains on it, its sample id, and its tokens as
+    (seq_len+1) int32s. Each row group is read once, even where two of the rank's streams
+    meet in it."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
     from ray.data.extensions import ArrowTensorArray
 
-    unit = segments[0].unit
-    uri = storage.join(dataset.root, dataset.shard_paths[unit.shard])
-    fs, path = storage.filesystem(uri, config)
+    by_shard: dict[tuple[int, int], dict[int, Unit]] = {}  # a row group repeated in the epoch is read once
+    for segments in units:
+        unit = segments[0].unit
+        by_shard.setdefault((unit.source, unit.shard), {})[unit.row_group] = unit
+    groups = {}
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        for read in pool.map(partial(_read_row_groups, datasets, seq_len, config), [list(g.values()) for g in by_shard.values()]):
+            groups.update(read)
+    # Each row group's rows go, permuted, straight into the block: one copy of the tokens.
+    tokens = np.empty((sum(s.stop - s.start for segments in units for s in segments), seq_len + 1), np.int32)
+    columns: list[tuple[np.ndarray, ...]] = []
+    at = 0
+    for segments in units:
+        unit = segments[0].unit
+        order = row_order(unit, seed, epoch)
+        rows = np.concatenate([order[s.start : s.stop] for s in segments])
+        np.take(groups[unit.source, unit.shard, unit.row_group], rows, axis=0, out=tokens[at : at + len(rows)])
+        at += len(rows)
+        first_row = sum(datasets[unit.source].source.row_groups[unit.shard][: unit.row_group])
+        columns.append((
+            np.concatenate([np.full(s.stop - s.start, s.stream, dtype=np.int32) for s in segments]),
+            np.concatenate([np.arange(s.first_step, s.first_step + s.stop - s.start, dtype=np.int32) for s in segments]),
+            sample_ids(unit.source, unit.shard, first_row + rows),
+        ))
+    streams, steps, ids = (np.concatenate(c) for c in zip(*columns))
+    yield pa.table({STREAM: streams, STEP: steps, SAMPLE_IDS: ids, TOKENS: ArrowTensorArray.from_numpy(tokens)})
+
+
+def _read_row_groups(datasets: list[Dataset], seq_len: int, config: StorageConfig, units: list[Unit]) -> dict:
+    """{(source, shard, row group): its tokens as (rows, seq_len+1) int32} for units of one
+    shard, opened (a HEAD and a footer read) once for all of them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    dataset = datasets[units[0].source]
+    uri = storage.join(dataset.root, dataset.shard_paths[units[0].shard])
+    groups = {}
+    unit = units[0]
     try:
-        with storage.errors(uri, config), fs.open_input_file(path) as f:
-            column = pq.ParquetFile(f).read_row_group(unit.row_group, columns=[TOKENS]).column(TOKENS).combine_chunks()
+        with storage.errors(uri, config):
+            fs, path = storage.filesystem(uri, config)
+            parquet = pq.ParquetFile(fs.open_input_file(path))
+            for unit in units:
+                column = parquet.read_row_group(unit.row_group, columns=[TOKENS]).column(TOKENS).combine_chunks()
+                if len(column) != unit.size:
+                    raise ShardCorrupt(f"shard {uri}: row group {unit.row_group} has {len(column)} rows, "
+                                       f"the manifest says {unit.size}")
+                groups[unit.source, unit.shard, unit.row_group] = column.flatten().to_numpy().reshape(len(column), seq_len + 1)
     except (OSError, pa.ArrowException) as e:
         gone = isinstance(e.__cause__, FileNotFoundError) or isinstance(e, FileNotFoundError)
         # A store that does not answer may answer the restarted group; a shard that is gone
         # or no longer Parquet will not be back.
         error = ShardCorrupt if gone or not isinstance(e, OSError) else DataError
         raise error(f"shard {uri}: row group {unit.row_group} unreadable: {e}") from None
-    if len(column) != unit.size:
-        raise ShardCorrupt(f"shard {uri}: row group {unit.row_group} has {len(column)} rows, the manifest says {unit.size}")
-    tokens = column.flatten().to_numpy().reshape(len(column), seq_len + 1)
-    order = row_order(unit, seed, epoch)
-    rows = np.concatenate([order[s.start : s.stop] for s in segments])
-    streams = np.concatenate([np.full(s.stop - s.start, s.stream, dtype=np.int32) for s in segments])
-    steps = np.concatenate([np.arange(s.first_step, s.first_step + s.stop - s.start, dtype=np.int32) for s in segments])
-    first_row = sum(dataset.source.row_groups[unit.shard][: unit.row_group])
-    yield pa.table({
-        STREAM: pa.array(streams),
-        STEP: pa.array(steps),
-        SAMPLE_IDS: pa.array(sample_ids(unit.source, unit.shard, first_row + rows)),
-        TOKENS: ArrowTensorArray.from_numpy(tokens[rows]),
-    })
+    return groups
+
+
+def task_units(units: list[list[Segment]], row_bytes: int, task_bytes: int) -> list[list[list[Segment]]]:
+    """The units (each the list of segments read from it), in the order given, cut into
+    consecutive lists of at least `task_bytes` of rows (but the last): one read task each."""
+    tasks: list[list[list[Segment]]] = []
+    held = task_bytes
+    for segments in units:
+        if held >= task_bytes:
+            tasks.append([])
+            held = 0
+        tasks[-1].append(segments)
+        held += sum(s.stop - s.start for s in segments) * row_bytes
+    return tasks
 
 
 def epoch_dataset(datasets: list[Dataset], segments: list[Segment], seed: int, epoch: int, seq_len: int,
-                  read_cpus: float, config: StorageConfig):
-    """The rank's segments as a Ray Data dataset: one read task per unit (a row group read
-    once, even where two of the rank's streams meet in it), in the order the rank first
-    needs each unit."""
+                  read_cpus: float, prefetch_blocks: int, config: StorageConfig):
+    """The rank's segments as a Ray Data dataset: read tasks of several units each, in the
+    order the rank first needs each unit, together using at most `read_cpus` CPUs."""
     import ray.data
     from ray.data.block import BlockMetadata
     from ray.data.datasource import Datasource, ReadTask
@@ -97,25 +150,31 @@ def epoch_dataset(datasets: list[Dataset], segments: list[Segment], seed: int, e
     for segment in segments:  # in the order they are needed: dicts keep first insertion
         by_unit.setdefault(segment.unit, []).append(segment)
     row_bytes = (seq_len + 1) * 4
+    tasks = task_units(list(by_unit.values()), row_bytes, READ_TASK_BYTES)
 
     class Units(Datasource):
         def estimate_inmemory_data_size(self) -> int:
             return sum(s.stop - s.start for s in segments) * row_bytes
 
         def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None) -> list[ReadTask]:
-            tasks = []
-            for unit, unit_segments in by_unit.items():
-                rows = sum(s.stop - s.start for s in unit_segments)
-                read = partial(read_unit, datasets[unit.source], unit_segments, seed, epoch, seq_len, config)
-                tasks.append(ReadTask(read, BlockMetadata(num_rows=rows, size_bytes=rows * row_bytes,
-                                                          exec_stats=None, input_files=None)))
-            return tasks
+            read_tasks = []
+            for units in tasks:
+                rows = sum(s.stop - s.start for segments in units for s in segments)
+                read = partial(read_units, datasets, units, seed, epoch, seq_len, config)
+                read_tasks.append(ReadTask(read, BlockMetadata(num_rows=rows, size_bytes=rows * row_bytes,
+                                                               exec_stats=None, input_files=None)))
+            return read_tasks
 
-    ds = ray.data.read_datasource(Units(), num_cpus=read_cpus)
-    # This dataset's own context copy: rows in read-task order, and no progress bars, which
-    # would bury the run's progress lines; the data wait is a step metric instead.
+    ds = ray.data.read_datasource(Units(), num_cpus=read_cpus, override_num_blocks=max(1, len(tasks)))
+    # This dataset's own context copy: rows in read-task order; the rank's reads within the
+    # CPUs the run set aside for them (`elastic.data_cpus`); and no progress bars or
+    # execution plans, which would bury the run's progress lines (the data wait is a step
+    # metric instead).
     ds.context.execution_options.preserve_order = True
+    ds.context.execution_options.resource_limits = ray.data.ExecutionResources(
+        cpu=read_cpus, object_store_memory=prefetch_blocks * READ_TASK_BYTES)
     ds.context.enable_progress_bars = False
+    ds.context.print_on_execution_start = False
     return ds
 
 
@@ -125,6 +184,26 @@ class Step:
 
     sample_ids: np.ndarray  # (rows,) see `sample_ids`
     tokens: np.ndarray  # (rows, seq_len + 1) int32
+
+
+@dataclass(frozen=True)
+class _Run:
+    """A stream's rows for consecutive steps from `first_step` on, as one block holds them."""
+
+    first_step: int
+    sample_ids: np.ndarray
+    tokens: np.ndarray
+
+    def holds(self, step: int) -> bool:
+        return self.first_step <= step < self.first_step + len(self.sample_ids)
+
+
+def _runs(streams: np.ndarray, steps: np.ndarray) -> list[tuple[int, int]]:
+    """[start, stop) of each stretch of a block's rows that one stream trains on at
+    consecutive steps."""
+    breaks = np.flatnonzero((np.diff(streams) != 0) | (np.diff(steps) != 1)) + 1
+    bounds = [0, *breaks.tolist(), len(streams)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 class RankStream:
@@ -145,36 +224,50 @@ class RankStream:
         self.wait_s = 0.0
         self._epoch = -1
         self._blocks: Iterator[dict] = iter(())
-        self._pending: dict[int, dict[int, tuple]] = {}
+        self._current: dict[int, _Run] = {}
+        self._pending: dict[int, dict[int, _Run]] = {}
 
     def _start_epoch(self, epoch: int, step_in_epoch: int) -> None:
         cfg = self.cfg
         plan = plan_epoch(self.sources, cfg.train.global_batch_size, cfg.train.seed, epoch)
         segments = rank_segments(plan, self.rank, self.world_size, cfg.train.global_batch_size, step_in_epoch)
-        ds = epoch_dataset(self.datasets, segments, cfg.train.seed, epoch, cfg.data.seq_len, cfg.data.read_cpus, cfg.storage)
-        batches = ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=cfg.data.prefetch_blocks)
+        ds = epoch_dataset(self.datasets, segments, cfg.train.seed, epoch, cfg.data.seq_len, cfg.data.read_cpus,
+                           cfg.data.prefetch_blocks, cfg.storage)
+        # No prefetch here: Ray Data's iterator holds back the first batch until its prefetch
+        # window is full, which every restart would wait for; the executor reads ahead anyway.
+        batches = ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0)
         self._blocks = iter(batches)
+        self._current = {}
         self._pending = {stream: {} for stream in self.streams}
         self._epoch = epoch
+
+    def _next_block(self) -> None:
+        """File the next block's rows as runs, keyed by stream and first step."""
+        try:
+            block = next(self._blocks)
+        except Exception as e:
+            # Ray Data re-raises a read task's error wrapped in its own; the shard's
+            # message survives only as text.
+            corrupt = re.search(rf"{ShardCorrupt.__name__}: (shard .*)", "".join(traceback.format_exception(e)))
+            if corrupt:
+                raise ShardCorrupt(corrupt[1]) from None
+            raise
+        streams, steps = block[STREAM], block[STEP]
+        for start, stop in _runs(streams, steps):
+            run = _Run(int(steps[start]), block[SAMPLE_IDS][start:stop], block[TOKENS][start:stop])
+            self._pending[int(streams[start])][run.first_step] = run
 
     def _take(self, stream: int, step: int) -> tuple:
         """(sample id, tokens) of the stream's row for `step`. A row group shared by two
         streams arrives when the first of them needs it, so rows can come ahead of their
-        turn: they wait here, keyed by step."""
-        pending = self._pending[stream]
-        while step not in pending:
-            try:
-                block = next(self._blocks)
-            except Exception as e:
-                # Ray Data re-raises a read task's error wrapped in its own; the shard's
-                # message survives only as text.
-                corrupt = re.search(rf"{ShardCorrupt.__name__}: (shard .*)", "".join(traceback.format_exception(e)))
-                if corrupt:
-                    raise ShardCorrupt(corrupt[1]) from None
-                raise
-            for row_stream, row_step, sample_id, tokens in zip(block[STREAM], block[STEP], block[SAMPLE_IDS], block[TOKENS]):
-                self._pending[int(row_stream)][int(row_step)] = (sample_id, tokens)
-        return pending.pop(step)
+        turn: they wait here, keyed by the step they start at."""
+        run = self._current.get(stream)
+        if run is None or not run.holds(step):
+            pending = self._pending[stream]
+            while step not in pending:
+                self._next_block()
+            run = self._current[stream] = pending.pop(step)
+        return run.sample_ids[step - run.first_step], run.tokens[step - run.first_step]
 
     def next_step(self) -> Step:
         started = time.perf_counter()
