@@ -4,7 +4,6 @@ many workers the others hold, and Ray Train's resource view, kept fresh."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from typing import Callable
 
@@ -60,10 +59,9 @@ def refresh_resource_view() -> None:
 
 class ResourceView:
     """Refreshes the resource view (`refresh_resource_view`) without letting a failure end
-    the run or stop the refreshes: a refresh only saves time, since the coordinator refreshes
-    its copy by itself every 20 s. A GCS that times out under load would otherwise end the run
-    from a controller hook, or silently end the refresh thread. Each distinct error is logged
-    once, not once per retry."""
+    the run: a refresh only saves time, since the coordinator refreshes its copy by itself
+    every 20 s. A GCS that times out under load would otherwise end the run from a controller
+    hook. Each distinct error is logged once, not once per retry."""
 
     def __init__(self, refresh: Callable[[], None] = refresh_resource_view) -> None:
         self._refresh = refresh
@@ -82,16 +80,6 @@ class ResourceView:
                 print(f"refreshing Ray's resource view failed ({error}); Ray refreshes it every 20 s "
                       f"by itself and wildtrain keeps retrying", flush=True)
             return False
-
-    def refresh_every(self, interval_s: float) -> threading.Thread:
-        def refresh_forever() -> None:
-            while True:
-                time.sleep(interval_s)
-                self.refresh()
-
-        thread = threading.Thread(target=refresh_forever, name="wildtrain-resource-view", daemon=True)
-        thread.start()
-        return thread
 
 
 def lost_a_worker_process(error: BaseException | None) -> bool:
