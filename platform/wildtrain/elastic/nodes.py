@@ -52,7 +52,7 @@ def refresh_resource_view() -> None:
     Ray 2.60 sizes worker groups from the AutoscalingCoordinator actor's copy of the node
     list, which it refreshes every 20 s. Without a refresh, a group restarted after a node
     died is sized for the dead node too and waits out a whole worker-group start timeout,
-    and a node that joined waits up to 20 s to be noticed by the resize check. Asking for a
+    and a planned regrow restarts at the old size, without the node that joined. Asking for a
     recomputed reservation refreshes that copy for every requester."""
     ray_compat.refresh_train_resource_view()
 
