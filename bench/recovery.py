@@ -11,6 +11,8 @@ are set when the head starts, as `wildtrain up` sets them). Prints one row per i
     reshard     → conversion to the universal format (world size changed)
     first step  node killed (or added) → first optimizer step at the new size
     steps lost  steps done before the interruption that the restored checkpoint lacked
+    load        the machine's mean 1-minute load average over that recovery (on a shared
+                2-core machine, other people's work moves every column)
 
 Usage: .venv/bin/python bench/recovery.py [--steps 60] [--only "wildtrain tuned"]
 """
@@ -21,6 +23,7 @@ import argparse
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -82,7 +85,8 @@ def prepare_tiny(uri: str) -> str:
     return uri
 
 
-def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path) -> list[dict]:
+def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path,
+                 load: "LoadSampler") -> list[dict]:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "_system_config": system_config})
     for _ in range(2):
         cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
@@ -116,6 +120,7 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
     recoveries = [e for e in events if isinstance(e, Recovered)]
     rows = []
     for cause_at, interruption, recovery in zip((killed_at, added_at), interruptions, recoveries):
+        first_step = recovery.recovery_s + interruption.at - cause_at
         rows.append({
             "scenario": name,
             "event": f"{'shrink' if isinstance(interruption, Failure) else 'regrow'} "
@@ -124,15 +129,33 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
             "restart": recovery.restart_s,
             "restore": recovery.restore_s,
             "reshard": recovery.reshard_s,
-            "first step": recovery.recovery_s + interruption.at - cause_at,
+            "first step": first_step,
             "steps lost": recovery.steps_lost,
+            "load": f"{load.mean(cause_at, cause_at + first_step):.1f}",
         })
     if len(rows) < 2:
         rows.append({"scenario": name, "event": "regrow: none before the run's last step",
-                     **{c: "-" for c in ("detection", "restart", "restore", "reshard", "first step", "steps lost")}})
+                     **{c: "-" for c in ("detection", "restart", "restore", "reshard", "first step", "steps lost", "load")}})
     for row in rows:
         progress(f"{name}: {row['event']}: first step after {cell(row['first step'])}")
     return rows
+
+
+class LoadSampler:
+    """The machine's 1-minute load average every 2 s, in the background."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while True:
+            self.samples.append((time.time(), os.getloadavg()[0]))
+            time.sleep(2.0)
+
+    def mean(self, start: float, end: float) -> float:
+        during = [load for at, load in self.samples if start <= at <= end] or [os.getloadavg()[0]]
+        return sum(during) / len(during)
 
 
 def cell(value) -> str:
@@ -150,6 +173,7 @@ def main() -> None:
     args = parser.parse_args()
     scenarios = {args.only: SCENARIOS[args.only]} if args.only else SCENARIOS
     root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-recovery-"))
+    load = LoadSampler()
     store = services.start_object_store(root / "objectstore", services.free_port(), "bench")
     os.environ.update(store.env())  # before any cluster starts: its workers inherit it
     port = services.free_port()
@@ -160,12 +184,12 @@ def main() -> None:
         rows = []
         for name, scenario in scenarios.items():
             overrides = [f"data.datasets=[{{uri: {dataset}}}]", *scenario["overrides"]]
-            rows += run_scenario(name, overrides, scenario["system_config"], f"http://{services.HOST}:{port}", args.steps, root)
+            rows += run_scenario(name, overrides, scenario["system_config"], f"http://{services.HOST}:{port}", args.steps, root, load)
     finally:
         services.stop_process(mlflow.pid)
         services.stop_process(store.pid)
 
-    columns = ["scenario", "event", "detection", "restart", "restore", "reshard", "first step", "steps lost"]
+    columns = ["scenario", "event", "detection", "restart", "restore", "reshard", "first step", "steps lost", "load"]
     print("\n| " + " | ".join(columns) + " |")
     print("|" + "|".join("---" for _ in columns) + "|")
     for row in rows:
