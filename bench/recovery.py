@@ -1,8 +1,9 @@
 """Recovery time on a local fake cluster: kill a node at a known step, then bring it back.
 
-Runs the tiny model on two one-worker nodes twice, side by side: with Ray's default
-timeouts, and with wildtrain's tuned ones. Each scenario gets its own fake cluster (node
-health checks are set when the head starts). Prints one row per interruption:
+Runs the tiny model on two one-worker nodes once per scenario, side by side: wildtrain's
+default config (the goal: shrink and regrow each within 10 s), Ray's own timeouts for
+reference, and tuned variants. Each scenario gets its own fake cluster (node health checks
+are set when the head starts, as `wildtrain up` sets them). Prints one row per interruption:
 
     detection   node killed (or added) → the controller learns of it
     restart     → the new worker group's training function starts
@@ -10,6 +11,8 @@ health checks are set when the head starts). Prints one row per interruption:
     reshard     → conversion to the universal format (world size changed)
     first step  node killed (or added) → first optimizer step at the new size
     steps lost  steps done before the interruption that the restored checkpoint lacked
+    load        the machine's mean 1-minute load average over that recovery (on a shared
+                2-core machine, other people's work moves every column)
 
 Usage: .venv/bin/python bench/recovery.py [--steps 60] [--only "wildtrain tuned"]
 """
@@ -20,6 +23,7 @@ import argparse
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +49,8 @@ from wildtrain.tracking.mlflow_run import read_events  # noqa: E402
 
 WORKER_SLOT = "wildtrain_worker"
 SCENARIOS = {
+    # What a user gets: the config's defaults on a head `wildtrain up` started.
+    "wildtrain defaults": dict(overrides=[], system_config=services.NODE_HEALTH_CHECKS),
     # Ray 2.60's defaults: 60 s worker-group start timeout, 2 s controller poll, 60 s resize
     # checks, node health checks every 3 s with 5 misses allowed.
     "ray defaults": dict(
@@ -69,7 +75,8 @@ SCENARIOS = {
 
 def prepare_tiny(uri: str) -> str:
     """The bundled tiny corpus in the object store, as `make demo` prepares it."""
-    ray.init(num_cpus=2, include_dashboard=False)
+    # "local": a private Ray, never another one running on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     try:
         prepare(PrepareConfig(input=str(REPO / "tests/assets/tiny_corpus.jsonl"),
                               output=uri, rows_per_group=128))
@@ -78,12 +85,14 @@ def prepare_tiny(uri: str) -> str:
     return uri
 
 
-def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path) -> list[dict]:
+def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path,
+                 load: "LoadSampler") -> list[dict]:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "_system_config": system_config})
     for _ in range(2):
         cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
+    progress(f"{name}: fake cluster up (head + 2 worker nodes); training")
     try:
         cfg = load_config([
             "experiment=tiny", f"run.name=recovery-{name.replace(' ', '-')}-{int(time.time())}",
@@ -94,11 +103,14 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
         run = BackgroundRun(cfg)
         run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6", 600)
         killed_at = time.time()
+        progress(f"{name}: step 6 reached; removing a worker node")
         cluster.remove_node(next(iter(cluster.worker_nodes)))
         run.wait_until(lambda h: h and h[-1].value == 1, "a step at world size 1", 600)
         added_at = time.time()
+        progress(f"{name}: training at world size 1 after {added_at - killed_at:.1f} s; adding a worker node")
         cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
         summary = run.join(1200)
+        progress(f"{name}: run finished; reading its events")
         events = read_events(mlflow_url, summary.run_id, tempfile.mkdtemp(dir=root))
     finally:
         ray.shutdown()
@@ -108,6 +120,7 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
     recoveries = [e for e in events if isinstance(e, Recovered)]
     rows = []
     for cause_at, interruption, recovery in zip((killed_at, added_at), interruptions, recoveries):
+        first_step = recovery.recovery_s + interruption.at - cause_at
         rows.append({
             "scenario": name,
             "event": f"{'shrink' if isinstance(interruption, Failure) else 'regrow'} "
@@ -116,10 +129,41 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
             "restart": recovery.restart_s,
             "restore": recovery.restore_s,
             "reshard": recovery.reshard_s,
-            "first step": recovery.recovery_s + interruption.at - cause_at,
+            "first step": first_step,
             "steps lost": recovery.steps_lost,
+            "load": f"{load.mean(cause_at, cause_at + first_step):.1f}",
         })
+    if len(rows) < 2:
+        rows.append({"scenario": name, "event": "regrow: none before the run's last step",
+                     **{c: "-" for c in ("detection", "restart", "restore", "reshard", "first step", "steps lost", "load")}})
+    for row in rows:
+        progress(f"{name}: {row['event']}: first step after {cell(row['first step'])}")
     return rows
+
+
+class LoadSampler:
+    """The machine's 1-minute load average every 2 s, in the background."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while True:
+            self.samples.append((time.time(), os.getloadavg()[0]))
+            time.sleep(2.0)
+
+    def mean(self, start: float, end: float) -> float:
+        during = [load for at, load in self.samples if start <= at <= end] or [os.getloadavg()[0]]
+        return sum(during) / len(during)
+
+
+def cell(value) -> str:
+    return f"{value:.1f} s" if isinstance(value, float) else str(value)
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def main() -> None:
@@ -129,27 +173,27 @@ def main() -> None:
     args = parser.parse_args()
     scenarios = {args.only: SCENARIOS[args.only]} if args.only else SCENARIOS
     root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-recovery-"))
+    load = LoadSampler()
     store = services.start_object_store(root / "objectstore", services.free_port(), "bench")
     os.environ.update(store.env())  # before any cluster starts: its workers inherit it
     port = services.free_port()
     mlflow = services.start_mlflow(root / "mlflow", port)
+    progress(f"object store and MLflow up under {root}; preparing the tiny corpus")
     try:
         dataset = prepare_tiny(f"s3://{store.bucket}/datasets/tiny")
         rows = []
         for name, scenario in scenarios.items():
             overrides = [f"data.datasets=[{{uri: {dataset}}}]", *scenario["overrides"]]
-            rows += run_scenario(name, overrides, scenario["system_config"], f"http://{services.HOST}:{port}", args.steps, root)
+            rows += run_scenario(name, overrides, scenario["system_config"], f"http://{services.HOST}:{port}", args.steps, root, load)
     finally:
         services.stop_process(mlflow.pid)
         services.stop_process(store.pid)
 
-    columns = ["scenario", "event", "detection", "restart", "restore", "reshard", "first step", "steps lost"]
+    columns = ["scenario", "event", "detection", "restart", "restore", "reshard", "first step", "steps lost", "load"]
     print("\n| " + " | ".join(columns) + " |")
     print("|" + "|".join("---" for _ in columns) + "|")
     for row in rows:
-        print("| " + " | ".join(
-            f"{row[c]:.1f} s" if isinstance(row[c], float) else str(row[c]) for c in columns
-        ) + " |")
+        print("| " + " | ".join(cell(row[c]) for c in columns) + " |")
     print("\ndetection: node removed/added → controller knows; restart: → new group's training function starts "
           "(measured from detection); first step: node removed/added → first step at the new size.")
 

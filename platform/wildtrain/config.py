@@ -151,8 +151,11 @@ class ElasticConfig:
     # loaded GCS room; a start that fits but is slow afterwards (actors, runtime env) is not
     # bounded by it.
     worker_start_timeout_s: float = 30.0
-    # How often a healthy, smaller-than-max group checks whether it can grow.
-    resize_check_interval_s: float = 60.0
+    # How often a healthy, smaller-than-max group looks for room to grow (at its next log
+    # step after this). A look is two GCS reads on rank 0, 1.3 ms on this loaded 2-core
+    # machine (measured), so looking every 2 s costs under 0.1% of one process; at 60 s a
+    # node that came back idled 30 s on average before the group noticed it.
+    resize_check_interval_s: float = 2.0
     # How often the controller polls its workers: the delay before a dead worker is
     # noticed, and before a report reaches MLflow. (Measured here: at 0.5 s Ray 2.60's
     # resize monitor never grew a shrunken group back; Ray's default 2 s does.)

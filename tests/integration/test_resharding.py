@@ -177,16 +177,18 @@ def resharded(tmp_path_factory) -> Path:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DS_ACCELERATOR", "cpu")  # the children and the converter inherit it
         _spawn(_train_and_save, 2, str(root))
-        with ThreadPoolExecutor(len(STAGES)) as pool:  # three conversions at once, as they may happen
-            list(pool.map(_convert, [_folder(str(root), stage) for stage in STAGES]))
+        # Three conversions at once, as they may happen; ZeRO-1's (the default) in this
+        # process, as a restarting worker converts.
+        with ThreadPoolExecutor(len(STAGES)) as pool:
+            list(pool.map(_convert, [_folder(str(root), stage) for stage in STAGES], [stage == 1 for stage in STAGES]))
         for world_size in (1, 3):
             _spawn(_load, world_size, str(root))
     return root
 
 
-def _convert(folder: str) -> None:
+def _convert(folder: str, in_process: bool) -> None:
     before = _listing(Path(folder, TAG))
-    assert convert(folder, TAG) == universal_tag(TAG)
+    assert convert(folder, TAG, in_process=in_process) == universal_tag(TAG)
     assert _listing(Path(folder, TAG)) == before, "the original checkpoint was modified"
 
 
@@ -254,19 +256,21 @@ def test_interrupted_conversion_does_not_count_as_converted(resharded, tmp_path)
     assert sorted(os.listdir(folder)) == sorted([TAG, utag, stale.name])  # its own staging folder is gone
 
 
-def test_convert_handles_regex_characters_in_the_path(resharded, tmp_path):
-    # ds_to_universal turns its output path into a regex unescaped; run names may hold `+`.
+@pytest.mark.parametrize("in_process", [False, True])
+def test_convert_handles_regex_characters_in_the_path(resharded, tmp_path, in_process):
+    # ds_to_universal turns its output path into a regex unescaped; staging folders may hold `+`.
     folder = tmp_path / "run+1 (copy)" / "ckpt"
     shutil.copytree(Path(_folder(str(resharded), 1), TAG), folder / TAG)
-    assert convert(str(folder), TAG) == universal_tag(TAG)
+    assert convert(str(folder), TAG, in_process=in_process) == universal_tag(TAG)
     assert is_converted(str(folder), TAG)
 
 
-def test_convert_failure_names_the_checkpoint_and_leaves_nothing_converted(tmp_path, monkeypatch):
+@pytest.mark.parametrize("in_process", [False, True])
+def test_convert_failure_names_the_checkpoint_and_leaves_nothing_converted(tmp_path, monkeypatch, in_process):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     folder = tmp_path / "ckpt"
     (folder / TAG).mkdir(parents=True)
     (folder / TAG / "mp_rank_00_model_states.pt").write_text("not a checkpoint")
     with pytest.raises(RuntimeError, match=re.escape(str(folder / TAG))):
-        convert(str(folder), TAG)
+        convert(str(folder), TAG, in_process=in_process)
     assert os.listdir(folder) == [TAG]

@@ -49,10 +49,11 @@ def find_universal(store: StoreLike, name: str) -> Optional[tuple[str, Checkpoin
 
 
 def convert_in_store(store: StoreLike, name: str, manifest: CheckpointManifest, staging_dir: str, *,
-                     deadline: Optional[float] = None) -> tuple[str, CheckpointManifest]:
+                     deadline: Optional[float] = None, in_process: bool = False) -> tuple[str, CheckpointManifest]:
     """The universal copy of committed checkpoint `name`: found, or made now (downloaded and
     verified into `staging_dir`, converted there, uploaded and committed); its folder and
-    manifest. Raises `CommitError` when the checkpoint's files do not verify."""
+    manifest. Raises `CommitError` when the checkpoint's files do not verify. `in_process`:
+    see `universal.convert`."""
     store = as_store(store)
     found = find_universal(store, name)
     if found is not None:
@@ -64,7 +65,7 @@ def convert_in_store(store: StoreLike, name: str, manifest: CheckpointManifest, 
         fetched = fetch(store, name, manifest.files, str(original), deadline=deadline)
         if fetched.problems:
             raise CommitError(f"cannot convert {store.describe(name)}: " + "; ".join(fetched.problems))
-        utag = universal.convert(str(original), manifest.tag)
+        utag = universal.convert(str(original), manifest.tag, in_process=in_process)
         # What a universal load reads, and nothing of the partitions it was made from.
         copy = staging / "copy"
         copy.mkdir()

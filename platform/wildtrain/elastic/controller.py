@@ -130,9 +130,9 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
     - after a failure that lost a worker's process, wait (at most `node_grace_s`) for Ray to
       mark the group's lost nodes dead; after any failure, refresh the resource view, so
       the restart is sized for what is alive (a refresh that fails is logged, never fatal);
-    - refresh the resource view at the start and every `refresh_interval_s`, so the first
-      group is sized for the nodes there are, and returning capacity is seen at the next
-      resize check;
+    - refresh the resource view at the start, so the first group is sized for the nodes
+      there are (a regrow's restart refreshes it as any restart does; nothing reads it
+      while a group runs, since growing is the workers' decision);
     - leave out the nodes a group's health check failed (`UnhealthyNodes`), for
       `NodeExclusion` to keep later groups off them;
     - end the run when no worker group has run for `capacity_wait_s` (every node gone, say)
@@ -150,7 +150,6 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
         self.budget = FailureBudget(cfg.elastic.max_failures)
         self.capacity = CapacityClock(cfg.elastic.min_workers)
         self.view = ResourceView()
-        self.refresh_interval_s = cfg.elastic.resize_check_interval_s
         self.node_grace_s = node_grace_s
         self.group_nodes: set[str] = set()
         self.record_event = record_event
@@ -159,7 +158,6 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
         # The first group too is sized from the coordinator's copy of the node list, which
         # may be up to 20 s old: nodes that joined just before the submission would be missed.
         self.view.refresh()
-        self.view.refresh_every(self.refresh_interval_s)
 
     def after_worker_group_start(self, worker_group) -> None:
         self.group_nodes = {w.node_id for w in ray_compat.group_workers(worker_group)}

@@ -4,7 +4,6 @@ many workers the others hold, and Ray Train's resource view, kept fresh."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from typing import Callable
 
@@ -53,17 +52,16 @@ def refresh_resource_view() -> None:
     Ray 2.60 sizes worker groups from the AutoscalingCoordinator actor's copy of the node
     list, which it refreshes every 20 s. Without a refresh, a group restarted after a node
     died is sized for the dead node too and waits out a whole worker-group start timeout,
-    and a node that joined waits up to 20 s to be noticed by the resize check. Asking for a
+    and a planned regrow restarts at the old size, without the node that joined. Asking for a
     recomputed reservation refreshes that copy for every requester."""
     ray_compat.refresh_train_resource_view()
 
 
 class ResourceView:
     """Refreshes the resource view (`refresh_resource_view`) without letting a failure end
-    the run or stop the refreshes: a refresh only saves time, since the coordinator refreshes
-    its copy by itself every 20 s. A GCS that times out under load would otherwise end the run
-    from a controller hook, or silently end the refresh thread. Each distinct error is logged
-    once, not once per retry."""
+    the run: a refresh only saves time, since the coordinator refreshes its copy by itself
+    every 20 s. A GCS that times out under load would otherwise end the run from a controller
+    hook. Each distinct error is logged once, not once per retry."""
 
     def __init__(self, refresh: Callable[[], None] = refresh_resource_view) -> None:
         self._refresh = refresh
@@ -82,16 +80,6 @@ class ResourceView:
                 print(f"refreshing Ray's resource view failed ({error}); Ray refreshes it every 20 s "
                       f"by itself and wildtrain keeps retrying", flush=True)
             return False
-
-    def refresh_every(self, interval_s: float) -> threading.Thread:
-        def refresh_forever() -> None:
-            while True:
-                time.sleep(interval_s)
-                self.refresh()
-
-        thread = threading.Thread(target=refresh_forever, name="wildtrain-resource-view", daemon=True)
-        thread.start()
-        return thread
 
 
 def lost_a_worker_process(error: BaseException | None) -> bool:

@@ -46,7 +46,8 @@ def build_and_restore(cfg: Config, plan: BatchPlan, world_size: int, rank: int, 
         copy = None
         if rank == 0:
             try:
-                copy = reshard.convert_in_store(store, candidate.name, candidate.manifest, cfg.checkpoint.staging_dir)
+                copy = reshard.convert_in_store(store, candidate.name, candidate.manifest, cfg.checkpoint.staging_dir,
+                                                in_process=True)
             except Exception as e:  # the candidate is passed over like one that fails verification
                 copy = f"converting it to the universal format failed: {e}"
         copy = collectives.broadcast_object(copy)
