@@ -5,7 +5,7 @@ from ray.train.v2.api.exceptions import WorkerGroupError
 
 from wildtrain.events import HealthCheck, NodeExcluded
 from wildtrain.ray_compat import UserExceptionWithTraceback
-from wildtrain.elastic.nodes import workers_that_fit
+from wildtrain.elastic.nodes import room_for_another_worker, workers_that_fit
 from wildtrain.elastic.signals import PlannedRegrow, UnhealthyNodes, classify_restart
 
 
@@ -75,3 +75,13 @@ def test_an_error_a_restart_cannot_help_ends_the_run_with_its_message():
     shard = classify_restart(_worker_group_error(RunCannotContinue("shard s3://b/d/shard-1.parquet: gone")))
     assert shard.fatal and shard.cause == "shard s3://b/d/shard-1.parquet: gone"
     assert not classify_restart(_worker_group_error(ValueError("bad batch"))).fatal
+
+
+def test_room_to_grow_leaves_the_data_reads_their_cpus():
+    per_worker = {"CPU": 1, "wildtrain_worker": 1}
+    free = {"a": {"CPU": 1.0, "wildtrain_worker": 1.0}, "b": {"CPU": 0.0}}
+    assert not room_for_another_worker(free, per_worker, excluded=set(), keep_free_cpus=1.0), \
+        "the one free CPU is the reads' between two tasks"
+    free["b"]["CPU"] = 1.0
+    assert room_for_another_worker(free, per_worker, excluded=set(), keep_free_cpus=1.0)
+    assert not room_for_another_worker(free, per_worker, excluded={"a"}, keep_free_cpus=1.0), "no worker slot elsewhere"

@@ -40,10 +40,20 @@ def workers_that_fit(nodes: dict[str, dict[str, float]], per_worker: dict[str, f
     )
 
 
-def has_room_for_another_worker(per_worker: dict[str, float], excluded: set[str]) -> bool:
-    """Whether one node that is not excluded has a worker's resources free (Ray has no public
-    per-node view of what is free)."""
-    return workers_that_fit(ray_compat.available_resources_per_node(), per_worker, excluded) > 0
+def has_room_for_another_worker(per_worker: dict[str, float], excluded: set[str], keep_free_cpus: float) -> bool:
+    """`room_for_another_worker` in the cluster as it is now (Ray has no public per-node view
+    of what is free)."""
+    return room_for_another_worker(ray_compat.available_resources_per_node(), per_worker, excluded, keep_free_cpus)
+
+
+def room_for_another_worker(free: dict[str, dict[str, float]], per_worker: dict[str, float], excluded: set[str],
+                            keep_free_cpus: float) -> bool:
+    """Whether one node that is not excluded has a worker's resources free (node id →
+    resources free) and the cluster keeps `keep_free_cpus` CPUs free beside it: the CPUs
+    Ray Data's reads need, free for a moment between two read tasks. A group grown into
+    them would wait on its data forever."""
+    spare_cpus = sum(resources.get("CPU", 0.0) for resources in free.values()) - per_worker.get("CPU", 0.0)
+    return workers_that_fit(free, per_worker, excluded) > 0 and spare_cpus >= keep_free_cpus
 
 
 def refresh_resource_view() -> None:

@@ -13,10 +13,12 @@ class GrowthCheck:
     every `interval_s` (on a node not left out of the run), and every rank learns the answer
     at the same step: each rank calls `room_now` at the same steps."""
 
-    def __init__(self, below_max: bool, rank: int, per_worker: dict, interval_s: float, run_name: str) -> None:
+    def __init__(self, below_max: bool, rank: int, per_worker: dict, interval_s: float, run_name: str,
+                 data_cpus: float) -> None:
         self.below_max = below_max
         self.rank = rank
         self.per_worker = per_worker
+        self.data_cpus = data_cpus
         self.interval_s = interval_s
         self.run_name = run_name
         self.next_look = time.monotonic() + interval_s
@@ -27,5 +29,5 @@ class GrowthCheck:
         room = False
         if self.rank == 0 and time.monotonic() >= self.next_look:
             self.next_look = time.monotonic() + self.interval_s
-            room = has_room_for_another_worker(self.per_worker, excluded_nodes(self.run_name))
+            room = has_room_for_another_worker(self.per_worker, excluded_nodes(self.run_name), self.data_cpus)
         return collectives.broadcast_flag(room)

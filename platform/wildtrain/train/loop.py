@@ -27,6 +27,7 @@ from wildtrain.config import Config
 from wildtrain.data.dataset import OpenedData
 from wildtrain.data.manifest import ShardCorrupt
 from wildtrain.data.stream import RankStream
+from wildtrain.elastic.scaling import data_cpus
 from wildtrain.elastic.signals import FinalCheckpointFailed, PlannedRegrow, RunCannotContinue, UnhealthyNodes
 from wildtrain.events import RegrowPostponed
 from wildtrain.layout import RunLayout, checkpoint_stores
@@ -121,7 +122,7 @@ class Attempt:
         # A drill (chaos.*), off by default.
         self.slow_forward_s = cfg.chaos.slow_step_s if self.monitor.slowed_by_chaos else 0.0
         self.growth = GrowthCheck(world_size < cfg.elastic.max_workers, rank, inputs.worker_resources,
-                                  cfg.elastic.resize_check_interval_s, cfg.run.name)
+                                  cfg.elastic.resize_check_interval_s, cfg.run.name, data_cpus(cfg))
 
     def step(self) -> Due:
         """One optimizer step; what it is due for."""
