@@ -35,6 +35,10 @@ TRAINING_METRICS = (
     "time/data_wait_s", "time/forward_s", "time/backward_s", "time/optimizer_s", "time/checkpoint_stall_s",
 )
 
+# An attempt's first report: where its start-up went (bench/startup.py), logged as startup/<key>.
+STARTUP_METRICS = ("worker_started_at", "attempt_started_at", "health_checked_at", "restored_at", "engine_build_s",
+                   "first_step_at")
+
 # MLflow caps a batch at 100 params and a param value at 6000 characters.
 _PARAMS_PER_BATCH = 100
 
@@ -289,6 +293,7 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
         recovery = self.timeline.reported(reported)
         values = {key: value for key, value in reported.items()
                   if (key in TRAINING_METRICS or key.startswith("checkpoint/")) and isinstance(value, (int, float))}
+        values |= {f"startup/{key}": reported[key] for key in STARTUP_METRICS if key in reported}
         if recovery is not None:
             values |= {f"elastic/{key}": value for key, value in asdict(recovery).items() if isinstance(value, (int, float))}
             self._log_event(self.timeline.events[-1], step)

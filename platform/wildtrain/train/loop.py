@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+import psutil
 import ray.train
 import ray.train.torch
 import torch
@@ -68,8 +69,10 @@ def train_loop(config: dict) -> None:
     monitor = _Monitor(cfg, rank, world_size, device)
     if monitor.unhealthy_nodes:
         raise UnhealthyNodes(monitor.unhealthy_nodes, monitor.take_events())
+    health_checked = time.time()
     stores = checkpoint_stores(cfg)
     engine, state, restored = _build_and_restore(cfg, plan, world_size, rank, stores)
+    restored_at = time.time()
     restored_step = state.step
     state.world_size = world_size
     saver = AsyncSaver(
@@ -144,10 +147,13 @@ def train_loop(config: dict) -> None:
                 monitor.export(metrics)
             events = monitor.take_events()
             if first_of_attempt:
-                # What the controller needs to split this attempt's recovery time into its parts.
+                # What the controller needs to split this attempt's recovery (and start-up) time into its parts.
                 metrics |= restored.timing | {
                     "restored_step": restored_step,
+                    "worker_started_at": psutil.Process().create_time(),
                     "attempt_started_at": attempt_started,
+                    "health_checked_at": health_checked,
+                    "restored_at": restored_at,
                     "first_step_at": time.time(),
                 }
                 events += restored.events
@@ -177,7 +183,7 @@ def checkpoint_stores(cfg: Config) -> list[Store]:
 @dataclass
 class _Restored:
     candidate: Optional[Candidate]
-    timing: dict  # restore_s, reshard_s: the controller splits the recovery time with them
+    timing: dict  # restore_s, reshard_s, engine_build_s: the controller splits the recovery time with them
     events: list[dict]  # committed checkpoints passed over, and why
 
 
@@ -187,6 +193,14 @@ def _build_and_restore(cfg: Config, plan, world_size: int, rank: int, stores: li
     universal copy in the store, which rank 0 makes unless the controller made it ahead."""
     started = time.perf_counter()
     reshard_s = 0.0
+    engine_build_s = 0.0
+
+    def new_engine(load_universal: bool = False):
+        nonlocal engine_build_s
+        building = time.perf_counter()
+        engine = build_engine(cfg, plan, build_model(cfg, plan), load_universal=load_universal)
+        engine_build_s = time.perf_counter() - building
+        return engine
 
     def universal_copy(store: Store, candidate: Candidate):
         nonlocal reshard_s
@@ -209,17 +223,18 @@ def _build_and_restore(cfg: Config, plan, world_size: int, rank: int, stores: li
                            listing=lambda list_them: collectives.broadcast_object(list_them() if rank == 0 else None),
                            universal_copy=universal_copy)
         if restored is None:
-            engine = build_engine(cfg, plan, build_model(cfg, plan))
-            return engine, TrainState(world_size=world_size), _Restored(None, {"restore_s": 0.0, "reshard_s": 0.0}, [])
+            engine = new_engine()
+            return engine, TrainState(world_size=world_size), _Restored(
+                None, {"restore_s": 0.0, "reshard_s": 0.0, "engine_build_s": engine_build_s}, [])
         events = [{"event": "checkpoint_fallback", "at": time.time(), "store": s.store, "checkpoint": s.name,
                    "step": s.step, "reason": s.reason} for s in restored.skipped]
         state = TrainState.from_json(checkpoint.read_client_state(restored.folder))
         universal_load = needs_universal(restored.manifest, world_size)
-        engine = build_engine(cfg, plan, build_model(cfg, plan), load_universal=universal_load)
+        engine = new_engine(load_universal=universal_load)
         (universal.load if universal_load else checkpoint.load)(engine, restored.folder, restored.manifest.tag)
     finally:
         shutil.rmtree(local, ignore_errors=True)
-    timing = {"restore_s": time.perf_counter() - started - reshard_s, "reshard_s": reshard_s}
+    timing = {"restore_s": time.perf_counter() - started - reshard_s, "reshard_s": reshard_s, "engine_build_s": engine_build_s}
     return engine, state, _Restored(restored.candidate, timing, events)
 
 
