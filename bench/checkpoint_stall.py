@@ -50,7 +50,7 @@ from wildtrain.checkpoint.manifest import (  # noqa: E402
 )
 from wildtrain.config import config_hash, load_config  # noqa: E402
 from wildtrain.batching import batch_plan  # noqa: E402
-from wildtrain.engine import build_engine  # noqa: E402
+from wildtrain.engine import build_engine, import_deepspeed  # noqa: E402
 from wildtrain.model import Transformer, param_count  # noqa: E402
 
 
@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--store", default=None, help="checkpoint store URI (default: a temporary local folder)")
     args = parser.parse_args()
 
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     deepspeed.init_distributed(dist_backend="nccl" if ON_CUDA else "gloo", verbose=False)
     cfg = load_config(["model=125m", f"data.seq_len={args.seq_len}", "train.global_batch_size=1",

@@ -48,7 +48,7 @@ from wildtrain.batching import batch_plan  # noqa: E402
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta  # noqa: E402
 from wildtrain.checkpoint.manifest import Store, restore  # noqa: E402
 from wildtrain.config import load_config  # noqa: E402
-from wildtrain.engine import build_engine, build_model  # noqa: E402
+from wildtrain.engine import build_engine, build_model, import_deepspeed  # noqa: E402
 from wildtrain.model import flops_per_token, param_count  # noqa: E402
 from wildtrain.train.step import DeviceBatches, StepMetrics, train_step  # noqa: E402
 
@@ -152,7 +152,7 @@ def run_stage(stage: int, work: Path) -> dict:
 
 
 def main() -> int:
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     if ON_CUDA:
         torch.cuda.set_device(0)

@@ -58,7 +58,7 @@ from wildtrain.batching import batch_plan  # noqa: E402
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta  # noqa: E402
 from wildtrain.checkpoint.manifest import Store  # noqa: E402
 from wildtrain.config import Config, load_config  # noqa: E402
-from wildtrain.engine import build_engine, build_model, lr_at  # noqa: E402
+from wildtrain.engine import build_engine, build_model, import_deepspeed, lr_at  # noqa: E402
 from wildtrain.model import Transformer, flops_per_token, param_count  # noqa: E402
 from wildtrain.tracking.mfu import Peak, mfu, peak_flops  # noqa: E402
 from wildtrain.train.step import DeviceBatches, StepMetrics, train_step  # noqa: E402
@@ -216,7 +216,7 @@ def checkpoint_stall(engine, cfg: Config) -> None:
 
 
 def main() -> int:
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     if ON_CUDA:
         torch.cuda.set_device(DEVICE)
