@@ -90,9 +90,14 @@ def choose_ray_address(configured: Optional[str], environ_address: Optional[str]
 
 
 def ray_address(configured: Optional[str], state_dir: Path = DEFAULT_STATE_DIR) -> str:
+    return choose_ray_address(configured, os.environ.get("RAY_ADDRESS"), _recorded_address(state_dir),
+                              state_dir / "services.json")
+
+
+def _recorded_address(state_dir: Path) -> Optional[str]:
+    """The head `wildtrain up` started, if it did."""
     state_file = state_dir / "services.json"
-    recorded = json.loads(state_file.read_text())["ray_address"] if state_file.is_file() else None
-    return choose_ray_address(configured, os.environ.get("RAY_ADDRESS"), recorded, state_file)
+    return json.loads(state_file.read_text())["ray_address"] if state_file.is_file() else None
 
 
 def is_loopback(address: str) -> bool:
@@ -100,15 +105,18 @@ def is_loopback(address: str) -> bool:
 
 
 def prepare_ray_client(configured: Optional[str], state_dir: Path = DEFAULT_STATE_DIR) -> None:
-    """Let this process reach the head the run will join where that is a loopback-only one;
-    call before Ray is imported. Where there is no head to join, the driver says so, after
-    the checks a user should hear about first (data, MLflow)."""
+    """Let this process reach the head the run will join where that is a loopback-only one
+    or `wildtrain up`'s (which requires Ray's token authentication); call before Ray is
+    imported, which reads both settings once. Where there is no head to join, the driver
+    says so, after the checks a user should hear about first (data, MLflow)."""
     try:
         address = ray_address(configured, state_dir)
     except ServiceError:
         return
     if is_loopback(address):
         os.environ.update(LOOPBACK_ONLY_ENV)
+    if address == _recorded_address(state_dir):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 @dataclass
