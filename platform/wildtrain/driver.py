@@ -9,6 +9,7 @@ reopens its MLflow run and continues from its newest checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -158,7 +159,8 @@ def _connect_ray(cfg: Config) -> Optional[str]:
     """Join the chosen cluster (see `services.choose_ray_address`) unless this process already
     has (a test fixture, a caller with its own `ray.init`); the dashboard URL."""
     if not ray.is_initialized():
-        ray.init(address=services.ray_address(cfg.cluster.ray_address))
+        # Ray's INFO lines say it is connecting and where the dashboard is: printed by the run.
+        ray.init(address=services.ray_address(cfg.cluster.ray_address), logging_level=logging.WARNING)
     url = ray_compat.dashboard_url()
     if not url:
         return None

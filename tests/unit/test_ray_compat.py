@@ -3,6 +3,7 @@ a Ray upgrade that moves one fails here, in seconds."""
 
 import dataclasses
 import inspect
+import logging
 
 from ray._private import state as private_state
 from ray._private import worker as private_worker
@@ -50,3 +51,22 @@ def test_controller_states_carry_the_name_state_name_reads():
 def test_workers_carry_what_group_workers_reads():
     fields = {f.name for f in dataclasses.fields(Worker)}
     assert {"distributed_context", "metadata"} <= fields
+
+
+def test_ray_data_info_lines_and_progress_bar_notice_leave_the_console_and_stay_in_the_log_file():
+    ray_compat.quiet_ray_data()
+    ray_compat.quiet_ray_data()  # each attempt's workers call it
+    handlers = logging.getLogger("ray.data").handlers
+    [console] = [h for h in handlers if h.name == "console"]
+    assert console.level == logging.WARNING and len(console.filters) == 2  # Ray Data's own, and ours
+    files = [h for h in handlers if h.name == "file"]
+    assert files and all(h.level < logging.INFO for h in files)
+
+    def shown(level: int, message: str) -> bool:
+        record = logging.getLogger("ray.data._internal.progress").makeRecord(
+            "ray.data._internal.progress", level, __file__, 0, message, (), None)
+        return record.levelno >= console.level and bool(console.filter(record))
+
+    assert not shown(logging.INFO, "Starting execution of Dataset dataset_0")
+    assert not shown(logging.WARNING, "Progress bars disabled. To enable, set `ray.data.DataContext...`")
+    assert shown(logging.WARNING, "Ray Data cannot schedule its read tasks: no CPUs left")

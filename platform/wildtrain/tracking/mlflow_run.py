@@ -54,6 +54,14 @@ class TrackingError(RuntimeError):
     pass
 
 
+def quiet_mlflow() -> None:
+    """No MLflow console output in this process unless the user asked for it: a progress
+    bar per artifact download (the events a report reads) and the run's address when it
+    ends, which the driver printed at its start. MLflow reads both at each call."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+
+
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
     if not uri.startswith(("http://", "https://")):
         return

@@ -53,6 +53,7 @@ def train_loop(config: dict) -> None:
     # DeepSpeed's ZeRO calls a deprecated collective once per step; the warning says nothing new.
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     ray_compat.quiet_report_log()
+    ray_compat.quiet_ray_data()
     context = ray.train.get_context()
     world_size, rank = context.get_world_size(), context.get_world_rank()
     plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
