@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from progress import say
 from wildtrain import services
 
 # Ray reads its authentication mode once, on import: the fake clusters use tokens, as
@@ -34,7 +35,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from wildtrain.chaos import BackgroundRun  # noqa: E402
 from wildtrain.config import load_config  # noqa: E402
 from wildtrain.data.prepare import PrepareConfig, prepare  # noqa: E402
-from wildtrain.tracking.mlflow_run import read_events  # noqa: E402
+from wildtrain.tracking.mlflow_run import quiet_mlflow, read_events  # noqa: E402
 
 WORKER_SLOT = "wildtrain_worker"
 SCENARIOS = {
@@ -72,6 +73,7 @@ def prepare_tiny(uri: str) -> str:
 
 
 def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path) -> list[dict]:
+    say(f"{name}: starting a fake cluster of a head and two one-worker nodes")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "_system_config": system_config})
     for _ in range(2):
         cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
@@ -84,14 +86,18 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
             f"train.steps={steps}", "train.log_every=1", "train.checkpoint_every=4",
             f"cluster.worker_resources.{WORKER_SLOT}=1", *overrides,
         ])
+        say(f"{name}: training {steps} steps at world size 2")
         run = BackgroundRun(cfg)
         run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6", 600)
+        say(f"{name}: step 6 reached; removing a node, waiting for a step at world size 1")
         killed_at = time.time()
         cluster.remove_node(next(iter(cluster.worker_nodes)))
         run.wait_until(lambda h: h and h[-1].value == 1, "a step at world size 1", 600)
+        say(f"{name}: training at world size 1; adding the node back, waiting for the run to end")
         added_at = time.time()
         cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
         summary = run.join(1200)
+        say(f"{name}: run finished; reading its events")
         events = read_events(mlflow_url, summary.run_id, tempfile.mkdtemp(dir=root))
     finally:
         ray.shutdown()
@@ -120,13 +126,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--only", choices=sorted(SCENARIOS), help="run this scenario alone")
     args = parser.parse_args()
+    quiet_mlflow()
     scenarios = {args.only: SCENARIOS[args.only]} if args.only else SCENARIOS
     root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-recovery-"))
+    say(f"starting an object store and an MLflow server in {root}")
     store = services.start_object_store(root / "objectstore", services.free_port(), "bench")
     os.environ.update(store.env())  # before any cluster starts: its workers inherit it
     port = services.free_port()
     mlflow = services.start_mlflow(root / "mlflow", port)
     try:
+        say("preparing the tiny corpus")
         dataset = prepare_tiny(f"s3://{store.bucket}/datasets/tiny")
         rows = []
         for name, scenario in scenarios.items():

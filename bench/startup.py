@@ -26,6 +26,7 @@ Usage: .venv/bin/python bench/startup.py [--steps 10]
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -34,16 +35,13 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
+from progress import say
 from wildtrain import services
-from wildtrain.tracking.mlflow_run import read_events
+from wildtrain.tracking.mlflow_run import quiet_mlflow, read_events
 from wildtrain.tracking.report import find_run
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ["driver up", "group started", "imports", "health check", "restore", "engine build", "data start", "first step"]
-
-
-def say(message: str) -> None:
-    print(message, flush=True)
 
 
 def timed(command: list[str], cwd: Path, log: Path, env: dict[str, str]) -> float:
@@ -94,12 +92,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="train.steps of each run (the demo's: 60)")
     args = parser.parse_args()
+    quiet_mlflow()
     root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-startup-"))
     ports = {name: services.free_port() for name in ("ray", "dashboard", "mlflow", "object-store")}
     uri = f"http://{services.HOST}:{ports['mlflow']}"
-    env = {**services.token_auth_env(), "PYTHONUNBUFFERED": "1",
-           # The workers inherit it from the head: the JIT builds of a fresh machine, if any.
-           "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}
+    # A user's environment, plus an empty torch extensions cache for the head, which its
+    # workers inherit: the C++ builds of a fresh machine, if any.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}
     wildtrain = [sys.executable, "-m", "wildtrain"]
     demo: dict[str, float] = {}
     runs: dict[str, dict[str, float]] = {}
@@ -124,10 +123,12 @@ def main() -> None:
         say("stopping the services")
         subprocess.run(wildtrain + ["down"], cwd=root, env=env, capture_output=True)
 
-    say("\n" + table(["demo command", "seconds"], [[name, f"{s:.1f}"] for name, s in demo.items()]))
-    say("\n" + table(["phase", *runs], [[phase, *(f"{runs[kind][phase]:.1f}" for kind in runs)]
-                                        for phase in PHASES + ["total"]]))
-    say("\nseconds; the phases add up to total: submit → the first step's end.")
+    print("\n" + table(["demo command", "seconds"], [[name, f"{s:.1f}"] for name, s in demo.items()]), flush=True)
+    print("\n" + table(["phase", *runs], [[phase, *(f"{runs[kind][phase]:.1f}" for kind in runs)]
+                                          for phase in PHASES + ["total"]]))
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\nseconds; the phases add up to total: submit → the first step's end. Load average at the end "
+          f"(1/5/15 min, {os.cpu_count()} cores): {load}", flush=True)
 
 
 if __name__ == "__main__":
