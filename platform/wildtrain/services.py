@@ -12,6 +12,7 @@ the same `start_*` functions on free ports.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -484,13 +486,18 @@ def up(state_dir: Path = DEFAULT_STATE_DIR, ray_ports: RayPorts = RayPorts(), ml
     num_cpus = num_cpus or max(4, os.cpu_count() or 1)
     ports = ray_ports.chosen()
     temp_dir = Path(tempfile.mkdtemp(prefix="wildtrain-ray-"))
-    try:
-        ray_address = start_ray_head(ports, num_cpus, temp_dir, env=store.env())
-        mlflow = start_mlflow(state_dir / "mlflow", mlflow_port)
-    except ServiceError:
-        stop_ray_head(temp_dir, f"{HOST}:{ports.gcs}")
-        stop_process(store.pid)
-        raise
+    # MLflow's server and Ray's head need nothing of each other: each starts while the other does.
+    with ThreadPoolExecutor(1) as pool:
+        mlflow_starting = pool.submit(start_mlflow, state_dir / "mlflow", mlflow_port)
+        try:
+            ray_address = start_ray_head(ports, num_cpus, temp_dir, env=store.env())
+            mlflow = mlflow_starting.result()
+        except ServiceError:
+            stop_ray_head(temp_dir, f"{HOST}:{ports.gcs}")
+            stop_process(store.pid)
+            with contextlib.suppress(ServiceError):
+                stop_process(mlflow_starting.result().pid)
+            raise
     services = Services(
         ray_address=ray_address,
         dashboard_url=f"http://{HOST}:{ports.dashboard}",
