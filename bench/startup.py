@@ -1,6 +1,10 @@
 """Where start-up goes: from submitting `wildtrain train experiment=tiny` to its first
 optimizer step, on a new stack (cold) and again on the same stack (warm).
 
+First, on its own, DeepSpeed's comm start in a process group of one on CPU as DeepSpeed
+does it (JIT-building its shared-memory op, with an empty and then a filled torch extensions
+cache) against `wildtrain.engine.import_deepspeed`'s, which builds nothing.
+
 Does what `make demo` does after its install, in a temporary folder and on free ports, so a
 stack already running here is left alone: `wildtrain up` (with an empty torch extensions
 cache for its workers, as on a fresh machine), `data_pipelines/prepare.py`, then the demo's
@@ -41,6 +45,17 @@ from wildtrain.tracking.mlflow_run import quiet_mlflow, read_events
 from wildtrain.tracking.report import find_run
 
 REPO = Path(__file__).resolve().parents[1]
+COMM_START = """
+import sys, time
+started = time.perf_counter()
+if sys.argv[1] == "wildtrain":
+    from wildtrain.engine import import_deepspeed
+    deepspeed = import_deepspeed()
+else:
+    import deepspeed
+deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+print(time.perf_counter() - started)
+"""
 PHASES = ["driver up", "group started", "imports", "health check", "restore", "engine build", "data start", "first step"]
 
 
@@ -52,6 +67,16 @@ def timed(command: list[str], cwd: Path, log: Path, env: dict[str, str]) -> floa
     if done.returncode != 0:
         sys.exit(f"{' '.join(command)} failed ({done.returncode}); its output: {log}")
     return time.time() - started
+
+
+def comm_start_s(how: str, extensions: Path) -> float:
+    """Seconds from importing DeepSpeed to its comm backend started, in a new process."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(extensions), "MASTER_ADDR": services.HOST,
+           "MASTER_PORT": str(services.free_port()), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    done = subprocess.run([sys.executable, "-c", COMM_START, how], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"DeepSpeed's comm start ({how}) failed:\n{done.stderr[-2000:]}")
+    return float(done.stdout.split()[-1])
 
 
 def start_up_phases(uri: str, run_name: str, submitted: float, folder: Path) -> dict[str, float]:
@@ -100,9 +125,19 @@ def main() -> None:
     # workers inherit: the C++ builds of a fresh machine, if any.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}
     wildtrain = [sys.executable, "-m", "wildtrain"]
+    say(f"bench/startup.py: working in {root}; each command's output goes to a .log file there")
+    comm = {}
+    for label, how, cache in (("DeepSpeed, empty extensions cache", "deepspeed", "empty"),
+                              ("DeepSpeed, filled extensions cache", "deepspeed", "empty"),
+                              ("wildtrain (import_deepspeed)", "wildtrain", "wildtrain")):
+        say(f"DeepSpeed's comm start: {label}")
+        comm[label] = comm_start_s(how, root / f"torch_extensions-{cache}")
+    print("\n" + table(["DeepSpeed's comm start, CPU", "seconds", "ratio to DeepSpeed's, empty cache"],
+                       [[label, f"{s:.1f}", f"{s / comm['DeepSpeed, empty extensions cache']:.2f}"]
+                        for label, s in comm.items()]) + "\n", flush=True)
+
     demo: dict[str, float] = {}
     runs: dict[str, dict[str, float]] = {}
-    say(f"bench/startup.py: working in {root}; each command's output goes to a .log file there")
     try:
         say(f"starting the services (wildtrain up, MLflow on {uri})")
         demo["wildtrain up"] = timed(
