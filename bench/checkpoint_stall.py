@@ -31,9 +31,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from progress import STARTED, say  # first: its clock starts with the script
 from wildtrain import services
 
-SCRIPT_STARTED = time.perf_counter()
 CUDA_REQUESTED = os.environ.get("DS_ACCELERATOR") != "cpu"
 import torch  # noqa: E402
 
@@ -50,7 +50,7 @@ from wildtrain.checkpoint.restore import restore  # noqa: E402
 from wildtrain.checkpoint.store import Store, commit, commit_when_complete, upload, write_part  # noqa: E402
 from wildtrain.config import config_hash, load_config  # noqa: E402
 from wildtrain.batching import batch_plan  # noqa: E402
-from wildtrain.engine import build_engine  # noqa: E402
+from wildtrain.engine import build_engine, import_deepspeed  # noqa: E402
 from wildtrain.model import Transformer, param_count  # noqa: E402
 
 
@@ -72,7 +72,8 @@ def main() -> None:
     parser.add_argument("--store", default=None, help="checkpoint store URI (default: a temporary local folder)")
     args = parser.parse_args()
 
-    import deepspeed
+    say(f"starting DeepSpeed on a process group of one ({'nccl' if ON_CUDA else 'gloo'}), building the 125M engine")
+    deepspeed = import_deepspeed()
 
     deepspeed.init_distributed(dist_backend="nccl" if ON_CUDA else "gloo", verbose=False)
     cfg = load_config(["model=125m", f"data.seq_len={args.seq_len}", "train.global_batch_size=1",
@@ -96,15 +97,16 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="wildtrain-bench-ckpt-"))
     store = Store.from_uri(args.store or str(work / "store"))
-    print(f"{param_count(cfg.model) / 1e6:.0f}M parameters, ZeRO-1, 1 rank, {'CUDA' if ON_CUDA else 'CPU'} "
-          f"({torch.get_num_threads()} threads); store {store.uri}", flush=True)
+    say(f"{param_count(cfg.model) / 1e6:.0f}M parameters, ZeRO-1, 1 rank, {'CUDA' if ON_CUDA else 'CPU'} "
+        f"({torch.get_num_threads()} threads); store {store.uri}; 2 warm-up steps")
     for _ in range(2):  # warm-up: allocate the optimizer state
         step()
-    print(f"setup {time.perf_counter() - SCRIPT_STARTED:.0f} s", flush=True)
+    say(f"setup {time.perf_counter() - STARTED:.0f} s")
 
     rows = [*run_sync(engine, cfg, store, work, step, args), run_async(engine, cfg, store, work, step, args)]
     print_table(rows)
 
+    say("restoring the newest checkpoint")
     local = work / "restore"
     started = time.perf_counter()
     restored = restore([store], str(local), rank=0, world_size=1)
@@ -124,6 +126,7 @@ def _meta(engine, cfg, step: int) -> CheckpointMeta:
 def run_sync(engine, cfg, store: Store, work: Path, step, args) -> tuple[Row, Row]:
     """The blocking save, and within it the part that a design which only uploads in the
     background would still block on: DeepSpeed's own save to a local folder."""
+    say(f"sync: {args.saves} blocking saves, {args.steps_between} steps before each")
     stalls, local_stalls, sizes, base = [], [], [], []
     for i in range(args.saves):
         base += [step() for _ in range(args.steps_between)]
@@ -146,14 +149,14 @@ def run_sync(engine, cfg, store: Store, work: Path, step, args) -> tuple[Row, Ro
         stalls.append(time.perf_counter() - started)
         sizes.append(sum(f.bytes for f in files))
         shutil.rmtree(folder)
-        print(f"  sync save {i + 1}: stall {stalls[-1]:.2f} s, "
-              f"of which DeepSpeed's local save {local_stalls[-1]:.2f} s", flush=True)
+        say(f"  sync save {i + 1}: stall {stalls[-1]:.2f} s, of which DeepSpeed's local save {local_stalls[-1]:.2f} s")
     step_s = statistics.mean(base)
     return (Row("sync", stalls, stalls, max(sizes), step_s, step_s),
             Row("local", local_stalls, stalls, max(sizes), step_s, step_s))
 
 
 def run_async(engine, cfg, store: Store, work: Path, step, args) -> Row:
+    say(f"async: {args.saves} background saves, training on while each runs")
     saver = AsyncSaver([store], str(work / "staging-async"), rank=0, world_size=1, attempt="async")
     stalls, saves, sizes, base, during = [], [], [], [], []
     try:
@@ -172,8 +175,8 @@ def run_async(engine, cfg, store: Store, work: Path, step, args) -> Row:
             stalls.append(outcome.stall_s)
             saves.append(outcome.stall_s + outcome.background_s)
             sizes.append(outcome.bytes)
-            print(f"  async save {i + 1}: stall {outcome.stall_s:.2f} s, committed after {saves[-1]:.2f} s "
-                  f"({time.perf_counter() - started:.2f} s wall with steps)", flush=True)
+            say(f"  async save {i + 1}: stall {outcome.stall_s:.2f} s, committed after {saves[-1]:.2f} s "
+                f"({time.perf_counter() - started:.2f} s wall with steps)")
     finally:
         saver.close()
     return Row("async", stalls, saves, max(sizes), statistics.mean(base), statistics.mean(during or base))

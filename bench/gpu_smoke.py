@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-STARTED = time.perf_counter()
+from progress import STARTED, say  # first: its clock starts with the script
 
 
 def _args() -> argparse.Namespace:
@@ -49,13 +49,9 @@ from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta  # noqa: 
 from wildtrain.checkpoint.restore import restore  # noqa: E402
 from wildtrain.checkpoint.store import Store  # noqa: E402
 from wildtrain.config import load_config  # noqa: E402
-from wildtrain.engine import build_engine, build_model  # noqa: E402
+from wildtrain.engine import build_engine, build_model, import_deepspeed  # noqa: E402
 from wildtrain.model import flops_per_token, param_count  # noqa: E402
 from wildtrain.train.step import DeviceBatches, StepMetrics, train_step  # noqa: E402
-
-
-def say(message: str) -> None:
-    print(f"[{time.perf_counter() - STARTED:6.1f} s] {message}", flush=True)
 
 
 def snapshot(engine) -> dict:
@@ -97,6 +93,7 @@ def run_stage(stage: int, work: Path) -> dict:
                        f"train.steps={max(ARGS.steps, 1)}", "optim.warmup_steps=2", "elastic.min_workers=1",
                        "elastic.max_workers=1"])
     plan = batch_plan(batch, batch, 1)
+    say(f"ZeRO-{stage}: building the engine")
     torch.manual_seed(0)
     engine = build_engine(cfg, plan, build_model(cfg, plan))
     say(f"ZeRO-{stage}: {preset} ({param_count(cfg.model) / 1e6:.1f}M parameters), batch {batch}x{seq_len}, "
@@ -119,6 +116,7 @@ def run_stage(stage: int, work: Path) -> dict:
             say(f"  step {step}: loss {metrics['loss']:.3f}, {metrics['step_time_s'] * 1e3:.0f} ms/step, "
                 f"{metrics['tokens_per_s']:.0f} tokens/s")
 
+    say("  saving in the background")
     store = Store.from_uri(str(work / f"store-zero{stage}"))
     saver = AsyncSaver([store], str(work / f"staging-zero{stage}"), rank=0, world_size=1, attempt="smoke")
     meta = CheckpointMeta(step=engine.global_steps, tag=f"step_{engine.global_steps}", world_size=1,
@@ -136,6 +134,7 @@ def run_stage(stage: int, work: Path) -> dict:
     if ON_CUDA:
         torch.cuda.empty_cache()
 
+    say("  restoring into a new engine")
     started = time.perf_counter()
     restored = restore([store], str(work / f"restore-zero{stage}"), rank=0, world_size=1)
     torch.manual_seed(1)  # another init: a load that restored nothing would show
@@ -153,7 +152,8 @@ def run_stage(stage: int, work: Path) -> dict:
 
 
 def main() -> int:
-    import deepspeed
+    say(f"starting DeepSpeed on a process group of one ({'nccl' if ON_CUDA else 'gloo'})")
+    deepspeed = import_deepspeed()
 
     if ON_CUDA:
         torch.cuda.set_device(0)

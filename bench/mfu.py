@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-STARTED = time.perf_counter()
+from progress import STARTED, say  # first: its clock starts with the script
 
 
 def _args() -> argparse.Namespace:
@@ -58,7 +58,7 @@ from wildtrain.batching import batch_plan  # noqa: E402
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta  # noqa: E402
 from wildtrain.checkpoint.store import Store  # noqa: E402
 from wildtrain.config import Config, load_config  # noqa: E402
-from wildtrain.engine import build_engine, build_model, lr_at  # noqa: E402
+from wildtrain.engine import build_engine, build_model, import_deepspeed, lr_at  # noqa: E402
 from wildtrain.model import Transformer, flops_per_token, param_count  # noqa: E402
 from wildtrain.tracking.mfu import Peak, mfu, peak_flops  # noqa: E402
 from wildtrain.train.step import DeviceBatches, StepMetrics, train_step  # noqa: E402
@@ -68,10 +68,6 @@ SEQ_LEN = ARGS.seq_len or (2048 if ON_CUDA else 64)
 BATCH = ARGS.batch or (8 if ON_CUDA else 2)
 WARMUP = ARGS.warmup if ARGS.warmup is not None else (5 if ON_CUDA else 1)
 COMPILE = not ARGS.no_compile and ON_CUDA  # compiling on CPU costs more than a few steps gain
-
-
-def say(message: str) -> None:
-    print(f"[{time.perf_counter() - STARTED:6.1f} s] {message}", flush=True)
 
 
 @dataclass
@@ -112,6 +108,7 @@ def ours(preset: str, peak: Peak):
     """Our engine's row, and the engine (for the checkpoint stall)."""
     cfg = _config(preset)
     plan = batch_plan(BATCH, BATCH, 1)
+    say("  wildtrain: building the DeepSpeed engine")
     _reset_memory()
     torch.manual_seed(0)
     engine = build_engine(cfg, plan, build_model(cfg, plan))
@@ -129,6 +126,7 @@ def ours(preset: str, peak: Peak):
 
 
 def plain(preset: str, peak: Peak) -> Row:
+    say(f"  plain: the same model in plain PyTorch{', compiling' if COMPILE else ''}")
     cfg = _config(preset)
     _reset_memory()
     torch.manual_seed(0)
@@ -178,6 +176,7 @@ def _sync() -> None:
 def checkpoint_stall(engine, cfg: Config) -> None:
     """The training thread's stall per AsyncSaver capture of the whole state, against one
     device-to-host copy of as many bytes into pinned memory: the floor a capture can reach."""
+    say(f"checkpoint stall: {ARGS.saves} saves of {cfg.model.name}'s full state")
     work = Path(tempfile.mkdtemp(prefix="wildtrain-bench-mfu-"))
     store = Store.from_uri(str(work / "store"))
     # No read-back verification: the stall, not the upload, is measured here.
@@ -216,7 +215,8 @@ def checkpoint_stall(engine, cfg: Config) -> None:
 
 
 def main() -> int:
-    import deepspeed
+    say(f"starting DeepSpeed on a process group of one ({'nccl' if ON_CUDA else 'gloo'})")
+    deepspeed = import_deepspeed()
 
     if ON_CUDA:
         torch.cuda.set_device(DEVICE)

@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from progress import say
 from wildtrain import services
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +46,7 @@ from tests.helpers.chaos import BackgroundRun  # noqa: E402
 from wildtrain.config import load_config  # noqa: E402
 from wildtrain.data.prepare import PrepareConfig, prepare  # noqa: E402
 from wildtrain.events import Failure, Interrupted, Recovered  # noqa: E402
-from wildtrain.tracking.mlflow_run import read_events  # noqa: E402
+from wildtrain.tracking.mlflow_run import quiet_mlflow, read_events  # noqa: E402
 
 WORKER_SLOT = "wildtrain_worker"
 SCENARIOS = {
@@ -87,12 +88,12 @@ def prepare_tiny(uri: str) -> str:
 
 def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path,
                  load: "LoadSampler") -> list[dict]:
+    say(f"{name}: starting a fake cluster of a head and two one-worker nodes")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "_system_config": system_config})
     for _ in range(2):
         cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
-    progress(f"{name}: fake cluster up (head + 2 worker nodes); training")
     try:
         cfg = load_config([
             "experiment=tiny", f"run.name=recovery-{name.replace(' ', '-')}-{int(time.time())}",
@@ -100,17 +101,19 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
             f"train.steps={steps}", "train.log_every=1", "train.checkpoint_every=4",
             f"cluster.worker_resources.{WORKER_SLOT}=1", *overrides,
         ])
+        say(f"{name}: training {steps} steps at world size 2")
         run = BackgroundRun(cfg)
         run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6", 600)
+        say(f"{name}: step 6 reached; removing a node, waiting for a step at world size 1")
         killed_at = time.time()
-        progress(f"{name}: step 6 reached; removing a worker node")
         cluster.remove_node(next(iter(cluster.worker_nodes)))
         run.wait_until(lambda h: h and h[-1].value == 1, "a step at world size 1", 600)
         added_at = time.time()
-        progress(f"{name}: training at world size 1 after {added_at - killed_at:.1f} s; adding a worker node")
+        say(f"{name}: training at world size 1 after {added_at - killed_at:.1f} s; adding the node back, "
+            "waiting for the run to end")
         cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
         summary = run.join(1200)
-        progress(f"{name}: run finished; reading its events")
+        say(f"{name}: run finished; reading its events")
         events = read_events(mlflow_url, summary.run_id, tempfile.mkdtemp(dir=root))
     finally:
         ray.shutdown()
@@ -137,7 +140,7 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
         rows.append({"scenario": name, "event": "regrow: none before the run's last step",
                      **{c: "-" for c in ("detection", "restart", "restore", "reshard", "first step", "steps lost", "load")}})
     for row in rows:
-        progress(f"{name}: {row['event']}: first step after {cell(row['first step'])}")
+        say(f"{name}: {row['event']}: first step after {cell(row['first step'])}")
     return rows
 
 
@@ -162,24 +165,22 @@ def cell(value) -> str:
     return f"{value:.1f} s" if isinstance(value, float) else str(value)
 
 
-def progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--only", choices=sorted(SCENARIOS), help="run this scenario alone")
     args = parser.parse_args()
+    quiet_mlflow()
     scenarios = {args.only: SCENARIOS[args.only]} if args.only else SCENARIOS
     root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-recovery-"))
     load = LoadSampler()
+    say(f"starting an object store and an MLflow server in {root}")
     store = services.start_object_store(root / "objectstore", services.free_port(), "bench")
     os.environ.update(store.env())  # before any cluster starts: its workers inherit it
     port = services.free_port()
     mlflow = services.start_mlflow(root / "mlflow", port)
-    progress(f"object store and MLflow up under {root}; preparing the tiny corpus")
     try:
+        say("preparing the tiny corpus")
         dataset = prepare_tiny(f"s3://{store.bucket}/datasets/tiny")
         rows = []
         for name, scenario in scenarios.items():

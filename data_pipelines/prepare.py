@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import click
@@ -39,11 +40,15 @@ def main(input_uri: str, output: str, seq_len: int, tokenizer: str, text_field: 
     Rerunning writes only missing or changed shards."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     services.use_local_object_store()
+    _quiet_ray_of_the_run()
     cfg = PrepareConfig(
         input=input_uri, output=output, seq_len=seq_len, tokenizer=tokenizer, text_field=text_field,
         rows_per_shard=rows_per_shard, rows_per_group=rows_per_group,
         storage=StorageConfig(endpoint=endpoint, region=region, max_attempts=max_attempts),
     )
+    from wildtrain import ray_compat
+
+    ray_compat.quiet_ray_data()
     try:
         result = prepare(cfg)
     except (DataError, StorageError) as e:
@@ -52,6 +57,19 @@ def main(input_uri: str, output: str, seq_len: int, tokenizer: str, text_field: 
     manifest = result.manifest
     click.echo(f"{output}: {manifest.rows} rows, {manifest.tokens} tokens in {len(manifest.shards)} shards "
                f"({len(result.written)} written, {len(result.unchanged)} unchanged)")
+
+
+def _quiet_ray_of_the_run() -> None:
+    """Ray Data starts Ray on first use: let it join the cluster a run would join
+    (RAY_ADDRESS under `ray job submit`, else `wildtrain up`'s head) rather than start one of
+    its own (seconds), and keep Ray's INFO lines in its log folder. Before Ray is imported,
+    which reads these settings once."""
+    services.prepare_ray_client(None)
+    try:
+        os.environ.setdefault("RAY_ADDRESS", services.ray_address(None))
+    except services.ServiceError:
+        pass  # no cluster to join: a Ray of its own for this job
+    os.environ.setdefault("RAY_LOGGER_LEVEL", "warning")
 
 
 if __name__ == "__main__":

@@ -43,8 +43,9 @@ def train(overrides: tuple[str, ...]) -> None:
     from wildtrain.driver import RunFailed, run
     from wildtrain.elastic.signals import CapacityError
     from wildtrain.storage import StorageError
-    from wildtrain.tracking.mlflow_run import TrackingError
+    from wildtrain.tracking.mlflow_run import TrackingError, quiet_mlflow
 
+    quiet_mlflow()
     try:
         summary = run(cfg)
     except (DataError, StorageError, TrackingError, CapacityError, RunFailed, services.ServiceError) as e:
@@ -73,8 +74,9 @@ def report(run: str | None, cluster: str | None, tracking_uri: str | None) -> No
     """Where a run's compute went (RUN: its name or MLflow run id): goodput, badput by cause,
     and a plot attached to the run; or, with --cluster, the cluster's report card."""
     from wildtrain.tracking import report as reports
-    from wildtrain.tracking.mlflow_run import TrackingError, check_reachable
+    from wildtrain.tracking.mlflow_run import TrackingError, check_reachable, quiet_mlflow
 
+    quiet_mlflow()
     if (run is None) == (cluster is None):
         _fail("report: give either a RUN or --cluster NAME", 2)
     uri = tracking_uri or _config(()).tracking.uri

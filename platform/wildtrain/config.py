@@ -231,8 +231,7 @@ class MonitorConfig:
     hang_timeout_s: float = 600.0
     # The same, from a worker's start to its first optimizer step (0: off): the health check,
     # the restore with any resharding (21 s for a 95M model on 2 CPU cores here, growing
-    # with the model), DeepSpeed's first JIT build of its C++ ops (35 s or more on a fresh
-    # machine) and compilation (minutes for large models) all come before it. 30 min leaves
+    # with the model) and compilation (minutes for large models) come before it. 30 min leaves
     # room for checkpoints far larger than the measured ones; raise it for slower restores.
     startup_timeout_s: float = 1800.0
 

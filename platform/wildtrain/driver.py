@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -160,7 +161,8 @@ def _connect_ray(cfg: Config) -> Optional[str]:
     """Join the chosen cluster (see `services.choose_ray_address`) unless this process already
     has (a test fixture, a caller with its own `ray.init`); the dashboard URL."""
     if not ray.is_initialized():
-        ray.init(address=services.ray_address(cfg.cluster.ray_address))
+        # Ray's INFO lines say it is connecting and where the dashboard is: printed by the run.
+        ray.init(address=services.ray_address(cfg.cluster.ray_address), logging_level=logging.WARNING)
     url = ray_compat.dashboard_url()
     if not url:
         return None

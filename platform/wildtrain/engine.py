@@ -44,6 +44,26 @@ def deepspeed_config(cfg: Config, plan: BatchPlan, on_cuda: bool, load_universal
     return ds
 
 
+def import_deepspeed():
+    """`deepspeed`, set never to build its shared-memory comm op (`deepspeed_shm_comm`).
+
+    On CPU, DeepSpeed's comm backend JIT-builds that C++ op when it starts: 25-35 s of every
+    worker start here (torch rebuilds it whenever the build flags differ between processes),
+    under a file lock in ~/.cache/torch_extensions that a worker killed mid-build leaves
+    behind for every later start to wait on forever. Only DeepSpeed's inference all-reduce
+    uses the op; training's collectives go through torch.distributed either way. DeepSpeed
+    builds the op only where its probe found it compatible, and keeps the probe's answers
+    in one dict so that edits to it hold."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    # Asked as DeepSpeed asks: accelerators without the op (CUDA) skip the probe as it does.
+    shm_comm = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if shm_comm is not None:
+        deepspeed.ops.__compatible_ops__[shm_comm.NAME] = False
+    return deepspeed
+
+
 def compiles(cfg: Config, on_cuda: bool) -> bool:
     """Whether the engine compiles the model: `model.compile`, or on CUDA only when unset."""
     return on_cuda if cfg.model.compile is None else cfg.model.compile
@@ -57,7 +77,7 @@ def build_model(cfg: Config, plan: BatchPlan, on_cuda: Optional[bool] = None) ->
     rank 0 draws them one parameter at a time, gathered, and the others receive its draw."""
     if cfg.deepspeed.zero_stage != 3:
         return Transformer(cfg.model)
-    import deepspeed
+    deepspeed = import_deepspeed()
     import torch.distributed as dist
 
     on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
@@ -77,7 +97,7 @@ def build_engine(cfg: Config, plan: BatchPlan, model: torch.nn.Module, load_univ
     The optimizer is torch's AdamW rather than DeepSpeed's by-name optimizers: those need
     compiled ops that the CPU build (DS_BUILD_OPS=0) does not have. On CUDA it is torch's
     fused kernel: one launch for all parameters instead of several per tensor."""
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     on_cuda = torch.cuda.is_available()
     # A partitioned parameter (zero.Init) is an empty tensor; its true shape is DeepSpeed's.

@@ -7,6 +7,7 @@ seconds rather than in the middle of a run.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -33,7 +34,7 @@ __all__ = [
     "UserExceptionWithTraceback",
     "ControllerCallback", "ReportCallback", "WorkerGroupCallback", "WorkerGroupStartupTimeoutError",
     "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError", "available_resources_per_node",
-    "dashboard_url", "group_workers", "kv_get", "kv_put", "quiet_report_log", "refresh_train_resource_view",
+    "dashboard_url", "group_workers", "kv_get", "kv_put", "quiet_ray_data", "quiet_report_log", "refresh_train_resource_view",
     "reports_collected", "state_name",
 ]
 
@@ -51,6 +52,31 @@ def quiet_report_log() -> None:
     """Ray Train logs every report's whole metrics dict at INFO, under a logger named by its
     file path, which RunConfig's LoggingConfig does not reach; our progress lines say it."""
     logging.getLogger(_train_context.__file__).setLevel(logging.WARNING)
+
+
+class _ProgressBarsOffNotice(logging.Filter):
+    """Ray Data's warning, once per process, that the progress bars a dataset turned off
+    (`data.stream`: they would bury the progress lines) are off."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Progress bars disabled.")
+
+
+_PROGRESS_BARS_OFF_NOTICE = _ProgressBarsOffNotice()
+
+
+def quiet_ray_data() -> None:
+    """Ray Data's INFO lines (each dataset's execution plan, "Starting execution", progress
+    dumps) and its notice that progress bars are off only in its log file under Ray's
+    session folder, not on this process's console: from every training worker they drown
+    the progress lines. Ray Data names its console handler in the logging config it applies
+    on import, and applies it again only in its own tasks' processes."""
+    importlib.import_module("ray.data")  # applies Ray Data's logging config
+
+    for handler in logging.getLogger("ray.data").handlers:
+        if handler.name == "console":
+            handler.setLevel(logging.WARNING)
+            handler.addFilter(_PROGRESS_BARS_OFF_NOTICE)  # once: addFilter skips a filter it has
 
 
 def dashboard_url() -> Optional[str]:

@@ -12,6 +12,7 @@ the same `start_*` functions on free ports.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -90,9 +92,14 @@ def choose_ray_address(configured: Optional[str], environ_address: Optional[str]
 
 
 def ray_address(configured: Optional[str], state_dir: Path = DEFAULT_STATE_DIR) -> str:
+    return choose_ray_address(configured, os.environ.get("RAY_ADDRESS"), _recorded_address(state_dir),
+                              state_dir / "services.json")
+
+
+def _recorded_address(state_dir: Path) -> Optional[str]:
+    """The head `wildtrain up` started, if it did."""
     state_file = state_dir / "services.json"
-    recorded = json.loads(state_file.read_text())["ray_address"] if state_file.is_file() else None
-    return choose_ray_address(configured, os.environ.get("RAY_ADDRESS"), recorded, state_file)
+    return json.loads(state_file.read_text())["ray_address"] if state_file.is_file() else None
 
 
 def is_loopback(address: str) -> bool:
@@ -100,15 +107,18 @@ def is_loopback(address: str) -> bool:
 
 
 def prepare_ray_client(configured: Optional[str], state_dir: Path = DEFAULT_STATE_DIR) -> None:
-    """Let this process reach the head the run will join where that is a loopback-only one;
-    call before Ray is imported. Where there is no head to join, the driver says so, after
-    the checks a user should hear about first (data, MLflow)."""
+    """Let this process reach the head the run will join where that is a loopback-only one
+    or `wildtrain up`'s (which requires Ray's token authentication); call before Ray is
+    imported, which reads both settings once. Where there is no head to join, the driver
+    says so, after the checks a user should hear about first (data, MLflow)."""
     try:
         address = ray_address(configured, state_dir)
     except ServiceError:
         return
     if is_loopback(address):
         os.environ.update(LOOPBACK_ONLY_ENV)
+    if address == _recorded_address(state_dir):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 @dataclass
@@ -476,13 +486,18 @@ def up(state_dir: Path = DEFAULT_STATE_DIR, ray_ports: RayPorts = RayPorts(), ml
     num_cpus = num_cpus or max(4, os.cpu_count() or 1)
     ports = ray_ports.chosen()
     temp_dir = Path(tempfile.mkdtemp(prefix="wildtrain-ray-"))
-    try:
-        ray_address = start_ray_head(ports, num_cpus, temp_dir, env=store.env())
-        mlflow = start_mlflow(state_dir / "mlflow", mlflow_port)
-    except ServiceError:
-        stop_ray_head(temp_dir, f"{HOST}:{ports.gcs}")
-        stop_process(store.pid)
-        raise
+    # MLflow's server and Ray's head need nothing of each other: each starts while the other does.
+    with ThreadPoolExecutor(1) as pool:
+        mlflow_starting = pool.submit(start_mlflow, state_dir / "mlflow", mlflow_port)
+        try:
+            ray_address = start_ray_head(ports, num_cpus, temp_dir, env=store.env())
+            mlflow = mlflow_starting.result()
+        except ServiceError:
+            stop_ray_head(temp_dir, f"{HOST}:{ports.gcs}")
+            stop_process(store.pid)
+            with contextlib.suppress(ServiceError):
+                stop_process(mlflow_starting.result().pid)
+            raise
     services = Services(
         ray_address=ray_address,
         dashboard_url=f"http://{HOST}:{ports.dashboard}",

@@ -46,7 +46,9 @@ def _init_process(rank: int, world_size: int, port: int) -> None:
     os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR=services.HOST, MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # more ranks than cores
-    import deepspeed
+    from wildtrain.engine import import_deepspeed
+
+    deepspeed = import_deepspeed()
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 

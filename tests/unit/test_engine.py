@@ -1,4 +1,7 @@
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given
@@ -6,6 +9,7 @@ from hypothesis import strategies as st
 
 from wildtrain.batching import BatchPlanError, batch_plan, unservable_world_sizes
 from wildtrain.config import Config, OptimConfig
+from wildtrain import services
 from wildtrain.engine import deepspeed_config, lr_at
 
 
@@ -57,3 +61,24 @@ def test_deepspeed_config_follows_plan_and_device():
     assert cpu["gradient_clipping"] == cfg.optim.grad_clip
     assert "bf16" not in cpu  # fp32 on CPU
     assert deepspeed_config(cfg, plan, on_cuda=True)["bf16"] == {"enabled": True}
+
+
+START_COMM = """
+from wildtrain.engine import import_deepspeed
+deepspeed = import_deepspeed()
+deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+print("shm op:", deepspeed.comm.comm.cdb.shm_comm_op)
+"""
+
+
+def test_deepspeed_starts_on_cpu_past_a_stale_shm_build_lock(tmp_path):
+    # What a worker killed during the op's build leaves behind; waited on forever by
+    # every later start that builds the op.
+    extensions = tmp_path / "torch_extensions"
+    (extensions / "deepspeed_shm_comm").mkdir(parents=True)
+    (extensions / "deepspeed_shm_comm" / "lock").touch()
+    env = os.environ | dict(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(extensions), MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(services.free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    started = subprocess.run([sys.executable, "-c", START_COMM], env=env, capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr
+    assert "shm op: None" in started.stdout

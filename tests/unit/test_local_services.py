@@ -1,6 +1,7 @@
 """Which Ray a run joins, what `wildtrain up` asks of `ray start`, and what never leaves the
 machine in MLflow params, printed URLs and errors (no Ray, no servers)."""
 
+import os
 from dataclasses import fields
 from pathlib import Path
 
@@ -105,3 +106,13 @@ def test_params_of_a_config_with_credentials_show_none():
 )
 def test_largest_group(total, per_worker, max_workers, size):
     assert largest_group(total, per_worker, max_workers) == size
+
+
+def test_a_client_of_wildtrain_ups_head_authenticates_with_its_token(tmp_path, monkeypatch):
+    (tmp_path / "services.json").write_text('{"ray_address": "127.0.0.1:6390"}')
+    monkeypatch.setattr(os, "environ", {key: value for key, value in os.environ.items()
+                                        if key not in ("RAY_AUTH_MODE", "RAY_ADDRESS")})
+    services.prepare_ray_client("10.0.0.5:6379", tmp_path)  # another cluster: its own settings
+    assert "RAY_AUTH_MODE" not in os.environ
+    services.prepare_ray_client(None, tmp_path)
+    assert os.environ["RAY_AUTH_MODE"] == "token"

@@ -3,6 +3,7 @@ a Ray upgrade that moves one fails here, in seconds."""
 
 import dataclasses
 import inspect
+import logging
 
 from ray._private import state as private_state
 from ray._private import worker as private_worker
@@ -67,3 +68,23 @@ def test_every_hook_our_callbacks_define_is_one_ray_calls_with_those_parameters(
             assert rays, f"{ours.__name__}.{name} is not a hook of Ray's callbacks"
             assert list(inspect.signature(getattr(ours, name)).parameters) == list(inspect.signature(rays[0]).parameters), \
                 f"{ours.__name__}.{name} no longer matches Ray's signature"
+
+
+def test_ray_data_info_lines_and_progress_bar_notice_leave_the_console_and_stay_in_the_log_file():
+    ray_compat.quiet_ray_data()
+    ray_compat.quiet_ray_data()  # each attempt's workers call it
+    handlers = logging.getLogger("ray.data").handlers
+    [console] = [h for h in handlers if h.name == "console"]
+    assert console.level == logging.WARNING and len(console.filters) == 2  # Ray Data's own, and ours
+    files = [h for h in handlers if h.name == "file"]
+    assert files and all(h.level < logging.INFO for h in files)
+
+    def shown(level: int, message: str) -> bool:
+        record = logging.getLogger("ray.data._internal.progress").makeRecord(
+            "ray.data._internal.progress", level, __file__, 0, message, (), None)
+        return record.levelno >= console.level and bool(console.filter(record))
+
+    assert not shown(logging.INFO, "Starting execution of Dataset dataset_0")
+    assert not shown(logging.WARNING, "Progress bars disabled. To enable, set `ray.data.DataContext...`")
+    assert shown(logging.WARNING, "Ray Data cannot schedule its read tasks: no CPUs left")
+

@@ -45,6 +45,9 @@ def controller_env(cfg: Config) -> None:
     """Ray Train reads its timeouts from the driver's environment and passes them on."""
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.elastic.worker_start_timeout_s)
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(cfg.elastic.poll_interval_s)
+    # Its watcher tells workers of a node's drain notice, which the training loop does not
+    # read; an actor per group start, and a core_worker error line on the console each time.
+    os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
 
 
 def worker_env(cfg: Config) -> dict[str, str]:

@@ -37,6 +37,10 @@ TRAINING_METRICS = (
     "time/data_wait_s", "time/forward_s", "time/backward_s", "time/optimizer_s", "time/checkpoint_stall_s",
 )
 
+# An attempt's first report: where its start-up went (bench/startup.py), logged as startup/<key>.
+STARTUP_METRICS = ("worker_started_at", "attempt_started_at", "health_checked_at", "restored_at", "engine_build_s",
+                   "first_step_at")
+
 # MLflow caps a batch at 100 params and a param value at 6000 characters.
 _PARAMS_PER_BATCH = 100
 
@@ -50,6 +54,14 @@ FLUSH_TIMEOUT_S = 30.0
 
 class TrackingError(RuntimeError):
     pass
+
+
+def quiet_mlflow() -> None:
+    """No MLflow console output in this process unless the user asked for it: a progress
+    bar per artifact download (the events a report reads) and the run's address when it
+    ends, which the driver printed at its start. MLflow reads both at each call."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
@@ -281,6 +293,7 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
         recovery = self.timeline.reported(reported)
         values = {key: value for key, value in reported.items()
                   if (key in TRAINING_METRICS or key.startswith("checkpoint/")) and isinstance(value, (int, float))}
+        values |= {f"startup/{key}": reported[key] for key in STARTUP_METRICS if key in reported}
         if recovery is not None:
             values |= {f"elastic/{key}": value for key, value in asdict(recovery).items()
                        if key != "at" and isinstance(value, (int, float))}

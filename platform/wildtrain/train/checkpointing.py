@@ -29,7 +29,7 @@ from wildtrain.train.state import TrainState
 @dataclass
 class Restored:
     candidate: Optional[Candidate]  # None: nothing to restore, the run starts from scratch
-    timing: dict  # restore_s, reshard_s: the controller splits the recovery time with them
+    timing: dict  # restore_s, reshard_s, engine_build_s: the controller splits the recovery time with them
     events: list[CheckpointFallback]  # committed checkpoints passed over, and why
 
 
@@ -38,7 +38,14 @@ def build_and_restore(cfg: Config, plan: BatchPlan, world_size: int, rank: int, 
     and what the restore did. A checkpoint saved at another world size is loaded from its
     universal copy in the store, which rank 0 makes unless the controller made it ahead."""
     started = time.perf_counter()
-    reshard_s = 0.0
+    reshard_s = engine_build_s = 0.0
+
+    def new_engine(load_universal: bool = False):
+        nonlocal engine_build_s
+        building = time.perf_counter()
+        engine = build_engine(cfg, plan, build_model(cfg, plan), load_universal=load_universal)
+        engine_build_s = time.perf_counter() - building
+        return engine
 
     def universal_copy(store: Store, candidate: Candidate):
         nonlocal reshard_s
@@ -62,16 +69,18 @@ def build_and_restore(cfg: Config, plan: BatchPlan, world_size: int, rank: int, 
                            listing=lambda list_them: collectives.broadcast_object(list_them() if rank == 0 else None),
                            universal_copy=universal_copy)
         if restored is None:
-            engine = build_engine(cfg, plan, build_model(cfg, plan))
-            return engine, TrainState(world_size=world_size), Restored(None, {"restore_s": 0.0, "reshard_s": 0.0}, [])
+            engine = new_engine()
+            timing = {"restore_s": 0.0, "reshard_s": 0.0, "engine_build_s": engine_build_s}
+            return engine, TrainState(world_size=world_size), Restored(None, timing, [])
         events = [CheckpointFallback(time.time(), s.store, s.name, s.step, s.reason) for s in restored.skipped]
         state = TrainState.from_json(checkpoint.read_client_state(restored.folder))
         universal_load = needs_universal(restored.manifest, world_size)
-        engine = build_engine(cfg, plan, build_model(cfg, plan), load_universal=universal_load)
+        engine = new_engine(load_universal=universal_load)
         (universal.load if universal_load else checkpoint.load)(engine, restored.folder, restored.manifest.tag)
     finally:
         shutil.rmtree(local, ignore_errors=True)
-    timing = {"restore_s": time.perf_counter() - started - reshard_s, "reshard_s": reshard_s}
+    timing = {"restore_s": time.perf_counter() - started - reshard_s, "reshard_s": reshard_s,
+              "engine_build_s": engine_build_s}
     return engine, state, Restored(restored.candidate, timing, events)
 
 

@@ -14,6 +14,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
+import psutil
 import ray.train
 import ray.train.torch
 import torch
@@ -79,6 +80,7 @@ class Attempt:
         # DeepSpeed's ZeRO calls a deprecated collective once per step; the warning says nothing new.
         warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
         ray_compat.quiet_report_log()
+        ray_compat.quiet_ray_data()
         context = ray.train.get_context()
         self.world_size, self.rank = world_size, rank = context.get_world_size(), context.get_world_rank()
         self.plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
@@ -94,8 +96,10 @@ class Attempt:
         self.monitor = Monitor(cfg, rank, world_size, device)
         if self.monitor.unhealthy_nodes:
             raise UnhealthyNodes(self.monitor.unhealthy_nodes, self.monitor.take_events())
+        self.health_checked_at = time.time()
         stores = checkpoint_stores(cfg)
         self.engine, self.state, self.restored = checkpointing.build_and_restore(cfg, self.plan, world_size, rank, stores)
+        self.restored_at = time.time()
         self.restored_step = self.state.step
         self.state.world_size = world_size
         self.saver = AsyncSaver(
@@ -183,10 +187,13 @@ class Attempt:
         saves = checkpointing.saves_report(self.saver.drain())
         events = self.monitor.take_events() + saves.pop("events")
         if due.first_of_attempt:
-            # What the controller needs to split this attempt's recovery time into its parts.
+            # What the controller needs to split this attempt's recovery (and start-up) time into its parts.
             metrics |= self.restored.timing | {
                 "restored_step": self.restored_step,
+                "worker_started_at": psutil.Process().create_time(),
                 "attempt_started_at": self.started_at,
+                "health_checked_at": self.health_checked_at,
+                "restored_at": self.restored_at,
                 "first_step_at": time.time(),
             }
             events = self.restored.events + events

@@ -9,7 +9,7 @@ checkpoint. The controller attaches the dumps to the MLflow run (`tracking.mlflo
 
 What counts as too long depends on what the worker is doing, so the watchdog has three bounds:
 from the worker's start to its first optimizer step (`monitor.startup_timeout_s`: restore,
-resharding, DeepSpeed's first JIT build, compilation), between steps (`monitor.hang_timeout_s`),
+resharding, compilation), between steps (`monitor.hang_timeout_s`),
 and during a wait the code declares with `waiting(what, up_to_s)` (a save that must commit),
 whose own bound replaces the hang timeout for as long as it lasts.
 """

@@ -1,0 +1,170 @@
+"""Where start-up goes: from submitting `wildtrain train experiment=tiny` to its first
+optimizer step, on a new stack (cold) and again on the same stack (warm).
+
+First, on its own, DeepSpeed's comm start in a process group of one on CPU as DeepSpeed
+does it (JIT-building its shared-memory op, with an empty and then a filled torch extensions
+cache) against `wildtrain.engine.import_deepspeed`'s, which builds nothing.
+
+Does what `make demo` does after its install, in a temporary folder and on free ports, so a
+stack already running here is left alone: `wildtrain up` (with an empty torch extensions
+cache for its workers, as on a fresh machine), `data_pipelines/prepare.py`, then the demo's
+run submitted twice as a user submits it (a new `python -m wildtrain train` process each
+time, another run name the second time). Prints how long each demo command took, then one
+row per phase of each run's start-up, read from what the run records in MLflow (its
+`started` event, the `startup/*` metrics of its first report, its first data wait):
+
+    driver up        submit → the driver starts the run (Python's imports, the config)
+    group started    → rank 0's worker process exists (data check, MLflow run, joining
+                     Ray, capacity check, Ray Train's controller and placement group)
+    imports          → the training function runs on rank 0 (the worker's imports)
+    health check     → the new group's health check passed
+    restore          → the newest checkpoint restored (a new run: listing the store),
+                     less the engine build
+    engine build     building DeepSpeed's engine (within the restore's span)
+    data start       the first batches' wait (Ray Data starting to read)
+    first step       → the first optimizer step ended (the rest: the saver, the step)
+
+Usage: .venv/bin/python bench/startup.py [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+from progress import say
+from wildtrain import services
+from wildtrain.tracking.mlflow_run import quiet_mlflow, read_events
+from wildtrain.tracking.report import find_run
+
+REPO = Path(__file__).resolve().parents[1]
+COMM_START = """
+import sys, time
+started = time.perf_counter()
+if sys.argv[1] == "wildtrain":
+    from wildtrain.engine import import_deepspeed
+    deepspeed = import_deepspeed()
+else:
+    import deepspeed
+deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+print(time.perf_counter() - started)
+"""
+PHASES = ["driver up", "group started", "imports", "health check", "restore", "engine build", "data start", "first step"]
+
+
+def timed(command: list[str], cwd: Path, log: Path, env: dict[str, str]) -> float:
+    """Run `command` to its end with its output in `log`; its seconds. A failure stops the bench."""
+    started = time.time()
+    with log.open("w") as out:
+        done = subprocess.run(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed ({done.returncode}); its output: {log}")
+    return time.time() - started
+
+
+def comm_start_s(how: str, extensions: Path) -> float:
+    """Seconds from importing DeepSpeed to its comm backend started, in a new process."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(extensions), "MASTER_ADDR": services.HOST,
+           "MASTER_PORT": str(services.free_port()), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    done = subprocess.run([sys.executable, "-c", COMM_START, how], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"DeepSpeed's comm start ({how}) failed:\n{done.stderr[-2000:]}")
+    return float(done.stdout.split()[-1])
+
+
+def start_up_phases(uri: str, run_name: str, submitted: float, folder: Path) -> dict[str, float]:
+    """Seconds per phase of the run's first attempt (see the module's docstring)."""
+    client = MlflowClient(uri)
+    run_id = find_run(uri, run_name)
+    started = next(e for e in read_events(uri, run_id, str(folder)) if e["event"] == "started")
+
+    def first(key: str):
+        return min(client.get_metric_history(run_id, key), key=lambda m: m.step)
+
+    stamps = {key: first(f"startup/{key}").value for key in
+              ("worker_started_at", "attempt_started_at", "health_checked_at", "restored_at", "engine_build_s",
+               "first_step_at")}
+    first_report = first("startup/first_step_at").step
+    data_wait = next(m.value for m in client.get_metric_history(run_id, "time/data_wait_s") if m.step == first_report)
+    # A worker process Ray started ahead of the group (an idle one it reuses) exists before the driver does.
+    worker_started = max(stamps["worker_started_at"], started["at"])
+    return {
+        "driver up": started["at"] - submitted,
+        "group started": worker_started - started["at"],
+        "imports": stamps["attempt_started_at"] - worker_started,
+        "health check": stamps["health_checked_at"] - stamps["attempt_started_at"],
+        "restore": stamps["restored_at"] - stamps["health_checked_at"] - stamps["engine_build_s"],
+        "engine build": stamps["engine_build_s"],
+        "data start": data_wait,
+        "first step": stamps["first_step_at"] - stamps["restored_at"] - data_wait,
+        "total": stamps["first_step_at"] - submitted,
+    }
+
+
+def table(columns: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10, help="train.steps of each run (the demo's: 60)")
+    args = parser.parse_args()
+    quiet_mlflow()
+    root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-startup-"))
+    ports = {name: services.free_port() for name in ("ray", "dashboard", "mlflow", "object-store")}
+    uri = f"http://{services.HOST}:{ports['mlflow']}"
+    # A user's environment, plus an empty torch extensions cache for the head, which its
+    # workers inherit: the C++ builds of a fresh machine, if any.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}
+    wildtrain = [sys.executable, "-m", "wildtrain"]
+    say(f"bench/startup.py: working in {root}; each command's output goes to a .log file there")
+    comm = {}
+    for label, how, cache in (("DeepSpeed, empty extensions cache", "deepspeed", "empty"),
+                              ("DeepSpeed, filled extensions cache", "deepspeed", "empty"),
+                              ("wildtrain (import_deepspeed)", "wildtrain", "wildtrain")):
+        say(f"DeepSpeed's comm start: {label}")
+        comm[label] = comm_start_s(how, root / f"torch_extensions-{cache}")
+    print("\n" + table(["DeepSpeed's comm start, CPU", "seconds", "ratio to DeepSpeed's, empty cache"],
+                       [[label, f"{s:.1f}", f"{s / comm['DeepSpeed, empty extensions cache']:.2f}"]
+                        for label, s in comm.items()]) + "\n", flush=True)
+
+    demo: dict[str, float] = {}
+    runs: dict[str, dict[str, float]] = {}
+    try:
+        say(f"starting the services (wildtrain up, MLflow on {uri})")
+        demo["wildtrain up"] = timed(
+            wildtrain + ["up", *(f"--{name}-port={port}" for name, port in ports.items())], root, root / "up.log", env)
+        say("preparing the tiny corpus (data_pipelines/prepare.py)")
+        demo["prepare"] = timed(
+            [sys.executable, str(REPO / "data_pipelines/prepare.py"), "--input", str(REPO / "tests/assets/tiny_corpus.jsonl"),
+             "--output", "s3://wildtrain/datasets/tiny", "--rows-per-group", "128"], root, root / "prepare.log", env)
+        for kind in ("cold", "warm"):
+            name = f"startup-{kind}-{int(time.time())}"
+            say(f"submitting the {kind} run {name} ({args.steps} steps)")
+            submitted = time.time()
+            demo[f"train ({kind})"] = timed(
+                wildtrain + ["train", "experiment=tiny", f"run.name={name}", f"train.steps={args.steps}",
+                             f"tracking.uri={uri}"], root, root / f"train-{kind}.log", env)
+            runs[kind] = start_up_phases(uri, name, submitted, root / f"events-{kind}")
+    finally:
+        say("stopping the services")
+        subprocess.run(wildtrain + ["down"], cwd=root, env=env, capture_output=True)
+
+    print("\n" + table(["demo command", "seconds"], [[name, f"{s:.1f}"] for name, s in demo.items()]), flush=True)
+    print("\n" + table(["phase", *runs], [[phase, *(f"{runs[kind][phase]:.1f}" for kind in runs)]
+                                          for phase in PHASES + ["total"]]))
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\nseconds; the phases add up to total: submit → the first step's end. Load average at the end "
+          f"(1/5/15 min, {os.cpu_count()} cores): {load}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
