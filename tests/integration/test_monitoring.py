@@ -96,21 +96,22 @@ def test_a_node_failing_the_health_check_is_left_out_and_the_group_reforms_witho
     assert "elastic/failure" in summary.final_metrics, "the re-forming is on the run's timeline"
 
 
-def _train_workers(started_after: float) -> list[psutil.Process]:
+def _train_workers() -> list[psutil.Process]:
+    """The processes running a Ray Train worker actor now. Not told apart by start time:
+    Ray may hand an actor a worker process it started earlier, idle until then."""
     found = []
-    for process in psutil.process_iter(["cmdline", "create_time"]):
-        cmdline = " ".join(process.info["cmdline"] or [])
-        if "RayTrainWorker" in cmdline and process.info["create_time"] >= started_after:
+    for process in psutil.process_iter(["cmdline"]):
+        if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
             found.append(process)
     return found
 
 
 def test_a_stopped_rank_is_detected_as_a_hang_and_the_attempt_restarts(ray_cluster, tiny_config, mlflow_url, tmp_path):
-    started = time.time() - 1
+    earlier = {p.pid for p in _train_workers()}  # an earlier run's, if any is still exiting
     cfg = tiny_config("train.steps=30", "train.log_every=1", "train.checkpoint_every=5", "monitor.hang_timeout_s=15")
     run = BackgroundRun(cfg)
     run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6", 300)
-    workers = _train_workers(started)
+    workers = [p for p in _train_workers() if p.pid not in earlier]
     assert len(workers) == 2, [w.cmdline() for w in workers]
     stopped = workers[1]
     os.kill(stopped.pid, signal.SIGSTOP)  # alive but silent: its peer waits in a collective
