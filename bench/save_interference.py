@@ -54,9 +54,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=2)
+    # One intra-op thread by default: on 2 cores shared with other jobs, two OpenMP threads
+    # spin-wait on each other whenever one is descheduled, and step time swings 10x.
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for training")
     parser.add_argument("--store", default=None, help="checkpoint store URI (default: a temporary local folder)")
     args = parser.parse_args()
 
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=8, max_seq_len=args.seq_len)
     model = Transformer(cfg)

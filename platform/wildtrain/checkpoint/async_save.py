@@ -8,11 +8,28 @@ file) but with the engine's checkpoint writer swapped for one that copies each t
 host buffer instead of serializing it (see `host_copy`). The small files DeepSpeed writes itself (`latest`, its recovery script) and the
 client state go straight to the rank's local staging folder.
 
-Background, on one writer thread: `torch.save` of the host copies into the staging folder;
-upload to each store (primary first, then replicas), hashing while reading; verification
-(sizes, and by default every sha256 read back); this rank's part record; then rank 0 waits
-for every rank's part record, commits the manifest (see `store.py`) and applies
-retention. The staging folder is deleted afterwards.
+Background, in the saver's child process (`save_process`; `save_work` is the work itself):
+`torch.save` of the host copies into the staging folder; upload to each store (primary
+first, then replicas), hashing while reading; verification (sizes, and by default every
+sha256 read back); this rank's part record; then rank 0 waits for every rank's part record,
+commits the manifest (see `store.py`) and applies retention. The staging folder is deleted
+afterwards. A writer thread of the saver hands each save to the child and relays what the
+child asks (whether a step's report was collected) and tells (what it is doing, its deadline).
+
+Why a process: in a thread, the background half held the GIL (torch.save's pickling, the
+Python loops of hashing and copying) and shared the cores. Measured with
+bench/save_interference.py (11M parameters + AdamW, 0.13 GB per save, one training thread,
+this 2-core CPU machine shared with other jobs): steps ran 2.84x slower while a save ran in a
+thread, whose save took 2.24 s; 0.94x in a child at the same priority (0.60 s per save: no
+GIL handed back and forth); 1.01x in a child at niceness 10, the default, whose save then
+took 9.8 s, as it ran only on what training and the neighbours left. How much of "during vs
+without" is the save and how much the neighbours' load shows in the spread of single saves
+(0.9-1.3x); on a GPU node, whose host cores mostly idle, it should cost less still.
+What the process costs: the host buffers are in shared memory (on CUDA, also page-locked
+in place with cudaHostRegister, as torch.distributed.checkpoint's staging does), reused
+across saves, so the child reads them where the capture put them; one child per saver,
+spawned with the first save (a few seconds of imports, off the training thread); scripts
+that make a saver need the `if __name__ == "__main__":` guard of any spawned process.
 
 Why not run DeepSpeed's own save to a fast local folder synchronously and only upload in the
 background? Because serializing and writing is most of a save's cost. Measured with
@@ -23,9 +40,7 @@ stalled training 4.2-5.7 s, the whole synchronous save with upload, verification
 allocated). On CUDA the gap is wider: the capture is a device-to-pinned-host copy (0.29 s
 for 15.7 GB on one H200, see DESIGN.md) against 18.5 s for `torch.save` of the same state.
 The price is host memory: the buffers stay allocated, one copy of this rank's checkpoint
-(two while a queued save waits), and the background work competes with training for CPU
-and memory bandwidth (on 2 shared cores, steps ran 2.6-4.4x slower while a save was
-uploading; not measured on a GPU node, whose host cores mostly idle).
+(two while a queued save waits).
 
 At most one save is in flight; one due meanwhile is skipped or queued as `policy` says (see
 `save_policy`). With several ranks the decision must be the same on every rank, because the
@@ -37,9 +52,12 @@ partial, failed or skipped; why; how long the training thread waited; how long t
 took; bytes), which `drain()` hands to the loop, and the next save is the retry. A full disk
 names the path and the bytes needed. `timeout_s` bounds the background half: it is checked
 between chunks of every upload and hash, between files, and while waiting for other ranks.
-A single storage call that never returns cannot be interrupted from Python; that save then
-stays in flight, and later saves are skipped (or queued) with a reason naming the call and
-how long it has been running.
+A single storage call that never returns is bounded too: once the child
+is past its deadline by `save_process.KILL_GRACE_S` (or timeout_s, if less), the saver kills
+it, records the save failed with a reason naming the call, and the next save spawns a new
+child. With `background="thread"` (no second process) such a call cannot be interrupted;
+that save then stays in flight, and later saves are skipped (or queued) with a reason naming
+the call and how long it has been running.
 """
 
 from __future__ import annotations
