@@ -38,7 +38,7 @@ from wildtrain.config import load_config  # noqa: E402
 from wildtrain.data.dataset import open_datasets  # noqa: E402
 from wildtrain.data.manifest import Manifest, encode_shard, write_manifest  # noqa: E402
 from wildtrain.data.prepare import PrepareConfig, prepare  # noqa: E402
-from wildtrain.data.stream import TOKENS, RankStream  # noqa: E402
+from wildtrain.data.stream import COLUMNS, TOKENS, RankStream  # noqa: E402
 from wildtrain.data.tokenizer import ByteTokenizer  # noqa: E402
 
 SEQ_LEN = 1024
@@ -80,16 +80,18 @@ class Pass:
 
 
 def plain_pyarrow(root: str, shard_paths: tuple[str, ...]) -> Pass:
-    """Every row group of every shard, decoded to the (rows, seq_len+1) int32 array
-    RankStream's read tasks decode, in one loop in this process."""
+    """Every row group of every shard, decoded to the (rows, seq_len+1) int32 arrays
+    RankStream's read tasks decode (tokens and doc_ids), in one loop in this process."""
     started, tokens, first = time.perf_counter(), 0, None
     for path in shard_paths:
         fs, file_path = storage.filesystem(storage.join(root, path))
         with fs.open_input_file(file_path) as f:
             parquet = pq.ParquetFile(f)
             for group in range(parquet.num_row_groups):
-                column = parquet.read_row_group(group, columns=[TOKENS]).column(TOKENS).combine_chunks()
-                tokens += column.flatten().to_numpy().reshape(len(column), SEQ_LEN + 1).size
+                table = parquet.read_row_group(group, columns=list(COLUMNS))
+                arrays = [table.column(c).combine_chunks().flatten().to_numpy().reshape(len(table), SEQ_LEN + 1)
+                          for c in COLUMNS]
+                tokens += arrays[COLUMNS.index(TOKENS)].size
                 first = first or (tokens, time.perf_counter() - started)
     return Pass(tokens, time.perf_counter() - started, *first)
 

@@ -32,7 +32,10 @@ from wildtrain.batching import unservable_world_sizes
 # The checkout's conf/ next to the package; a `conf/` in the current directory wins, so a
 # job submitted with `--working-dir` uses the configs it was submitted with.
 PACKAGE_CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-GROUPS = ("model", "deepspeed", "data", "cluster")
+GROUPS = ("model", "deepspeed", "data", "cluster", "objective")
+ATTENTION = ("causal", "document", "prefix_lm")
+OBJECTIVES = ("causal", "prefix_lm", "ul2")
+DENOISER_KINDS = ("span", "prefix")
 
 
 class ConfigError(ValueError):
@@ -53,7 +56,7 @@ class RunSectionConfig:
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    vocab_size: int = 257
+    vocab_size: int = 320
     dim: int = 128
     n_layers: int = 2
     n_heads: int = 4
@@ -71,6 +74,13 @@ class ModelConfig:
     # Recompute each block's activations in backward: for models or sequences whose
     # activations do not fit, at about a third more compute.
     activation_checkpointing: bool = False
+    # The attention mask (model/masks.py): causal over the whole packed row; document
+    # (causal, never across a document boundary; rotary positions restart per document);
+    # prefix_lm (per document: inputs attend to each other, targets causally; needs
+    # train.objective prefix_lm or ul2, which say where the inputs end).
+    attention: str = "causal"
+    # Also limit attention to this many latest positions (a sliding window); None: no limit.
+    attention_window: Optional[int] = None
 
 
 @dataclass
@@ -118,6 +128,10 @@ class TrainConfig:
     log_every: int = 5
     checkpoint_every: int = 20
     seed: int = 0
+    # What the model learns from each packed row (data/objectives.py): causal (next token,
+    # loss everywhere), prefix_lm (per document, loss on a random suffix given the rest) or
+    # ul2 (per document, one of objective.denoisers; loss on the targets only).
+    objective: str = "causal"
 
 
 @dataclass
@@ -130,6 +144,34 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+
+
+@dataclass
+class DenoiserConfig:
+    """One denoiser of a UL2 mixture: `span` corrupts spans of mean length `mean_span`
+    covering `corruption` of a document, each replaced by a sentinel in the inputs and
+    spelled out after it in the targets (UL2's R and X); `prefix` predicts a suffix of mean
+    share `corruption` from the rest (UL2's S, prefix-LM)."""
+
+    name: str = "R"
+    kind: str = "span"
+    mean_span: float = 3.0
+    corruption: float = 0.15
+    # Its share of the mixture, relative to the other denoisers' weights.
+    weight: float = 1.0
+    # The mode token put first in its examples, by name (a reserved token of the dataset's
+    # tokenizer, e.g. [NLU], [NLG], [S2S]); None: no mode token.
+    mode: Optional[str] = None
+
+
+@dataclass
+class ObjectiveConfig:
+    """The settings of train.objective; presets in conf/objective/ (ul2, ul2r)."""
+
+    # prefix_lm: the mean share of a document that is the target.
+    prefix_target: float = 0.25
+    # ul2: the mixture of denoisers.
+    denoisers: list[DenoiserConfig] = field(default_factory=lambda: [DenoiserConfig()])
 
 
 @dataclass
@@ -280,6 +322,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
@@ -370,6 +413,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"data.seq_len: {cfg.data.seq_len} exceeds model.max_seq_len ({cfg.model.max_seq_len})"
         )
+    _validate_objective(cfg)
     if cfg.model.dim % cfg.model.n_heads:
         raise ConfigError(f"model.n_heads: {cfg.model.n_heads} does not divide model.dim ({cfg.model.dim})")
     kv_heads = cfg.model.n_kv_heads or cfg.model.n_heads
@@ -385,6 +429,33 @@ def validate(cfg: Config) -> None:
             f"{cfg.train.micro_batch_size} (elastic.min_workers..max_workers = "
             f"{cfg.elastic.min_workers}..{cfg.elastic.max_workers})"
         )
+
+
+def _validate_objective(cfg: Config) -> None:
+    def one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+        if value not in allowed:
+            raise ConfigError(f"{key}: expected one of {', '.join(allowed)}, got {value!r}")
+
+    one_of("model.attention", cfg.model.attention, ATTENTION)
+    one_of("train.objective", cfg.train.objective, OBJECTIVES)
+    if cfg.model.attention_window is not None and cfg.model.attention_window < 1:
+        raise ConfigError(f"model.attention_window: must be positive or null, got {cfg.model.attention_window}")
+    if cfg.model.attention == "prefix_lm" and cfg.train.objective == "causal":
+        raise ConfigError("model.attention: prefix_lm needs train.objective prefix_lm or ul2 "
+                          "(a causal objective has no inputs to attend to bidirectionally)")
+    if not 0 < cfg.objective.prefix_target < 1:
+        raise ConfigError(f"objective.prefix_target: must be between 0 and 1, got {cfg.objective.prefix_target}")
+    if cfg.train.objective == "ul2" and not cfg.objective.denoisers:
+        raise ConfigError("objective.denoisers: train.objective=ul2 needs at least one denoiser")
+    for i, d in enumerate(cfg.objective.denoisers):
+        key = f"objective.denoisers.{i}"
+        one_of(f"{key}.kind", d.kind, DENOISER_KINDS)
+        if not 0 < d.corruption < 1:
+            raise ConfigError(f"{key}.corruption: must be between 0 and 1, got {d.corruption}")
+        if d.kind == "span" and d.mean_span < 1:
+            raise ConfigError(f"{key}.mean_span: must be at least 1, got {d.mean_span}")
+        if d.weight <= 0:
+            raise ConfigError(f"{key}.weight: must be positive, got {d.weight}")
 
 
 def to_yaml(cfg: Config) -> str:

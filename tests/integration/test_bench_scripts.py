@@ -1,4 +1,4 @@
-"""bench/gpu_smoke.py and bench/mfu.py run on the CPU in a few steps, so they do not rot
+"""bench/gpu_smoke.py, bench/mfu.py and bench/attention.py run on the CPU in a few steps, so they do not rot
 between the GPU runs they are written for. No Ray: each is one process with a
 torch.distributed group of one."""
 
@@ -55,3 +55,15 @@ def test_mfu_compares_our_engine_with_plain_pytorch():
     assert [r[:2] for r in rows] == [["tiny", "wildtrain"], ["tiny", "plain"]]
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
     assert "checkpoint stall, tiny full state" in output and "device-to-host copy of the same bytes" in output
+
+
+def test_attention_times_every_mask_and_trains_every_objective():
+    output = _run("attention.py")
+    header, rows = _table(output, "mask")
+    assert header.split() == ["mask", "mask", "ms", "total", "ms", "x", "causal"]
+    assert [r[0] for r in rows] == ["causal_SDPA", "document_Flex", "prefix-LM_Flex", "prefix-LM_dense_SDPA"]
+    assert all(float(r[2]) > 0 for r in rows) and float(rows[1][1]) > 0, "the block mask's build is timed"
+    header, rows = _table(output, "objective")
+    assert [r[:2] for r in rows] == [["causal", "causal"], ["causal", "document"], ["prefix_lm", "prefix_lm"],
+                                     ["ul2", "document"], ["ul2", "prefix_lm"]]
+    assert all(float(r[2]) > 0 for r in rows)

@@ -105,14 +105,14 @@ def test_param_count_matches_module(cfg):
 
 
 def test_flops_per_token_tiny_by_hand():
-    d, layers, vocab, seq_len = 128, 2, 257, 256
+    d, layers, vocab, seq_len = 128, 2, 320, 256
     ffn = 352  # 8/3 * 128 = 341.3, rounded up to a multiple of 32
     attention = 4 * d * d  # wq, wk, wv, wo; no GQA, so all dim x dim
     mlp = 3 * d * ffn  # w1, w3, w2
     head = d * vocab
     n_matmul = layers * (attention + mlp) + head  # embedding and norms excluded
     expected = 6 * n_matmul + 12 * layers * d * seq_len
-    assert expected == 6 * 434_304 + 786_432 == 3_392_256
+    assert expected == 6 * 442_368 + 786_432 == 3_440_640
     assert flops_per_token(TINY, seq_len) == expected
 
 

@@ -41,7 +41,7 @@ def test_seq_len_other_than_the_datasets_names_the_key(dataset):
 
 
 def test_tokenizer_larger_than_the_model_names_the_key(dataset):
-    with pytest.raises(DataError, match=r"^data.datasets.0.uri: its byte tokenizer has 257 ids, more than model.vocab_size \(200\)"):
+    with pytest.raises(DataError, match=r"^data.datasets.0.uri: its byte tokenizer has 320 ids, more than model.vocab_size \(200\)"):
         open_datasets(_config((dataset, 1), extra=["model.vocab_size=200"]))
 
 
@@ -68,7 +68,7 @@ def test_corrupt_shard_is_found_by_its_checksum(dataset):
 def test_mixture_of_differently_tokenized_datasets_is_refused(dataset, tmp_path):
     other = tmp_path / "other"
     write_dataset(other, [np.zeros((16, SEQ_LEN + 1), dtype=np.int32)], rows_per_group=8)
-    manifest = (other / "manifest.json").read_text().replace('"vocab_size": 257', '"vocab_size": 250')
+    manifest = (other / "manifest.json").read_text().replace('"vocab_size": 320', '"vocab_size": 250')
     (other / "manifest.json").write_text(manifest)
     with pytest.raises(DataError, match=r"^data.datasets.1.uri: tokenized with"):
         open_datasets(_config((dataset, 1), (other, 1)))

@@ -19,7 +19,19 @@ def bpe():
 
 
 def test_byte_tokenizer_describes_itself_without_a_file():
-    assert ByteTokenizer().describe() == {"kind": "byte", "vocab_size": 257, "eos_id": 256}
+    assert ByteTokenizer().describe() == {
+        "kind": "byte", "vocab_size": 320, "eos_id": 256, "modes": {"[NLU]": 257, "[NLG]": 258, "[S2S]": 259},
+        "sentinels": list(range(260, 320)),
+    }
+
+
+def test_reserved_ids_never_come_from_text():
+    bpe = train_bpe(TEXTS, vocab_size=400)
+    reserved = {*bpe.modes.values(), *bpe.sentinels}
+    assert len(bpe.sentinels) == 60 and set(bpe.modes) == {"[NLU]", "[NLG]", "[S2S]"}
+    assert not reserved & {i for text in [*TEXTS, "<extra_id_0> [NLU]"] for i in bpe.encode(text)}
+    byte = ByteTokenizer()
+    assert not {*byte.modes.values(), *byte.sentinels, byte.eos_id} & set(byte.encode("<extra_id_0> [NLU] \xff"))
 
 
 def test_bpe_compresses_round_trips_and_has_an_eos(bpe):
@@ -69,6 +81,6 @@ def test_bad_tokenizer_specs_are_named(tmp_path):
         get_tokenizer("bpe:512")
     with pytest.raises(DataError, match=r"^data.tokenizer: 'bpe:lots' must be bpe:VOCAB"):
         bpe_vocab_size("bpe:lots")
-    with pytest.raises(DataError, match=r"^data.tokenizer: bpe:100 is below the 257 ids"):
+    with pytest.raises(DataError, match=r"^data.tokenizer: bpe:100 is below the 320 ids"):
         train_bpe(TEXTS, vocab_size=100)
     assert bpe_vocab_size("bpe:4096") == 4096 and bpe_vocab_size("byte") is None

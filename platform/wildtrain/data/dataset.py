@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from wildtrain import storage
 from wildtrain.config import Config
 from wildtrain.data.manifest import MANIFEST, DataError, Manifest, verify_shard
+from wildtrain.data.objectives import Objective
 from wildtrain.data.order import Source, plan_epoch
 from wildtrain.data.stream import Dataset
 
@@ -68,6 +69,7 @@ def open_datasets(cfg: Config) -> OpenedData:
             raise DataError(f"{key}: no usable rows in {root}")
         datasets.append(Dataset(root, tuple(s.path for s in manifest.shards), source))
 
+    Objective.of(cfg, tokenizer)  # the objective's reserved ids are in the tokenizer, or the run stops here
     steps = plan_epoch([d.source for d in datasets], cfg.train.global_batch_size, cfg.train.seed, 0).steps
     if steps == 0:
         rows = sum(d.source.rows for d in datasets)

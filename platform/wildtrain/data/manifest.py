@@ -55,8 +55,10 @@ class Shard:
 class Manifest:
     format: str = FORMAT
     seq_len: int
-    # {"kind": "byte" | "hf" | "bpe", "vocab_size", "eos_id"}, plus "sha256" of the root's
-    # tokenizer.json unless byte-level.
+    # {"kind": "byte" | "hf" | "bpe", "vocab_size", "eos_id", "modes" (reserved mode token
+    # ids by name), "sentinels" (reserved sentinel ids)}, plus "sha256" of the root's
+    # tokenizer.json unless byte-level. Manifests from before reserved ids lack "modes" and
+    # "sentinels": causal training reads them, UL2 refuses them.
     tokenizer: dict
     source: str
     shards: list[Shard]

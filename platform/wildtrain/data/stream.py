@@ -33,7 +33,10 @@ from wildtrain.config import Config, StorageConfig
 from wildtrain.data.manifest import DataError, ShardCorrupt
 from wildtrain.data.order import Segment, Source, Unit, plan_epoch, rank_segments, rank_streams, row_order, split_step
 
-STREAM, STEP, TOKENS, SAMPLE_IDS = "stream", "step", "tokens", "sample_ids"
+STREAM, STEP, TOKENS, DOC_IDS, SAMPLE_IDS = "stream", "step", "tokens", "doc_ids", "sample_ids"
+# What a read task reads of each row: the tokens, and the document of each (for
+# document-based masks and the objectives that build one example per document).
+COLUMNS = (TOKENS, DOC_IDS)
 # Tokens one read task reads, in bytes. Opening a shard (a HEAD and a footer read) and
 # starting a Ray task each cost about as much as reading a 1 MiB row group here: one task per
 # row group ran at 0.3x a plain pyarrow loop (bench/data_throughput.py).
@@ -61,8 +64,8 @@ def sample_ids(source, shard, rows_in_shard) -> np.ndarray:
 def read_units(datasets: list[Dataset], units: list[list[Segment]], seed: int, epoch: int, seq_len: int,
                config: StorageConfig):
     """One block of a read task's units, each a list of the segments read from it: per row,
-    its stream, the step (in the epoch) that trains on it, its sample id, and its tokens as
-    (seq_len+1) int32s. Each row group is read once, even where two of the rank's streams
+    its stream, the step (in the epoch) that trains on it, its sample id, and its tokens and
+    doc_ids as (seq_len+1) int32s each. Each row group is read once, even where two of the rank's streams
     meet in it."""
     import pyarrow as pa
     from ray.data.extensions import ArrowTensorArray
@@ -76,14 +79,16 @@ def read_units(datasets: list[Dataset], units: list[list[Segment]], seed: int, e
         for read in pool.map(partial(_read_row_groups, datasets, seq_len, config), [list(g.values()) for g in by_shard.values()]):
             groups.update(read)
     # Each row group's rows go, permuted, straight into the block: one copy of the tokens.
-    tokens = np.empty((sum(s.stop - s.start for segments in units for s in segments), seq_len + 1), np.int32)
+    rows_in_block = sum(s.stop - s.start for segments in units for s in segments)
+    arrays = {name: np.empty((rows_in_block, seq_len + 1), np.int32) for name in COLUMNS}
     columns: list[tuple[np.ndarray, ...]] = []
     at = 0
     for segments in units:
         unit = segments[0].unit
         order = row_order(unit, seed, epoch)
         rows = np.concatenate([order[s.start : s.stop] for s in segments])
-        np.take(groups[unit.source, unit.shard, unit.row_group], rows, axis=0, out=tokens[at : at + len(rows)])
+        for name, group in zip(COLUMNS, groups[unit.source, unit.shard, unit.row_group]):
+            np.take(group, rows, axis=0, out=arrays[name][at : at + len(rows)])
         at += len(rows)
         first_row = sum(datasets[unit.source].source.row_groups[unit.shard][: unit.row_group])
         columns.append((
@@ -92,12 +97,13 @@ def read_units(datasets: list[Dataset], units: list[list[Segment]], seed: int, e
             sample_ids(unit.source, unit.shard, first_row + rows),
         ))
     streams, steps, ids = (np.concatenate(c) for c in zip(*columns))
-    yield pa.table({STREAM: streams, STEP: steps, SAMPLE_IDS: ids, TOKENS: ArrowTensorArray.from_numpy(tokens)})
+    yield pa.table({STREAM: streams, STEP: steps, SAMPLE_IDS: ids,
+                    **{name: ArrowTensorArray.from_numpy(array) for name, array in arrays.items()}})
 
 
 def _read_row_groups(datasets: list[Dataset], seq_len: int, config: StorageConfig, units: list[Unit]) -> dict:
-    """{(source, shard, row group): its tokens as (rows, seq_len+1) int32} for units of one
-    shard, opened (a HEAD and a footer read) once for all of them."""
+    """{(source, shard, row group): its `COLUMNS` as (rows, seq_len+1) int32 each} for units
+    of one shard, opened (a HEAD and a footer read) once for all of them."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -110,11 +116,13 @@ def _read_row_groups(datasets: list[Dataset], seq_len: int, config: StorageConfi
             fs, path = storage.filesystem(uri, config)
             parquet = pq.ParquetFile(fs.open_input_file(path))
             for unit in units:
-                column = parquet.read_row_group(unit.row_group, columns=[TOKENS]).column(TOKENS).combine_chunks()
-                if len(column) != unit.size:
-                    raise ShardCorrupt(f"shard {uri}: row group {unit.row_group} has {len(column)} rows, "
+                table = parquet.read_row_group(unit.row_group, columns=list(COLUMNS))
+                if len(table) != unit.size:
+                    raise ShardCorrupt(f"shard {uri}: row group {unit.row_group} has {len(table)} rows, "
                                        f"the manifest says {unit.size}")
-                groups[unit.source, unit.shard, unit.row_group] = column.flatten().to_numpy().reshape(len(column), seq_len + 1)
+                groups[unit.source, unit.shard, unit.row_group] = tuple(
+                    table.column(name).combine_chunks().flatten().to_numpy().reshape(len(table), seq_len + 1)
+                    for name in COLUMNS)
     except (OSError, pa.ArrowException) as e:
         gone = isinstance(e.__cause__, FileNotFoundError) or isinstance(e, FileNotFoundError)
         # A store that does not answer may answer the restarted group; a shard that is gone
@@ -149,7 +157,7 @@ def epoch_dataset(datasets: list[Dataset], segments: list[Segment], seed: int, e
     by_unit: dict = {}
     for segment in segments:  # in the order they are needed: dicts keep first insertion
         by_unit.setdefault(segment.unit, []).append(segment)
-    row_bytes = (seq_len + 1) * 4
+    row_bytes = (seq_len + 1) * 4 * len(COLUMNS)
     tasks = task_units(list(by_unit.values()), row_bytes, READ_TASK_BYTES)
 
     class Units(Datasource):
@@ -182,8 +190,10 @@ def epoch_dataset(datasets: list[Dataset], segments: list[Segment], seed: int, e
 class Step:
     """One rank's share of one optimizer step."""
 
+    step: int  # the run's step (from 0) that trains on these rows
     sample_ids: np.ndarray  # (rows,) see `sample_ids`
     tokens: np.ndarray  # (rows, seq_len + 1) int32
+    doc_ids: np.ndarray  # (rows, seq_len + 1) int32
 
 
 @dataclass(frozen=True)
@@ -193,6 +203,7 @@ class _Run:
     first_step: int
     sample_ids: np.ndarray
     tokens: np.ndarray
+    doc_ids: np.ndarray
 
     def holds(self, step: int) -> bool:
         return self.first_step <= step < self.first_step + len(self.sample_ids)
@@ -254,11 +265,12 @@ class RankStream:
             raise
         streams, steps = block[STREAM], block[STEP]
         for start, stop in _runs(streams, steps):
-            run = _Run(int(steps[start]), block[SAMPLE_IDS][start:stop], block[TOKENS][start:stop])
+            run = _Run(int(steps[start]), block[SAMPLE_IDS][start:stop], block[TOKENS][start:stop],
+                       block[DOC_IDS][start:stop])
             self._pending[int(streams[start])][run.first_step] = run
 
     def _take(self, stream: int, step: int) -> tuple:
-        """(sample id, tokens) of the stream's row for `step`. A row group shared by two
+        """(sample id, tokens, doc_ids) of the stream's row for `step`. A row group shared by two
         streams arrives when the first of them needs it, so rows can come ahead of their
         turn: they wait here, keyed by the step they start at."""
         run = self._current.get(stream)
@@ -267,14 +279,16 @@ class RankStream:
             while step not in pending:
                 self._next_block()
             run = self._current[stream] = pending.pop(step)
-        return run.sample_ids[step - run.first_step], run.tokens[step - run.first_step]
+        at = step - run.first_step
+        return run.sample_ids[at], run.tokens[at], run.doc_ids[at]
 
     def next_step(self) -> Step:
         started = time.perf_counter()
         epoch, step_in_epoch = split_step(self.step, self.steps_per_epoch)
         if epoch != self._epoch:
             self._start_epoch(epoch, step_in_epoch)
-        rows = [self._take(stream, step_in_epoch) for stream in self.streams]
+        ids, tokens, doc_ids = zip(*(self._take(stream, step_in_epoch) for stream in self.streams))
+        step = Step(self.step, np.array(ids), np.stack(tokens), np.stack(doc_ids))
         self.step += 1
         self.wait_s += time.perf_counter() - started
-        return Step(np.array([i for i, _ in rows]), np.stack([t for _, t in rows]))
+        return step

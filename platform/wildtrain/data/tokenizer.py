@@ -2,7 +2,9 @@
 `tokenizer.json`, or a byte-level BPE trained on the corpus by `prepare`.
 
 Each has `encode(text) -> ids`, an end-of-document id that separates packed documents, a
-vocabulary size, and `describe()`: what a dataset manifest records of it.
+vocabulary size, reserved ids that text never encodes to (UL2's mode tokens and the
+sentinels that stand for corrupted spans, see `data.objectives`), and `describe()`: what a
+dataset manifest records of it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,14 @@ from wildtrain.data.manifest import DataError
 
 # End-of-document tokens by convention, in order of preference; a trained BPE gets the first.
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+# UL2's paradigm tokens, one per kind of denoiser (R, X, S), named as in the paper.
+MODE_TOKENS = ("[NLU]", "[NLG]", "[S2S]")
+# Sentinels named as T5's; an example with more corrupted spans than this reuses them in turn.
+SENTINELS = 60
+
+
+def sentinel_token(i: int) -> str:
+    return f"<extra_id_{i}>"
 
 
 class Tokenizer(Protocol):
@@ -29,11 +39,14 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255, plus one end-of-document id that separates packed documents."""
+    """UTF-8 bytes as ids 0..255, one end-of-document id that separates packed documents
+    (256), then the mode tokens and the sentinels."""
 
     kind = "byte"
     eos_id = 256
-    vocab_size = 257
+    modes = {name: 257 + i for i, name in enumerate(MODE_TOKENS)}
+    sentinels = list(range(257 + len(MODE_TOKENS), 257 + len(MODE_TOKENS) + SENTINELS))
+    vocab_size = sentinels[-1] + 1
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -42,7 +55,8 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+        return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
+                "modes": self.modes, "sentinels": self.sentinels}
 
 
 class HFTokenizer:
@@ -62,6 +76,14 @@ class HFTokenizer:
         self.json = json_text
         self.kind = kind
         self.eos_id = eos[0]
+        # Whichever reserved tokens the file has (a T5 tokenizer has 100 sentinels).
+        self.modes = {name: i for name in MODE_TOKENS if (i := self._backend.token_to_id(name)) is not None}
+        self.sentinels = []
+        while (i := self._backend.token_to_id(sentinel_token(len(self.sentinels)))) is not None:
+            self.sentinels.append(i)
+        # Text that spells a special token ("<extra_id_0>", "</s>") encodes as text, so no
+        # document can forge a sentinel, mode token or end of document.
+        self._backend.encode_special_tokens = True
         self.vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
@@ -76,6 +98,8 @@ class HFTokenizer:
             "kind": self.kind,
             "vocab_size": self.vocab_size,
             "eos_id": self.eos_id,
+            "modes": self.modes,
+            "sentinels": self.sentinels,
             "sha256": hashlib.sha256(self.json.encode()).hexdigest(),
         }
 
@@ -86,13 +110,15 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if vocab_size < len(alphabet) + 1:
-        raise DataError(f"data.tokenizer: bpe:{vocab_size} is below the {len(alphabet) + 1} ids of a byte-level BPE")
+    special = [EOS_TOKENS[0], *MODE_TOKENS, *map(sentinel_token, range(SENTINELS))]
+    if vocab_size < len(alphabet) + len(special):
+        raise DataError(f"data.tokenizer: bpe:{vocab_size} is below the {len(alphabet) + len(special)} ids of a "
+                        "byte-level BPE with its reserved tokens")
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS_TOKENS[0]], initial_alphabet=alphabet, show_progress=False
+        vocab_size=vocab_size, special_tokens=special, initial_alphabet=alphabet, show_progress=False
     )
     backend.train_from_iterator(texts, trainer)
     return HFTokenizer(backend.to_str(), kind="bpe")

@@ -1,21 +1,24 @@
 """A Llama-style decoder-only transformer in plain PyTorch.
 
-Pre-norm blocks of RMSNorm -> causal self-attention (rotary positions, optional
-grouped-query attention) and RMSNorm -> SwiGLU MLP; a final RMSNorm and an untied
+Pre-norm blocks of RMSNorm -> masked self-attention (`model.attention`: causal, per
+document or prefix-LM, see `masks`; rotary positions, optional grouped-query attention) and RMSNorm -> SwiGLU MLP; a final RMSNorm and an untied
 output head; no biases.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from wildtrain.config import ModelConfig
+from wildtrain.model import masks
 
 
 def ffn_hidden_dim(cfg: ModelConfig) -> int:
@@ -35,10 +38,11 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Te
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs of `x` [B, T, heads, head_dim] by the angles for positions 0..T-1."""
+    """Rotate consecutive pairs of `x` [B, T, heads, head_dim] by the angles of each
+    position, `cos`/`sin` [B or 1, T, head_dim/2]."""
     # Rotating in fp32 keeps the positional signal exact when activations are bf16.
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return rotated.type_as(x)
 
@@ -66,19 +70,18 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: masks.Mask) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=True,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        gqa = self.n_kv_heads != self.n_heads
+        if isinstance(mask, BlockMask):
+            out = _compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -102,8 +105,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: masks.Mask) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -139,22 +142,47 @@ class Transformer(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits [B, T, vocab], or the mean cross-entropy against `targets` when given."""
-        T = tokens.shape[1]
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                loss_mask: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None, prefix: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [B, T, vocab], or the cross-entropy against `targets` when given.
+
+        `doc_ids` and `prefix` [B, T] are what `model.attention` masks by (see `masks`);
+        `positions` [B, T] the rotary position of each token (0..T-1 when None; restarting
+        at every document of a packed row is the data path's choice). With `loss_mask`
+        [B, T] the loss is each row's mean over its masked-in positions, averaged over
+        rows: micro-batches of equal size then weigh every row alike however a global
+        batch is split, so the loss does not depend on the world size."""
+        B, T = tokens.shape
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len ({self.cfg.max_seq_len})")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        if positions is None:
+            cos, sin = self.rope_cos[None, :T], self.rope_sin[None, :T]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        mask = masks.build(self.cfg.attention, self.cfg.attention_window, doc_ids,
+                           None if prefix is None else prefix.bool(), B, T, tokens.device)
         h = self.tok_embeddings(tokens)
         for block in self.layers:
             if self.cfg.activation_checkpointing and self.training:
                 # Recomputes the block in backward instead of keeping its activations: about
                 # a third more compute for memory that no longer grows with depth. The
                 # non-reentrant form works with ZeRO-3's parameter hooks and torch.compile.
-                h = checkpoint(block, h, cos, sin, use_reentrant=False)
+                h = checkpoint(block, h, cos, sin, mask, use_reentrant=False)
             else:
-                h = block(h, cos, sin)
+                h = block(h, cos, sin, mask)
         logits = self.output(self.norm(h))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        if loss_mask is None:
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        per_token = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view(B, T)
+        weights = loss_mask.float()
+        return ((per_token * weights).sum(1) / weights.sum(1).clamp(min=1)).mean()
+
+
+@functools.cache
+def _compiled_flex_attention():
+    # Uncompiled, flex_attention runs a dense reference implementation: the fused kernel
+    # exists only through torch.compile. Compiled once per process, on first use (CUDA).
+    return torch.compile(flex_attention, dynamic=False)

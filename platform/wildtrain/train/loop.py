@@ -27,6 +27,7 @@ from wildtrain.checkpoint.retention import RetentionPolicy
 from wildtrain.config import Config
 from wildtrain.data.dataset import OpenedData
 from wildtrain.data.manifest import ShardCorrupt
+from wildtrain.data.objectives import Objective
 from wildtrain.data.stream import RankStream
 from wildtrain.elastic.scaling import data_cpus
 from wildtrain.elastic.signals import FinalCheckpointFailed, PlannedRegrow, RunCannotContinue, UnhealthyNodes
@@ -120,9 +121,12 @@ class Attempt:
                           cfg.cluster.peak_flops_per_device)
         self.window = StepMetrics(self.tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len), peak, world_size,
                                   device, data_wait=stream)
-        # Each step's batch is copied to the device while the step before it trains.
+        # Each step's rows become the objective's examples (a pure function of the step and
+        # the rows), copied to the device while the step before it trains.
+        objective = Objective.of(cfg, inputs.data.tokenizer)
         self.batches = DeviceBatches((stream.next_step() for _ in range(cfg.train.steps - self.state.step)), device,
-                                     tokens=lambda step: step.tokens)
+                                     tokens=lambda step: objective.rows(step.step, step.sample_ids, step.tokens,
+                                                                        step.doc_ids))
         # A drill (chaos.*), off by default.
         self.slow_forward_s = cfg.chaos.slow_step_s if self.monitor.slowed_by_chaos else 0.0
         self.growth = GrowthCheck(world_size < cfg.elastic.max_workers, rank, inputs.worker_resources,
@@ -131,11 +135,11 @@ class Attempt:
     def step(self) -> Due:
         """One optimizer step; what it is due for."""
         try:
-            tokens, batch = next(self.batches)
+            rows, batch = next(self.batches)
         except ShardCorrupt as e:
             raise RunCannotContinue(f"{e}; to train on without it, resubmit with data.skip_bad_shards=true "
                                     "and data.allow_order_change=true (the rows of later steps change)") from None
-        train_step(self.engine, self.plan, tokens, self.window, self.slow_forward_s)
+        train_step(self.engine, self.plan, rows, self.window, self.slow_forward_s)
         state = self.state
         state.step += 1
         state.tokens_seen += self.tokens_per_step

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from wildtrain.batching import BatchPlan
+from wildtrain.data.objectives import FIELDS
 from wildtrain.tracking.mfu import Peak, mfu
 from wildtrain.train import collectives
 
@@ -25,8 +26,8 @@ B = TypeVar("B")
 
 
 class DeviceBatches(Generic[B]):
-    """The token batches of `host` (numpy int32, rows × seq_len+1), as int64 tensors on
-    `device`, one step ahead: taking batch k issues the copy of batch k+1, so the copy and
+    """The batches of `host` (numpy int32: rows × seq_len+1 tokens, or an objective's rows ×
+    fields × seq_len, see `train_step`), as int64 tensors on `device`, one step ahead: taking batch k issues the copy of batch k+1, so the copy and
     the host's reading of the next batch overlap step k.
 
     On CUDA each batch goes through a reused pinned host buffer (a pageable copy cannot be
@@ -203,9 +204,17 @@ class StepMetrics:
         return metrics
 
 
+def model_inputs(micro_batch: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The model's keyword arguments from rows of seq_len+1 tokens (the plain causal LM), or
+    from rows of an objective's `FIELDS` (data/objectives.py)."""
+    if micro_batch.dim() == 2:
+        return {"tokens": micro_batch[:, :-1], "targets": micro_batch[:, 1:]}
+    return dict(zip(FIELDS, micro_batch.unbind(1)))
+
+
 def train_step(engine, plan: BatchPlan, tokens: torch.Tensor, metrics: StepMetrics, slow_forward_s: float = 0.0) -> None:
     """One optimizer step of the DeepSpeed `engine` on this rank's `tokens` (on the engine's
-    device, rows × seq_len+1): forward, backward and `engine.step()` per micro-batch of the
+    device, see `model_inputs`): forward, backward and `engine.step()` per micro-batch of the
     plan; DeepSpeed applies the optimizer at the last. `slow_forward_s` is a chaos drill's
     delay per forward pass (chaos.slow_step_s), counted as forward time."""
     rows = plan.micro_batch_size * plan.grad_accum_steps
@@ -216,7 +225,7 @@ def train_step(engine, plan: BatchPlan, tokens: torch.Tensor, metrics: StepMetri
         with metrics.timed("forward"):
             if slow_forward_s:
                 time.sleep(slow_forward_s)
-            loss = engine(micro_batch[:, :-1], micro_batch[:, 1:])
+            loss = engine(**model_inputs(micro_batch))
         with metrics.timed("backward"):
             engine.backward(loss)
         with metrics.timed("optimizer"):
