@@ -5,10 +5,10 @@ captures its weights and optimizer state, and training goes on while the backgro
 (torch.save to staging, upload with hashing, read-back verification, commit) runs:
 
     thread        in a thread of the training process (the GIL and the cores are shared)
-    process       in the saver's child process at the training process's priority (no GIL
-                  shared; the cores still are)
-    process+nice  the same child at niceness 10 (the default): the scheduler gives training
-                  the cores first
+    process       in the saver's child process at the training process's priority (the
+                  default; no GIL shared, the cores still are)
+    process+nice  the same child at niceness 10: the scheduler gives training the cores
+                  first, and the save takes longer
 
 Columns: steps = steps timed per case; base ms = mean step with no save in flight; during ms
 = mean step while one ran; ratio = during / base (the goal: at most 1.10); save s = mean

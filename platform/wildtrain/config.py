@@ -251,10 +251,10 @@ class CheckpointConfig:
     # of `keep_every` (0: none) for good.
     keep_last: int = 2
     keep_every: int = 0
-    # Where a save's upload, hashing and verification run: "process" (a niced child per
-    # worker; training keeps the GIL and the cores) or "thread" (no second process). Thread
-    # until tests/integration/test_storage_outage.py's final-checkpoint run passes with process.
-    background: str = "thread"
+    # Where a save's upload, hashing and verification run: "process" (a child of the
+    # worker, so training keeps the GIL; see checkpoint/async_save.py) or "thread" (no
+    # second process: for a worker that cannot spawn one).
+    background: str = "process"
 
 
 @dataclass

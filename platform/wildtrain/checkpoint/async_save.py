@@ -20,15 +20,17 @@ Why a process: in a thread, the background half held the GIL (torch.save's pickl
 Python loops of hashing and copying) and shared the cores. Measured with
 bench/save_interference.py (11M parameters + AdamW, 0.13 GB per save, one training thread,
 this 2-core CPU machine shared with other jobs): steps ran 2.84x slower while a save ran in a
-thread, whose save took 2.24 s; 0.94x in a child at the same priority (0.60 s per save: no
-GIL handed back and forth); 1.01x in a child at niceness 10, the default, whose save then
-took 9.8 s, as it ran only on what training and the neighbours left. How much of "during vs
+thread, whose save took 2.24 s; 0.94x in a child at the same priority, the default (0.60 s
+per save: no GIL handed back and forth); 1.01x in a child at niceness 10, whose save then
+took 9.8 s, as it ran only on what training and the neighbours left. A save that long means
+saves skipped while it runs (at most one is in flight), so the child keeps training's
+priority unless `nice` says otherwise. How much of "during vs
 without" is the save and how much the neighbours' load shows in the spread of single saves
 (0.9-1.3x); on a GPU node, whose host cores mostly idle, it should cost less still.
 What the process costs: the host buffers are in shared memory (on CUDA, also page-locked
 in place with cudaHostRegister, as torch.distributed.checkpoint's staging does), reused
 across saves, so the child reads them where the capture put them; one child per saver,
-spawned with the first save (a few seconds of imports, off the training thread); scripts
+spawned with the saver (a few seconds of imports, off the training thread); scripts
 that make a saver need the `if __name__ == "__main__":` guard of any spawned process.
 
 Why not run DeepSpeed's own save to a fast local folder synchronously and only upload in the
@@ -134,7 +136,7 @@ class AsyncSaver:
                  retention: Optional[RetentionPolicy] = None, known_good: Iterable[tuple[str, str]] = (),
                  disk_free: Callable[[str], Optional[int]] = _disk_free, commit_when_released: bool = False,
                  reports_collected: Callable[[], bool] = lambda: False, background: Background = "process",
-                 nice: int = 10) -> None:
+                 nice: int = 0) -> None:
         if policy not in ("skip", "queue"):
             raise ValueError(f"checkpoint save policy {policy!r}: expected 'skip' or 'queue'")
         if background not in ("process", "thread"):
@@ -158,7 +160,9 @@ class AsyncSaver:
         self.nice = nice  # the child's niceness: it yields the cores to training
         self._settings = SaveSettings(tuple(self.stores), rank, world_size, timeout_s, verify_upload, retention,
                                       disk_free)
-        self._process: Optional[SaveProcess] = None  # started with the first save
+        # Spawned now, not with the first save: its imports take seconds, and a save still in
+        # flight when the next falls due makes that one skipped.
+        self._process: Optional[SaveProcess] = SaveProcess(self._settings, nice) if background == "process" else None
         # A child reads the host copies where the capture put them: in shared memory.
         self._buffers = HostBuffers(pin=torch.cuda.is_available(), share=background == "process")
         # The device-to-host copies run on a stream of their own, so waiting for them waits
@@ -388,12 +392,10 @@ class AsyncSaver:
         if self.background == "thread":
             return run_save(self._settings, work, _Link(self, job))
         started = time.perf_counter()
-        if self._process is None:
-            self._process = SaveProcess(self._settings, self.nice)
         try:
             return self._process.run(work, _Link(self, job), self.timeout_s)
         except SaveProcessLost as e:
-            self._process = None  # the next save starts a new one
+            self._process = SaveProcess(self._settings, self.nice)  # ready before the next save
             outcome = SaveOutcome(job.meta.step, job.name, "failed", f"step {job.meta.step}: {e}", e.failure,
                                   job.stall_s, time.perf_counter() - started)
             return SaveResult(outcome, None, work.good, None)

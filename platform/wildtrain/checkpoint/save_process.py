@@ -2,14 +2,14 @@
 torch.distributed.checkpoint's process-based async checkpointing: why, and what it costs, is
 in `async_save`'s docstring.
 
-One child per saver, spawned (not forked: the trainer has CUDA, NCCL and Ray threads) when the
-first save is handed over and reused for every save after it. A job's host copies are in
+One child per saver, spawned (not forked: the trainer has CUDA, NCCL and Ray threads) with the
+saver and reused for every save; one that is lost is replaced at once. A job's host copies are in
 shared memory (`HostBuffers(share=True)`), so sending a job sends their handles, not their
 bytes, and the child reads the very buffers the capture filled. The stores travel to the
 child pickled over the pipe, S3 keys included (pyarrow pickles them): never on a command
 line, in the environment of another process, or in a message.
 
-The child runs at a lower CPU priority, so that training keeps the cores it needs, and exits
+The child runs at the niceness the saver is given (its default: training's own priority), and exits
 when the saver stops it, when the pipe to the parent breaks, or when the parent is gone
 (an orphan would hold the buffers' shared memory). Unlike a thread, it can be stopped: when
 a save overruns its deadline by more than a grace period (a storage call that never
