@@ -251,6 +251,10 @@ class CheckpointConfig:
     # of `keep_every` (0: none) for good.
     keep_last: int = 2
     keep_every: int = 0
+    # Where a save's upload, hashing and verification run: "process" (a child of the
+    # worker, so training keeps the GIL; see checkpoint/async_save.py) or "thread" (no
+    # second process: for a worker that cannot spawn one).
+    background: str = "process"
 
 
 @dataclass
@@ -391,6 +395,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}: must be 0 (off) or positive, got {value}")
     if cfg.checkpoint.policy not in ("skip", "queue"):
         raise ConfigError(f"checkpoint.policy: expected 'skip' or 'queue', got {cfg.checkpoint.policy!r}")
+    if cfg.checkpoint.background not in ("process", "thread"):
+        raise ConfigError(f"checkpoint.background: expected 'process' or 'thread', got {cfg.checkpoint.background!r}")
     positive("elastic.min_workers", cfg.elastic.min_workers)
     positive("elastic.worker_start_timeout_s", cfg.elastic.worker_start_timeout_s)
     positive("cluster.capacity_wait_s", cfg.cluster.capacity_wait_s)

@@ -14,6 +14,7 @@ Tests wait on events (`faults.write_blocked`), never on sleeps.
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional
@@ -155,3 +156,21 @@ class FaultyHandler(pafs.FileSystemHandler):
 
 def faulty_filesystem(inner: pafs.FileSystem, faults: Faults) -> pafs.FileSystem:
     return pafs.PyFileSystem(FaultyHandler(inner, faults))
+
+
+class HangingHandler(FaultyHandler):
+    """Delegates to `inner`, except that opening a `.pt` file for writing never returns while
+    the file `marker` exists: a storage call that hangs. It pickles (without the faults of
+    `FaultyHandler`, which are this process's), so a save process can use it."""
+
+    def __init__(self, inner: pafs.FileSystem, marker: str) -> None:
+        super().__init__(inner, Faults())
+        self.marker = marker
+
+    def __reduce__(self):
+        return HangingHandler, (self.inner, self.marker)
+
+    def open_output_stream(self, path, metadata):
+        if path.endswith(".pt") and os.path.exists(self.marker):
+            threading.Event().wait()
+        return super().open_output_stream(path, metadata)

@@ -56,7 +56,7 @@ def _train_and_save(rank: int, world_size: int, port: int, root: str) -> None:
         faults = Faults(gate=threading.Event())
         store = Store(faulty_filesystem(pafs.LocalFileSystem(), faults), _store(root, stage), _store(root, stage))
         saver = AsyncSaver([store], str(Path(root, f"staging{rank}")), rank=rank, world_size=world_size,
-                           attempt=token[0], policy="queue")
+                           attempt=token[0], policy="queue", background="thread")  # the gate is this process's
         admissions = []
         for step in range(1, SAVE_AT + 1):
             _train(engine, plan, rank, range(step - 1, step))

@@ -107,8 +107,8 @@ def test_a_final_checkpoint_that_cannot_commit_ends_the_run_naming_the_newest_co
     runner = threading.Thread(target=run, daemon=True)
     runner.start()
     deadline = time.monotonic() + 300
-    while 8 not in committed(store):  # the store goes away for good after the save of step 8
-        assert runner.is_alive() and time.monotonic() < deadline, "step 8 never committed"
+    while not committed(store):  # the store goes away for good after the first periodic save
+        assert runner.is_alive() and time.monotonic() < deadline, "no periodic checkpoint committed"
         time.sleep(0.2)
     os.killpg(object_store.pid, signal.SIGSTOP)
     try:
@@ -118,5 +118,6 @@ def test_a_final_checkpoint_that_cannot_commit_ends_the_run_naming_the_newest_co
     assert not runner.is_alive(), "the run kept going (or restarting) without its final checkpoint"
     error = result.get("error", "")
     assert f"the final checkpoint (step {steps}) could not be committed" in error, result
-    assert f"the newest committed checkpoint is {store_uri}/step_000000008-" in error
-    assert 12 not in committed(store)
+    newest = committed(store)[-1]  # a save in flight during the outage may not have committed
+    assert newest < steps
+    assert f"the newest committed checkpoint is {store_uri}/step_{newest:09d}-" in error

@@ -17,6 +17,13 @@ from wildtrain.checkpoint.save_policy import InFlight, admit, metrics
 WAIT_S = 30  # a bound for events that should come at once; never waited out in a passing run
 
 
+def thread_saver(*args, **options) -> AsyncSaver:
+    """A saver whose background half runs in a thread of this process, where these tests'
+    faulty filesystems (their events and counters) can steer it; the save process has its
+    own tests (test_save_process.py)."""
+    return AsyncSaver(*args, background="thread", **options)
+
+
 def meta(step: int, world_size: int = 1) -> CheckpointMeta:
     return CheckpointMeta(step=step, tag=f"step_{step}", world_size=world_size, zero_stage=0,
                           data_position={"step": step}, config_hash="c0ffee")
@@ -42,7 +49,7 @@ def make_saver(tmp_path, store):
 
     def make(**options) -> AsyncSaver:
         options = {"rank": 0, "world_size": 1, "attempt": "a1"} | options
-        saver = AsyncSaver([store], str(tmp_path / f"staging{len(savers)}"), **options)
+        saver = thread_saver([store], str(tmp_path / f"staging{len(savers)}"), **options)
         savers.append(saver)
         return saver
 
@@ -200,7 +207,7 @@ def test_a_save_past_its_timeout_fails_as_a_timeout(store, make_saver):
 def test_a_replica_that_fails_makes_the_save_partial(tmp_path, store):
     broken = Faults(fail_next=10**6, match=lambda path: path.endswith(".pt"))
     replica = Store(faulty_filesystem(pafs.LocalFileSystem(), broken), str(tmp_path / "replica"), "replica")
-    saver = AsyncSaver([store, replica], str(tmp_path / "staging"), rank=0, world_size=1, attempt="a1")
+    saver = thread_saver([store, replica], str(tmp_path / "staging"), rank=0, world_size=1, attempt="a1")
     saver.save_state(meta(10), {"state.pt": state(1.0)})
     assert saver.close(WAIT_S)
 
@@ -210,7 +217,7 @@ def test_a_replica_that_fails_makes_the_save_partial(tmp_path, store):
 
 
 def test_rank_0_commits_once_every_rank_has_uploaded(tmp_path, store):
-    savers = [AsyncSaver([store], str(tmp_path / "staging"), rank=r, world_size=2, attempt="a1") for r in (0, 1)]
+    savers = [thread_saver([store], str(tmp_path / "staging"), rank=r, world_size=2, attempt="a1") for r in (0, 1)]
     savers[0].save_state(meta(10, world_size=2),
                          {"shared.pt": state(1.0), "zero_pp_rank_0_mp_rank_00_x.pt": state(2.0)})
     savers[1].save_state(meta(10, world_size=2), {"zero_pp_rank_1_mp_rank_00_x.pt": state(3.0)})
@@ -224,7 +231,7 @@ def test_rank_0_commits_once_every_rank_has_uploaded(tmp_path, store):
 
 
 def test_rank_0_gives_up_on_a_rank_that_never_uploads(tmp_path, store):
-    saver = AsyncSaver([store], str(tmp_path / "staging"), rank=0, world_size=2, attempt="a1", timeout_s=0.2)
+    saver = thread_saver([store], str(tmp_path / "staging"), rank=0, world_size=2, attempt="a1", timeout_s=0.2)
     saver.save_state(meta(10, world_size=2), {"shared.pt": state(1.0)})
     assert saver.close(WAIT_S)
     [outcome] = saver.drain()
@@ -291,7 +298,7 @@ def test_a_gated_save_commits_only_once_its_step_is_released(store, make_saver):
 def two_ranks(tmp_path, store, rank1_faults: Faults, **options) -> list[AsyncSaver]:
     """Savers for ranks 0 and 1 of one group, writing into the same folder; rank 1 through `rank1_faults`."""
     rank1_store = Store(faulty_filesystem(pafs.LocalFileSystem(), rank1_faults), store.root, store.uri)
-    return [AsyncSaver([s], str(tmp_path / f"staging{r}"), rank=r, world_size=2, attempt="a1", **options)
+    return [thread_saver([s], str(tmp_path / f"staging{r}"), rank=r, world_size=2, attempt="a1", **options)
             for r, s in ((0, store), (1, rank1_store))]
 
 
@@ -333,7 +340,7 @@ def test_each_store_has_its_own_deadline(tmp_path, store):
     # The primary's upload takes longer than timeout_s; the replica still gets its full time.
     slow = Faults(gate=threading.Event(), match=lambda path: path.endswith(".pt"))
     primary = Store(faulty_filesystem(pafs.LocalFileSystem(), slow), str(tmp_path / "primary"), "primary")
-    saver = AsyncSaver([primary, store], str(tmp_path / "staging"), rank=0, world_size=1, attempt="a1", timeout_s=1.0)
+    saver = thread_saver([primary, store], str(tmp_path / "staging"), rank=0, world_size=1, attempt="a1", timeout_s=1.0)
     saver.save_state(meta(10), {"state.pt": state(1.0)})
     assert slow.write_blocked.wait(WAIT_S)
     time.sleep(1.2)  # past the primary's deadline; its next chunk check fails it

@@ -15,6 +15,13 @@ from wildtrain.train import checkpointing
 from wildtrain.train.state import TrainState
 
 
+def thread_saver(*args, **options) -> AsyncSaver:
+    """A saver whose background half runs in a thread of this process, where these tests'
+    faulty filesystems (their events and counters) can steer it; the save process has its
+    own tests (test_save_process.py)."""
+    return AsyncSaver(*args, background="thread", **options)
+
+
 class FakeEngine:
     """What `checkpoint.save` asks of a DeepSpeed engine: a save through its checkpoint engine."""
 
@@ -33,7 +40,7 @@ def failing_store(tmp_path):
 
 
 def saver_for(tmp_path, store) -> AsyncSaver:
-    return AsyncSaver([store], str(tmp_path / "staging"), rank=0, world_size=1, attempt="a1", timeout_s=30)
+    return thread_saver([store], str(tmp_path / "staging"), rank=0, world_size=1, attempt="a1", timeout_s=30)
 
 
 def committed(store: Store) -> list[str]:

@@ -8,11 +8,30 @@ file) but with the engine's checkpoint writer swapped for one that copies each t
 host buffer instead of serializing it (see `host_copy`). The small files DeepSpeed writes itself (`latest`, its recovery script) and the
 client state go straight to the rank's local staging folder.
 
-Background, on one writer thread: `torch.save` of the host copies into the staging folder;
-upload to each store (primary first, then replicas), hashing while reading; verification
-(sizes, and by default every sha256 read back); this rank's part record; then rank 0 waits
-for every rank's part record, commits the manifest (see `store.py`) and applies
-retention. The staging folder is deleted afterwards.
+Background, in the saver's child process (`save_process`; `save_work` is the work itself):
+`torch.save` of the host copies into the staging folder; upload to each store (primary
+first, then replicas), hashing while reading; verification (sizes, and by default every
+sha256 read back); this rank's part record; then rank 0 waits for every rank's part record,
+commits the manifest (see `store.py`) and applies retention. The staging folder is deleted
+afterwards. A writer thread of the saver hands each save to the child and relays what the
+child asks (whether a step's report was collected) and tells (what it is doing, its deadline).
+
+Why a process: in a thread, the background half held the GIL (torch.save's pickling, the
+Python loops of hashing and copying) and shared the cores. Measured with
+bench/save_interference.py (11M parameters + AdamW, 0.13 GB per save, one training thread,
+this 2-core CPU machine shared with other jobs): steps ran 2.84x slower while a save ran in a
+thread, whose save took 2.24 s; 0.94x in a child at the same priority, the default (0.60 s
+per save: no GIL handed back and forth); 1.01x in a child at niceness 10, whose save then
+took 9.8 s, as it ran only on what training and the neighbours left. A save that long means
+saves skipped while it runs (at most one is in flight), so the child keeps training's
+priority unless `nice` says otherwise. How much of "during vs
+without" is the save and how much the neighbours' load shows in the spread of single saves
+(0.9-1.3x); on a GPU node, whose host cores mostly idle, it should cost less still.
+What the process costs: the host buffers are in shared memory (on CUDA, also page-locked
+in place with cudaHostRegister, as torch.distributed.checkpoint's staging does), reused
+across saves, so the child reads them where the capture put them; one child per saver,
+spawned with the saver (a few seconds of imports, off the training thread); scripts
+that make a saver need the `if __name__ == "__main__":` guard of any spawned process.
 
 Why not run DeepSpeed's own save to a fast local folder synchronously and only upload in the
 background? Because serializing and writing is most of a save's cost. Measured with
@@ -23,9 +42,7 @@ stalled training 4.2-5.7 s, the whole synchronous save with upload, verification
 allocated). On CUDA the gap is wider: the capture is a device-to-pinned-host copy (0.29 s
 for 15.7 GB on one H200, see DESIGN.md) against 18.5 s for `torch.save` of the same state.
 The price is host memory: the buffers stay allocated, one copy of this rank's checkpoint
-(two while a queued save waits), and the background work competes with training for CPU
-and memory bandwidth (on 2 shared cores, steps ran 2.6-4.4x slower while a save was
-uploading; not measured on a GPU node, whose host cores mostly idle).
+(two while a queued save waits).
 
 At most one save is in flight; one due meanwhile is skipped or queued as `policy` says (see
 `save_policy`). With several ranks the decision must be the same on every rank, because the
@@ -37,66 +54,42 @@ partial, failed or skipped; why; how long the training thread waited; how long t
 took; bytes), which `drain()` hands to the loop, and the next save is the retry. A full disk
 names the path and the bytes needed. `timeout_s` bounds the background half: it is checked
 between chunks of every upload and hash, between files, and while waiting for other ranks.
-A single storage call that never returns cannot be interrupted from Python; that save then
-stays in flight, and later saves are skipped (or queued) with a reason naming the call and
-how long it has been running.
+A single storage call that never returns is bounded too: once the child
+is past its deadline by `save_process.KILL_GRACE_S` (or timeout_s, if less), the saver kills
+it, records the save failed with a reason naming the call, and the next save spawns a new
+child. With `background="thread"` (no second process) such a call cannot be interrupted;
+that save then stays in flight, and later saves are skipped (or queued) with a reason naming
+the call and how long it has been running.
 """
 
 from __future__ import annotations
 
-import errno
 import math
 import shutil
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Sequence
 
 import torch
 
 from wildtrain import checkpoint
-from wildtrain.checkpoint.format import FileEntry, ManifestError, checkpoint_name
+from wildtrain.checkpoint.format import checkpoint_name
 from wildtrain.checkpoint.host_copy import CapturingWriter, HostBuffers, copying, to_host
-from wildtrain.checkpoint.retention import RetentionPolicy, apply_retention
-from wildtrain.checkpoint.save_policy import Admission, DiskFull, Failure, InFlight, Policy, SaveOutcome, Status, admit
-from wildtrain.checkpoint.store import (
-    CHUNK_BYTES, Cancelled, CommitError, DeadlineExceeded, PartFailed, Store, StoreLike, as_store, check_deadline,
-    commit, commit_when_complete, upload, write_part,
+from wildtrain.checkpoint.retention import RetentionPolicy
+from wildtrain.checkpoint.save_policy import Admission, InFlight, Policy, SaveOutcome, admit
+from wildtrain.checkpoint.save_process import SaveProcess, SaveProcessLost
+from wildtrain.checkpoint.save_work import (
+    CheckpointMeta, SaveJob, SaveResult, SaveSettings, describe, disk_free as _disk_free, run_save,
 )
+from wildtrain.checkpoint.store import Store, StoreLike, as_store
 
+__all__ = ["AsyncSaver", "Background", "CheckpointMeta"]
 
-@dataclass(frozen=True)
-class CheckpointMeta:
-    """What the manifest records besides the files; the same on every rank."""
-
-    step: int
-    tag: str  # DeepSpeed's tag (the engine files' subfolder)
-    world_size: int
-    zero_stage: int
-    data_position: dict = field(default_factory=dict)
-    config_hash: str = ""
-
-
-class DiskFullError(OSError):
-    def __init__(self, disk_full: DiskFull) -> None:
-        super().__init__(errno.ENOSPC, str(disk_full))
-        self.disk_full = disk_full
-
-
-def _disk_free(path: str) -> Optional[int]:
-    """Free bytes on the local filesystem that holds (or would hold) `path`; None for URIs."""
-    if "://" in path:
-        return None
-    existing = Path(path)
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    return shutil.disk_usage(existing).free
-
-
-def _is_no_space(error: BaseException) -> bool:
-    return isinstance(error, OSError) and (error.errno == errno.ENOSPC or "No space left on device" in str(error))
+# Where a save's background half runs: a child process (see `save_process`), or a thread of
+# the saver's process (no second process, but it contends for the GIL with training).
+Background = Literal["process", "thread"]
 
 
 @dataclass
@@ -109,10 +102,28 @@ class _Job:
     stall_s: float = 0.0
     started: Optional[float] = None  # monotonic, when the writer thread took it
     doing: str = "queued"
-    notes: list[str] = field(default_factory=list)  # deletions by retention, problems that did not fail it
 
     def pending_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+
+class _Link:
+    """`save_work.Link` for the saver's own process: the thread mode, and the relay of a child's questions."""
+
+    def __init__(self, saver: "AsyncSaver", job: _Job) -> None:
+        self._saver, self._job = saver, job
+
+    def doing(self, what: str) -> None:
+        self._job.doing = what
+
+    def deadline(self, at: float) -> None:
+        pass  # a thread cannot be stopped; its own checks between chunks are all there is
+
+    def report_collected(self, step: int) -> bool:
+        return self._saver._report_collected(step)
+
+    def wait(self, seconds: float) -> bool:
+        return self._saver._closing.wait(seconds)
 
 
 class AsyncSaver:
@@ -124,9 +135,12 @@ class AsyncSaver:
                  policy: Policy = "skip", timeout_s: float = 1800.0, verify_upload: bool = True,
                  retention: Optional[RetentionPolicy] = None, known_good: Iterable[tuple[str, str]] = (),
                  disk_free: Callable[[str], Optional[int]] = _disk_free, commit_when_released: bool = False,
-                 reports_collected: Callable[[], bool] = lambda: False) -> None:
+                 reports_collected: Callable[[], bool] = lambda: False, background: Background = "process",
+                 nice: int = 0) -> None:
         if policy not in ("skip", "queue"):
             raise ValueError(f"checkpoint save policy {policy!r}: expected 'skip' or 'queue'")
+        if background not in ("process", "thread"):
+            raise ValueError(f"checkpoint save background {background!r}: expected 'process' or 'thread'")
         if not stores:
             raise ValueError("AsyncSaver needs at least one store")
         self.stores: list[Store] = [as_store(s) for s in stores]
@@ -142,7 +156,15 @@ class AsyncSaver:
         # all of: restored from, or uploaded and verified by this saver.
         self._good: set[tuple[str, str]] = set(known_good)
         self._disk_free = disk_free
-        self._buffers = HostBuffers(pin=torch.cuda.is_available())
+        self.background = background
+        self.nice = nice  # the child's niceness: it yields the cores to training
+        self._settings = SaveSettings(tuple(self.stores), rank, world_size, timeout_s, verify_upload, retention,
+                                      disk_free)
+        # Spawned now, not with the first save: its imports take seconds, and a save still in
+        # flight when the next falls due makes that one skipped.
+        self._process: Optional[SaveProcess] = SaveProcess(self._settings, nice) if background == "process" else None
+        # A child reads the host copies where the capture put them: in shared memory.
+        self._buffers = HostBuffers(pin=torch.cuda.is_available(), share=background == "process")
         # The device-to-host copies run on a stream of their own, so waiting for them waits
         # for nothing else (a step's kernels queued behind the save, another stream's work).
         self._copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
@@ -260,12 +282,21 @@ class AsyncSaver:
             return self._cond.wait_for(lambda: self._running is None and self._queued is None, timeout_s)
 
     def close(self, timeout_s: Optional[float] = None) -> bool:
-        """Finish the saves in flight and queued, then stop the writer thread."""
+        """Finish the saves in flight and queued, then stop the writer thread and the save
+        process. A save still running after `timeout_s` is killed with its process (its
+        outcome: failed); in a thread it is left to end on its own."""
         finished = self.flush(timeout_s)
         self._closing.set()
         with self._cond:
             self._cond.notify_all()
-        self._thread.join(timeout_s if finished else 0)
+        if self.background == "thread":
+            self._thread.join(timeout_s if finished else 0)
+            return finished
+        if not finished and self._process is not None:
+            self._process.interrupt()
+        self._thread.join()  # at once: the process is idle, or dead and its save recorded
+        if self._process is not None:
+            self._process.stop(timeout_s)
         return finished
 
     def _admit(self, meta: CheckpointMeta, blocked_elsewhere: bool, policy: Optional[Policy]) -> Admission:
@@ -312,165 +343,6 @@ class AsyncSaver:
         with self._cond:
             self._outcomes.append(outcome)
 
-    # ------------------------------------------------------------ writer thread
-
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queued is not None or self._closing.is_set())
-                if self._queued is None:
-                    return
-                job, self._queued = self._queued, None
-                job.started = time.monotonic()
-                self._running = job
-            try:
-                outcome = self._run(job)
-            except Exception as e:  # a bug here must neither stop training nor leave the saver busy for good
-                outcome = SaveOutcome(job.meta.step, job.name, "failed", _describe(e), "error", job.stall_s)
-            finally:
-                self._discard(job)
-            with self._cond:
-                self._outcomes.append(outcome)
-                self._running = None
-                self._cond.notify_all()
-
-    def _run(self, job: _Job) -> SaveOutcome:
-        started = time.perf_counter()
-        meta = job.meta
-
-        def outcome(status: Status, reason: str = "", failure: Failure = "", **extra) -> SaveOutcome:
-            return SaveOutcome(meta.step, job.name, status, reason, failure, job.stall_s,
-                               time.perf_counter() - started, **extra)
-
-        try:
-            self._write_staging(job, time.monotonic() + self.timeout_s)
-        except Exception as e:  # a checkpoint that cannot be written must not stop training
-            if isinstance(e, DiskFullError):
-                failed = outcome("failed", str(e.disk_full), "disk_full", disk_full=e.disk_full)
-            elif isinstance(e, DeadlineExceeded):
-                failed = outcome("failed", f"step {meta.step}: {e}", "timeout")
-            else:
-                failed = outcome("failed", f"writing step {meta.step} to {job.folder}: {_describe(e)}", "error")
-            self._tell_rank_zero(job, [(store, time.monotonic() + self.timeout_s) for store in self.stores],
-                                 failed.reason)
-            return failed
-        size = sum(p.stat().st_size for p in job.folder.rglob("*") if p.is_file())
-        self._last_bytes = size
-
-        # This rank's part in every store first, each store with its own deadline, so that a
-        # store that is down costs the others nothing.
-        uploaded: list[tuple[Store, float]] = []
-        errors: dict[str, tuple[Failure, str, Optional[DiskFull]]] = {}
-        for store in self.stores:
-            deadline = time.monotonic() + self.timeout_s
-            try:
-                files = upload(str(job.folder), store, job.name, deadline=deadline, verify=self.verify_upload,
-                               on_progress=lambda doing: setattr(job, "doing", doing))
-                write_part(store, job.name, self.rank, files)
-                uploaded.append((store, deadline))
-            except Exception as e:
-                errors[store.uri] = self._failure(e, store.describe(job.name), size)
-        if self.rank != 0:
-            self._tell_rank_zero(job, [(s, time.monotonic() + self.timeout_s) for s in self.stores if s.uri in errors],
-                                 "; ".join(message for _, message, _ in errors.values()))
-            stored = [store.uri for store, _ in uploaded]
-        else:
-            stored, notes = self._commit_everywhere(job, uploaded, errors, size)
-            job.notes = notes
-        failure: Failure = next((kind for kind, _, _ in errors.values() if kind), "")
-        disk_full = next((full for _, _, full in errors.values() if full), None)
-        status: Status = "saved" if not errors else "partial" if stored else "failed"
-        # The stores in the order given: the primary's failure, if it failed, names the save's.
-        reason = "; ".join(errors[s.uri][1] for s in self.stores if s.uri in errors)
-        return outcome(status, reason, failure, bytes=size, stored=tuple(s.uri for s in self.stores if s.uri in stored),
-                       notes=tuple(job.notes), disk_full=disk_full)
-
-    def _write_staging(self, job: _Job, deadline: float) -> None:
-        needed = job.pending_bytes()
-        free = self._disk_free(str(job.folder))
-        if free is not None and free < needed:
-            self._last_bytes = needed  # so that admission skips saves until the disk has room
-            raise DiskFullError(DiskFull(str(job.folder), needed, free))
-        for rel, obj in job.pending:
-            check_deadline(deadline, f"writing {job.folder / rel}")
-            path = job.folder / rel
-            job.doing = f"writing {path}"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                if isinstance(obj, bytes):
-                    path.write_bytes(obj)
-                else:
-                    torch.save(obj, path)
-            except Exception as e:
-                # torch's writer reports a full disk as a RuntimeError without an errno, so
-                # a failed write on a disk that is now (nearly) full counts as a full disk.
-                free = self._disk_free(str(path))
-                if _is_no_space(e) or (free is not None and free < CHUNK_BYTES):
-                    raise DiskFullError(DiskFull(str(path), needed, free)) from e
-                raise
-
-    def _failure(self, error: Exception, where: str, size: int) -> tuple[Failure, str, Optional[DiskFull]]:
-        if _is_no_space(error):
-            full = DiskFull(where, size, self._disk_free(where))
-            return "disk_full", str(full), full
-        if isinstance(error, Cancelled):
-            return "timeout", str(error), None
-        if isinstance(error, DeadlineExceeded):
-            return "timeout", f"{error} (timeout_s={self.timeout_s})", None
-        if isinstance(error, PartFailed):
-            return "storage", str(error), None
-        if isinstance(error, (CommitError, ManifestError)):
-            return "verify", str(error), None
-        if isinstance(error, OSError):
-            return "storage", f"{where}: {error}", None
-        return "error", f"{where}: {_describe(error)}", None
-
-    def _tell_rank_zero(self, job: _Job, stores: Sequence[tuple[Store, float]], reason: str) -> None:
-        """Record in each store that this rank's part failed, so rank 0 stops waiting for it.
-        The store may be the one that is down: keep trying (with backoff) until the record
-        is in, the store's deadline passes, or the saver closes. Meanwhile this save stays in
-        flight, and later saves are skipped, as they would fail against a store that is down."""
-        if self.rank == 0:
-            return  # rank 0 commits; nobody waits for its part
-        for store, deadline in stores:
-            interval = 1.0
-            while True:
-                job.doing = f"recording in {store.describe(job.name)} that rank {self.rank}'s part failed"
-                try:
-                    write_part(store, job.name, self.rank, (), failed=reason or "failed")
-                    break
-                except OSError:
-                    if time.monotonic() + interval > deadline or self._closing.wait(interval):
-                        break
-                    # Short: once the store is back, rank 0 should hear of the failure at once.
-                    interval = min(interval * 2, 5.0)
-
-    def _commit_everywhere(self, job: _Job, uploaded: Sequence[tuple[Store, float]],
-                           errors: dict[str, tuple[Failure, str, Optional[DiskFull]]], size: int):
-        """Rank 0: commit the checkpoint in each store where every rank's part is in (see
-        `commit_when_complete`), then apply retention there. A commit also waits until the
-        controller has the step's report (see `release`)."""
-        meta, stored, notes = job.meta, [], []
-
-        def commit_in(store: Store, files: tuple[FileEntry, ...]) -> None:
-            commit(store, job.name, step=meta.step, tag=meta.tag, world_size=meta.world_size,
-                   zero_stage=meta.zero_stage, files=files, data_position=meta.data_position,
-                   config_hash=meta.config_hash)
-            stored.append(store.uri)
-            if len(stored) == 1:  # the first store committed: the primary, if it works
-                self.last_commit = store.describe(job.name)
-            notes.extend(self._after_commit(job, store))
-
-        def held_by() -> Optional[str]:
-            collected = self._report_collected(meta.step)
-            return None if collected else f"waiting for the report of step {meta.step} to be collected"
-
-        failed = commit_when_complete(uploaded, job.name, self.world_size, commit_in, held_by=held_by,
-                                      wait=self._closing.wait, on_progress=lambda doing: setattr(job, "doing", doing))
-        describe = {store.uri: store.describe(job.name) for store, _ in uploaded}
-        errors |= {uri: self._failure(error, describe[uri], size) for uri, error in failed.items()}
-        return stored, notes
-
     def _report_collected(self, step: int) -> bool:
         with self._cond:
             if self._released >= step:
@@ -480,21 +352,50 @@ class AsyncSaver:
                 return True
             return False
 
-    def _after_commit(self, job: _Job, store: Store) -> list[str]:
-        if self.verify_upload:
-            self._good.add((store.uri, job.name))
-        if self.retention is None:
-            return []
-        job.doing = f"applying retention in {store.uri}"
+    # ------------------------------------------------------------ writer thread
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queued is not None or self._closing.is_set())
+                if self._closing.is_set():
+                    break
+                job, self._queued = self._queued, None
+                job.started = time.monotonic()
+                self._running = job
+            try:
+                result = self._run(job)
+                outcome = result.outcome
+            except Exception as e:  # a bug here must neither stop training nor leave the saver busy for good
+                outcome = SaveOutcome(job.meta.step, job.name, "failed", describe(e), "error", job.stall_s)
+            else:
+                self._good = set(result.good)
+                if result.last_bytes is not None:
+                    self._last_bytes = result.last_bytes
+                self.last_commit = result.last_commit or self.last_commit
+            finally:
+                self._discard(job)
+            with self._cond:
+                self._outcomes.append(outcome)
+                self._running = None
+                self._cond.notify_all()
+        with self._cond:
+            dropped, self._queued = self._queued, None
+        if dropped is not None:
+            self._record(SaveOutcome(dropped.meta.step, dropped.name, "skipped", "the saver closed before it started",
+                                     stall_s=dropped.stall_s))
+            self._discard(dropped)
+
+    def _run(self, job: _Job) -> SaveResult:
+        work = SaveJob(job.meta, job.name, job.folder, tuple(job.pending), job.pending_bytes(), job.stall_s,
+                       frozenset(self._good))
+        if self.background == "thread":
+            return run_save(self._settings, work, _Link(self, job))
+        started = time.perf_counter()
         try:
-            plan = apply_retention(store, self.retention, {name for uri, name in self._good if uri == store.uri})
-            return [f"deleted {store.describe(name)}: {why}" for name, why in zip(plan.delete, plan.reasons)]
-        except OSError as e:  # the checkpoint is committed; deletion is retried after the next one
-            return [f"retention in {store.uri} failed: {e}"]
-
-
-def _describe(error: BaseException) -> str:
-    """The error and where it came from: a bug here should be findable from the metrics log."""
-    frames = traceback.extract_tb(error.__traceback__)
-    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-    return f"{type(error).__name__}: {error}{where}"
+            return self._process.run(work, _Link(self, job), self.timeout_s)
+        except SaveProcessLost as e:
+            self._process = SaveProcess(self._settings, self.nice)  # ready before the next save
+            outcome = SaveOutcome(job.meta.step, job.name, "failed", f"step {job.meta.step}: {e}", e.failure,
+                                  job.stall_s, time.perf_counter() - started)
+            return SaveResult(outcome, None, work.good, None)

@@ -12,16 +12,20 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import weakref
 from typing import Any, Callable, Mapping, Optional
 
 import torch
+import torch.cuda._pin_memory_utils as pin_memory_utils
 
 
 class HostBuffers:
-    """Host tensors reused across saves, one spare per tensor position."""
+    """Host tensors reused across saves, one spare per tensor position; with `share`, in
+    shared memory, for a save process to read where they are."""
 
-    def __init__(self, pin: bool) -> None:
+    def __init__(self, pin: bool, share: bool = False) -> None:
         self._pin = pin
+        self._share = share
         self._spare: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
 
@@ -30,7 +34,15 @@ class HostBuffers:
             spare = self._spare.pop(key, None)
         if spare is not None and spare.shape == like.shape and spare.dtype == like.dtype:
             return spare
-        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self._pin)
+        if not self._share:
+            return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self._pin)
+        host = torch.empty(like.shape, dtype=like.dtype, device="cpu").share_memory_()
+        if self._pin and host.numel():
+            # As torch.distributed.checkpoint's staging does: CUDA cannot allocate pinned memory
+            # that another process can map, so the shared memory is page-locked in place.
+            pin_memory_utils.pin_memory(host.data_ptr(), host.untyped_storage().nbytes())
+            weakref.finalize(host, pin_memory_utils.unpin_memory, host.data_ptr())
+        return host
 
     def give_back(self, buffers: Mapping[str, torch.Tensor]) -> None:
         with self._lock:

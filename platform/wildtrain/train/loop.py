@@ -109,7 +109,7 @@ class Attempt:
             policy=cfg.checkpoint.policy, timeout_s=cfg.checkpoint.timeout_s, verify_upload=cfg.checkpoint.verify_upload,
             retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
             known_good=[self.restored.candidate.key] if self.restored.candidate else [], commit_when_released=True,
-            reports_collected=ray_compat.reports_collected,
+            reports_collected=ray_compat.reports_collected, background=cfg.checkpoint.background,
         )
         self.reported_step = self.state.step  # the newest step whose report the controller has for sure
         # The data position is the step: the stream starts where the restored model stopped.

@@ -1,0 +1,36 @@
+"""The save process's host buffers on CUDA: shared memory, page-locked in place, filled by an
+asynchronous device copy and read by the child process as the capture left them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
+from wildtrain.checkpoint.host_copy import HostBuffers
+from wildtrain.checkpoint.restore import restore
+
+pytestmark = pytest.mark.gpu
+
+
+def test_buffers_for_a_save_process_are_shared_and_pinned():
+    buffers = HostBuffers(pin=True, share=True)
+    host = buffers.take("w", torch.empty(1024, device="cuda"))
+    assert host.is_shared() and host.is_pinned()
+    buffers.give_back({"w": host})
+    assert buffers.take("w", torch.empty(1024, device="cuda")) is host
+
+
+def test_a_cuda_capture_reaches_the_store_through_the_save_process(tmp_path):
+    weights = torch.randn(256, 256, device="cuda")
+    saver = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="g2")
+    try:
+        saver.save_state(CheckpointMeta(1, "step_1", 1, 0), {"state.pt": {"w": weights}})
+        weights.add_(1.0)  # after the capture: the save holds the values it captured
+        assert saver.flush(120)
+        [outcome] = saver.drain()
+        assert outcome.status == "saved", outcome.reason
+    finally:
+        saver.close(120)
+    restored = restore([str(tmp_path / "store")], str(tmp_path / "local"), rank=0, world_size=1)
+    assert torch.equal(torch.load(f"{restored.folder}/state.pt")["w"], (weights - 1.0).cpu())

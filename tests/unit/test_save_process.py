@@ -1,0 +1,88 @@
+"""The save process: one child per saver, reused, gone with the saver or its parent, and
+killed (then replaced) when a storage call in it never returns."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from tests.helpers.faulty_fs import HangingHandler
+from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
+from wildtrain.checkpoint.restore import restore
+from wildtrain.checkpoint.store import Store
+
+WAIT_S = 60  # a bound for events that should come soon (a child imports torch); never waited out in a passing run
+
+
+def meta(step: int) -> CheckpointMeta:
+    return CheckpointMeta(step=step, tag=f"step_{step}", world_size=1, zero_stage=0, data_position={"step": step})
+
+
+def save(saver: AsyncSaver, step: int, value: float):
+    assert saver.save_state(meta(step), {"state.pt": {"w": torch.full((64, 64), value)}}).action == "start"
+    assert saver.flush(WAIT_S)
+    [outcome] = saver.drain()
+    return outcome
+
+
+def test_one_child_serves_every_save_and_goes_away_with_the_saver(tmp_path):
+    saver = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p1",
+                       nice=5)
+    try:
+        assert save(saver, 10, 1.0).status == "saved"
+        child = saver._process.process
+        assert save(saver, 20, 2.0).status == "saved"
+        assert saver._process.process is child and child.is_alive()
+        assert psutil.Process(child.pid).nice() == psutil.Process().nice() + 5
+    finally:
+        assert saver.close(WAIT_S)
+    assert not psutil.pid_exists(child.pid) or psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE
+    restored = restore([str(tmp_path / "store")], str(tmp_path / "local"), rank=0, world_size=1)
+    assert restored.manifest.step == 20
+    assert torch.equal(torch.load(f"{restored.folder}/state.pt")["w"], torch.full((64, 64), 2.0))
+
+
+def test_the_child_exits_when_its_parent_is_killed(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
+        saver = AsyncSaver([{str(tmp_path / "store")!r}], {str(tmp_path / "staging")!r}, rank=0, world_size=1,
+                           attempt="p1")
+        saver.save_state(CheckpointMeta(1, "step_1", 1, 0), {{"state.pt": {{"w": torch.zeros(8)}}}})
+        assert saver.flush({WAIT_S})
+        print(saver._process.process.pid, flush=True)
+        sys.stdin.read()  # until the test kills it
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(WAIT_S)
+        child.wait(WAIT_S)  # raises TimeoutExpired if it stays, an orphan
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_a_store_call_that_never_returns_fails_the_save_and_the_next_one_works(tmp_path):
+    marker = tmp_path / "hang"
+    marker.touch()
+    store = Store(pafs.PyFileSystem(HangingHandler(pafs.LocalFileSystem(), str(marker))), str(tmp_path / "store"),
+                  str(tmp_path / "store"))
+    saver = AsyncSaver([store], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p1", timeout_s=1.0)
+    try:
+        hung = save(saver, 10, 1.0)
+        assert (hung.status, hung.failure) == ("failed", "timeout")
+        assert "uploading" in hung.reason and "state.pt" in hung.reason and "timeout_s=1" in hung.reason
+        marker.unlink()
+        assert save(saver, 20, 2.0).status == "saved"
+    finally:
+        assert saver.close(WAIT_S)
+    assert restore([store], str(tmp_path / "local"), rank=0, world_size=1).manifest.step == 20
