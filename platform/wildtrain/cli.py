@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from wildtrain import services
+from wildtrain.clusters import registry
 from wildtrain.config import ConfigError, load_config, redact, to_yaml
 
 OVERRIDES = click.argument("overrides", nargs=-1)
@@ -21,7 +22,8 @@ def _fail(message: str, code: int) -> None:
 
 def _config(overrides: tuple[str, ...]):
     try:
-        return load_config(list(overrides))
+        # `cluster=NAME` of the registry brings that cluster's settings.
+        return load_config(registry.expand(list(overrides)))
     except ConfigError as e:
         _fail(str(e), 2)
 
