@@ -125,3 +125,70 @@ def down(state_dir: Path) -> None:
         services.down(state_dir)
     except services.ServiceError as e:
         _fail(str(e), 1)
+
+
+REGISTRY = click.option("--registry", type=click.Path(path_type=Path), default=None,
+                        help="The clusters file [default: $WILDTRAIN_CLUSTERS, else ray_clusters/clusters.yaml].")
+
+
+def _registry(path: Path | None) -> registry.Registry:
+    try:
+        return registry.load(path)
+    except ConfigError as e:
+        _fail(str(e), 2)
+
+
+@main.group(invoke_without_command=True)
+@REGISTRY
+@click.pass_context
+def clusters(ctx: click.Context, registry: Path | None) -> None:
+    """The clusters of the registry: provider, jobs API, accelerators, stores."""
+    ctx.obj = registry
+    if ctx.invoked_subcommand is None:
+        for name, cluster in _registry(registry).clusters.items():
+            entry = cluster.entry
+            accelerators = f"{entry.accelerator.per_node}x {entry.accelerator.type}" if entry.accelerator.per_node else "cpu"
+            click.echo(f"{name:<16}{entry.provider:<12}{accelerators:<10}{entry.jobs_api:<28}{entry.storage.runs}")
+
+
+@clusters.command("check")
+@click.argument("name")
+@click.option("--tracking-uri", help="The MLflow server [default: tracking.uri of the config].")
+@click.pass_obj
+def clusters_check(path: Path | None, name: str, tracking_uri: str | None) -> None:
+    """Whether a run can go to NAME: token, Ray version, stores, and its report card."""
+    from wildtrain.clusters.check import check
+    from wildtrain.tracking.mlflow_run import quiet_mlflow
+
+    quiet_mlflow()
+    try:
+        cluster = _registry(path).get(name)
+    except ConfigError as e:
+        _fail(str(e), 2)
+    findings = check(cluster, tracking_uri or _config(()).tracking.uri)
+    for finding in findings:
+        click.echo(f"{'ok  ' if finding.ok else 'FAIL'} {finding.what}: {redact(finding.detail)}")
+    if not all(f.ok for f in findings):
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--cluster", "name", required=True, help="A cluster of the registry.")
+@click.option("--follow", is_flag=True, help="Stream the job's logs until it ends.")
+@REGISTRY
+@OVERRIDES
+def submit(name: str, follow: bool, registry: Path | None, overrides: tuple[str, ...]) -> None:
+    """Run `wildtrain train OVERRIDES` on a cluster of the registry, through its jobs API."""
+    from wildtrain.clusters.jobs_api import ClusterError
+    from wildtrain.clusters.submit import submit as send
+
+    try:
+        cluster = _registry(registry).get(name)
+        submitted = send(cluster, list(overrides), follow=(lambda text: click.echo(text, nl=False)) if follow else None)
+    except ConfigError as e:
+        _fail(str(e), 2)
+    except ClusterError as e:
+        _fail(str(e), 1)
+    click.echo(f"job:            {submitted.job_id} on {name}")
+    click.echo(f"MLflow run:     {redact(submitted.tracking)}")
+    click.echo(f"Ray dashboard:  {redact(submitted.dashboard)}")
