@@ -440,8 +440,25 @@ def _names(arg: str, folder: Path) -> bool:
 
 def stop_ray_head(temp_dir: Path, gcs_address: str, timeout_s: float = 15.0) -> None:
     """Stop one head and nothing else. (`ray stop` stops every Ray of the user on the machine:
-    it has no notion of one cluster.)"""
+    it has no notion of one cluster.) The GCS goes last: terminated together with its clients,
+    the GCS and the autoscaler's monitor outlived SIGTERM by 20 s and more (Ray 2.60), where
+    each wave alone exits within seconds."""
     processes = ray_head_processes(temp_dir, gcs_address)
+    gcs = [p for p in processes if _process_name(p) == "gcs_server"]
+    for wave in ([p for p in processes if p not in gcs], gcs):
+        _terminate(wave, timeout_s)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _process_name(process: psutil.Process) -> str:
+    try:
+        return process.name()
+    except psutil.NoSuchProcess:
+        return ""
+
+
+def _terminate(processes: list[psutil.Process], timeout_s: float) -> None:
+    """SIGTERM `processes` and wait for their exit; SIGKILL those still there after `timeout_s`."""
     for process in processes:
         try:
             process.terminate()
@@ -454,7 +471,6 @@ def stop_ray_head(temp_dir: Path, gcs_address: str, timeout_s: float = 15.0) -> 
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=5.0)
-    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def private_dir(path: Path) -> Path:
