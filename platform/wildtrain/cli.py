@@ -192,3 +192,26 @@ def submit(name: str, follow: bool, registry: Path | None, overrides: tuple[str,
     click.echo(f"job:            {submitted.job_id} on {name}")
     click.echo(f"MLflow run:     {redact(submitted.tracking)}")
     click.echo(f"Ray dashboard:  {redact(submitted.dashboard)}")
+
+
+@main.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--bwlimit", help="Bytes/s for the copy, rclone syntax (2M), or off [default: the lower of "
+                                "the clusters' sync_bwlimit].")
+@REGISTRY
+def sync(src: str, dst: str, bwlimit: str | None, registry: Path | None) -> None:
+    """Copy SRC to DST verified, manifests and run records last; run it again to resume.
+    SRC, DST: s3://, gs://, local paths, or CLUSTER:runs/PATH, CLUSTER:data/PATH."""
+    from wildtrain.clusters import sync as copier
+
+    try:
+        source, target = (copier.parse_location(text, lambda: _registry(registry)) for text in (src, dst))
+        done = copier.sync(source, target, bwlimit, on_copied=lambda path: click.echo(f"copied {path}"))
+    except ConfigError as e:
+        _fail(str(e), 2)
+    except (copier.SyncError, OSError) as e:
+        _fail(str(e), 1)
+    rate = done.copied_bytes / done.copy_seconds / 2**20 if done.copy_seconds else 0.0
+    click.echo(f"synced {len(done.copied)} files ({done.copied_bytes / 2**20:.1f} MiB at {rate:.1f} MiB/s), "
+               f"{done.verified} verified at {target.uri}")
