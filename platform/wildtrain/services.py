@@ -338,7 +338,11 @@ def token_auth_env() -> dict[str, str]:
     is the one wildtrain is installed in."""
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     env = {**os.environ, "RAY_AUTH_MODE": "token", "PATH": path}
-    subprocess.run([ray_cli(), "get-auth-token", "--generate"], env=env, capture_output=True, check=True)
+    # Where Ray looks for a token, in its order. The CLI costs seconds of a 2-core machine's
+    # CPU per call (a Ray import), so it runs only when there is none yet.
+    token_file = Path(env.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if not env.get("RAY_AUTH_TOKEN") and not token_file.is_file():
+        subprocess.run([ray_cli(), "get-auth-token", "--generate"], env=env, capture_output=True, check=True)
     return env
 
 
