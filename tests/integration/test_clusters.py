@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,13 +17,18 @@ from pathlib import Path
 
 import pytest
 import yaml
+from click.testing import CliRunner, Result
+from mlflow.tracking import MlflowClient
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from tests.conftest import REPO
-from wildtrain import services, storage
+from wildtrain import cli, services, storage
 from wildtrain.checkpoint.format import CheckpointManifest, FileEntry
 from wildtrain.clusters import jobs_api, registry, sync
-from wildtrain.clusters.submit import submit
+from wildtrain.clusters.move import move
+from wildtrain.clusters.submit import follow_job, submit
+from wildtrain.events import Moved
+from wildtrain.tracking.mlflow_run import read_events
 
 pytestmark = pytest.mark.integration
 
@@ -67,14 +73,18 @@ def two_clusters(tmp_path_factory, object_store, mlflow_url):
                 pass
 
 
-def wildtrain(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "wildtrain", *args], capture_output=True, text=True, timeout=120)
+def wildtrain(*args: str) -> Result:
+    """The `wildtrain` command, in this process: a process of its own would spend seconds
+    importing what this one has loaded. A crash is an exception here, not a traceback."""
+    done = CliRunner().invoke(cli.main, list(args))
+    assert done.exception is None or isinstance(done.exception, SystemExit), repr(done.exception)
+    return done
 
 
 def test_check_passes_on_each_cluster_and_names_each_fault_in_one_line(two_clusters, mlflow_url):
     for name in ("a", "b"):
         done = wildtrain("clusters", "--registry", str(two_clusters.path), "check", name, "--tracking-uri", mlflow_url)
-        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.exit_code == 0, done.stdout + done.stderr
         assert "ok   jobs API" in done.stdout and "ok   Ray version" in done.stdout
         assert f"ok   report card: cluster {name}: 0 runs" in done.stdout
     expected = {
@@ -83,10 +93,9 @@ def test_check_passes_on_each_cluster_and_names_each_fault_in_one_line(two_clust
     }
     for name, message in expected.items():
         done = wildtrain("clusters", "--registry", str(two_clusters.path), "check", name, "--tracking-uri", mlflow_url)
-        assert done.returncode == 1
+        assert done.exit_code == 1
         (line,) = [line for line in done.stdout.splitlines() if line.startswith("FAIL jobs API")]
         assert message in line, done.stdout
-        assert "Traceback" not in done.stdout + done.stderr
         assert secrets_in(two_clusters).isdisjoint(done.stdout.split()), "a token was printed"
 
 
@@ -106,14 +115,13 @@ def test_submit_runs_the_train_command_with_the_clusters_settings_and_refuses_a_
     assert info.entrypoint.endswith("run.name=moved-nowhere")
     assert info.runtime_env["env_vars"] == {"WILDTRAIN_HOTFIX": "b"}
     logs = []
+    # The job that was sent, followed to its end: one job, not a second one beside it.
     with pytest.raises(jobs_api.ClusterError, match=r"^b: job wildtrain-moved-nowhere-\w{8} ended FAILED$"):
-        submit(b, ["experiment=tiny", "run.name=moved-nowhere", "data.datasets=[{uri: s3://wildtrain-test/cluster-b/none}]"],
-               working_dir=REPO, follow=logs.append)
+        follow_job(b, client, submitted.job_id, logs.append)
     assert "s3://wildtrain-test/cluster-b/none" in "".join(logs) and "Traceback" not in "".join(logs)
-    assert client.get_job_status(submitted.job_id) in (JobStatus.FAILED, JobStatus.RUNNING, JobStatus.PENDING)
 
     done = wildtrain("submit", "--cluster", "a-wrong-token", "--registry", str(two_clusters.path), "experiment=tiny")
-    assert done.returncode == 1
+    assert done.exit_code == 1
     assert done.stderr.strip().startswith("wildtrain: a-wrong-token: http://127.0.0.1:")
     assert "wrong token for this cluster" in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
@@ -170,3 +178,36 @@ def test_a_capped_sync_holds_its_cap(two_clusters):
     rate = done.copied_bytes / done.copy_seconds / (1 << 20)
     assert done.copied_bytes == 4 << 20
     assert 0.8 <= rate <= 1.2, f"{rate:.2f} MiB/s under a 1 MiB/s cap"
+
+
+def test_move_stops_the_job_after_its_next_commit_copies_the_run_and_submits_it_on_b(two_clusters, mlflow_url):
+    a, b = two_clusters.get("a"), two_clusters.get("b")
+    run = f"moving-{os.getpid()}"
+    src = f"{a.entry.storage.runs}/{run}"
+    files = committed_checkpoint(src, parts=3, part_bytes=64 << 10)
+    tracking = MlflowClient(mlflow_url)
+    mlflow_run = tracking.create_run(tracking.create_experiment(f"move-{run}"), run_name=run).info.run_id
+    storage.write_text(f"{src}/wildtrain_run.json", json.dumps({"mlflow_run_id": mlflow_run}))
+    running = JobSubmissionClient(a.entry.jobs_api, headers=jobs_api.auth_headers(a)).submit_job(
+        entrypoint=shlex.join(["python", str(REPO / "tests/helpers/fake_run_job.py"), src]),
+        submission_id=f"wildtrain-{run}-{secrets.token_hex(4)}")
+
+    def say(line: str) -> None:
+        # Move has seen step 4 as the newest: now the job may commit its next one.
+        if line.startswith("waiting for the next checkpoint"):
+            storage.write_bytes(f"{src}-go", b"")
+
+    overrides = ["experiment=tiny", "data.datasets=[{uri: s3://wildtrain-test/cluster-b/none}]",
+                 f"tracking.uri={mlflow_url}"]
+    done = move(run, a, b, overrides, working_dir=REPO, poll_s=0.2, say=say)
+
+    assert done.stopped_job == running and done.step == 8
+    assert JobSubmissionClient(a.entry.jobs_api, headers=jobs_api.auth_headers(a)).get_job_status(running) == JobStatus.STOPPED
+    step_8 = {f.replace("step_000000004", "step_000000008") for f in files if "step_" in f}
+    assert files_at(f"{b.entry.storage.runs}/{run}") == set(files) | step_8
+    assert done.synced.verified == len(files) + len(step_8)
+    with tempfile.TemporaryDirectory() as folder:
+        (moved,) = [e for e in read_events(mlflow_url, mlflow_run, folder) if isinstance(e, Moved)]
+    assert (moved.from_cluster, moved.to_cluster, moved.step) == ("a", "b", 8)
+    info = JobSubmissionClient(b.entry.jobs_api, headers=jobs_api.auth_headers(b)).get_job_info(done.submitted.job_id)
+    assert f"run.storage={b.entry.storage.runs}" in info.entrypoint and info.entrypoint.endswith(f"run.name={run}")

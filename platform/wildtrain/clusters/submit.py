@@ -60,13 +60,17 @@ def submit(cluster: Cluster, overrides: list[str], working_dir: Optional[Path] =
                           f"{spec.config.tracking.uri} experiment {spec.config.tracking.experiment!r}, "
                           f"run {spec.config.run.name!r}")
     if follow is not None:
-        status = asyncio.run(_follow(client, job_id, follow))
-        if status != "SUCCEEDED":
-            raise jobs_api.ClusterError(f"{cluster.name}: job {job_id} ended {status}")
+        follow_job(cluster, client, job_id, follow)
     return submitted
 
 
-async def _follow(client, job_id: str, emit: Callable[[str], None]) -> str:
-    async for lines in client.tail_job_logs(job_id):
-        emit(lines)
-    return str(client.get_job_status(job_id).value)
+def follow_job(cluster: Cluster, client, job_id: str, emit: Callable[[str], None]) -> None:
+    """Pass the job's log lines to `emit` until it ends; fail unless it succeeded."""
+    async def tail() -> str:
+        async for lines in client.tail_job_logs(job_id):
+            emit(lines)
+        return str(client.get_job_status(job_id).value)
+
+    status = asyncio.run(tail())
+    if status != "SUCCEEDED":
+        raise jobs_api.ClusterError(f"{cluster.name}: job {job_id} ended {status}")
