@@ -215,3 +215,35 @@ def sync(src: str, dst: str, bwlimit: str | None, registry: Path | None) -> None
     rate = done.copied_bytes / done.copy_seconds / 2**20 if done.copy_seconds else 0.0
     click.echo(f"synced {len(done.copied)} files ({done.copied_bytes / 2**20:.1f} MiB at {rate:.1f} MiB/s), "
                f"{done.verified} verified at {target.uri}")
+
+
+@main.command()
+@click.argument("run")
+@click.option("--from", "source", required=True, help="The cluster the run is on.")
+@click.option("--to", "target", required=True, help="The cluster it continues on.")
+@click.option("--bwlimit", help="Bytes/s for the copy [default: the lower of the clusters' sync_bwlimit].")
+@click.option("--checkpoint-timeout", default=3600.0, show_default=True,
+              help="Seconds to wait for the running job's next checkpoint.")
+@REGISTRY
+@OVERRIDES
+def move(run: str, source: str, target: str, bwlimit: str | None, checkpoint_timeout: float,
+         registry: Path | None, overrides: tuple[str, ...]) -> None:
+    """Continue RUN on another cluster: stop it after its next checkpoint, copy its checkpoints
+    and record (verified, manifests last), submit it there with the same name and MLflow run."""
+    from wildtrain.clusters.jobs_api import ClusterError
+    from wildtrain.clusters.move import move as relocate
+    from wildtrain.clusters.sync import SyncError
+    from wildtrain.tracking.mlflow_run import quiet_mlflow
+
+    quiet_mlflow()
+    try:
+        clusters = _registry(registry)
+        done = relocate(run, clusters.get(source), clusters.get(target), list(overrides), bwlimit=bwlimit,
+                        checkpoint_timeout_s=checkpoint_timeout, say=click.echo)
+    except ConfigError as e:
+        _fail(str(e), 2)
+    except (ClusterError, SyncError, OSError) as e:
+        _fail(str(e), 1)
+    click.echo(f"moved {run} from {source} to {target} at step {done.step}")
+    click.echo(f"job:            {done.submitted.job_id} on {target}")
+    click.echo(f"MLflow run:     {redact(done.submitted.tracking)}")
