@@ -67,3 +67,16 @@ def test_a_source_that_does_not_match_its_manifest_is_not_committed_at_the_desti
         sync(Location(str(tmp_path / "src")), Location(str(tmp_path / "dst")))
     dst = tmp_path / "dst" / "checkpoints" / "step_000000004-ab"
     assert not (dst / "manifest.json").exists() and not (dst / "model" / "part1.bin").exists()
+
+
+def test_store_keys_reach_rclone_through_its_environment_never_its_command_line(monkeypatch):
+    from wildtrain.clusters.sync import _Rclone
+    from wildtrain.config import StorageConfig
+
+    monkeypatch.setenv("CW_SECRET", "not-on-argv")
+    monkeypatch.setenv("CW_KEY", "key-id")
+    store = StorageConfig(endpoint="https://object.example", access_key_env="CW_KEY", secret_key_env="CW_SECRET")
+    rclone = _Rclone(Location("s3://bucket/runs/x", store), Location("/tmp/y"))
+    assert (rclone.src, rclone.dst) == ("WTSRC:bucket/runs/x", "/tmp/y")
+    assert rclone.env["RCLONE_CONFIG_WTSRC_SECRET_ACCESS_KEY"] == "not-on-argv"
+    assert rclone.env["RCLONE_CONFIG_WTSRC_ENDPOINT"] == "https://object.example"
