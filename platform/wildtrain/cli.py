@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from wildtrain import services
+from wildtrain.clusters import registry
 from wildtrain.config import ConfigError, load_config, redact, to_yaml
 
 OVERRIDES = click.argument("overrides", nargs=-1)
@@ -21,7 +22,8 @@ def _fail(message: str, code: int) -> None:
 
 def _config(overrides: tuple[str, ...]):
     try:
-        return load_config(list(overrides))
+        # `cluster=NAME` of the registry brings that cluster's settings.
+        return load_config(registry.expand(list(overrides)))
     except ConfigError as e:
         _fail(str(e), 2)
 
@@ -123,3 +125,125 @@ def down(state_dir: Path) -> None:
         services.down(state_dir)
     except services.ServiceError as e:
         _fail(str(e), 1)
+
+
+REGISTRY = click.option("--registry", type=click.Path(path_type=Path), default=None,
+                        help="The clusters file [default: $WILDTRAIN_CLUSTERS, else ray_clusters/clusters.yaml].")
+
+
+def _registry(path: Path | None) -> registry.Registry:
+    try:
+        return registry.load(path)
+    except ConfigError as e:
+        _fail(str(e), 2)
+
+
+@main.group(invoke_without_command=True)
+@REGISTRY
+@click.pass_context
+def clusters(ctx: click.Context, registry: Path | None) -> None:
+    """The clusters of the registry: provider, jobs API, accelerators, stores."""
+    ctx.obj = registry
+    if ctx.invoked_subcommand is None:
+        for name, cluster in _registry(registry).clusters.items():
+            entry = cluster.entry
+            accelerators = f"{entry.accelerator.per_node}x {entry.accelerator.type}" if entry.accelerator.per_node else "cpu"
+            click.echo(f"{name:<16}{entry.provider:<12}{accelerators:<10}{entry.jobs_api:<28}{entry.storage.runs}")
+
+
+@clusters.command("check")
+@click.argument("name")
+@click.option("--tracking-uri", help="The MLflow server [default: tracking.uri of the config].")
+@click.pass_obj
+def clusters_check(path: Path | None, name: str, tracking_uri: str | None) -> None:
+    """Whether a run can go to NAME: token, Ray version, stores, and its report card."""
+    from wildtrain.clusters.check import check
+    from wildtrain.tracking.mlflow_run import quiet_mlflow
+
+    quiet_mlflow()
+    try:
+        cluster = _registry(path).get(name)
+    except ConfigError as e:
+        _fail(str(e), 2)
+    findings = check(cluster, tracking_uri or _config(()).tracking.uri)
+    for finding in findings:
+        click.echo(f"{'ok  ' if finding.ok else 'FAIL'} {finding.what}: {redact(finding.detail)}")
+    if not all(f.ok for f in findings):
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--cluster", "name", required=True, help="A cluster of the registry.")
+@click.option("--follow", is_flag=True, help="Stream the job's logs until it ends.")
+@REGISTRY
+@OVERRIDES
+def submit(name: str, follow: bool, registry: Path | None, overrides: tuple[str, ...]) -> None:
+    """Run `wildtrain train OVERRIDES` on a cluster of the registry, through its jobs API."""
+    from wildtrain.clusters.jobs_api import ClusterError
+    from wildtrain.clusters.submit import submit as send
+
+    try:
+        cluster = _registry(registry).get(name)
+        submitted = send(cluster, list(overrides), follow=(lambda text: click.echo(text, nl=False)) if follow else None)
+    except ConfigError as e:
+        _fail(str(e), 2)
+    except ClusterError as e:
+        _fail(str(e), 1)
+    click.echo(f"job:            {submitted.job_id} on {name}")
+    click.echo(f"MLflow run:     {redact(submitted.tracking)}")
+    click.echo(f"Ray dashboard:  {redact(submitted.dashboard)}")
+
+
+@main.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--bwlimit", help="Bytes/s for the copy, rclone syntax (2M), or off [default: the lower of "
+                                "the clusters' sync_bwlimit].")
+@REGISTRY
+def sync(src: str, dst: str, bwlimit: str | None, registry: Path | None) -> None:
+    """Copy SRC to DST verified, manifests and run records last; run it again to resume.
+    SRC, DST: s3://, gs://, local paths, or CLUSTER:runs/PATH, CLUSTER:data/PATH."""
+    from wildtrain.clusters import sync as copier
+
+    try:
+        source, target = (copier.parse_location(text, lambda: _registry(registry)) for text in (src, dst))
+        done = copier.sync(source, target, bwlimit, on_copied=lambda path: click.echo(f"copied {path}"))
+    except ConfigError as e:
+        _fail(str(e), 2)
+    except (copier.SyncError, OSError) as e:
+        _fail(str(e), 1)
+    rate = done.copied_bytes / done.copy_seconds / 2**20 if done.copy_seconds else 0.0
+    click.echo(f"synced {len(done.copied)} files ({done.copied_bytes / 2**20:.1f} MiB at {rate:.1f} MiB/s), "
+               f"{done.verified} verified at {target.uri}")
+
+
+@main.command()
+@click.argument("run")
+@click.option("--from", "source", required=True, help="The cluster the run is on.")
+@click.option("--to", "target", required=True, help="The cluster it continues on.")
+@click.option("--bwlimit", help="Bytes/s for the copy [default: the lower of the clusters' sync_bwlimit].")
+@click.option("--checkpoint-timeout", default=3600.0, show_default=True,
+              help="Seconds to wait for the running job's next checkpoint.")
+@REGISTRY
+@OVERRIDES
+def move(run: str, source: str, target: str, bwlimit: str | None, checkpoint_timeout: float,
+         registry: Path | None, overrides: tuple[str, ...]) -> None:
+    """Continue RUN on another cluster: stop it after its next checkpoint, copy its checkpoints
+    and record (verified, manifests last), submit it there with the same name and MLflow run."""
+    from wildtrain.clusters.jobs_api import ClusterError
+    from wildtrain.clusters.move import move as relocate
+    from wildtrain.clusters.sync import SyncError
+    from wildtrain.tracking.mlflow_run import quiet_mlflow
+
+    quiet_mlflow()
+    try:
+        clusters = _registry(registry)
+        done = relocate(run, clusters.get(source), clusters.get(target), list(overrides), bwlimit=bwlimit,
+                        checkpoint_timeout_s=checkpoint_timeout, say=click.echo)
+    except ConfigError as e:
+        _fail(str(e), 2)
+    except (ClusterError, SyncError, OSError) as e:
+        _fail(str(e), 1)
+    click.echo(f"moved {run} from {source} to {target} at step {done.step}")
+    click.echo(f"job:            {done.submitted.job_id} on {target}")
+    click.echo(f"MLflow run:     {redact(done.submitted.tracking)}")

@@ -62,6 +62,20 @@ class Stopped(Event):
     status: str  # the run's MLflow status: FINISHED, FAILED, KILLED
 
 
+@_kind("moved")
+@dataclass(frozen=True)
+class Moved(Event):
+    """`wildtrain move`: the run continues on another cluster from its newest checkpoint."""
+
+    from_cluster: str
+    to_cluster: str
+    step: int | None  # the newest committed checkpoint moved; None: none yet
+    bytes_copied: int
+
+    def summary(self) -> str:
+        return f"moved from {self.from_cluster} to {self.to_cluster} at step {self.step}"
+
+
 @_kind("data_order_changed")
 @dataclass(frozen=True)
 class DataOrderChanged(Event):

@@ -1,0 +1,76 @@
+"""`wildtrain submit --cluster NAME`: the same `python -m wildtrain train` a user runs
+locally, sent through the cluster's jobs API with its token, with the cluster's settings
+(`Cluster.run_overrides`), its NCCL profile and hotfixes in the runtime env, and an explicit
+`run.name`, so resubmitting (or moving) continues the same run."""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from wildtrain.clusters import jobs_api
+from wildtrain.clusters.registry import Cluster
+from wildtrain.config import Config, default_conf_dir, load_config
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    config: Config  # the run's config as the job will resolve it, checked here first
+    entrypoint: str
+    runtime_env: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Submitted:
+    job_id: str
+    run_name: str
+    dashboard: str
+    tracking: str
+
+
+def job_spec(cluster: Cluster, overrides: list[str], working_dir: Optional[Path] = None) -> JobSpec:
+    """What is sent: the config is loaded here first, so a bad override fails in a second,
+    with the key named, instead of in a job on the cluster."""
+    train_overrides = cluster.run_overrides() + list(overrides)
+    cfg = load_config(train_overrides)
+    train_overrides.append(f"run.name={cfg.run.name}")
+    entrypoint = shlex.join(["python", "-m", "wildtrain", "train", *train_overrides])
+    hotfix = dict(cluster.entry.hotfix.runtime_env)
+    runtime_env = {
+        **hotfix,
+        "working_dir": str(working_dir or default_conf_dir().parent),
+        "env_vars": {**hotfix.get("env_vars", {}), **cluster.job_env()},
+    }
+    return JobSpec(cfg, entrypoint, runtime_env)
+
+
+def submit(cluster: Cluster, overrides: list[str], working_dir: Optional[Path] = None,
+           follow: Optional[Callable[[str], None]] = None) -> Submitted:
+    """Send the run; with `follow`, pass it the job's log lines until the job ends and fail
+    if the job did not succeed."""
+    spec = job_spec(cluster, overrides, working_dir)
+    client = jobs_api.client(cluster)
+    job_id = client.submit_job(entrypoint=spec.entrypoint, runtime_env=spec.runtime_env,
+                               submission_id=f"wildtrain-{spec.config.run.name}-{uuid.uuid4().hex[:8]}")
+    submitted = Submitted(job_id, spec.config.run.name, cluster.entry.jobs_api,
+                          f"{spec.config.tracking.uri} experiment {spec.config.tracking.experiment!r}, "
+                          f"run {spec.config.run.name!r}")
+    if follow is not None:
+        follow_job(cluster, client, job_id, follow)
+    return submitted
+
+
+def follow_job(cluster: Cluster, client, job_id: str, emit: Callable[[str], None]) -> None:
+    """Pass the job's log lines to `emit` until it ends; fail unless it succeeded."""
+    async def tail() -> str:
+        async for lines in client.tail_job_logs(job_id):
+            emit(lines)
+        return str(client.get_job_status(job_id).value)
+
+    status = asyncio.run(tail())
+    if status != "SUCCEEDED":
+        raise jobs_api.ClusterError(f"{cluster.name}: job {job_id} ended {status}")

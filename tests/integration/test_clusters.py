@@ -1,0 +1,213 @@
+"""Two local "clusters", each a Ray head with its own ports, token and bucket, in a registry
+of this test: checking them, and submitting to them with the right and the wrong token."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner, Result
+from mlflow.tracking import MlflowClient
+from ray.job_submission import JobStatus, JobSubmissionClient
+
+from tests.conftest import REPO
+from wildtrain import cli, services, storage
+from wildtrain.checkpoint.format import CheckpointManifest, FileEntry
+from wildtrain.clusters import jobs_api, registry, sync
+from wildtrain.clusters.move import move
+from wildtrain.clusters.submit import follow_job, submit
+from wildtrain.events import Moved
+from wildtrain.tracking.mlflow_run import read_events
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def two_clusters(tmp_path_factory, object_store, mlflow_url):
+    """Heads a and b (1 CPU each, every port free, each its own token), a registry naming them, and token files:
+    each cluster's own, and b's token filed for a (the wrong one). Every test of this file shares them."""
+    root = tmp_path_factory.mktemp("clusters")
+    # This process and the `wildtrain` it runs reach the store with its keys, as a user's shell would.
+    os.environ.update(object_store.env())
+    tokens = {name: secrets.token_hex(16) for name in ("a", "b")}
+    ports = {name: services.RayPorts(gcs=None, dashboard=None).chosen() for name in tokens}
+    temp_dirs = {name: Path(tempfile.mkdtemp(prefix=f"wt-{name}-")) for name in tokens}
+    entries = {}
+    # The heads need nothing of each other: each starts (and stops) while the other does.
+    with ThreadPoolExecutor(len(tokens)) as pool:
+        starting = [pool.submit(services.start_ray_head, ports[name], 1, temp_dirs[name],
+                                {"RAY_AUTH_TOKEN": tokens[name], **object_store.env()}) for name in tokens]
+        try:
+            for future in starting:
+                future.result()
+            # Each cluster its own part of the store: a the bucket's root, b its cluster-b/ prefix.
+            for name, bucket in (("a", object_store.bucket), ("b", f"{object_store.bucket}/cluster-b")):
+                (root / f"{name}.token").write_text(tokens[name])
+                entries[name] = {
+                    "provider": "local", "launcher": str(REPO / "ray_clusters/local-dev.yaml"),
+                    "jobs_api": f"http://{services.HOST}:{ports[name].dashboard}", "token_file": f"{name}.token",
+                    "storage": {"runs": f"s3://{bucket}/runs", "data": f"s3://{bucket}/datasets",
+                                "endpoint": object_store.endpoint},
+                    "hotfix": {"env": {"WILDTRAIN_HOTFIX": name}},
+                }
+            entries["a-wrong-token"] = {**entries["a"], "token_file": "b.token"}
+            entries["a-no-token"] = {**entries["a"], "token_file": "missing.token"}
+            entries["nowhere"] = {**entries["a"], "jobs_api": f"http://{services.HOST}:{services.free_port()}"}
+            path = root / "clusters.yaml"
+            path.write_text(yaml.safe_dump({"clusters": entries}))
+            yield registry.load(path)
+        finally:
+            for _ in pool.map(lambda name: services.stop_ray_head(temp_dirs[name], f"{services.HOST}:{ports[name].gcs}"),
+                              tokens):
+                pass
+
+
+def wildtrain(*args: str) -> Result:
+    """The `wildtrain` command, in this process: a process of its own would spend seconds
+    importing what this one has loaded. A crash is an exception here, not a traceback."""
+    done = CliRunner().invoke(cli.main, list(args))
+    assert done.exception is None or isinstance(done.exception, SystemExit), repr(done.exception)
+    return done
+
+
+def test_check_passes_on_each_cluster_and_names_each_fault_in_one_line(two_clusters, mlflow_url):
+    for name in ("a", "b"):
+        done = wildtrain("clusters", "--registry", str(two_clusters.path), "check", name, "--tracking-uri", mlflow_url)
+        assert done.exit_code == 0, done.stdout + done.stderr
+        assert "ok   jobs API" in done.stdout and "ok   Ray version" in done.stdout
+        assert f"ok   report card: cluster {name}: 0 runs" in done.stdout
+    expected = {
+        "a-wrong-token": "refused the token in", "a-no-token": "no token: clusters.a-no-token.token_file",
+        "nowhere": "unreachable",
+    }
+    for name, message in expected.items():
+        done = wildtrain("clusters", "--registry", str(two_clusters.path), "check", name, "--tracking-uri", mlflow_url)
+        assert done.exit_code == 1
+        (line,) = [line for line in done.stdout.splitlines() if line.startswith("FAIL jobs API")]
+        assert message in line, done.stdout
+        assert secrets_in(two_clusters).isdisjoint(done.stdout.split()), "a token was printed"
+
+
+def secrets_in(reg) -> set[str]:
+    return {c.token_file.read_text().strip() for c in reg.clusters.values() if c.token_file.is_file()}
+
+
+def test_submit_runs_the_train_command_with_the_clusters_settings_and_refuses_a_wrong_token(two_clusters, tmp_path):
+    b = two_clusters.get("b")
+    # Data that is not there: the job must get as far as the driver's data check on b's
+    # store, and no further (a training run here would cost a minute of this machine).
+    submitted = submit(b, ["experiment=tiny", "run.name=moved-nowhere", "data.datasets=[{uri: s3://wildtrain-test/cluster-b/none}]"],
+                       working_dir=REPO)
+    client = JobSubmissionClient(b.entry.jobs_api, headers=jobs_api.auth_headers(b))
+    info = client.get_job_info(submitted.job_id)
+    assert "python -m wildtrain train cluster=local cluster.name=b run.storage=s3://wildtrain-test/cluster-b/runs" in info.entrypoint
+    assert info.entrypoint.endswith("run.name=moved-nowhere")
+    assert info.runtime_env["env_vars"] == {"WILDTRAIN_HOTFIX": "b"}
+    logs = []
+    # The job that was sent, followed to its end: one job, not a second one beside it.
+    with pytest.raises(jobs_api.ClusterError, match=r"^b: job wildtrain-moved-nowhere-\w{8} ended FAILED$"):
+        follow_job(b, client, submitted.job_id, logs.append)
+    assert "s3://wildtrain-test/cluster-b/none" in "".join(logs) and "Traceback" not in "".join(logs)
+
+    done = wildtrain("submit", "--cluster", "a-wrong-token", "--registry", str(two_clusters.path), "experiment=tiny")
+    assert done.exit_code == 1
+    assert done.stderr.strip().startswith("wildtrain: a-wrong-token: http://127.0.0.1:")
+    assert "wrong token for this cluster" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def committed_checkpoint(run_uri: str, parts: int, part_bytes: int) -> list[str]:
+    """A run folder with one committed checkpoint of random parts and a run record; its files, relative."""
+    name = "checkpoints/step_000000004-ab"
+    files = []
+    for i in range(parts):
+        data = os.urandom(part_bytes)
+        storage.write_bytes(f"{run_uri}/{name}/model/part{i:02d}.bin", data)
+        files.append(FileEntry(f"model/part{i:02d}.bin", len(data), hashlib.sha256(data).hexdigest()))
+    storage.write_text(f"{run_uri}/{name}/manifest.json", CheckpointManifest(4, "t", 1, 1, tuple(files), {}, "h", 0.0).to_json())
+    storage.write_text(f"{run_uri}/wildtrain_run.json", json.dumps({"run": run_uri}))
+    return [f"{name}/{f.path}" for f in files] + [f"{name}/manifest.json", "wildtrain_run.json"]
+
+
+def files_at(uri: str) -> set[str]:
+    fs, paths = storage.list_files(uri)
+    prefix = uri.split("://", 1)[1].rstrip("/") + "/"
+    return {p[len(prefix):] for p in paths}
+
+
+def test_an_interrupted_sync_resumes_without_recopying_and_commits_manifests_last(two_clusters):
+    src, dst = (sync.parse_location(f"{name}:runs/sync-resume", lambda: two_clusters) for name in ("a", "b"))
+    files = committed_checkpoint(src.uri, parts=12, part_bytes=128 << 10)
+    # 1.5 MiB at 512 KiB/s: about 3 s, killed (rclone with it) once the first file has landed.
+    copying = subprocess.Popen(
+        [sys.executable, "-m", "wildtrain", "sync", "a:runs/sync-resume", "b:runs/sync-resume", "--bwlimit", "512K",
+         "--registry", str(two_clusters.path)],
+        stdout=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        first = copying.stdout.readline()
+    finally:
+        os.killpg(copying.pid, signal.SIGKILL)
+        copying.wait()
+    assert first.startswith("copied checkpoints/"), first
+    landed = files_at(dst.uri)
+    assert landed and len(landed) < len(files) - 2, landed
+    assert not any(path.endswith(("manifest.json", "wildtrain_run.json")) for path in landed), "committed while half-copied"
+
+    done = sync.sync(src, dst)
+    assert set(done.copied).isdisjoint(landed) and set(done.copied) | landed == set(files)
+    assert done.verified == len(files) and files_at(dst.uri) == set(files)
+
+
+def test_a_capped_sync_holds_its_cap(two_clusters):
+    # rclone's own accounting (first byte to last, without its start): 4 MiB at 1 MiB/s is
+    # about 4 s. 20% either way, as the issue asks: its token bucket starts empty, so the
+    # first second is no burst, and this machine's load only ever slows a copy down.
+    src, dst = (sync.parse_location(f"{name}:runs/sync-capped", lambda: two_clusters) for name in ("a", "b"))
+    committed_checkpoint(src.uri, parts=4, part_bytes=1 << 20)
+    done = sync.sync(src, dst, bwlimit="1M")
+    rate = done.copied_bytes / done.copy_seconds / (1 << 20)
+    assert done.copied_bytes == 4 << 20
+    assert 0.8 <= rate <= 1.2, f"{rate:.2f} MiB/s under a 1 MiB/s cap"
+
+
+def test_move_stops_the_job_after_its_next_commit_copies_the_run_and_submits_it_on_b(two_clusters, mlflow_url):
+    a, b = two_clusters.get("a"), two_clusters.get("b")
+    run = f"moving-{os.getpid()}"
+    src = f"{a.entry.storage.runs}/{run}"
+    files = committed_checkpoint(src, parts=3, part_bytes=64 << 10)
+    tracking = MlflowClient(mlflow_url)
+    mlflow_run = tracking.create_run(tracking.create_experiment(f"move-{run}"), run_name=run).info.run_id
+    storage.write_text(f"{src}/wildtrain_run.json", json.dumps({"mlflow_run_id": mlflow_run}))
+    running = JobSubmissionClient(a.entry.jobs_api, headers=jobs_api.auth_headers(a)).submit_job(
+        entrypoint=shlex.join(["python", str(REPO / "tests/helpers/fake_run_job.py"), src]),
+        submission_id=f"wildtrain-{run}-{secrets.token_hex(4)}")
+
+    def say(line: str) -> None:
+        # Move has seen step 4 as the newest: now the job may commit its next one.
+        if line.startswith("waiting for the next checkpoint"):
+            storage.write_bytes(f"{src}-go", b"")
+
+    overrides = ["experiment=tiny", "data.datasets=[{uri: s3://wildtrain-test/cluster-b/none}]",
+                 f"tracking.uri={mlflow_url}"]
+    done = move(run, a, b, overrides, working_dir=REPO, poll_s=0.2, say=say)
+
+    assert done.stopped_job == running and done.step == 8
+    assert JobSubmissionClient(a.entry.jobs_api, headers=jobs_api.auth_headers(a)).get_job_status(running) == JobStatus.STOPPED
+    step_8 = {f.replace("step_000000004", "step_000000008") for f in files if "step_" in f}
+    assert files_at(f"{b.entry.storage.runs}/{run}") == set(files) | step_8
+    assert done.synced.verified == len(files) + len(step_8)
+    with tempfile.TemporaryDirectory() as folder:
+        (moved,) = [e for e in read_events(mlflow_url, mlflow_run, folder) if isinstance(e, Moved)]
+    assert (moved.from_cluster, moved.to_cluster, moved.step) == ("a", "b", 8)
+    info = JobSubmissionClient(b.entry.jobs_api, headers=jobs_api.auth_headers(b)).get_job_info(done.submitted.job_id)
+    assert f"run.storage={b.entry.storage.runs}" in info.entrypoint and info.entrypoint.endswith(f"run.name={run}")
