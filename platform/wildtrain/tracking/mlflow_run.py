@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 from wildtrain import ray_compat, storage
 from wildtrain.config import Config, StorageConfig, flatten, to_yaml
-from wildtrain.events import Event, HealthCheck, Hang, Interrupted, Recovered, from_dict
+from wildtrain.events import Event, HealthCheck, Hang, Interrupted, Recovered, StoppedEarly, from_dict
 from wildtrain.tracking.buffer import Outage, TrackingBuffer
 from wildtrain.elastic.signals import Restart
 from wildtrain.tracking.timeline import Timeline
@@ -30,11 +30,14 @@ from wildtrain.layout import rank_of_hang_dump
 
 EVENTS_DIR = "events"
 CLUSTER_TAG = "wildtrain.cluster"
+# Set, with the reason, on a run the early-stop rule ended (`early_stop.*`).
+STOPPED_EARLY_TAG = "wildtrain.stopped_early"
 # What the controller logs of rank 0's reports, besides every `checkpoint/*` (per save);
 # `time/*` are means per step over the report's window.
 TRAINING_METRICS = (
     "step", "loss", "lr", "tokens_seen", "tokens_per_s", "step_time_s", "world_size", "epoch", "mfu",
     "time/data_wait_s", "time/forward_s", "time/backward_s", "time/optimizer_s", "time/checkpoint_stall_s",
+    "memory/peak_gb",
 )
 
 # An attempt's first report: where its start-up went (bench/startup.py), logged as startup/<key>.
@@ -341,6 +344,8 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
     def _log_event(self, event: Event, step: int) -> None:
         """Into MLflow, and onto the log unless it is a passed health check."""
         self.tracking.event(event, step)
+        if isinstance(event, StoppedEarly):  # searchable, unlike the event's artifact
+            self.tracking.tag(STOPPED_EARLY_TAG, event.reason)
         if isinstance(event, HealthCheck):
             if not event.passed:
                 print(f"health check failed at step {step}: {event.summary()}", flush=True)
