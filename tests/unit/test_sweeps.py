@@ -73,7 +73,7 @@ def test_divergence_is_nan_or_a_multiple_of_the_best_loss():
 
 
 def record(name, values, loss, status="FINISHED", stopped=None, digests=("d1",)):
-    return TrialRecord(name, values, status, stopped, tuple(range(len(loss))), tuple(loss), 100.0, 0.01, 0.9, 1.0,
+    return TrialRecord(name, f"id-{name}", values, status, stopped, tuple(range(len(loss))), tuple(loss), 100.0, 0.01, 0.9, 1.0,
                        digests)
 
 
@@ -145,3 +145,10 @@ def test_transfer_composes_through_an_intermediate_size():
     assert through.hidden_init_std == pytest.approx(direct.hidden_init_std)
     assert through.output_mult == pytest.approx(direct.output_mult)
     assert (through.base_dim, through.base_n_layers) == (768, 12)
+
+
+def test_the_big_runs_choices_replace_the_trials_own():
+    from wildtrain.sweeps.promote import _covered
+
+    assert _covered("model.dim", ["model=7b"]) and _covered("model.dim", ["model.dim=4096"])
+    assert not _covered("model.dim", ["model.dims=1", "optim.lr=1"])

@@ -19,6 +19,7 @@ LOSS_DECIMALS = 4
 @dataclass(frozen=True)
 class TrialRecord:
     name: str  # the trial's run name: <sweep>-<hash>
+    run_id: str  # its MLflow run
     values: tuple[tuple[str, str], ...]  # swept key → value
     status: str  # MLflow's: FINISHED, RUNNING, FAILED, KILLED
     stopped_early: Optional[str]  # the reason, for a trial the early-stop rule ended

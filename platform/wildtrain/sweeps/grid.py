@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 
 from wildtrain.config import Config, ConfigError, flatten, load_config
 
-# The sweep names its trials and turns early stop on; a grid over these would fight that.
-_RESERVED = ("run.name", "experiment")
+# The sweep names its trials by their hash.
+_RESERVED = ("run.name",)
 # Keys that name or label a trial rather than change what it trains.
 _NOT_HASHED = ("run.name", "run.tags")
 
