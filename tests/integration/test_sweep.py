@@ -82,6 +82,7 @@ def test_running_the_sweep_again_runs_nothing_new(sweep, mlflow_url):
 def test_report_rebuilds_from_mlflow_and_attaches_to_the_parent(sweep, mlflow_url):
     plan, outcome, _ = sweep
     text = report_sweep(mlflow_url, plan.name)
+    print(text)  # the table, in the CI log
     lines = text.splitlines()
     rows = {line.split()[1]: line.split()[0] for line in lines[2:6]}
     by_lr = {t.run_name: dict(t.values)["optim.lr"] for t in plan.trials}
