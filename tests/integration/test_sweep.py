@@ -88,7 +88,7 @@ def test_report_rebuilds_from_mlflow_and_attaches_to_the_parent(sweep, mlflow_ur
     by_lr = {t.run_name: dict(t.values)["optim.lr"] for t in plan.trials}
     assert sorted(rank for name, rank in rows.items() if by_lr[name] == "0.003") == ["1", "2"]
     assert {rank for name, rank in rows.items() if by_lr[name] == "10"} == {"-"}
-    assert "stopped early: " in text and "optim.lr=10: - (0 trials)" in text and "best: " in text
+    assert "stopped early: " in text and "optim.lr=10: - (n=0)" in text and "best: " in text
     client = MlflowClient(mlflow_url)
     artifacts = {a.path: a.file_size for a in client.list_artifacts(outcome.parent_run_id, "report")}
     assert artifacts["report/sweep.png"] > 1000

@@ -96,7 +96,7 @@ def test_ranking_is_by_final_smoothed_loss_with_ties_stated_and_the_rest_unranke
     assert by_key[("lr", "10")] == (None, 0)
     assert by_key[("d", "64")] == (pytest.approx((final_c + ranked[0].final_loss) / 2), 2)
     text = table_text("s", ranked, ["lr", "d"])
-    assert "best: s-b (lr=2 d=64)" in text and "lr=10: - (0 trials)" in text
+    assert "best: s-b (lr=2 d=64)" in text and "lr=10: - (n=0)" in text
 
 
 def test_smoothing_starts_at_the_first_value():

@@ -20,7 +20,7 @@ LOSS_DECIMALS = 4
 class TrialRecord:
     name: str  # the trial's run name: <sweep>-<hash>
     run_id: str  # its MLflow run
-    values: tuple[tuple[str, str], ...]  # swept key → value
+    values: tuple[tuple[str, str], ...]  # (swept key, value), in the order of the sweep's --grid
     status: str  # MLflow's: FINISHED, RUNNING, FAILED, KILLED
     stopped_early: Optional[str]  # the reason, for a trial the early-stop rule ended
     tokens: tuple[float, ...]  # tokens seen at each logged loss
@@ -118,10 +118,10 @@ def table_text(sweep: str, ranked: Sequence[Ranked], keys: Sequence[str]) -> str
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     winner = next((r for r in ranked if r.place == 1), None)
     if winner is not None:
-        lines.append(f"best: {winner.trial.name} ({winner.trial.values and ' '.join(f'{k}={v}' for k, v in winner.trial.values)})"
-                     + (f", {winner.note}" if winner.note else ""))
+        values = " ".join(f"{k}={v}" for k, v in winner.trial.values)
+        lines.append(f"best: {winner.trial.name} ({values})" + (f", {winner.note}" if winner.note else ""))
     lines.append("effect of each swept key (mean final loss of the ranked trials with that value):")
-    lines += [f"  {e.key}={e.value}: {show(e.mean_loss, f'.{LOSS_DECIMALS}f')} ({e.trials} trials)"
+    lines += [f"  {e.key}={e.value}: {show(e.mean_loss, f'.{LOSS_DECIMALS}f')} (n={e.trials})"
               for e in effects(ranked, keys)]
     odd = differing_data([r.trial for r in ranked])
     if odd:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from wildtrain.sweeps import compare
-from wildtrain.sweeps.execute import ROLE_TAG, find_parent, grid_keys, swept_values, trial_runs
+from wildtrain.sweeps.execute import find_parent, grid_keys, swept_values, trial_runs
 from wildtrain.tracking.mlflow_run import STOPPED_EARLY_TAG
 
 ARTIFACT_DIR = "report"
@@ -33,10 +33,11 @@ def fetch_sweep(uri: str, sweep: str) -> tuple[object, list[str], list[compare.T
     if parent is None:
         raise LookupError(f"no sweep named {sweep!r} at {uri}")
     runs = trial_runs(client, [parent.info.experiment_id], sweep)
-    return parent, grid_keys(parent), [_record(client, run) for run in runs if run.data.tags.get(ROLE_TAG) == "trial"]
+    keys = grid_keys(parent)
+    return parent, keys, [_record(client, run, keys) for run in runs]
 
 
-def _record(client, run) -> compare.TrialRecord:
+def _record(client, run, keys: list[str]) -> compare.TrialRecord:
     run_id = run.info.run_id
 
     def history(key: str) -> list:
@@ -53,7 +54,7 @@ def _record(client, run) -> compare.TrialRecord:
     return compare.TrialRecord(
         name=run.info.run_name,
         run_id=run_id,
-        values=swept_values(run),
+        values=tuple((key, dict(swept_values(run))[key]) for key in keys),
         status=run.info.status,
         stopped_early=run.data.tags.get(STOPPED_EARLY_TAG),
         tokens=tuple(tokens.get(step, float("nan")) for step in steps),
