@@ -180,6 +180,30 @@ def promote(sweep_name: str, to: tuple[str, ...], metric: str, name: str | None,
 
 
 @main.command()
+@click.argument("sweep_name", metavar="SWEEP")
+@click.option("--to", "to", multiple=True, required=True, help="The promoted run's changes, e.g. model=7b (repeatable).")
+@click.option("--tracking-uri", help="The MLflow server [default: tracking.uri of the config].")
+@OVERRIDES
+def fit(sweep_name: str, to: tuple[str, ...], tracking_uri: str | None, overrides: tuple[str, ...]) -> None:
+    """Fit loss = E + A/N^alpha + B/D^beta to SWEEP's finished trials and predict the loss
+    of the run `promote SWEEP --to ... OVERRIDES` would write, with 90% bootstrap intervals."""
+    from wildtrain.sweeps.fit import FitError
+    from wildtrain.sweeps.predict import predict_promoted
+    from wildtrain.tracking.mlflow_run import TrackingError, check_reachable, quiet_mlflow
+
+    quiet_mlflow()
+    uri = tracking_uri or _config(()).tracking.uri
+    try:
+        check_reachable(uri)
+        prediction = predict_promoted(uri, sweep_name, to, overrides)
+    except (FitError, TrackingError, LookupError) as e:
+        _fail(str(e), 1)
+    except ConfigError as e:
+        _fail(str(e), 2)
+    click.echo(prediction.text(), nl=False)
+
+
+@main.command()
 @click.option("--state-dir", type=click.Path(path_type=Path), default=services.DEFAULT_STATE_DIR, show_default=True)
 @click.option("--ray-port", default=6379, show_default=True)
 @click.option("--dashboard-port", default=8265, show_default=True)

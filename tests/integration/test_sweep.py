@@ -15,7 +15,9 @@ from mlflow.tracking import MlflowClient
 from tests.conftest import REPO
 from wildtrain.config import load_config
 from wildtrain.sweeps.execute import SWEEP_TAG, run_sweep
+from wildtrain.sweeps.fit import FitError
 from wildtrain.sweeps.grid import plan_sweep
+from wildtrain.sweeps.predict import predict_promoted
 from wildtrain.sweeps.promote import promote
 from wildtrain.sweeps.report import report_sweep
 from wildtrain.tracking.mlflow_run import STOPPED_EARLY_TAG, open_run
@@ -124,3 +126,9 @@ def test_promote_writes_a_frozen_scaled_experiment_whose_run_carries_the_provena
     assert tags["wildtrain.promoted_from.config_hash"]
     with pytest.raises(Exception, match="frozen"):
         promote(mlflow_url, plan.name, ["model=125m"], name="yolo", conf_dir=conf)
+
+
+def test_fit_refuses_a_sweep_too_small_for_five_parameters(sweep, mlflow_url):
+    plan, _, _ = sweep
+    with pytest.raises(FitError, match=r"at least 8 finished trials .* got 2 trials, 2 sizes"):
+        predict_promoted(mlflow_url, plan.name, ["model=125m"])

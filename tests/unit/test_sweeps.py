@@ -148,7 +148,7 @@ def test_transfer_composes_through_an_intermediate_size():
 
 
 def test_the_big_runs_choices_replace_the_trials_own():
-    from wildtrain.sweeps.promote import _covered
+    from wildtrain.sweeps.promote import overridden
 
-    assert _covered("model.dim", ["model=7b"]) and _covered("model.dim", ["model.dim=4096"])
-    assert not _covered("model.dim", ["model.dims=1", "optim.lr=1"])
+    assert overridden("model.dim", ["model=7b"]) and overridden("model.dim", ["model.dim=4096"])
+    assert not overridden("model.dim", ["model.dims=1", "optim.lr=1"])

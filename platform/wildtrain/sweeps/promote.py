@@ -56,7 +56,7 @@ def promote(uri: str, sweep: str, to: Sequence[str], overrides: Sequence[str] = 
                            "not its own hash: conf/ changed since the sweep ran")
     # The big run's own choices win over the trial's: `--to model=7b` replaces a swept
     # model.dim, which the transfer rule then scales from.
-    kept = [o for o in [*common, *swept] if not _covered(o.partition("=")[0], [*to, *overrides])]
+    kept = [o for o in [*common, *swept] if not overridden(o.partition("=")[0], [*to, *overrides])]
     target = load_config([*kept, *to, *overrides], conf_dir)
     rule = transfer(trial_cfg.model, trial_cfg.optim.hidden_lr_mult, target.model)
     name = name or f"{sweep}-yolo"
@@ -85,7 +85,7 @@ def promote(uri: str, sweep: str, to: Sequence[str], overrides: Sequence[str] = 
     return Promotion(name, path, cfg, tags, rule)
 
 
-def _covered(key: str, by: Sequence[str]) -> bool:
+def overridden(key: str, by: Sequence[str]) -> bool:
     """Whether one of the overrides `by` sets `key`, itself or as its group or section."""
     return any(key == other or key.startswith(other + ".") for other in (o.partition("=")[0] for o in by))
 
