@@ -74,18 +74,25 @@ def config(overrides: tuple[str, ...]) -> None:
 @click.option("--tracking-uri", help="The MLflow server [default: tracking.uri of the config].")
 def report(run: str | None, cluster: str | None, tracking_uri: str | None) -> None:
     """Where a run's compute went (RUN: its name or MLflow run id): goodput, badput by cause,
-    and a plot attached to the run; or, with --cluster, the cluster's report card."""
+    and a plot attached to the run; for a sweep's name, its trials ranked and compared, with
+    their loss curves attached to the sweep's run; or, with --cluster, the cluster's report card."""
     from wildtrain.tracking import report as reports
     from wildtrain.tracking.mlflow_run import TrackingError, check_reachable, quiet_mlflow
 
     quiet_mlflow()
     if (run is None) == (cluster is None):
         _fail("report: give either a RUN or --cluster NAME", 2)
+    from wildtrain.sweeps import report as sweep_reports
+
     uri = tracking_uri or _config(()).tracking.uri
     try:
         check_reachable(uri)
         if cluster is not None:
             click.echo(reports.report_cluster(uri, cluster))
+            return
+        if sweep_reports.is_sweep(uri, run):
+            click.echo(sweep_reports.report_sweep(uri, run), nl=False)
+            click.echo(f"plot: {uri.rstrip('/')} sweep {run}'s parent run, artifact {sweep_reports.ARTIFACT_DIR}/sweep.png")
             return
         run_id = reports.find_run(uri, run)
         result = reports.report_run(uri, run_id)
@@ -93,6 +100,109 @@ def report(run: str | None, cluster: str | None, tracking_uri: str | None) -> No
         _fail(str(e), 1)
     click.echo(reports.goodput_text(result))
     click.echo(f"plot: {uri.rstrip('/')} run {run_id}, artifact {reports.PLOT_ARTIFACT_DIR}/run.png")
+
+
+def _no_cluster_yet(command: str, cluster: str | None) -> None:
+    if cluster is not None:
+        _fail(f"{command} --cluster {cluster}: not yet available (the cluster registry is not merged); run it on the "
+              "cluster's head instead: ray job submit --address <head> --working-dir . -- python -m wildtrain ...", 2)
+
+
+@main.command()
+@click.argument("name")
+@click.option("--grid", "grid", multiple=True, required=True, help="key=v1,v2 (repeat per key): the trials are the Cartesian product.")
+@click.option("--steps", type=int, help="train.steps of every trial.")
+@click.option("--budget-tokens", type=int, help="Each trial's steps for this many tokens.")
+@click.option("--cluster", help="Run on this registered cluster (not yet available).")
+@click.option("--dry-run", is_flag=True, help="Print the trials with their hashes and exit.")
+@OVERRIDES
+def sweep(name: str, grid: tuple[str, ...], steps: int | None, budget_tokens: int | None, cluster: str | None,
+          dry_run: bool, overrides: tuple[str, ...]) -> None:
+    """Run the sweep NAME: one trial per point of the grid, each a normal run with OVERRIDES,
+    one after another; again, it skips finished trials and resumes unfinished ones."""
+    from wildtrain.sweeps.grid import GridError, dry_run_text, plan_sweep
+
+    _no_cluster_yet("sweep", cluster)
+    try:
+        plan = plan_sweep(name, grid, overrides, steps=steps, budget_tokens=budget_tokens)
+    except (GridError, ConfigError) as e:
+        _fail(str(e), 2)
+    click.echo(dry_run_text(plan), nl=False)
+    if dry_run:
+        return
+    services.use_local_object_store()
+    services.prepare_ray_client(plan.trials[0].cfg.cluster.ray_address)
+    from wildtrain.data.dataset import DataError
+    from wildtrain.elastic.signals import CapacityError
+    from wildtrain.storage import StorageError
+    from wildtrain.sweeps.execute import SweepError, run_sweep
+    from wildtrain.sweeps.report import report_sweep
+    from wildtrain.tracking.mlflow_run import TrackingError, quiet_mlflow
+
+    quiet_mlflow()
+    try:
+        outcome = run_sweep(plan, say=click.echo)
+        click.echo(report_sweep(plan.trials[0].cfg.tracking.uri, name), nl=False)
+    except (DataError, StorageError, TrackingError, CapacityError, SweepError, services.ServiceError) as e:
+        _fail(str(e), 1)
+    if outcome.failed:
+        _fail(f"sweep {name}: {len(outcome.failed)} trials failed: " + "; ".join(outcome.failed), 1)
+
+
+@main.command()
+@click.argument("sweep_name", metavar="SWEEP")
+@click.option("--to", "to", multiple=True, required=True, help="What the big run changes, e.g. model=7b (repeatable).")
+@click.option("--metric", default="loss", show_default=True, help="What the best trial is chosen by.")
+@click.option("--name", help="The experiment's name [default: SWEEP-yolo].")
+@click.option("--submit", is_flag=True, help="Start the promoted run on --cluster.")
+@click.option("--cluster", help="With --submit: the registered cluster (not yet available).")
+@click.option("--tracking-uri", help="The MLflow server [default: tracking.uri of the config].")
+@OVERRIDES
+def promote(sweep_name: str, to: tuple[str, ...], metric: str, name: str | None, submit: bool, cluster: str | None,
+            tracking_uri: str | None, overrides: tuple[str, ...]) -> None:
+    """Write the best trial of SWEEP as conf/experiment/<name>.yaml for the big run (--to),
+    its learning rate, init and output scaled by muP, with its provenance."""
+    from wildtrain.sweeps.promote import PromoteError, promote as promote_best
+    from wildtrain.tracking.mlflow_run import TrackingError, check_reachable, quiet_mlflow
+
+    if submit and cluster is None:
+        _fail("promote --submit: give the cluster with --cluster NAME", 2)
+    _no_cluster_yet("promote --submit", cluster)
+    quiet_mlflow()
+    uri = tracking_uri or _config(()).tracking.uri
+    try:
+        check_reachable(uri)
+        promotion = promote_best(uri, sweep_name, to, overrides, name=name, metric=metric)
+    except (PromoteError, TrackingError, LookupError) as e:
+        _fail(str(e), 1)
+    except ConfigError as e:
+        _fail(str(e), 2)
+    click.echo(f"wrote {promotion.path} (run.name {promotion.name}, from {promotion.provenance['wildtrain.promoted_from.trial']})")
+    click.echo(f"start it with: wildtrain train experiment={promotion.name}")
+
+
+@main.command()
+@click.argument("sweep_name", metavar="SWEEP")
+@click.option("--to", "to", multiple=True, required=True, help="The promoted run's changes, e.g. model=7b (repeatable).")
+@click.option("--tracking-uri", help="The MLflow server [default: tracking.uri of the config].")
+@OVERRIDES
+def fit(sweep_name: str, to: tuple[str, ...], tracking_uri: str | None, overrides: tuple[str, ...]) -> None:
+    """Fit loss = E + A/N^alpha + B/D^beta to SWEEP's finished trials and predict the loss
+    of the run `promote SWEEP --to ... OVERRIDES` would write, with 90% bootstrap intervals."""
+    from wildtrain.sweeps.fit import FitError
+    from wildtrain.sweeps.predict import predict_promoted
+    from wildtrain.tracking.mlflow_run import TrackingError, check_reachable, quiet_mlflow
+
+    quiet_mlflow()
+    uri = tracking_uri or _config(()).tracking.uri
+    try:
+        check_reachable(uri)
+        prediction = predict_promoted(uri, sweep_name, to, overrides)
+    except (FitError, TrackingError, LookupError) as e:
+        _fail(str(e), 1)
+    except ConfigError as e:
+        _fail(str(e), 2)
+    click.echo(prediction.text(), nl=False)
 
 
 @main.command()

@@ -51,6 +51,9 @@ class RunSectionConfig:
     # Where checkpoints and run state live: a local path or an object-store URI. Not
     # relative to the current directory: a job's working directory is deleted after it.
     storage: str = "~/wildtrain/runs"
+    # MLflow tags the run is created with: `wildtrain promote` records where a promoted run
+    # came from (sweep, trial, config hash, data manifests) here.
+    tags: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,6 +71,18 @@ class ModelConfig:
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # Standard deviation of the initial embedding and output weights (the base sigma of muP).
+    init_std: float = 0.02
+    # Of the blocks' matrices; None: init_std. muP divides it by sqrt(width multiplier).
+    hidden_init_std: Optional[float] = None
+    # Multiplies the logits (muP: 1 / width multiplier) and each residual branch (depth-muP:
+    # 1 / sqrt(depth multiplier)); 1.0 is the plain parametrization.
+    output_mult: float = 1.0
+    residual_mult: float = 1.0
+    # The width and depth the muP multipliers were derived from (`wildtrain promote`); the
+    # residual projections' init then scales with the base depth, not this one.
+    base_dim: Optional[int] = None
+    base_n_layers: Optional[int] = None
     # torch.compile the model: None compiles on CUDA, where it is worth ~1.5x in tokens/s,
     # and not on CPU, where compiling costs more than a test or demo run gains.
     compile: Optional[bool] = None
@@ -144,6 +159,19 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    # The blocks' matrices learn at lr * hidden_lr_mult (muP with Adam: 1 / width multiplier);
+    # embeddings, norms and the output head at lr.
+    hidden_lr_mult: float = 1.0
+
+
+@dataclass
+class EarlyStopConfig:
+    """Ends a run whose loss diverged (`train.divergence`): on for sweep trials, whose
+    resources then go to the next trial; off for a plain run, which trains on."""
+
+    enabled: bool = False
+    # Diverged: a logged loss that is NaN or above this multiple of the run's best so far.
+    loss_factor: float = 3.0
 
 
 @dataclass
@@ -324,6 +352,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -382,6 +411,11 @@ def validate(cfg: Config) -> None:
     positive("train.micro_batch_size", cfg.train.micro_batch_size)
     positive("train.log_every", cfg.train.log_every)
     positive("train.checkpoint_every", cfg.train.checkpoint_every)
+    positive("early_stop.loss_factor", cfg.early_stop.loss_factor)
+    positive("model.init_std", cfg.model.init_std)
+    positive("model.output_mult", cfg.model.output_mult)
+    positive("model.residual_mult", cfg.model.residual_mult)
+    positive("optim.hidden_lr_mult", cfg.optim.hidden_lr_mult)
     positive("monitor.straggler_every", cfg.monitor.straggler_every)
     positive("monitor.straggler_factor", cfg.monitor.straggler_factor)
     positive("monitor.straggler_patience", cfg.monitor.straggler_patience)

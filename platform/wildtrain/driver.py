@@ -32,7 +32,7 @@ from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.events import DataOrderChanged, ShardSkipped, Started, Stopped
 from wildtrain.tracking import report
 from wildtrain.tracking.mlflow_run import (
-    FLUSH_TIMEOUT_S, MlflowCallback, Tracker, check_reachable, log_event, open_run, run_url,
+    FLUSH_TIMEOUT_S, MlflowCallback, Tracker, check_reachable, log_datasets, log_event, open_run, run_url,
 )
 from wildtrain.tracking.progress import ProgressCallback
 from wildtrain.train.loop import LoopInputs, train_loop
@@ -51,7 +51,8 @@ class RunSummary:
     final_metrics: dict
 
 
-def run(cfg: Config) -> RunSummary:
+def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
+    """Train `cfg` to its last step; `tags` go on the MLflow run when it is created."""
     started_at = time.time()
     data = open_datasets(cfg)
     layout = RunLayout.of(cfg)
@@ -62,11 +63,12 @@ def run(cfg: Config) -> RunSummary:
     dashboard_url = _connect_ray(cfg)
     scaling.wait_for_capacity(cfg)
 
-    experiment_id, run_id = open_run(cfg, record.get("mlflow_run_id"))
+    experiment_id, run_id = open_run(cfg, record.get("mlflow_run_id"), tags)
     storage.write_text(layout.record, json.dumps({"mlflow_run_id": run_id, "config_hash": config_hash(cfg),
                                                "data_order": pins.to_dict()}), cfg.storage)
     tracking = MlflowClient(cfg.tracking.uri)
     log_event(tracking, run_id, Started(started_at), step=0)
+    log_datasets(tracking, run_id, [(uri, sha256) for uri, _, sha256 in pins.datasets])
     if order_changed:
         log_event(tracking, run_id, DataOrderChanged(time.time(), order_changed, "; ".join(order_changed)), step=0)
     for skipped in data.skipped_shards:

@@ -90,6 +90,24 @@ def build_model(cfg: Config, plan: BatchPlan, on_cuda: Optional[bool] = None) ->
     return model
 
 
+def param_groups(model: Transformer, optim: OptimConfig) -> list[dict]:
+    """Matrices with weight decay, vectors (norms) without; under muP (optim.hidden_lr_mult)
+    the blocks' matrices in a group of their own at lr * hidden_lr_mult. Without it the
+    groups are the two that earlier checkpoints' optimizer states hold."""
+    # A partitioned parameter (zero.Init) is an empty tensor; its true shape is DeepSpeed's.
+    def matrix(p) -> bool:
+        return len(getattr(p, "ds_shape", p.shape)) >= 2
+
+    hidden = {id(p) for p in model.hidden_matrices()} if optim.hidden_lr_mult != 1.0 else set()
+    groups = [{"params": [p for p in model.parameters() if matrix(p) and id(p) not in hidden],
+               "weight_decay": optim.weight_decay},
+              {"params": [p for p in model.parameters() if not matrix(p)], "weight_decay": 0.0}]
+    if hidden:
+        groups.append({"params": [p for p in model.parameters() if id(p) in hidden], "weight_decay": optim.weight_decay,
+                       "lr": optim.lr * optim.hidden_lr_mult})
+    return groups
+
+
 def build_engine(cfg: Config, plan: BatchPlan, model: torch.nn.Module, load_universal: bool = False):
     """Wrap `model` (from `build_model`) in a DeepSpeed engine with AdamW and the warm-up +
     cosine schedule, compiled when `compiles` says so.
@@ -100,17 +118,15 @@ def build_engine(cfg: Config, plan: BatchPlan, model: torch.nn.Module, load_univ
     deepspeed = import_deepspeed()
 
     on_cuda = torch.cuda.is_available()
-    # A partitioned parameter (zero.Init) is an empty tensor; its true shape is DeepSpeed's.
-    decay = [p for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) >= 2]
-    no_decay = [p for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) < 2]
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        param_groups(model, cfg.optim),
         lr=cfg.optim.lr,
         betas=(cfg.optim.beta1, cfg.optim.beta2),
         eps=cfg.optim.eps,
         fused=on_cuda,
     )
-    # LambdaLR multiplies the base lr; dividing by it keeps lr_at the single source of truth.
+    # LambdaLR multiplies each group's base lr; dividing by lr keeps lr_at the single source
+    # of truth, and the muP hidden group at its multiple of it.
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_at(step, cfg.optim, cfg.train.steps) / cfg.optim.lr
     )

@@ -76,6 +76,18 @@ class Moved(Event):
         return f"moved from {self.from_cluster} to {self.to_cluster} at step {self.step}"
 
 
+@_kind("stopped_early")
+@dataclass(frozen=True)
+class StoppedEarly(Event):
+    """The early-stop rule ended the run (`early_stop.*`): its loss diverged."""
+
+    step: int
+    reason: str
+
+    def summary(self) -> str:
+        return f"stopped early at step {self.step}: {self.reason}"
+
+
 @_kind("data_order_changed")
 @dataclass(frozen=True)
 class DataOrderChanged(Event):

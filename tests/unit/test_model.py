@@ -154,3 +154,33 @@ def test_loss_goes_down_on_a_fixed_batch():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_mup_multipliers_scale_the_logits_the_branches_the_hidden_init_and_lr():
+    from wildtrain.config import OptimConfig
+    from wildtrain.engine import param_groups
+
+    plain_cfg = ModelConfig(n_layers=2)
+    torch.manual_seed(0)
+    plain = Transformer(plain_cfg)
+    torch.manual_seed(0)
+    mup = Transformer(replace(plain_cfg, output_mult=0.25, hidden_init_std=0.005, base_n_layers=1))
+    assert mup.tok_embeddings.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert mup.layers[0].attention.wq.weight.std().item() == pytest.approx(0.005, rel=0.05)
+    assert mup.layers[0].attention.wo.weight.std().item() == pytest.approx(0.005 / 2 ** 0.5, rel=0.05)
+    mup.load_state_dict(plain.state_dict())
+    tokens = torch.randint(0, plain_cfg.vocab_size, (2, 8))
+    torch.testing.assert_close(mup(tokens), plain(tokens) * 0.25)
+
+    deeper = Transformer(replace(plain_cfg, residual_mult=0.0))
+    deeper.load_state_dict(plain.state_dict())
+    # With no residual branches, the blocks pass the embeddings through unchanged.
+    expected = deeper.output(deeper.norm(deeper.tok_embeddings(tokens)))
+    torch.testing.assert_close(deeper(tokens), expected)
+
+    assert len(param_groups(plain, OptimConfig())) == 2  # what earlier checkpoints' optimizers hold
+    groups = param_groups(plain, OptimConfig(lr=1e-2, hidden_lr_mult=0.25))
+    hidden = {id(p) for p in plain.hidden_matrices()}
+    assert {id(p) for p in groups[2]["params"]} == hidden and groups[2]["lr"] == pytest.approx(2.5e-3)
+    assert id(plain.output.weight) in {id(p) for p in groups[0]["params"]}
+    assert sum(len(g["params"]) for g in groups) == len(list(plain.parameters()))

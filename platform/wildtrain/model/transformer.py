@@ -104,10 +104,11 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = MLP(cfg)
+        self.residual_mult = cfg.residual_mult
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: masks.Mask) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = x + self.residual_mult * self.attention(self.attention_norm(x), cos, sin, mask)
+        return x + self.residual_mult * self.feed_forward(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
@@ -129,15 +130,26 @@ class Transformer(nn.Module):
         """Each parameter the init scheme sets, with how, in the order that draws the random
         numbers. A model built partitioned (DeepSpeed's zero.Init) has only shards by the
         time its __init__ runs, so its builder gathers each parameter and applies these."""
+        cfg = self.cfg
+        hidden = {id(w) for w in self.hidden_matrices()}
+        hidden_std = cfg.hidden_init_std if cfg.hidden_init_std is not None else cfg.init_std
         matmul = [m.weight for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
         for weight in matmul:
-            yield weight, lambda w: nn.init.normal_(w, std=0.02)
+            std = hidden_std if id(weight) in hidden else cfg.init_std
+            yield weight, lambda w, std=std: nn.init.normal_(w, std=std)
         # GPT-2 scheme: each block adds two projections to the residual stream, so scaling
-        # them keeps the stream's variance from growing with depth.
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        # them keeps the stream's variance from growing with depth. A model transferred from
+        # a shallower base leaves depth to residual_mult (depth-muP) and keeps the base's.
+        residual_std = hidden_std / math.sqrt(2 * (cfg.base_n_layers or cfg.n_layers))
         for block in self.layers:
             for weight in (block.attention.wo.weight, block.feed_forward.w2.weight):
                 yield weight, lambda w: nn.init.normal_(w, std=residual_std)
+
+    def hidden_matrices(self) -> list[nn.Parameter]:
+        """The blocks' matrices: what muP gives a width-scaled init and learning rate
+        (the embedding, norms and output head keep theirs)."""
+        # A partitioned parameter (zero.Init) is an empty tensor; its true shape is DeepSpeed's.
+        return [p for p in self.layers.parameters() if len(getattr(p, "ds_shape", p.shape)) >= 2]
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -172,6 +184,8 @@ class Transformer(nn.Module):
             else:
                 h = block(h, cos, sin, mask)
         logits = self.output(self.norm(h))
+        if self.cfg.output_mult != 1.0:
+            logits = logits * self.cfg.output_mult
         if targets is None:
             return logits
         if loss_mask is None:

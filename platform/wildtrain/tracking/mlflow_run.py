@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 from wildtrain import ray_compat, storage
 from wildtrain.config import Config, StorageConfig, flatten, to_yaml
-from wildtrain.events import Event, HealthCheck, Hang, Interrupted, Recovered, from_dict
+from wildtrain.events import Event, HealthCheck, Hang, Interrupted, Recovered, StoppedEarly, from_dict
 from wildtrain.tracking.buffer import Outage, TrackingBuffer
 from wildtrain.elastic.signals import Restart
 from wildtrain.tracking.timeline import Timeline
@@ -30,11 +30,14 @@ from wildtrain.layout import rank_of_hang_dump
 
 EVENTS_DIR = "events"
 CLUSTER_TAG = "wildtrain.cluster"
+# Set, with the reason, on a run the early-stop rule ended (`early_stop.*`).
+STOPPED_EARLY_TAG = "wildtrain.stopped_early"
 # What the controller logs of rank 0's reports, besides every `checkpoint/*` (per save);
 # `time/*` are means per step over the report's window.
 TRAINING_METRICS = (
     "step", "loss", "lr", "tokens_seen", "tokens_per_s", "step_time_s", "world_size", "epoch", "mfu",
     "time/data_wait_s", "time/forward_s", "time/backward_s", "time/optimizer_s", "time/checkpoint_stall_s",
+    "memory/peak_gb",
 )
 
 # An attempt's first report: where its start-up went (bench/startup.py), logged as startup/<key>.
@@ -80,8 +83,9 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
     )
 
 
-def open_run(cfg: Config, run_id: Optional[str]) -> tuple[str, str]:
-    """(experiment id, run id): the run `run_id` reopened, or a new run with the config logged."""
+def open_run(cfg: Config, run_id: Optional[str], tags: Optional[dict[str, str]] = None) -> tuple[str, str]:
+    """(experiment id, run id): the run `run_id` reopened, or a new run with the config
+    logged and tagged with `run.tags` and `tags` (a sweep's parent run id and trial)."""
     from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
@@ -95,13 +99,27 @@ def open_run(cfg: Config, run_id: Optional[str]) -> tuple[str, str]:
 
     experiment = client.get_experiment_by_name(cfg.tracking.experiment)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(cfg.tracking.experiment)
-    run = client.create_run(experiment_id, run_name=cfg.run.name, tags={CLUSTER_TAG: cfg.cluster.name})
+    run = client.create_run(experiment_id, run_name=cfg.run.name,
+                            tags={CLUSTER_TAG: cfg.cluster.name, **cfg.run.tags, **(tags or {})})
     # Everyone who can read the experiment sees params: no user:password from a URI in them.
     params = [Param(key, redact(str(value))[:6000]) for key, value in flatten(cfg).items()]
     for i in range(0, len(params), _PARAMS_PER_BATCH):
         client.log_batch(run.info.run_id, params=params[i : i + _PARAMS_PER_BATCH])
     client.log_text(run.info.run_id, redact(to_yaml(cfg)), "config.yaml")
     return experiment_id, run.info.run_id
+
+
+def log_datasets(client, run_id: str, datasets: list[tuple[str, str]]) -> None:
+    """Each (uri, manifest sha256) as an MLflow dataset input: the UI shows what each run
+    trained on, and runs on different data show different digests. MLflow keeps one input
+    per dataset and digest, so a resubmission logs nothing new."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    client.log_inputs(run_id, datasets=[
+        DatasetInput(Dataset(name=uri, digest=sha256[:16], source_type="wildtrain-manifest",
+                             source=f"{uri}/manifest.json"), tags=[InputTag("mlflow.data.context", "training")])
+        for uri, sha256 in datasets
+    ])
 
 
 def read_events(uri: str, run_id: str, folder: str) -> list[Event]:
@@ -341,6 +359,8 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
     def _log_event(self, event: Event, step: int) -> None:
         """Into MLflow, and onto the log unless it is a passed health check."""
         self.tracking.event(event, step)
+        if isinstance(event, StoppedEarly):  # searchable, unlike the event's artifact
+            self.tracking.tag(STOPPED_EARLY_TAG, event.reason)
         if isinstance(event, HealthCheck):
             if not event.passed:
                 print(f"health check failed at step {step}: {event.summary()}", flush=True)

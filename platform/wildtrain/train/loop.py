@@ -10,6 +10,7 @@ re-enters here at its new size.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -31,11 +32,12 @@ from wildtrain.data.objectives import Objective
 from wildtrain.data.stream import RankStream
 from wildtrain.elastic.scaling import data_cpus
 from wildtrain.elastic.signals import FinalCheckpointFailed, PlannedRegrow, RunCannotContinue, UnhealthyNodes
-from wildtrain.events import RegrowPostponed
+from wildtrain.events import RegrowPostponed, StoppedEarly
 from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.model import flops_per_token
 from wildtrain.tracking.mfu import peak_flops
 from wildtrain.train import checkpointing, collectives
+from wildtrain.train.divergence import judge_loss
 from wildtrain.train.growth import GrowthCheck
 from wildtrain.train.monitor import Monitor
 from wildtrain.train.samples import SampleRecorder
@@ -63,6 +65,8 @@ def train_loop(inputs: LoopInputs) -> None:
                 due = attempt.save(due)
             if due.report:
                 attempt.report(due)
+            if attempt.diverged:
+                break  # a diverged trial's checkpoint is worth nothing: no last save
             if due.regrow:
                 raise PlannedRegrow(f"room for more than {attempt.world_size} workers; "
                                     f"regrowing from the checkpoint of step {attempt.state.step}")
@@ -115,6 +119,10 @@ class Attempt:
         # The data position is the step: the stream starts where the restored model stopped.
         stream = RankStream(inputs.data.datasets, cfg, rank, world_size, from_step=self.state.step)
         self.samples = SampleRecorder(cfg, rank) if cfg.data.record_samples else None
+        # The early-stop rule's best loss: since this attempt's start, so a restart forgets
+        # the best before it and judges only the losses it sees.
+        self.best_loss = math.inf
+        self.diverged = False
 
         self.tokens_per_step = self.plan.global_batch_size * cfg.data.seq_len
         peak = peak_flops(torch.cuda.get_device_name() if cfg.cluster.use_gpu else "cpu",
@@ -179,17 +187,31 @@ class Attempt:
             raise FinalCheckpointFailed(state.step, collectives.broadcast_object(newest) or "none")
         return due
 
+    def _judge_loss(self, loss: float) -> list[StoppedEarly]:
+        """The early-stop rule on this log step's loss (the mean over ranks, so every rank
+        decides alike): the event that ends the run, if it diverged."""
+        if not self.cfg.early_stop.enabled:
+            return []
+        verdict = judge_loss(loss, self.best_loss, self.cfg.early_stop.loss_factor)
+        self.best_loss = verdict.best
+        if verdict.reason is None:
+            return []
+        self.diverged = True
+        return [StoppedEarly(time.time(), self.state.step, verdict.reason)]
+
     def report(self, due: Due) -> None:
         """Hand the controller this step's metrics, the saves that ended since the last
         report, and the events; a save commits once its report is collected."""
         state = self.state
         metrics = {"step": state.step, "tokens_seen": state.tokens_seen, "world_size": self.world_size}
+        events = []
         if due.log:
             metrics |= self.window.flush() | {"lr": self.engine.get_lr()[0],
                                               "epoch": (state.step - 1) // self.data.steps_per_epoch}
             self.monitor.export(metrics)
+            events = self._judge_loss(metrics["loss"])
         saves = checkpointing.saves_report(self.saver.drain())
-        events = self.monitor.take_events() + saves.pop("events")
+        events += self.monitor.take_events() + saves.pop("events")
         if due.first_of_attempt:
             # What the controller needs to split this attempt's recovery (and start-up) time into its parts.
             metrics |= self.restored.timing | {

@@ -11,6 +11,7 @@ works from and stall ZeRO-3's parameter prefetch.
 from __future__ import annotations
 
 import contextlib
+import resource
 import time
 from typing import Callable, Generic, Iterator, Optional, Protocol, TypeVar
 
@@ -99,6 +100,13 @@ class DataWait(Protocol):
     wait_s: float  # seconds spent waiting for data since it was last reset (data.stream.RankStream)
 
 
+def peak_memory_gb(device: torch.device) -> float:
+    """This process's peak: device memory allocated on CUDA, resident host memory elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+
+
 class StepMetrics:
     """Loss, throughput, MFU and where the time went since the last report: means per step
     of `time/<phase>_s` (data wait, forward, backward, optimizer, checkpoint stall); the loss
@@ -117,6 +125,7 @@ class StepMetrics:
         self.flops_per_token = flops_per_token
         self.peak = peak
         self.world_size = world_size
+        self.device = device
         self.on_cuda = device.type == "cuda"
         self.data_wait = data_wait
         # Forward time since the attempt started: a rank's own work, for straggler checks.
@@ -196,6 +205,7 @@ class StepMetrics:
             "step_time_s": elapsed / steps,
             "tokens_per_s": tokens_per_s,
             "time/data_wait_s": (self.data_wait.wait_s if self.data_wait is not None else 0.0) / steps,
+            "memory/peak_gb": peak_memory_gb(self.device),
         }
         metrics |= {f"time/{phase}_s": seconds / steps for phase, seconds in self.phase_s.items()}
         if self.peak is not None:

@@ -1,0 +1,52 @@
+"""`wildtrain fit SWEEP --to ...`: the loss-vs-compute law (`fit`) through the sweep's
+finished trials, from MLflow, and the loss it predicts for the promoted run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from wildtrain.config import load_config
+from wildtrain.model import param_count
+from wildtrain.sweeps import compare
+from wildtrain.sweeps.execute import common_overrides
+from wildtrain.sweeps.fit import Fitted, fit_law
+from wildtrain.sweeps.promote import overridden
+from wildtrain.sweeps.report import fetch_sweep
+
+
+@dataclass(frozen=True)
+class Prediction:
+    fitted: Fitted
+    params: int  # of the promoted run's model
+    tokens: int  # it trains on
+    loss: float
+    interval: tuple[float, float]
+
+    def text(self) -> str:
+        law = self.fitted.law
+        return (f"L(N, D) = {law.E:.3f} + {law.A:.4g} / N^{law.alpha:.3f} + {law.B:.4g} / D^{law.beta:.3f}\n"
+                f"  alpha {law.alpha:.3f} (90% {self.fitted.alpha_interval[0]:.3f}..{self.fitted.alpha_interval[1]:.3f}), "
+                f"beta {law.beta:.3f} (90% {self.fitted.beta_interval[0]:.3f}..{self.fitted.beta_interval[1]:.3f})\n"
+                f"predicted loss at N={self.params:.4g} parameters, D={self.tokens:.4g} tokens: {self.loss:.4f} "
+                f"(90% {self.interval[0]:.4f}..{self.interval[1]:.4f})\n")
+
+
+def predict_promoted(uri: str, sweep: str, to: Sequence[str], overrides: Sequence[str] = (),
+                     conf_dir: Optional[Path] = None) -> Prediction:
+    """Fit the sweep's finished trials (parameters from their configs, tokens and final
+    smoothed loss from MLflow) and predict the run `promote` would write with `to`."""
+    parent, _, trials = fetch_sweep(uri, sweep)
+    common = common_overrides(parent)
+    ranked = [r for r in compare.rank(trials) if r.place is not None]
+    params = [param_count(load_config([*common, *(f"{k}={v}" for k, v in r.trial.values)], conf_dir).model)
+              for r in ranked]
+    fitted = fit_law(params, [r.trial.tokens[-1] for r in ranked], [r.final_loss for r in ranked])
+    best = ranked[0].trial
+    chosen = [*to, *overrides]
+    kept = [o for o in [*common, *(f"{k}={v}" for k, v in best.values)] if not overridden(o.partition("=")[0], chosen)]
+    target = load_config([*kept, *chosen], conf_dir)
+    n = param_count(target.model)
+    d = target.train.steps * target.train.global_batch_size * target.data.seq_len
+    return Prediction(fitted, n, d, fitted.law.predict(n, d), fitted.predict_interval(n, d))

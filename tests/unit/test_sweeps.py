@@ -1,0 +1,154 @@
+"""The pure decisions of a sweep: its grid and trial hashes, the early-stop rule, the
+ranking and effects, and the muP transfer rule against the published tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from wildtrain.config import ConfigError, load_config
+from wildtrain.sweeps.compare import TrialRecord, differing_data, effects, rank, smooth, table_text
+from wildtrain.sweeps.grid import GridError, parse_grid, plan_sweep, steps_for_budget
+from wildtrain.sweeps.transfer import transfer
+from wildtrain.train.divergence import judge_loss
+
+
+def test_grid_is_the_cartesian_product_first_key_slowest_with_stable_distinct_hashes():
+    plan = plan_sweep("abl", ["optim.lr=1e-3,3e-3", "model.dim=64,128"], ["train.steps=4"])
+    assert [t.values for t in plan.trials] == [
+        (("optim.lr", "1e-3"), ("model.dim", "64")), (("optim.lr", "1e-3"), ("model.dim", "128")),
+        (("optim.lr", "3e-3"), ("model.dim", "64")), (("optim.lr", "3e-3"), ("model.dim", "128")),
+    ]
+    assert len({t.hash for t in plan.trials}) == 4
+    assert all(t.run_name == f"abl-{t.hash}" == t.cfg.run.name for t in plan.trials)
+    assert all(t.cfg.early_stop.enabled and t.cfg.train.steps == 4 for t in plan.trials)
+    # The same trial hashes the same in another sweep and in another grid order;
+    # anything else it trains with changes the hash.
+    again = plan_sweep("other", ["model.dim=128,64", "optim.lr=3e-3,1e-3"], ["train.steps=4"])
+    assert {t.hash for t in again.trials} == {t.hash for t in plan.trials}
+    longer = plan_sweep("abl", ["optim.lr=1e-3,3e-3", "model.dim=64,128"], ["train.steps=5"])
+    assert not {t.hash for t in longer.trials} & {t.hash for t in plan.trials}
+
+
+def test_budget_tokens_equalizes_data_across_batch_sizes():
+    assert steps_for_budget(16 * 128 * 10, 16, 128) == 10
+    assert steps_for_budget(16 * 128 * 10 + 1, 16, 128) == 11
+    plan = plan_sweep("b", ["train.global_batch_size=8,16"], [], budget_tokens=16 * 128 * 10)
+    assert [t.cfg.train.steps for t in plan.trials] == [20, 10]
+
+
+@pytest.mark.parametrize("specs, overrides, message", [
+    (["optim.lr"], [], "--grid optim.lr: expected key=value1,value2,..."),
+    (["optim.lr=1,1"], [], "--grid optim.lr=1,1: values must be distinct and non-empty"),
+    (["run.name=a,b"], [], "--grid run.name=a,b: run.name is set by the sweep for each trial"),
+    (["optim.lr=1,2"], ["optim.lr=3"], "optim.lr=3: optim.lr is swept; set it with --grid only"),
+    ([], [], "--grid: give at least one key=value1,value2,..."),
+])
+def test_bad_grids_name_the_option(specs, overrides, message):
+    with pytest.raises(GridError) as e:
+        plan_sweep("s", specs, overrides)
+    assert str(e.value) == message
+
+
+def test_a_bad_grid_value_names_its_key_and_trial():
+    with pytest.raises(ConfigError, match=r"^optim\.lr: expected float, got 'fast' \(str\) \(trial optim\.lr=fast\)$"):
+        plan_sweep("s", ["optim.lr=1e-3,fast"], [])
+
+
+def test_grid_values_may_be_lists():
+    assert parse_grid(["data.datasets=[{uri: a}],[{uri: b}, {uri: c}]"]) == {
+        "data.datasets": ["[{uri: a}]", "[{uri: b}, {uri: c}]"]}
+
+
+def test_divergence_is_nan_or_a_multiple_of_the_best_loss():
+    verdict = judge_loss(5.0, math.inf, 3.0)
+    assert verdict.reason is None and verdict.best == 5.0
+    assert judge_loss(4.0, 5.0, 3.0).best == 4.0
+    assert judge_loss(14.9, 5.0, 3.0).reason is None
+    assert judge_loss(15.1, 5.0, 3.0).reason == "loss 15.1 is above 3 x the best 5"
+    assert judge_loss(float("nan"), 5.0, 3.0).reason == "loss is nan"
+    assert judge_loss(float("inf"), math.inf, 3.0).reason == "loss is inf"
+
+
+def record(name, values, loss, status="FINISHED", stopped=None, digests=("d1",)):
+    return TrialRecord(name, f"id-{name}", values, status, stopped, tuple(range(len(loss))), tuple(loss), 100.0, 0.01, 0.9, 1.0,
+                       digests)
+
+
+def test_ranking_is_by_final_smoothed_loss_with_ties_stated_and_the_rest_unranked():
+    trials = [
+        record("s-c", (("lr", "1"), ("d", "64")), [3.0, 2.0]),
+        record("s-a", (("lr", "1"), ("d", "128")), [3.0, 2.0]),  # the same curve as s-c: a tie
+        record("s-b", (("lr", "2"), ("d", "64")), [3.0, 1.0]),
+        record("s-d", (("lr", "10"), ("d", "128")), [3.0, 400.0], stopped="loss 400 is above 3 x the best 3"),
+    ]
+    ranked = rank(trials)
+    assert [(r.place, r.trial.name) for r in ranked] == [(1, "s-b"), (2, "s-a"), (2, "s-c"), (None, "s-d")]
+    assert ranked[1].note == "tie with s-c" and ranked[2].note == "tie with s-a"
+    assert ranked[3].note == "stopped early: loss 400 is above 3 x the best 3"
+    assert ranked[0].final_loss == pytest.approx(smooth([3.0, 1.0])[-1])
+    assert rank(list(reversed(trials))) == ranked
+    by_key = {(e.key, e.value): (e.mean_loss, e.trials) for e in effects(ranked, ["lr", "d"])}
+    final_c = smooth([3.0, 2.0])[-1]
+    assert by_key[("lr", "1")] == (pytest.approx(final_c), 2)
+    assert by_key[("lr", "10")] == (None, 0)
+    assert by_key[("d", "64")] == (pytest.approx((final_c + ranked[0].final_loss) / 2), 2)
+    text = table_text("s", ranked, ["lr", "d"])
+    assert "best: s-b (lr=2 d=64)" in text and "lr=10: - (n=0)" in text
+
+
+def test_smoothing_starts_at_the_first_value():
+    assert smooth([4.0, 4.0, 4.0]) == pytest.approx([4.0, 4.0, 4.0])
+
+
+def test_trials_on_other_data_are_flagged():
+    trials = [record("a", (), [1.0]), record("b", (), [1.0], digests=("d2",))]
+    assert differing_data(trials) == ["b"]
+    assert "warning: trained on other data than" in table_text("s", rank(trials), [])
+
+
+# The muP tables (Tensor Programs V, Table 3; the Practitioner's Guide, Table 1) for Adam,
+# with depth-muP for depth, written out for the presets: width multiplier m_d = d / 768,
+# depth multiplier m_L = L / 12 from the 125m preset.
+#   hidden lr mult = 1 / m_d / sqrt(m_L), hidden init std = 0.02 / sqrt(m_d),
+#   output logit mult = 1 / m_d, residual branch mult = 1 / sqrt(m_L).
+@pytest.mark.parametrize("target, table", [
+    # m_d = 2048 / 768 = 8/3, m_L = 24 / 12 = 2
+    ("1.3b", dict(width=8 / 3, depth=2.0, hidden_lr=0.2651650, hidden_std=0.01224745, output=0.375,
+                  residual=0.7071068)),
+    # m_d = 4096 / 768 = 16/3, m_L = 32 / 12 = 8/3
+    ("7b", dict(width=16 / 3, depth=8 / 3, hidden_lr=0.1148198, hidden_std=0.008660254, output=0.1875,
+                residual=0.6123724)),
+])
+def test_transfer_rule_matches_the_mup_table(target, table):
+    base = load_config(["model=125m"]).model
+    result = transfer(base, 1.0, load_config([f"model={target}"]).model)
+    assert result.width_mult == pytest.approx(table["width"])
+    assert result.depth_mult == pytest.approx(table["depth"])
+    assert result.hidden_lr_mult == pytest.approx(table["hidden_lr"], rel=1e-6)
+    assert result.hidden_init_std == pytest.approx(table["hidden_std"], rel=1e-6)
+    assert result.output_mult == pytest.approx(table["output"])
+    assert result.residual_mult == pytest.approx(table["residual"], rel=1e-6)
+    assert (result.base_dim, result.base_n_layers) == (768, 12)
+
+
+def test_transfer_composes_through_an_intermediate_size():
+    small, mid, big = (load_config([f"model={m}"]).model for m in ("125m", "1.3b", "7b"))
+    step = transfer(small, 1.0, mid)
+    mid = dataclasses.replace(mid, **{key.removeprefix("model."): value for key, value in step.overrides().items()
+                                      if key.startswith("model.")})
+    through = transfer(mid, step.hidden_lr_mult, big)
+    direct = transfer(small, 1.0, big)
+    assert through.hidden_lr_mult == pytest.approx(direct.hidden_lr_mult)
+    assert through.hidden_init_std == pytest.approx(direct.hidden_init_std)
+    assert through.output_mult == pytest.approx(direct.output_mult)
+    assert (through.base_dim, through.base_n_layers) == (768, 12)
+
+
+def test_the_big_runs_choices_replace_the_trials_own():
+    from wildtrain.sweeps.promote import overridden
+
+    assert overridden("model.dim", ["model=7b"]) and overridden("model.dim", ["model.dim=4096"])
+    assert not overridden("model.dim", ["model.dims=1", "optim.lr=1"])
