@@ -102,18 +102,12 @@ def report(run: str | None, cluster: str | None, tracking_uri: str | None) -> No
     click.echo(f"plot: {uri.rstrip('/')} run {run_id}, artifact {reports.PLOT_ARTIFACT_DIR}/run.png")
 
 
-def _no_cluster_yet(command: str, cluster: str | None) -> None:
-    if cluster is not None:
-        _fail(f"{command} --cluster {cluster}: not yet available (the cluster registry is not merged); run it on the "
-              "cluster's head instead: ray job submit --address <head> --working-dir . -- python -m wildtrain ...", 2)
-
-
 @main.command()
 @click.argument("name")
 @click.option("--grid", "grid", multiple=True, required=True, help="key=v1,v2 (repeat per key): the trials are the Cartesian product.")
 @click.option("--steps", type=int, help="train.steps of every trial.")
 @click.option("--budget-tokens", type=int, help="Each trial's steps for this many tokens.")
-@click.option("--cluster", help="Run on this registered cluster (not yet available).")
+@click.option("--cluster", help="Run the sweep as a job on this cluster of the registry.")
 @click.option("--dry-run", is_flag=True, help="Print the trials with their hashes and exit.")
 @OVERRIDES
 def sweep(name: str, grid: tuple[str, ...], steps: int | None, budget_tokens: int | None, cluster: str | None,
@@ -122,13 +116,19 @@ def sweep(name: str, grid: tuple[str, ...], steps: int | None, budget_tokens: in
     one after another; again, it skips finished trials and resumes unfinished ones."""
     from wildtrain.sweeps.grid import GridError, dry_run_text, plan_sweep
 
-    _no_cluster_yet("sweep", cluster)
+    target = _cluster(cluster) if cluster else None
     try:
-        plan = plan_sweep(name, grid, overrides, steps=steps, budget_tokens=budget_tokens)
+        # Planned with the cluster's settings, as the job will plan it: the same trial hashes.
+        plan = plan_sweep(name, grid, (*(target.run_overrides() if target else ()), *overrides),
+                          steps=steps, budget_tokens=budget_tokens)
     except (GridError, ConfigError) as e:
         _fail(str(e), 2)
     click.echo(dry_run_text(plan), nl=False)
     if dry_run:
+        return
+    if target is not None:
+        sizes = [f"--steps={steps}"] if steps else [f"--budget-tokens={budget_tokens}"] if budget_tokens else []
+        _submit(target, overrides, False, command=("sweep", name, *(f"--grid={g}" for g in grid), *sizes))
         return
     services.use_local_object_store()
     services.prepare_ray_client(plan.trials[0].cfg.cluster.ray_address)
@@ -155,7 +155,7 @@ def sweep(name: str, grid: tuple[str, ...], steps: int | None, budget_tokens: in
 @click.option("--metric", default="loss", show_default=True, help="What the best trial is chosen by.")
 @click.option("--name", help="The experiment's name [default: SWEEP-yolo].")
 @click.option("--submit", is_flag=True, help="Start the promoted run on --cluster.")
-@click.option("--cluster", help="With --submit: the registered cluster (not yet available).")
+@click.option("--cluster", help="With --submit: the cluster of the registry to run it on.")
 @click.option("--tracking-uri", help="The MLflow server [default: tracking.uri of the config].")
 @OVERRIDES
 def promote(sweep_name: str, to: tuple[str, ...], metric: str, name: str | None, submit: bool, cluster: str | None,
@@ -167,7 +167,7 @@ def promote(sweep_name: str, to: tuple[str, ...], metric: str, name: str | None,
 
     if submit and cluster is None:
         _fail("promote --submit: give the cluster with --cluster NAME", 2)
-    _no_cluster_yet("promote --submit", cluster)
+    target = _cluster(cluster) if cluster else None
     quiet_mlflow()
     uri = tracking_uri or _config(()).tracking.uri
     try:
@@ -178,7 +178,10 @@ def promote(sweep_name: str, to: tuple[str, ...], metric: str, name: str | None,
     except ConfigError as e:
         _fail(str(e), 2)
     click.echo(f"wrote {promotion.path} (run.name {promotion.name}, from {promotion.provenance['wildtrain.promoted_from.trial']})")
-    click.echo(f"start it with: wildtrain train experiment={promotion.name}")
+    if target is None:
+        click.echo(f"start it with: wildtrain train experiment={promotion.name}")
+    else:
+        _submit(target, (f"experiment={promotion.name}",), False)
 
 
 @main.command()
@@ -248,6 +251,13 @@ def _registry(path: Path | None) -> registry.Registry:
         _fail(str(e), 2)
 
 
+def _cluster(name: str, path: Path | None = None) -> registry.Cluster:
+    try:
+        return registry.load(path).get(name)
+    except ConfigError as e:
+        _fail(str(e), 2)
+
+
 @main.group(invoke_without_command=True)
 @REGISTRY
 @click.pass_context
@@ -289,17 +299,22 @@ def clusters_check(path: Path | None, name: str, tracking_uri: str | None) -> No
 @OVERRIDES
 def submit(name: str, follow: bool, registry: Path | None, overrides: tuple[str, ...]) -> None:
     """Run `wildtrain train OVERRIDES` on a cluster of the registry, through its jobs API."""
+    _submit(_cluster(name, registry), overrides, follow)
+
+
+def _submit(cluster: registry.Cluster, overrides: tuple[str, ...], follow: bool,
+            command: tuple[str, ...] = ("train",)) -> None:
     from wildtrain.clusters.jobs_api import ClusterError
     from wildtrain.clusters.submit import submit as send
 
     try:
-        cluster = _registry(registry).get(name)
-        submitted = send(cluster, list(overrides), follow=(lambda text: click.echo(text, nl=False)) if follow else None)
+        submitted = send(cluster, list(overrides), follow=(lambda text: click.echo(text, nl=False)) if follow else None,
+                         command=command)
     except ConfigError as e:
         _fail(str(e), 2)
     except ClusterError as e:
         _fail(str(e), 1)
-    click.echo(f"job:            {submitted.job_id} on {name}")
+    click.echo(f"job:            {submitted.job_id} on {cluster.name}")
     click.echo(f"MLflow run:     {redact(submitted.tracking)}")
     click.echo(f"Ray dashboard:  {redact(submitted.dashboard)}")
 

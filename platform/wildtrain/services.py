@@ -242,7 +242,11 @@ def start_mlflow(root: Path, port: int, timeout_s: float = 120.0) -> subprocess.
         stderr=subprocess.STDOUT,
         start_new_session=True,  # outlives the shell that ran `wildtrain up`
     )
-    wait_healthy(f"http://{HOST}:{port}/health", process, log, timeout_s)
+    try:
+        wait_healthy(f"http://{HOST}:{port}/health", process, log, timeout_s)
+    except ServiceError:
+        stop_process(process.pid)  # a server that came up late must not outlive the error
+        raise
     return process
 
 

@@ -32,7 +32,8 @@ OBJECTIVE = ("train.objective=ul2", "model.attention=document")
 
 @pytest.fixture(scope="module")
 def worker_nodes(ray_cluster):
-    nodes = [ray_cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1}) for _ in range(2)]
+    for _ in range(2):
+        ray_cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
     ray_cluster.wait_for_nodes()
     yield ray_cluster
     for node in list(ray_cluster.worker_nodes):

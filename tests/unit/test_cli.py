@@ -7,7 +7,9 @@ import sys
 import numpy as np
 import pytest
 
+from tests.conftest import REPO
 from tests.helpers.datasets import write_dataset
+from wildtrain.clusters import registry
 from wildtrain.services import free_port
 
 
@@ -68,8 +70,8 @@ def test_sweep_dry_run_prints_each_trial_with_its_hash_and_starts_nothing():
 
 @pytest.mark.parametrize("args, message", [
     (("sweep", "s", "--grid", "optim.lr=1,2", "--cluster", "big"),
-     "wildtrain: sweep --cluster big: not yet available (the cluster registry is not merged); run it on the "
-     "cluster's head instead: ray job submit --address <head> --working-dir . -- python -m wildtrain ..."),
+     f"wildtrain: {REPO / 'ray_clusters' / 'clusters.yaml'}: clusters.big: no such cluster (known: "
+     f"{', '.join(sorted(registry.load(REPO / 'ray_clusters' / 'clusters.yaml').clusters))})"),
     (("sweep", "s", "--grid", "optim.lr=1,fast"), "wildtrain: optim.lr: expected float, got 'fast' (str) (trial optim.lr=fast)"),
     (("promote", "s", "--to", "model=7b", "--submit"), "wildtrain: promote --submit: give the cluster with --cluster NAME"),
 ])

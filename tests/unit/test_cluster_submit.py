@@ -27,6 +27,15 @@ def test_entrypoint_trains_with_the_clusters_settings_then_the_users_and_an_expl
     assert spec.config.cluster.name == "coreweave" and spec.config.train.steps == 7
 
 
+def test_a_sweep_is_sent_as_its_own_command_with_the_clusters_settings_and_no_run_name(clusters):
+    spec = job_spec(clusters.get("coreweave"), ["experiment=tiny"], working_dir=REPO,
+                    command=("sweep", "abl", "--grid=optim.lr=1e-3,3e-3", "--steps=5"))
+    args = shlex.split(spec.entrypoint)
+    assert args[:8] == ["python", "-m", "wildtrain", "sweep", "abl", "--grid=optim.lr=1e-3,3e-3", "--steps=5",
+                        "cluster=gpu"]
+    assert "cluster.name=coreweave" in args and args[-1] == "experiment=tiny"  # trials name themselves
+
+
 def test_runtime_env_carries_working_dir_nccl_profile_and_hotfixes_but_no_secret(clusters, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-to-be-sent")
     cluster = clusters.get("aws-p5")

@@ -9,7 +9,6 @@ import textwrap
 
 import psutil
 import pyarrow.fs as pafs
-import pytest
 import torch
 
 from tests.helpers.faulty_fs import HangingHandler

@@ -10,7 +10,7 @@ import shlex
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from wildtrain.clusters import jobs_api
 from wildtrain.clusters.registry import Cluster
@@ -32,13 +32,16 @@ class Submitted:
     tracking: str
 
 
-def job_spec(cluster: Cluster, overrides: list[str], working_dir: Optional[Path] = None) -> JobSpec:
+def job_spec(cluster: Cluster, overrides: list[str], working_dir: Optional[Path] = None,
+             command: Sequence[str] = ("train",)) -> JobSpec:
     """What is sent: the config is loaded here first, so a bad override fails in a second,
-    with the key named, instead of in a job on the cluster."""
-    train_overrides = cluster.run_overrides() + list(overrides)
-    cfg = load_config(train_overrides)
-    train_overrides.append(f"run.name={cfg.run.name}")
-    entrypoint = shlex.join(["python", "-m", "wildtrain", "train", *train_overrides])
+    with the key named, instead of in a job on the cluster. `command`: the wildtrain command
+    and its arguments, before the overrides (a sweep: `("sweep", NAME, "--grid=...")`)."""
+    run_overrides = cluster.run_overrides() + list(overrides)
+    cfg = load_config(run_overrides)
+    if command[0] == "train":  # a sweep names its trials itself
+        run_overrides.append(f"run.name={cfg.run.name}")
+    entrypoint = shlex.join(["python", "-m", "wildtrain", *command, *run_overrides])
     hotfix = dict(cluster.entry.hotfix.runtime_env)
     runtime_env = {
         **hotfix,
@@ -49,16 +52,17 @@ def job_spec(cluster: Cluster, overrides: list[str], working_dir: Optional[Path]
 
 
 def submit(cluster: Cluster, overrides: list[str], working_dir: Optional[Path] = None,
-           follow: Optional[Callable[[str], None]] = None) -> Submitted:
-    """Send the run; with `follow`, pass it the job's log lines until the job ends and fail
-    if the job did not succeed."""
-    spec = job_spec(cluster, overrides, working_dir)
+           follow: Optional[Callable[[str], None]] = None, command: Sequence[str] = ("train",)) -> Submitted:
+    """Send the run (or the sweep, see `job_spec`); with `follow`, pass it the job's log
+    lines until the job ends and fail if the job did not succeed."""
+    spec = job_spec(cluster, overrides, working_dir, command)
     client = jobs_api.client(cluster)
     job_id = client.submit_job(entrypoint=spec.entrypoint, runtime_env=spec.runtime_env,
                                submission_id=f"wildtrain-{spec.config.run.name}-{uuid.uuid4().hex[:8]}")
-    submitted = Submitted(job_id, spec.config.run.name, cluster.entry.jobs_api,
+    name = spec.config.run.name if command[0] == "train" else command[1]
+    submitted = Submitted(job_id, name, cluster.entry.jobs_api,
                           f"{spec.config.tracking.uri} experiment {spec.config.tracking.experiment!r}, "
-                          f"run {spec.config.run.name!r}")
+                          f"{'run' if command[0] == 'train' else command[0]} {name!r}")
     if follow is not None:
         follow_job(cluster, client, job_id, follow)
     return submitted
