@@ -152,3 +152,24 @@ def test_the_big_runs_choices_replace_the_trials_own():
 
     assert overridden("model.dim", ["model=7b"]) and overridden("model.dim", ["model.dim=4096"])
     assert not overridden("model.dim", ["model.dims=1", "optim.lr=1"])
+
+
+def test_a_trial_that_cannot_start_ends_the_sweep_and_its_parent_run_failed(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from wildtrain import driver
+    from wildtrain.data.dataset import DataError
+    from wildtrain.sweeps.execute import run_sweep
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    plan = plan_sweep("broken", ["optim.lr=1e-3,3e-3"], ["experiment=tiny", f"tracking.uri={uri}"], steps=2)
+
+    def unreadable_data(cfg, tags=None):  # what driver.run raises for a dataset it cannot open
+        raise DataError(f"data.datasets[0]: {cfg.data.datasets[0].uri} does not exist")
+
+    monkeypatch.setattr(driver, "run", unreadable_data)
+    with pytest.raises(DataError):
+        run_sweep(plan, say=lambda line: None)
+    client = MlflowClient(uri)
+    [parent] = client.search_runs([client.get_experiment_by_name(plan.trials[0].cfg.tracking.experiment).experiment_id])
+    assert parent.info.status == "FAILED"

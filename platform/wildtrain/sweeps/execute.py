@@ -11,6 +11,7 @@ stopped early) is skipped; an unfinished one resumes from its newest checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import Callable
@@ -58,14 +59,21 @@ def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print) -> SweepOutco
         return SweepOutcome(parent, (), skipped, ())
     client.update_run(parent, status="RUNNING")
     ran, failed = [], []
-    for i, trial in enumerate(todo, start=1):
-        say(f"sweep {plan.name}: trial {i}/{len(todo)} {trial.run_name} ({trial.label()})")
-        try:
-            driver.run(trial.cfg, tags=_trial_tags(parent, plan.name, trial))
-            ran.append(trial.run_name)
-        except driver.RunFailed as e:  # the next trial may still run; the sweep ends failed
-            failed.append(f"{trial.run_name}: {str(e).splitlines()[0]}")
-            say(f"sweep {plan.name}: trial {trial.run_name} failed; going on with the next")
+    try:
+        for i, trial in enumerate(todo, start=1):
+            say(f"sweep {plan.name}: trial {i}/{len(todo)} {trial.run_name} ({trial.label()})")
+            try:
+                driver.run(trial.cfg, tags=_trial_tags(parent, plan.name, trial))
+                ran.append(trial.run_name)
+            except driver.RunFailed as e:  # the next trial may still run; the sweep ends failed
+                failed.append(f"{trial.run_name}: {str(e).splitlines()[0]}")
+                say(f"sweep {plan.name}: trial {trial.run_name} failed; going on with the next")
+    except BaseException as e:
+        # A trial that could not start (its data, MLflow, the cluster's capacity) ends the
+        # sweep: the parent must not read RUNNING in the MLflow UI for ever after.
+        with contextlib.suppress(Exception):  # MLflow itself may be what failed
+            client.set_terminated(parent, status="KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        raise
     client.set_terminated(parent, status="FAILED" if failed else "FINISHED")
     return SweepOutcome(parent, tuple(ran), skipped, tuple(failed))
 
