@@ -173,3 +173,15 @@ def test_a_trial_that_cannot_start_ends_the_sweep_and_its_parent_run_failed(tmp_
     client = MlflowClient(uri)
     [parent] = client.search_runs([client.get_experiment_by_name(plan.trials[0].cfg.tracking.experiment).experiment_id])
     assert parent.info.status == "FAILED"
+
+
+def test_the_early_stop_rules_best_loss_survives_a_restart_through_the_checkpoint():
+    from wildtrain.train.state import TrainState
+
+    state = TrainState(step=12, tokens_seen=96, world_size=2)
+    state.best_loss = judge_loss(2.5, state.best_loss, 3.0).best
+    restored = TrainState.from_json(state.to_json())
+    assert restored.best_loss == 2.5
+    assert judge_loss(9.0, restored.best_loss, 3.0).reason == "loss 9 is above 3 x the best 2.5"
+    # A checkpoint written before the rule kept its best: the restart starts afresh.
+    assert TrainState.from_json('{"step": 12, "tokens_seen": 96, "world_size": 2}').best_loss == math.inf

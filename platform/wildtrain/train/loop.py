@@ -10,7 +10,6 @@ re-enters here at its new size.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -119,9 +118,6 @@ class Attempt:
         # The data position is the step: the stream starts where the restored model stopped.
         stream = RankStream(inputs.data.datasets, cfg, rank, world_size, from_step=self.state.step)
         self.samples = SampleRecorder(cfg, rank) if cfg.data.record_samples else None
-        # The early-stop rule's best loss: since this attempt's start, so a restart forgets
-        # the best before it and judges only the losses it sees.
-        self.best_loss = math.inf
         self.diverged = False
 
         self.tokens_per_step = self.plan.global_batch_size * cfg.data.seq_len
@@ -192,8 +188,8 @@ class Attempt:
         decides alike): the event that ends the run, if it diverged."""
         if not self.cfg.early_stop.enabled:
             return []
-        verdict = judge_loss(loss, self.best_loss, self.cfg.early_stop.loss_factor)
-        self.best_loss = verdict.best
+        verdict = judge_loss(loss, self.state.best_loss, self.cfg.early_stop.loss_factor)
+        self.state.best_loss = verdict.best
         if verdict.reason is None:
             return []
         self.diverged = True

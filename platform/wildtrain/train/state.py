@@ -6,6 +6,7 @@ The data position is not stored: it is a pure function of the step (see data/ord
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 
 
@@ -15,6 +16,9 @@ class TrainState:
     tokens_seen: int = 0
     # The data-parallel size the checkpoint was saved at; restoring at another size reshards.
     world_size: int = 0
+    # The early-stop rule's lowest loss so far (train/divergence.py): kept, so a restart
+    # judges its losses against the run's best, not only its own.
+    best_loss: float = math.inf
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
