@@ -30,7 +30,9 @@ def dataset(tmp_path_factory) -> Dataset:
     for shard, groups in enumerate(ROW_GROUPS):
         rows = sum(groups)
         tokens = np.repeat(shard * 1000 + np.arange(rows, dtype=np.int32)[:, None], SEQ_LEN + 1, axis=1)
-        table = pa.table({"tokens": pa.array(list(tokens), type=pa.list_(pa.int32()))})
+        documents = np.zeros_like(tokens)  # one document per row, as `prepare` writes short ones
+        table = pa.table({"tokens": pa.array(list(tokens), type=pa.list_(pa.int32())),
+                          "doc_ids": pa.array(list(documents), type=pa.list_(pa.int32()))})
         path = f"shard-{shard:05d}.parquet"
         with pq.ParquetWriter(root / path, table.schema) as writer:
             start = 0
