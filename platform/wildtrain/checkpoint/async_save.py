@@ -16,17 +16,21 @@ commits the manifest (see `store.py`) and applies retention. The staging folder 
 afterwards. A writer thread of the saver hands each save to the child and relays what the
 child asks (whether a step's report was collected) and tells (what it is doing, its deadline).
 
-Why a process: in a thread, the background half held the GIL (torch.save's pickling, the
-Python loops of hashing and copying) and shared the cores. Measured with
-bench/save_interference.py (11M parameters + AdamW, 0.13 GB per save, one training thread,
-this 2-core CPU machine shared with other jobs): steps ran 2.84x slower while a save ran in a
-thread, whose save took 2.24 s; 0.94x in a child at the same priority, the default (0.60 s
-per save: no GIL handed back and forth); 1.01x in a child at niceness 10, whose save then
-took 9.8 s, as it ran only on what training and the neighbours left. A save that long means
-saves skipped while it runs (at most one is in flight), so the child keeps training's
-priority unless `nice` says otherwise. How much of "during vs
-without" is the save and how much the neighbours' load shows in the spread of single saves
-(0.9-1.3x); on a GPU node, whose host cores mostly idle, it should cost less still.
+Why a process: in a thread, the background half takes the GIL (torch.save's pickling, the
+Python loops of hashing and copying) in turns with training, and once the cores are
+oversubscribed each hand-back waits for the scheduler. Measured with
+bench/save_interference.py on this 2-core CPU machine, one training thread, ratio = step
+time during a save / without (goal: at most 1.10):
+- shared with other jobs (load average 15-30; 11M parameters + AdamW, 0.13 GB per save):
+  thread 2.84x (2.24 s per save), child process 0.94x (0.60 s), child at niceness 10 1.01x
+  (9.8 s);
+- quiet (load average under 2): 0.13 GB per save, thread 0.96x, process 0.97x, niceness 10
+  1.01x; 60M parameters (`--dim 768 --layers 8`, about 0.7 GB per save), thread 1.07x,
+  process 1.10x, niceness 10 1.03x.
+So with a core to spare the mode matters little; under contention the thread is what
+slows training. The child keeps training's priority unless `nice` says otherwise: a
+niced save can take many times longer on a busy machine, and while it is in flight later
+saves are skipped. On a GPU node, whose host cores mostly idle, it should cost less still.
 What the process costs: the host buffers are in shared memory (on CUDA, also page-locked
 in place with cudaHostRegister, as torch.distributed.checkpoint's staging does), reused
 across saves, so the child reads them where the capture put them; one child per saver,
