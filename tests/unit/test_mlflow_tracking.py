@@ -78,3 +78,19 @@ def test_what_a_tracker_could_not_send_the_runs_next_tracker_sends_first(store, 
     assert [type(e) for e in events] == [Resize, TrackingOutage]
     assert events[1].resolved is False and events[1].seconds >= 0
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_run_reopened_on_another_cluster_is_tagged_with_every_cluster_it_trained_on(tmp_path):
+    from wildtrain.config import load_config
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(uri).create_experiment("moves", artifact_location=str(tmp_path / "artifacts"))
+
+    def on(cluster):
+        return load_config(["experiment=tiny", f"tracking.uri={uri}", "tracking.experiment=moves", f"cluster.name={cluster}"])
+
+    _, run_id = mlflow_run.open_run(on("a"), None)
+    for cluster in ("b", "b", "a"):  # moved to b, resubmitted there, moved back
+        mlflow_run.open_run(on(cluster), run_id)
+    tags = MlflowClient(uri).get_run(run_id).data.tags
+    assert (tags[mlflow_run.CLUSTER_TAG], tags[mlflow_run.CLUSTERS_TAG]) == ("a", ",a,b,")

@@ -19,11 +19,12 @@ from wildtrain.tracking.report import (
     fetch_cluster,
     fetch_run,
     goodput_events,
+    parts_on,
     plot_run,
     report_run,
     summarize,
 )
-from wildtrain.events import Event, HealthCheck
+from wildtrain.events import Event, HealthCheck, Moved
 from wildtrain.tracking.timeline import Timeline
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -58,7 +59,8 @@ def record() -> RunRecord:
         CHECKPOINT_BYTES: (Sample(1025.0, 8, 1.5e9), Sample(1055.0, 10, 1.5e9)),
         CHECKPOINT_SAVE_S: (Sample(1025.0, 8, 4.0), Sample(1055.0, 10, 6.0)),
     }
-    return RunRecord("r1", "demo", started_at=1000.0, ended_at=1060.0, history=history, events=tuple(recorded_events()))
+    return RunRecord("r1", "demo", started_at=1000.0, ended_at=1060.0, history=history, events=tuple(recorded_events()),
+                     cluster="lambda-h100")
 
 
 def test_goodput_events_from_the_timeline_and_the_reports():
@@ -88,6 +90,27 @@ def test_a_run_summary():
     assert stats.node_s == 2 * 25.0 + 1 * 10.0
     assert (stats.checkpoint_bytes, stats.checkpoint_save_s) == (3e9, 10.0)
     assert stats.health_passed == 1 and stats.health_failed == ("b: nccl-allreduce (12 GB/s)",)
+
+
+def test_a_moved_run_counts_on_each_cluster_for_the_part_it_trained_there():
+    # Moved to cluster b at 1050, during the recovery from the failure at 1035.
+    run = record()
+    run = RunRecord(run.run_id, run.name, run.started_at, run.ended_at, run.history,
+                    run.events + (Moved(1050.0, "lambda-h100", "b", 8, 10 << 20),), cluster="b")
+    (before,), (after,) = parts_on(run, "lambda-h100"), parts_on(run, "b")
+    assert parts_on(run, "elsewhere") == []
+    assert (before.name, before.started_at, before.ended_at) == ("demo (part 1 of 2)", 1000.0, 1050.0)
+    assert (after.name, after.started_at, after.ended_at) == ("demo (part 2 of 2)", 1050.0, 1060.0)
+    # Every report and event in exactly one part.
+    for key, samples in run.history.items():
+        assert before.history[key] + after.history[key] == samples, key
+    assert sorted(map(repr, before.events + after.events)) == sorted(map(repr, run.events))
+    a, b = summarize(before, before.ended_at), summarize(after, after.ended_at)
+    assert a.goodput.wall_s + b.goodput.wall_s == 60.0
+    assert (a.failures, b.failures) == (1, 0)
+    assert [s.step for s in after.history["step_time_s"]] == [9, 10], "the steps b trained"
+    # A run that never moved is on its own cluster's card whole.
+    assert parts_on(record(), "lambda-h100") == [record()] and parts_on(record(), "b") == []
 
 
 def test_plot_is_a_png(tmp_path):
@@ -145,7 +168,7 @@ def mlflow_uri(tmp_path):
     return f"sqlite:///{tmp_path}/mlflow.db"
 
 
-def log_record(uri, tmp_path, r: RunRecord, cluster: str) -> str:
+def log_record(uri, tmp_path, r: RunRecord, cluster: str, visited: str = "") -> str:
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
@@ -153,7 +176,8 @@ def log_record(uri, tmp_path, r: RunRecord, cluster: str) -> str:
     experiment = client.get_experiment_by_name("e")
     experiment_id = experiment.experiment_id if experiment else client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
     run_id = client.create_run(experiment_id, start_time=int(r.started_at * 1000), run_name=r.name,
-                               tags={"wildtrain.cluster": cluster}).info.run_id
+                               tags={"wildtrain.cluster": cluster,
+                                     "wildtrain.clusters": visited or f",{cluster},"}).info.run_id
     client.log_batch(run_id, metrics=[Metric(key, s.value, int(s.at * 1000), s.step) for key, samples in r.history.items() for s in samples])
     for i, event in enumerate(r.events):
         client.log_text(run_id, json.dumps(event.to_dict()), f"events/{i:03d}-{event.KIND}.json")
@@ -172,6 +196,10 @@ def test_fetch_and_report_through_mlflow(mlflow_uri, tmp_path):
     assert {key: samples for key, samples in fetched.history.items() if samples} == r.history
     assert [x.run_id for x in fetch_cluster(mlflow_uri, "lambda-h100")] == [run_id]
     assert [x.run_id for x in fetch_cluster(mlflow_uri, "local")] == [other]
+    moved = log_record(mlflow_uri, tmp_path, r, "b", visited=",lambda-h100,b,")
+    assert [x.run_id for x in fetch_cluster(mlflow_uri, "lambda-h100")] == [run_id, moved]
+    assert [x.cluster for x in fetch_cluster(mlflow_uri, "b")] == ["b"]
+    assert fetch_cluster(mlflow_uri, "lambda") == [], "a cluster named like a part of another's name"
 
     result = report_run(mlflow_uri, run_id)
     assert result == account(goodput_events(r), 1060.0)

@@ -29,7 +29,10 @@ from wildtrain.tracking.timeline import Timeline
 from wildtrain.layout import rank_of_hang_dump
 
 EVENTS_DIR = "events"
-CLUSTER_TAG = "wildtrain.cluster"
+CLUSTER_TAG = "wildtrain.cluster"  # where the run trains now
+# Every cluster it trained on, as ",a,b,": a moved run is on each one's report card, and
+# MLflow's search finds it with LIKE.
+CLUSTERS_TAG = "wildtrain.clusters"
 # Set, with the reason, on a run the early-stop rule ended (`early_stop.*`).
 STOPPED_EARLY_TAG = "wildtrain.stopped_early"
 # What the controller logs of rank 0's reports, besides every `checkpoint/*` (per save);
@@ -95,12 +98,17 @@ def open_run(cfg: Config, run_id: Optional[str], tags: Optional[dict[str, str]] 
     if run_id is not None:
         run = client.get_run(run_id)
         client.update_run(run_id, status="RUNNING")
+        visited = run.data.tags.get(CLUSTERS_TAG, ",")
+        if f",{cfg.cluster.name}," not in visited:  # resumed on another cluster: moved
+            client.set_tag(run_id, CLUSTERS_TAG, f"{visited}{cfg.cluster.name},")
+        client.set_tag(run_id, CLUSTER_TAG, cfg.cluster.name)
         return run.info.experiment_id, run_id
 
     experiment = client.get_experiment_by_name(cfg.tracking.experiment)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(cfg.tracking.experiment)
     run = client.create_run(experiment_id, run_name=cfg.run.name,
-                            tags={CLUSTER_TAG: cfg.cluster.name, **cfg.run.tags, **(tags or {})})
+                            tags={CLUSTER_TAG: cfg.cluster.name, CLUSTERS_TAG: f",{cfg.cluster.name},",
+                                  **cfg.run.tags, **(tags or {})})
     # Everyone who can read the experiment sees params: no user:password from a URI in them.
     params = [Param(key, redact(str(value))[:6000]) for key, value in flatten(cfg).items()]
     for i in range(0, len(params), _PARAMS_PER_BATCH):

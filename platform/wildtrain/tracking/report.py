@@ -1,6 +1,7 @@
 """Where a run's compute went, from what MLflow recorded: a plot of one run (loss, MFU and
 goodput over time, failures and resizes marked), its goodput logged back to it, and a
-report card per cluster over the runs recorded for that cluster.
+report card per cluster over the runs recorded for that cluster. A run moved between
+clusters (`wildtrain move`) counts on each card for the part it trained there.
 
 The analysis is pure, over a `RunRecord` (the run's metric histories and elastic events);
 only `fetch_run`, `fetch_cluster`, `report_run` and `report_cluster` talk to MLflow.
@@ -20,7 +21,7 @@ from typing import Mapping, Optional, Sequence
 from wildtrain import events as run_events
 from wildtrain.tracking import goodput
 from wildtrain.tracking.goodput import AttemptStarted, Interrupted, RunStarted, RunStopped, Steps, Waiting
-from wildtrain.tracking.mlflow_run import CLUSTER_TAG, read_events
+from wildtrain.tracking.mlflow_run import CLUSTER_TAG, CLUSTERS_TAG, read_events
 
 PLOT_ARTIFACT_DIR = "report"
 
@@ -55,6 +56,33 @@ class RunRecord:
     ended_at: Optional[float]  # None while the run is running
     history: History
     events: tuple[run_events.Event, ...]  # as `mlflow_run.read_events` returns them
+    cluster: str  # where it trains now (or last did): its `wildtrain.cluster` tag
+
+
+def parts_on(record: RunRecord, cluster: str) -> list[RunRecord]:
+    """The parts of the run that trained on `cluster`, each a record of its own: the run
+    starts on the first move's source (or where it is now, if it never moved) and each
+    `moved` event ends one stay and starts the next. A stay's part holds the reports and
+    events logged during it; the copy of a move counts on the cluster left, as time stopped.
+    Named "<run> (part i of n)" when the run moved at all."""
+    moves = [e for e in record.events if isinstance(e, run_events.Moved)]
+    if not moves:
+        return [record] if record.cluster == cluster else []
+    where = [moves[0].from_cluster] + [m.to_cluster for m in moves]
+    starts = [record.started_at] + [m.at for m in moves]
+    parts = []
+    for i, (stay, start) in enumerate(zip(where, starts)):
+        if stay != cluster:
+            continue
+        # The last stay keeps everything from its start on, the run's final events included.
+        until = starts[i + 1] if i + 1 < len(starts) else math.inf
+        parts.append(RunRecord(
+            run_id=record.run_id, name=f"{record.name} (part {i + 1} of {len(where)})", started_at=start,
+            ended_at=record.ended_at if until == math.inf else until,
+            history={key: tuple(s for s in samples if start <= s.at < until) for key, samples in record.history.items()},
+            events=tuple(e for e in record.events if start <= e.at < until), cluster=stay,
+        ))
+    return parts
 
 
 @dataclass(frozen=True)
@@ -257,16 +285,18 @@ def fetch_run(uri: str, run_id: str) -> RunRecord:
 
 
 def fetch_cluster(uri: str, cluster: str) -> list[RunRecord]:
-    """Every run in every experiment tagged with the cluster's name, oldest first."""
+    """Every run in every experiment that trained on the cluster (all of it, or a part
+    before or after a move), oldest first."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
     experiment_ids = [e.experiment_id for e in client.search_experiments()]
     runs, token = [], None
     while True:
-        page = client.search_runs(experiment_ids, f"tags.`{CLUSTER_TAG}` = '{cluster}'",
+        # LIKE's `_` matches any character: the exact test is on the tag's items.
+        page = client.search_runs(experiment_ids, f"tags.`{CLUSTERS_TAG}` LIKE '%,{cluster},%'",
                                   order_by=["attributes.start_time ASC"], page_token=token)
-        runs += [_record(uri, client, run) for run in page]
+        runs += [_record(uri, client, run) for run in page if cluster in run.data.tags[CLUSTERS_TAG].split(",")]
         token = page.token
         if not token:
             return runs
@@ -282,7 +312,8 @@ def _record(uri: str, client, run) -> RunRecord:
     with tempfile.TemporaryDirectory(prefix="wildtrain-report-") as folder:
         events = tuple(read_events(uri, run_id, folder))
     ended = run.info.end_time / 1000 if run.info.status != "RUNNING" and run.info.end_time else None
-    return RunRecord(run_id, run.info.run_name, run.info.start_time / 1000, ended, history, events)
+    return RunRecord(run_id, run.info.run_name, run.info.start_time / 1000, ended, history, events,
+                     run.data.tags.get(CLUSTER_TAG, ""))
 
 
 def find_run(uri: str, name_or_id: str) -> str:
@@ -337,5 +368,6 @@ def report_run(uri: str, run_id: str) -> goodput.Goodput:
 def report_cluster(uri: str, cluster: str) -> str:
     """The cluster's report card as text."""
     now = time.time()
-    runs = [summarize(r, r.ended_at if r.ended_at is not None else now) for r in fetch_cluster(uri, cluster)]
+    runs = [summarize(part, part.ended_at if part.ended_at is not None else now)
+            for record in fetch_cluster(uri, cluster) for part in parts_on(record, cluster)]
     return card_text(cluster, runs)
