@@ -128,7 +128,9 @@ def sweep(name: str, grid: tuple[str, ...], steps: int | None, budget_tokens: in
         return
     if target is not None:
         sizes = [f"--steps={steps}"] if steps else [f"--budget-tokens={budget_tokens}"] if budget_tokens else []
-        _submit(target, overrides, False, command=("sweep", name, *(f"--grid={g}" for g in grid), *sizes))
+        from wildtrain.clusters.submit import Command
+
+        _submit(target, overrides, False, command=Command.of_sweep(name, *(f"--grid={g}" for g in grid), *sizes))
         return
     services.use_local_object_store()
     services.prepare_ray_client(plan.trials[0].cfg.cluster.ray_address)
@@ -302,14 +304,13 @@ def submit(name: str, follow: bool, registry: Path | None, overrides: tuple[str,
     _submit(_cluster(name, registry), overrides, follow)
 
 
-def _submit(cluster: registry.Cluster, overrides: tuple[str, ...], follow: bool,
-            command: tuple[str, ...] = ("train",)) -> None:
+def _submit(cluster: registry.Cluster, overrides: tuple[str, ...], follow: bool, command=None) -> None:
     from wildtrain.clusters.jobs_api import ClusterError
-    from wildtrain.clusters.submit import submit as send
+    from wildtrain.clusters.submit import TRAIN, submit as send
 
     try:
         submitted = send(cluster, list(overrides), follow=(lambda text: click.echo(text, nl=False)) if follow else None,
-                         command=command)
+                         command=command or TRAIN)
     except ConfigError as e:
         _fail(str(e), 2)
     except ClusterError as e:

@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import REPO
 from wildtrain.clusters import jobs_api, registry
-from wildtrain.clusters.submit import job_spec
+from wildtrain.clusters.submit import Command, job_spec
 from wildtrain.config import ConfigError
 
 
@@ -29,7 +29,7 @@ def test_entrypoint_trains_with_the_clusters_settings_then_the_users_and_an_expl
 
 def test_a_sweep_is_sent_as_its_own_command_with_the_clusters_settings_and_no_run_name(clusters):
     spec = job_spec(clusters.get("coreweave"), ["experiment=tiny"], working_dir=REPO,
-                    command=("sweep", "abl", "--grid=optim.lr=1e-3,3e-3", "--steps=5"))
+                    command=Command.of_sweep("abl", "--grid=optim.lr=1e-3,3e-3", "--steps=5"))
     args = shlex.split(spec.entrypoint)
     assert args[:8] == ["python", "-m", "wildtrain", "sweep", "abl", "--grid=optim.lr=1e-3,3e-3", "--steps=5",
                         "cluster=gpu"]

@@ -10,11 +10,35 @@ import shlex
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 from wildtrain.clusters import jobs_api
 from wildtrain.clusters.registry import Cluster
 from wildtrain.config import Config, default_conf_dir, load_config
+
+
+@dataclass(frozen=True)
+class Command:
+    """What a job runs before the config overrides: `wildtrain train`, whose run is named
+    explicitly so that a resubmission (or a move) continues it, or `wildtrain sweep NAME
+    ...`, whose trials name their runs themselves."""
+
+    args: tuple[str, ...] = ("train",)
+    sweep: Optional[str] = None
+
+    @classmethod
+    def of_sweep(cls, name: str, *options: str) -> "Command":
+        return cls(("sweep", name, *options), sweep=name)
+
+    def named(self, cfg: Config) -> list[str]:
+        """The overrides that name what the job runs."""
+        return [] if self.sweep else [f"run.name={cfg.run.name}"]
+
+    def what(self, cfg: Config) -> str:
+        return f"sweep {self.sweep!r}" if self.sweep else f"run {cfg.run.name!r}"
+
+
+TRAIN = Command()
 
 
 @dataclass(frozen=True)
@@ -27,21 +51,17 @@ class JobSpec:
 @dataclass(frozen=True)
 class Submitted:
     job_id: str
-    run_name: str
     dashboard: str
     tracking: str
 
 
 def job_spec(cluster: Cluster, overrides: list[str], working_dir: Optional[Path] = None,
-             command: Sequence[str] = ("train",)) -> JobSpec:
+             command: Command = TRAIN) -> JobSpec:
     """What is sent: the config is loaded here first, so a bad override fails in a second,
-    with the key named, instead of in a job on the cluster. `command`: the wildtrain command
-    and its arguments, before the overrides (a sweep: `("sweep", NAME, "--grid=...")`)."""
+    with the key named, instead of in a job on the cluster."""
     run_overrides = cluster.run_overrides() + list(overrides)
     cfg = load_config(run_overrides)
-    if command[0] == "train":  # a sweep names its trials itself
-        run_overrides.append(f"run.name={cfg.run.name}")
-    entrypoint = shlex.join(["python", "-m", "wildtrain", *command, *run_overrides])
+    entrypoint = shlex.join(["python", "-m", "wildtrain", *command.args, *run_overrides, *command.named(cfg)])
     hotfix = dict(cluster.entry.hotfix.runtime_env)
     runtime_env = {
         **hotfix,
@@ -52,17 +72,15 @@ def job_spec(cluster: Cluster, overrides: list[str], working_dir: Optional[Path]
 
 
 def submit(cluster: Cluster, overrides: list[str], working_dir: Optional[Path] = None,
-           follow: Optional[Callable[[str], None]] = None, command: Sequence[str] = ("train",)) -> Submitted:
+           follow: Optional[Callable[[str], None]] = None, command: Command = TRAIN) -> Submitted:
     """Send the run (or the sweep, see `job_spec`); with `follow`, pass it the job's log
     lines until the job ends and fail if the job did not succeed."""
     spec = job_spec(cluster, overrides, working_dir, command)
     client = jobs_api.client(cluster)
     job_id = client.submit_job(entrypoint=spec.entrypoint, runtime_env=spec.runtime_env,
                                submission_id=f"wildtrain-{spec.config.run.name}-{uuid.uuid4().hex[:8]}")
-    name = spec.config.run.name if command[0] == "train" else command[1]
-    submitted = Submitted(job_id, name, cluster.entry.jobs_api,
-                          f"{spec.config.tracking.uri} experiment {spec.config.tracking.experiment!r}, "
-                          f"{'run' if command[0] == 'train' else command[0]} {name!r}")
+    submitted = Submitted(job_id, cluster.entry.jobs_api, f"{spec.config.tracking.uri} experiment "
+                                                         f"{spec.config.tracking.experiment!r}, {command.what(spec.config)}")
     if follow is not None:
         follow_job(cluster, client, job_id, follow)
     return submitted
