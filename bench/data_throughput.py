@@ -38,7 +38,7 @@ from wildtrain.config import load_config  # noqa: E402
 from wildtrain.data.dataset import open_datasets  # noqa: E402
 from wildtrain.data.manifest import Manifest, encode_shard, write_manifest  # noqa: E402
 from wildtrain.data.prepare import PrepareConfig, prepare  # noqa: E402
-from wildtrain.data.stream import COLUMNS, TOKENS, RankStream  # noqa: E402
+from wildtrain.data.stream import TOKENS, RankStream, columns  # noqa: E402
 from wildtrain.data.tokenizer import ByteTokenizer  # noqa: E402
 
 SEQ_LEN = 1024
@@ -81,17 +81,18 @@ class Pass:
 
 def plain_pyarrow(root: str, shard_paths: tuple[str, ...]) -> Pass:
     """Every row group of every shard, decoded to the (rows, seq_len+1) int32 arrays
-    RankStream's read tasks decode (tokens and doc_ids), in one loop in this process."""
+    RankStream's read tasks decode for a plain causal run (the tokens), in one loop in this process."""
+    read = columns(doc_ids=False)
     started, tokens, first = time.perf_counter(), 0, None
     for path in shard_paths:
         fs, file_path = storage.filesystem(storage.join(root, path))
         with fs.open_input_file(file_path) as f:
             parquet = pq.ParquetFile(f)
             for group in range(parquet.num_row_groups):
-                table = parquet.read_row_group(group, columns=list(COLUMNS))
+                table = parquet.read_row_group(group, columns=list(read))
                 arrays = [table.column(c).combine_chunks().flatten().to_numpy().reshape(len(table), SEQ_LEN + 1)
-                          for c in COLUMNS]
-                tokens += arrays[COLUMNS.index(TOKENS)].size
+                          for c in read]
+                tokens += arrays[read.index(TOKENS)].size
                 first = first or (tokens, time.perf_counter() - started)
     return Pass(tokens, time.perf_counter() - started, *first)
 
@@ -99,7 +100,7 @@ def plain_pyarrow(root: str, shard_paths: tuple[str, ...]) -> Pass:
 def ray_data_epoch(datasets, cfg) -> Pass:
     """One rank (of one) streaming the whole epoch through RankStream."""
     started = time.perf_counter()
-    stream = RankStream(datasets.datasets, cfg, rank=0, world_size=1, from_step=0)
+    stream = RankStream(datasets.datasets, cfg, rank=0, world_size=1, from_step=0, doc_ids=False)
     tokens = stream.next_step().tokens.size
     first = (tokens, time.perf_counter() - started)
     for _ in range(datasets.steps_per_epoch - 1):
@@ -109,7 +110,7 @@ def ray_data_epoch(datasets, cfg) -> Pass:
 
 def first_batch(datasets, cfg, from_step: int) -> float:
     started = time.perf_counter()
-    RankStream(datasets.datasets, cfg, rank=0, world_size=1, from_step=from_step).next_step()
+    RankStream(datasets.datasets, cfg, rank=0, world_size=1, from_step=from_step, doc_ids=False).next_step()
     return time.perf_counter() - started
 
 

@@ -72,10 +72,16 @@ def test_every_rank_reads_the_rows_the_order_names(ray_cluster, dataset, monkeyp
     monkeypatch.setattr(stream, "READ_TASK_BYTES", task_bytes)
     steps = 7  # across the end of the first epoch (5 steps)
     for rank in range(world_size):
-        reader = RankStream([dataset], _config(), rank, world_size, from_step)
+        # doc_ids read only where asked for: a plain causal run reads half the bytes.
+        with_doc_ids = world_size == 2
+        reader = RankStream([dataset], _config(), rank, world_size, from_step, doc_ids=with_doc_ids)
         for step in range(from_step, from_step + steps):
             rows = reader.next_step()
             assert rows.tokens.shape == (GLOBAL_BATCH // world_size, SEQ_LEN + 1)
+            if with_doc_ids:
+                assert rows.doc_ids.shape == rows.tokens.shape
+            else:
+                assert rows.doc_ids is None
             assert (rows.tokens == rows.tokens[:, :1]).all()
             expected = _expected(step, rank, world_size)
             np.testing.assert_array_equal(rows.tokens[:, 0], expected, err_msg=f"step {step} rank {rank}")
@@ -93,7 +99,7 @@ def test_a_shard_that_goes_bad_mid_run_is_one_error_naming_it(ray_cluster, datas
     shutil.copytree(dataset.root, copy)
     broken = Dataset(str(copy), dataset.shard_paths, dataset.source)
     (copy / dataset.shard_paths[1]).write_bytes(b"not parquet any more")  # rewritten under the run
-    reader = RankStream([broken], _config(), 0, 1, 0)
+    reader = RankStream([broken], _config(), 0, 1, 0, doc_ids=True)
     with pytest.raises(ShardCorrupt, match=rf"^shard {copy}/shard-00001.parquet: row group \d unreadable"):
         for _ in range(5):  # one epoch reads every shard
             reader.next_step()

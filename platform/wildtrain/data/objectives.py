@@ -99,9 +99,10 @@ class Objective:
         """Causal over whole rows: the model needs the tokens alone, as rows of seq_len + 1."""
         return self.kind == "causal" and not self.per_document_positions
 
-    def rows(self, step: int, sample_ids: np.ndarray, tokens: np.ndarray, doc_ids: np.ndarray) -> np.ndarray:
+    def rows(self, step: int, sample_ids: np.ndarray, tokens: np.ndarray, doc_ids: Optional[np.ndarray]) -> np.ndarray:
         """The model's input for one step's rows ((rows, seq_len + 1) tokens and doc_ids):
-        the tokens themselves when `plain`, else (rows, len(FIELDS), seq_len) int32."""
+        the tokens themselves when `plain` (no doc_ids needed), else (rows, len(FIELDS),
+        seq_len) int32."""
         if self.plain:
             return tokens
         return np.stack([self.row(step, int(i), t, d) for i, t, d in zip(sample_ids, tokens, doc_ids)])

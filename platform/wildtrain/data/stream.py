@@ -24,7 +24,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -34,9 +34,14 @@ from wildtrain.data.manifest import DataError, ShardCorrupt
 from wildtrain.data.order import Segment, Source, Unit, plan_epoch, rank_segments, rank_streams, row_order, split_step
 
 STREAM, STEP, TOKENS, DOC_IDS, SAMPLE_IDS = "stream", "step", "tokens", "doc_ids", "sample_ids"
-# What a read task reads of each row: the tokens, and the document of each (for
-# document-based masks and the objectives that build one example per document).
-COLUMNS = (TOKENS, DOC_IDS)
+
+
+def columns(doc_ids: bool) -> tuple[str, ...]:
+    """What a read task reads of each row: the tokens, and the document of each only for
+    document-based masks and the objectives that build one example per document (reading
+    them doubles the bytes of a plain causal run)."""
+    return (TOKENS, DOC_IDS) if doc_ids else (TOKENS,)
+
 # Tokens one read task reads, in bytes. Opening a shard (a HEAD and a footer read) and
 # starting a Ray task each cost about as much as reading a 1 MiB row group here: one task per
 # row group ran at 0.3x a plain pyarrow loop (bench/data_throughput.py).
@@ -62,11 +67,11 @@ def sample_ids(source, shard, rows_in_shard) -> np.ndarray:
 
 
 def read_units(datasets: list[Dataset], units: list[list[Segment]], seed: int, epoch: int, seq_len: int,
-               config: StorageConfig):
+               read: tuple[str, ...], config: StorageConfig):
     """One block of a read task's units, each a list of the segments read from it: per row,
-    its stream, the step (in the epoch) that trains on it, its sample id, and its tokens and
-    doc_ids as (seq_len+1) int32s each. Each row group is read once, even where two of the rank's streams
-    meet in it."""
+    its stream, the step (in the epoch) that trains on it, its sample id, and its `read`
+    columns (see `columns`) as (seq_len+1) int32s each. Each row group is read once, even
+    where two of the rank's streams meet in it."""
     import pyarrow as pa
     from ray.data.extensions import ArrowTensorArray
 
@@ -76,18 +81,19 @@ def read_units(datasets: list[Dataset], units: list[list[Segment]], seed: int, e
         by_shard.setdefault((unit.source, unit.shard), {})[unit.row_group] = unit
     groups = {}
     with ThreadPoolExecutor(READ_THREADS) as pool:
-        for read in pool.map(partial(_read_row_groups, datasets, seq_len, config), [list(g.values()) for g in by_shard.values()]):
-            groups.update(read)
+        for done in pool.map(partial(_read_row_groups, datasets, seq_len, read, config),
+                             [list(g.values()) for g in by_shard.values()]):
+            groups.update(done)
     # Each row group's rows go, permuted, straight into the block: one copy of the tokens.
     rows_in_block = sum(s.stop - s.start for segments in units for s in segments)
-    arrays = {name: np.empty((rows_in_block, seq_len + 1), np.int32) for name in COLUMNS}
+    arrays = {name: np.empty((rows_in_block, seq_len + 1), np.int32) for name in read}
     columns: list[tuple[np.ndarray, ...]] = []
     at = 0
     for segments in units:
         unit = segments[0].unit
         order = row_order(unit, seed, epoch)
         rows = np.concatenate([order[s.start : s.stop] for s in segments])
-        for name, group in zip(COLUMNS, groups[unit.source, unit.shard, unit.row_group]):
+        for name, group in zip(read, groups[unit.source, unit.shard, unit.row_group]):
             np.take(group, rows, axis=0, out=arrays[name][at : at + len(rows)])
         at += len(rows)
         first_row = sum(datasets[unit.source].source.row_groups[unit.shard][: unit.row_group])
@@ -101,8 +107,9 @@ def read_units(datasets: list[Dataset], units: list[list[Segment]], seed: int, e
                     **{name: ArrowTensorArray.from_numpy(array) for name, array in arrays.items()}})
 
 
-def _read_row_groups(datasets: list[Dataset], seq_len: int, config: StorageConfig, units: list[Unit]) -> dict:
-    """{(source, shard, row group): its `COLUMNS` as (rows, seq_len+1) int32 each} for units
+def _read_row_groups(datasets: list[Dataset], seq_len: int, read: tuple[str, ...], config: StorageConfig,
+                     units: list[Unit]) -> dict:
+    """{(source, shard, row group): its `read` columns as (rows, seq_len+1) int32 each} for units
     of one shard, opened (a HEAD and a footer read) once for all of them."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -116,13 +123,13 @@ def _read_row_groups(datasets: list[Dataset], seq_len: int, config: StorageConfi
             fs, path = storage.filesystem(uri, config)
             parquet = pq.ParquetFile(fs.open_input_file(path))
             for unit in units:
-                table = parquet.read_row_group(unit.row_group, columns=list(COLUMNS))
+                table = parquet.read_row_group(unit.row_group, columns=list(read))
                 if len(table) != unit.size:
                     raise ShardCorrupt(f"shard {uri}: row group {unit.row_group} has {len(table)} rows, "
                                        f"the manifest says {unit.size}")
                 groups[unit.source, unit.shard, unit.row_group] = tuple(
                     table.column(name).combine_chunks().flatten().to_numpy().reshape(len(table), seq_len + 1)
-                    for name in COLUMNS)
+                    for name in read)
     except (OSError, pa.ArrowException) as e:
         gone = isinstance(e.__cause__, FileNotFoundError) or isinstance(e, FileNotFoundError)
         # A store that does not answer may answer the restarted group; a shard that is gone
@@ -147,7 +154,7 @@ def task_units(units: list[list[Segment]], row_bytes: int, task_bytes: int) -> l
 
 
 def epoch_dataset(datasets: list[Dataset], segments: list[Segment], seed: int, epoch: int, seq_len: int,
-                  read_cpus: float, prefetch_blocks: int, config: StorageConfig):
+                  read: tuple[str, ...], read_cpus: float, prefetch_blocks: int, config: StorageConfig):
     """The rank's segments as a Ray Data dataset: read tasks of several units each, in the
     order the rank first needs each unit, together using at most `read_cpus` CPUs."""
     import ray.data
@@ -157,7 +164,7 @@ def epoch_dataset(datasets: list[Dataset], segments: list[Segment], seed: int, e
     by_unit: dict = {}
     for segment in segments:  # in the order they are needed: dicts keep first insertion
         by_unit.setdefault(segment.unit, []).append(segment)
-    row_bytes = (seq_len + 1) * 4 * len(COLUMNS)
+    row_bytes = (seq_len + 1) * 4 * len(read)
     tasks = task_units(list(by_unit.values()), row_bytes, READ_TASK_BYTES)
 
     class Units(Datasource):
@@ -168,8 +175,8 @@ def epoch_dataset(datasets: list[Dataset], segments: list[Segment], seed: int, e
             read_tasks = []
             for units in tasks:
                 rows = sum(s.stop - s.start for segments in units for s in segments)
-                read = partial(read_units, datasets, units, seed, epoch, seq_len, config)
-                read_tasks.append(ReadTask(read, BlockMetadata(num_rows=rows, size_bytes=rows * row_bytes,
+                read_block = partial(read_units, datasets, units, seed, epoch, seq_len, read, config)
+                read_tasks.append(ReadTask(read_block, BlockMetadata(num_rows=rows, size_bytes=rows * row_bytes,
                                                                exec_stats=None, input_files=None)))
             return read_tasks
 
@@ -193,7 +200,7 @@ class Step:
     step: int  # the run's step (from 0) that trains on these rows
     sample_ids: np.ndarray  # (rows,) see `sample_ids`
     tokens: np.ndarray  # (rows, seq_len + 1) int32
-    doc_ids: np.ndarray  # (rows, seq_len + 1) int32
+    doc_ids: Optional[np.ndarray]  # (rows, seq_len + 1) int32, when the stream reads them
 
 
 @dataclass(frozen=True)
@@ -203,7 +210,7 @@ class _Run:
     first_step: int
     sample_ids: np.ndarray
     tokens: np.ndarray
-    doc_ids: np.ndarray
+    doc_ids: Optional[np.ndarray]
 
     def holds(self, step: int) -> bool:
         return self.first_step <= step < self.first_step + len(self.sample_ids)
@@ -220,11 +227,13 @@ def _runs(streams: np.ndarray, steps: np.ndarray) -> list[tuple[int, int]]:
 class RankStream:
     """Rank `rank` of `world_size`'s rows for every step from `from_step` on.
 
-    `next_step()` returns global_batch/world_size rows and adds the time it waited for them
-    to `wait_s`."""
+    `next_step()` returns global_batch/world_size rows (with their doc_ids if `doc_ids`) and
+    adds the time it waited for them to `wait_s`."""
 
-    def __init__(self, datasets: list[Dataset], cfg: Config, rank: int, world_size: int, from_step: int) -> None:
+    def __init__(self, datasets: list[Dataset], cfg: Config, rank: int, world_size: int, from_step: int, *,
+                 doc_ids: bool) -> None:
         self.datasets = datasets
+        self.read = columns(doc_ids)
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
@@ -242,8 +251,8 @@ class RankStream:
         cfg = self.cfg
         plan = plan_epoch(self.sources, cfg.train.global_batch_size, cfg.train.seed, epoch)
         segments = rank_segments(plan, self.rank, self.world_size, cfg.train.global_batch_size, step_in_epoch)
-        ds = epoch_dataset(self.datasets, segments, cfg.train.seed, epoch, cfg.data.seq_len, cfg.data.read_cpus,
-                           cfg.data.prefetch_blocks, cfg.storage)
+        ds = epoch_dataset(self.datasets, segments, cfg.train.seed, epoch, cfg.data.seq_len, self.read,
+                           cfg.data.read_cpus, cfg.data.prefetch_blocks, cfg.storage)
         # No prefetch here: Ray Data's iterator holds back the first batch until its prefetch
         # window is full, which every restart would wait for; the executor reads ahead anyway.
         batches = ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0)
@@ -266,7 +275,7 @@ class RankStream:
         streams, steps = block[STREAM], block[STEP]
         for start, stop in _runs(streams, steps):
             run = _Run(int(steps[start]), block[SAMPLE_IDS][start:stop], block[TOKENS][start:stop],
-                       block[DOC_IDS][start:stop])
+                       block[DOC_IDS][start:stop] if DOC_IDS in block else None)
             self._pending[int(streams[start])][run.first_step] = run
 
     def _take(self, stream: int, step: int) -> tuple:
@@ -280,7 +289,7 @@ class RankStream:
                 self._next_block()
             run = self._current[stream] = pending.pop(step)
         at = step - run.first_step
-        return run.sample_ids[at], run.tokens[at], run.doc_ids[at]
+        return run.sample_ids[at], run.tokens[at], None if run.doc_ids is None else run.doc_ids[at]
 
     def next_step(self) -> Step:
         started = time.perf_counter()
@@ -288,7 +297,7 @@ class RankStream:
         if epoch != self._epoch:
             self._start_epoch(epoch, step_in_epoch)
         ids, tokens, doc_ids = zip(*(self._take(stream, step_in_epoch) for stream in self.streams))
-        step = Step(self.step, np.array(ids), np.stack(tokens), np.stack(doc_ids))
+        step = Step(self.step, np.array(ids), np.stack(tokens), None if doc_ids[0] is None else np.stack(doc_ids))
         self.step += 1
         self.wait_s += time.perf_counter() - started
         return step

@@ -116,7 +116,10 @@ class Attempt:
         )
         self.reported_step = self.state.step  # the newest step whose report the controller has for sure
         # The data position is the step: the stream starts where the restored model stopped.
-        stream = RankStream(inputs.data.datasets, cfg, rank, world_size, from_step=self.state.step)
+        # It reads doc_ids only for an objective or a mask that needs them.
+        objective = Objective.of(cfg, inputs.data.tokenizer)
+        stream = RankStream(inputs.data.datasets, cfg, rank, world_size, from_step=self.state.step,
+                            doc_ids=not objective.plain)
         self.samples = SampleRecorder(cfg, rank) if cfg.data.record_samples else None
         self.diverged = False
 
@@ -127,7 +130,6 @@ class Attempt:
                                   device, data_wait=stream)
         # Each step's rows become the objective's examples (a pure function of the step and
         # the rows), copied to the device while the step before it trains.
-        objective = Objective.of(cfg, inputs.data.tokenizer)
         self.batches = DeviceBatches((stream.next_step() for _ in range(cfg.train.steps - self.state.step)), device,
                                      tokens=lambda step: objective.rows(step.step, step.sample_ids, step.tokens,
                                                                         step.doc_ids))
