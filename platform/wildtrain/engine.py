@@ -4,6 +4,7 @@ ZeRO-3) and the engine for a batch plan (`wildtrain.batching`)."""
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -53,8 +54,20 @@ def import_deepspeed():
     behind for every later start to wait on forever. Only DeepSpeed's inference all-reduce
     uses the op; training's collectives go through torch.distributed either way. DeepSpeed
     builds the op only where its probe found it compatible, and keeps the probe's answers
-    in one dict so that edits to it hold."""
-    import deepspeed
+    in one dict so that edits to it hold.
+
+    DeepSpeed's autotuner imports MLflow whenever it is installed, for its own tuning runs,
+    which wildtrain never starts: 1.4 s of every worker's start here. A worker that has not
+    imported MLflow itself imports DeepSpeed with MLflow hidden (a `None` in `sys.modules`
+    fails that import, which the autotuner takes as "not installed"), then unhidden."""
+    hide_mlflow = "mlflow" not in sys.modules
+    if hide_mlflow:
+        sys.modules["mlflow"] = None
+    try:
+        import deepspeed
+    finally:
+        if hide_mlflow:
+            del sys.modules["mlflow"]
     from deepspeed.accelerator import get_accelerator
 
     # Asked as DeepSpeed asks: accelerators without the op (CUDA) skip the probe as it does.

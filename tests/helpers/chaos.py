@@ -14,6 +14,10 @@ from mlflow.tracking import MlflowClient
 from wildtrain import driver
 from wildtrain.config import Config
 
+# Only the session cluster's head offers it: a run that asks for it
+# (`cluster.worker_resources.wildtrain_head=1`) stays off the nodes a test adds and removes.
+HEAD_SLOT = "wildtrain_head"
+
 
 @dataclass
 class BackgroundRun:

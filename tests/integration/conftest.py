@@ -12,6 +12,7 @@ from ray.cluster_utils import Cluster
 
 from wildtrain import services
 from tests.conftest import REPO
+from tests.helpers.chaos import HEAD_SLOT
 from wildtrain.config import load_config
 from wildtrain.data.prepare import PrepareConfig, prepare
 
@@ -57,6 +58,7 @@ def ray_cluster(tmp_path_factory, object_store):
         head_node_args={
             "gcs_server_port": gcs_port,
             "num_cpus": HEAD_CPUS,
+            "resources": {HEAD_SLOT: HEAD_CPUS},
             "include_dashboard": True,
             "dashboard_host": services.HOST,
             "dashboard_port": services.free_port(),

@@ -7,11 +7,11 @@ import hashlib
 import json
 import os
 import secrets
-import shlex
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,15 +19,18 @@ import pytest
 import yaml
 from click.testing import CliRunner, Result
 from mlflow.tracking import MlflowClient
-from ray.job_submission import JobStatus, JobSubmissionClient
+from ray.job_submission import JobSubmissionClient
 
 from tests.conftest import REPO
+from tests.helpers.chaos import BackgroundRun
 from wildtrain import cli, services, storage
+from wildtrain.config import load_config
 from wildtrain.checkpoint.format import CheckpointManifest, FileEntry
 from wildtrain.clusters import jobs_api, registry, sync
-from wildtrain.clusters.move import move
+from wildtrain.clusters.move import newest_step, move
 from wildtrain.clusters.submit import follow_job, submit
 from wildtrain.events import Moved
+from wildtrain.tracking import report
 from wildtrain.tracking.mlflow_run import read_events
 
 pytestmark = pytest.mark.integration
@@ -35,7 +38,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def two_clusters(tmp_path_factory, object_store, mlflow_url):
-    """Heads a and b (1 CPU each, every port free, each its own token), a registry naming them, and token files:
+    """Heads a and b (2 CPUs each: a training worker and Ray Data's reads; every port free, each its own token), a registry naming them, and token files:
     each cluster's own, and b's token filed for a (the wrong one). Every test of this file shares them."""
     root = tmp_path_factory.mktemp("clusters")
     # This process and the `wildtrain` it runs reach the store with its keys, as a user's shell would.
@@ -46,7 +49,7 @@ def two_clusters(tmp_path_factory, object_store, mlflow_url):
     entries = {}
     # The heads need nothing of each other: each starts (and stops) while the other does.
     with ThreadPoolExecutor(len(tokens)) as pool:
-        starting = [pool.submit(services.start_ray_head, ports[name], 1, temp_dirs[name],
+        starting = [pool.submit(services.start_ray_head, ports[name], 2, temp_dirs[name],
                                 {"RAY_AUTH_TOKEN": tokens[name], **object_store.env()}) for name in tokens]
         try:
             for future in starting:
@@ -97,6 +100,15 @@ def test_check_passes_on_each_cluster_and_names_each_fault_in_one_line(two_clust
         (line,) = [line for line in done.stdout.splitlines() if line.startswith("FAIL jobs API")]
         assert message in line, done.stdout
         assert secrets_in(two_clusters).isdisjoint(done.stdout.split()), "a token was printed"
+
+
+def wait_for(condition, what: str, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout_s:g} s")
+        time.sleep(0.2)
+    return value
 
 
 def secrets_in(reg) -> set[str]:
@@ -180,34 +192,61 @@ def test_a_capped_sync_holds_its_cap(two_clusters):
     assert 0.8 <= rate <= 1.2, f"{rate:.2f} MiB/s under a 1 MiB/s cap"
 
 
-def test_move_stops_the_job_after_its_next_commit_copies_the_run_and_submits_it_on_b(two_clusters, mlflow_url):
+def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_same_mlflow_run(
+        two_clusters, mlflow_url, tiny_dataset, ray_cluster, tmp_path):
     a, b = two_clusters.get("a"), two_clusters.get("b")
     run = f"moving-{os.getpid()}"
-    src = f"{a.entry.storage.runs}/{run}"
-    files = committed_checkpoint(src, parts=3, part_bytes=64 << 10)
+    steps = 20
+    common = [f"train.steps={steps}", "train.log_every=2", "train.checkpoint_every=4", "elastic.max_workers=1",
+              f"tracking.uri={mlflow_url}", "tracking.experiment=moves"]
+    data_on = {name: f"{c.entry.storage.data}/tiny" for name, c in (("a", a), ("b", b))}
+    assert data_on["a"] == tiny_dataset
+    # B trains on its own copy of the data, as it would on another provider.
+    wildtrain("sync", "a:data/tiny", "b:data/tiny", "--registry", str(two_clusters.path))
+    # The same training, never moved, on the session's cluster meanwhile: the losses to match.
+    reference = BackgroundRun(load_config(["experiment=tiny", f"data.datasets=[{{uri: {tiny_dataset}}}]",
+                                           f"run.name=unmoved-{run}", f"run.storage={tmp_path / 'runs'}", *common]))
+    submit(a, ["experiment=tiny", f"data.datasets=[{{uri: {data_on['a']}}}]", f"run.name={run}", *common],
+           working_dir=REPO)
+    a_cfg = load_config(a.run_overrides() + ["experiment=tiny", f"run.name={run}"])
+    wait_for(lambda: newest_step(a_cfg), f"the first checkpoint of {run} on a", 300)
+
+    started = time.monotonic()
+    done = move(run, a, b, ["experiment=tiny", f"data.datasets=[{{uri: {data_on['b']}}}]", *common],
+                working_dir=REPO, poll_s=0.2)
+    moved_s = time.monotonic() - started
+    client = JobSubmissionClient(b.entry.jobs_api, headers=jobs_api.auth_headers(b))
+    logs = []
+    follow_job(b, client, done.submitted.job_id, logs.append)
+    finished_s = time.monotonic() - started
+    reference_run = reference.join(600)
+
+    assert 4 <= done.step < steps and done.stopped_job is not None
     tracking = MlflowClient(mlflow_url)
-    mlflow_run = tracking.create_run(tracking.create_experiment(f"move-{run}"), run_name=run).info.run_id
-    storage.write_text(f"{src}/wildtrain_run.json", json.dumps({"mlflow_run_id": mlflow_run}))
-    running = JobSubmissionClient(a.entry.jobs_api, headers=jobs_api.auth_headers(a)).submit_job(
-        entrypoint=shlex.join(["python", str(REPO / "tests/helpers/fake_run_job.py"), src]),
-        submission_id=f"wildtrain-{run}-{secrets.token_hex(4)}")
-
-    def say(line: str) -> None:
-        # Move has seen step 4 as the newest: now the job may commit its next one.
-        if line.startswith("waiting for the next checkpoint"):
-            storage.write_bytes(f"{src}-go", b"")
-
-    overrides = ["experiment=tiny", "data.datasets=[{uri: s3://wildtrain-test/cluster-b/none}]",
-                 f"tracking.uri={mlflow_url}"]
-    done = move(run, a, b, overrides, working_dir=REPO, poll_s=0.2, say=say)
-
-    assert done.stopped_job == running and done.step == 8
-    assert JobSubmissionClient(a.entry.jobs_api, headers=jobs_api.auth_headers(a)).get_job_status(running) == JobStatus.STOPPED
-    step_8 = {f.replace("step_000000004", "step_000000008") for f in files if "step_" in f}
-    assert files_at(f"{b.entry.storage.runs}/{run}") == set(files) | step_8
-    assert done.synced.verified == len(files) + len(step_8)
+    [moving] = tracking.search_runs([tracking.get_experiment_by_name("moves").experiment_id],
+                                    f"attributes.run_name = '{run}'")
+    run_id = moving.info.run_id
     with tempfile.TemporaryDirectory() as folder:
-        (moved,) = [e for e in read_events(mlflow_url, mlflow_run, folder) if isinstance(e, Moved)]
-    assert (moved.from_cluster, moved.to_cluster, moved.step) == ("a", "b", 8)
-    info = JobSubmissionClient(b.entry.jobs_api, headers=jobs_api.auth_headers(b)).get_job_info(done.submitted.job_id)
-    assert f"run.storage={b.entry.storage.runs}" in info.entrypoint and info.entrypoint.endswith(f"run.name={run}")
+        events = read_events(mlflow_url, run_id, folder)
+    [moved] = [e for e in events if isinstance(e, Moved)]
+    assert (moved.from_cluster, moved.to_cluster, moved.step) == ("a", "b", done.step)
+    assert moving.info.status == "FINISHED" and moving.data.metrics["step"] == steps
+    assert moving.data.tags["wildtrain.clusters"] == ",a,b,"
+
+    # B restored the moved checkpoint: its first report is the step after it.
+    history = sorted(tracking.get_metric_history(run_id, "loss"), key=lambda m: m.timestamp)
+    on_b = [m.step for m in history if m.timestamp / 1000 >= moved.at]
+    assert on_b[0] == done.step + 1 and on_b[-1] == steps
+    # Every step of the final lineage, wherever it ran, is the unmoved run's step.
+    losses = {m.step: m.value for m in history}
+    reference_losses = {m.step: m.value for m in tracking.get_metric_history(reference_run.run_id, "loss")}
+    assert sorted(losses) == sorted(reference_losses)
+    for step, loss in reference_losses.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), f"step {step}"
+
+    # Each cluster's card counts its part of the run.
+    cards = {name: report.report_cluster(mlflow_url, name) for name in ("a", "b")}
+    assert f"{run} (part 1 of 2)" in cards["a"] and f"{run} (part 2 of 2)" in cards["b"]
+    print(f"move of {run}: {moved_s:.1f} s from `move` to the job submitted on b (waiting for the commit of step "
+          f"{done.step}, stopping the job, copying {done.synced.copied_bytes / 1e6:.1f} MB); "
+          f"{finished_s:.1f} s to the end of the run on b")

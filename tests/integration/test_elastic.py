@@ -11,7 +11,7 @@ from itertools import groupby
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.helpers.chaos import BackgroundRun
+from tests.helpers.chaos import HEAD_SLOT, BackgroundRun
 from wildtrain import driver
 from wildtrain.data.manifest import read_manifest
 from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.integration
 # Only the worker nodes offer it, so the two training workers live on the two nodes
 # (one each) and die with them; the head keeps the driver and Ray Data.
 WORKER_SLOT = "wildtrain_worker"
+ON_WORKER_NODES = f"cluster.worker_resources.{WORKER_SLOT}=1"
 STEPS = 40
 # The objective with the most moving parts: random corruption per document, reserved ids,
 # a mask and positions from doc_ids. Causal rows are ul2's with none of those.
@@ -47,7 +48,6 @@ def elastic_config(tiny_config):
         f"train.steps={STEPS}",
         "train.log_every=1",
         "train.checkpoint_every=4",
-        f"cluster.worker_resources.{WORKER_SLOT}=1",
         "elastic.resize_check_interval_s=5",
         "elastic.worker_start_timeout_s=10",
         *extra,
@@ -77,15 +77,19 @@ def final_lineage(history) -> dict[int, float]:
 def test_node_dies_and_returns_without_changing_what_is_trained(worker_nodes, elastic_config, mlflow_url, tmp_path):
     cluster = worker_nodes
     client = MlflowClient(mlflow_url)
-    reference = driver.run(elastic_config(f"reference-{tmp_path.name}", *OBJECTIVE))
+    # The same training, never resized, meanwhile: one worker on the head, off the nodes the
+    # test removes. (The same losses at any world size is the promise under test.)
+    reference = BackgroundRun(elastic_config(f"reference-{tmp_path.name}", f"cluster.worker_resources.{HEAD_SLOT}=1",
+                                             "elastic.max_workers=1", *OBJECTIVE))
 
-    run = BackgroundRun(elastic_config(f"elastic-{tmp_path.name}", "data.record_samples=true", *OBJECTIVE))
+    run = BackgroundRun(elastic_config(f"elastic-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true", *OBJECTIVE))
     run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6 at world size 2", 300)
     victim = next(iter(cluster.worker_nodes))
     cluster.remove_node(victim)
     run.wait_until(lambda h: h and h[-1].value == 1, "a step at world size 1", 300)
     cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
     summary = run.join(600)
+    reference_run = reference.join(600)
 
     assert summary.run_id == run.mlflow_run_id(), "one MLflow run spans every attempt"
     sizes = [int(size) for size, _ in groupby(m.value for m in run.reports("world_size"))]
@@ -98,7 +102,7 @@ def test_node_dies_and_returns_without_changing_what_is_trained(worker_nodes, el
     # Every step of the final lineage trained once on the same rows as the reference run,
     # whatever the world size: the same losses, up to the order of floating-point sums.
     losses = final_lineage(client.get_metric_history(summary.run_id, "loss"))
-    reference_losses = final_lineage(client.get_metric_history(reference.run_id, "loss"))
+    reference_losses = final_lineage(client.get_metric_history(reference_run.run_id, "loss"))
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step, loss in reference_losses.items():
         assert losses[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), f"step {step}"
@@ -127,7 +131,8 @@ def test_a_run_left_without_nodes_stops_and_keeps_its_checkpoints(worker_nodes, 
     cluster = worker_nodes
     # Unlimited failures: attempts to restart on the vanishing nodes fail too, and this test
     # is about the capacity wait, not elastic.max_failures.
-    run = BackgroundRun(elastic_config(f"stranded-{tmp_path.name}", "cluster.capacity_wait_s=15", "elastic.max_failures=-1"))
+    run = BackgroundRun(elastic_config(f"stranded-{tmp_path.name}", ON_WORKER_NODES, "cluster.capacity_wait_s=15",
+                                       "elastic.max_failures=-1"))
     run.wait_until(lambda h: any(m.step >= 5 for m in h), "step 5", 300)
     for node in list(cluster.worker_nodes):
         cluster.remove_node(node)

@@ -108,7 +108,7 @@ def _train_workers() -> list[psutil.Process]:
 
 def test_a_stopped_rank_is_detected_as_a_hang_and_the_attempt_restarts(ray_cluster, tiny_config, mlflow_url, tmp_path):
     earlier = {p.pid for p in _train_workers()}  # an earlier run's, if any is still exiting
-    cfg = tiny_config("train.steps=30", "train.log_every=1", "train.checkpoint_every=5", "monitor.hang_timeout_s=15")
+    cfg = tiny_config("train.steps=16", "train.log_every=1", "train.checkpoint_every=5", "monitor.hang_timeout_s=15")
     run = BackgroundRun(cfg)
     run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6", 300)
     workers = [p for p in _train_workers() if p.pid not in earlier]
@@ -132,4 +132,4 @@ def test_a_stopped_rank_is_detected_as_a_hang_and_the_attempt_restarts(ray_clust
     text = MlflowClient(mlflow_url).download_artifacts(summary.run_id, dumps[0], str(tmp_path))
     assert "--- thread MainThread ---" in open(text).read()
     assert any(isinstance(e, Recovered) for e in events), "the attempt restarted"
-    assert summary.final_metrics["step"] == 30
+    assert summary.final_metrics["step"] == 16

@@ -40,7 +40,7 @@ def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(ray_
     server, url = own_mlflow
     # Long enough that training runs on well after the pause; saves only at the end, so
     # that every window but the last (which waits for the final save to commit) is steps alone.
-    steps = int((PAUSE_S + 20) * 3) // LOG_EVERY * LOG_EVERY  # every report step a multiple of LOG_EVERY
+    steps = int((PAUSE_S + 8) * 3) // LOG_EVERY * LOG_EVERY  # every report step a multiple of LOG_EVERY
     cfg = tiny_config(f"tracking.uri={url}", f"train.steps={steps}", f"train.log_every={LOG_EVERY}",
                       f"train.checkpoint_every={steps}")
     run = BackgroundRun(cfg)

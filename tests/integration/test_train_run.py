@@ -1,61 +1,86 @@
 """A real run: two DeepSpeed workers under Ray Train, reading the tiny corpus from a real
-SeaweedFS store, tracked on a real MLflow server, checkpointed through Ray Train."""
+SeaweedFS store, tracked on a real MLflow server, checkpointed through Ray Train; sent as a
+job with `ray job submit`, and resubmitted from its checkpoints."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from ray.job_submission import JobStatus, JobSubmissionClient
+
+from tests.conftest import REPO
 
 from wildtrain import driver, storage
 from wildtrain.checkpoint import STATE_FILE, reshard
-from wildtrain.checkpoint.restore import list_candidates
+from wildtrain.checkpoint.restore import list_candidates, newest_committed
+from wildtrain.config import load_config
 from wildtrain.checkpoint.store import Store
 from wildtrain.data.dataset import DataError
 from wildtrain.elastic.signals import CapacityError
 from wildtrain.events import CheckpointFallback
+from wildtrain.layout import checkpoint_stores
 from wildtrain.tracking.mlflow_run import read_events
 
 pytestmark = pytest.mark.integration
 
 
-def test_two_worker_run_trains_tracks_and_checkpoints_into_the_object_store(ray_cluster, object_store, tiny_config,
-                                                                            mlflow_url, tmp_path):
+def test_a_two_worker_run_sent_with_ray_job_submit_trains_tracks_and_checkpoints_into_the_object_store(
+        ray_cluster, object_store, tiny_overrides, mlflow_url, tmp_path):
+    # The cluster path, as the README shows it.
     runs = f"s3://{object_store.bucket}/runs-{tmp_path.name}"
-    cfg = tiny_config(f"run.storage={runs}")
-    summary = driver.run(cfg)
+    overrides = [*tiny_overrides, f"run.storage={runs}"]
+    cfg = load_config(overrides)
+    dashboard = f"http://{ray_cluster.webui_url}"
+    submission_id = f"wildtrain-test-{uuid.uuid4().hex[:8]}"
+    done = subprocess.run(
+        ["ray", "job", "submit", "--address", dashboard, "--working-dir", str(REPO), "--submission-id", submission_id,
+         "--", "python", "-m", "wildtrain", "train", *overrides],
+        capture_output=True, text=True, timeout=480,
+    )
+    # The submit's own output first: where the submission itself failed ("No available agent
+    # to submit job"), there is no job whose status could say why.
+    output = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, output
+    assert JobSubmissionClient(dashboard).get_job_status(submission_id) == JobStatus.SUCCEEDED, output
+    assert "step 8/8" in done.stdout and "finished" in done.stdout
 
     client = MlflowClient(mlflow_url)
-    run = client.get_run(summary.run_id)
+    [run] = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
+                               f"attributes.run_name = '{cfg.run.name}'")
+    run_id = run.info.run_id
     assert run.info.status == "FINISHED"
     assert run.data.params["train.global_batch_size"] == "16"
     assert run.data.params["model.name"] == "tiny"
-    history = sorted(client.get_metric_history(summary.run_id, "loss"), key=lambda m: m.step)
+    history = sorted(client.get_metric_history(run_id, "loss"), key=lambda m: m.step)
     assert [m.step for m in history] == [1, 2, 4, 6, 8]  # the first step, then every 2nd
     losses = [m.value for m in history]
     assert losses[-1] < losses[0] - 0.5, losses
-    assert {m.value for m in client.get_metric_history(summary.run_id, "world_size")} == {2.0}
-    tokens = client.get_metric_history(summary.run_id, "tokens_seen")
+    assert {m.value for m in client.get_metric_history(run_id, "world_size")} == {2.0}
+    tokens = client.get_metric_history(run_id, "tokens_seen")
     assert max(m.value for m in tokens) == 8 * cfg.train.global_batch_size * cfg.data.seq_len
     # Saves of steps 4 and 8 commit in the background; each is reported once it has.
-    assert sum(m.value for m in client.get_metric_history(summary.run_id, "checkpoint/saved")) == 2
-    assert max(m.value for m in client.get_metric_history(summary.run_id, "checkpoint/step")) == 8
-    assert "config.yaml" in [a.path for a in client.list_artifacts(summary.run_id)]
+    assert sum(m.value for m in client.get_metric_history(run_id, "checkpoint/saved")) == 2
+    assert max(m.value for m in client.get_metric_history(run_id, "checkpoint/step")) == 8
+    assert "config.yaml" in [a.path for a in client.list_artifacts(run_id)]
 
     # Where the time went: the step split, MFU against the measured CPU peak, goodput and its plot.
-    metrics = client.get_run(summary.run_id).data.metrics  # newest values
+    metrics = client.get_run(run_id).data.metrics  # newest values
     for phase in ("data_wait", "forward", "backward", "optimizer", "checkpoint_stall"):
         assert f"time/{phase}_s" in metrics, phase
     assert 0 < metrics["time/forward_s"] + metrics["time/backward_s"] < metrics["step_time_s"]
     assert 0 < metrics["mfu"] < 1
     assert 0 < metrics["goodput"] <= 1
-    plots = {a.path: a.file_size for a in client.list_artifacts(summary.run_id, "report")}
+    plots = {a.path: a.file_size for a in client.list_artifacts(run_id, "report")}
     assert plots.get("report/run.png", 0) > 1000
 
-    fs, checkpoint = storage.filesystem(summary.checkpoint)
-    assert summary.checkpoint.startswith(f"{runs}/{cfg.run.name}/checkpoints/step_000000008-")
+    newest = storage.join(*newest_committed(checkpoint_stores(cfg)).key)
+    fs, checkpoint = storage.filesystem(newest)
+    assert newest.startswith(f"{runs}/{cfg.run.name}/checkpoints/step_000000008-")
     with fs.open_input_stream(f"{checkpoint}/manifest.json") as f:
         manifest = json.loads(f.read())
     assert (manifest["step"], manifest["world_size"], manifest["zero_stage"]) == (8, 2, 1)
@@ -67,7 +92,8 @@ def test_two_worker_run_trains_tracks_and_checkpoints_into_the_object_store(ray_
         assert json.loads(f.read())["step"] == 8
 
 
-def test_resubmitted_run_continues_its_checkpoint_and_mlflow_run(ray_cluster, tiny_config, mlflow_url):
+def test_a_resubmitted_run_continues_its_checkpoint_and_mlflow_run_and_falls_back_past_a_corrupt_one(
+        ray_cluster, tiny_config, mlflow_url, tmp_path):
     first = driver.run(tiny_config("train.steps=4"))
     second = driver.run(tiny_config("train.steps=8"))
     assert second.run_id == first.run_id
@@ -80,6 +106,22 @@ def test_resubmitted_run_continues_its_checkpoint_and_mlflow_run(ray_cluster, ti
     # Another seed would resume step 8 in another data order: refused before Ray starts.
     with pytest.raises(DataError, match=r"train\.seed: 0 -> 1.*data\.allow_order_change=true"):
         driver.run(tiny_config("train.steps=12", "train.seed=1"))
+
+    # The newest checkpoint damaged where only its checksum can tell: same size, other bytes.
+    newest = Path(second.checkpoint)
+    assert newest.name.startswith("step_000000008-")
+    damaged = newest / "step_8" / "mp_rank_00_model_states.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    third = driver.run(tiny_config("train.steps=10"))
+    assert third.run_id == first.run_id
+    events = read_events(mlflow_url, first.run_id, str(tmp_path / "events"))
+    (fallback,) = [e for e in events if isinstance(e, CheckpointFallback)]
+    assert fallback.step == 8 and "sha256" in fallback.reason
+    # It restored step 4 (each submission logs its first step: here 5 again) and went on to 10.
+    steps = [m.step for m in client.get_metric_history(first.run_id, "loss")]
+    assert steps.count(5) == 2 and 9 not in steps and max(steps) == 10
 
 
 def test_min_workers_the_cluster_cannot_hold_fails_fast(ray_cluster, tiny_config):
@@ -115,22 +157,3 @@ def test_reshard_ahead_commits_a_universal_copy_beside_a_checkpoint_in_the_objec
 
 def committed_names(store) -> list[str]:
     return [c.name for c in list_candidates([store]) if c.manifest is not None]
-
-
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(ray_cluster, tiny_config, mlflow_url, tmp_path):
-    first = driver.run(tiny_config("train.steps=8"))
-    newest = Path(first.checkpoint)
-    assert newest.name.startswith("step_000000008-")
-    damaged = newest / "step_8" / "mp_rank_00_model_states.pt"
-    data = bytearray(damaged.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # same size, different bytes: only the checksum can tell
-    damaged.write_bytes(bytes(data))
-
-    second = driver.run(tiny_config("train.steps=10"))
-    assert second.run_id == first.run_id
-    events = read_events(mlflow_url, first.run_id, str(tmp_path / "events"))
-    (fallback,) = [e for e in events if isinstance(e, CheckpointFallback)]
-    assert fallback.step == 8 and "sha256" in fallback.reason
-    # The resubmission restored step 4 (each attempt logs its first step: here 5) and went on to 10.
-    steps = [m.step for m in MlflowClient(mlflow_url).get_metric_history(first.run_id, "loss")]
-    assert 5 in steps and 9 not in steps and max(steps) == 10

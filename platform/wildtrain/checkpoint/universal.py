@@ -101,6 +101,9 @@ _SERIAL = {"num_extract_workers": 1, "num_merge_workers": 1}
 
 
 def _convert_here(source: Path, output: Path) -> None:
+    from wildtrain.engine import import_deepspeed
+
+    import_deepspeed()  # as every worker imports it: quickly, and building nothing
     from deepspeed.checkpoint import ds_to_universal
 
     args = argparse.Namespace(input_folder=str(source), output_folder=str(output), inject_missing_state=True,

@@ -52,7 +52,7 @@ def running_job(cluster: Cluster, run: str) -> Optional[str]:
     return None
 
 
-def _newest_step(cfg: Config) -> Optional[int]:
+def newest_step(cfg: Config) -> Optional[int]:
     candidate = newest_committed(checkpoint_stores(cfg))
     return candidate.step if candidate else None
 
@@ -60,11 +60,11 @@ def _newest_step(cfg: Config) -> Optional[int]:
 def stop_after_next_commit(cluster: Cluster, job_id: str, cfg: Config, timeout_s: float, poll_s: float,
                            say: Callable[[str], None]) -> Optional[int]:
     """Wait for a checkpoint newer than the newest now, then stop the job and wait for its end."""
-    before = _newest_step(cfg)
+    before = newest_step(cfg)
     say(f"waiting for the next checkpoint of {cfg.run.name} on {cluster.name} (newest now: step {before})")
     client = jobs_api.client(cluster)
     deadline = time.monotonic() + timeout_s
-    while (newest := _newest_step(cfg)) == before:
+    while (newest := newest_step(cfg)) == before:
         if str(client.get_job_status(job_id).value) not in ACTIVE:
             break  # it ended by itself: nothing newer will come
         if time.monotonic() > deadline:
@@ -93,7 +93,7 @@ def move(run: str, src: Cluster, dst: Cluster, overrides: list[str], *, working_
         raise jobs_api.ClusterError(f"{src.name}: no run {run!r} at {src_layout.root} (no {src_layout.record})")
     job = running_job(src, run)
     step = (stop_after_next_commit(src, job, src_cfg, checkpoint_timeout_s, poll_s, say) if job
-            else _newest_step(src_cfg))
+            else newest_step(src_cfg))
     say(f"copying {src_layout.root} to {dst_layout.root}")
     synced = sync(Location(src_layout.root, src.entry.storage, src.entry.sync_bwlimit),
                   Location(dst_layout.root, dst.entry.storage, dst.entry.sync_bwlimit), bwlimit,
