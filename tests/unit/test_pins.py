@@ -21,7 +21,18 @@ def test_a_reweighted_mixture_and_a_rewritten_manifest_are_changes():
     assert order_changes(PINS, reweighted)[0].startswith("data.datasets: [s3://b/tiny (weight 1), s3://b/code (weight 0.5)]")
     rewritten = OrderPins(0, 16, 128, (PINS.datasets[0], ("s3://b/code", 0.5, "c" * 64)), ())
     assert order_changes(PINS, rewritten) == [
-        "data.datasets.1.uri: s3://b/code/manifest.json changed since the run started (sha256 bbbbbbbbbbbb… -> cccccccccccc…)"]
+        "data.datasets.1.uri: s3://b/code/manifest.json differs from the one the run started with "
+        "(sha256 bbbbbbbbbbbb… -> cccccccccccc…)"]
+    elsewhere = OrderPins(0, 16, 128, (PINS.datasets[0], ("s3://c/code", 0.5, "c" * 64)), ())
+    assert order_changes(PINS, elsewhere) == [
+        "data.datasets.1.uri: s3://c/code/manifest.json differs from the one the run started with at s3://b/code "
+        "(sha256 bbbbbbbbbbbb… -> cccccccccccc…)"]
+
+
+def test_the_same_manifest_on_another_store_is_the_same_order():
+    copied = OrderPins(0, 16, 128, tuple((uri.replace("s3://b", "s3://other-cluster"), weight, sha)
+                                         for uri, weight, sha in PINS.datasets), ())
+    assert order_changes(PINS, copied) == []
 
 
 def test_pins_survive_the_run_record_json_round_trip():

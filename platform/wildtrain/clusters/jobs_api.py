@@ -4,7 +4,9 @@ several clusters, each with another token. Every failure is one `ClusterError` l
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import urllib.error
 import urllib.request
 
@@ -53,4 +55,21 @@ def client(cluster: Cluster):
     from ray.job_submission import JobSubmissionClient
 
     ray_version(cluster)
-    return JobSubmissionClient(cluster.entry.jobs_api, headers=auth_headers(cluster))
+    with _address_as_given():
+        return JobSubmissionClient(cluster.entry.jobs_api, headers=auth_headers(cluster))
+
+
+# Read by JobSubmissionClient in place of the address it is given.
+_ADDRESS_OVERRIDES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+
+
+@contextlib.contextmanager
+def _address_as_given():
+    """JobSubmissionClient takes $RAY_API_SERVER_ADDRESS or $RAY_ADDRESS over the address it is
+    given, and a shell on a head node has RAY_ADDRESS set: the job would go to that cluster,
+    with this one's token. The registry's address must win."""
+    saved = {name: os.environ.pop(name) for name in _ADDRESS_OVERRIDES if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)

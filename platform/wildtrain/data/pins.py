@@ -52,11 +52,13 @@ def order_changes(pinned: Optional[OrderPins], now: OrderPins) -> list[str]:
         ("train.global_batch_size", pinned.global_batch_size, now.global_batch_size),
         ("data.seq_len", pinned.seq_len, now.seq_len),
     ) if old != new]
-    if [d[:2] for d in pinned.datasets] != [d[:2] for d in now.datasets]:
+    # A dataset is its manifest, wherever it lies: a copy on another store (a run moved to
+    # another cluster reads its own copy) is the same order.
+    if [d[1] for d in pinned.datasets] != [d[1] for d in now.datasets]:
         changes.append(f"data.datasets: {_describe(pinned.datasets)} -> {_describe(now.datasets)}")
     else:
-        changes += [f"data.datasets.{i}.uri: {old[0]}/manifest.json changed since the run started "
-                    f"(sha256 {old[2][:12]}… -> {new[2][:12]}…)"
+        changes += [f"data.datasets.{i}.uri: {new[0]}/manifest.json differs from the one the run started with"
+                    f"{'' if old[0] == new[0] else f' at {old[0]}'} (sha256 {old[2][:12]}… -> {new[2][:12]}…)"
                     for i, (old, new) in enumerate(zip(pinned.datasets, now.datasets)) if old[2] != new[2]]
     if pinned.skipped_shards != now.skipped_shards:
         changes.append(f"data.skip_bad_shards: shards left out {list(pinned.skipped_shards)} -> {list(now.skipped_shards)}")
