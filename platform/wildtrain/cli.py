@@ -108,12 +108,15 @@ def report(run: str | None, cluster: str | None, tracking_uri: str | None) -> No
 @click.option("--steps", type=int, help="train.steps of every trial.")
 @click.option("--budget-tokens", type=int, help="Each trial's steps for this many tokens.")
 @click.option("--cluster", help="Run the sweep as a job on this cluster of the registry.")
+@click.option("--parallel", type=click.IntRange(min=1),
+              help="Trials at once [default: as many as the cluster holds at their full size].")
 @click.option("--dry-run", is_flag=True, help="Print the trials with their hashes and exit.")
 @OVERRIDES
 def sweep(name: str, grid: tuple[str, ...], steps: int | None, budget_tokens: int | None, cluster: str | None,
-          dry_run: bool, overrides: tuple[str, ...]) -> None:
+          parallel: int | None, dry_run: bool, overrides: tuple[str, ...]) -> None:
     """Run the sweep NAME: one trial per point of the grid, each a normal run with OVERRIDES,
-    one after another; again, it skips finished trials and resumes unfinished ones."""
+    as many at once as the cluster holds (the rest queue); again, it skips finished trials
+    and resumes unfinished ones."""
     from wildtrain.sweeps.grid import GridError, dry_run_text, plan_sweep
 
     target = _cluster(cluster) if cluster else None
@@ -127,10 +130,11 @@ def sweep(name: str, grid: tuple[str, ...], steps: int | None, budget_tokens: in
     if dry_run:
         return
     if target is not None:
-        sizes = [f"--steps={steps}"] if steps else [f"--budget-tokens={budget_tokens}"] if budget_tokens else []
+        options = [f"--steps={steps}"] if steps else [f"--budget-tokens={budget_tokens}"] if budget_tokens else []
+        options += [f"--parallel={parallel}"] if parallel else []
         from wildtrain.clusters.submit import Command
 
-        _submit(target, overrides, False, command=Command.of_sweep(name, *(f"--grid={g}" for g in grid), *sizes))
+        _submit(target, overrides, False, command=Command.of_sweep(name, *(f"--grid={g}" for g in grid), *options))
         return
     services.use_local_object_store()
     services.prepare_ray_client(plan.trials[0].cfg.cluster.ray_address)
@@ -143,7 +147,7 @@ def sweep(name: str, grid: tuple[str, ...], steps: int | None, budget_tokens: in
 
     quiet_mlflow()
     try:
-        outcome = run_sweep(plan, say=click.echo)
+        outcome = run_sweep(plan, say=click.echo, parallel=parallel)
         click.echo(report_sweep(plan.trials[0].cfg.tracking.uri, name), nl=False)
     except (DataError, StorageError, TrackingError, CapacityError, SweepError, services.ServiceError) as e:
         _fail(str(e), 1)

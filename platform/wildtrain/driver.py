@@ -60,7 +60,7 @@ def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
     pins = order_pins(cfg, data)
     order_changed = _check_order(cfg, record, pins)
     check_reachable(cfg.tracking.uri)
-    dashboard_url = _connect_ray(cfg)
+    dashboard_url = connect_ray(cfg)
     scaling.wait_for_capacity(cfg)
 
     experiment_id, run_id = open_run(cfg, record.get("mlflow_run_id"), tags)
@@ -105,6 +105,9 @@ def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
     )
     try:
         trainer.fit()
+    except KeyboardInterrupt:
+        _finish(cfg, run_id, "KILLED")  # Ctrl-C: the MLflow run says so rather than RUNNING
+        raise
     except Exception as e:
         _finish(cfg, run_id, "FAILED")
         raise RunFailed(
@@ -159,7 +162,7 @@ def _finish(cfg: Config, run_id: str, status: str) -> None:
         print(f"warning: the run report failed: {e}", flush=True)
 
 
-def _connect_ray(cfg: Config) -> Optional[str]:
+def connect_ray(cfg: Config) -> Optional[str]:
     """Join the chosen cluster (see `services.choose_ray_address`) unless this process already
     has (a test fixture, a caller with its own `ray.init`); the dashboard URL."""
     if not ray.is_initialized():

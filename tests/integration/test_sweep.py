@@ -4,6 +4,7 @@ MLflow, and promotion to a bigger model."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import shutil
@@ -36,7 +37,9 @@ def sweep(ray_cluster, mlflow_url, tiny_dataset, tmp_path_factory):
         "experiment=tiny", f"data.datasets=[{{uri: {tiny_dataset}}}]", f"run.storage={folder / 'runs'}",
         f"tracking.uri={mlflow_url}", "tracking.experiment=sweeps",
         # One worker, few steps: the trials differ only in the swept keys, and are short.
-        "elastic.min_workers=1", "elastic.max_workers=1", "train.global_batch_size=8", "train.micro_batch_size=8",
+        # Half a CPU for the reads: two trials fit the head's 3 CPUs at once.
+        "elastic.min_workers=1", "elastic.max_workers=1", "data.read_cpus=0.5",
+        "train.global_batch_size=8", "train.micro_batch_size=8",
         "train.log_every=2", "train.checkpoint_every=6", "elastic.worker_start_timeout_s=20",
     ]
     plan = plan_sweep(name, GRID, overrides, steps=6)
@@ -68,6 +71,17 @@ def test_sweep_records_one_parent_and_a_child_per_trial_with_their_swept_values(
             assert max(steps) < 6
         else:
             assert STOPPED_EARLY_TAG not in child.data.tags and max(steps) == 6
+
+
+def test_trials_run_as_many_at_once_as_the_cluster_holds(sweep, mlflow_url):
+    plan, _, _ = sweep
+    client = MlflowClient(mlflow_url)
+    trials = [r for r in client.search_runs([client.get_experiment_by_name("sweeps").experiment_id],
+                                            f"tags.`{SWEEP_TAG}` = '{plan.name}'") if "mlflow.parentRunId" in r.data.tags]
+    # Each trial's run from its creation to its end; at most two at any time, and two at some.
+    edges = sorted([(r.info.start_time, 1) for r in trials] + [(r.info.end_time, -1) for r in trials])
+    at_once = max(itertools.accumulate(change for _, change in edges))
+    assert at_once == 2, edges
 
 
 def test_running_the_sweep_again_runs_nothing_new(sweep, mlflow_url):

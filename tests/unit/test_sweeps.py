@@ -10,9 +10,30 @@ import pytest
 
 from wildtrain.config import ConfigError, load_config
 from wildtrain.sweeps.compare import TrialRecord, differing_data, effects, rank, smooth, table_text
+from wildtrain.sweeps.execute import trial_need, trial_slots
 from wildtrain.sweeps.grid import GridError, parse_grid, plan_sweep, steps_for_budget
 from wildtrain.sweeps.transfer import transfer
 from wildtrain.train.divergence import judge_loss
+
+
+def test_each_trial_args_load_its_config():
+    plan = plan_sweep("abl", ["optim.lr=1e-3,3e-3"], ["experiment=tiny"], budget_tokens=10_000)
+    for trial in plan.trials:
+        assert load_config(list(trial.args)) == trial.cfg
+
+
+def test_as_many_trials_run_at_once_as_the_cluster_holds_at_their_full_size():
+    cfg = load_config(["experiment=tiny", "elastic.max_workers=2", "data.read_cpus=1"])
+    assert trial_need(cfg) == {"CPU": 3.0}
+    gpu = load_config(["experiment=tiny", "elastic.max_workers=8", "elastic.min_workers=8", "cluster=gpu"])
+    assert trial_need(gpu) == {"CPU": 8 * 8 + gpu.data.read_cpus, "GPU": 8.0, "trainer": 8.0}
+    assert trial_slots({"CPU": 10.0}, [trial_need(cfg)]) == 3
+    # The largest need of each resource counts, whichever trial has it.
+    assert trial_slots({"CPU": 200.0, "GPU": 32.0}, [{"CPU": 9.0, "GPU": 8.0}, {"CPU": 90.0, "GPU": 1.0}]) == 2
+    assert trial_slots({"CPU": 3.0}, [{"CPU": 1.5}]) == 2
+    # A trial larger than the cluster still runs, alone: it waits for capacity as any run does.
+    assert trial_slots({"CPU": 2.0}, [{"CPU": 3.0}]) == 1
+    assert trial_slots({"CPU": 64.0}, [{"CPU": 8.0, "GPU": 8.0}]) == 1, "no GPU at all: one, which waits"
 
 
 def test_grid_is_the_cartesian_product_first_key_slowest_with_stable_distinct_hashes():
@@ -154,25 +175,21 @@ def test_the_big_runs_choices_replace_the_trials_own():
     assert not overridden("model.dim", ["model.dims=1", "optim.lr=1"])
 
 
-def test_a_trial_that_cannot_start_ends_the_sweep_and_its_parent_run_failed(tmp_path, monkeypatch):
+def test_a_sweep_on_data_that_is_not_there_fails_before_any_trial_or_parent_run(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from wildtrain import driver
     from wildtrain.data.dataset import DataError
     from wildtrain.sweeps.execute import run_sweep
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    plan = plan_sweep("broken", ["optim.lr=1e-3,3e-3"], ["experiment=tiny", f"tracking.uri={uri}"], steps=2)
-
-    def unreadable_data(cfg, tags=None):  # what driver.run raises for a dataset it cannot open
-        raise DataError(f"data.datasets[0]: {cfg.data.datasets[0].uri} does not exist")
-
-    monkeypatch.setattr(driver, "run", unreadable_data)
-    with pytest.raises(DataError):
+    missing = tmp_path / "no-such-dataset"
+    plan = plan_sweep("broken", ["optim.lr=1e-3,3e-3"],
+                      ["experiment=tiny", f"tracking.uri={uri}", f"data.datasets=[{{uri: {missing}}}]"], steps=2)
+    with pytest.raises(DataError, match=str(missing)):
         run_sweep(plan, say=lambda line: None)
     client = MlflowClient(uri)
-    [parent] = client.search_runs([client.get_experiment_by_name(plan.trials[0].cfg.tracking.experiment).experiment_id])
-    assert parent.info.status == "FAILED"
+    experiment = client.get_experiment_by_name(plan.trials[0].cfg.tracking.experiment)
+    assert experiment is None or not client.search_runs([experiment.experiment_id])
 
 
 def test_the_early_stop_rules_best_loss_survives_a_restart_through_the_checkpoint():

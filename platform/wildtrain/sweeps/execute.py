@@ -1,8 +1,12 @@
-"""Running a sweep: one MLflow parent run, then each trial as a normal run (`driver.run`:
-its own elastic worker group, checkpoints, exactly-once data and MLflow run) tagged as
-the parent's child. Trials run one after another, so a trial has the whole cluster to
-itself and grows and shrinks with it, and the next one queues rather than competing with
-it for workers.
+"""Running a sweep: one MLflow parent run, then each trial as a normal run (`wildtrain
+train` in a process of its own: its own elastic worker group, checkpoints, exactly-once data
+and MLflow run, tagged as the parent's child), as many at once as the cluster holds at
+their full size. The rest queue: a trial never waits for workers another one holds, and
+one that ends (finished, failed or stopped early) makes room for the next.
+
+A process per trial, not a thread: the driver sets Ray Train's settings in its process's
+environment (and a swept key may change them), a trial that fails takes only its process
+down, and Ctrl-C reaches every trial, each closing its own MLflow run.
 
 Resumable by construction: a trial's run name is its config hash, so running the same
 sweep again finds each trial's MLflow run and checkpoints by name. A finished trial (or one
@@ -13,9 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping, Optional, Sequence
 
+from wildtrain.config import Config
 from wildtrain.sweeps.grid import SweepPlan, Trial
 
 SWEEP_TAG = "wildtrain.sweep"  # the sweep's name, on its parent and its trials
@@ -24,6 +35,8 @@ TRIAL_TAG = "wildtrain.trial"  # a trial's hash
 VALUE_TAG = "sweep."  # + swept key: the trial's value, on the trial's run
 GRID_PARAM = "sweep.grid"  # on the parent: {key: [values]}, JSON
 OVERRIDES_PARAM = "sweep.overrides"  # on the parent: the overrides common to every trial, JSON
+# A trial told to stop (the sweep was interrupted) has this long to close its run.
+STOP_GRACE_S = 60.0
 
 
 class SweepError(RuntimeError):
@@ -38,14 +51,40 @@ class SweepOutcome:
     failed: tuple[str, ...]  # "name: why"
 
 
-def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print) -> SweepOutcome:
+def trial_need(cfg: Config) -> dict[str, float]:
+    """What a trial holds at its full size: `max_workers` workers and its data reads."""
+    from wildtrain.elastic.scaling import data_cpus, worker_resources
+
+    need = {name: amount * cfg.elastic.max_workers for name, amount in worker_resources(cfg).items()}
+    need["CPU"] = need.get("CPU", 0.0) + data_cpus(cfg)
+    return need
+
+
+def trial_slots(total: Mapping[str, float], needs: Sequence[Mapping[str, float]]) -> int:
+    """How many trials run at once: as many of the largest (per resource) as `total` holds,
+    at least one (a trial larger than the cluster then waits for capacity as any run does)."""
+    largest: dict[str, float] = {}
+    for need in needs:
+        for name, amount in need.items():
+            largest[name] = max(largest.get(name, 0.0), amount)
+    fits = [int(total.get(name, 0.0) // amount) for name, amount in largest.items() if amount > 0]
+    return max(1, min(fits, default=1))
+
+
+def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Optional[int] = None) -> SweepOutcome:
+    """Run the trials not finished yet, `parallel` at once (default: `trial_slots` of the
+    cluster); each trial's output goes to `say`, prefixed with its name."""
     from mlflow.tracking import MlflowClient
 
-    from wildtrain import driver
+    from wildtrain.data.dataset import open_datasets
     from wildtrain.tracking.mlflow_run import check_reachable
 
     tracking = plan.trials[0].cfg.tracking
     check_reachable(tracking.uri)
+    # What every trial needs, checked once: a sweep on data that is not there fails here, in
+    # one line, rather than once per trial.
+    for cfg in {json.dumps([d.uri for d in t.cfg.data.datasets]): t.cfg for t in plan.trials}.values():
+        open_datasets(cfg)
     client = MlflowClient(tracking.uri)
     experiment = client.get_experiment_by_name(tracking.experiment)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(tracking.experiment)
@@ -57,25 +96,94 @@ def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print) -> SweepOutco
     if not todo:
         say(f"sweep {plan.name}: all {len(plan.trials)} trials finished; nothing to run")
         return SweepOutcome(parent, (), skipped, ())
+    if parallel is None:
+        import ray
+
+        from wildtrain.driver import connect_ray
+
+        connect_ray(todo[0].cfg)
+        parallel = trial_slots(ray.cluster_resources(), [trial_need(t.cfg) for t in todo])
+    say(f"sweep {plan.name}: {len(todo)} trials to run, {parallel} at a time")
     client.update_run(parent, status="RUNNING")
-    ran, failed = [], []
     try:
-        for i, trial in enumerate(todo, start=1):
-            say(f"sweep {plan.name}: trial {i}/{len(todo)} {trial.run_name} ({trial.label()})")
-            try:
-                driver.run(trial.cfg, tags=_trial_tags(parent, plan.name, trial))
-                ran.append(trial.run_name)
-            except driver.RunFailed as e:  # the next trial may still run; the sweep ends failed
-                failed.append(f"{trial.run_name}: {str(e).splitlines()[0]}")
-                say(f"sweep {plan.name}: trial {trial.run_name} failed; going on with the next")
+        ran, failed = _run_trials(todo, parallel, lambda t: _trial_tags(parent, plan.name, t), plan.name, say)
     except BaseException as e:
-        # A trial that could not start (its data, MLflow, the cluster's capacity) ends the
-        # sweep: the parent must not read RUNNING in the MLflow UI for ever after.
+        # The parent must not read RUNNING in the MLflow UI for ever after.
         with contextlib.suppress(Exception):  # MLflow itself may be what failed
             client.set_terminated(parent, status="KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
     client.set_terminated(parent, status="FAILED" if failed else "FINISHED")
     return SweepOutcome(parent, tuple(ran), skipped, tuple(failed))
+
+
+@dataclass
+class _Running:
+    trial: Trial
+    process: subprocess.Popen
+    last_line: str = ""
+
+
+def _run_trials(trials: Sequence[Trial], parallel: int, tags: Callable[[Trial], dict[str, str]], sweep: str,
+                say: Callable[[str], None]) -> tuple[list[str], list[str]]:
+    """Each trial in a `wildtrain train` process, at most `parallel` at once; (ran, failed)."""
+    waiting = list(trials)
+    running: list[_Running] = []
+    ended: queue.Queue[_Running] = queue.Queue()
+    ran, failed = [], []
+    try:
+        while waiting or running:
+            while waiting and len(running) < parallel:
+                trial = waiting.pop(0)
+                number = len(trials) - len(waiting)
+                say(f"sweep {sweep}: trial {number}/{len(trials)} {trial.run_name} ({trial.label()})")
+                running.append(_start(trial, tags(trial), say, ended))
+            finished = ended.get()
+            running.remove(finished)
+            if finished.process.returncode == 0:
+                ran.append(finished.trial.run_name)
+            else:  # the next trial may still run; the sweep ends failed
+                failed.append(f"{finished.trial.run_name}: {finished.last_line or f'exit {finished.process.returncode}'}")
+                say(f"sweep {sweep}: trial {finished.trial.run_name} failed; going on with the next")
+    except KeyboardInterrupt:
+        _stop(running, interrupt=False)  # Ctrl-C reached the trials too
+        raise
+    except BaseException:
+        _stop(running, interrupt=True)
+        raise
+    return ran, failed
+
+
+def _start(trial: Trial, tags: dict[str, str], say: Callable[[str], None], ended: queue.Queue) -> _Running:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "wildtrain", "train", *trial.args, f"run.tags={json.dumps(tags)}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    running = _Running(trial, process)
+
+    def relay() -> None:
+        for line in process.stdout:
+            line = line.rstrip("\n")
+            if line.strip():
+                running.last_line = line
+            say(f"[{trial.run_name}] {line}")
+        process.wait()
+        ended.put(running)
+
+    threading.Thread(target=relay, name=f"trial-{trial.run_name}", daemon=True).start()
+    return running
+
+
+def _stop(running: Sequence[_Running], interrupt: bool) -> None:
+    """Let the trials still running end as Ctrl-C ends them (`interrupt`: send them one), so
+    each closes its MLflow run; kill those that have not ended after `STOP_GRACE_S`."""
+    for r in running if interrupt else ():
+        with contextlib.suppress(ProcessLookupError):
+            r.process.send_signal(signal.SIGINT)
+    for r in running:
+        try:
+            r.process.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            r.process.kill()
+            r.process.wait()
 
 
 def trial_runs(client, experiment_ids: list[str], sweep: str) -> list:

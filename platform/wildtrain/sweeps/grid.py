@@ -30,6 +30,7 @@ class Trial:
     hash: str
     run_name: str
     cfg: Config
+    args: tuple[str, ...]  # the overrides of its `wildtrain train`, which load `cfg`
 
     @property
     def overrides(self) -> list[str]:
@@ -125,7 +126,7 @@ def plan_sweep(name: str, grid_specs: Sequence[str], overrides: Sequence[str], s
             cfg = _load(trial_overrides, values, conf_dir)
         digest = trial_hash(cfg)
         cfg.run.name = f"{name}-{digest}"
-        trials.append(Trial(values, digest, cfg.run.name, cfg))
+        trials.append(Trial(values, digest, cfg.run.name, cfg, (*trial_overrides, f"run.name={cfg.run.name}")))
     if len({t.hash for t in trials}) != len(trials):
         raise GridError("--grid: two trials resolve to the same config (a value that changes nothing?)")
     return SweepPlan(name, tuple(grid), tuple(common), tuple(trials))
