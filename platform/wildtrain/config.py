@@ -227,8 +227,9 @@ class ElasticConfig:
     # node that came back idled 30 s on average before the group noticed it.
     resize_check_interval_s: float = 2.0
     # How often the controller polls its workers: the delay before a dead worker is
-    # noticed, and before a report reaches MLflow. (Measured here: at 0.5 s Ray 2.60's
-    # resize monitor never grew a shrunken group back; Ray's default 2 s does.)
+    # noticed, and before a report reaches MLflow. A worker's report also waits until the
+    # controller has collected the one before (Ray Train queues one): report windows
+    # (train.log_every steps) shorter than this hold training up. Ray's default.
     poll_interval_s: float = 2.0
 
 

@@ -50,6 +50,9 @@ def elastic_config(tiny_config):
         "train.checkpoint_every=4",
         "elastic.resize_check_interval_s=5",
         "elastic.worker_start_timeout_s=10",
+        # Steps paced by Ray's default 2 s poll (each step's report waits for it): 40 of them
+        # outlast the node's death, its detection and its return.
+        "elastic.poll_interval_s=2",
         *extra,
     )
 

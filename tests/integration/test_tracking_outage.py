@@ -40,9 +40,10 @@ def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(ray_
     server, url = own_mlflow
     # Long enough that training runs on well after the pause; saves only at the end, so
     # that every window but the last (which waits for the final save to commit) is steps alone.
-    steps = int((PAUSE_S + 8) * 3) // LOG_EVERY * LOG_EVERY  # every report step a multiple of LOG_EVERY
+    # Windows paced by Ray's default 2 s poll (a report waits for it), about 3 steps/s.
+    steps = int((PAUSE_S + 20) * 3) // LOG_EVERY * LOG_EVERY  # every report step a multiple of LOG_EVERY
     cfg = tiny_config(f"tracking.uri={url}", f"train.steps={steps}", f"train.log_every={LOG_EVERY}",
-                      f"train.checkpoint_every={steps}")
+                      f"train.checkpoint_every={steps}", "elastic.poll_interval_s=2")
     run = BackgroundRun(cfg)
     run.wait_until(lambda reports: any(m.step >= 2 * LOG_EVERY for m in reports), "the first reports", 300,
                    key="step_time_s")

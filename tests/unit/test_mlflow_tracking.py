@@ -94,3 +94,35 @@ def test_a_run_reopened_on_another_cluster_is_tagged_with_every_cluster_it_train
         mlflow_run.open_run(on(cluster), run_id)
     tags = MlflowClient(uri).get_run(run_id).data.tags
     assert (tags[mlflow_run.CLUSTER_TAG], tags[mlflow_run.CLUSTERS_TAG]) == ("a", ",a,b,")
+
+
+def test_runs_that_start_together_on_the_same_dataset_each_record_it(tmp_path):
+    import threading
+
+    from wildtrain.tracking.mlflow_run import log_datasets
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("together", artifact_location=str(tmp_path / "artifacts"))
+    runs = [client.create_run(experiment).info.run_id for _ in range(16)]
+    # Three rounds, a new dataset each: all 16 runs log it at the same instant, as a sweep's
+    # trials do; MLflow's check-then-insert let some of them fail on its unique key.
+    for round_ in range(3):
+        start, errors = threading.Barrier(len(runs)), []
+
+        def log(run_id):
+            start.wait()
+            try:
+                log_datasets(MlflowClient(uri), run_id, [(f"s3://b/data-{round_}", f"{round_:02d}" * 32)])
+            except Exception as e:  # noqa: BLE001 - the test reports every one
+                errors.append(repr(e)[:200])
+
+        threads = [threading.Thread(target=log, args=(run_id,)) for run_id in runs]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
+    for run_id in runs:
+        assert sorted(i.dataset.name for i in client.get_run(run_id).inputs.dataset_inputs) == [
+            f"s3://b/data-{r}" for r in range(3)]

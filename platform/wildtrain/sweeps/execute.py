@@ -77,7 +77,7 @@ def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Opt
     from mlflow.tracking import MlflowClient
 
     from wildtrain.data.dataset import open_datasets
-    from wildtrain.tracking.mlflow_run import check_reachable
+    from wildtrain.tracking.mlflow_run import check_reachable, experiment_id_of
 
     tracking = plan.trials[0].cfg.tracking
     check_reachable(tracking.uri)
@@ -86,8 +86,7 @@ def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Opt
     for cfg in {json.dumps([d.uri for d in t.cfg.data.datasets]): t.cfg for t in plan.trials}.values():
         open_datasets(cfg)
     client = MlflowClient(tracking.uri)
-    experiment = client.get_experiment_by_name(tracking.experiment)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(tracking.experiment)
+    experiment_id = experiment_id_of(client, tracking.experiment)
     parent = _parent(client, experiment_id, plan)
     done = {run.data.tags[TRIAL_TAG] for run in trial_runs(client, [experiment_id], plan.name)
             if run.info.status == "FINISHED"}

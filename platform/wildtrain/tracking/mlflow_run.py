@@ -104,8 +104,7 @@ def open_run(cfg: Config, run_id: Optional[str], tags: Optional[dict[str, str]] 
         client.set_tag(run_id, CLUSTER_TAG, cfg.cluster.name)
         return run.info.experiment_id, run_id
 
-    experiment = client.get_experiment_by_name(cfg.tracking.experiment)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(cfg.tracking.experiment)
+    experiment_id = experiment_id_of(client, cfg.tracking.experiment)
     run = client.create_run(experiment_id, run_name=cfg.run.name,
                             tags={CLUSTER_TAG: cfg.cluster.name, CLUSTERS_TAG: f",{cfg.cluster.name},",
                                   **cfg.run.tags, **(tags or {})})
@@ -117,17 +116,48 @@ def open_run(cfg: Config, run_id: Optional[str], tags: Optional[dict[str, str]] 
     return experiment_id, run.info.run_id
 
 
+def experiment_id_of(client, name: str) -> str:
+    """The experiment's id; created if there is none. Two runs that start together may both
+    create it: the one that loses finds the other's."""
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException:
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return experiment.experiment_id
+
+
 def log_datasets(client, run_id: str, datasets: list[tuple[str, str]]) -> None:
     """Each (uri, manifest sha256) as an MLflow dataset input: the UI shows what each run
     trained on, and runs on different data show different digests. MLflow keeps one input
     per dataset and digest, so a resubmission logs nothing new."""
     from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.exceptions import MlflowException
 
-    client.log_inputs(run_id, datasets=[
-        DatasetInput(Dataset(name=uri, digest=sha256[:16], source_type="wildtrain-manifest",
-                             source=f"{uri}/manifest.json"), tags=[InputTag("mlflow.data.context", "training")])
-        for uri, sha256 in datasets
-    ])
+    inputs = [DatasetInput(Dataset(name=uri, digest=sha256[:16], source_type="wildtrain-manifest",
+                                   source=f"{uri}/manifest.json"), tags=[InputTag("mlflow.data.context", "training")])
+              for uri, sha256 in datasets]
+    for attempt in range(_DATASET_ATTEMPTS):
+        try:
+            client.log_inputs(run_id, datasets=inputs)
+            return
+        except MlflowException as e:
+            # Runs that start together (a sweep's trials) record the same new dataset at
+            # once, and MLflow's store checks, then inserts: the losers' insert breaks its
+            # unique key. Logged again, MLflow finds the winner's row and links to it.
+            if attempt + 1 == _DATASET_ATTEMPTS or not any(m in str(e) for m in _DUPLICATE_KEY):
+                raise
+
+
+_DATASET_ATTEMPTS = 3
+# How SQLite, PostgreSQL and MySQL name a broken unique key, through MLflow's SQL store.
+_DUPLICATE_KEY = ("UNIQUE constraint failed", "UniqueViolation", "Duplicate entry")
 
 
 def read_events(uri: str, run_id: str, folder: str) -> list[Event]:
