@@ -31,9 +31,8 @@ from wildtrain.data.pins import OrderPins, order_changes, order_pins
 from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.events import DataOrderChanged, ShardSkipped, Started, Stopped
 from wildtrain.tracking import report
-from wildtrain.tracking.mlflow_run import (
-    FLUSH_TIMEOUT_S, MlflowCallback, Tracker, check_reachable, log_datasets, log_event, open_run, run_url,
-)
+from wildtrain.tracking.mlflow_run import FLUSH_TIMEOUT_S, MlflowCallback, Tracker, check_reachable, log_event, run_url
+from wildtrain.tracking.run_setup import log_datasets, open_run
 from wildtrain.tracking.progress import ProgressCallback
 from wildtrain.train.loop import LoopInputs, train_loop
 

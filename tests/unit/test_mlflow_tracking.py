@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from wildtrain.config import StorageConfig
-from wildtrain.tracking import mlflow_run
+from wildtrain.tracking import mlflow_run, run_setup
 from wildtrain.events import Resize, TrackingOutage
 from wildtrain.tracking.mlflow_run import MlflowCallback, Tracker, read_events
 from wildtrain.elastic.signals import Restart
@@ -89,17 +89,17 @@ def test_a_run_reopened_on_another_cluster_is_tagged_with_every_cluster_it_train
     def on(cluster):
         return load_config(["experiment=tiny", f"tracking.uri={uri}", "tracking.experiment=moves", f"cluster.name={cluster}"])
 
-    _, run_id = mlflow_run.open_run(on("a"), None)
+    _, run_id = run_setup.open_run(on("a"), None)
     for cluster in ("b", "b", "a"):  # moved to b, resubmitted there, moved back
-        mlflow_run.open_run(on(cluster), run_id)
+        run_setup.open_run(on(cluster), run_id)
     tags = MlflowClient(uri).get_run(run_id).data.tags
-    assert (tags[mlflow_run.CLUSTER_TAG], tags[mlflow_run.CLUSTERS_TAG]) == ("a", ",a,b,")
+    assert (tags[run_setup.CLUSTER_TAG], tags[run_setup.CLUSTERS_TAG]) == ("a", ",a,b,")
 
 
 def test_runs_that_start_together_on_the_same_dataset_each_record_it(tmp_path):
     import threading
 
-    from wildtrain.tracking.mlflow_run import log_datasets
+    from wildtrain.tracking.run_setup import log_datasets
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)

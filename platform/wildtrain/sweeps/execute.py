@@ -77,7 +77,8 @@ def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Opt
     from mlflow.tracking import MlflowClient
 
     from wildtrain.data.dataset import open_datasets
-    from wildtrain.tracking.mlflow_run import check_reachable, experiment_id_of
+    from wildtrain.tracking.mlflow_run import check_reachable
+    from wildtrain.tracking.run_setup import experiment_id_of
 
     tracking = plan.trials[0].cfg.tracking
     check_reachable(tracking.uri)

@@ -21,7 +21,8 @@ from typing import Mapping, Optional, Sequence
 from wildtrain import events as run_events
 from wildtrain.tracking import goodput
 from wildtrain.tracking.goodput import AttemptStarted, Interrupted, RunStarted, RunStopped, Steps, Waiting
-from wildtrain.tracking.mlflow_run import CLUSTER_TAG, CLUSTERS_TAG, read_events
+from wildtrain.tracking.mlflow_run import read_events
+from wildtrain.tracking.run_setup import CLUSTER_TAG, CLUSTERS_TAG
 
 PLOT_ARTIFACT_DIR = "report"
 
