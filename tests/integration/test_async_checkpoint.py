@@ -60,6 +60,13 @@ def _train_and_save(rank: int, world_size: int, port: int, root: str) -> None:
         admissions = []
         for step in range(1, SAVE_AT + 1):
             _train(engine, plan, rank, range(step - 1, step))
+            if step == 1:
+                # As the loop does after an attempt's first step (the optimizer's state exists
+                # from then on): the first save takes host buffers allocated ahead of it.
+                saver.reserve_buffers(engine)
+                saver._buffers._reserving.join()
+                reserved = saver._buffers.allocated
+                assert reserved > 0, f"rank {rank}: nothing reserved for stage {stage}"
             if step == SAVE_AT:
                 saved = _full_params(engine)
             skip = torch.tensor([int(saver.admission().action == "skip")])
@@ -68,6 +75,10 @@ def _train_and_save(rank: int, world_size: int, port: int, root: str) -> None:
                                   data_position={"step": step}, config_hash="test")
             admissions.append(saver.save_engine(engine, meta, f'{{"step": {step}}}',
                                                 blocked_elsewhere=bool(skip.item())).action)
+            if step == 1:
+                assert saver._buffers.allocated == reserved, (
+                    f"rank {rank}, stage {stage}: the first save allocated "
+                    f"{saver._buffers.allocated - reserved} buffers of its own")
             # The first save's upload waits at the gate, so the second is written only after
             # the step below has changed the live tensors.
             assert faults.write_blocked.wait(WAIT_S), f"rank {rank}: the first upload never started"

@@ -43,6 +43,21 @@ def test_a_run_without_failures():
     assert goodput.goodput == 180.0 / 214.0
 
 
+def test_time_blocked_handing_a_report_to_the_controller_is_badput_of_its_own():
+    events = [
+        RunStarted(0.0),
+        AttemptStarted(10.0, restored_step=0),
+        Steps(1, 10, 12.0, 112.0, data_wait_s=5.0, report_wait_s=20.0),
+        Steps(11, 20, 112.0, 212.0, report_wait_s=1.5),
+        RunStopped(212.0),
+    ]
+    goodput = account(events, now=212.0)
+    assert_adds_up(goodput)
+    assert parts(goodput) == {"productive": 200.0 - 5.0 - 21.5, "startup": 12.0, "data_wait": 5.0, "report_wait": 21.5}
+    # A step's usual time leaves the report's wait out: a window that waited on reports is not "slow".
+    assert Steps(1, 10, 0.0, 100.0, report_wait_s=60.0).step_s == 4.0
+
+
 def test_one_failure_loses_the_steps_after_the_restored_checkpoint():
     events = [
         RunStarted(0.0),

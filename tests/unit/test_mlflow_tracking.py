@@ -40,7 +40,8 @@ def test_reports_never_wait_on_a_hung_mlflow_server_and_nothing_is_lost(hung_ser
                               StorageConfig(), tmp_path / "tracking")
     started = time.perf_counter()
     for step in range(1, 101):
-        callback.after_report(None, [{"step": step, "loss": 5.0 - step / 100, "world_size": 2, "events": []}])
+        window = {"step": step, "at": time.time(), "loss": 5.0 - step / 100, "world_size": 2}
+        callback.after_report(None, [{"step": step, "world_size": 2, "events": [], "windows": [window]}])
     assert time.perf_counter() - started < 1.0, "the report path waited on MLflow"
 
     started = time.perf_counter()
@@ -126,3 +127,20 @@ def test_runs_that_start_together_on_the_same_dataset_each_record_it(tmp_path):
     for run_id in runs:
         assert sorted(i.dataset.name for i in client.get_run(run_id).inputs.dataset_inputs) == [
             f"s3://b/data-{r}" for r in range(3)]
+
+
+def test_each_window_of_a_report_is_logged_at_its_own_step_and_time(store, tmp_path):
+    client, run_id = store
+    callback = MlflowCallback(client.tracking_uri, run_id, lambda e: Restart("failure", "", False),
+                              str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking")
+    # Three log steps that waited for one report, as the loop sends them while the
+    # controller's previous report was still queued, and a save's figures at the report's step.
+    windows = [{"step": step, "at": 1_700_000_000.0 + step, "loss": 5.0 - step, "step_time_s": 0.5,
+                "world_size": 2, "time/report_wait_s": 0.0} for step in (1, 2, 3)]
+    callback.after_report(None, [{"step": 3, "world_size": 2, "events": [], "windows": windows,
+                                  "checkpoint/bytes": 1024.0}])
+    callback.after_controller_finish(None)
+    history = client.get_metric_history(run_id, "loss")
+    assert [(m.step, m.value, m.timestamp) for m in history] == [
+        (1, 4.0, 1_700_000_001_000), (2, 3.0, 1_700_000_002_000), (3, 2.0, 1_700_000_003_000)]
+    assert [m.step for m in client.get_metric_history(run_id, "checkpoint/bytes")] == [3]

@@ -6,7 +6,7 @@ from ray.train.v2.api.exceptions import WorkerGroupError
 from wildtrain.events import HealthCheck, NodeExcluded
 from wildtrain.ray_compat import UserExceptionWithTraceback
 from wildtrain.elastic.nodes import room_for_another_worker, workers_that_fit
-from wildtrain.elastic.signals import PlannedRegrow, UnhealthyNodes, classify_restart
+from wildtrain.elastic.signals import PeerFailed, PlannedRegrow, UnhealthyNodes, classify_restart
 
 
 def _worker_group_error(*worker_errors: BaseException) -> WorkerGroupError:
@@ -36,9 +36,24 @@ def test_planned_regrows_and_real_failures_are_told_apart():
     assert (regrow.kind, regrow.planned) == ("resize", True)
     crash = classify_restart(_worker_group_error(ValueError("bad batch")))
     assert (crash.kind, crash.planned, crash.events) == ("failure", False, [])
-    assert crash.cause == "Training failed due to worker errors:"
+    assert crash.cause == "rank 0: builtins.ValueError: bad batch"
     assert "bad batch" in str(_worker_group_error(ValueError("bad batch")).worker_failures[0])
     assert not classify_restart(None).planned
+
+
+def test_the_cause_of_a_failure_is_the_failed_ranks_error_not_its_peers_stopping_for_it():
+    error = _worker_group_error(PeerFailed(0, "rank 1: ShardCorrupt: shard-3 is gone"), OSError("shard-3 is gone"))
+    restart = classify_restart(error)
+    assert (restart.kind, restart.planned) == ("failure", False)
+    assert restart.cause == "rank 1: builtins.OSError: shard-3 is gone"
+
+
+def test_peer_failed_survives_pickling_as_ray_sends_it_to_the_controller():
+    import pickle
+
+    stopped = pickle.loads(pickle.dumps(PeerFailed(2, "rank 0: out of memory")))
+    assert (stopped.rank, stopped.reason) == (2, "rank 0: out of memory")
+    assert str(stopped) == str(PeerFailed(2, "rank 0: out of memory"))
 
 
 def test_workers_that_fit_leave_out_excluded_nodes_and_count_the_scarcest_resource():

@@ -80,7 +80,7 @@ import torch
 
 from wildtrain import checkpoint
 from wildtrain.checkpoint.format import checkpoint_name
-from wildtrain.checkpoint.host_copy import CapturingWriter, HostBuffers, copying, to_host
+from wildtrain.checkpoint.host_copy import CapturingWriter, HostBuffers, copying, tensor_specs, to_host
 from wildtrain.checkpoint.retention import RetentionPolicy
 from wildtrain.checkpoint.save_policy import Admission, InFlight, Policy, SaveOutcome, admit
 from wildtrain.checkpoint.save_process import SaveProcess, SaveProcessLost
@@ -109,6 +109,11 @@ class _Job:
 
     def pending_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+
+def _buffer_key(folder: Path, tag: str, path: str) -> str:
+    """Buffers are matched by position in the file, not by the tag folder, which changes every save."""
+    return Path(path).relative_to(folder).as_posix().removeprefix(f"{tag}/")
 
 
 class _Link:
@@ -233,6 +238,30 @@ class AsyncSaver:
         self._enqueue(job)
         return admission
 
+    def reserve_buffers(self, engine) -> None:
+        """Allocate the host buffers of this rank's part of `engine`'s checkpoints in the
+        background, before the first save needs them (a collective, as a save is: every
+        rank calls it). What the checkpoint holds is learned from a capture that copies
+        nothing: DeepSpeed's `save_checkpoint` into a scratch folder, its tensors noted."""
+        tag = "reserve"
+        folder = self.staging / f"reserve.rank{self.rank}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        specs: dict = {}
+
+        def note(path: str, state: Any) -> None:
+            if not isinstance(state, bytes):
+                specs.update(tensor_specs(state, _buffer_key(folder, tag, path)))
+
+        original = engine.checkpoint_engine
+        engine.checkpoint_engine = CapturingWriter(original, note)
+        try:
+            checkpoint.save(engine, str(folder), tag, "{}", self.rank)
+        finally:
+            engine.checkpoint_engine = original
+            shutil.rmtree(folder, ignore_errors=True)
+        self._buffers.reserve(specs)
+
     def save_state(self, meta: CheckpointMeta, files: Mapping[str, Any], *, blocked_elsewhere: bool = False,
                    policy: Optional[Policy] = None) -> Admission:
         """Capture `files` (path in the checkpoint folder → a nested container of tensors for
@@ -323,11 +352,9 @@ class AsyncSaver:
         return _Job(meta, name, folder)
 
     def _capture(self, job: _Job, path: str, state: Any) -> None:
-        rel = Path(path).relative_to(job.folder).as_posix()
-        # Buffers are matched by position in the file, not by the tag folder, which changes every save.
-        key = rel.removeprefix(f"{job.meta.tag}/")
-        host = state if isinstance(state, bytes) else to_host(state, key, self._buffers, job.buffers, {}, self._copy_stream)
-        job.pending.append((rel, host))
+        key = _buffer_key(job.folder, job.meta.tag, path)
+        host = state if isinstance(state, bytes) else to_host(state, key, self._buffers, job.buffers, self._copy_stream)
+        job.pending.append((Path(path).relative_to(job.folder).as_posix(), host))
 
     def _enqueue(self, job: _Job) -> None:
         with self._cond:

@@ -21,22 +21,47 @@ import torch.cuda._pin_memory_utils as pin_memory_utils
 
 class HostBuffers:
     """Host tensors reused across saves, one spare per tensor position; with `share`, in
-    shared memory, for a save process to read where they are."""
+    shared memory, for a save process to read where they are. `reserve` allocates them
+    ahead of the first save, in the background."""
 
     def __init__(self, pin: bool, share: bool = False) -> None:
         self._pin = pin
         self._share = share
         self._spare: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
+        self._reserving: Optional[threading.Thread] = None
+        self.allocated = 0  # buffers allocated so far: reused ones are the point
+
+    def reserve(self, specs: Mapping[str, tuple[torch.Size, torch.dtype]]) -> None:
+        """Allocate (and pin) a spare for each (key, shape, dtype) in a background thread:
+        page-locking a rank's whole state takes seconds (about 18 GB for the 1.3b preset
+        on one GPU) that the first save would otherwise stall training for. A `take`
+        before it is done waits for the rest."""
+        def allocate() -> None:
+            for key, (shape, dtype) in specs.items():
+                host = self._new(shape, dtype)
+                with self._lock:
+                    self._spare.setdefault(key, host)
+
+        self._reserving = threading.Thread(target=allocate, name="wildtrain-host-buffers", daemon=True)
+        self._reserving.start()
 
     def take(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        reserving = self._reserving
+        if reserving is not None:
+            reserving.join()
+            self._reserving = None
         with self._lock:
             spare = self._spare.pop(key, None)
         if spare is not None and spare.shape == like.shape and spare.dtype == like.dtype:
             return spare
+        return self._new(like.shape, like.dtype)
+
+    def _new(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        self.allocated += 1
         if not self._share:
-            return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self._pin)
-        host = torch.empty(like.shape, dtype=like.dtype, device="cpu").share_memory_()
+            return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self._pin)
+        host = torch.empty(shape, dtype=dtype, device="cpu").share_memory_()
         if self._pin and host.numel():
             # As torch.distributed.checkpoint's staging does: CUDA cannot allocate pinned memory
             # that another process can map, so the shared memory is page-locked in place.
@@ -83,33 +108,57 @@ def copying(stream: Optional["torch.cuda.Stream"]):
     stream.synchronize()
 
 
-def to_host(obj: Any, key: str, buffers: HostBuffers, taken: dict[str, torch.Tensor], memo: dict[int, Any],
-            stream: Optional["torch.cuda.Stream"] = None) -> Any:
-    """A copy of `obj` whose tensors live in host buffers taken from `buffers` (and recorded
-    in `taken` by key, to be given back), so training may change the originals at once.
-    Containers keep their type (and a state dict its `_metadata`)."""
+def map_tensors(obj: Any, key: str, fn: Callable[[str, torch.Tensor], Any], memo: dict[int, Any]) -> Any:
+    """`obj` with each tensor replaced by `fn(its key, it)`: `key` extended by the path of
+    container keys and indices to it. A tensor referenced twice (tied weights) is mapped
+    once. Containers keep their type (and a state dict its `_metadata`); anything else is
+    deep-copied."""
     if torch.is_tensor(obj):
-        if id(obj) not in memo:  # a tensor referenced twice (tied weights) is copied once
-            host = buffers.take(key, obj)
-            if stream is not None and obj.is_cuda:
-                # The allocator must not hand a temporary's memory (DeepSpeed builds some state
-                # dicts on the fly) to the training stream while this copy still reads it.
-                obj.record_stream(stream)
-                with torch.cuda.stream(stream):
-                    host.copy_(obj.detach(), non_blocking=True)
-            else:
-                host.copy_(obj.detach())
-            taken[key] = host
-            memo[id(obj)] = host
+        if id(obj) not in memo:
+            memo[id(obj)] = fn(key, obj)
         return memo[id(obj)]
     if isinstance(obj, dict):
         out = copy.copy(obj)
         for k, v in obj.items():
-            out[k] = to_host(v, f"{key}/{k}", buffers, taken, memo, stream)
+            out[k] = map_tensors(v, f"{key}/{k}", fn, memo)
         return out
     if isinstance(obj, list):
-        return [to_host(v, f"{key}/{i}", buffers, taken, memo, stream) for i, v in enumerate(obj)]
+        return [map_tensors(v, f"{key}/{i}", fn, memo) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
-        items = [to_host(v, f"{key}/{i}", buffers, taken, memo, stream) for i, v in enumerate(obj)]
+        items = [map_tensors(v, f"{key}/{i}", fn, memo) for i, v in enumerate(obj)]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return copy.deepcopy(obj)
+
+
+def to_host(obj: Any, key: str, buffers: HostBuffers, taken: dict[str, torch.Tensor],
+            stream: Optional["torch.cuda.Stream"] = None) -> Any:
+    """A copy of `obj` whose tensors live in host buffers taken from `buffers` (and recorded
+    in `taken` by key, to be given back), so training may change the originals at once."""
+    def copy_to_host(key: str, tensor: torch.Tensor) -> torch.Tensor:
+        host = buffers.take(key, tensor)
+        if stream is not None and tensor.is_cuda:
+            # DeepSpeed builds some of what it saves on the fly (flattened or converted
+            # partitions): kernels queued on the training stream, which the copy must
+            # follow; and the allocator must not hand such a temporary's memory to the
+            # training stream while this copy still reads it.
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            tensor.record_stream(stream)
+            with torch.cuda.stream(stream):
+                host.copy_(tensor.detach(), non_blocking=True)
+        else:
+            host.copy_(tensor.detach())
+        taken[key] = host
+        return host
+
+    return map_tensors(obj, key, copy_to_host, {})
+
+
+def tensor_specs(obj: Any, key: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """The key, shape and dtype of each tensor `to_host` would copy out of `obj`."""
+    specs: dict[str, tuple[torch.Size, torch.dtype]] = {}
+
+    def note(key: str, tensor: torch.Tensor) -> None:
+        specs[key] = (tensor.shape, tensor.dtype)
+
+    map_tensors(obj, key, note, {})
+    return specs

@@ -94,6 +94,32 @@ class UnhealthyNodes(RuntimeError):
         return type(self), (self.nodes, self.checks)
 
 
+class PeerFailed(RuntimeError):
+    """Raised by every rank whose collectives were aborted because another rank of the group
+    failed (`collectives.failing_together`): the failed rank's own error is the restart's
+    cause, and this one says only that the rank stopped for it."""
+
+    MARKER = "wildtrain-peer-failed:"
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(f"{self.MARKER} rank {rank} stopped because another rank failed: {reason}")
+        self.rank, self.reason = rank, reason
+
+    def __reduce__(self):
+        return type(self), (self.rank, self.reason)
+
+
+def worker_error_cause(per_worker: dict) -> str:
+    """`rank N: <its exception's line>` of the first worker whose failure is its own (not a
+    `PeerFailed`); "" when there is none."""
+    for rank, failure in sorted(per_worker.items()):
+        text = str(failure).strip()
+        if not text or PeerFailed.MARKER in text:
+            continue
+        return f"rank {rank}: {text.splitlines()[-1][:500]}"
+    return ""
+
+
 @functools.lru_cache(maxsize=16)
 def classify_restart(error: BaseException | None) -> Restart:
     """Why the controller is restarting the group, from its error: Ray's summary of the
@@ -116,4 +142,5 @@ def classify_restart(error: BaseException | None) -> Restart:
         checks = [from_dict(check) for f in found for check in f["checks"]]
         return Restart("failure", f"health check failed on node(s) {', '.join(nodes)}; left out of the run",
                        planned=True, events=checks + excluded)
-    return Restart("failure", text.splitlines()[0][:500] if text else "", planned=False)
+    cause = worker_error_cause(getattr(error, "worker_failures", {}))
+    return Restart("failure", cause or (text.splitlines()[0][:500] if text else ""), planned=False)

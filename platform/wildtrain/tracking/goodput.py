@@ -27,15 +27,17 @@ RESTORE = "restore"
 LOST = "lost"
 CHECKPOINT_STALL = "checkpoint_stall"
 DATA_WAIT = "data_wait"
+REPORT_WAIT = "report_wait"
 STALLED = "stalled"
 STOPPED = "stopped"
 UNREPORTED = "unreported"
-BADPUT_CAUSES = (STARTUP, WAITING, RESTORE, LOST, CHECKPOINT_STALL, DATA_WAIT, STALLED, STOPPED, UNREPORTED)
+BADPUT_CAUSES = (STARTUP, WAITING, RESTORE, LOST, CHECKPOINT_STALL, DATA_WAIT, REPORT_WAIT, STALLED, STOPPED,
+                 UNREPORTED)
 
 # An instant that several intervals claim (clocks of different hosts disagree, an outage
 # reported twice) counts once, for the first claimant here: badput before productive, so
 # goodput is never overstated.
-_PRECEDENCE = (LOST, RESTORE, WAITING, CHECKPOINT_STALL, DATA_WAIT, STALLED, PRODUCTIVE)
+_PRECEDENCE = (LOST, RESTORE, WAITING, CHECKPOINT_STALL, DATA_WAIT, REPORT_WAIT, STALLED, PRODUCTIVE)
 
 # A window stalled when its steps took more than this many times the median step of the
 # run's windows at its world size; judged only once there are enough windows for a median
@@ -92,8 +94,9 @@ class Interrupted:
 @dataclass(frozen=True)
 class Steps:
     """Optimizer steps `first`..`last` (inclusive), run back to back over [start, end):
-    one report window of the training loop at `world_size` (0: not known). `data_wait_s`
-    and `checkpoint_stall_s` are the window's totals of those parts."""
+    one metrics window of the training loop at `world_size` (0: not known). `data_wait_s`,
+    `checkpoint_stall_s` and `report_wait_s` are the window's totals of those parts (the
+    last: blocked handing a report to the controller)."""
 
     first: int
     last: int
@@ -102,11 +105,13 @@ class Steps:
     data_wait_s: float = 0.0
     checkpoint_stall_s: float = 0.0
     world_size: int = 0
+    report_wait_s: float = 0.0
 
     @property
     def step_s(self) -> float:
-        """Time per step besides data wait and checkpoint stall."""
-        return max(0.0, self.end - self.start - self.data_wait_s - self.checkpoint_stall_s) / (self.last - self.first + 1)
+        """Time per step besides data wait, checkpoint stall and report wait."""
+        waits = self.data_wait_s + self.checkpoint_stall_s + self.report_wait_s
+        return max(0.0, self.end - self.start - waits) / (self.last - self.first + 1)
 
 
 Event = Union[RunStarted, RunStopped, Waiting, AttemptStarted, Interrupted, Steps]
@@ -131,11 +136,11 @@ def account(events: Sequence[Event], now: float) -> Goodput:
     Each instant gets exactly one cause:
 
     1. Intervals claim time, and where they overlap the first of LOST, RESTORE, WAITING,
-       CHECKPOINT_STALL, DATA_WAIT, PRODUCTIVE wins:
+       CHECKPOINT_STALL, DATA_WAIT, REPORT_WAIT, PRODUCTIVE wins:
        - a `Steps` window: its steps that were later redone are LOST (its tail: the newest
-         steps); the rest is DATA_WAIT at its start, CHECKPOINT_STALL at its end, STALLED
-         before that (see `stalled_s`) and PRODUCTIVE between, each part scaled to the
-         steps kept. Parts larger than the window (clock noise) are cut to fit it. A step
+         steps); the rest is DATA_WAIT then REPORT_WAIT at its start, CHECKPOINT_STALL at
+         its end, STALLED before that (see `stalled_s`) and PRODUCTIVE between, each part
+         scaled to the steps kept. Parts larger than the window (clock noise) are cut to fit it. A step
          is redone when an attempt that starts at or after the window's end restored an
          older step, or a window that starts at or after its end runs it again.
        - RESTORE for `restore_s + reshard_s` from an `AttemptStarted`;
@@ -215,7 +220,8 @@ def _partition(events: Sequence[Event], now: float) -> tuple[list[int], list[str
 
 
 def _check(e: Event) -> None:
-    if isinstance(e, Steps) and (e.last < e.first or e.end < e.start or min(e.data_wait_s, e.checkpoint_stall_s) < 0):
+    if isinstance(e, Steps) and (e.last < e.first or e.end < e.start
+                                 or min(e.data_wait_s, e.checkpoint_stall_s, e.report_wait_s) < 0):
         raise ValueError(f"{e}: needs first <= last, start <= end and parts >= 0")
     if isinstance(e, Waiting) and e.end < e.start:
         raise ValueError(f"{e}: ends before it starts")
@@ -249,11 +255,14 @@ def _claims(events: Sequence[Event]) -> list[tuple[int, int, str]]:
         kept_steps = n - min(n, max(0, e.last - max(redone_from, e.first - 1)))
         kept = (end - start) * kept_steps // n
         data_wait = min(kept, round(e.data_wait_s * _TICKS_PER_S * kept_steps / n))
-        stall = min(kept - data_wait, round(e.checkpoint_stall_s * _TICKS_PER_S * kept_steps / n))
-        held_up = min(kept - data_wait - stall, round(held_up_s * _TICKS_PER_S * kept_steps / n))
+        report_wait = min(kept - data_wait, round(e.report_wait_s * _TICKS_PER_S * kept_steps / n))
+        waited = data_wait + report_wait
+        stall = min(kept - waited, round(e.checkpoint_stall_s * _TICKS_PER_S * kept_steps / n))
+        held_up = min(kept - waited - stall, round(held_up_s * _TICKS_PER_S * kept_steps / n))
         claims += [
             (start, start + data_wait, DATA_WAIT),
-            (start + data_wait, start + kept - stall - held_up, PRODUCTIVE),
+            (start + data_wait, start + waited, REPORT_WAIT),
+            (start + waited, start + kept - stall - held_up, PRODUCTIVE),
             (start + kept - stall - held_up, start + kept - stall, STALLED),
             (start + kept - stall, start + kept, CHECKPOINT_STALL),
             (start + kept, end, LOST),

@@ -36,7 +36,7 @@ STOPPED_EARLY_TAG = "wildtrain.stopped_early"
 TRAINING_METRICS = (
     "step", "loss", "lr", "tokens_seen", "tokens_per_s", "step_time_s", "world_size", "epoch", "mfu",
     "time/data_wait_s", "time/forward_s", "time/backward_s", "time/optimizer_s", "time/checkpoint_stall_s",
-    "memory/peak_gb",
+    "time/report_wait_s", "memory/peak_gb",
 )
 
 # An attempt's first report: where its start-up went (bench/startup.py), logged as startup/<key>.
@@ -160,11 +160,12 @@ class Tracker:
         self._buffer = TrackingBuffer(lambda record: _send(client, record), folder, is_transient=_transient,
                                       on_outage=self._outage)
 
-    def metrics(self, values: dict[str, float], step: int) -> None:
-        now = int(time.time() * 1000)
+    def metrics(self, values: dict[str, float], step: int, at: Optional[float] = None) -> None:
+        """Log `values` at `step`, stamped `at` (wall-clock seconds; default: now)."""
+        stamp = int((time.time() if at is None else at) * 1000)
         self.step = max(self.step, step)
         self._buffer.put({"op": "metrics", "run_id": self.run_id,
-                          "metrics": [[key, float(value), now, step] for key, value in values.items()]})
+                          "metrics": [[key, float(value), stamp, step] for key, value in values.items()]})
 
     def event(self, event: Event, step: int) -> None:
         for record in _event_records(self.run_id, event, step):
@@ -192,6 +193,10 @@ class Tracker:
         event = outage.event()
         self.event(event, self.step)
         print(f"{event.KIND}: {event.summary()}", flush=True)
+
+
+def _numbers(values: dict, keys: tuple[str, ...]) -> dict[str, float]:
+    return {key: value for key, value in values.items() if key in keys and isinstance(value, (int, float))}
 
 
 def run_url(uri: str, experiment_id: str, run_id: str) -> str:
@@ -266,8 +271,12 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
         reported = metrics[0]
         step = int(reported["step"])
         recovery = self.timeline.reported(reported)
+        # Each window closed at a log step since the last report, at its step and at the time
+        # the worker closed it: the report itself may come a poll later (train/loop.py).
+        for window in reported.get("windows", []):
+            self.tracking.metrics(_numbers(window, TRAINING_METRICS), int(window["step"]), at=window["at"])
         values = {key: value for key, value in reported.items()
-                  if (key in TRAINING_METRICS or key.startswith("checkpoint/")) and isinstance(value, (int, float))}
+                  if key.startswith("checkpoint/") and isinstance(value, (int, float))}
         values |= {f"startup/{key}": reported[key] for key in STARTUP_METRICS if key in reported}
         if recovery is not None:
             values |= {f"elastic/{key}": value for key, value in asdict(recovery).items()
@@ -283,7 +292,8 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
             self._log_event(event, step)
         for committed in reported.get("committed_checkpoints", []):
             self.tracking.tag("wildtrain.last_checkpoint", committed)
-        self.tracking.metrics(values, step)
+        if values:
+            self.tracking.metrics(values, step)
 
     def _attach_hang_dumps(self, step: int, nodes: list[str]) -> None:
         """Stacks the hang watchdogs wrote before they failed the attempt, as artifacts under

@@ -21,8 +21,6 @@ class ProgressCallback(UserCallback):
         self.total_steps = total_steps
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
-        reported = metrics[0]
-        if "loss" in reported:
-            print(progress_line(reported, self.total_steps), flush=True)
-        if checkpoint is not None:
-            print(f"checkpoint at step {reported['step']}: {checkpoint.path}", flush=True)
+        windows = metrics[0].get("windows", [])
+        if windows:  # the newest: a report carries the log steps of up to a poll interval
+            print(progress_line(windows[-1], self.total_steps), flush=True)

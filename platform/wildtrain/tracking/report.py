@@ -30,13 +30,14 @@ PLOT_ARTIFACT_DIR = "report"
 MFU = "mfu"
 DATA_WAIT = "time/data_wait_s"  # mean per step over the report's window
 CHECKPOINT_STALL = "time/checkpoint_stall_s"  # mean per step over the report's window
+REPORT_WAIT = "time/report_wait_s"  # mean per step over the report's window
 CHECKPOINT_BYTES = "checkpoint/bytes"  # per save
 CHECKPOINT_SAVE_S = "checkpoint/save_s"  # per save
 # From the controller: the distinct nodes of the worker group when it starts, 0 when it stops.
 NODES = "elastic/nodes"
 WORLD_SIZE = "world_size"  # per report, like step_time_s: stalls are judged per world size
-HISTORY_KEYS = ("loss", "step_time_s", MFU, DATA_WAIT, CHECKPOINT_STALL, CHECKPOINT_BYTES, CHECKPOINT_SAVE_S, NODES,
-                WORLD_SIZE)
+HISTORY_KEYS = ("loss", "step_time_s", MFU, DATA_WAIT, CHECKPOINT_STALL, REPORT_WAIT, CHECKPOINT_BYTES,
+                CHECKPOINT_SAVE_S, NODES, WORLD_SIZE)
 
 
 @dataclass(frozen=True)
@@ -140,12 +141,13 @@ def goodput_events(record: RunRecord) -> list[goodput.Event]:
 
 
 def _step_windows(history: History, events: Sequence[goodput.Event]) -> list[Steps]:
-    """One window per report with `step_time_s`: from the previous such report of the same
-    attempt to this one. An attempt's first report covers one step (the loop reports every
-    attempt's first step), ending when it was logged."""
+    """One window per log step with `step_time_s`: from the previous such window of the same
+    attempt to this one, stamped when the worker closed it. An attempt's first window covers
+    one step (the loop logs every attempt's first step)."""
     boundaries = sorted(e.at for e in events if isinstance(e, (RunStarted, Interrupted, AttemptStarted)))
     data_wait = {(s.at, s.step): s.value for s in history.get(DATA_WAIT, ())}
     stall = {(s.at, s.step): s.value for s in history.get(CHECKPOINT_STALL, ())}
+    report_wait = {(s.at, s.step): s.value for s in history.get(REPORT_WAIT, ())}
     world_size = {(s.at, s.step): int(s.value) for s in history.get(WORLD_SIZE, ())}
     windows = []
     previous: Optional[Sample] = None
@@ -156,7 +158,8 @@ def _step_windows(history: History, events: Sequence[goodput.Event]) -> list[Ste
         start = previous.at if same_attempt else report.at - report.value
         key = (report.at, report.step)
         windows.append(Steps(report.step - steps + 1, report.step, start, report.at,
-                             steps * data_wait.get(key, 0.0), steps * stall.get(key, 0.0), world_size.get(key, 0)))
+                             steps * data_wait.get(key, 0.0), steps * stall.get(key, 0.0), world_size.get(key, 0),
+                             steps * report_wait.get(key, 0.0)))
         previous = report
     return windows
 

@@ -1,30 +1,60 @@
-"""Every collective the training loop issues, on a device its process group can carry.
+"""Every collective the training loop issues, on a device its process group can carry, and
+the attempt's fail-fast: a rank that fails takes its peers out of their collectives at once.
+
+Two process groups, each for what it is good at:
+
+- The default group (Ray Train's: NCCL on GPUs, gloo on CPUs) carries device tensors: the
+  gradients (DeepSpeed's own), the loss (`mean_over_ranks`), the health check's bandwidth
+  probe (`sum_`). Its timeout (elastic.collective_timeout_s) is short, because a collective
+  that waits that long means a peer is gone.
+- The control group (`open_control_group`: gloo, CPU) carries flags, floats and objects.
+  A flag on an NCCL group is a device copy and a sync per call; here it is neither. Its
+  timeout is long: the longest legitimate wait of one rank for another happens here
+  (rank 0 converting a checkpoint to the universal format while the others wait, a save
+  that must commit), and must not trip the default group's short bound.
 
 NCCL moves only CUDA tensors and gloo only CPU ones, and a wrong guess does not fail
 cleanly: NCCL given a CPU tensor raises deep inside c10d, and a CPU tensor per step on a
 GPU run costs a device sync. So no module of `wildtrain.train` calls `torch.distributed`
-directly (tests/unit/test_collectives.py enforces it); they call these functions, which
-pick the device from the default group's backend:
+directly (tests/unit/test_collectives.py enforces it); they call these functions.
 
-- `nccl` alone: the current CUDA device. The caller must have called
-  `torch.cuda.set_device` (Ray Train does, `bench/` does): torch's object collectives use
-  the current device too, and every rank on cuda:0 would hang or corrupt memory.
-- `gloo`, or a group with a CPU backend such as Ray Train's `cpu:gloo,cuda:nccl`: the CPU
-  for flags, floats and objects (no device copy and no sync), while a CUDA tensor such as
-  the loss stays on its device and goes through NCCL.
+Without a control group (its opening is the loop's: tests and benches that call these
+functions in a plain group) the flags go over the default group, on the CPU when it has a
+CPU backend, else on the current CUDA device (the caller must have called
+`torch.cuda.set_device`; Ray Train does, `bench/` does). Without a process group (unit
+tests) every function is the identity of a group of one.
 
-Without a process group (unit tests) every function is the identity of a group of one; a
-group of one still communicates, so a one-GPU run exercises the device choice.
+Fail fast (`PeerWatch`): on a restart, Ray tears the process group down on every worker,
+and a survivor whose collective waits for the failed rank blocks until the collective
+times out (NCCL: its shutdown can block for good). So a rank that raises writes why into
+the group's rendezvous store, and every other rank's watcher thread, blocked on that key on
+a connection of its own, aborts its process groups: their pending and next collectives
+raise at once, and the attempt ends on every rank within seconds.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import contextlib
+import datetime
+import threading
+from typing import Any, Iterator, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from wildtrain.elastic.signals import PeerFailed
+
 T = TypeVar("T")
+
+_control: Optional[dist.ProcessGroup] = None
+_control_of: Optional[dist.ProcessGroup] = None  # the default group `_control` was opened beside
+
+# The rendezvous store's key a failing rank writes its reason to; the store is new with
+# every worker group (Ray Train rendezvouses each on a fresh port), so it is the attempt's.
+PEER_FAILED_KEY = "wildtrain/peer_failed"
+# How long one wait of a watcher lasts before it looks whether it was stopped: a failure
+# wakes it at once; this only bounds how long a stopped watcher lingers.
+_WATCH_SLICE = datetime.timedelta(seconds=5)
 
 
 def small_tensor_device(backend: str) -> torch.device:
@@ -55,20 +85,40 @@ def _active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _device() -> torch.device:
-    return small_tensor_device(str(dist.get_backend()))
+def open_control_group(timeout_s: float) -> None:
+    """Open the control group beside the default one (a collective: every rank calls it,
+    once per worker group): gloo, with `timeout_s` for its collectives."""
+    global _control, _control_of
+    if not _active():
+        return
+    _control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    _control_of = dist.group.WORLD
+
+
+def _control_group() -> Optional[dist.ProcessGroup]:
+    # A control group of an earlier default group (destroyed since: a test, a bench) is gone with it.
+    return _control if _control is not None and _control_of is dist.group.WORLD else None
+
+
+def _flags() -> tuple[Optional[dist.ProcessGroup], torch.device]:
+    """The group and device for flags, floats and objects."""
+    control = _control_group()
+    if control is not None:
+        return control, torch.device("cpu")
+    return None, small_tensor_device(str(dist.get_backend()))
 
 
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if _active() else 1
 
 
 def all_ranks(ok: bool) -> bool:
     """True on every rank when `ok` is true on every rank."""
     if not _active():
         return bool(ok)
-    flag = torch.tensor([int(ok)], device=_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    group, device = _flags()
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
@@ -81,8 +131,9 @@ def broadcast_flag(value: bool, src: int = 0) -> bool:
     """Rank `src`'s `value`, on every rank."""
     if not _active():
         return bool(value)
-    flag = torch.tensor([int(value)], device=_device())
-    dist.broadcast(flag, src=src)
+    group, device = _flags()
+    flag = torch.tensor([int(value)], device=device)
+    dist.broadcast(flag, src=src, group=group)
     return bool(flag.item())
 
 
@@ -90,8 +141,9 @@ def broadcast_object(value: T, src: int = 0) -> T:
     """Rank `src`'s `value` (anything picklable), on every rank."""
     if not _active():
         return value
+    group, device = _flags()
     box = [value]
-    dist.broadcast_object_list(box, src=src, device=_device())
+    dist.broadcast_object_list(box, src=src, group=group, device=device)
     return box[0]
 
 
@@ -99,9 +151,9 @@ def all_gather_object(value: Any) -> list:
     """Every rank's `value`, in rank order, on every rank."""
     if not _active():
         return [value]
-    _device()  # a clear error for a backend the object collectives cannot use
+    group, _ = _flags()  # also a clear error for a backend the object collectives cannot use
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
+    dist.all_gather_object(gathered, value, group=group)
     return gathered
 
 
@@ -111,9 +163,10 @@ def all_gather_floats(values: float | list[float]) -> list:
     single = isinstance(values, (int, float))
     row = torch.tensor([float(values)] if single else [float(v) for v in values], dtype=torch.float64)
     if _active():
-        row = row.to(_device())
+        group, device = _flags()
+        row = row.to(device)
         rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-        dist.all_gather(rows, row)
+        dist.all_gather(rows, row, group=group)
     else:
         rows = [row]
     # One host copy of the whole gather: a sync, but one per call, not one per rank.
@@ -122,8 +175,9 @@ def all_gather_floats(values: float | list[float]) -> list:
 
 
 def mean_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
-    """The mean of `tensor` over all ranks, on `tensor`'s device when the group carries that
-    device (the loss stays on the GPU until it is read), else on the group's device."""
+    """The mean of `tensor` over all ranks, on `tensor`'s device when the default group
+    carries that device (the loss stays on the GPU until it is read), else on the group's
+    device."""
     out = tensor.detach().float().clone()
     if not _active():
         return out
@@ -135,9 +189,9 @@ def mean_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def sum_(tensor: torch.Tensor) -> torch.Tensor:
-    """All-reduce (sum) `tensor` in place, on its own device: for buffers whose device is the
-    point, such as the health check's bandwidth probe. A device the group cannot carry is
-    an error here rather than deep inside c10d."""
+    """All-reduce (sum) `tensor` in place over the default group, on its own device: for
+    buffers whose device is the point, such as the health check's bandwidth probe. A device
+    the group cannot carry is an error here rather than deep inside c10d."""
     if not _active():
         return tensor
     backend = str(dist.get_backend())
@@ -145,3 +199,110 @@ def sum_(tensor: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"a {tensor.device.type} tensor cannot be all-reduced over a {backend!r} process group")
     dist.all_reduce(tensor)
     return tensor
+
+
+class PeerWatch:
+    """One rank's end of the fail-fast (see the module docstring): `tell_peers` when this
+    rank fails; `failed_peer` says why when another did (the watcher sets `peer_failure`
+    before it aborts this rank's groups). Inert without a process group, or where the
+    rendezvous store is not a TCP store."""
+
+    def __init__(self) -> None:
+        self.peer_failure: Optional[str] = None
+        self._stopped = threading.Event()
+        self._store = _rendezvous_store() if _active() else None
+        if self._store is None:
+            return
+        watching = self._store.clone()  # a connection of its own: a wait holds its connection
+        threading.Thread(target=self._watch, args=(watching,), name="wildtrain-peer-watch", daemon=True).start()
+
+    def tell_peers(self, reason: str) -> None:
+        """Make every other rank's collectives raise; `reason` is what they will say. Call
+        it from the training thread, which then uses no group again.
+
+        The reason is in the store before this rank's groups go down, because a gloo peer may
+        learn of the failure from its connection closing first and then reads why from the
+        store (`failed_peer`). What frees whom: NCCL's abort frees the waits of the rank
+        that aborts (the peers' watchers); gloo's does not, and a gloo peer's wait ends
+        when this rank's connections close, which happens only when nothing else holds
+        the group (in a run, DeepSpeed's engine does: there Ray's teardown of the group,
+        bounded by elastic.group_shutdown_timeout_s, ends the peers)."""
+        if self._store is None:
+            return
+        self._stopped.set()  # this rank is done; its watcher must not abort it again
+        try:
+            self._store.set(PEER_FAILED_KEY, reason)
+        except Exception:  # noqa: BLE001 - the store is gone: so is the group, and peers see that
+            pass
+        global _control, _control_of
+        _control = _control_of = None
+        # Aborts every group and drops torch's references to them, which the watchers'
+        # `_abort_groups` must not do under a training thread that may be using them.
+        dist.distributed_c10d._abort_process_group()
+
+    def failed_peer(self) -> Optional[str]:
+        """Another rank's reason, if one failed: asked of the store as well, since a gloo
+        collective raises for the closed connection before the watcher may have woken."""
+        if self.peer_failure is not None or self._store is None:
+            return self.peer_failure
+        try:
+            return self._store.get(PEER_FAILED_KEY).decode() if self._store.check([PEER_FAILED_KEY]) else None
+        except Exception:  # noqa: BLE001 - the store's host is gone: nothing to read
+            return None
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _watch(self, store: dist.Store) -> None:
+        while not self._stopped.is_set():
+            try:
+                store.wait([PEER_FAILED_KEY], _WATCH_SLICE)
+                reason = store.get(PEER_FAILED_KEY).decode()
+            except dist.DistStoreError:
+                continue  # the slice passed with no failure
+            except Exception as e:  # noqa: BLE001 - the store's host (rank 0's process) is gone
+                reason = f"the worker group's rendezvous store is unreachable ({e})"
+            if self._stopped.is_set():
+                return
+            self.peer_failure = reason
+            _abort_groups()
+            return
+
+
+@contextlib.contextmanager
+def failing_together(rank: int, together: tuple[type[BaseException], ...] = ()) -> Iterator[PeerWatch]:
+    """Run the attempt's body so that an exception on this rank ends the attempt on every
+    rank: its reason goes to the others (`PeerWatch`), and an error this rank meets because
+    another failed is raised as `PeerFailed` with that rank's reason. Exceptions of the
+    `together` types are raised by every rank at once (a planned regrow): they tell no one."""
+    watch = PeerWatch()
+    try:
+        yield watch
+    except together:
+        raise
+    except BaseException as e:
+        peer_failure = watch.failed_peer()
+        if peer_failure is not None:
+            raise PeerFailed(rank, peer_failure) from e
+        first_line = (str(e).strip().splitlines() or [""])[0][:300]
+        watch.tell_peers(f"rank {rank}: {type(e).__name__}: {first_line}")
+        raise
+    finally:
+        watch.stop()
+
+
+def _rendezvous_store() -> Optional[dist.TCPStore]:
+    """The TCP store the default group rendezvoused through (Ray Train's tcp:// init)."""
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store if isinstance(store, dist.TCPStore) else None
+
+
+def _abort_groups() -> None:
+    """Abort this rank's process groups from another thread: the collectives that wait in
+    them, and every later one, raise. (torch's `_abort_process_group` would also clear the
+    groups' registry under the training thread.)"""
+    for group in (_control_group(), dist.group.WORLD):
+        if group is not None:
+            group.abort()

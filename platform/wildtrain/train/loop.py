@@ -5,6 +5,15 @@ health, restore the newest checkpoint (resharding it if it was saved at another 
 a new engine, then step, and at the steps due for it save, report and regrow, until the
 run's last step. A worker group that Ray Train restarts (a node died, capacity came back)
 re-enters here at its new size.
+
+A rank that fails ends the attempt on every rank (`collectives.failing_together`): its
+peers leave the collective they wait in instead of waiting out its timeout.
+
+A report never holds a step back: Ray Train keeps one report per worker, and a second
+waits until the controller polls (`elastic.poll_interval_s`). So the metrics of each log
+step are kept as a closed window, and the windows go to the controller together at the
+first report step at which every rank's previous report has been collected; only the last
+step's report, and a regrow's, wait for their turn.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from wildtrain.train.growth import GrowthCheck
 from wildtrain.train.monitor import Monitor
 from wildtrain.train.samples import SampleRecorder
 from wildtrain.train.schedule import Due, due_at
-from wildtrain.train.step import DeviceBatches, StepMetrics, train_step
+from wildtrain.train.step import DeviceBatches, StepMetrics, Window, train_step
 from wildtrain.train.watchdog import HangWatchdog
 
 
@@ -56,21 +65,36 @@ class LoopInputs:
 
 
 def train_loop(inputs: LoopInputs) -> None:
-    attempt = Attempt(inputs)
-    try:
-        while attempt.state.step < inputs.cfg.train.steps:
-            due = attempt.step()
-            if due.checkpoint:
-                due = attempt.save(due)
-            if due.report:
-                attempt.report(due)
-            if attempt.diverged:
-                break  # a diverged trial's checkpoint is worth nothing: no last save
-            if due.regrow:
-                raise PlannedRegrow(f"room for more than {attempt.world_size} workers; "
-                                    f"regrowing from the checkpoint of step {attempt.state.step}")
-    finally:
-        attempt.watchdog.stop()
+    cfg = inputs.cfg
+    collectives.open_control_group(control_timeout_s(cfg))
+    # Raised by every rank at the same step: nobody's failure.
+    together = (PlannedRegrow, UnhealthyNodes, FinalCheckpointFailed)
+    with collectives.failing_together(ray.train.get_context().get_world_rank(), together):
+        attempt = Attempt(inputs)
+        try:
+            while attempt.state.step < cfg.train.steps:
+                due = attempt.step()
+                if due.checkpoint:
+                    due = attempt.save(due)
+                if due.report:
+                    attempt.report(due)
+                if attempt.diverged:
+                    break  # a diverged trial's checkpoint is worth nothing: no last save
+                if due.regrow:
+                    raise PlannedRegrow(f"room for more than {attempt.world_size} workers; "
+                                        f"regrowing from the checkpoint of step {attempt.state.step}")
+        finally:
+            attempt.watchdog.stop()
+
+
+def control_timeout_s(cfg: Config) -> float:
+    """The bound of the control group's waits (`collectives`): the longest that one rank may
+    legitimately wait for another is a restore's conversion (bounded by the start-up
+    watchdog) or a save that must commit (checkpoint.timeout_s)."""
+    return max(cfg.monitor.startup_timeout_s or _NO_BOUND_S, cfg.checkpoint.timeout_s)
+
+
+_NO_BOUND_S = 7 * 24 * 3600.0  # monitor.startup_timeout_s=0 (off): no bound of ours, but torch needs one
 
 
 class Attempt:
@@ -122,6 +146,8 @@ class Attempt:
                             doc_ids=not objective.plain)
         self.samples = SampleRecorder(cfg, rank) if cfg.data.record_samples else None
         self.diverged = False
+        self.windows: list[Window] = []  # closed at log steps, not yet reported
+        self.startup: dict = {}  # the attempt's start-up timings, until a report carries them
 
         self.tokens_per_step = self.plan.global_batch_size * cfg.data.seq_len
         peak = peak_flops(torch.cuda.get_device_name() if cfg.cluster.use_gpu else "cpu",
@@ -147,6 +173,10 @@ class Attempt:
                                     "and data.allow_order_change=true (the rows of later steps change)") from None
         train_step(self.engine, self.plan, rows, self.window, self.slow_forward_s)
         state = self.state
+        if state.step == self.restored_step:
+            # The optimizer's state exists from the first step on: the first save's host
+            # buffers can be allocated now, in the background (a collective).
+            self.saver.reserve_buffers(self.engine)
         state.step += 1
         state.tokens_seen += self.tokens_per_step
         self.watchdog.progress(state.step)
@@ -185,34 +215,30 @@ class Attempt:
             raise FinalCheckpointFailed(state.step, collectives.broadcast_object(newest) or "none")
         return due
 
-    def _judge_loss(self, loss: float) -> list[StoppedEarly]:
-        """The early-stop rule on this log step's loss (the mean over ranks, so every rank
+    def _judge_loss(self, loss: float, step: int) -> list[StoppedEarly]:
+        """The early-stop rule on a log step's loss (the mean over ranks, so every rank
         decides alike): the event that ends the run, if it diverged."""
-        if not self.cfg.early_stop.enabled:
+        if not self.cfg.early_stop.enabled or self.diverged:
             return []
         verdict = judge_loss(loss, self.state.best_loss, self.cfg.early_stop.loss_factor)
         self.state.best_loss = verdict.best
         if verdict.reason is None:
             return []
         self.diverged = True
-        return [StoppedEarly(time.time(), self.state.step, verdict.reason)]
+        return [StoppedEarly(time.time(), step, verdict.reason)]
 
     def report(self, due: Due) -> None:
-        """Hand the controller this step's metrics, the saves that ended since the last
-        report, and the events; a save commits once its report is collected."""
+        """Close this log step's window, then hand the controller the windows, the saves
+        that ended and the events since the last report, once that holds no step back (see
+        the module docstring); a save commits once its report is collected."""
         state = self.state
-        metrics = {"step": state.step, "tokens_seen": state.tokens_seen, "world_size": self.world_size}
-        events = []
         if due.log:
-            metrics |= self.window.flush() | {"lr": self.engine.get_lr()[0],
-                                              "epoch": (state.step - 1) // self.data.steps_per_epoch}
-            self.monitor.export(metrics)
-            events = self._judge_loss(metrics["loss"])
-        saves = checkpointing.saves_report(self.saver.drain())
-        events += self.monitor.take_events() + saves.pop("events")
+            self.windows.append(self.window.close(step=state.step, tokens_seen=state.tokens_seen,
+                                                  world_size=self.world_size, lr=self.engine.get_lr()[0],
+                                                  epoch=(state.step - 1) // self.data.steps_per_epoch))
         if due.first_of_attempt:
             # What the controller needs to split this attempt's recovery (and start-up) time into its parts.
-            metrics |= self.restored.timing | {
+            self.startup = self.restored.timing | {
                 "restored_step": self.restored_step,
                 "worker_started_at": psutil.Process().create_time(),
                 "attempt_started_at": self.started_at,
@@ -220,10 +246,27 @@ class Attempt:
                 "restored_at": self.restored_at,
                 "first_step_at": time.time(),
             }
-            events = self.restored.events + events
-        ray.train.report(metrics | saves | {"events": events})
-        # Ray's result queue holds one report: this one is in, so the previous one is out;
-        # this one's save commits once the controller polls (`reports_collected`).
+        # Time blocked here is the report's, never the step's: its own badput in goodput.
+        with self.window.timed("report_wait"):
+            # The run's end and a regrow cannot go on without their report; every other
+            # report waits for a step at which no rank's previous one is still queued.
+            if not (due.must_commit or collectives.all_ranks(ray_compat.reports_collected())):
+                return
+            windows = self.window.resolve(self.windows)
+            self.windows = []
+            events = [stop for metrics in windows for stop in self._judge_loss(metrics["loss"], metrics["step"])]
+            if windows:
+                self.monitor.export(windows[-1])
+            saves = checkpointing.saves_report(self.saver.drain())
+            events += self.monitor.take_events() + saves.pop("events")
+            if self.startup:
+                events = self.restored.events + events
+            ray.train.report({"step": state.step, "tokens_seen": state.tokens_seen, "world_size": self.world_size,
+                              "windows": windows, "events": events} | saves | self.startup)
+            self.startup = {}
+        # Every rank's previous report had been collected (or this one waited for its turn),
+        # so reports up to it are at the controller; this one's save commits once the
+        # controller polls (`reports_collected`).
         self.saver.release(self.reported_step)
         self.saver.reported(state.step)
         self.reported_step = state.step

@@ -3,7 +3,8 @@ group (gloo on CPU, NCCL on GPU), with or without Ray.
 
 On a GPU the step must not wait on the host: the next batch's copy is issued while this
 one trains (`DeviceBatches`), the loss is summed on the device, and phases are timed with
-CUDA events that are read only when the window is reported (`StepMetrics.flush`). A
+CUDA events that are read only when a window's metrics are resolved for a report
+(`StepMetrics.resolve`). A
 `torch.cuda.synchronize()` or `.item()` per micro-batch would drain the queue the device
 works from and stall ZeRO-3's parameter prefetch.
 """
@@ -13,7 +14,8 @@ from __future__ import annotations
 import contextlib
 import resource
 import time
-from typing import Callable, Generic, Iterator, Optional, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Callable, Generic, Iterator, Optional, Protocol, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -107,17 +109,32 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 
+@dataclass
+class Window:
+    """A closed metrics window of one rank: the steps since the previous one, with what is
+    known on the host. Its loss (this rank's, on the device) is averaged over the ranks and,
+    on CUDA, its device timings are read only when it is resolved (`StepMetrics.resolve`),
+    so closing one costs neither a collective nor a device sync."""
+
+    metrics: dict  # per step, besides `loss` and the device-timed phases: see `StepMetrics.resolve`
+    loss: torch.Tensor
+    phase_s: dict[str, float]
+    pending: list[tuple[str, "torch.cuda.Event", "torch.cuda.Event"]]
+    steps: int
+
+
 class StepMetrics:
-    """Loss, throughput, MFU and where the time went since the last report: means per step
-    of `time/<phase>_s` (data wait, forward, backward, optimizer, checkpoint stall); the loss
-    is averaged over all ranks.
+    """Loss, throughput, MFU and where the time went, per window of steps: means per step
+    of `time/<phase>_s` (data wait, forward, backward, optimizer, checkpoint stall, report
+    wait); the loss is averaged over all ranks.
 
     Forward, backward and optimizer are timed on the device (CUDA events on the current
-    stream, resolved at `flush` or `busy_s`) and on the host clock elsewhere; a checkpoint
-    stall is the host's wait and always on the host clock."""
+    stream, read when a window is resolved or `busy_s` is read) and on the host clock
+    elsewhere; a checkpoint stall and a report wait are the host's waits and always on the
+    host clock."""
 
     DEVICE_PHASES = ("forward", "backward", "optimizer")
-    PHASES = DEVICE_PHASES + ("checkpoint_stall",)
+    PHASES = DEVICE_PHASES + ("checkpoint_stall", "report_wait")
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, peak: Optional[Peak], world_size: int,
                  device: torch.device, data_wait: Optional[DataWait] = None) -> None:
@@ -131,7 +148,7 @@ class StepMetrics:
         # Forward time since the attempt started: a rank's own work, for straggler checks.
         # Backward and optimizer steps end in gradient reductions, where fast ranks wait.
         self._busy_s = 0.0
-        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._busy_pending: list[tuple["torch.cuda.Event", "torch.cuda.Event"]] = []
         self._reset()
 
     def _reset(self) -> None:
@@ -139,6 +156,7 @@ class StepMetrics:
         self.micro_steps = 0
         self.optimizer_steps = 0
         self.phase_s = dict.fromkeys(self.PHASES, 0.0)
+        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         if self.data_wait is not None:
             self.data_wait.wait_s = 0.0
         self.started = time.perf_counter()
@@ -155,32 +173,26 @@ class StepMetrics:
             finally:
                 end.record()
                 self._pending.append((phase, start, end))
+                if phase == "forward":
+                    self._busy_pending.append((start, end))
             return
         started = time.perf_counter()
         try:
             yield
         finally:
-            self._add(phase, time.perf_counter() - started)
-
-    def _add(self, phase: str, seconds: float) -> None:
-        self.phase_s[phase] += seconds
-        if phase == "forward":
-            self._busy_s += seconds
-
-    def _resolve(self) -> None:
-        """Read the device timings recorded so far: waits for the last of them."""
-        if not self._pending:
-            return
-        self._pending[-1][2].synchronize()
-        for phase, start, end in self._pending:
-            self._add(phase, start.elapsed_time(end) / 1000)
-        self._pending.clear()
+            seconds = time.perf_counter() - started
+            self.phase_s[phase] += seconds
+            if phase == "forward":
+                self._busy_s += seconds
 
     @property
     def busy_s(self) -> float:
         """Forward seconds since the attempt started. On CUDA reading it waits for the device:
         read it when a straggler check needs it, not every step."""
-        self._resolve()
+        if self._busy_pending:
+            self._busy_pending[-1][1].synchronize()
+            self._busy_s += sum(start.elapsed_time(end) / 1000 for start, end in self._busy_pending)
+            self._busy_pending.clear()
         return self._busy_s
 
     def add_loss(self, loss: torch.Tensor) -> None:
@@ -191,27 +203,48 @@ class StepMetrics:
     def end_step(self) -> None:
         self.optimizer_steps += 1
 
-    def flush(self) -> dict:
-        """The window's metrics (a collective: every rank calls it at the same step); starts
-        the next window."""
-        self._resolve()
-        loss_sum = self.loss_sum if self.loss_sum is not None else torch.tensor(float("nan"))
-        loss = collectives.mean_over_ranks(loss_sum / max(1, self.micro_steps))
+    def close(self, **extra) -> Window:
+        """End the window here (no collective, no device sync) and start the next; `extra`
+        values (step, lr, ...) ride in its metrics."""
         elapsed = time.perf_counter() - self.started
         steps = max(1, self.optimizer_steps)
         tokens_per_s = steps * self.tokens_per_step / elapsed
-        metrics = {
-            "loss": float(loss),
+        loss = self.loss_sum / max(1, self.micro_steps) if self.loss_sum is not None else torch.tensor(float("nan"))
+        metrics = extra | {
+            "at": time.time(),
             "step_time_s": elapsed / steps,
             "tokens_per_s": tokens_per_s,
             "time/data_wait_s": (self.data_wait.wait_s if self.data_wait is not None else 0.0) / steps,
             "memory/peak_gb": peak_memory_gb(self.device),
         }
-        metrics |= {f"time/{phase}_s": seconds / steps for phase, seconds in self.phase_s.items()}
         if self.peak is not None:
             metrics["mfu"] = mfu(self.flops_per_token, tokens_per_s, self.peak, self.world_size)
+        window = Window(metrics, loss.detach(), self.phase_s, self._pending, steps)
         self._reset()
-        return metrics
+        return window
+
+    def resolve(self, windows: Sequence[Window]) -> list[dict]:
+        """The metrics of closed `windows`, oldest first: one collective for all their
+        losses (every rank resolves the same windows at the same step) and one wait for
+        the device."""
+        if not windows:
+            return []
+        losses = collectives.mean_over_ranks(torch.stack([w.loss.to(windows[-1].loss.device) for w in windows]))
+        pending = [p for w in windows for p in w.pending]
+        if pending:
+            pending[-1][2].synchronize()
+        resolved = []
+        for window, loss in zip(windows, losses.tolist()):
+            phase_s = dict(window.phase_s)
+            for phase, start, end in window.pending:
+                phase_s[phase] += start.elapsed_time(end) / 1000
+            resolved.append(window.metrics | {"loss": loss}
+                            | {f"time/{phase}_s": seconds / window.steps for phase, seconds in phase_s.items()})
+        return resolved
+
+    def flush(self, **extra) -> dict:
+        """Close the window and resolve it (a collective: every rank calls it at the same step)."""
+        return self.resolve([self.close(**extra)])[0]
 
 
 def model_inputs(micro_batch: torch.Tensor) -> dict[str, torch.Tensor]:
