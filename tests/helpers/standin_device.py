@@ -50,8 +50,10 @@ What was tried and failed:
 - `torch.autograd.set_multithreading_enabled(False)` runs backward on the calling thread
   but keeps the stream guard: a Python error still aborts.
 
-The backend is process-wide and registered once (torch refuses a second rename); the
-mode is active only inside `standin()`.
+The backend is process-wide and registered once (torch refuses a second rename), and a
+registered PrivateUse1 backend is torch's accelerator ahead of CUDA (`torch.accelerator`,
+pinned memory, autograd's streams) for the rest of the process: so `device()` refuses to
+register it where CUDA is. The dispatch mode is active only inside `standin()`.
 """
 
 from __future__ import annotations
@@ -97,6 +99,9 @@ class _Backend(_DummyBackendModule):
 @functools.cache
 def device() -> torch.device:
     """The stand-in device, registering the backend on first use."""
+    if torch.cuda.is_available():
+        raise RuntimeError("the stand-in device would replace CUDA as torch's accelerator for the rest of this "
+                           "process: use it where there is no GPU")
     _setup_privateuseone_for_python_backend(NAME, backend_module=_Backend())
     return torch.device(NAME, 0)
 

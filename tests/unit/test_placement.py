@@ -4,18 +4,24 @@ step under every attention mask, and `DeviceBatches` -> `train_step` fed from ho
 run on it here, so a batch left on the host or a mask built there fails `make test`
 rather than the first GPU run. Each run must also match the same run on the CPU.
 
-GPU-only, covered by tests/gpu (test_step_cuda.py, test_attention_cuda.py) instead:
-- train/step.py `DeviceBatches`: the `self.pinned` path (pinned host buffers, the copy
-  stream, its CUDA events, `record_stream`); a stand-in batch takes the plain `.to(device)`.
-- train/step.py `StepMetrics`: CUDA-event timing (`on_cuda`) and
-  `torch.cuda.max_memory_allocated`; elsewhere the host clock and resident memory.
-- model/masks.py `build`: FlexAttention's BlockMask and compiled kernel (`device.type ==
-  "cuda"`); the stand-in runs the dense SDPA mask built from the same `mask_mod`.
+Skipped where CUDA is: registering the stand-in makes it torch's accelerator for the rest
+of the process, in CUDA's place, and there tests/gpu runs the real device.
+
+What stays GPU-only, covered by tests/gpu (test_step_cuda.py, test_attention_cuda.py):
+- train/step.py `DeviceBatches`: everything under `self.pinned` (`device.type == "cuda"`):
+  the copy stream of `__init__`, `__next__`'s `wait_event`/`record_stream`, and
+  `_prefetch` past `if not self.pinned` (pinned buffers, the copy on the copy stream, its
+  event). A stand-in batch takes the plain `host.to(self.device)` above it.
+- train/step.py `StepMetrics`: `timed`'s CUDA-event branch (`self.on_cuda`) and
+  `_resolve`; `peak_memory_gb`'s `torch.cuda.max_memory_allocated`. Elsewhere: the host
+  clock and resident memory, which run here.
+- model/masks.py `build`: `create_block_mask` (`device.type == "cuda"`), and so
+  transformer.py `Attention`'s compiled FlexAttention branch; the stand-in runs the dense
+  SDPA mask of the same `mask_mod`.
 - DeepSpeed's engine (engine.build_engine: ZeRO partitioning, gradient reduction and
   clipping, compile, bf16): it cannot run on a stand-in device, so `train_step` here drives
   `StandInEngine`, which has the engine's protocol around the model and torch's AdamW.
 """
-
 from __future__ import annotations
 
 import copy
@@ -34,6 +40,8 @@ from wildtrain.data.tokenizer import ByteTokenizer
 from wildtrain.engine import param_groups
 from wildtrain.model import Transformer, flops_per_token
 from wildtrain.train.step import DeviceBatches, StepMetrics, model_inputs, train_step
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: tests/gpu runs the real device")
 
 SEQ_LEN = 24
 ROWS = 4
