@@ -20,16 +20,21 @@ optimizer states are stand-in tensors too, and torch's fused AdamW runs (its CPU
 torch lists the PrivateUse1 backend among its fused devices. Random numbers come from
 the CPU generator, so a seeded model draws the same weights on both devices.
 
+An op with kernels for some devices only runs its composite decomposition here, as on a
+backend without that kernel: SDPA is torch's math attention (placement of its inner ops is
+checked; which CUDA kernel it would pick is not).
+
 Which mixes are refused: an op given stand-in tensors and a host tensor of one or more
 dimensions, as on CUDA; 0-dim host tensors pass, as CUDA lets CPU scalars into kernels.
 Copies (`.to`, `copy_`) cross devices by design. Stricter than CUDA: indexing a device
 tensor with host indices (CUDA copies them over, a sync each time) is refused.
 
 Errors in the backward pass: torch's autograd engine holds a stream guard around every
-node of an accelerator, and the Python device guard's `exchangeStream` (noexcept) calls
-into Python; a Python exception escaping an op there finds the error indicator set and
-aborts the whole process (std::terminate). So inside a backward pass a failing op does
-not raise: it returns a `_Failed` object, which torch's C++ side refuses ("Unable to
+node of an accelerator, and when a Python exception unwinds through it, the guard's
+restore calls the Python device guard (`PythonDeviceGuard::exchangeStream`, noexcept),
+which fails with the exception pending: std::terminate ends the whole process (gdb:
+under `~InlineStreamGuard` in `Engine::evaluate_function`). So inside a backward pass a
+failing op does not raise: it returns a `_Failed` object, which torch's C++ side refuses ("Unable to
 cast <the message> to Tensor"), a C++ error that `.backward()` raises as RuntimeError.
 The message is also logged (pytest shows it under "Captured log"), as ops returning
 lists or nothing lose it from the cast error. Python code that raises on the backward
