@@ -34,8 +34,9 @@ class DeviceBatches(Generic[B]):
     the host's reading of the next batch overlap step k.
 
     On CUDA each batch goes through a reused pinned host buffer (a pageable copy cannot be
-    asynchronous) on a copy stream of its own, and is widened to int64 on the device: half
-    the bytes over PCIe. `host` yields anything `tokens` turns into the token array (the
+    asynchronous) on a copy stream of its own; on any other device it is a plain copy
+    (none on the CPU). Either way it is widened to int64 on the device: half the bytes
+    over PCIe. `host` yields anything `tokens` turns into the token array (the
     loop's `Step`, with its sample ids); `next()` returns (device tokens, that item).
     Exceptions of `host` (a corrupt shard) surface from the `next()` that prefetches."""
 
@@ -77,7 +78,7 @@ class DeviceBatches(Generic[B]):
             return
         host = torch.from_numpy(np.ascontiguousarray(self.tokens(item)))
         if not self.pinned:
-            self._ahead = (host, None, item)
+            self._ahead = (host.to(self.device), None, item)
             return
         slot = self._slot
         self._slot = 1 - slot
