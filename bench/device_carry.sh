@@ -92,8 +92,10 @@ if [ "$count" -ne $((${#PACKAGES[@]} + 1)) ]; then
     exit 1
 fi
 carry=$(du -sb "$OUT" | cut -f1)
-# What travels besides: the tracked and untracked, not ignored, files of the checkout.
-tree=$(cd "$REPO" && git ls-files -co --exclude-standard -z | xargs -0 -r du -bc 2>/dev/null | tail -1 | cut -f1)
+# What travels besides: the tracked and untracked, not ignored, files of the checkout (a
+# tracked file deleted in the working tree does not: du skips it).
+tree=$(cd "$REPO" && git ls-files -co --exclude-standard -z | { du -bc --files0-from=- 2>/dev/null || true; } \
+    | tail -1 | cut -f1)
 total=$((carry + tree))
 echo "carry: $count wheels for Python $PYTHON_VERSION in $OUT, $(mib "$carry") MiB;" \
     "working tree $(mib "$tree") MiB; together $(mib "$total") of 64 MiB"
