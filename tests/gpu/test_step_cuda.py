@@ -1,12 +1,11 @@
 """The CUDA-only paths of the factored step on one GPU with NCCL (world size 1, no Ray):
 batches on the device through pinned memory, every collective of the helper on NCCL,
-ZeRO-1 and ZeRO-3 (built partitioned on the GPU) training compiled with bf16 and fused
-AdamW, and the async checkpoint capture restored exactly (bench/gpu_smoke.py)."""
+ZeRO-1 (compiled) and ZeRO-3 (built partitioned on the GPU) training with bf16 and fused
+AdamW, and the async checkpoint capture restored exactly (bench/gpu_smoke.py). Two ranks:
+test_two_ranks_cuda.py."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,60 +21,50 @@ SEQ_LEN = 64
 BATCH = 8
 
 
-@pytest.fixture(scope="module")
-def nccl():
-    deepspeed = pytest.importorskip("deepspeed")
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    torch.cuda.set_device(0)
-    deepspeed.init_distributed(dist_backend="nccl", verbose=False)
-    assert dist.get_backend() == "nccl"
-    yield torch.device("cuda", 0)
-    dist.destroy_process_group()
-
-
-def test_every_collective_runs_on_nccl(nccl):
+def test_every_collective_runs_on_nccl(cuda_group):
     from wildtrain.train import collectives as c
 
-    assert c.small_tensor_device("nccl") == nccl
+    assert c.small_tensor_device("nccl") == cuda_group
     assert c.all_ranks(True) and not c.all_ranks(False)
     assert c.any_rank(True) and not c.any_rank(False)
     assert c.broadcast_flag(True) is True
     assert c.broadcast_object({"step": 3}) == {"step": 3}
     assert c.all_gather_object("node-a") == ["node-a"]
     assert c.all_gather_floats(2.5) == [2.5] and c.all_gather_floats([1.0, 2.0]) == [[1.0, 2.0]]
-    loss = c.mean_over_ranks(torch.tensor(4.0, device=nccl))
-    assert loss.device == nccl and loss.item() == 4.0  # the loss stays on the GPU
-    assert c.mean_over_ranks(torch.tensor(4.0)).device == nccl  # a CPU value is moved, not refused
+    loss = c.mean_over_ranks(torch.tensor(4.0, device=cuda_group))
+    assert loss.device == cuda_group and loss.item() == 4.0  # the loss stays on the GPU
+    assert c.mean_over_ranks(torch.tensor(4.0)).device == cuda_group  # a CPU value is moved, not refused
     with pytest.raises(ValueError, match="cpu tensor cannot be all-reduced over a 'nccl'"):
         c.sum_(torch.ones(4))
 
 
-def test_health_check_measures_the_gpu(nccl):
+def test_health_check_measures_the_gpu(cuda_group):
+    from wildtrain.tracking.mfu import peak_flops
     from wildtrain.train import health
 
-    assert health.measure_matmul(nccl) > 1e13  # bf16 on the tensor cores: tens of TFLOP/s at least
-    assert health.measure_allreduce(nccl) == 0.0  # bus bandwidth of one rank: nothing crosses a link
+    rate = health.measure_matmul(cuda_group)
+    assert rate > 1e13, "bf16 on the tensor cores: tens of TFLOP/s at least, on any GPU"
+    peak = peak_flops(torch.cuda.get_device_name())
+    if peak is not None:  # a burst timed before its kernels ran would beat the chip
+        assert rate < 1.1 * peak.flops_per_s
+    # The all-reduce bandwidth needs two ranks: test_two_ranks_cuda.py.
 
 
-def test_batches_reach_the_device_through_pinned_buffers(nccl):
+def test_batches_reach_the_device_through_pinned_buffers(cuda_group):
     from wildtrain.train.step import DeviceBatches
 
     host = [np.full((BATCH, SEQ_LEN + 1), i, dtype=np.int32) for i in range(4)]
-    batches = DeviceBatches(iter(host), nccl)
+    batches = DeviceBatches(iter(host), cuda_group)
     assert batches.pinned
     for i, (tokens, item) in enumerate(batches):
-        assert tokens.device == nccl and tokens.dtype == torch.int64
+        assert tokens.device == cuda_group and tokens.dtype == torch.int64
         assert item is host[i] and torch.equal(tokens.cpu(), torch.from_numpy(host[i]).long())
     assert all(b is not None and b.is_pinned() for b in batches._buffers)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_the_step_trains_compiled_in_bf16_on_the_gpu(nccl, stage):
+def test_the_step_trains_in_bf16_on_the_gpu(cuda_group, stage):
+    pytest.importorskip("deepspeed")
     from wildtrain.batching import batch_plan
     from wildtrain.config import Config, ModelConfig
     from wildtrain.engine import build_engine, build_model
@@ -91,16 +80,17 @@ def test_the_step_trains_compiled_in_bf16_on_the_gpu(nccl, stage):
     torch.manual_seed(0)
     model = build_model(cfg, plan)
     if stage == 3:  # built partitioned, on the GPU
-        assert all(p.numel() == 0 and p.ds_tensor.device == nccl for p in model.parameters())
+        assert all(p.numel() == 0 and p.ds_tensor.device == cuda_group for p in model.parameters())
     engine = build_engine(cfg, plan, model)
-    assert engine.is_compiled, "model.compile is on by default on CUDA"
+    if stage == 1:  # under ZeRO-3 DeepSpeed's per-module hooks break the graph: not compiled by default
+        assert engine.is_compiled, "model.compile is on by default on CUDA"
     assert engine.bfloat16_enabled()
     assert all(group.get("fused") for group in engine.optimizer.optimizer.param_groups)
     tokens = np.random.default_rng(0).integers(0, 257, (BATCH, SEQ_LEN + 1), dtype=np.int32)
     window = StepMetrics(BATCH * SEQ_LEN, flops_per_token(cfg.model, SEQ_LEN),
-                         peak_flops(torch.cuda.get_device_name()), 1, nccl)
+                         peak_flops(torch.cuda.get_device_name()), 1, cuda_group)
     losses = []
-    for tokens_on_device, _ in DeviceBatches((tokens for _ in range(10)), nccl):
+    for tokens_on_device, _ in DeviceBatches((tokens for _ in range(10)), cuda_group):
         train_step(engine, plan, tokens_on_device, window)
         losses.append(window.flush())
     assert losses[-1]["loss"] < losses[0]["loss"] - 0.5

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# Every GPU check of the project in one call of under 9 minutes, on a machine with torch,
+# numpy and pyarrow but no package registry, no Ray and no network: installs the wheels of
+# bench/device_carry.sh, runs tests/gpu, bench/gpu_smoke.py and bench/mfu.py, each bounded by
+# `timeout`, and ends with one table: each part's status, seconds and key figures.
+#
+#   bash bench/gpu_all.sh [--device cuda|cpu] [--carry DIR] [--logs DIR]
+#
+# --device cpu runs the same parts in a few CPU steps (tests/gpu then only collects and
+# skips): the test suite runs it so that this script works the day a GPU is lent.
+# --logs keeps each part's full output there (default: a temporary folder).
+# PYTHON (default python3) runs everything; SITE (default /tmp/site) receives the wheels.
+# The parts' arguments and seconds can be overridden: PYTEST_ARGS, SMOKE_ARGS, MFU_ARGS,
+# PYTEST_S, SMOKE_S, MFU_S.
+set -uo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+DEVICE=cuda
+CARRY=$REPO/.carry
+LOGS=
+while [ $# -gt 0 ]; do
+    case $1 in
+        --device) DEVICE=$2; shift 2 ;;
+        --carry) CARRY=$2; shift 2 ;;
+        --logs) LOGS=$2; shift 2 ;;
+        *) echo "usage: $0 [--device cuda|cpu] [--carry DIR] [--logs DIR]" >&2; exit 2 ;;
+    esac
+done
+case $DEVICE in cuda|cpu) ;; *) echo "gpu_all.sh: --device cuda or cpu, not $DEVICE" >&2; exit 2 ;; esac
+PYTHON=${PYTHON:-python3}
+SITE=${SITE:-/tmp/site}
+LOGS=${LOGS:-$(mktemp -d)}
+mkdir -p "$LOGS"
+: >"$LOGS/parts.tsv"
+
+# tests/gpu_smoke_restores... runs gpu_smoke.py on a toy; the smoke part runs it for real.
+PYTEST_ARGS=${PYTEST_ARGS:---deselect tests/gpu/test_step_cuda.py::test_gpu_smoke_restores_the_async_checkpoint_exactly}
+if [ "$DEVICE" = cuda ]; then
+    # Sized on compile times, tens of seconds per model compiled, and 540 s in all with the
+    # install: tests/gpu compiles several small graphs; the smoke compiles the 125m model once
+    # (ZeRO-1; a restored engine is compared before it steps); mfu compiles the 1.3b model
+    # twice, the size of the MFU goal (DESIGN.md), and writes its ~16 GB state twice for
+    # the checkpoint stall (torch.save of it to local disk: ~18 s).
+    SMOKE_ARGS=${SMOKE_ARGS:---preset 125m --seq-len 1024 --steps 10}
+    MFU_ARGS=${MFU_ARGS:---presets 1.3b --steps 10 --warmup 3}
+    PYTEST_S=${PYTEST_S:-230} SMOKE_S=${SMOKE_S:-90} MFU_S=${MFU_S:-190}
+else
+    SMOKE_ARGS=${SMOKE_ARGS:---steps 3}
+    MFU_ARGS=${MFU_ARGS:---steps 3}
+    PYTEST_S=${PYTEST_S:-120} SMOKE_S=${SMOKE_S:-180} MFU_S=${MFU_S:-180}
+fi
+
+# name seconds command...: runs one part under `timeout`, its output shown and kept in
+# $LOGS/name.log, and adds its row (name, status, seconds) to $LOGS/parts.tsv.
+run_part() {
+    local name=$1 seconds=$2
+    shift 2
+    local started=$SECONDS rc status command="$*"
+    echo "=== $name (at most $seconds s): ${command:0:160}"
+    timeout --kill-after=10 "$seconds" "$@" 2>&1 | tee "$LOGS/$name.log"
+    rc=${PIPESTATUS[0]}
+    case $rc in
+        0) status=ok ;;
+        124|137) status=timeout ;;
+        *) status="failed($rc)" ;;
+    esac
+    printf '%s\t%s\t%s\n' "$name" "$status" $((SECONDS - started)) >>"$LOGS/parts.tsv"
+}
+
+cd "$REPO"
+run_part install 30 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" \
+    "$CARRY"/*.whl
+export PYTHONPATH=$SITE:$REPO/platform PYTHONUNBUFFERED=1
+# Only the plugins named here: a machine's own pytest plugins were built for its own pytest,
+# not the carried one.
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+if grep -q "^install	ok" "$LOGS/parts.tsv"; then
+    # shellcheck disable=SC2086 # the *_ARGS are word lists
+    run_part pytest "$PYTEST_S" "$PYTHON" -m pytest tests/gpu -q -ra -p pytest_timeout -p no:cacheprovider \
+        --durations=10 $PYTEST_ARGS
+    # shellcheck disable=SC2086
+    run_part smoke "$SMOKE_S" "$PYTHON" bench/gpu_smoke.py --device "$DEVICE" $SMOKE_ARGS
+    # shellcheck disable=SC2086
+    run_part mfu "$MFU_S" "$PYTHON" bench/mfu.py --device "$DEVICE" $MFU_ARGS
+fi
+
+"$PYTHON" - "$LOGS" "$CARRY" "$SITE" <<'EOF'
+"""The closing table: one row per part, its key figures read from its log."""
+import re
+import sys
+from pathlib import Path
+
+logs, carry, site = map(Path, sys.argv[1:4])
+
+
+def rows_after(text, first_column):
+    """The rows of the table whose header starts with `first_column`, split on spaces."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.split()[:1] == [first_column]:
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.strip():
+                    break
+                rows.append(row.split())
+            return rows
+    return []
+
+
+def figures(name, text):
+    if name == "install":
+        return f"{len(list(carry.glob('*.whl')))} wheels from {carry} into {site}"
+    if name == "pytest":
+        summary = [line.strip("= ") for line in text.splitlines()
+                   if re.search(r"\d+ (passed|failed|skipped|error)", line)]
+        return summary[-1] if summary else ""
+    if name == "smoke":
+        return "; ".join(f"ZeRO-{r[0]}: {r[5]} tokens/s, stall {r[6]} s, restore {r[8]} s, {r[9]}"
+                         for r in rows_after(text, "zero"))
+    if name == "mfu":
+        found = [f"{r[0]} {r[1]}: {r[2]} tokens/s, MFU {r[3]}%" for r in rows_after(text, "preset")]
+        stall = re.search(r"full state \(([\d.]+) GB.*?: ([\d.]+) s per save", text)
+        if stall:
+            found.append(f"stall {stall.group(2)} s for {stall.group(1)} GB")
+        return "; ".join(found)
+    return ""
+
+
+parts = [line.split("\t") for line in (logs / "parts.tsv").read_text().splitlines()]
+print(f"\n{'part':<8} {'status':<11} {'seconds':>7}  figures")
+print("-" * 80)
+for name, status, seconds in parts:
+    log = logs / f"{name}.log"
+    print(f"{name:<8} {status:<11} {seconds:>7}  {figures(name, log.read_text() if log.exists() else '')}")
+print(f"\nlogs: {logs}")
+sys.exit(0 if len(parts) == 4 and all(status == "ok" for _, status, _ in parts) else 1)
+EOF
