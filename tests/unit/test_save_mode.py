@@ -87,10 +87,11 @@ def test_the_estimate_is_what_a_real_capture_copies(tmp_path):
     DeepSpeed's step counters). A DeepSpeed that lays its files out otherwise fails it."""
     script = textwrap.dedent("""
         import sys, tempfile
+        from pathlib import Path
         import torch.multiprocessing as mp
         from tests.integration.test_resharding import _config, _engine, _init_process, _train
 
-        def run(rank, port):
+        def run(rank, port, out):
             _init_process(rank, 2, port)
             from wildtrain import checkpoint
             from wildtrain.checkpoint.host_copy import CapturingWriter, HostBuffers, to_host
@@ -106,20 +107,22 @@ def test_the_estimate_is_what_a_real_capture_copies(tmp_path):
                     engine.checkpoint_engine, lambda path, state: to_host(state, path, buffers, taken, {}))
                 checkpoint.save(engine, tempfile.mkdtemp(), "t", "{}", rank)
                 copied = sum(t.numel() * t.element_size() for t in taken.values())
-                print(f"stage {stage} rank {rank} copied {copied} "
-                      f"estimate {capture_bytes(param_count(cfg.model), 4, stage, 2, rank)}", flush=True)
+                estimate = capture_bytes(param_count(cfg.model), 4, stage, 2, rank)
+                Path(out, f"stage{stage}-rank{rank}").write_text(f"{copied} {estimate}")
 
         if __name__ == "__main__":
-            mp.spawn(run, args=(int(sys.argv[1]),), nprocs=2)
+            mp.spawn(run, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2)
     """)
     (tmp_path / "capture.py").write_text(script)
+    out = tmp_path / "out"
+    out.mkdir()
     from wildtrain import services
 
     env = os.environ | {"PYTHONPATH": f"{REPO}:{REPO / 'platform'}"}
-    done = subprocess.run([sys.executable, str(tmp_path / "capture.py"), str(services.free_port())], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(tmp_path / "capture.py"), str(services.free_port()), str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line.split() for line in done.stdout.splitlines() if line.startswith("stage ")]
-    assert len(lines) == 4, done.stdout
-    for _, stage, _, rank, _, copied, _, estimate in lines:
-        assert 0 <= int(copied) - int(estimate) <= 64, f"stage {stage} rank {rank}: {copied} copied, {estimate} estimated"
+    results = {f.name: [int(n) for n in f.read_text().split()] for f in out.iterdir()}
+    assert sorted(results) == ["stage1-rank0", "stage1-rank1", "stage3-rank0", "stage3-rank1"]
+    for name, (copied, estimate) in results.items():
+        assert 0 <= copied - estimate <= 64, f"{name}: {copied} bytes copied, {estimate} estimated"
