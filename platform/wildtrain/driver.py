@@ -29,11 +29,12 @@ from wildtrain.elastic.controller import controller_callbacks
 from wildtrain.elastic.signals import classify_restart
 from wildtrain.data.pins import OrderPins, order_changes, order_pins
 from wildtrain.layout import RunLayout, checkpoint_stores
-from wildtrain.events import DataOrderChanged, ShardSkipped, Started, Stopped
+from wildtrain.events import DataOrderChanged, ShardSkipped, Started, Stopped, StragglerCheckOff
 from wildtrain.tracking import report
 from wildtrain.tracking.mlflow_run import FLUSH_TIMEOUT_S, MlflowCallback, Tracker, check_reachable, log_event, run_url
 from wildtrain.tracking.run_setup import log_datasets, open_run
 from wildtrain.tracking.progress import ProgressCallback
+from wildtrain.tracking.stragglers import cannot_observe
 from wildtrain.train.loop import LoopInputs, train_loop
 
 
@@ -73,6 +74,10 @@ def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
     for skipped in data.skipped_shards:
         print(f"skipping shard {skipped}", flush=True)
         log_event(tracking, run_id, ShardSkipped(time.time(), skipped), step=0)
+    no_straggler_check = cannot_observe(cfg.deepspeed.zero_stage)
+    if no_straggler_check:  # said once per submission, where a check that never flags would say nothing
+        print(no_straggler_check, flush=True)
+        log_event(tracking, run_id, StragglerCheckOff(time.time(), no_straggler_check), step=0)
     mlflow_url = run_url(cfg.tracking.uri, experiment_id, run_id)
     print(f"MLflow run:     {redact(mlflow_url)}", flush=True)
     if dashboard_url:

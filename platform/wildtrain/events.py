@@ -202,6 +202,28 @@ class Straggler(Event):
     reason: str
 
 
+@_kind("straggler_check_off")
+@dataclass(frozen=True)
+class StragglerCheckOff(Event):
+    """The run's ranks' busy times cannot show a straggler (`tracking.stragglers.cannot_observe`):
+    no check runs, rather than one that never flags."""
+
+    reason: str
+
+
+@_kind("shm_too_small")
+@dataclass(frozen=True)
+class ShmTooSmall(Event):
+    """checkpoint.background=process asked for, but a node's /dev/shm has too little room for
+    its ranks' host copies (`checkpoint.shm`): they save in a thread instead."""
+
+    node: str
+    ranks: list[int]
+    free: int | None  # bytes free in /dev/shm
+    needed: int  # bytes the save process's host copies need there
+    reason: str
+
+
 @_kind("checkpoint_fallback")
 @dataclass(frozen=True)
 class CheckpointFallback(Event):

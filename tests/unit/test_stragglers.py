@@ -1,4 +1,5 @@
-from wildtrain.tracking.stragglers import Straggler, StragglerDetector
+from wildtrain.events import StragglerCheckOff, from_dict
+from wildtrain.tracking.stragglers import Straggler, StragglerDetector, cannot_observe
 
 
 def test_a_rank_slow_for_patience_intervals_is_flagged_once():
@@ -23,3 +24,11 @@ def test_uniformly_slow_ranks_are_not_stragglers():
     detector = StragglerDetector(factor=1.2, patience=1)
     assert detector.observe([5.0, 5.1, 4.9, 5.0]) == []
     assert detector.observe([0.0, 0.0]) == []  # nothing measured yet
+
+
+def test_zero3_turns_the_check_off_with_a_reason_the_run_records():
+    assert [cannot_observe(stage) for stage in (0, 1, 2)] == [None, None, None]
+    reason = cannot_observe(3)
+    assert "ZeRO-3" in reason and "all-gather" in reason and "health check" in reason
+    event = StragglerCheckOff(1.0, reason)
+    assert from_dict(event.to_dict()) == event and event.summary() == reason

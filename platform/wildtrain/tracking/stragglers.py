@@ -4,12 +4,28 @@ Every check interval the ranks' busy times (their forward time: backward and opt
 in collectives, where fast ranks wait for slow ones) are gathered; a rank whose time exceeds
 the median by `factor` in `patience` consecutive intervals is flagged. Pure and stateful
 only in its streak counts, so it is unit-tested without a cluster.
+
+Under ZeRO-3 no check runs (`cannot_observe`): the forward gathers each layer's parameters
+from every rank first, so it too ends in collectives where fast ranks wait for slow ones.
+Timing the compute alone would mean timing inside DeepSpeed's parameter hooks, and even
+there, on the device, a layer's kernels queue behind the wait for its all-gather.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import Optional
+
+
+def cannot_observe(zero_stage: int) -> Optional[str]:
+    """Why busy times cannot show a straggler at this ZeRO stage; None where they can."""
+    if zero_stage != 3:
+        return None
+    return ("straggler checks are off under ZeRO-3 (deepspeed.zero_stage=3): every layer's forward starts with an "
+            "all-gather of its parameters, where fast ranks wait for the slowest, so every rank's busy time is the "
+            "slowest one's and no rank would ever be flagged; a device already slow when a worker group starts "
+            "still fails its health check (monitor.health_min_ratio)")
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from wildtrain import checkpoint
 from wildtrain.batching import BatchPlan
-from wildtrain.checkpoint import reshard, save_policy, universal
+from wildtrain.checkpoint import reshard, save_policy, shm, universal
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
 from wildtrain.checkpoint.format import needs_universal
 from wildtrain.checkpoint.restore import Candidate, restore
@@ -21,7 +21,8 @@ from wildtrain.checkpoint.save_policy import SaveOutcome
 from wildtrain.checkpoint.store import CommitError, Store
 from wildtrain.config import Config, config_hash
 from wildtrain.engine import build_engine, build_model
-from wildtrain.events import CheckpointFailed, CheckpointFallback, CheckpointPartial, CheckpointSkipped, Event
+from wildtrain.events import CheckpointFailed, CheckpointFallback, CheckpointPartial, CheckpointSkipped, Event, ShmTooSmall
+from wildtrain.model import param_count
 from wildtrain.train import collectives
 from wildtrain.train.state import TrainState
 
@@ -82,6 +83,30 @@ def build_and_restore(cfg: Config, plan: BatchPlan, world_size: int, rank: int, 
     timing = {"restore_s": time.perf_counter() - started - reshard_s, "reshard_s": reshard_s,
               "engine_build_s": engine_build_s}
     return engine, state, Restored(restored.candidate, timing, events)
+
+
+def save_mode(cfg: Config, rank: int, world_size: int, nodes: list[str],
+              shm_free: Callable[[], Optional[int]] = shm.shm_free) -> tuple[str, list[ShmTooSmall]]:
+    """Where this rank's saves run: `checkpoint.background`, unless that is "process" and the
+    host copies of the checkpoint parts of every rank on this node (`nodes`: each rank's node)
+    would not fit in its /dev/shm (checkpoint/shm.py); then "thread", said on this worker's
+    stdout and, on rank 0, as an event per such node for the controller (a collective)."""
+    param_bytes = 2 if cfg.cluster.use_gpu else 4  # bf16 on CUDA, fp32 elsewhere (engine.deepspeed_config)
+    on_node = [r for r, node in enumerate(nodes) if node == nodes[rank]]
+    needed = shm.shm_needed(shm.capture_bytes(param_count(cfg.model), param_bytes, cfg.deepspeed.zero_stage,
+                                              world_size, r) for r in on_node)
+    mode = shm.choose_mode(cfg.checkpoint.background, shm_free(), needed)
+    if mode.reason:
+        print(f"rank {rank} on node {nodes[rank]}: {mode.reason}", flush=True)
+    modes = collectives.all_gather_object(mode)
+    if rank != 0:
+        return mode.mode, []
+    events = {}  # a node's ranks see the same room and need: one event per node
+    for node, m in zip(nodes, modes):
+        if m.reason and node not in events:
+            events[node] = ShmTooSmall(time.time(), node, [r for r, n in enumerate(nodes) if n == node], m.free,
+                                       m.needed, f"node {node}: {m.reason}")
+    return mode.mode, list(events.values())
 
 
 # A final save that did not commit is tried again after this, then 4x longer each time

@@ -130,13 +130,15 @@ class Attempt:
         self.restored_at = time.time()
         self.restored_step = self.state.step
         self.state.world_size = world_size
+        background, shm_events = checkpointing.save_mode(cfg, rank, world_size, self.monitor.nodes)
+        self.monitor.events += shm_events
         self.saver = AsyncSaver(
             stores, cfg.checkpoint.staging_dir, rank=rank, world_size=world_size,
             attempt=collectives.broadcast_object(new_attempt_token()),
             policy=cfg.checkpoint.policy, timeout_s=cfg.checkpoint.timeout_s, verify_upload=cfg.checkpoint.verify_upload,
             retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
             known_good=[self.restored.candidate.key] if self.restored.candidate else [], commit_when_released=True,
-            reports_collected=ray_compat.reports_collected, background=cfg.checkpoint.background,
+            reports_collected=ray_compat.reports_collected, background=background,
         )
         self.reported_step = self.state.step  # the newest step whose report the controller has for sure
         # The data position is the step: the stream starts where the restored model stopped.

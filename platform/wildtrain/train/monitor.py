@@ -10,7 +10,7 @@ import torch
 
 from wildtrain.config import Config
 from wildtrain.events import Event, HealthCheck, Straggler
-from wildtrain.tracking.stragglers import StragglerDetector
+from wildtrain.tracking.stragglers import StragglerDetector, cannot_observe
 from wildtrain.train import collectives, health
 from wildtrain.train.step import StepMetrics
 
@@ -18,7 +18,8 @@ from wildtrain.train.step import StepMetrics
 class Monitor:
     """The new group's health check (and, with monitor.exclude_unhealthy, the nodes to leave
     out, known to every rank), stragglers (every rank's forward time gathered every
-    `monitor.straggler_every` steps, judged on rank 0) and the live numbers exported through
+    `monitor.straggler_every` steps, judged on rank 0; not under ZeRO-3, see
+    `tracking.stragglers`) and the live numbers exported through
     Ray's metrics API. Its events ride in rank 0's next report."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int, device: torch.device) -> None:
@@ -28,7 +29,9 @@ class Monitor:
         self.rank = rank
         self.world_size = world_size
         self.device = device
-        self.detector = StragglerDetector(cfg.monitor.straggler_factor, cfg.monitor.straggler_patience)
+        # None: the busy times cannot show a straggler (the driver records why, once).
+        self.detector = (None if cannot_observe(cfg.deepspeed.zero_stage)
+                         else StragglerDetector(cfg.monitor.straggler_factor, cfg.monitor.straggler_patience))
         self.nodes = collectives.all_gather_object(ray.get_runtime_context().get_node_id())
         self.slowed_by_chaos = cfg.chaos.slows(rank, ray.get_runtime_context().get_node_labels())
         self.busy_at_last_check = 0.0
@@ -54,7 +57,7 @@ class Monitor:
         return health.judge(ranks, bandwidth, cfg.monitor.health_min_ratio, time.time())
 
     def step_done(self, step: int, window: StepMetrics) -> None:
-        if step % self.cfg.monitor.straggler_every:
+        if self.detector is None or step % self.cfg.monitor.straggler_every:
             return
         busy_s = window.busy_s  # on CUDA this waits for the device: only on check steps
         gathered = collectives.all_gather_floats(busy_s - self.busy_at_last_check)
