@@ -320,6 +320,11 @@ class ChaosConfig:
     slow_rank: int = -1
     slow_node_label: Optional[str] = None
     slow_step_s: float = 0.0
+    # This rank (-1: none) raises in the middle of step `fail_at_step` while its peers go on
+    # into the step's collectives, as a CUDA OOM or a corrupt shard on one rank does; once
+    # per run (it leaves a marker in the run's folder), so the restarted group passes it.
+    fail_rank: int = -1
+    fail_at_step: int = 0
 
     def slows(self, rank: int, node_labels: dict[str, str]) -> bool:
         return rank == self.slow_rank or (self.slow_node_label is not None and self.slow_node_label in node_labels)

@@ -6,6 +6,7 @@ or an object-store URI), shared by the driver, the workers and the controller.
         checkpoints/           committed checkpoints (unless checkpoint.store names another)
         hangs/<time>-rank<r>.txt   the hang watchdog's stacks, attached to MLflow by the controller
         samples/step_<n>.json  each global batch's sample ids (data.record_samples)
+        chaos_failed           written by the chaos.fail_rank drill when it fires: it fires once
         tracking/              MLflow records not yet sent (always on a local disk)
 """
 
@@ -50,6 +51,10 @@ class RunLayout:
     @property
     def samples(self) -> str:
         return storage.join(self.root, "samples")
+
+    @property
+    def chaos_failed(self) -> str:
+        return storage.join(self.root, "chaos_failed")
 
     def sample_file(self, step: int) -> str:
         return storage.join(self.samples, f"step_{step:08d}.json")

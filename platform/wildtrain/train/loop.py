@@ -161,8 +161,9 @@ class Attempt:
         self.batches = DeviceBatches((stream.next_step() for _ in range(cfg.train.steps - self.state.step)), device,
                                      tokens=lambda step: objective.rows(step.step, step.sample_ids, step.tokens,
                                                                         step.doc_ids))
-        # A drill (chaos.*), off by default.
+        # Drills (chaos.*), off by default.
         self.slow_forward_s = cfg.chaos.slow_step_s if self.monitor.slowed_by_chaos else 0.0
+        self.fails_at_step = cfg.chaos.fail_at_step if rank == cfg.chaos.fail_rank else 0
         self.growth = GrowthCheck(world_size < cfg.elastic.max_workers, rank, inputs.worker_resources,
                                   cfg.elastic.resize_check_interval_s, cfg.run.name, data_cpus(cfg))
 
@@ -173,6 +174,11 @@ class Attempt:
         except ShardCorrupt as e:
             raise RunCannotContinue(f"{e}; to train on without it, resubmit with data.skip_bad_shards=true "
                                     "and data.allow_order_change=true (the rows of later steps change)") from None
+        if self.state.step + 1 == self.fails_at_step:
+            marker = RunLayout.of(self.cfg).chaos_failed
+            if storage.read_text(marker, self.cfg.storage) is None:
+                storage.write_text(marker, f"rank {self.rank}, step {self.fails_at_step}", self.cfg.storage)
+                raise RuntimeError(f"chaos drill: rank {self.rank} fails in step {self.fails_at_step} (chaos.fail_rank)")
         train_step(self.engine, self.plan, rows, self.window, self.slow_forward_s)
         state = self.state
         if state.step == self.restored_step:
