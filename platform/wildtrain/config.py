@@ -241,7 +241,11 @@ class ClusterConfig:
     # spot, whose CPUs the workers could take all of, leaving Ray Data none.
     ray_address: Optional[str] = None
     cpus_per_worker: int = 1
-    use_gpu: bool = False
+    # One GPU per worker, NCCL between them; false: CPU workers over gloo. None: whatever the
+    # cluster offers, decided once by the driver when it joins (GPUs if it has any) and
+    # handed to the workers resolved. Where the cluster has GPUs, training on CPU takes an
+    # explicit false; a true where it has none fails after capacity_wait_s.
+    use_gpu: Optional[bool] = None
     # Custom Ray resources each worker also needs, to keep workers on the nodes that
     # offer them (e.g. {"trainer": 1} on GPU nodes, not on a CPU-only head).
     worker_resources: dict[str, float] = field(default_factory=dict)

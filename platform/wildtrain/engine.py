@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Optional
 
 import torch
 
@@ -82,19 +81,19 @@ def compiles(cfg: Config, on_cuda: bool) -> bool:
     return on_cuda if cfg.model.compile is None else cfg.model.compile
 
 
-def build_model(cfg: Config, plan: BatchPlan, on_cuda: Optional[bool] = None) -> Transformer:
-    """The model for `build_engine`. Under ZeRO-3 it is built partitioned (DeepSpeed's
-    zero.Init, on the device DeepSpeed trains on): each rank holds only its shard, where a
-    plain build would hold the whole fp32 model on every rank first (84 GB for the 21b
-    preset), at every restart. The weights are those of the plain build with the same seed:
-    rank 0 draws them one parameter at a time, gathered, and the others receive its draw."""
+def build_model(cfg: Config, plan: BatchPlan, device: torch.device) -> Transformer:
+    """The model for `build_engine` on `device` (the worker's training device). Under ZeRO-3
+    it is built partitioned (DeepSpeed's zero.Init, on the device DeepSpeed trains on): each
+    rank holds only its shard, where a plain build would hold the whole fp32 model on every
+    rank first (84 GB for the 21b preset), at every restart. The weights are those of the
+    plain build with the same seed: rank 0 draws them one parameter at a time, gathered, and
+    the others receive its draw."""
     if cfg.deepspeed.zero_stage != 3:
         return Transformer(cfg.model)
     deepspeed = import_deepspeed()
     import torch.distributed as dist
 
-    on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
-    with deepspeed.zero.Init(config_dict_or_path=deepspeed_config(cfg, plan, on_cuda)):
+    with deepspeed.zero.Init(config_dict_or_path=deepspeed_config(cfg, plan, on_cuda=device.type == "cuda")):
         model = Transformer(cfg.model)  # its own init ran on empty shards: drawn again below
     for param, init in model.initializers():
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
@@ -121,16 +120,18 @@ def param_groups(model: Transformer, optim: OptimConfig) -> list[dict]:
     return groups
 
 
-def build_engine(cfg: Config, plan: BatchPlan, model: torch.nn.Module, load_universal: bool = False):
-    """Wrap `model` (from `build_model`) in a DeepSpeed engine with AdamW and the warm-up +
-    cosine schedule, compiled when `compiles` says so.
+def build_engine(cfg: Config, plan: BatchPlan, model: torch.nn.Module, device: torch.device,
+                 load_universal: bool = False):
+    """Wrap `model` (from `build_model`) in a DeepSpeed engine for `device` (the worker's
+    training device) with AdamW and the warm-up + cosine schedule, compiled when `compiles`
+    says so.
 
     The optimizer is torch's AdamW rather than DeepSpeed's by-name optimizers: those need
     compiled ops that the CPU build (DS_BUILD_OPS=0) does not have. On CUDA it is torch's
     fused kernel: one launch for all parameters instead of several per tensor."""
     deepspeed = import_deepspeed()
 
-    on_cuda = torch.cuda.is_available()
+    on_cuda = device.type == "cuda"
     optimizer = torch.optim.AdamW(
         param_groups(model, cfg.optim),
         lr=cfg.optim.lr,

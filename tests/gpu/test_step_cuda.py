@@ -89,10 +89,10 @@ def test_the_step_trains_compiled_in_bf16_on_the_gpu(nccl, stage):
     cfg.train.global_batch_size, cfg.train.micro_batch_size = BATCH, BATCH // 2
     plan = batch_plan(BATCH, BATCH // 2, 1)
     torch.manual_seed(0)
-    model = build_model(cfg, plan)
+    model = build_model(cfg, plan, nccl)
     if stage == 3:  # built partitioned, on the GPU
         assert all(p.numel() == 0 and p.ds_tensor.device == nccl for p in model.parameters())
-    engine = build_engine(cfg, plan, model)
+    engine = build_engine(cfg, plan, model, nccl)
     assert engine.is_compiled, "model.compile is on by default on CUDA"
     assert engine.bfloat16_enabled()
     assert all(group.get("fused") for group in engine.optimizer.optimizer.param_groups)
@@ -123,7 +123,8 @@ def test_the_async_capture_copies_into_pinned_buffers_on_its_own_stream(tmp_path
     from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
 
     weights = torch.randn(1024, 1024, device="cuda")
-    saver = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="g1")
+    saver = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="g1",
+                       device=weights.device)
     assert saver._copy_stream is not None
     meta = CheckpointMeta(step=1, tag="step_1", world_size=1, zero_stage=0)
     saver.save_state(meta, {"state.pt": {"w": weights}})
