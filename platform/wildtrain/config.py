@@ -84,7 +84,9 @@ class ModelConfig:
     base_dim: Optional[int] = None
     base_n_layers: Optional[int] = None
     # torch.compile the model: None compiles on CUDA, where it is worth ~1.5x in tokens/s,
-    # and not on CPU, where compiling costs more than a test or demo run gains.
+    # except under ZeRO-3, whose per-module parameter hooks break the graph at every layer
+    # (engine.compiles; unmeasured there: set true to compile anyway), and not on CPU, where
+    # compiling costs more than a test or demo run gains.
     compile: Optional[bool] = None
     # Recompute each block's activations in backward: for models or sequences whose
     # activations do not fit, at about a third more compute.

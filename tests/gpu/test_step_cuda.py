@@ -86,6 +86,8 @@ def test_the_step_trains_compiled_in_bf16_on_the_gpu(nccl, stage):
     cfg = Config()
     cfg.model = ModelConfig(dim=256, n_layers=2, n_heads=4, max_seq_len=SEQ_LEN, activation_checkpointing=stage == 3)
     cfg.deepspeed.zero_stage = stage
+    if stage == 3:
+        cfg.model.compile = True  # off by default under ZeRO-3 (engine.compiles); asked for, it compiles
     cfg.train.global_batch_size, cfg.train.micro_batch_size = BATCH, BATCH // 2
     plan = batch_plan(BATCH, BATCH // 2, 1)
     torch.manual_seed(0)
@@ -93,8 +95,11 @@ def test_the_step_trains_compiled_in_bf16_on_the_gpu(nccl, stage):
     if stage == 3:  # built partitioned, on the GPU
         assert all(p.numel() == 0 and p.ds_tensor.device == nccl for p in model.parameters())
     engine = build_engine(cfg, plan, model, nccl)
-    assert engine.is_compiled, "model.compile is on by default on CUDA"
+    assert engine.is_compiled
     assert engine.bfloat16_enabled()
+    # bf16 weights; gradients summed over micro-batches and reduced over ranks in fp32.
+    assert engine.get_data_types() == (torch.bfloat16, torch.float32)
+    assert engine.communication_data_type == torch.float32
     assert all(group.get("fused") for group in engine.optimizer.optimizer.param_groups)
     tokens = np.random.default_rng(0).integers(0, 257, (BATCH, SEQ_LEN + 1), dtype=np.int32)
     window = StepMetrics(BATCH * SEQ_LEN, flops_per_token(cfg.model, SEQ_LEN),
