@@ -2,8 +2,9 @@
 
 Everything that can be checked without workers is checked before Ray starts any: the
 data exists and fits the model, the MLflow server answers, the cluster can hold the
-smallest allowed worker group on the device chosen for it (its GPUs, where it offers any). A run is identified by its name: resubmitting a name
-reopens its MLflow run and continues from its newest checkpoint.
+smallest allowed worker group on the device chosen for it (its GPUs, where it offers any).
+A run is identified by its name: resubmitting a name reopens its MLflow run and continues
+from its newest checkpoint.
 """
 
 from __future__ import annotations
