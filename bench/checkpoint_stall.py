@@ -79,11 +79,9 @@ def main() -> None:
     cfg = load_config(["model=125m", f"data.seq_len={args.seq_len}", "train.global_batch_size=1",
                        "train.micro_batch_size=1", "deepspeed.zero_stage=1", "elastic.max_workers=1"])
     torch.manual_seed(0)
-    model = Transformer(cfg.model)
-    if ON_CUDA:
-        model = model.cuda()
-    engine = build_engine(cfg, batch_plan(1, 1, 1), model)
-    device = next(engine.module.parameters()).device
+    device = torch.device("cuda" if ON_CUDA else "cpu")
+    model = Transformer(cfg.model).to(device)
+    engine = build_engine(cfg, batch_plan(1, 1, 1), model, device)
     tokens = torch.randint(0, cfg.model.vocab_size, (1, args.seq_len + 1), device=device)
 
     def step() -> float:
@@ -157,7 +155,8 @@ def run_sync(engine, cfg, store: Store, work: Path, step, args) -> tuple[Row, Ro
 
 def run_async(engine, cfg, store: Store, work: Path, step, args) -> Row:
     say(f"async: {args.saves} background saves, training on while each runs")
-    saver = AsyncSaver([store], str(work / "staging-async"), rank=0, world_size=1, attempt="async")
+    saver = AsyncSaver([store], str(work / "staging-async"), rank=0, world_size=1, attempt="async",
+                       device=next(engine.module.parameters()).device)
     stalls, saves, sizes, base, during = [], [], [], [], []
     try:
         for i in range(args.saves):

@@ -95,7 +95,7 @@ def run_stage(stage: int, work: Path) -> dict:
     plan = batch_plan(batch, batch, 1)
     say(f"ZeRO-{stage}: building the engine")
     torch.manual_seed(0)
-    engine = build_engine(cfg, plan, build_model(cfg, plan))
+    engine = build_engine(cfg, plan, build_model(cfg, plan, device), device)
     say(f"ZeRO-{stage}: {preset} ({param_count(cfg.model) / 1e6:.1f}M parameters), batch {batch}x{seq_len}, "
         f"{'compiled' if engine.is_compiled else 'eager'}, {device}")
 
@@ -118,7 +118,8 @@ def run_stage(stage: int, work: Path) -> dict:
 
     say("  saving in the background")
     store = Store.from_uri(str(work / f"store-zero{stage}"))
-    saver = AsyncSaver([store], str(work / f"staging-zero{stage}"), rank=0, world_size=1, attempt="smoke")
+    saver = AsyncSaver([store], str(work / f"staging-zero{stage}"), rank=0, world_size=1, attempt="smoke",
+                       device=device)
     meta = CheckpointMeta(step=engine.global_steps, tag=f"step_{engine.global_steps}", world_size=1,
                           zero_stage=stage, data_position={"step": engine.global_steps})
     saver.save_engine(engine, meta, "{}")
@@ -138,7 +139,7 @@ def run_stage(stage: int, work: Path) -> dict:
     started = time.perf_counter()
     restored = restore([store], str(work / f"restore-zero{stage}"), rank=0, world_size=1)
     torch.manual_seed(1)  # another init: a load that restored nothing would show
-    fresh = build_engine(cfg, plan, build_model(cfg, plan))
+    fresh = build_engine(cfg, plan, build_model(cfg, plan, device), device)
     checkpoint.load(fresh, restored.folder, restored.manifest.tag)
     restore_s = time.perf_counter() - started
     wrong = differences(saved, snapshot(fresh))

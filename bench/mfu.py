@@ -111,7 +111,7 @@ def ours(preset: str, peak: Peak):
     say("  wildtrain: building the DeepSpeed engine")
     _reset_memory()
     torch.manual_seed(0)
-    engine = build_engine(cfg, plan, build_model(cfg, plan))
+    engine = build_engine(cfg, plan, build_model(cfg, plan, DEVICE), DEVICE)
     tokens = _tokens(cfg)
     window = StepMetrics(BATCH * SEQ_LEN, flops_per_token(cfg.model, SEQ_LEN), peak, 1, DEVICE)
     for step, (batch, _) in enumerate(DeviceBatches((tokens for _ in range(WARMUP + ARGS.steps)), DEVICE), start=1):
@@ -180,7 +180,8 @@ def checkpoint_stall(engine, cfg: Config) -> None:
     work = Path(tempfile.mkdtemp(prefix="wildtrain-bench-mfu-"))
     store = Store.from_uri(str(work / "store"))
     # No read-back verification: the stall, not the upload, is measured here.
-    saver = AsyncSaver([store], str(work / "staging"), rank=0, world_size=1, attempt="mfu", verify_upload=False)
+    saver = AsyncSaver([store], str(work / "staging"), rank=0, world_size=1, attempt="mfu", verify_upload=False,
+                       device=DEVICE)
     stalls, size = [], 0
     try:
         for i in range(ARGS.saves):

@@ -50,6 +50,8 @@ def train(overrides: tuple[str, ...]) -> None:
     quiet_mlflow()
     try:
         summary = run(cfg)
+    except ConfigError as e:  # a setting the cluster it joined cannot serve (cluster.use_gpu)
+        _fail(str(e), 2)
     except (DataError, StorageError, TrackingError, CapacityError, RunFailed, services.ServiceError) as e:
         _fail(str(e), 1)
     click.echo(f"\nrun {cfg.run.name!r} finished: " + ", ".join(
@@ -221,16 +223,20 @@ def fit(sweep_name: str, to: tuple[str, ...], tracking_uri: str | None, override
 @click.option("--mlflow-port", default=5000, show_default=True)
 @click.option("--object-store-port", default=8333, show_default=True)
 @click.option("--num-cpus", type=int, default=None, help="Logical CPUs of the head [default: max(4, cores)].")
+@click.option("--num-gpus", type=click.IntRange(min=0), default=None,
+              help="GPUs the head offers, one worker each [default: all that torch can use here].")
 def up(state_dir: Path, ray_port: int, dashboard_port: int, mlflow_port: int, object_store_port: int,
-       num_cpus: int | None) -> None:
+       num_cpus: int | None, num_gpus: int | None) -> None:
     """Start the local object store, Ray head and MLflow server (bound to 127.0.0.1) unless
-    running. The Ray head's other ports are free ones, recorded in STATE_DIR/services.json."""
+    running. The Ray head's other ports are free ones, recorded in STATE_DIR/services.json
+    with the GPUs it offers."""
     try:
         running = services.up(state_dir, services.RayPorts(gcs=ray_port, dashboard=dashboard_port), mlflow_port,
-                              num_cpus, object_store_port)
+                              num_cpus, object_store_port, num_gpus=num_gpus)
     except services.ServiceError as e:
         _fail(str(e), 1)
-    click.echo(f"Ray:            {running.ray_address} (dashboard {running.dashboard_url})")
+    gpus = "" if running.num_gpus is None else f", {running.num_gpus} GPU{'' if running.num_gpus == 1 else 's'}"
+    click.echo(f"Ray:            {running.ray_address} (dashboard {running.dashboard_url}{gpus})")
     click.echo(f"MLflow:         {running.mlflow_url}")
     store = running.object_store
     click.echo(f"object store:   {store.endpoint} (S3, bucket {store.bucket}; keys in {state_dir / 'services.json'})")

@@ -84,7 +84,9 @@ class ModelConfig:
     base_dim: Optional[int] = None
     base_n_layers: Optional[int] = None
     # torch.compile the model: None compiles on CUDA, where it is worth ~1.5x in tokens/s,
-    # and not on CPU, where compiling costs more than a test or demo run gains.
+    # except under ZeRO-3, whose per-module parameter hooks break the graph at every layer
+    # (engine.compiles; unmeasured there: set true to compile anyway), and not on CPU, where
+    # compiling costs more than a test or demo run gains.
     compile: Optional[bool] = None
     # Recompute each block's activations in backward: for models or sequences whose
     # activations do not fit, at about a third more compute.
@@ -241,7 +243,11 @@ class ClusterConfig:
     # spot, whose CPUs the workers could take all of, leaving Ray Data none.
     ray_address: Optional[str] = None
     cpus_per_worker: int = 1
-    use_gpu: bool = False
+    # One GPU per worker, NCCL between them; false: CPU workers over gloo. None: whatever the
+    # cluster offers, decided once by the driver when it joins (GPUs if it has any) and
+    # handed to the workers resolved. Where the cluster has GPUs, training on CPU takes an
+    # explicit false; a true where it has none fails after capacity_wait_s.
+    use_gpu: Optional[bool] = None
     # Custom Ray resources each worker also needs, to keep workers on the nodes that
     # offer them (e.g. {"trainer": 1} on GPU nodes, not on a CPU-only head).
     worker_resources: dict[str, float] = field(default_factory=dict)

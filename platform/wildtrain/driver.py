@@ -2,8 +2,9 @@
 
 Everything that can be checked without workers is checked before Ray starts any: the
 data exists and fits the model, the MLflow server answers, the cluster can hold the
-smallest allowed worker group. A run is identified by its name: resubmitting a name
-reopens its MLflow run and continues from its newest checkpoint.
+smallest allowed worker group on the device chosen for it (its GPUs, where it offers any).
+A run is identified by its name: resubmitting a name reopens its MLflow run and continues
+from its newest checkpoint.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
     order_changed = _check_order(cfg, record, pins)
     check_reachable(cfg.tracking.uri)
     dashboard_url = connect_ray(cfg)
+    cfg = resolve_device(cfg)
     scaling.wait_for_capacity(cfg)
 
     experiment_id, run_id = open_run(cfg, record.get("mlflow_run_id"), tags)
@@ -92,7 +94,7 @@ def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
         # Typed inputs rather than Ray's `train_loop_config` dict.
         functools.partial(train_loop, inputs),
         scaling_config=scaling.scaling_config(cfg),
-        torch_config=TorchConfig(backend="nccl" if cfg.cluster.use_gpu else "gloo"),
+        torch_config=TorchConfig(backend="nccl" if scaling.trains_on_gpu(cfg) else "gloo"),
         run_config=RunConfig(
             name=cfg.run.name,
             # An explicit filesystem: Ray's own would not know the object store's endpoint.
@@ -164,6 +166,15 @@ def _finish(cfg: Config, run_id: str, status: str) -> None:
         print(report.goodput_text(result), flush=True)
     except Exception as e:  # noqa: BLE001
         print(f"warning: the run report failed: {e}", flush=True)
+
+
+def resolve_device(cfg: Config) -> Config:
+    """`cfg` with `cluster.use_gpu` decided against the cluster this process joined
+    (`scaling.choose_device`); where that leaves its GPUs idle, says so in one line."""
+    cfg, choice = scaling.resolve_device(cfg, ray.cluster_resources())
+    if choice.note:
+        print(choice.note, flush=True)
+    return cfg
 
 
 def connect_ray(cfg: Config) -> Optional[str]:

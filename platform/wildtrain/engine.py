@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Optional
 
 import torch
 
@@ -26,18 +25,53 @@ def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
     return optim.min_lr + 0.5 * (optim.lr - optim.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+# Elements per gradient-reduction and parameter all-gather bucket of ZeRO-1/2 on GPU. With
+# DeepSpeed's default of 5e8, a bucket holds over a third of the 1.3b preset's gradients, so
+# the first reduction would wait for a third of the backward pass and the last would not
+# overlap with it at all; and overlap_comm keeps about 4.5 buckets' worth of buffers per kind
+# (DeepSpeed's docs): 18 GB of every GPU for 5e8 fp32 elements. 5e7 (200 MB in fp32) fills
+# within one layer's backward of the 1.3b preset (~50M parameters per layer) and keeps the
+# buffers near 2 GB, while each call stays bandwidth-bound: ~1 ms of transfer at hundreds of
+# GB/s against NCCL's tens of microseconds per call (PyTorch DDP buckets 25 MB, Megatron-LM
+# 40M elements). Chosen by that reasoning, not measured: a GPU run of bench/mfu.py would tell.
+BUCKET_ELEMENTS = 50_000_000
+
+
+def zero_optimization(stage: int, on_cuda: bool) -> dict:
+    """DeepSpeed's `zero_optimization` section.
+
+    On GPU, ZeRO-1/2 reduce gradients in buckets overlapped with the backward pass
+    (`overlap_comm`, on a side stream). At stage 1 in bf16 with fp32 gradient accumulation
+    (`deepspeed_config`) DeepSpeed runs its BF16_Optimizer instead of the ZeRO-1 optimizer:
+    it reduces once per optimizer step, after the backward pass, and of these settings reads
+    only `allgather_bucket_size`. On CPU the DeepSpeed accelerator has no streams, so there
+    is nothing to overlap with: it trains as without (the same losses over 2 gloo ranks,
+    checked with DeepSpeed 0.19.8) and only the buffers would cost. ZeRO-3 overlaps by
+    default and sizes its own buckets."""
+    zero: dict = {"stage": stage}
+    if on_cuda and stage in (1, 2):
+        zero |= {"overlap_comm": True, "reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS}
+    return zero
+
+
 def deepspeed_config(cfg: Config, plan: BatchPlan, on_cuda: bool, load_universal: bool = False) -> dict:
     ds = {
         "train_batch_size": plan.global_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum_steps,
         "gradient_clipping": cfg.optim.grad_clip,
-        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
+        "zero_optimization": zero_optimization(cfg.deepspeed.zero_stage, on_cuda),
         "steps_per_print": 10**9,  # progress is ours to print, once, from the controller
         "wall_clock_breakdown": False,
     }
     if on_cuda:
+        # bf16 weights and activations, but gradients summed over micro-batches and reduced
+        # over ranks in fp32: bf16 keeps 8 significant bits, so sums in it round at every
+        # add, and a step's update (and the losses after it) would depend on how its batch
+        # is split into micro-batches and ranks, i.e. change with the world size.
         ds["bf16"] = {"enabled": True}
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}
+        ds["communication_data_type"] = "fp32"
     if load_universal:
         # The checkpoint to load was saved at another world size and converted to
         # DeepSpeed's universal (world-size independent) format.
@@ -78,23 +112,28 @@ def import_deepspeed():
 
 
 def compiles(cfg: Config, on_cuda: bool) -> bool:
-    """Whether the engine compiles the model: `model.compile`, or on CUDA only when unset."""
-    return on_cuda if cfg.model.compile is None else cfg.model.compile
+    """Whether the engine compiles the model: `model.compile` where set; unset, on CUDA
+    except under ZeRO-3, whose per-module hooks (gathering each layer's parameters before it
+    runs, releasing them after) break the compiled graph at every layer, leaving pieces too
+    small to repay their compile time. To be revisited with a GPU measurement."""
+    if cfg.model.compile is not None:
+        return cfg.model.compile
+    return on_cuda and cfg.deepspeed.zero_stage != 3
 
 
-def build_model(cfg: Config, plan: BatchPlan, on_cuda: Optional[bool] = None) -> Transformer:
-    """The model for `build_engine`. Under ZeRO-3 it is built partitioned (DeepSpeed's
-    zero.Init, on the device DeepSpeed trains on): each rank holds only its shard, where a
-    plain build would hold the whole fp32 model on every rank first (84 GB for the 21b
-    preset), at every restart. The weights are those of the plain build with the same seed:
-    rank 0 draws them one parameter at a time, gathered, and the others receive its draw."""
+def build_model(cfg: Config, plan: BatchPlan, device: torch.device) -> Transformer:
+    """The model for `build_engine` on `device` (the worker's training device). Under ZeRO-3
+    it is built partitioned (DeepSpeed's zero.Init, on the device DeepSpeed trains on): each
+    rank holds only its shard, where a plain build would hold the whole fp32 model on every
+    rank first (84 GB for the 21b preset), at every restart. The weights are those of the
+    plain build with the same seed: rank 0 draws them one parameter at a time, gathered, and
+    the others receive its draw."""
     if cfg.deepspeed.zero_stage != 3:
         return Transformer(cfg.model)
     deepspeed = import_deepspeed()
     import torch.distributed as dist
 
-    on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
-    with deepspeed.zero.Init(config_dict_or_path=deepspeed_config(cfg, plan, on_cuda)):
+    with deepspeed.zero.Init(config_dict_or_path=deepspeed_config(cfg, plan, on_cuda=device.type == "cuda")):
         model = Transformer(cfg.model)  # its own init ran on empty shards: drawn again below
     for param, init in model.initializers():
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
@@ -121,16 +160,18 @@ def param_groups(model: Transformer, optim: OptimConfig) -> list[dict]:
     return groups
 
 
-def build_engine(cfg: Config, plan: BatchPlan, model: torch.nn.Module, load_universal: bool = False):
-    """Wrap `model` (from `build_model`) in a DeepSpeed engine with AdamW and the warm-up +
-    cosine schedule, compiled when `compiles` says so.
+def build_engine(cfg: Config, plan: BatchPlan, model: torch.nn.Module, device: torch.device,
+                 load_universal: bool = False):
+    """Wrap `model` (from `build_model`) in a DeepSpeed engine for `device` (the worker's
+    training device) with AdamW and the warm-up + cosine schedule, compiled when `compiles`
+    says so.
 
     The optimizer is torch's AdamW rather than DeepSpeed's by-name optimizers: those need
     compiled ops that the CPU build (DS_BUILD_OPS=0) does not have. On CUDA it is torch's
     fused kernel: one launch for all parameters instead of several per tensor."""
     deepspeed = import_deepspeed()
 
-    on_cuda = torch.cuda.is_available()
+    on_cuda = device.type == "cuda"
     optimizer = torch.optim.AdamW(
         param_groups(model, cfg.optim),
         lr=cfg.optim.lr,

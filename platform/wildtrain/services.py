@@ -152,6 +152,9 @@ class Services:
     # None in a services.json written before `up` gave the head a temp dir of its own.
     ray_temp_dir: Optional[str] = None
     ray_ports: dict = field(default_factory=dict)
+    # The GPUs the head declared (`local_gpus`); None in a services.json written before `up`
+    # declared them.
+    num_gpus: Optional[int] = None
 
 
 # Ports handed out by `free_port` (or claimed by `claim_ports`) in this process: the kernel
@@ -375,7 +378,28 @@ class RayPorts:
         return replace(self, **{f.name: free_port() for f in fields(self) if getattr(self, f.name) is None})
 
 
-def ray_head_command(ports: RayPorts, num_cpus: int, temp_dir: Path) -> list[str]:
+# The custom resource that conf/cluster/gpu.yaml's workers ask for, one per GPU: the launcher
+# files give it to GPU nodes only, keeping workers off CPU-only heads.
+TRAINER_RESOURCE = "trainer"
+
+
+def local_gpus() -> int:
+    """The GPUs of this machine that training can use: torch's count, not nvidia-smi's.
+    Workers train with this Python's torch, so a GPU it cannot use (a CPU-only torch build,
+    a driver too old for its CUDA, one hidden by CUDA_VISIBLE_DEVICES, which torch honours
+    and nvidia-smi does not) must not be declared: a run on it would fail in every worker
+    instead of training on CPU. It costs `up` a torch import (seconds), next to the tens of
+    seconds its services take to start."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def ray_head_command(ports: RayPorts, num_cpus: int, temp_dir: Path, num_gpus: int = 0) -> list[str]:
+    """`ray start` for the local head. Its GPUs are declared, not left to Ray's own detection
+    (NVML: any GPU the driver sees), so that Ray offers exactly the ones `local_gpus`
+    counted, with as many `trainer` resources for conf/cluster/gpu.yaml's workers."""
+    trainer = ["--resources", json.dumps({TRAINER_RESOURCE: num_gpus})] if num_gpus else []
     return [
         ray_cli(), "start", "--head", "--disable-usage-stats",
         "--node-ip-address", HOST, "--port", str(ports.gcs),
@@ -389,7 +413,7 @@ def ray_head_command(ports: RayPorts, num_cpus: int, temp_dir: Path) -> list[str
         "--object-manager-port", str(ports.object_manager),
         # 0: ports the OS picks, instead of the 10002-19999 range every `ray start` shares.
         "--min-worker-port", "0", "--max-worker-port", "0",
-        "--num-cpus", str(num_cpus),
+        "--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), *trainer,
         "--system-config", json.dumps(NODE_HEALTH_CHECKS),
         # Its own temp dir: its sessions, sockets and discovery file apart from any other
         # Ray's, and what `stop_ray_head` finds its processes by.
@@ -397,7 +421,8 @@ def ray_head_command(ports: RayPorts, num_cpus: int, temp_dir: Path) -> list[str
     ]
 
 
-def start_ray_head(ports: RayPorts, num_cpus: int, temp_dir: Path, env: dict[str, str] | None = None) -> str:
+def start_ray_head(ports: RayPorts, num_cpus: int, temp_dir: Path, env: dict[str, str] | None = None,
+                   num_gpus: int = 0) -> str:
     """A Ray head on 127.0.0.1 only, with its dashboard and jobs API, token authentication
     on, its files under `temp_dir` (absolute and short: Ray's socket paths must fit 107
     bytes); `env` is added to the environment of its processes. Returns the GCS address."""
@@ -408,7 +433,7 @@ def start_ray_head(ports: RayPorts, num_cpus: int, temp_dir: Path, env: dict[str
     # unless RAY_ADDRESS names theirs: beside a test cluster they removed the wrong group's
     # placement group. Every process of the head inherits its own address.
     own_address = {"RAY_ADDRESS": f"{HOST}:{ports.gcs}"}
-    done = subprocess.run(ray_head_command(ports, num_cpus, temp_dir), capture_output=True, text=True,
+    done = subprocess.run(ray_head_command(ports, num_cpus, temp_dir, num_gpus), capture_output=True, text=True,
                           env={**token_auth_env(), **LOOPBACK_ONLY_ENV, **metric_ports, **own_address, **(env or {})})
     if done.returncode != 0:
         stop_ray_head(temp_dir, f"{HOST}:{ports.gcs}")
@@ -489,7 +514,10 @@ def private_dir(path: Path) -> Path:
 
 
 def up(state_dir: Path = DEFAULT_STATE_DIR, ray_ports: RayPorts = RayPorts(), mlflow_port: int = 5000,
-       num_cpus: int | None = None, object_store_port: int = 8333, bucket: str = "wildtrain") -> Services:
+       num_cpus: int | None = None, object_store_port: int = 8333, bucket: str = "wildtrain",
+       num_gpus: int | None = None) -> Services:
+    """Start what is not running (see the module docstring); `num_gpus`: the GPUs the head
+    declares, by default all that `local_gpus` finds."""
     state_file = state_dir / "services.json"
     if state_file.is_file():
         running = read_services(state_file)
@@ -508,13 +536,14 @@ def up(state_dir: Path = DEFAULT_STATE_DIR, ray_ports: RayPorts = RayPorts(), ml
     # Logical CPUs are a scheduling budget: leave room for Ray Data's tasks beside the
     # training workers even on a 2-core machine.
     num_cpus = num_cpus or max(4, os.cpu_count() or 1)
+    num_gpus = local_gpus() if num_gpus is None else num_gpus
     ports = ray_ports.chosen()
     temp_dir = Path(tempfile.mkdtemp(prefix="wildtrain-ray-"))
     # MLflow's server and Ray's head need nothing of each other: each starts while the other does.
     with ThreadPoolExecutor(1) as pool:
         mlflow_starting = pool.submit(start_mlflow, state_dir / "mlflow", mlflow_port)
         try:
-            ray_address = start_ray_head(ports, num_cpus, temp_dir, env=store.env())
+            ray_address = start_ray_head(ports, num_cpus, temp_dir, env=store.env(), num_gpus=num_gpus)
             mlflow = mlflow_starting.result()
         except ServiceError:
             stop_ray_head(temp_dir, f"{HOST}:{ports.gcs}")
@@ -530,6 +559,7 @@ def up(state_dir: Path = DEFAULT_STATE_DIR, ray_ports: RayPorts = RayPorts(), ml
         object_store=store,
         ray_temp_dir=str(temp_dir),
         ray_ports=asdict(ports),
+        num_gpus=num_gpus,
     )
     state_file.touch(mode=0o600)
     state_file.write_text(json.dumps(asdict(services), indent=2))

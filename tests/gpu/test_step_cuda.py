@@ -75,16 +75,20 @@ def test_the_step_trains_in_bf16_on_the_gpu(cuda_group, stage):
     cfg = Config()
     cfg.model = ModelConfig(dim=256, n_layers=2, n_heads=4, max_seq_len=SEQ_LEN, activation_checkpointing=stage == 3)
     cfg.deepspeed.zero_stage = stage
+    if stage == 3:
+        cfg.model.compile = True  # off by default under ZeRO-3 (engine.compiles); asked for, it compiles
     cfg.train.global_batch_size, cfg.train.micro_batch_size = BATCH, BATCH // 2
     plan = batch_plan(BATCH, BATCH // 2, 1)
     torch.manual_seed(0)
-    model = build_model(cfg, plan)
+    model = build_model(cfg, plan, cuda_group)
     if stage == 3:  # built partitioned, on the GPU
         assert all(p.numel() == 0 and p.ds_tensor.device == cuda_group for p in model.parameters())
-    engine = build_engine(cfg, plan, model)
-    if stage == 1:  # under ZeRO-3 DeepSpeed's per-module hooks break the graph: not compiled by default
-        assert engine.is_compiled, "model.compile is on by default on CUDA"
+    engine = build_engine(cfg, plan, model, cuda_group)
+    assert engine.is_compiled, "on by default on CUDA under ZeRO-1; asked for under ZeRO-3"
     assert engine.bfloat16_enabled()
+    # bf16 weights; gradients summed over micro-batches and reduced over ranks in fp32.
+    assert engine.get_data_types() == (torch.bfloat16, torch.float32)
+    assert engine.communication_data_type == torch.float32
     assert all(group.get("fused") for group in engine.optimizer.optimizer.param_groups)
     tokens = np.random.default_rng(0).integers(0, 257, (BATCH, SEQ_LEN + 1), dtype=np.int32)
     window = StepMetrics(BATCH * SEQ_LEN, flops_per_token(cfg.model, SEQ_LEN),
@@ -113,7 +117,8 @@ def test_the_async_capture_copies_into_pinned_buffers_on_its_own_stream(tmp_path
     from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
 
     weights = torch.randn(1024, 1024, device="cuda")
-    saver = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="g1")
+    saver = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="g1",
+                       device=weights.device)
     assert saver._copy_stream is not None
     meta = CheckpointMeta(step=1, tag="step_1", world_size=1, zero_stage=0)
     saver.save_state(meta, {"state.pt": {"w": weights}})

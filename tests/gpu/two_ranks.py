@@ -91,7 +91,7 @@ def train(stage: int, rank: int, world_size: int, device: torch.device) -> dict:
     cfg.optim.warmup_steps = 1
     plan = batch_plan(global_batch, ROWS_PER_RANK, world_size)
     torch.manual_seed(0)
-    engine = build_engine(cfg, plan, build_model(cfg, plan))
+    engine = build_engine(cfg, plan, build_model(cfg, plan, device), device)
     tokens = np.random.default_rng(stage).integers(0, cfg.model.vocab_size, (global_batch, SEQ_LEN + 1), dtype=np.int32)
     rows = tokens if world_size == 1 else tokens[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK]
     window = StepMetrics(len(rows) * SEQ_LEN, 1.0, None, world_size, device)

@@ -50,7 +50,7 @@ def _engine(cfg, world_size: int, load_universal: bool = False):
 
     plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
     torch.manual_seed(1234)  # the untrained init: a load that restores nothing shows
-    return build_engine(cfg, plan, Transformer(cfg.model), load_universal=load_universal), plan
+    return build_engine(cfg, plan, Transformer(cfg.model), torch.device("cpu"), load_universal=load_universal), plan
 
 
 def _init_process(rank: int, world_size: int, port: int) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 import psutil
 import pytest
 import ray
+import torch
 
 from tests.helpers.datasets import write_dataset
 from wildtrain import services
@@ -71,6 +72,9 @@ def test_up_listens_on_loopback_only_and_down_stops_only_what_it_started(ray_clu
     assert started.returncode == 0, started.stdout + started.stderr
     state = json.loads((state_dir / "services.json").read_text())
     try:
+        # The head offers the GPUs this machine's torch can use, recorded with the rest.
+        assert state["num_gpus"] == torch.cuda.device_count()
+        assert f"{state['num_gpus']} GPU" in started.stdout
         temp_dir = Path(state["ray_temp_dir"])
         head = services.ray_head_processes(temp_dir, state["ray_address"])
         mlflow = with_descendants([state["mlflow_pid"]])

@@ -82,11 +82,11 @@ def _run(rank: int, world_size: int, port: int, root: str) -> None:
         cfg = _config(stage)
         plan = batch_plan(GLOBAL_BATCH, MICRO_BATCH, world_size)
         torch.manual_seed(0)
-        model = build_model(cfg, plan)
+        model = build_model(cfg, plan, torch.device("cpu"))
         # Built partitioned: each rank holds a shard of every parameter and no full one.
         partitioned = all(p.numel() == 0 and 0 < p.ds_tensor.numel() < p.ds_numel for p in model.parameters()) \
             if stage == 3 else None
-        engine = build_engine(cfg, plan, model)
+        engine = build_engine(cfg, plan, model, torch.device("cpu"))
         per_rank = GLOBAL_BATCH // world_size
         mine = rows[rank * per_rank:(rank + 1) * per_rank]
         batches = DeviceBatches((mine for _ in range(STEPS)), torch.device("cpu"))

@@ -7,10 +7,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import torch
+
 from wildtrain.batching import BatchPlanError, batch_plan, unservable_world_sizes
-from wildtrain.config import Config, OptimConfig
+from wildtrain.config import PACKAGE_CONF_DIR, Config, OptimConfig, load_config
 from wildtrain import services
-from wildtrain.engine import deepspeed_config, lr_at
+from wildtrain.engine import BUCKET_ELEMENTS, compiles, deepspeed_config, lr_at
 
 
 @given(global_batch=st.integers(1, 512), max_micro=st.integers(1, 64), world=st.integers(1, 64))
@@ -61,6 +63,68 @@ def test_deepspeed_config_follows_plan_and_device():
     assert cpu["gradient_clipping"] == cfg.optim.grad_clip
     assert "bf16" not in cpu  # fp32 on CPU
     assert deepspeed_config(cfg, plan, on_cuda=True)["bf16"] == {"enabled": True}
+
+
+PRESETS = sorted(p.stem for p in (PACKAGE_CONF_DIR / "model").glob("*.yaml"))
+STAGES = sorted(p.stem for p in (PACKAGE_CONF_DIR / "deepspeed").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def deepspeed_reads():
+    """DeepSpeed's own parse of a config dict: what its engine is built from. Without a
+    process group it parses for world size 1."""
+    from wildtrain.engine import import_deepspeed
+
+    import_deepspeed()
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    return DeepSpeedConfig
+
+
+@pytest.mark.parametrize("on_cuda", [True, False], ids=["cuda", "cpu"])
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_deepspeed_reads_our_precision_and_overlap_for_every_preset_and_stage(deepspeed_reads, preset, stage,
+                                                                             on_cuda):
+    cfg = load_config([f"model={preset}", f"deepspeed={stage}"])
+    plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, 1)
+    read = deepspeed_reads(deepspeed_config(cfg, plan, on_cuda))
+    assert read.zero_optimization_stage == cfg.deepspeed.zero_stage
+    assert (read.train_batch_size, read.train_micro_batch_size_per_gpu, read.gradient_accumulation_steps) == \
+        (plan.global_batch_size, plan.micro_batch_size, plan.grad_accum_steps)
+    zero = read.zero_config
+    if on_cuda:
+        # bf16 weights; gradients summed over micro-batches and reduced over ranks in fp32.
+        assert read.bfloat16_config.enabled
+        assert read.grad_accum_dtype == "fp32" and read.communication_data_type == torch.float32
+    else:  # fp32 throughout, as DeepSpeed's defaults have it
+        assert not read.bfloat16_config.enabled
+        assert read.grad_accum_dtype is None and read.communication_data_type is None
+    if cfg.deepspeed.zero_stage in (1, 2):
+        # Overlapped, sized buckets on GPU only: on CPU there is no stream to overlap on.
+        assert zero.overlap_comm is on_cuda
+        ours = (zero.reduce_bucket_size, zero.allgather_bucket_size) == (BUCKET_ELEMENTS, BUCKET_ELEMENTS)
+        assert ours is on_cuda
+    else:  # ZeRO-3 overlaps by DeepSpeed's default, with its own buckets
+        assert zero.overlap_comm and zero.reduce_bucket_size != BUCKET_ELEMENTS
+
+
+@pytest.mark.parametrize(
+    "stage, compile, on_cuda, compiled",
+    [
+        (1, None, True, True),
+        (2, None, True, True),
+        (3, None, True, False),  # ZeRO-3's per-module hooks break the graph at every layer
+        (3, True, True, True),  # asked for: compiled all the same
+        (1, None, False, False),  # CPU: compiling costs more than it gains
+        (1, True, False, True),
+        (1, False, True, False),
+    ],
+)
+def test_compile_is_on_for_cuda_except_under_zero3_unless_set(stage, compile, on_cuda, compiled):
+    cfg = Config()
+    cfg.deepspeed.zero_stage, cfg.model.compile = stage, compile
+    assert compiles(cfg, on_cuda) is compiled
 
 
 START_COMM = """

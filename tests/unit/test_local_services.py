@@ -1,6 +1,7 @@
 """Which Ray a run joins, what `wildtrain up` asks of `ray start`, and what never leaves the
 machine in MLflow params, printed URLs and errors (no Ray, no servers)."""
 
+import json
 import os
 from dataclasses import fields
 from pathlib import Path
@@ -62,6 +63,25 @@ def test_the_head_gets_every_port_and_its_own_temp_dir():
     assert len({getattr(ports, f.name) for f in fields(RayPorts)}) == len(fields(RayPorts)), "each port its own"
     assert command[command.index("--temp-dir") + 1] == "/tmp/wildtrain-ray-x"
     assert command[command.index("--node-ip-address") + 1] == "127.0.0.1"
+
+
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_the_head_declares_the_gpus_it_was_given_with_a_trainer_slot_each():
+    ports = RayPorts().chosen()
+    command = services.ray_head_command(ports, 16, Path("/tmp/wildtrain-ray-x"), num_gpus=8)
+    assert flag(command, "--num-gpus") == "8"
+    # What conf/cluster/gpu.yaml's workers ask for besides a GPU.
+    assert json.loads(flag(command, "--resources")) == {"trainer": 8}
+    assert load_config(["cluster=gpu"]).cluster.worker_resources == {services.TRAINER_RESOURCE: 1}
+
+
+def test_a_head_without_gpus_declares_none_rather_than_leave_them_to_ray():
+    command = services.ray_head_command(RayPorts().chosen(), 4, Path("/tmp/wildtrain-ray-x"))
+    assert flag(command, "--num-gpus") == "0"  # not Ray's own count, which torch may not share
+    assert "--resources" not in command
 
 
 def test_a_temp_dir_names_paths_inside_it_not_its_siblings():

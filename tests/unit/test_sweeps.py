@@ -10,6 +10,7 @@ import pytest
 
 from wildtrain.config import ConfigError, load_config
 from wildtrain.sweeps.compare import TrialRecord, differing_data, effects, rank, smooth, table_text
+from wildtrain.elastic.scaling import resolve_device
 from wildtrain.sweeps.execute import trial_need, trial_slots
 from wildtrain.sweeps.grid import GridError, parse_grid, plan_sweep, steps_for_budget
 from wildtrain.sweeps.transfer import transfer
@@ -23,7 +24,9 @@ def test_each_trial_args_load_its_config():
 
 
 def test_as_many_trials_run_at_once_as_the_cluster_holds_at_their_full_size():
-    cfg = load_config(["experiment=tiny", "elastic.max_workers=2", "data.read_cpus=1"])
+    # As the sweep sizes them: each trial's device resolved against the cluster (no GPU here).
+    cfg, _ = resolve_device(load_config(["experiment=tiny", "elastic.max_workers=2", "data.read_cpus=1"]),
+                            {"CPU": 10.0})
     assert trial_need(cfg) == {"CPU": 3.0}
     gpu = load_config(["experiment=tiny", "elastic.max_workers=8", "elastic.min_workers=8", "cluster=gpu"])
     assert trial_need(gpu) == {"CPU": 8 * 8 + gpu.data.read_cpus, "GPU": 8.0, "trainer": 8.0}

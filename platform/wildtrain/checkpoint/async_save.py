@@ -138,14 +138,16 @@ class _Link:
 class AsyncSaver:
     """One per worker: saves this rank's part of each checkpoint in the background (see the
     module docstring). `attempt` must be the same on every rank of the worker group and
-    differ between groups (`format.new_attempt_token`, broadcast from rank 0)."""
+    differ between groups (`format.new_attempt_token`, broadcast from rank 0). `device` is
+    the one the engine trains on: on CUDA the host buffers are page-locked and the copies
+    run on a stream of their own."""
 
     def __init__(self, stores: Sequence[StoreLike], staging_dir: str, *, rank: int, world_size: int, attempt: str,
                  policy: Policy = "skip", timeout_s: float = 1800.0, verify_upload: bool = True,
                  retention: Optional[RetentionPolicy] = None, known_good: Iterable[tuple[str, str]] = (),
                  disk_free: Callable[[str], Optional[int]] = _disk_free, commit_when_released: bool = False,
                  reports_collected: Callable[[], bool] = lambda: False, background: Background = "process",
-                 nice: int = 0) -> None:
+                 nice: int = 0, device: torch.device = torch.device("cpu")) -> None:
         if policy not in ("skip", "queue"):
             raise ValueError(f"checkpoint save policy {policy!r}: expected 'skip' or 'queue'")
         if background not in ("process", "thread"):
@@ -173,10 +175,11 @@ class AsyncSaver:
         # flight when the next falls due makes that one skipped.
         self._process: Optional[SaveProcess] = SaveProcess(self._settings, nice) if background == "process" else None
         # A child reads the host copies where the capture put them: in shared memory.
-        self._buffers = HostBuffers(pin=torch.cuda.is_available(), share=background == "process")
+        on_cuda = device.type == "cuda"
+        self._buffers = HostBuffers(pin=on_cuda, share=background == "process")
         # The device-to-host copies run on a stream of their own, so waiting for them waits
         # for nothing else (a step's kernels queued behind the save, another stream's work).
-        self._copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._copy_stream = torch.cuda.Stream(device) if on_cuda else None
         self._last_bytes = 0
         self._cond = threading.Condition()
         self._running: Optional[_Job] = None

@@ -1,16 +1,57 @@
-"""The driver's side: the scaling and failure configs Ray Train gets, the environment of
-its controller and workers, and the wait for a cluster that can hold the smallest group."""
+"""The driver's side: whether the run trains on GPUs, the scaling and failure configs Ray
+Train gets, the environment of its controller and workers, and the wait for a cluster that
+can hold the smallest group."""
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, replace
+from typing import Mapping, Optional
 
 import ray
 from ray.train import FailureConfig, ScalingConfig
 
-from wildtrain.config import Config
+from wildtrain.config import Config, ConfigError
 from wildtrain.elastic.signals import CapacityError
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    use_gpu: bool
+    # One line for the user where the choice leaves the cluster's GPUs idle.
+    note: Optional[str] = None
+
+
+def choose_device(use_gpu: Optional[bool], cluster_gpus: float) -> DeviceChoice:
+    """Whether the workers train on GPUs, from `cluster.use_gpu` and the GPUs the cluster
+    offers: unset (None), on GPUs exactly when it offers some. Training on CPU beside
+    offered GPUs takes an explicit `use_gpu=false` (said in one line); an explicit true on a
+    cluster without GPUs stands here, and `wait_for_capacity` refuses it if none come."""
+    if use_gpu is None:
+        return DeviceChoice(cluster_gpus > 0)
+    if not use_gpu and cluster_gpus > 0:
+        gpus = f"{cluster_gpus:g} GPU{'' if cluster_gpus == 1 else 's'}"
+        return DeviceChoice(False, f"cluster.use_gpu=false: training on CPU, beside the cluster's {gpus}")
+    return DeviceChoice(use_gpu)
+
+
+def resolve_device(cfg: Config, cluster: Mapping[str, float]) -> tuple[Config, DeviceChoice]:
+    """`cfg` with `cluster.use_gpu` decided (`choose_device`) for a cluster offering the
+    resources `cluster` (`ray.cluster_resources()`). The driver resolves it once, before
+    anything uses it, and hands the resolved config to the workers: they, the scaling
+    config, the collectives' backend and the engine all follow that one answer."""
+    choice = choose_device(cfg.cluster.use_gpu, cluster.get("GPU", 0.0))
+    return replace(cfg, cluster=replace(cfg.cluster, use_gpu=choice.use_gpu)), choice
+
+
+def trains_on_gpu(cfg: Config) -> bool:
+    """The resolved `cluster.use_gpu`. Unresolved, it is a bug: read as false it would train
+    on CPU without a word, which is what resolving it prevents."""
+    if cfg.cluster.use_gpu is None:
+        raise RuntimeError("cluster.use_gpu is still unset (auto): resolve_device() decides it against the cluster "
+                           "before anything uses it")
+    return cfg.cluster.use_gpu
 
 
 def data_cpus(cfg: Config) -> float:
@@ -29,7 +70,7 @@ def largest_group(total: dict[str, float], per_worker: dict[str, float], max_wor
 def scaling_config(cfg: Config) -> ScalingConfig:
     return ScalingConfig(
         num_workers=(cfg.elastic.min_workers, cfg.elastic.max_workers),
-        use_gpu=cfg.cluster.use_gpu,
+        use_gpu=trains_on_gpu(cfg),
         resources_per_worker=worker_resources(cfg),
         # Growing is the workers' decision (see PlannedRegrow), not Ray's resize check.
         elastic_resize_monitor_interval_s=365 * 24 * 3600.0,
@@ -51,18 +92,36 @@ def controller_env(cfg: Config) -> None:
 
 
 def worker_env(cfg: Config) -> dict[str, str]:
-    return {} if cfg.cluster.use_gpu else {"DS_ACCELERATOR": "cpu"}
+    return {} if trains_on_gpu(cfg) else {"DS_ACCELERATOR": "cpu"}
 
 
 def worker_resources(cfg: Config) -> dict[str, float]:
-    gpu = {"GPU": 1} if cfg.cluster.use_gpu else {}
+    gpu = {"GPU": 1} if trains_on_gpu(cfg) else {}
     return {"CPU": cfg.cluster.cpus_per_worker, **gpu, **cfg.cluster.worker_resources}
+
+
+def shortfall(cfg: Config, need: Mapping[str, float], total: Mapping[str, float]) -> Exception:
+    """The error of a capacity wait that ended with `total` short of `need`: a config error
+    naming cluster.use_gpu where the workers need GPUs and the cluster offered none at all,
+    else a capacity error naming elastic.min_workers."""
+    wait = f"{cfg.cluster.capacity_wait_s:g} s"
+    if need.get("GPU", 0) > 0 and total.get("GPU", 0) == 0:
+        return ConfigError(f"cluster.use_gpu: true, but the cluster has offered no GPU for {wait}; unset it to train "
+                           f"on what the cluster offers (cluster.use_gpu=null), or add GPU nodes")
+    wanted = ", ".join(f"{amount:g} {name}" for name, amount in need.items())
+    offered = ", ".join(f"{total.get(name, 0):g} {name}" for name in need)
+    return CapacityError(
+        f"elastic.min_workers: {cfg.elastic.min_workers} workers need {wanted} "
+        f"({data_cpus(cfg):g} CPU of it for data), but the cluster has offered only {offered} "
+        f"for {wait}; lower elastic.min_workers or add nodes"
+    )
 
 
 def wait_for_capacity(cfg: Config) -> None:
     """Return once the cluster can hold `min_workers` workers plus the data pipeline;
-    otherwise fail after `cluster.capacity_wait_s` instead of letting Ray wait forever. Fail
-    at once where the group Ray Train would start takes the CPUs the data reads need."""
+    otherwise fail after `cluster.capacity_wait_s` (`shortfall`) instead of letting Ray wait
+    forever. Fail at once where the group Ray Train would start takes the CPUs the data reads
+    need."""
     per_worker = worker_resources(cfg)
     data = data_cpus(cfg)
     need = {name: amount * cfg.elastic.min_workers for name, amount in per_worker.items()}
@@ -74,13 +133,7 @@ def wait_for_capacity(cfg: Config) -> None:
         if not short:
             break
         if time.monotonic() >= deadline:
-            wanted = ", ".join(f"{amount:g} {name}" for name, amount in need.items())
-            offered = ", ".join(f"{total.get(name, 0):g} {name}" for name in need)
-            raise CapacityError(
-                f"elastic.min_workers: {cfg.elastic.min_workers} workers need {wanted} "
-                f"({data:g} CPU of it for data), but the cluster has offered only {offered} "
-                f"for {cfg.cluster.capacity_wait_s:g} s; lower elastic.min_workers or add nodes"
-            )
+            raise shortfall(cfg, need, total)
         time.sleep(1.0)
     size = largest_group(total, per_worker, cfg.elastic.max_workers)
     spare = total.get("CPU", 0) - size * per_worker.get("CPU", 0)

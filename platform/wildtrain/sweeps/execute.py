@@ -100,9 +100,12 @@ def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Opt
         import ray
 
         from wildtrain.driver import connect_ray
+        from wildtrain.elastic.scaling import resolve_device
 
         connect_ray(todo[0].cfg)
-        parallel = trial_slots(ray.cluster_resources(), [trial_need(t.cfg) for t in todo])
+        total = ray.cluster_resources()
+        # Each trial as its own driver will size it: on the GPUs, where the cluster offers them.
+        parallel = trial_slots(total, [trial_need(resolve_device(t.cfg, total)[0]) for t in todo])
     say(f"sweep {plan.name}: {len(todo)} trials to run, {parallel} at a time")
     client.update_run(parent, status="RUNNING")
     try:

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
+
 from wildtrain import checkpoint
 from wildtrain.batching import BatchPlan
 from wildtrain.checkpoint import reshard, save_policy, shm, universal
@@ -34,17 +36,19 @@ class Restored:
     events: list[CheckpointFallback]  # committed checkpoints passed over, and why
 
 
-def build_and_restore(cfg: Config, plan: BatchPlan, world_size: int, rank: int, stores: list[Store]):
+def build_and_restore(cfg: Config, plan: BatchPlan, world_size: int, rank: int, stores: list[Store],
+                      device: torch.device):
     """The engine with the newest good committed checkpoint loaded, the state saved with it,
     and what the restore did. A checkpoint saved at another world size is loaded from its
-    universal copy in the store, which rank 0 makes unless the controller made it ahead."""
+    universal copy in the store, which rank 0 makes unless the controller made it ahead.
+    `device`: the worker's training device."""
     started = time.perf_counter()
     reshard_s = engine_build_s = 0.0
 
     def new_engine(load_universal: bool = False):
         nonlocal engine_build_s
         building = time.perf_counter()
-        engine = build_engine(cfg, plan, build_model(cfg, plan), load_universal=load_universal)
+        engine = build_engine(cfg, plan, build_model(cfg, plan, device), device, load_universal=load_universal)
         engine_build_s = time.perf_counter() - building
         return engine
 

@@ -38,7 +38,7 @@ from wildtrain.data.dataset import OpenedData
 from wildtrain.data.manifest import ShardCorrupt
 from wildtrain.data.objectives import Objective
 from wildtrain.data.stream import RankStream
-from wildtrain.elastic.scaling import data_cpus
+from wildtrain.elastic.scaling import data_cpus, trains_on_gpu
 from wildtrain.elastic.signals import FinalCheckpointFailed, PlannedRegrow, RunCannotContinue, UnhealthyNodes
 from wildtrain.events import RegrowPostponed, StoppedEarly
 from wildtrain.layout import RunLayout, checkpoint_stores
@@ -115,7 +115,7 @@ class Attempt:
 
         torch.manual_seed(cfg.train.seed)
         # Ray Train set this worker's CUDA device; NCCL's collectives and the batches go there.
-        device = ray.train.torch.get_device() if cfg.cluster.use_gpu else torch.device("cpu")
+        device = ray.train.torch.get_device() if trains_on_gpu(cfg) else torch.device("cpu")
         # From here to the first step (health check, restore, engine build) under the start-up bound.
         self.watchdog = HangWatchdog(cfg.monitor.hang_timeout_s, cfg.monitor.startup_timeout_s,
                                      RunLayout.of(cfg).hangs, rank, cfg.storage)
@@ -126,7 +126,8 @@ class Attempt:
             raise UnhealthyNodes(self.monitor.unhealthy_nodes, self.monitor.take_events())
         self.health_checked_at = time.time()
         stores = checkpoint_stores(cfg)
-        self.engine, self.state, self.restored = checkpointing.build_and_restore(cfg, self.plan, world_size, rank, stores)
+        self.engine, self.state, self.restored = checkpointing.build_and_restore(cfg, self.plan, world_size, rank,
+                                                                                   stores, device)
         self.restored_at = time.time()
         self.restored_step = self.state.step
         self.state.world_size = world_size
@@ -138,7 +139,7 @@ class Attempt:
             policy=cfg.checkpoint.policy, timeout_s=cfg.checkpoint.timeout_s, verify_upload=cfg.checkpoint.verify_upload,
             retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
             known_good=[self.restored.candidate.key] if self.restored.candidate else [], commit_when_released=True,
-            reports_collected=ray_compat.reports_collected, background=background,
+            reports_collected=ray_compat.reports_collected, background=background, device=device,
         )
         self.reported_step = self.state.step  # the newest step whose report the controller has for sure
         # The data position is the step: the stream starts where the restored model stopped.
@@ -152,7 +153,7 @@ class Attempt:
         self.startup: dict = {}  # the attempt's start-up timings, until a report carries them
 
         self.tokens_per_step = self.plan.global_batch_size * cfg.data.seq_len
-        peak = peak_flops(torch.cuda.get_device_name() if cfg.cluster.use_gpu else "cpu",
+        peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                           cfg.cluster.peak_flops_per_device)
         self.window = StepMetrics(self.tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len), peak, world_size,
                                   device, data_wait=stream)

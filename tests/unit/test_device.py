@@ -1,0 +1,121 @@
+"""Whether a run trains on GPUs: decided once, from `cluster.use_gpu` and what the cluster
+offers, and everything downstream (Ray Train's scaling, the workers' environment, the engine,
+the checkpoint saver) following that one answer rather than asking torch (no Ray here)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from wildtrain import services
+from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
+from wildtrain.config import ConfigError, load_config
+from wildtrain.elastic import scaling
+from wildtrain.elastic.scaling import DeviceChoice, choose_device, resolve_device, shortfall, trains_on_gpu
+from wildtrain.elastic.signals import CapacityError
+
+
+@pytest.mark.parametrize(
+    "use_gpu, gpus, choice",
+    [
+        (None, 8.0, DeviceChoice(True)),  # unset: the GPUs the cluster offers
+        (None, 0.0, DeviceChoice(False)),  # unset, none offered: CPU, nothing to say
+        (True, 1.0, DeviceChoice(True)),
+        (True, 0.0, DeviceChoice(True)),  # stands: wait_for_capacity refuses it if none come
+        (False, 0.0, DeviceChoice(False)),
+    ],
+)
+def test_the_device_follows_the_cluster_unless_set(use_gpu, gpus, choice):
+    assert choose_device(use_gpu, gpus) == choice
+
+
+def test_cpu_beside_offered_gpus_takes_an_explicit_false_and_is_said_in_one_line():
+    choice = choose_device(False, 4.0)
+    assert not choice.use_gpu
+    assert choice.note.startswith("cluster.use_gpu=false: ") and "4 GPUs" in choice.note
+    assert "\n" not in choice.note
+
+
+def test_the_resolved_config_is_what_scaling_and_the_workers_get():
+    cfg = load_config(["experiment=tiny"])
+    assert cfg.cluster.use_gpu is None, "conf/cluster/local.yaml leaves it to the cluster"
+    with pytest.raises(RuntimeError, match="cluster.use_gpu"):
+        scaling.worker_resources(cfg)  # read unresolved, None would train on CPU without a word
+
+    on_gpus, _ = resolve_device(cfg, {"CPU": 16.0, "GPU": 2.0})
+    assert on_gpus.cluster.use_gpu is True and cfg.cluster.use_gpu is None, "a copy, not an edit"
+    assert scaling.worker_resources(on_gpus) == {"CPU": 1, "GPU": 1}
+    assert scaling.worker_env(on_gpus) == {}
+    assert scaling.scaling_config(on_gpus).use_gpu
+
+    on_cpu, choice = resolve_device(cfg, {"CPU": 16.0})
+    assert not trains_on_gpu(on_cpu) and choice.note is None
+    assert scaling.worker_resources(on_cpu) == {"CPU": 1}
+    assert scaling.worker_env(on_cpu) == {"DS_ACCELERATOR": "cpu"}
+
+
+def test_cluster_gpu_asks_for_what_wildtrain_up_declares():
+    cfg, _ = resolve_device(load_config(["experiment=tiny", "cluster=gpu"]), {})
+    per_worker = scaling.worker_resources(cfg)
+    assert per_worker["GPU"] == 1 and per_worker[services.TRAINER_RESOURCE] == 1
+
+
+def test_a_wait_for_gpus_that_never_came_names_cluster_use_gpu():
+    cfg, _ = resolve_device(load_config(["experiment=tiny", "cluster.use_gpu=true", "cluster.capacity_wait_s=5"]), {})
+    need = {"CPU": 2.0, "GPU": 1.0}
+    error = shortfall(cfg, need, {"CPU": 8.0})
+    assert isinstance(error, ConfigError)
+    assert str(error).startswith("cluster.use_gpu: true, but the cluster has offered no GPU for 5 s")
+    # Some GPUs, too few for min_workers: a capacity problem, as for CPUs.
+    error = shortfall(cfg, {"CPU": 2.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 1.0})
+    assert isinstance(error, CapacityError) and str(error).startswith("elastic.min_workers: ")
+
+
+def test_a_cpu_saver_saves_on_the_host_wherever_torch_sees_cuda(tmp_path, monkeypatch):
+    # A run told cluster.use_gpu=false on a GPU machine: the device says CPU, whatever torch says.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    saver = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="c1",
+                       background="thread", device=torch.device("cpu"))
+    try:
+        saver.save_state(CheckpointMeta(1, "step_1", 1, 0), {"state.pt": {"w": torch.ones(8)}})
+        assert saver.flush(30)
+        [outcome] = saver.drain()
+        assert outcome.status == "saved", outcome.reason
+    finally:
+        saver.close(30)
+
+
+BUILD_ON_CPU = """
+import torch
+from wildtrain.engine import build_engine, build_model, import_deepspeed
+from wildtrain.batching import batch_plan
+from wildtrain.config import Config, ModelConfig
+
+deepspeed = import_deepspeed()
+deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+torch.cuda.is_available = lambda: True  # a GPU machine, training on CPU as told
+for stage in (1, 3):
+    cfg = Config()
+    cfg.model = ModelConfig(dim=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=16)
+    cfg.deepspeed.zero_stage = stage
+    plan = batch_plan(2, 1, 1)
+    device = torch.device("cpu")
+    engine = build_engine(cfg, plan, build_model(cfg, plan, device), device)
+    dtypes = {p.dtype for p in engine.module.parameters()} | {getattr(p, "ds_tensor", p).dtype for p in engine.module.parameters()}
+    fused = any(g.get("fused") for g in engine.optimizer.optimizer.param_groups)
+    print(f"stage {stage}: bf16 {engine.bfloat16_enabled()} dtypes {sorted(map(str, dtypes))} "
+          f"fused {fused} compiled {engine.is_compiled}")
+"""
+
+
+def test_the_engine_is_built_for_the_device_it_is_given(tmp_path):
+    env = os.environ | dict(DS_ACCELERATOR="cpu", MASTER_ADDR=services.HOST, MASTER_PORT=str(services.free_port()),
+                            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    built = subprocess.run([sys.executable, "-c", BUILD_ON_CPU], env=env, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    for stage in (1, 3):
+        assert f"stage {stage}: bf16 False dtypes ['torch.float32'] fused False compiled False" in built.stdout
