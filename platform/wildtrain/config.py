@@ -229,10 +229,16 @@ class ElasticConfig:
     # node that came back idled 30 s on average before the group noticed it.
     resize_check_interval_s: float = 2.0
     # How often the controller polls its workers: the delay before a dead worker is
-    # noticed, and before a report reaches MLflow. A worker's report also waits until the
-    # controller has collected the one before (Ray Train queues one): report windows
-    # (train.log_every steps) shorter than this hold training up. Ray's default.
+    # noticed, and before a report reaches MLflow. Ray Train queues one report per worker
+    # and a second would wait for the poll, so the loop sends the log steps' metrics
+    # together at most once a poll and never waits for it (train/loop.py). Ray's default.
     poll_interval_s: float = 2.0
+    # The bound of one collective of the training step (gradients, the loss): a wait that
+    # long means a peer is gone, and the attempt fails instead of hanging. Ray's own is
+    # 1800 s. Waits that are long by nature (a rank converting a checkpoint while the
+    # others wait, a save that must commit) go over a separate group bounded by
+    # monitor.startup_timeout_s and checkpoint.timeout_s (train/collectives.py).
+    collective_timeout_s: float = 300.0
 
 
 @dataclass
@@ -445,6 +451,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.background: expected 'process' or 'thread', got {cfg.checkpoint.background!r}")
     positive("elastic.min_workers", cfg.elastic.min_workers)
     positive("elastic.worker_start_timeout_s", cfg.elastic.worker_start_timeout_s)
+    positive("elastic.collective_timeout_s", cfg.elastic.collective_timeout_s)
     positive("cluster.capacity_wait_s", cfg.cluster.capacity_wait_s)
     # A worker that holds nothing would fit any node any number of times.
     positive("cluster.cpus_per_worker", cfg.cluster.cpus_per_worker)

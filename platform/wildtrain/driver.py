@@ -94,7 +94,8 @@ def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
         # Typed inputs rather than Ray's `train_loop_config` dict.
         functools.partial(train_loop, inputs),
         scaling_config=scaling.scaling_config(cfg),
-        torch_config=TorchConfig(backend="nccl" if scaling.trains_on_gpu(cfg) else "gloo"),
+        torch_config=TorchConfig(backend="nccl" if scaling.trains_on_gpu(cfg) else "gloo",
+                                 timeout_s=int(cfg.elastic.collective_timeout_s)),
         run_config=RunConfig(
             name=cfg.run.name,
             # An explicit filesystem: Ray's own would not know the object store's endpoint.

@@ -99,8 +99,7 @@ def tiny_overrides(tmp_path, mlflow_url, tiny_dataset) -> list[str]:
         "train.log_every=2",
         "train.checkpoint_every=4",
         "elastic.worker_start_timeout_s=20",
-        # A worker's report waits until the controller has collected the one before, which
-        # it does each poll: at the default 2 s, runs that report every step step every 2 s.
+        # How soon the controller notices a failed worker and logs a report: tests wait on both.
         "elastic.poll_interval_s=0.5",
     ]
 

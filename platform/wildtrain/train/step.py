@@ -235,7 +235,7 @@ class StepMetrics:
         if pending:
             pending[-1][2].synchronize()
         resolved = []
-        for window, loss in zip(windows, losses.tolist()):
+        for window, loss in zip(windows, losses.cpu().tolist()):
             phase_s = dict(window.phase_s)
             for phase, start, end in window.pending:
                 phase_s[phase] += start.elapsed_time(end) / 1000

@@ -1,0 +1,125 @@
+"""Steps per second against how often a run logs: reports must never hold a step back.
+
+Ray Train keeps one report per worker, and a second waits until the controller polls
+(`elastic.poll_interval_s`, 2 s). Before the loop sent its log steps' metrics together at
+most once a poll, a tiny run logging every step trained one step per poll. This script
+trains the tiny model with `train.log_every` 1, 5 (the demo's) and 1000 (only the first
+and last steps), at world size 1 and 2, on one local fake cluster with the default 2 s
+poll, one run after the other, and prints steps/s of each and its ratio to the
+`log_every=1000` run at the same size (the goal: within 3%).
+
+steps/s is read back from MLflow: the steps between the first and the last window the run
+logged, over the time between them (the workers stamp each window when it closes), so
+start-up and the end of the run are left out, and every run is timed over the same span.
+`report wait` is the mean share of step time spent handing reports over (goodput's
+report_wait), `load` the machine's 1-minute load average meanwhile.
+
+Usage: .venv/bin/python bench/report_cadence.py [--steps 150] [--log-every 1,5,1000] [--world-sizes 1,2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from progress import say
+from wildtrain import services
+
+REPO = Path(__file__).resolve().parents[1]
+# The tiny corpus's preparation comes from the recovery bench, beside this file.
+sys.path.insert(0, str(REPO))
+
+# Ray reads its authentication mode once, on import: the fake cluster uses tokens, as
+# `wildtrain up` does.
+os.environ.update(services.token_auth_env())
+
+import ray  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from recovery import prepare_tiny  # noqa: E402
+from wildtrain import driver  # noqa: E402
+from wildtrain.config import load_config  # noqa: E402
+from wildtrain.tracking.mlflow_run import quiet_mlflow  # noqa: E402
+
+
+def steps_per_s(client: MlflowClient, run_id: str) -> tuple[float, float]:
+    """Steps/s between the run's first and last logged windows, and the mean report-wait
+    share of their step time."""
+    windows = sorted(client.get_metric_history(run_id, "step_time_s"), key=lambda m: m.step)
+    first, last = windows[0], windows[-1]
+    waits = {m.step: m.value for m in client.get_metric_history(run_id, "time/report_wait_s")}
+    later = windows[1:]
+    # Each window's mean per step, weighted by the steps it covers.
+    covered = [(w.step - before.step, w) for before, w in zip(windows, later)]
+    wait_s = sum(n * waits.get(w.step, 0.0) for n, w in covered)
+    step_s = sum(n * w.value for n, w in covered)
+    return (last.step - first.step) / ((last.timestamp - first.timestamp) / 1000), wait_s / step_s if step_s else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--log-every", default="1,5,1000")
+    parser.add_argument("--world-sizes", default="1,2")
+    args = parser.parse_args()
+    cadences = [int(n) for n in args.log_every.split(",")]
+    sizes = [int(n) for n in args.world_sizes.split(",")]
+    quiet_mlflow()
+    root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-report-cadence-"))
+    say(f"starting an object store and an MLflow server in {root}")
+    store = services.start_object_store(root / "objectstore", services.free_port(), "bench")
+    os.environ.update(store.env())  # before the cluster starts: its workers inherit it
+    port = services.free_port()
+    mlflow = services.start_mlflow(root / "mlflow", port)
+    mlflow_url = f"http://{services.HOST}:{port}"
+    rows = []
+    try:
+        say("preparing the tiny corpus")
+        dataset = prepare_tiny(f"s3://{store.bucket}/datasets/tiny")
+        # Two training workers and a CPU for Ray Data's reads, as `wildtrain up`'s head offers.
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": max(sizes) + 1})
+        ray.init(address=cluster.address)
+        client = MlflowClient(mlflow_url)
+        try:
+            for size in sizes:
+                for every in cadences:
+                    name = f"cadence-w{size}-log{every}-{int(time.time())}"
+                    cfg = load_config([
+                        "experiment=tiny", f"data.datasets=[{{uri: {dataset}}}]", f"run.name={name}",
+                        f"run.storage={root / 'runs'}", f"tracking.uri={mlflow_url}",
+                        "tracking.experiment=bench-report-cadence", f"train.steps={args.steps}",
+                        f"train.log_every={every}", f"train.checkpoint_every={args.steps}",
+                        f"elastic.min_workers={size}", f"elastic.max_workers={size}",
+                        "elastic.poll_interval_s=2",
+                    ])
+                    say(f"world size {size}, log_every {every}: training {args.steps} steps")
+                    load_before = os.getloadavg()[0]
+                    summary = driver.run(cfg)
+                    rate, wait_share = steps_per_s(client, summary.run_id)
+                    rows.append({"world size": size, "log_every": every, "steps/s": rate,
+                                 "report wait": wait_share, "load": (load_before + os.getloadavg()[0]) / 2})
+                    say(f"world size {size}, log_every {every}: {rate:.2f} steps/s")
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    finally:
+        services.stop_process(mlflow.pid)
+        services.stop_process(store.pid)
+
+    print("\n| world size | log_every | steps/s | vs log_every=1000 | report wait | load |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        reference = next((r["steps/s"] for r in rows if r["world size"] == row["world size"] and r["log_every"] == 1000),
+                         None)
+        ratio = f"{row['steps/s'] / reference:.3f}" if reference else "-"
+        print(f"| {row['world size']} | {row['log_every']} | {row['steps/s']:.2f} | {ratio} | "
+              f"{row['report wait']:.1%} | {row['load']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
