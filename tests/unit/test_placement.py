@@ -169,3 +169,74 @@ def test_the_step_trains_on_the_device_from_host_numpy_as_on_the_cpu(device, att
     assert all(p.device == device for p in model.parameters())
     cpu_losses, _ = train(cfg, torch.device("cpu"), steps=3)
     assert losses == pytest.approx(cpu_losses, rel=1e-5)
+
+
+class _RecordingCollectives:
+    """torch.distributed's collectives as a group of one that records the device of every
+    tensor handed to each group: NCCL cannot run here, so the default group is this stand-in
+    for one whose accelerator is the stand-in device; the control group is a real gloo
+    group of one."""
+
+    def __init__(self, control) -> None:
+        self.control = control
+        self.seen: list[tuple[str, str, str]] = []  # (collective, "default" or "control", device type)
+
+    def _note(self, name: str, group, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            self.seen.append((name, "control" if group is self.control else "default", t.device.type))
+
+    def all_reduce(self, tensor, op=None, group=None):
+        self._note("all_reduce", group, tensor)
+
+    def broadcast(self, tensor, src=0, group=None):
+        self._note("broadcast", group, tensor)
+
+    def all_gather(self, rows, row, group=None):
+        self._note("all_gather", group, row, *rows)
+        rows[0].copy_(row)
+
+    def broadcast_object_list(self, box, src=0, group=None, device=None):
+        self._note("broadcast_object_list", group, torch.empty(0, device=device))
+
+    def all_gather_object(self, out, value, group=None):
+        self._note("all_gather_object", group, torch.empty(0))
+        out[0] = value
+
+
+@pytest.fixture
+def recorded(device, monkeypatch, tmp_path):
+    import torch.distributed as dist
+
+    from wildtrain.train import collectives
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        collectives.open_control_group(60)
+        recorder = _RecordingCollectives(collectives._control_group())
+        for name in ("all_reduce", "broadcast", "all_gather", "broadcast_object_list", "all_gather_object"):
+            monkeypatch.setattr(dist, name, getattr(recorder, name))
+        # The backend string of a group whose accelerator backend carries the stand-in device.
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: f"{device.type}:nccl")
+        yield recorder
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+
+
+def test_every_collective_of_the_helper_hands_its_group_tensors_on_that_groups_device(device, recorded):
+    from wildtrain.train import collectives
+
+    loss = collectives.mean_over_ranks(torch.tensor(2.5).to(device))
+    assert loss.device == device  # the loss stays on the accelerator until a report reads it
+    collectives.sum_(torch.ones(8).to(device))
+    collectives.all_ranks(True)
+    collectives.broadcast_flag(True)
+    collectives.broadcast_object({"step": 3})
+    collectives.all_gather_object("node-a")
+    collectives.all_gather_floats([1.0, 2.0])
+    misplaced = [s for s in recorded.seen
+                 if s[2] != {"default": device.type, "control": "cpu"}[s[1]]]
+    assert not misplaced, f"tensors on a device their group does not carry: {misplaced}"
+    assert {s[1] for s in recorded.seen} == {"default", "control"}
+    with pytest.raises(ValueError, match="cpu tensor cannot be all-reduced"):
+        collectives.sum_(torch.ones(8))  # a host buffer for the accelerator group: refused here, not in c10d
