@@ -52,9 +52,11 @@ _control_of: Optional[dist.ProcessGroup] = None  # the default group `_control` 
 # The rendezvous store's key a failing rank writes its reason to; the store is new with
 # every worker group (Ray Train rendezvouses each on a fresh port), so it is the attempt's.
 PEER_FAILED_KEY = "wildtrain/peer_failed"
-# How long one wait of a watcher lasts before it looks whether it was stopped: a failure
-# wakes it at once; this only bounds how long a stopped watcher lingers.
-_WATCH_SLICE = datetime.timedelta(seconds=5)
+# How long one wait of a watcher lasts: a failure wakes it at once, and c10d logs a warning
+# each time a wait runs out, so it runs out rarely (under the 24.8 days of milliseconds
+# that its socket poll can wait). A stopped watcher ends when the store goes with its
+# group, or with its process.
+_WATCH_SLICE = datetime.timedelta(days=7)
 
 
 def small_tensor_device(backend: str) -> torch.device:
