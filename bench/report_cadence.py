@@ -5,8 +5,9 @@ Ray Train keeps one report per worker, and a second waits until the controller p
 most once a poll, a tiny run logging every step trained one step per poll. This script
 trains the tiny model with `train.log_every` 1, 5 (the demo's) and 1000 (only the first
 and last steps), at world size 1 and 2, on one local fake cluster with the default 2 s
-poll, one run after the other, and prints steps/s of each and its ratio to the
-`log_every=1000` run at the same size (the goal: within 3%).
+poll, one run after the other, `--repeats` times in alternating order (so that the load of
+a shared machine drifts over every cadence alike), and prints the median steps/s of each
+and its ratio to the `log_every=1000` runs at the same size (the goal: within 3%).
 
 steps/s is read back from MLflow: the steps between the first and the last window the run
 logged, over the time between them (the workers stamp each window when it closes), so
@@ -14,13 +15,14 @@ start-up and the end of the run are left out, and every run is timed over the sa
 `report wait` is the mean share of step time spent handing reports over (goodput's
 report_wait), `load` the machine's 1-minute load average meanwhile.
 
-Usage: .venv/bin/python bench/report_cadence.py [--steps 150] [--log-every 1,5,1000] [--world-sizes 1,2]
+Usage: .venv/bin/python bench/report_cadence.py [--steps 150] [--log-every 1,5,1000] [--world-sizes 1,2] [--repeats 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -66,6 +68,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--log-every", default="1,5,1000")
     parser.add_argument("--world-sizes", default="1,2")
+    parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     cadences = [int(n) for n in args.log_every.split(",")]
     sizes = [int(n) for n in args.world_sizes.split(",")]
@@ -87,23 +90,24 @@ def main() -> None:
         client = MlflowClient(mlflow_url)
         try:
             for size in sizes:
-                for every in cadences:
-                    name = f"cadence-w{size}-log{every}-{int(time.time())}"
-                    cfg = load_config([
-                        "experiment=tiny", f"data.datasets=[{{uri: {dataset}}}]", f"run.name={name}",
-                        f"run.storage={root / 'runs'}", f"tracking.uri={mlflow_url}",
-                        "tracking.experiment=bench-report-cadence", f"train.steps={args.steps}",
-                        f"train.log_every={every}", f"train.checkpoint_every={args.steps}",
-                        f"elastic.min_workers={size}", f"elastic.max_workers={size}",
-                        "elastic.poll_interval_s=2",
-                    ])
-                    say(f"world size {size}, log_every {every}: training {args.steps} steps")
-                    load_before = os.getloadavg()[0]
-                    summary = driver.run(cfg)
-                    rate, wait_share = steps_per_s(client, summary.run_id)
-                    rows.append({"world size": size, "log_every": every, "steps/s": rate,
-                                 "report wait": wait_share, "load": (load_before + os.getloadavg()[0]) / 2})
-                    say(f"world size {size}, log_every {every}: {rate:.2f} steps/s")
+                for repeat in range(args.repeats):
+                    for every in cadences if repeat % 2 == 0 else cadences[::-1]:
+                        name = f"cadence-w{size}-log{every}-{repeat}-{int(time.time())}"
+                        cfg = load_config([
+                            "experiment=tiny", f"data.datasets=[{{uri: {dataset}}}]", f"run.name={name}",
+                            f"run.storage={root / 'runs'}", f"tracking.uri={mlflow_url}",
+                            "tracking.experiment=bench-report-cadence", f"train.steps={args.steps}",
+                            f"train.log_every={every}", f"train.checkpoint_every={args.steps}",
+                            f"elastic.min_workers={size}", f"elastic.max_workers={size}",
+                            "elastic.poll_interval_s=2",
+                        ])
+                        say(f"world size {size}, log_every {every}, run {repeat + 1}: training {args.steps} steps")
+                        load_before = os.getloadavg()[0]
+                        summary = driver.run(cfg)
+                        rate, wait_share = steps_per_s(client, summary.run_id)
+                        rows.append({"world size": size, "log_every": every, "steps/s": rate,
+                                     "report wait": wait_share, "load": (load_before + os.getloadavg()[0]) / 2})
+                        say(f"world size {size}, log_every {every}, run {repeat + 1}: {rate:.2f} steps/s")
         finally:
             ray.shutdown()
             cluster.shutdown()
@@ -111,14 +115,19 @@ def main() -> None:
         services.stop_process(mlflow.pid)
         services.stop_process(store.pid)
 
-    print("\n| world size | log_every | steps/s | vs log_every=1000 | report wait | load |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        reference = next((r["steps/s"] for r in rows if r["world size"] == row["world size"] and r["log_every"] == 1000),
-                         None)
-        ratio = f"{row['steps/s'] / reference:.3f}" if reference else "-"
-        print(f"| {row['world size']} | {row['log_every']} | {row['steps/s']:.2f} | {ratio} | "
-              f"{row['report wait']:.1%} | {row['load']:.1f} |")
+    def median(size: int, every: int, key: str) -> float:
+        return statistics.median(r[key] for r in rows if r["world size"] == size and r["log_every"] == every)
+
+    print(f"\nmedians of {args.repeats} runs each, {args.steps} steps a run")
+    print("| world size | log_every | steps/s | vs log_every=1000 | report wait | load | each run's steps/s |")
+    print("|---|---|---|---|---|---|---|")
+    for size in sizes:
+        for every in cadences:
+            rate = median(size, every, "steps/s")
+            ratio = f"{rate / median(size, 1000, 'steps/s'):.3f}" if 1000 in cadences else "-"
+            each = ", ".join(f"{r['steps/s']:.2f}" for r in rows if r["world size"] == size and r["log_every"] == every)
+            print(f"| {size} | {every} | {rate:.2f} | {ratio} | {median(size, every, 'report wait'):.1%} | "
+                  f"{median(size, every, 'load'):.1f} | {each} |")
 
 
 if __name__ == "__main__":

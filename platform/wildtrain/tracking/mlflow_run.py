@@ -47,6 +47,8 @@ STARTUP_METRICS = ("worker_started_at", "attempt_started_at", "health_checked_at
 # tracker retries it with its own backoff, in order, and records the outage. MLflow's own
 # retries (7, minutes in all) would hold the records behind it without a word.
 _REQUEST_TIMEOUT_S = 10
+# Metric points per `log_batch` request: MLflow refuses more.
+_MLFLOW_BATCH_LIMIT = 1000
 # At the end of a run, how long the records still waiting may take to send.
 FLUSH_TIMEOUT_S = 30.0
 
@@ -162,10 +164,19 @@ class Tracker:
 
     def metrics(self, values: dict[str, float], step: int, at: Optional[float] = None) -> None:
         """Log `values` at `step`, stamped `at` (wall-clock seconds; default: now)."""
-        stamp = int((time.time() if at is None else at) * 1000)
-        self.step = max(self.step, step)
-        self._buffer.put({"op": "metrics", "run_id": self.run_id,
-                          "metrics": [[key, float(value), stamp, step] for key, value in values.items()]})
+        self.metric_points([(values, step, at)])
+
+    def metric_points(self, points: list[tuple[dict[str, float], int, Optional[float]]]) -> None:
+        """Log several (values, step, at) points in as few requests as MLflow takes: a report
+        carries every log step since the last one, and a request per step would cost the
+        controller and the server more than the step itself on a small machine."""
+        now = time.time()
+        rows = [[key, float(value), int((now if at is None else at) * 1000), step]
+                for values, step, at in points for key, value in values.items()]
+        if points:
+            self.step = max(self.step, max(step for _, step, _ in points))
+        for i in range(0, len(rows), _MLFLOW_BATCH_LIMIT):
+            self._buffer.put({"op": "metrics", "run_id": self.run_id, "metrics": rows[i:i + _MLFLOW_BATCH_LIMIT]})
 
     def event(self, event: Event, step: int) -> None:
         for record in _event_records(self.run_id, event, step):
@@ -273,8 +284,8 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
         recovery = self.timeline.reported(reported)
         # Each window closed at a log step since the last report, at its step and at the time
         # the worker closed it: the report itself may come a poll later (train/loop.py).
-        for window in reported.get("windows", []):
-            self.tracking.metrics(_numbers(window, TRAINING_METRICS), int(window["step"]), at=window["at"])
+        self.tracking.metric_points([(_numbers(window, TRAINING_METRICS), int(window["step"]), window["at"])
+                                     for window in reported.get("windows", [])])
         values = {key: value for key, value in reported.items()
                   if key.startswith("checkpoint/") and isinstance(value, (int, float))}
         values |= {f"startup/{key}": reported[key] for key in STARTUP_METRICS if key in reported}
