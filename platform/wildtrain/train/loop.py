@@ -176,10 +176,7 @@ class Attempt:
             raise RunCannotContinue(f"{e}; to train on without it, resubmit with data.skip_bad_shards=true "
                                     "and data.allow_order_change=true (the rows of later steps change)") from None
         if self.state.step + 1 == self.fails_at_step:
-            marker = RunLayout.of(self.cfg).chaos_failed
-            if storage.read_text(marker, self.cfg.storage) is None:
-                storage.write_text(marker, f"rank {self.rank}, step {self.fails_at_step}", self.cfg.storage)
-                raise RuntimeError(f"chaos drill: rank {self.rank} fails in step {self.fails_at_step} (chaos.fail_rank)")
+            self._fail_once()
         train_step(self.engine, self.plan, rows, self.window, self.slow_forward_s)
         state = self.state
         if state.step == self.restored_step:
@@ -193,10 +190,17 @@ class Attempt:
         if self.samples is not None:
             self.samples.record(state.step, batch.sample_ids)
         due = due_at(state.step, self.restored_step, self.cfg.train)
-        # Looked for at log steps only, which synchronize the ranks anyway: no collective per step.
+        # Looked for at log steps only, whose report decision synchronizes the ranks anyway.
         if due.log and not due.last and self.growth.room_now():
             due = due.with_regrow()
         return due
+
+    def _fail_once(self) -> None:
+        """The chaos.fail_rank drill: this rank raises mid-step, the first time the run gets here."""
+        marker = RunLayout.of(self.cfg).chaos_failed
+        if storage.read_text(marker, self.cfg.storage) is None:
+            storage.write_text(marker, f"rank {self.rank}, step {self.fails_at_step}", self.cfg.storage)
+            raise RuntimeError(f"chaos drill: rank {self.rank} fails in step {self.fails_at_step} (chaos.fail_rank)")
 
     def save(self, due: Due) -> Due:
         """Save this step's checkpoint; what is still due after it. A regrow whose checkpoint
