@@ -35,3 +35,20 @@ def test_a_cuda_capture_reaches_the_store_through_the_save_process(tmp_path):
         saver.close(120)
     restored = restore([str(tmp_path / "store")], str(tmp_path / "local"), rank=0, world_size=1)
     assert torch.equal(torch.load(f"{restored.folder}/state.pt")["w"], (weights - 1.0).cpu())
+
+
+def test_a_capture_copies_what_the_training_stream_wrote_not_what_was_there_before():
+    # DeepSpeed builds some of what it saves during the save (flattened, converted
+    # partitions): kernels on the training stream that the copy stream must wait for.
+    # `_sleep` holds the training stream, so a copy that did not wait would read the zeros.
+    from wildtrain.checkpoint.host_copy import to_host
+
+    copy_stream = torch.cuda.Stream()
+    built = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of the training stream
+    built.fill_(1.0)
+    taken: dict = {}
+    host = to_host({"w": built}, "state", HostBuffers(pin=True), taken, copy_stream)
+    copy_stream.synchronize()
+    assert torch.equal(host["w"], torch.ones(1 << 20)), "the copy ran before the training stream wrote the tensor"

@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO
 from tests.helpers.chaos import BackgroundRun
+from tests.helpers.waiting import wait_for
 from wildtrain import cli, services, storage
 from wildtrain.config import load_config
 from wildtrain.checkpoint.format import CheckpointManifest, FileEntry
@@ -99,15 +100,6 @@ def test_check_passes_on_each_cluster_and_names_each_fault_in_one_line(two_clust
         (line,) = [line for line in done.stdout.splitlines() if line.startswith("FAIL jobs API")]
         assert message in line, done.stdout
         assert secrets_in(two_clusters).isdisjoint(done.stdout.split()), "a token was printed"
-
-
-def wait_for(condition, what: str, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {timeout_s:g} s")
-        time.sleep(0.2)
-    return value
 
 
 def secrets_in(reg) -> set[str]:
@@ -201,8 +193,9 @@ def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_sam
     run = f"moving-{os.getpid()}"
     steps = 20
     # A loss is the mean over its report's window: reported every step, windows agree.
+    # Half a second a step: the move lands mid-run however fast the machine trains.
     common = [f"train.steps={steps}", "train.log_every=1", "train.checkpoint_every=4", "elastic.max_workers=1",
-              f"tracking.uri={mlflow_url}", "tracking.experiment=moves"]
+              f"tracking.uri={mlflow_url}", "tracking.experiment=moves", "chaos.min_step_s=0.5"]
     data_on = {name: f"{c.entry.storage.data}/tiny" for name, c in (("a", a), ("b", b))}
     assert data_on["a"] == tiny_dataset
     # B trains on its own copy of the data, as it would on another provider.

@@ -12,6 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.helpers.chaos import HEAD_SLOT, BackgroundRun
+from tests.helpers.waiting import wait_for
 from wildtrain import driver
 from wildtrain.data.manifest import read_manifest
 from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order
@@ -50,8 +51,8 @@ def elastic_config(tiny_config):
         "train.checkpoint_every=4",
         "elastic.resize_check_interval_s=5",
         "elastic.worker_start_timeout_s=10",
-        # Steps paced by Ray's default 2 s poll (each step's report waits for it): 40 of them
-        # outlast the node's death, its detection and its return.
+        # Half a second a step: 40 of them outlast the node's death, its detection and its return.
+        "chaos.min_step_s=0.5",
         "elastic.poll_interval_s=2",
         *extra,
     )
@@ -136,7 +137,8 @@ def test_a_run_left_without_nodes_stops_and_keeps_its_checkpoints(worker_nodes, 
     # is about the capacity wait, not elastic.max_failures.
     run = BackgroundRun(elastic_config(f"stranded-{tmp_path.name}", ON_WORKER_NODES, "cluster.capacity_wait_s=15",
                                        "elastic.max_failures=-1"))
-    run.wait_until(lambda h: any(m.step >= 5 for m in h), "step 5", 300)
+    checkpoints = tmp_path / "runs" / run.cfg.run.name / "checkpoints"
+    wait_for(lambda: list(checkpoints.glob("step_000000004-*/manifest.json")), "commit of step 4", 300)
     for node in list(cluster.worker_nodes):
         cluster.remove_node(node)
     with pytest.raises(driver.RunFailed, match=r"(?s)cluster.capacity_wait_s: no worker group could run for 15 s.*run the same command again to resume"):

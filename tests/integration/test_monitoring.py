@@ -108,7 +108,10 @@ def _train_workers() -> list[psutil.Process]:
 
 def test_a_stopped_rank_is_detected_as_a_hang_and_the_attempt_restarts(ray_cluster, tiny_config, mlflow_url, tmp_path):
     earlier = {p.pid for p in _train_workers()}  # an earlier run's, if any is still exiting
-    cfg = tiny_config("train.steps=16", "train.log_every=1", "train.checkpoint_every=5", "monitor.hang_timeout_s=15")
+    # Half a second a step: the rank is stopped mid-run, before the last step's save (whose
+    # commit the watchdog waits out longer than a hang).
+    cfg = tiny_config("train.steps=16", "train.log_every=1", "train.checkpoint_every=5", "monitor.hang_timeout_s=15",
+                      "chaos.min_step_s=0.5")
     run = BackgroundRun(cfg)
     run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6", 300)
     workers = [p for p in _train_workers() if p.pid not in earlier]

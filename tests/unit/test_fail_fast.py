@@ -100,3 +100,41 @@ def test_without_a_process_group_the_watch_is_inert():
 
 def test_peer_failed_says_whose_error_stopped_the_rank():
     assert "rank 3 stopped because another rank failed: rank 0: boom" in str(PeerFailed(3, "rank 0: boom"))
+
+
+def _long_wait(rank: int, port: int, over: str, results) -> None:
+    # The default group's timeout is short, as elastic.collective_timeout_s makes it in a
+    # run; rank 0 takes longer than that before it answers, as when it converts a checkpoint
+    # to the universal format while the others wait for the result.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=2))
+    if over == "control":
+        collectives.open_control_group(60)
+    try:
+        if rank == 0:
+            time.sleep(4)
+        results.put((rank, "ok", collectives.broadcast_object("converted" if rank == 0 else None)))
+    except BaseException as e:  # noqa: BLE001
+        results.put((rank, type(e).__name__, str(e)[:200]))
+    time.sleep(30)
+
+
+@pytest.mark.parametrize("over, outlasts", [("control", True), ("default", False)])
+def test_a_long_wait_for_one_rank_outlasts_the_collective_timeout_only_over_the_control_group(over, outlasts):
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    ranks = [ctx.Process(target=_long_wait, args=(rank, port, over, results), daemon=True) for rank in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        outcomes = dict((rank, rest) for rank, *rest in (results.get(timeout=60) for _ in ranks))
+    finally:
+        for p in ranks:
+            p.kill()
+            p.join()
+    waiting = outcomes[1]
+    if outlasts:
+        assert waiting == ["ok", "converted"], waiting
+    else:  # the control: the same wait over the default group times out
+        assert waiting[0] != "ok", waiting

@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from tests.helpers import waiting
 from wildtrain.events import TrackingOutage
 from wildtrain.tracking.buffer import Backoff, Outage, TrackingBuffer
 
@@ -33,10 +34,7 @@ class Server:
 
 
 def wait_for(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
+    waiting.wait_for(condition, timeout_s=timeout_s, every_s=0.005)
 
 
 def test_records_arrive_in_order_after_the_server_comes_back(tmp_path):

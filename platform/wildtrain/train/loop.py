@@ -150,6 +150,8 @@ class Attempt:
         self.samples = SampleRecorder(cfg, rank) if cfg.data.record_samples else None
         self.diverged = False
         self.windows: list[Window] = []  # closed at log steps, not yet reported
+        # The first step at which the previous report may have been collected (see `report`).
+        self.next_report_look = 0
         self.startup: dict = {}  # the attempt's start-up timings, until a report carries them
 
         self.tokens_per_step = self.plan.global_batch_size * cfg.data.seq_len
@@ -177,7 +179,9 @@ class Attempt:
                                     "and data.allow_order_change=true (the rows of later steps change)") from None
         if self.state.step + 1 == self.fails_at_step:
             self._fail_once()
+        started = time.perf_counter()
         train_step(self.engine, self.plan, rows, self.window, self.slow_forward_s)
+        time.sleep(max(0.0, self.cfg.chaos.min_step_s - (time.perf_counter() - started)))
         state = self.state
         if state.step == self.restored_step:
             # The optimizer's state exists from the first step on: the first save's host
@@ -228,6 +232,13 @@ class Attempt:
             raise FinalCheckpointFailed(state.step, collectives.broadcast_object(newest) or "none")
         return due
 
+    def _steps_per_poll(self, windows: list[dict]) -> int:
+        """About how many steps pass before the controller polls again and has taken the
+        report just sent: until then no rank looks whether it has (a collective a log step
+        for nothing). From rank 0's step time, so every rank counts alike."""
+        step_s = collectives.broadcast_object(windows[-1]["step_time_s"] if windows else None)
+        return max(1, int(self.cfg.elastic.poll_interval_s / step_s)) if step_s else 1
+
     def _judge_loss(self, loss: float, step: int) -> list[StoppedEarly]:
         """The early-stop rule on a log step's loss (the mean over ranks, so every rank
         decides alike): the event that ends the run, if it diverged."""
@@ -263,7 +274,8 @@ class Attempt:
         with self.window.timed("report_wait"):
             # The run's end and a regrow cannot go on without their report; every other
             # report waits for a step at which no rank's previous one is still queued.
-            if not (due.must_commit or collectives.all_ranks(ray_compat.reports_collected())):
+            if not due.must_commit and (state.step < self.next_report_look
+                                        or not collectives.all_ranks(ray_compat.reports_collected())):
                 return
             windows = self.window.resolve(self.windows)
             self.windows = []
@@ -277,6 +289,7 @@ class Attempt:
             ray.train.report({"step": state.step, "tokens_seen": state.tokens_seen, "world_size": self.world_size,
                               "windows": windows, "events": events} | saves | self.startup)
             self.startup = {}
+            self.next_report_look = state.step + self._steps_per_poll(windows)
         # Every rank's previous report had been collected (or this one waited for its turn),
         # so reports up to it are at the controller; this one's save commits once the
         # controller polls (`reports_collected`).
