@@ -43,6 +43,7 @@ from wildtrain.config import Config, ModelConfig, load_config
 from wildtrain.data.manifest import MANIFEST, TOKENIZER, DataError, Manifest
 from wildtrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, hf_files
 from wildtrain.layout import RunLayout, checkpoint_stores
+from wildtrain.model import Transformer
 from wildtrain.model.hf import hf_architecture, hf_state_dict
 
 PROVENANCE = "wildtrain_export.json"  # beside the model: which run, step and checkpoint it is
@@ -126,18 +127,24 @@ def run_tokenizer(run: RunInfo) -> Tokenizer:
         raise ExportError(f"{where}: missing; the tokenizer of run {run.name!r} is its dataset's")
     described = Manifest.from_json(text, where).tokenizer
     if run.tokenizer is not None and described != run.tokenizer:
-        raise ExportError(f"{where}: tokenized with {described}, but run {run.name!r} trained on {run.tokenizer}")
+        changed = [f"{key} {_short(run.tokenizer.get(key))} -> {_short(described.get(key))}"
+                   for key in sorted(described.keys() | run.tokenizer.keys()) if described.get(key) != run.tokenizer.get(key)]
+        raise ExportError(f"{where}: its tokenizer is not the one run {run.name!r} trained with: {'; '.join(changed)}")
     if described["kind"] == "byte":
         return ByteTokenizer()
     json_uri = storage.join(run.dataset, TOKENIZER)
-    json_text = storage.read_text(json_uri, run.cfg.storage)
-    if json_text is None or hashlib.sha256(json_text.encode()).hexdigest() != described["sha256"]:
-        raise ExportError(f"{json_uri}: {'missing' if json_text is None else 'sha256 differs from'} the "
+    data = storage.read_bytes(json_uri, run.cfg.storage)
+    if data is None or hashlib.sha256(data).hexdigest() != described["sha256"]:
+        raise ExportError(f"{json_uri}: {'missing' if data is None else 'sha256 differs from'} the "
                           f"tokenizer.json its manifest names")
     try:
-        return HFTokenizer(json_text, kind=described["kind"], name=json_uri)
+        return HFTokenizer(data.decode(), kind=described["kind"], name=json_uri)
     except DataError as e:
         raise ExportError(str(e)) from None
+
+
+def _short(value) -> str:
+    return f"{len(value)} entries" if isinstance(value, (list, dict)) else repr(value)
 
 
 @dataclass(frozen=True)
@@ -169,8 +176,13 @@ def read_checkpoint(run: RunInfo, step: Optional[int] = None) -> Checkpoint:
             raise ExportError(f"run {run.name!r}: {e}") from None
         if restored is None:
             raise ExportError(_nothing_committed(run, stores, step))
-        return Checkpoint(restored.manifest.step, storage.join(restored.candidate.store, restored.candidate.name),
-                          restored.manifest, _fp32_weights(restored), restored.skipped, restored.bytes_read)
+        where = storage.join(restored.candidate.store, restored.candidate.name)
+        try:
+            weights = _fp32_weights(restored, parameter_shapes(run.model))
+        except ValueError as e:
+            raise ExportError(f"{where}: does not fit model {run.model.name!r}: {e}") from None
+        return Checkpoint(restored.manifest.step, where, restored.manifest, weights, restored.skipped,
+                          restored.bytes_read)
     finally:
         shutil.rmtree(local, ignore_errors=True)
 
@@ -194,7 +206,7 @@ def _universal_weights(store: Store, candidate: Candidate) -> tuple[str, Checkpo
     return name, replace(copy, files=tuple(f for f in copy.files if f.path.endswith("/fp32.pt")))
 
 
-def _fp32_weights(restored: Restored) -> dict[str, torch.Tensor]:
+def _fp32_weights(restored: Restored, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
     folder, tag = Path(restored.folder), restored.manifest.tag
     if restored.manifest.zero_stage == 0:
         # Unpartitioned: the model states hold the fp32 weights (DeepSpeed refuses bf16
@@ -205,14 +217,27 @@ def _fp32_weights(restored: Restored) -> dict[str, torch.Tensor]:
     params = folder / universal.universal_tag(tag) / "zero"
     if not params.is_dir():
         universal.convert(str(folder), tag, in_process=True)
-    return {p.name: torch.load(p / "fp32.pt", map_location="cpu", weights_only=True)["param"]
-            for p in sorted(params.iterdir()) if p.is_dir()}
+    weights = {}
+    for path in sorted(p for p in params.iterdir() if p.is_dir()):
+        saved = torch.load(path / "fp32.pt", map_location="cpu", weights_only=True)
+        # Of ZeRO-1/2, {"param": the tensor, ...}; of ZeRO-3, the flat tensor: the model's shape is its shape.
+        tensor = saved["param"] if isinstance(saved, dict) else saved
+        shape = shapes.get(path.name, tensor.shape)
+        if tensor.numel() != shape.numel():
+            raise ValueError(f"{path.name} holds {tensor.numel()} values, model parameter of shape "
+                             f"{tuple(shape)} {shape.numel()}")
+        weights[path.name] = tensor.view(shape)
+    return weights
+
+
+def parameter_shapes(model: ModelConfig) -> dict[str, torch.Size]:
+    with torch.device("meta"):  # shapes only: nothing allocated, nothing drawn
+        return {name: param.shape for name, param in Transformer(model).named_parameters()}
 
 
 @dataclass(frozen=True)
 class Exported:
-    folder: str  # a local folder with the files
-    location: str  # where they were written: that folder, or an object-store URI
+    location: str  # where the files were written: a local folder, or an object-store URI
     architecture: str  # Transformers' model class
     step: int
     checkpoint: str  # <store>/<name> it was read from
@@ -260,7 +285,7 @@ def export_checkpoint(run: RunInfo, folder: str, step: Optional[int] = None,
         os.rename(partial, target)  # replaces an empty folder
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    return Exported(str(target), str(target), architecture, checkpoint.step, checkpoint.where, checkpoint.skipped,
+    return Exported(str(target), architecture, checkpoint.step, checkpoint.where, checkpoint.skipped,
                     checkpoint.bytes_read)
 
 
@@ -291,7 +316,7 @@ def _export_to_store(run: RunInfo, uri: str, step: Optional[int]) -> Exported:
     try:
         exported = export_checkpoint(run, str(Path(local, name)), step)
         with storage.errors(uri, run.cfg.storage):
-            upload(exported.folder, Store.from_uri(parent, run.cfg.storage), name)
+            upload(exported.location, Store.from_uri(parent, run.cfg.storage), name)
     except CommitError as e:  # an upload that does not read back as written
         raise ExportError(str(e)) from None
     finally:
@@ -321,4 +346,4 @@ def register(run: RunInfo, exported: Exported, name: str) -> str:
     except MlflowException as e:
         raise ExportError(f"registering {exported.location} as {name!r} at {run.cfg.tracking.uri}: "
                           f"{str(e).splitlines()[0]}") from None
-    return version.version
+    return str(version.version)
