@@ -233,6 +233,7 @@ def export_command(run: str, step: int | None, out: str, register_as: str | None
     from wildtrain.tracking.mlflow_run import quiet_mlflow
 
     quiet_mlflow()
+    services.use_local_object_store()
     with _exporting():
         from wildtrain.export import export, open_run
 
@@ -258,6 +259,7 @@ def sample_command(run: str, step: int | None, prompt: str, max_tokens: int, tem
                    overrides: tuple[str, ...]) -> None:
     """Print a continuation of --prompt by a checkpoint of RUN (wildtrain's own model; the
     GPU where there is one)."""
+    services.use_local_object_store()
     with _exporting():
         from wildtrain.export import open_run
         from wildtrain.sample import sample
