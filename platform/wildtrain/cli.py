@@ -230,11 +230,7 @@ STEP = click.option("--step", type=int, help="The checkpoint of this step [defau
 def export_command(run: str, step: int | None, out: str, register_as: str | None, overrides: tuple[str, ...]) -> None:
     """Write a committed checkpoint of RUN (its run.name; OVERRIDES say where it is, as for
     `train`) in Hugging Face Transformers' format: config.json, safetensors, tokenizer."""
-    from wildtrain.tracking.mlflow_run import quiet_mlflow
-
-    quiet_mlflow()
-    services.use_local_object_store()
-    with _exporting():
+    with _reading_run():
         from wildtrain.export import export, open_run
 
         exported = export(open_run(run, overrides), out, step=step, register_as=register_as)
@@ -259,8 +255,7 @@ def sample_command(run: str, step: int | None, prompt: str, max_tokens: int, tem
                    overrides: tuple[str, ...]) -> None:
     """Print a continuation of --prompt by a checkpoint of RUN (wildtrain's own model; the
     GPU where there is one)."""
-    services.use_local_object_store()
-    with _exporting():
+    with _reading_run():
         from wildtrain.export import open_run
         from wildtrain.sample import sample
 
@@ -271,16 +266,19 @@ def sample_command(run: str, step: int | None, prompt: str, max_tokens: int, tem
 
 
 @contextlib.contextmanager
-def _exporting():
-    """The errors of reading a run and its checkpoints as one line: a config's (exit 2),
-    or the run's, its data's, its storage's, MLflow's (exit 1)."""
+def _reading_run():
+    """Reading a run and its checkpoints: s3:// URIs reach `wildtrain up`'s store, as for
+    `train`; its errors are one line: a config's (exit 2), or the run's, its data's, its
+    storage's, MLflow's (exit 1)."""
     from wildtrain.data.manifest import DataError
     from wildtrain.export import ExportError
     from wildtrain.model.hf import NotExpressible
     from wildtrain.sample import SampleError
     from wildtrain.storage import StorageError
-    from wildtrain.tracking.mlflow_run import TrackingError
+    from wildtrain.tracking.mlflow_run import TrackingError, quiet_mlflow
 
+    quiet_mlflow()
+    services.use_local_object_store()
     try:
         yield
     except ConfigError as e:

@@ -213,21 +213,26 @@ def _fp32_weights(restored: Restored, shapes: dict[str, torch.Size]) -> dict[str
         # with fp32 gradient accumulation, how wildtrain trains on GPU, at stage 0).
         # DeepSpeed's own objects are pickled in it; its sha256 was checked against the manifest.
         states = torch.load(folder / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-        return {name: tensor.float() for name, tensor in states["module"].items()}
-    params = folder / universal.universal_tag(tag) / "zero"
-    if not params.is_dir():
-        universal.convert(str(folder), tag, in_process=True)
-    weights = {}
-    for path in sorted(p for p in params.iterdir() if p.is_dir()):
-        saved = torch.load(path / "fp32.pt", map_location="cpu", weights_only=True)
-        # Of ZeRO-1/2, {"param": the tensor, ...}; of ZeRO-3, the flat tensor: the model's shape is its shape.
-        tensor = saved["param"] if isinstance(saved, dict) else saved
-        shape = shapes.get(path.name, tensor.shape)
-        if tensor.numel() != shape.numel():
-            raise ValueError(f"{path.name} holds {tensor.numel()} values, model parameter of shape "
-                             f"{tuple(shape)} {shape.numel()}")
-        weights[path.name] = tensor.view(shape)
-    return weights
+        saved = states["module"]
+    else:
+        params = folder / universal.universal_tag(tag) / "zero"
+        if not params.is_dir():
+            universal.convert(str(folder), tag, in_process=True)
+        saved = {}
+        for path in sorted(p for p in params.iterdir() if p.is_dir()):
+            fp32 = torch.load(path / "fp32.pt", map_location="cpu", weights_only=True)
+            saved[path.name] = fp32["param"] if isinstance(fp32, dict) else fp32  # ZeRO-3's: the tensor alone
+    return {name: _shaped(name, tensor.float(), shapes.get(name)) for name, tensor in saved.items()}
+
+
+def _shaped(name: str, tensor: torch.Tensor, shape: Optional[torch.Size]) -> torch.Tensor:
+    if shape is None:
+        return tensor  # not the model's: `hf_state_dict` names it
+    if tensor.dim() == 1 and tensor.numel() == shape.numel():
+        tensor = tensor.view(shape)  # ZeRO-3's universal files hold each parameter flat
+    if tensor.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, the model's {tuple(shape)}")
+    return tensor
 
 
 def parameter_shapes(model: ModelConfig) -> dict[str, torch.Size]:
@@ -344,6 +349,6 @@ def register(run: RunInfo, exported: Exported, name: str) -> str:
             description=f"run {run.name}, step {exported.step}, from checkpoint {exported.checkpoint}",
         )
     except MlflowException as e:
-        raise ExportError(f"registering {exported.location} as {name!r} at {run.cfg.tracking.uri}: "
-                          f"{str(e).splitlines()[0]}") from None
+        raise ExportError(f"{exported.location} is written, but registering it as {name!r} at "
+                          f"{run.cfg.tracking.uri} failed: {str(e).splitlines()[0]}") from None
     return str(version.version)
