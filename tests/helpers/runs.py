@@ -34,3 +34,14 @@ def make_run(data: Path, overrides: list[str], model: ModelConfig, *, record_mod
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record))
     return cfg
+
+
+def mlflow_run(cfg: Config, artifacts: Path) -> str:
+    """The id of the MLflow run the driver opens for `cfg` (its config logged), with the
+    experiment's artifacts in `artifacts`: not MLflow's default, ./mlruns of the checkout."""
+    from mlflow.tracking import MlflowClient
+
+    from wildtrain.tracking.run_setup import open_run
+
+    MlflowClient(cfg.tracking.uri).create_experiment(cfg.tracking.experiment, artifact_location=str(artifacts))
+    return open_run(cfg, None)[1]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from click.testing import CliRunner, Result
 
-from tests.helpers.runs import make_run
+from tests.helpers.runs import make_run, mlflow_run
 from tests.integration.test_resharding import _init_process, _spawn
 from wildtrain.config import ModelConfig
 
@@ -146,10 +146,9 @@ def test_an_earlier_step_to_an_object_store_uri_registered_in_mlflow(trained):
     from mlflow.tracking import MlflowClient
 
     from wildtrain.config import load_config
-    from wildtrain.tracking.run_setup import open_run
 
     overrides = _overrides(str(trained), "zero1-bf16")
-    _, run_id = open_run(load_config(overrides), None)
+    run_id = mlflow_run(load_config(overrides), trained / "artifacts")
     make_run(trained / "data", overrides, MODEL, mlflow_run_id=run_id)
     uri = f"file://{trained}/bucket/exports/zero1-bf16-step1"
     done = wildtrain("export", "zero1-bf16", "--step", "1", "--out", uri, "--register", "tiny-lm", *overrides[1:])

@@ -13,14 +13,13 @@ import pytest
 from click.testing import CliRunner, Result
 from mlflow.tracking import MlflowClient
 
-from tests.helpers.runs import make_run as make_run_in
+from tests.helpers.runs import make_run as make_run_in, mlflow_run
 from wildtrain import cli
 from wildtrain.checkpoint.store import commit, upload
 from wildtrain.config import Config, ModelConfig, load_config
 from wildtrain.data.tokenizer import ByteTokenizer
 from wildtrain.export import Exported, open_run, register
 from wildtrain.layout import RunLayout
-from wildtrain.tracking.run_setup import open_run as open_mlflow_run
 
 MODEL = ModelConfig(dim=32, n_layers=1, n_heads=2, max_seq_len=64)
 
@@ -132,14 +131,14 @@ def test_the_model_comes_from_the_record_not_from_the_command_line(tmp_path, whe
 
 def test_an_older_record_takes_the_model_its_mlflow_run_was_created_with(tmp_path, where):
     cfg = load_config([*where, "run.name=r", "model.dim=48", "model.n_kv_heads=2", "model.output_mult=0.5"])
-    _, run_id = open_mlflow_run(cfg, None)
+    run_id = mlflow_run(cfg, tmp_path / "artifacts")
     make_run(tmp_path, where, record_model=False, mlflow_run_id=run_id)
     assert open_run("r", where).model == cfg.model
 
 
 def test_a_registered_export_is_a_new_version_linked_to_the_run_and_step(tmp_path, where):
     cfg = load_config([*where, "run.name=r"])
-    _, run_id = open_mlflow_run(cfg, None)
+    run_id = mlflow_run(cfg, tmp_path / "artifacts")
     make_run(tmp_path, where, mlflow_run_id=run_id)
     run = open_run("r", where)
     exported = Exported(location="s3://bucket/exports/r-60", architecture="LlamaForCausalLM",
