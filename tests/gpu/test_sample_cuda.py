@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.test_hf_model import random_model
+from tests.helpers.models import random_model
 from wildtrain.config import ModelConfig
 from wildtrain.sample import generate
 

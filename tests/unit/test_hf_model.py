@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from tests.helpers.models import random_model
 from wildtrain.config import ModelConfig
 from wildtrain.data.tokenizer import ByteTokenizer
 from wildtrain.export import write_hf
@@ -33,20 +34,6 @@ ARCHITECTURES = {
     "document_window": ModelConfig(dim=64, n_layers=2, n_heads=4, max_seq_len=64, attention="document",
                                    attention_window=5),
 }
-
-
-def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    """A model whose every weight is random, norms included: a weight mapped to the wrong
-    place, or not scaled, changes the logits."""
-    torch.manual_seed(seed)
-    model = Transformer(cfg)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 1:
-                param.copy_(1 + 0.2 * torch.randn_like(param))
-            else:
-                param.normal_(0, 0.1)
-    return model.eval()
 
 
 def export_model(folder, cfg: ModelConfig, model: Transformer, **kwargs):
