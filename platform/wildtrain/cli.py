@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -214,6 +215,76 @@ def fit(sweep_name: str, to: tuple[str, ...], tracking_uri: str | None, override
     except ConfigError as e:
         _fail(str(e), 2)
     click.echo(prediction.text(), nl=False)
+
+
+STEP = click.option("--step", type=int, help="The checkpoint of this step [default: the newest committed].")
+
+
+@main.command("export")
+@click.argument("run")
+@STEP
+@click.option("--out", required=True, help="A local folder (absent or empty) or an object-store URI (s3://, gs://).")
+@click.option("--register", "register_as", metavar="NAME",
+              help="Also register the export in MLflow's model registry as a new version of NAME.")
+@OVERRIDES
+def export_command(run: str, step: int | None, out: str, register_as: str | None, overrides: tuple[str, ...]) -> None:
+    """Write a committed checkpoint of RUN (its run.name; OVERRIDES say where it is, as for
+    `train`) in Hugging Face Transformers' format: config.json, safetensors, tokenizer."""
+    with _reading_run():
+        from wildtrain.export import export, open_run
+
+        exported = export(open_run(run, overrides), out, step=step, register_as=register_as)
+    for skipped in exported.skipped:
+        click.echo(f"skipped {skipped.store}/{skipped.name}: {skipped.reason}", err=True)
+    click.echo(f"exported {run} step {exported.step} ({exported.checkpoint}) as {exported.architecture} "
+               f"to {exported.location}")
+    if exported.version is not None:
+        click.echo(f"registered as {register_as} version {exported.version}")
+
+
+@main.command("sample")
+@click.argument("run")
+@STEP
+@click.option("--prompt", required=True, help="The text to continue.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="0: the most likely token each time; above: drawn from the softmax of logits / temperature.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Of the draws, with a temperature above 0.")
+@OVERRIDES
+def sample_command(run: str, step: int | None, prompt: str, max_tokens: int, temperature: float, seed: int,
+                   overrides: tuple[str, ...]) -> None:
+    """Print a continuation of --prompt by a checkpoint of RUN (wildtrain's own model; the
+    GPU where there is one)."""
+    with _reading_run():
+        from wildtrain.export import open_run
+        from wildtrain.sample import sample
+
+        sampled = sample(open_run(run, overrides), prompt, step=step, max_tokens=max_tokens,
+                         temperature=temperature, seed=seed)
+    click.echo(f"{run} step {sampled.step} ({sampled.checkpoint})", err=True)
+    click.echo(sampled.text)
+
+
+@contextlib.contextmanager
+def _reading_run():
+    """Reading a run and its checkpoints: s3:// URIs reach `wildtrain up`'s store, as for
+    `train`; its errors are one line: a config's (exit 2), or the run's, its data's, its
+    storage's, MLflow's (exit 1)."""
+    from wildtrain.data.manifest import DataError
+    from wildtrain.export import ExportError
+    from wildtrain.model.hf import NotExpressible
+    from wildtrain.sample import SampleError
+    from wildtrain.storage import StorageError
+    from wildtrain.tracking.mlflow_run import TrackingError, quiet_mlflow
+
+    quiet_mlflow()
+    services.use_local_object_store()
+    try:
+        yield
+    except ConfigError as e:
+        _fail(str(e), 2)
+    except (ExportError, NotExpressible, SampleError, DataError, StorageError, TrackingError) as e:
+        _fail(str(e), 1)
 
 
 @main.command()

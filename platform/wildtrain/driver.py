@@ -30,6 +30,7 @@ from wildtrain.elastic.controller import controller_callbacks
 from wildtrain.elastic.signals import classify_restart
 from wildtrain.data.pins import OrderPins, order_changes, order_pins
 from wildtrain.layout import RunLayout, checkpoint_stores
+from wildtrain.export import run_record
 from wildtrain.events import DataOrderChanged, ShardSkipped, Started, Stopped, StragglerCheckOff
 from wildtrain.tracking import report
 from wildtrain.tracking.mlflow_run import FLUSH_TIMEOUT_S, MlflowCallback, Tracker, check_reachable, log_event, run_url
@@ -67,7 +68,8 @@ def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
 
     experiment_id, run_id = open_run(cfg, record.get("mlflow_run_id"), tags)
     storage.write_text(layout.record, json.dumps({"mlflow_run_id": run_id, "config_hash": config_hash(cfg),
-                                               "data_order": pins.to_dict()}), cfg.storage)
+                                               "data_order": pins.to_dict(), **run_record(cfg.model, data.tokenizer)}),
+                       cfg.storage)
     tracking = MlflowClient(cfg.tracking.uri)
     log_event(tracking, run_id, Started(started_at), step=0)
     log_datasets(tracking, run_id, [(uri, sha256) for uri, _, sha256 in pins.datasets])

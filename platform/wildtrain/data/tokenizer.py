@@ -3,13 +3,15 @@
 
 Each has `encode(text) -> ids`, an end-of-document id that separates packed documents, a
 vocabulary size, reserved ids that text never encodes to (UL2's mode tokens and the
-sentinels that stand for corrupted spans, see `data.objectives`), and `describe()`: what a
-dataset manifest records of it.
+sentinels that stand for corrupted spans, see `data.objectives`), `describe()`: what a
+dataset manifest records of it, and `hf_json()`: itself as a `tokenizers` tokenizer.json,
+which `hf_files` turns into what Transformers' AutoTokenizer loads (an export's tokenizer).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Iterable, Optional, Protocol
 
 from wildtrain import storage
@@ -37,6 +39,10 @@ class Tokenizer(Protocol):
 
     def describe(self) -> dict: ...
 
+    def decode(self, ids: list[int]) -> str: ...
+
+    def hf_json(self) -> str: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, one end-of-document id that separates packed documents
@@ -57,6 +63,22 @@ class ByteTokenizer:
     def describe(self) -> dict:
         return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
                 "modes": self.modes, "sentinels": self.sentinels}
+
+    def hf_json(self) -> str:
+        """A byte-level BPE without merges whose token for byte b has id b (GPT-2's
+        printable stand-ins for the bytes), and the reserved ids as special tokens."""
+        from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+        backend = Backend(models.BPE(vocab=vocab, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+        reserved = {self.eos_id: EOS_TOKENS[0], **{i: name for name, i in self.modes.items()},
+                    **{i: sentinel_token(n) for n, i in enumerate(self.sentinels)}}
+        # Added in id order, each gets the next id: 256, 257, ... as here.
+        backend.add_special_tokens([AddedToken(reserved[i], special=True, normalized=False) for i in sorted(reserved)])
+        return backend.to_str()
 
 
 class HFTokenizer:
@@ -93,6 +115,9 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids)
 
+    def hf_json(self) -> str:
+        return self.json
+
     def describe(self) -> dict:
         return {
             "kind": self.kind,
@@ -102,6 +127,28 @@ class HFTokenizer:
             "sentinels": self.sentinels,
             "sha256": hashlib.sha256(self.json.encode()).hexdigest(),
         }
+
+
+def hf_files(tokenizer: Tokenizer, max_length: int) -> dict[str, str]:
+    """tokenizer.json and tokenizer_config.json, from which Transformers' AutoTokenizer
+    encodes text to the ids `tokenizer.encode` gives it: text that spells a special token
+    encoded as text, and no BOS or EOS added. Training encodes without the file's template
+    (packing adds the end-of-document id itself), so the export's file has none: one from
+    elsewhere may add a BOS, which the model never saw, and Transformers 5 ignores an
+    `add_bos_token: false` beside such a file."""
+    from tokenizers import Tokenizer as Backend
+
+    spec = json.loads(tokenizer.hf_json())
+    spec["post_processor"] = None
+    text = json.dumps(spec, ensure_ascii=False)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": Backend.from_str(text).id_to_token(tokenizer.eos_id),
+        "split_special_tokens": True,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+    }
+    return {"tokenizer.json": text, "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
