@@ -41,6 +41,7 @@ from mlflow.tracking import MlflowClient
 
 from progress import say
 from wildtrain import services
+from wildtrain.events import Started
 from wildtrain.tracking.mlflow_run import quiet_mlflow, read_events
 from wildtrain.tracking.report import find_run
 
@@ -83,7 +84,7 @@ def start_up_phases(uri: str, run_name: str, submitted: float, folder: Path) -> 
     """Seconds per phase of the run's first attempt (see the module's docstring)."""
     client = MlflowClient(uri)
     run_id = find_run(uri, run_name)
-    started = next(e for e in read_events(uri, run_id, str(folder)) if e["event"] == "started")
+    started = next(e for e in read_events(uri, run_id, str(folder)) if isinstance(e, Started)).at
 
     def first(key: str):
         return min(client.get_metric_history(run_id, key), key=lambda m: m.step)
@@ -94,10 +95,10 @@ def start_up_phases(uri: str, run_name: str, submitted: float, folder: Path) -> 
     first_report = first("startup/first_step_at").step
     data_wait = next(m.value for m in client.get_metric_history(run_id, "time/data_wait_s") if m.step == first_report)
     # A worker process Ray started ahead of the group (an idle one it reuses) exists before the driver does.
-    worker_started = max(stamps["worker_started_at"], started["at"])
+    worker_started = max(stamps["worker_started_at"], started)
     return {
-        "driver up": started["at"] - submitted,
-        "group started": worker_started - started["at"],
+        "driver up": started - submitted,
+        "group started": worker_started - started,
         "imports": stamps["attempt_started_at"] - worker_started,
         "health check": stamps["health_checked_at"] - stamps["attempt_started_at"],
         "restore": stamps["restored_at"] - stamps["health_checked_at"] - stamps["engine_build_s"],
