@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/wildtrain up
 	$(BIN)/python data_pipelines/prepare.py --input tests/assets/tiny_corpus.jsonl \
-		--output s3://wildtrain/datasets/tiny --rows-per-group 128
+		--output s3://wildtrain/datasets/tiny --rows-per-group 128 --val-fraction 0.05
 	$(BIN)/wildtrain train experiment=tiny
 
 test: $(STAMP)

@@ -30,12 +30,15 @@ from wildtrain.storage import StorageError
               help="The text field of jsonl records or text column of Parquet files.")
 @click.option("--rows-per-shard", type=int, default=PrepareConfig.rows_per_shard, show_default=True)
 @click.option("--rows-per-group", type=int, default=PrepareConfig.rows_per_group, show_default=True)
+@click.option("--val-fraction", type=float, default=PrepareConfig.val_fraction, show_default=True,
+              help="The share of documents held out for validation, chosen by a hash of each document's text "
+                   "(a rerun holds out the same ones).")
 @click.option("--endpoint", default=None, help="S3-compatible endpoint for s3:// URIs  [default: $AWS_ENDPOINT_URL, else AWS]")
 @click.option("--region", default=StorageConfig.region, show_default=True)
 @click.option("--max-attempts", type=int, default=StorageConfig.max_attempts, show_default=True,
               help="Attempts per object-store request before giving up.")
 def main(input_uri: str, output: str, seq_len: int, tokenizer: str, text_field: str, rows_per_shard: int,
-         rows_per_group: int, endpoint: str | None, region: str, max_attempts: int) -> None:
+         rows_per_group: int, val_fraction: float, endpoint: str | None, region: str, max_attempts: int) -> None:
     """Write INPUT's documents to OUTPUT as Parquet shards of packed rows plus manifest.json.
     Rerunning writes only missing or changed shards."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -43,7 +46,7 @@ def main(input_uri: str, output: str, seq_len: int, tokenizer: str, text_field: 
     _quiet_ray_of_the_run()
     cfg = PrepareConfig(
         input=input_uri, output=output, seq_len=seq_len, tokenizer=tokenizer, text_field=text_field,
-        rows_per_shard=rows_per_shard, rows_per_group=rows_per_group,
+        rows_per_shard=rows_per_shard, rows_per_group=rows_per_group, val_fraction=val_fraction,
         storage=StorageConfig(endpoint=endpoint, region=region, max_attempts=max_attempts),
     )
     from wildtrain import ray_compat
@@ -55,7 +58,9 @@ def main(input_uri: str, output: str, seq_len: int, tokenizer: str, text_field: 
         click.secho(f"prepare: {e}", fg="red", err=True)
         sys.exit(1)
     manifest = result.manifest
-    click.echo(f"{output}: {manifest.rows} rows, {manifest.tokens} tokens in {len(manifest.shards)} shards "
+    held_out = f", {sum(s.rows for s in manifest.validation)} rows held out in {len(manifest.validation)} validation " \
+               f"shards" if manifest.validation else ""
+    click.echo(f"{output}: {manifest.rows} rows, {manifest.tokens} tokens in {len(manifest.shards)} shards{held_out} "
                f"({len(result.written)} written, {len(result.unchanged)} unchanged)")
 
 

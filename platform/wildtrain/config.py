@@ -129,6 +129,9 @@ class DataConfig:
     prefetch_blocks: int = 4
     # Write the ids of every step's samples to <run>/samples/ (audits, exactly-once tests).
     record_samples: bool = False
+    # Datasets to validate on beside the documents the training datasets hold out (prepare's
+    # --val-fraction): every row of theirs is validation (their weights are not used).
+    validation: list[DatasetConfig] = field(default_factory=list)
     # A resubmitted run whose data order would change (train.seed, train.global_batch_size,
     # data.seq_len, the datasets, their weights or manifests, the shards left out) is refused;
     # true starts the new order at the restored step instead, recorded as an event.
@@ -149,6 +152,17 @@ class TrainConfig:
     # loss everywhere), prefix_lm (per document, loss on a random suffix given the rest) or
     # ul2 (per document, one of objective.denoisers; loss on the targets only).
     objective: str = "causal"
+
+
+@dataclass
+class EvalConfig:
+    """Validation during training (train/validation.py): every `every` steps and at the last,
+    the loss and bits per byte on the whole validation set, per dataset and overall."""
+
+    # Steps between validations (0: only at the last step).
+    every: int = 0
+    # Rows per forward pass; None: train.micro_batch_size.
+    micro_batch_size: Optional[int] = None
 
 
 @dataclass
@@ -174,6 +188,9 @@ class EarlyStopConfig:
     enabled: bool = False
     # Diverged: a logged loss that is NaN or above this multiple of the run's best so far.
     loss_factor: float = 3.0
+    # The loss watched: the training loss at every log step, or the validation loss
+    # ("val/loss") at every validation (eval.every), which needs a validation set.
+    metric: str = "loss"
 
 
 @dataclass
@@ -374,6 +391,7 @@ class Config:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -432,7 +450,13 @@ def validate(cfg: Config) -> None:
     positive("train.micro_batch_size", cfg.train.micro_batch_size)
     positive("train.log_every", cfg.train.log_every)
     positive("train.checkpoint_every", cfg.train.checkpoint_every)
+    if cfg.eval.every < 0:
+        raise ConfigError(f"eval.every: must be 0 (the last step only) or positive, got {cfg.eval.every}")
+    if cfg.eval.micro_batch_size is not None:
+        positive("eval.micro_batch_size", cfg.eval.micro_batch_size)
     positive("early_stop.loss_factor", cfg.early_stop.loss_factor)
+    if cfg.early_stop.metric not in ("loss", "val/loss"):
+        raise ConfigError(f"early_stop.metric: expected 'loss' or 'val/loss', got {cfg.early_stop.metric!r}")
     positive("model.init_std", cfg.model.init_std)
     positive("model.output_mult", cfg.model.output_mult)
     positive("model.residual_mult", cfg.model.residual_mult)

@@ -23,7 +23,6 @@ Transformers is imported only here and in what calls it: never on a training wor
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -40,8 +39,8 @@ from wildtrain.checkpoint.format import CheckpointManifest
 from wildtrain.checkpoint.restore import Candidate, NoGoodCheckpoint, Restored, Skipped, list_candidates, restore
 from wildtrain.checkpoint.store import CommitError, Store, upload
 from wildtrain.config import Config, ModelConfig, load_config
-from wildtrain.data.manifest import MANIFEST, TOKENIZER, DataError, Manifest
-from wildtrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, hf_files
+from wildtrain.data.manifest import MANIFEST, DataError, Manifest
+from wildtrain.data.tokenizer import Tokenizer, dataset_tokenizer, hf_files
 from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.model import Transformer
 from wildtrain.model.hf import hf_architecture, hf_state_dict
@@ -130,15 +129,8 @@ def run_tokenizer(run: RunInfo) -> Tokenizer:
         changed = [f"{key} {_short(run.tokenizer.get(key))} -> {_short(described.get(key))}"
                    for key in sorted(described.keys() | run.tokenizer.keys()) if described.get(key) != run.tokenizer.get(key)]
         raise ExportError(f"{where}: its tokenizer is not the one run {run.name!r} trained with: {'; '.join(changed)}")
-    if described["kind"] == "byte":
-        return ByteTokenizer()
-    json_uri = storage.join(run.dataset, TOKENIZER)
-    data = storage.read_bytes(json_uri, run.cfg.storage)
-    if data is None or hashlib.sha256(data).hexdigest() != described["sha256"]:
-        raise ExportError(f"{json_uri}: {'missing' if data is None else 'sha256 differs from'} the "
-                          f"tokenizer.json its manifest names")
     try:
-        return HFTokenizer(data.decode(), kind=described["kind"], name=json_uri)
+        return dataset_tokenizer(run.dataset, described, run.cfg.storage)
     except DataError as e:
         raise ExportError(str(e)) from None
 

@@ -21,6 +21,8 @@ from wildtrain.data.prepare import PrepareConfig, prepare
 # and a job's working directory unpacked there is deleted by whichever node's runtime-env
 # agent lets go of it first, which a real multi-node cluster never does.
 HEAD_CPUS = 3
+# As `make demo` prepares the tiny corpus.
+VAL_FRACTION = 0.05
 
 
 @pytest.fixture(scope="session")
@@ -78,9 +80,11 @@ def ray_cluster(tmp_path_factory, object_store):
 
 @pytest.fixture(scope="session")
 def tiny_dataset(ray_cluster, object_store) -> str:
-    """The bundled tiny corpus, prepared once into the object store, as `make demo` does."""
+    """The bundled tiny corpus, prepared once into the object store, as `make demo` does:
+    with documents held out for validation."""
     uri = f"s3://{object_store.bucket}/datasets/tiny"
-    prepare(PrepareConfig(input=str(REPO / "tests/assets/tiny_corpus.jsonl"), output=uri, rows_per_group=128))
+    prepare(PrepareConfig(input=str(REPO / "tests/assets/tiny_corpus.jsonl"), output=uri, rows_per_group=128,
+                          val_fraction=VAL_FRACTION))
     return uri
 
 

@@ -110,6 +110,12 @@ def test_node_dies_and_returns_without_changing_what_is_trained(worker_nodes, el
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step, loss in reference_losses.items():
         assert losses[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), f"step {step}"
+    # So are the validation numbers: each validation row scored once at any world size.
+    validated = final_lineage(client.get_metric_history(summary.run_id, "val/loss"))
+    reference_validated = final_lineage(client.get_metric_history(reference_run.run_id, "val/loss"))
+    assert sorted(validated) == sorted(reference_validated) and STEPS in validated
+    for step, loss in reference_validated.items():
+        assert validated[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), f"val/loss at step {step}"
 
     # Exactly once: the global batches of the final lineage, recorded by the workers whatever
     # their world size, are the pure order's first STEPS batches; no sample twice.

@@ -1,7 +1,8 @@
 """The factored training step in a plain torch.distributed group of 2 CPU processes (gloo),
 no Ray: ZeRO-1 and ZeRO-3 (its model built partitioned by `build_model`, with activation
 checkpointing) train the tiny model, the loss falls and is the same number on every rank,
-the metrics window adds up, and every collective of the helper works at world size 2.
+the metrics window adds up, every collective of the helper works at world size 2, and the
+validation of the engines scores what one process scores without DeepSpeed.
 
 The processes hand their results back through a file in tmp_path.
 """
@@ -67,6 +68,41 @@ def _collectives(rank: int) -> dict:
     }
 
 
+# Validation sets of 1 and 6 rows, scored 4 rows a pass: rank 0 scores the first set's row and
+# 2 of the second's (a pass each), rank 1 the other 4 (one pass), and pads with one more,
+# which ZeRO-3's parameter gathers need.
+VALIDATION_ROWS = {"a": 1, "b": 6}
+VALIDATION_MICRO_BATCH = 4
+
+
+def _validation_data(root: Path):
+    """An `OpenedData` holding only validation sets, written as prepare writes shards."""
+    from wildtrain.data.dataset import OpenedData
+    from wildtrain.data.manifest import encode_shard
+    from wildtrain.data.tokenizer import ByteTokenizer
+    from wildtrain.data.validation import ValidationSet
+
+    rng = np.random.default_rng(1)
+    sets = []
+    for name, rows in VALIDATION_ROWS.items():
+        tokens = rng.integers(0, 257, (rows, SEQ_LEN + 1), dtype=np.int32)
+        doc_ids = np.sort(rng.integers(0, 3, (rows, SEQ_LEN + 1)), axis=1).astype(np.int32)
+        shard, data = encode_shard("validation-00000.parquet", tokens, doc_ids, rows_per_group=2)
+        (root / name).mkdir(parents=True)
+        (root / name / shard.path).write_bytes(data)
+        sets.append(ValidationSet(name, str(root / name), (shard,)))
+    return OpenedData([], 1, ByteTokenizer().describe(), validation=sets, token_bytes=ByteTokenizer().token_bytes())
+
+
+def _validate(cfg, data, rank: int, world_size: int, engine) -> dict:
+    from dataclasses import replace
+
+    from wildtrain.train.validation import Validator
+
+    cfg = replace(cfg, data=replace(cfg.data, seq_len=SEQ_LEN), eval=replace(cfg.eval, micro_batch_size=VALIDATION_MICRO_BATCH))
+    return Validator(cfg, data, rank, world_size, torch.device("cpu")).evaluate(engine)
+
+
 def _run(rank: int, world_size: int, port: int, root: str) -> None:
     _init_process(rank, world_size, port)
     from wildtrain.batching import batch_plan
@@ -76,6 +112,9 @@ def _run(rank: int, world_size: int, port: int, root: str) -> None:
     from wildtrain.train.step import DeviceBatches, StepMetrics, train_step
 
     result = {"collectives": _collectives(rank)}
+    from wildtrain.train import collectives
+
+    validation = collectives.broadcast_object(_validation_data(Path(root, "validation")) if rank == 0 else None)
     # One global batch, trained on at every step: the loss must fall. Each rank its own rows.
     rows = np.random.default_rng(0).integers(0, 257, (GLOBAL_BATCH, SEQ_LEN + 1), dtype=np.int32)
     for stage in (1, 3):
@@ -87,6 +126,7 @@ def _run(rank: int, world_size: int, port: int, root: str) -> None:
         partitioned = all(p.numel() == 0 and 0 < p.ds_tensor.numel() < p.ds_numel for p in model.parameters()) \
             if stage == 3 else None
         engine = build_engine(cfg, plan, model, torch.device("cpu"))
+        validated = _validate(cfg, validation, rank, world_size, engine)  # the initial weights
         per_rank = GLOBAL_BATCH // world_size
         mine = rows[rank * per_rank:(rank + 1) * per_rank]
         batches = DeviceBatches((mine for _ in range(STEPS)), torch.device("cpu"))
@@ -98,7 +138,7 @@ def _run(rank: int, world_size: int, port: int, root: str) -> None:
             train_step(engine, plan, tokens, window)
             reports.append(window.flush())
         result[stage] = {"reports": reports, "busy_s": window.busy_s, "global_steps": engine.global_steps,
-                         "partitioned": partitioned}
+                         "partitioned": partitioned, "validated": validated}
         del engine
     torch.save(result, Path(root, f"rank{rank}.pt"))
 
@@ -146,3 +186,17 @@ def test_the_window_numbers_add_up(results, stage):
             assert 0 < report["mfu"] < 1
         # busy_s: the forward time of the whole attempt, not reset by the reports.
         assert rank[stage]["busy_s"] == pytest.approx(sum(r["time/forward_s"] for r in rank[stage]["reports"]))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_validation_at_2_ranks_scores_what_1_process_without_deepspeed_scores(results, tmp_path, stage):
+    from wildtrain.model import Transformer
+
+    cfg = _config(stage)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)  # the weights `build_model` draws with the same seed
+    alone = _validate(cfg, _validation_data(tmp_path), 0, 1, model)
+    assert set(alone) == {"val/loss", "val/bpb", "val/a/loss", "val/a/bpb", "val/b/loss", "val/b/bpb"}
+    for rank in results:
+        for key, value in alone.items():
+            assert rank[stage]["validated"][key] == pytest.approx(value, rel=1e-5), key

@@ -58,6 +58,14 @@ def test_time_blocked_handing_a_report_to_the_controller_is_badput_of_its_own():
     assert Steps(1, 10, 0.0, 100.0, report_wait_s=60.0).step_s == 4.0
 
 
+def test_time_spent_on_validation_is_badput_of_its_own():
+    events = [RunStarted(0.0), AttemptStarted(0.0, restored_step=0),
+              Steps(1, 10, 0.0, 100.0, eval_s=4.0, checkpoint_stall_s=2.0), RunStopped(100.0)]
+    goodput = account(events, now=100.0)
+    assert_adds_up(goodput)
+    assert parts(goodput) == {"productive": 94.0, "eval": 4.0, "checkpoint_stall": 2.0}
+
+
 def test_one_failure_loses_the_steps_after_the_restored_checkpoint():
     events = [
         RunStarted(0.0),

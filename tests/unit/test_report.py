@@ -83,7 +83,7 @@ def test_a_run_summary():
     # steps 9, 10 of [1020, 1030) redone: 4 s lost, and 5 s until the failure was noticed
     assert stats.goodput == Goodput(60.0, 2.0 + 6.0 + 6.0 + 3.0, {
         "startup": 10.0 + 10.0 + 2.0 + 5.0, "waiting": 0.0, "restore": 5.0, "lost": 4.0 + 5.0,
-        "checkpoint_stall": 0.0, "data_wait": 2.0, "report_wait": 0.0, "stalled": 0.0, "stopped": 0.0, "unreported": 0.0,
+        "checkpoint_stall": 0.0, "data_wait": 2.0, "report_wait": 0.0, "eval": 0.0, "stalled": 0.0, "stopped": 0.0, "unreported": 0.0,
     })
     assert stats.mfu == pytest.approx(0.32)
     assert stats.failures == 1 and stats.recoveries_s == (1052.0 - 1035.0,)

@@ -34,3 +34,13 @@ def test_a_regrow_saves_and_must_commit_and_calling_it_off_keeps_the_save():
     assert due.regrow and due.checkpoint and due.must_commit
     off = due.without_regrow()
     assert not off.regrow and off.checkpoint and not off.must_commit
+
+
+def test_validation_every_eval_every_steps_and_at_the_last_each_a_log_step():
+    from wildtrain.config import EvalConfig
+
+    validated = [step for step in range(1, 41) if due_at(step, 0, TRAIN, EvalConfig(every=15), validates=True).validate]
+    assert validated == [15, 30, 40]
+    assert all(due_at(step, 0, TRAIN, EvalConfig(every=15), validates=True).log for step in validated)
+    assert [s for s in range(1, 41) if due_at(s, 0, TRAIN, EvalConfig(every=0), validates=True).validate] == [40]
+    assert not any(due_at(s, 0, TRAIN, EvalConfig(every=15), validates=False).validate for s in range(1, 41))

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
 
 from wildtrain import storage
 from wildtrain.config import Config
-from wildtrain.data.manifest import MANIFEST, DataError, Manifest, verify_shard
+from wildtrain.data.manifest import MANIFEST, DataError, Manifest, Shard, verify_shard
 from wildtrain.data.objectives import Objective
 from wildtrain.data.order import Source, plan_epoch
 from wildtrain.data.stream import Dataset
+from wildtrain.data.tokenizer import dataset_tokenizer
+from wildtrain.data.validation import ValidationSet, names_for
 
 __all__ = ["DataError", "OpenedData", "open_datasets"]
 
@@ -32,20 +37,17 @@ class OpenedData:
     # sha256 of each dataset's manifest.json, in the order of `datasets`: the order of the
     # rows depends on the manifests, so the run record pins them (see `data.pins`).
     manifest_sha256: list[str] = field(default_factory=list)
+    # What every validation scores (data.validation): the datasets' held-out shards, then
+    # the validation datasets, and the UTF-8 bytes each token id spells (for bits per byte).
+    validation: list[ValidationSet] = field(default_factory=list)
+    token_bytes: Optional[np.ndarray] = None
 
 
 def open_datasets(cfg: Config) -> OpenedData:
-    datasets, skipped, tokenizer, hashes = [], [], None, []
+    datasets, skipped, tokenizer, hashes, held_out = [], [], None, [], []
     for index, spec in enumerate(cfg.data.datasets):
         key = f"data.datasets.{index}.uri"
-        root = storage.resolve(spec.uri)
-        text = storage.read_text(storage.join(root, MANIFEST), cfg.storage)
-        if text is None:
-            raise DataError(
-                f"{key}: no {MANIFEST} at {root}; prepare the dataset first: "
-                f"python data_pipelines/prepare.py --input <corpus> --output {spec.uri}"
-            )
-        manifest = Manifest.from_json(text, storage.join(root, MANIFEST))
+        root, manifest, text = _manifest(cfg, key, spec.uri)
         hashes.append(hashlib.sha256(text.encode()).hexdigest())
         _check_fits(cfg, key, manifest)
         if tokenizer is not None and manifest.tokenizer != tokenizer:
@@ -68,6 +70,16 @@ def open_datasets(cfg: Config) -> OpenedData:
         if source.rows == 0:
             raise DataError(f"{key}: no usable rows in {root}")
         datasets.append(Dataset(root, tuple(s.path for s in manifest.shards), source))
+        if manifest.validation:
+            held_out.append((root, _verified(cfg, key, root, manifest, manifest.validation)))
+
+    for index, spec in enumerate(cfg.data.validation):
+        key = f"data.validation.{index}.uri"
+        root, manifest, _ = _manifest(cfg, key, spec.uri)
+        _check_fits(cfg, key, manifest)
+        if manifest.tokenizer != tokenizer:
+            raise DataError(f"{key}: tokenized with {manifest.tokenizer}, the training data with {tokenizer}")
+        held_out.append((root, _verified(cfg, key, root, manifest, manifest.shards + manifest.validation)))
 
     Objective.of(cfg, tokenizer)  # the objective's reserved ids are in the tokenizer, or the run stops here
     steps = plan_epoch([d.source for d in datasets], cfg.train.global_batch_size, cfg.train.seed, 0).steps
@@ -77,7 +89,35 @@ def open_datasets(cfg: Config) -> OpenedData:
             f"data.datasets: {rows} rows in all, fewer than one global batch "
             f"(train.global_batch_size={cfg.train.global_batch_size})"
         )
-    return OpenedData(datasets, steps, tokenizer, skipped, hashes)
+    if cfg.early_stop.enabled and cfg.early_stop.metric == "val/loss" and not held_out:
+        raise DataError("early_stop.metric: val/loss needs a validation set: prepare the data with --val-fraction, "
+                        "or name validation datasets in data.validation")
+    validation = [ValidationSet(name, root, tuple(shards))
+                  for name, (root, shards) in zip(names_for([root for root, _ in held_out]), held_out)]
+    token_bytes = (dataset_tokenizer(datasets[0].root, tokenizer, cfg.storage).token_bytes() if validation else None)
+    return OpenedData(datasets, steps, tokenizer, skipped, hashes, validation, token_bytes)
+
+
+def _manifest(cfg: Config, key: str, uri: str) -> tuple[str, Manifest, str]:
+    root = storage.resolve(uri)
+    text = storage.read_text(storage.join(root, MANIFEST), cfg.storage)
+    if text is None:
+        raise DataError(
+            f"{key}: no {MANIFEST} at {root}; prepare the dataset first: "
+            f"python data_pipelines/prepare.py --input <corpus> --output {uri}"
+        )
+    return root, Manifest.from_json(text, storage.join(root, MANIFEST)), text
+
+
+def _verified(cfg: Config, key: str, root: str, manifest: Manifest, shards: list[Shard]) -> list[Shard]:
+    """`shards`, each checked against the manifest: a validation shard that went bad stops
+    the run (a validation set missing a part would not compare with the runs before)."""
+    for shard in shards:
+        try:
+            verify_shard(root, shard, manifest.seq_len + 1, cfg.data.verify_checksums, cfg.storage)
+        except DataError as e:
+            raise DataError(f"{key}: {e}") from None
+    return shards
 
 
 def _check_fits(cfg: Config, key: str, manifest: Manifest) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -64,15 +64,22 @@ class Manifest:
     shards: list[Shard]
     rows: int
     tokens: int
+    # Shards of documents held out for validation (prepare's val_fraction), never trained
+    # on; `rows` and `tokens` count the training shards alone.
+    validation: list[Shard] = field(default_factory=list)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2) + "\n"
+        data = asdict(self)
+        if not self.validation:  # a manifest without held-out documents reads as it always did
+            del data["validation"]
+        return json.dumps(data, indent=2) + "\n"
 
     @classmethod
     def from_json(cls, text: str, name: str = MANIFEST) -> "Manifest":
         try:
             data = json.loads(text)
-            return cls(**{**data, "shards": [Shard(**shard) for shard in data["shards"]]})
+            return cls(**{**data, "shards": [Shard(**shard) for shard in data["shards"]],
+                          "validation": [Shard(**shard) for shard in data.get("validation", [])]})
         except KeyError as e:
             raise DataError(f"{name}: not a wildtrain manifest (no key {e})") from None
         except (TypeError, ValueError) as e:
@@ -123,7 +130,7 @@ def verify(root_uri: str, manifest: Manifest, check_checksums: bool = True,
         total = sum(getattr(shard, key) for shard in manifest.shards)
         if total != getattr(manifest, key):
             raise DataError(f"{where}: {key} is {getattr(manifest, key)}, but the shards hold {total}")
-    for shard in manifest.shards:
+    for shard in manifest.shards + manifest.validation:
         verify_shard(root_uri, shard, manifest.seq_len + 1, check_checksums, config)
     if "sha256" in manifest.tokenizer:
         _verify_tokenizer(root_uri, manifest.tokenizer["sha256"], config)

@@ -12,6 +12,7 @@ manifest.json, written last, marks the dataset complete.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,6 +50,9 @@ class PrepareConfig:
     text_field: str = "text"  # of jsonl records, or the column of Parquet files
     rows_per_shard: int = 8192
     rows_per_group: int = 1024  # Parquet row group: the unit a training reader fetches
+    # Documents held out for validation, by a hash of their text (`held_out`): a rerun, or
+    # the same corpus in another order, holds out the same ones. 0: none.
+    val_fraction: float = 0.0
     storage: StorageConfig = field(default_factory=StorageConfig)
 
 
@@ -64,22 +68,42 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     storage.probe(cfg.output, cfg.storage)
     texts = read_texts(cfg)
     tokenizer = _tokenizer(cfg, texts)
-    ids = texts.map_batches(
-        _tokenize, batch_format="pyarrow", fn_kwargs={"text_field": cfg.text_field, "tokenizer": tokenizer}
-    )
-    batches = (batch.column("ids").combine_chunks() for batch in ids.iter_batches(batch_format="pyarrow", batch_size=None))
-    done: list[tuple[Shard, bool]] = []
+    ids = texts.map_batches(_tokenize, batch_format="pyarrow",
+                            fn_kwargs={"text_field": cfg.text_field, "tokenizer": tokenizer,
+                                       "val_fraction": cfg.val_fraction})
+    packers = {False: RowPacker(cfg.seq_len, tokenizer.eos_id, cfg.rows_per_shard),
+               True: RowPacker(cfg.seq_len, tokenizer.eos_id, cfg.rows_per_shard)}
+    names = {False: "shard", True: "validation"}
+    counts = {False: 0, True: 0}
+    done: dict[bool, list[tuple[Shard, bool]]] = {False: [], True: []}
     with ThreadPoolExecutor(WRITERS) as pool:
-        pending: deque[Future] = deque()
-        for index, (tokens, doc_ids) in enumerate(pack_rows(batches, cfg.seq_len, tokenizer.eos_id, cfg.rows_per_shard)):
-            pending.append(pool.submit(_write_shard, cfg, f"shard-{index:05d}.parquet", tokens, doc_ids))
-            while len(pending) >= WRITERS or (pending and pending[0].done()):
-                done.append(pending.popleft().result())
-        done += [future.result() for future in pending]
-    shards = [shard for shard, _ in done]
-    written = [shard.path for shard, was_written in done if was_written]
+        pending: deque[tuple[bool, Future]] = deque()
+
+        def write(held_out: bool, shards: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
+            for tokens, doc_ids in shards:
+                name = f"{names[held_out]}-{counts[held_out]:05d}.parquet"
+                counts[held_out] += 1
+                pending.append((held_out, pool.submit(_write_shard, cfg, name, tokens, doc_ids)))
+            while len(pending) >= WRITERS or (pending and pending[0][1].done()):
+                held, future = pending.popleft()
+                done[held].append(future.result())
+
+        for batch in ids.iter_batches(batch_format="pyarrow", batch_size=None):
+            documents, held_out = batch.column("ids").combine_chunks(), batch.column("validation").to_numpy()
+            for held in (False, True):
+                part = documents.filter(pa.array(held_out == held))
+                write(held, packers[held].add(part) if len(part) else [])
+        for held in (False, True):
+            write(held, packers[held].finish())
+        for held, future in pending:
+            done[held].append(future.result())
+    shards, validation = ([shard for shard, _ in done[held]] for held in (False, True))
+    written = [shard.path for held in done for shard, was_written in done[held] if was_written]
     if not shards:
         raise DataError(f"input: {cfg.input} holds no text that fills one row of seq_len + 1 = {cfg.seq_len + 1} tokens")
+    if cfg.val_fraction and not validation:
+        raise DataError(f"val_fraction: {cfg.val_fraction} of {cfg.input} held out too little text to fill one row "
+                        f"of seq_len + 1 = {cfg.seq_len + 1} tokens; hold out more")
     manifest = Manifest(
         seq_len=cfg.seq_len,
         tokenizer=tokenizer.describe(),
@@ -87,12 +111,60 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         shards=shards,
         rows=sum(shard.rows for shard in shards),
         tokens=sum(shard.tokens for shard in shards),
+        validation=validation,
     )
     write_manifest(cfg.output, manifest, cfg.storage)
     verify(cfg.output, manifest, check_checksums=False, config=cfg.storage)
-    log.info("%s: %d rows, %d tokens in %d shards (%d written)", cfg.output, manifest.rows, manifest.tokens,
-             len(shards), len(written))
-    return PrepareResult(manifest, written, [shard.path for shard, was_written in done if not was_written])
+    log.info("%s: %d rows, %d tokens in %d shards, %d validation shards (%d written)", cfg.output, manifest.rows,
+             manifest.tokens, len(shards), len(validation), len(written))
+    return PrepareResult(manifest, written,
+                         [shard.path for held in done for shard, was_written in done[held] if not was_written])
+
+
+def held_out(text: str, fraction: float) -> bool:
+    """Whether a document is held out for validation: its text's sha256, read as a number in
+    [0, 1), is below `fraction`, the same on every run and in any order of the corpus."""
+    return fraction > 0 and int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") < fraction * 2**64
+
+
+class RowPacker:
+    """Packs batches of tokenized documents into shards of rows (see `pack_rows`), fed batch
+    by batch, so one pass over a corpus can fill two packers (training and validation)."""
+
+    def __init__(self, seq_len: int, eos_id: int, rows_per_shard: int) -> None:
+        self.row_len = seq_len + 1
+        self.shard_len = rows_per_shard * self.row_len
+        self.eos_id = eos_id
+        self._tokens: list[np.ndarray] = []
+        self._doc_ids: list[np.ndarray] = []
+        self._buffered = self._next_doc = 0
+
+    def add(self, batch: pa.ListArray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The shards that `batch` completes."""
+        lengths = batch.value_lengths().to_numpy(zero_copy_only=False)
+        self._tokens.append(np.insert(batch.flatten().to_numpy(zero_copy_only=False), np.cumsum(lengths),
+                                      self.eos_id).astype(np.int32))
+        self._doc_ids.append(np.repeat(np.arange(self._next_doc, self._next_doc + len(lengths), dtype=np.int32),
+                                       lengths + 1))
+        self._next_doc += len(lengths)
+        self._buffered += len(self._tokens[-1])
+        if self._buffered < self.shard_len:
+            return []
+        stream, docs = np.concatenate(self._tokens), np.concatenate(self._doc_ids)
+        full = self._buffered // self.shard_len * self.shard_len
+        shards = [(stream[start:start + self.shard_len].reshape(-1, self.row_len),
+                   docs[start:start + self.shard_len].reshape(-1, self.row_len))
+                  for start in range(0, full, self.shard_len)]
+        self._tokens, self._doc_ids, self._buffered = [stream[full:]], [docs[full:]], self._buffered - full
+        return shards
+
+    def finish(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The last, shorter shard; the tail that fills no row is dropped."""
+        rows = self._buffered // self.row_len
+        if not rows:
+            return []
+        return [(np.concatenate(self._tokens)[:rows * self.row_len].reshape(rows, self.row_len),
+                 np.concatenate(self._doc_ids)[:rows * self.row_len].reshape(rows, self.row_len))]
 
 
 def pack_rows(documents: Iterable[pa.ListArray], seq_len: int, eos_id: int,
@@ -101,28 +173,10 @@ def pack_rows(documents: Iterable[pa.ListArray], seq_len: int, eos_id: int,
     (rows, seq_len + 1) int32. Every document is closed by `eos_id`, which belongs to it;
     doc_ids count documents from 0 in input order. Only the last shard may be shorter, and
     the tail that fills no row is dropped. Pure: batch boundaries do not change the result."""
-    row_len = seq_len + 1
-    shard_len = rows_per_shard * row_len
-    tokens: list[np.ndarray] = []
-    doc_ids: list[np.ndarray] = []
-    buffered = next_doc = 0
+    packer = RowPacker(seq_len, eos_id, rows_per_shard)
     for batch in documents:
-        lengths = batch.value_lengths().to_numpy(zero_copy_only=False)
-        tokens.append(np.insert(batch.flatten().to_numpy(zero_copy_only=False), np.cumsum(lengths), eos_id).astype(np.int32))
-        doc_ids.append(np.repeat(np.arange(next_doc, next_doc + len(lengths), dtype=np.int32), lengths + 1))
-        next_doc += len(lengths)
-        buffered += len(tokens[-1])
-        if buffered >= shard_len:
-            stream, docs = np.concatenate(tokens), np.concatenate(doc_ids)
-            full = buffered // shard_len * shard_len
-            for start in range(0, full, shard_len):
-                yield (stream[start:start + shard_len].reshape(-1, row_len),
-                       docs[start:start + shard_len].reshape(-1, row_len))
-            tokens, doc_ids, buffered = [stream[full:]], [docs[full:]], buffered - full
-    rows = buffered // row_len
-    if rows:
-        yield (np.concatenate(tokens)[:rows * row_len].reshape(rows, row_len),
-               np.concatenate(doc_ids)[:rows * row_len].reshape(rows, row_len))
+        yield from packer.add(batch)
+    yield from packer.finish()
 
 
 def read_texts(cfg: PrepareConfig) -> Dataset:
@@ -186,10 +240,11 @@ def _decode(batch: pa.Table, text_field: str) -> pa.Table:
     return pa.table({text_field: pa.array(texts, pa.string())})
 
 
-def _tokenize(batch: pa.Table, text_field: str, tokenizer: Tokenizer) -> pa.Table:
+def _tokenize(batch: pa.Table, text_field: str, tokenizer: Tokenizer, val_fraction: float) -> pa.Table:
     # Missing and empty texts are no documents: they would pack as a lone end-of-document id.
-    ids = [tokenizer.encode(text) for text in batch.column(text_field).to_pylist() if text]
-    return pa.table({"ids": pa.array(ids, pa.list_(pa.int32()))})
+    texts = [text for text in batch.column(text_field).to_pylist() if text]
+    return pa.table({"ids": pa.array([tokenizer.encode(text) for text in texts], pa.list_(pa.int32())),
+                     "validation": pa.array([held_out(text, val_fraction) for text in texts], pa.bool_())})
 
 
 def _write_shard(cfg: PrepareConfig, path: str, tokens: np.ndarray, doc_ids: np.ndarray) -> tuple[Shard, bool]:
@@ -203,6 +258,8 @@ def _validate(cfg: PrepareConfig) -> None:
     for key in ("seq_len", "rows_per_shard", "rows_per_group"):
         if getattr(cfg, key) < 1:
             raise DataError(f"{key}: must be positive, got {getattr(cfg, key)}")
+    if not 0 <= cfg.val_fraction < 1:
+        raise DataError(f"val_fraction: must be at least 0 and below 1, got {cfg.val_fraction}")
     if cfg.rows_per_shard * (cfg.seq_len + 1) >= 2**31:
         # Parquet list offsets are int32: a shard column holds fewer than 2**31 ids.
         raise DataError(f"rows_per_shard: {cfg.rows_per_shard} rows of {cfg.seq_len + 1} ids exceed 2**31 ids per shard")

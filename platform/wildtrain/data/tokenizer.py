@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Iterable, Optional, Protocol
+
+import numpy as np
 
 from wildtrain import storage
 from wildtrain.config import StorageConfig
@@ -43,6 +46,8 @@ class Tokenizer(Protocol):
 
     def hf_json(self) -> str: ...
 
+    def token_bytes(self) -> np.ndarray: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, one end-of-document id that separates packed documents
@@ -63,6 +68,11 @@ class ByteTokenizer:
     def describe(self) -> dict:
         return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
                 "modes": self.modes, "sentinels": self.sentinels}
+
+    def token_bytes(self) -> np.ndarray:
+        """UTF-8 bytes of text per id (bits per byte divide by them): one per byte id, none
+        for the reserved ids."""
+        return (np.arange(self.vocab_size) < 256).astype(np.int64)
 
     def hf_json(self) -> str:
         """A byte-level BPE without merges whose token for byte b has id b (GPT-2's
@@ -117,6 +127,24 @@ class HFTokenizer:
 
     def hf_json(self) -> str:
         return self.json
+
+    def token_bytes(self) -> np.ndarray:
+        """UTF-8 bytes of text per id (bits per byte divide by them); none for special
+        tokens. A byte-level vocabulary spells each byte with one printable stand-in
+        character; another spells text ("▁" for a space) or a byte fallback ("<0x0A>")."""
+        byte_level = "ByteLevel" in json.dumps(json.loads(self.json).get("pre_tokenizer"))
+        special = {added.content for added in self._backend.get_added_tokens_decoder().values() if added.special}
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        for token, i in self._backend.get_vocab(with_added_tokens=True).items():
+            if token in special:
+                continue
+            if byte_level:
+                lengths[i] = len(token)
+            elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):
+                lengths[i] = 1
+            else:
+                lengths[i] = len(token.replace("\u2581", " ").encode())
+        return lengths
 
     def describe(self) -> dict:
         return {
@@ -179,6 +207,19 @@ def bpe_vocab_size(spec: str) -> Optional[int]:
     if not size.isdigit():
         raise DataError(f"data.tokenizer: {spec!r} must be bpe:VOCAB with VOCAB a number of ids")
     return int(size)
+
+
+def dataset_tokenizer(root: str, described: dict, config: Optional[StorageConfig] = None) -> Tokenizer:
+    """The tokenizer a prepared dataset at `root` was tokenized with, as its manifest
+    describes it (`described`): checked against the sha256 the manifest records."""
+    if described["kind"] == "byte":
+        return ByteTokenizer()
+    uri = storage.join(root, "tokenizer.json")
+    data = storage.read_bytes(uri, config)
+    if data is None or hashlib.sha256(data).hexdigest() != described["sha256"]:
+        raise DataError(f"{uri}: {'missing' if data is None else 'sha256 differs from'} the tokenizer.json its "
+                        "manifest names")
+    return HFTokenizer(data.decode(), kind=described["kind"], name=uri)
 
 
 def get_tokenizer(spec: str, config: Optional[StorageConfig] = None) -> Tokenizer:

@@ -156,10 +156,12 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None,
-                positions: Optional[torch.Tensor] = None, prefix: Optional[torch.Tensor] = None) -> torch.Tensor:
+                positions: Optional[torch.Tensor] = None, prefix: Optional[torch.Tensor] = None,
+                attention: Optional[str] = None) -> torch.Tensor:
         """Logits [B, T, vocab], or the cross-entropy against `targets` when given.
 
-        `doc_ids` and `prefix` [B, T] are what `model.attention` masks by (see `masks`);
+        `doc_ids` and `prefix` [B, T] are what `model.attention` masks by (see `masks`), or
+        `attention` when given (validation scores every model with document masks);
         `positions` [B, T] the rotary position of each token (0..T-1 when None; restarting
         at every document of a packed row is the data path's choice). With `loss_mask`
         [B, T] the loss is each row's mean over its masked-in positions, averaged over
@@ -172,7 +174,7 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[None, :T], self.rope_sin[None, :T]
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        mask = masks.build(self.cfg.attention, self.cfg.attention_window, doc_ids,
+        mask = masks.build(attention or self.cfg.attention, self.cfg.attention_window, doc_ids,
                            None if prefix is None else prefix.bool(), B, T, tokens.device)
         h = self.tok_embeddings(tokens)
         for block in self.layers:

@@ -28,16 +28,17 @@ LOST = "lost"
 CHECKPOINT_STALL = "checkpoint_stall"
 DATA_WAIT = "data_wait"
 REPORT_WAIT = "report_wait"
+EVAL = "eval"
 STALLED = "stalled"
 STOPPED = "stopped"
 UNREPORTED = "unreported"
-BADPUT_CAUSES = (STARTUP, WAITING, RESTORE, LOST, CHECKPOINT_STALL, DATA_WAIT, REPORT_WAIT, STALLED, STOPPED,
+BADPUT_CAUSES = (STARTUP, WAITING, RESTORE, LOST, CHECKPOINT_STALL, DATA_WAIT, REPORT_WAIT, EVAL, STALLED, STOPPED,
                  UNREPORTED)
 
 # An instant that several intervals claim (clocks of different hosts disagree, an outage
 # reported twice) counts once, for the first claimant here: badput before productive, so
 # goodput is never overstated.
-_PRECEDENCE = (LOST, RESTORE, WAITING, CHECKPOINT_STALL, DATA_WAIT, REPORT_WAIT, STALLED, PRODUCTIVE)
+_PRECEDENCE = (LOST, RESTORE, WAITING, CHECKPOINT_STALL, DATA_WAIT, REPORT_WAIT, EVAL, STALLED, PRODUCTIVE)
 
 # A window stalled when its steps took more than this many times the median step of the
 # run's windows at its world size; judged only once there are enough windows for a median
@@ -95,8 +96,8 @@ class Interrupted:
 class Steps:
     """Optimizer steps `first`..`last` (inclusive), run back to back over [start, end):
     one metrics window of the training loop at `world_size` (0: not known). `data_wait_s`,
-    `checkpoint_stall_s` and `report_wait_s` are the window's totals of those parts (the
-    last: blocked handing a report to the controller)."""
+    `checkpoint_stall_s`, `report_wait_s` and `eval_s` are the window's totals of those parts
+    (blocked handing a report to the controller; scoring the validation set)."""
 
     first: int
     last: int
@@ -106,11 +107,12 @@ class Steps:
     checkpoint_stall_s: float = 0.0
     world_size: int = 0
     report_wait_s: float = 0.0
+    eval_s: float = 0.0
 
     @property
     def step_s(self) -> float:
-        """Time per step besides data wait, checkpoint stall and report wait."""
-        waits = self.data_wait_s + self.checkpoint_stall_s + self.report_wait_s
+        """Time per step besides data wait, checkpoint stall, report wait and validation."""
+        waits = self.data_wait_s + self.checkpoint_stall_s + self.report_wait_s + self.eval_s
         return max(0.0, self.end - self.start - waits) / (self.last - self.first + 1)
 
 
@@ -136,11 +138,11 @@ def account(events: Sequence[Event], now: float) -> Goodput:
     Each instant gets exactly one cause:
 
     1. Intervals claim time, and where they overlap the first of LOST, RESTORE, WAITING,
-       CHECKPOINT_STALL, DATA_WAIT, REPORT_WAIT, PRODUCTIVE wins:
+       CHECKPOINT_STALL, DATA_WAIT, REPORT_WAIT, EVAL, PRODUCTIVE wins:
        - a `Steps` window: its steps that were later redone are LOST (its tail: the newest
-         steps); the rest is DATA_WAIT then REPORT_WAIT at its start, CHECKPOINT_STALL at
-         its end, STALLED before that (see `stalled_s`) and PRODUCTIVE between, each part
-         scaled to the steps kept. Parts larger than the window (clock noise) are cut to fit it. A step
+         steps); the rest is DATA_WAIT then REPORT_WAIT at its start, EVAL then
+         CHECKPOINT_STALL at its end, STALLED before those (see `stalled_s`) and PRODUCTIVE
+         between, each part scaled to the steps kept. Parts larger than the window (clock noise) are cut to fit it. A step
          is redone when an attempt that starts at or after the window's end restored an
          older step, or a window that starts at or after its end runs it again.
        - RESTORE for `restore_s + reshard_s` from an `AttemptStarted`;
@@ -221,7 +223,7 @@ def _partition(events: Sequence[Event], now: float) -> tuple[list[int], list[str
 
 def _check(e: Event) -> None:
     if isinstance(e, Steps) and (e.last < e.first or e.end < e.start
-                                 or min(e.data_wait_s, e.checkpoint_stall_s, e.report_wait_s) < 0):
+                                 or min(e.data_wait_s, e.checkpoint_stall_s, e.report_wait_s, e.eval_s) < 0):
         raise ValueError(f"{e}: needs first <= last, start <= end and parts >= 0")
     if isinstance(e, Waiting) and e.end < e.start:
         raise ValueError(f"{e}: ends before it starts")
@@ -258,12 +260,15 @@ def _claims(events: Sequence[Event]) -> list[tuple[int, int, str]]:
         report_wait = min(kept - data_wait, round(e.report_wait_s * _TICKS_PER_S * kept_steps / n))
         waited = data_wait + report_wait
         stall = min(kept - waited, round(e.checkpoint_stall_s * _TICKS_PER_S * kept_steps / n))
-        held_up = min(kept - waited - stall, round(held_up_s * _TICKS_PER_S * kept_steps / n))
+        evaluating = min(kept - waited - stall, round(e.eval_s * _TICKS_PER_S * kept_steps / n))
+        tail = stall + evaluating
+        held_up = min(kept - waited - tail, round(held_up_s * _TICKS_PER_S * kept_steps / n))
         claims += [
             (start, start + data_wait, DATA_WAIT),
             (start + data_wait, start + waited, REPORT_WAIT),
-            (start + waited, start + kept - stall - held_up, PRODUCTIVE),
-            (start + kept - stall - held_up, start + kept - stall, STALLED),
+            (start + waited, start + kept - tail - held_up, PRODUCTIVE),
+            (start + kept - tail - held_up, start + kept - tail, STALLED),
+            (start + kept - tail, start + kept - stall, EVAL),
             (start + kept - stall, start + kept, CHECKPOINT_STALL),
             (start + kept, end, LOST),
         ]

@@ -36,7 +36,7 @@ STOPPED_EARLY_TAG = "wildtrain.stopped_early"
 TRAINING_METRICS = (
     "step", "loss", "lr", "tokens_seen", "tokens_per_s", "step_time_s", "world_size", "epoch", "mfu",
     "time/data_wait_s", "time/forward_s", "time/backward_s", "time/optimizer_s", "time/checkpoint_stall_s",
-    "time/report_wait_s", "memory/peak_gb",
+    "time/report_wait_s", "time/eval_s", "memory/peak_gb",
 )
 
 # An attempt's first report: where its start-up went (bench/startup.py), logged as startup/<key>.
@@ -207,7 +207,9 @@ class Tracker:
 
 
 def _numbers(values: dict, keys: tuple[str, ...]) -> dict[str, float]:
-    return {key: value for key, value in values.items() if key in keys and isinstance(value, (int, float))}
+    """The numbers among `values` named in `keys`, and the validation metrics (`val/...`)."""
+    return {key: value for key, value in values.items()
+            if (key in keys or key.startswith("val/")) and isinstance(value, (int, float))}
 
 
 def run_url(uri: str, experiment_id: str, run_id: str) -> str:

@@ -31,12 +31,13 @@ MFU = "mfu"
 DATA_WAIT = "time/data_wait_s"  # mean per step over the report's window
 CHECKPOINT_STALL = "time/checkpoint_stall_s"  # mean per step over the report's window
 REPORT_WAIT = "time/report_wait_s"  # mean per step over the report's window
+EVAL = "time/eval_s"  # mean per step over the report's window
 CHECKPOINT_BYTES = "checkpoint/bytes"  # per save
 CHECKPOINT_SAVE_S = "checkpoint/save_s"  # per save
 # From the controller: the distinct nodes of the worker group when it starts, 0 when it stops.
 NODES = "elastic/nodes"
 WORLD_SIZE = "world_size"  # per report, like step_time_s: stalls are judged per world size
-HISTORY_KEYS = ("loss", "step_time_s", MFU, DATA_WAIT, CHECKPOINT_STALL, REPORT_WAIT, CHECKPOINT_BYTES,
+HISTORY_KEYS = ("loss", "step_time_s", MFU, DATA_WAIT, CHECKPOINT_STALL, REPORT_WAIT, EVAL, CHECKPOINT_BYTES,
                 CHECKPOINT_SAVE_S, NODES, WORLD_SIZE)
 
 
@@ -148,6 +149,7 @@ def _step_windows(history: History, events: Sequence[goodput.Event]) -> list[Ste
     data_wait = {(s.at, s.step): s.value for s in history.get(DATA_WAIT, ())}
     stall = {(s.at, s.step): s.value for s in history.get(CHECKPOINT_STALL, ())}
     report_wait = {(s.at, s.step): s.value for s in history.get(REPORT_WAIT, ())}
+    evaluating = {(s.at, s.step): s.value for s in history.get(EVAL, ())}
     world_size = {(s.at, s.step): int(s.value) for s in history.get(WORLD_SIZE, ())}
     windows = []
     previous: Optional[Sample] = None
@@ -159,7 +161,7 @@ def _step_windows(history: History, events: Sequence[goodput.Event]) -> list[Ste
         key = (report.at, report.step)
         windows.append(Steps(report.step - steps + 1, report.step, start, report.at,
                              steps * data_wait.get(key, 0.0), steps * stall.get(key, 0.0), world_size.get(key, 0),
-                             steps * report_wait.get(key, 0.0)))
+                             steps * report_wait.get(key, 0.0), steps * evaluating.get(key, 0.0)))
         previous = report
     return windows
 

@@ -2,8 +2,8 @@
 
 It reads in the order it runs: plan the batch for this world size, check the group's
 health, restore the newest checkpoint (resharding it if it was saved at another size) into
-a new engine, then step, and at the steps due for it save, report and regrow, until the
-run's last step. A worker group that Ray Train restarts (a node died, capacity came back)
+a new engine, then step, and at the steps due for it validate, save, report and regrow,
+until the run's last step. A worker group that Ray Train restarts (a node died, capacity came back)
 re-enters here at its new size.
 
 A rank that fails ends the attempt on every rank (`collectives.failing_together`): its
@@ -51,6 +51,7 @@ from wildtrain.train.monitor import Monitor
 from wildtrain.train.samples import SampleRecorder
 from wildtrain.train.schedule import Due, due_at
 from wildtrain.train.step import DeviceBatches, StepMetrics, Window, train_step
+from wildtrain.train.validation import Validator
 from wildtrain.train.watchdog import HangWatchdog
 
 
@@ -74,6 +75,8 @@ def train_loop(inputs: LoopInputs) -> None:
         try:
             while attempt.state.step < cfg.train.steps:
                 due = attempt.step()
+                if due.validate:
+                    attempt.validate()
                 if due.checkpoint:
                     due = attempt.save(due)
                 if due.report:
@@ -150,6 +153,8 @@ class Attempt:
         self.samples = SampleRecorder(cfg, rank) if cfg.data.record_samples else None
         self.diverged = False
         self.windows: list[Window] = []  # closed at log steps, not yet reported
+        self.validator = Validator(cfg, inputs.data, rank, world_size, device) if inputs.data.validation else None
+        self.validated: dict[str, float] = {}  # this step's validation metrics, for its window
         # The first step at which the previous report may have been collected (see `report`).
         self.next_report_look = 0
         self.startup: dict = {}  # the attempt's start-up timings, until a report carries them
@@ -193,11 +198,17 @@ class Attempt:
         self.monitor.step_done(state.step, self.window)
         if self.samples is not None:
             self.samples.record(state.step, batch.sample_ids)
-        due = due_at(state.step, self.restored_step, self.cfg.train)
+        due = due_at(state.step, self.restored_step, self.cfg.train, self.cfg.eval, self.validator is not None)
         # Looked for at log steps only, whose report decision synchronizes the ranks anyway.
         if due.log and not due.last and self.growth.room_now():
             due = due.with_regrow()
         return due
+
+    def validate(self) -> None:
+        """Score the validation set at this step (train/validation.py); its time is the
+        window's `eval`, its metrics ride in the window closed at this step."""
+        with self.window.timed("eval"):
+            self.validated = self.validator.evaluate(self.engine)
 
     def _fail_once(self) -> None:
         """The chaos.fail_rank drill: this rank raises mid-step, the first time the run gets here."""
@@ -259,7 +270,9 @@ class Attempt:
         if due.log:
             self.windows.append(self.window.close(step=state.step, tokens_seen=state.tokens_seen,
                                                   world_size=self.world_size, lr=self.engine.get_lr()[0],
-                                                  epoch=(state.step - 1) // self.data.steps_per_epoch))
+                                                  epoch=(state.step - 1) // self.data.steps_per_epoch,
+                                                  **self.validated))
+            self.validated = {}
         if due.first_of_attempt:
             # What the controller needs to split this attempt's recovery (and start-up) time into its parts.
             self.startup = self.restored.timing | {
@@ -279,7 +292,9 @@ class Attempt:
                 return
             windows = self.window.resolve(self.windows)
             self.windows = []
-            events = [stop for metrics in windows for stop in self._judge_loss(metrics["loss"], metrics["step"])]
+            watched = self.cfg.early_stop.metric
+            events = [stop for metrics in windows if watched in metrics
+                      for stop in self._judge_loss(metrics[watched], metrics["step"])]
             if windows:
                 self.monitor.export(windows[-1])
             saves = checkpointing.saves_report(self.saver.drain())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from wildtrain.config import TrainConfig
+from wildtrain.config import EvalConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -15,6 +15,7 @@ class Due:
     last: bool  # the run's last step: its checkpoint must commit
     first_of_attempt: bool  # the controller times the recovery from this step's report
     regrow: bool = False  # room for more workers: checkpoint, then restart larger
+    validate: bool = False  # score the validation set; its metrics ride in this step's window
 
     @property
     def report(self) -> bool:
@@ -32,8 +33,12 @@ class Due:
         return replace(self, regrow=False)
 
 
-def due_at(step: int, restored_step: int, train: TrainConfig) -> Due:
+def due_at(step: int, restored_step: int, train: TrainConfig, evaluation: EvalConfig = EvalConfig(),
+           validates: bool = False) -> Due:
+    """What `step` is due for; `validates`: the run has a validation set."""
     last = step == train.steps
     first = step == restored_step + 1
-    return Due(log=last or first or step % train.log_every == 0,
-               checkpoint=last or step % train.checkpoint_every == 0, last=last, first_of_attempt=first)
+    validate = validates and (last or (evaluation.every > 0 and step % evaluation.every == 0))
+    return Due(log=last or first or validate or step % train.log_every == 0,
+               checkpoint=last or step % train.checkpoint_every == 0, last=last, first_of_attempt=first,
+               validate=validate)

@@ -127,15 +127,15 @@ class Window:
 class StepMetrics:
     """Loss, throughput, MFU and where the time went, per window of steps: means per step
     of `time/<phase>_s` (data wait, forward, backward, optimizer, checkpoint stall, report
-    wait); the loss is averaged over all ranks.
+    wait, validation); the loss is averaged over all ranks.
 
     Forward, backward and optimizer are timed on the device (CUDA events on the current
     stream, read when a window is resolved or `busy_s` is read) and on the host clock
-    elsewhere; a checkpoint stall and a report wait are the host's waits and always on the
-    host clock."""
+    elsewhere; a checkpoint stall, a report wait and a validation are the host's waits and
+    always on the host clock."""
 
     DEVICE_PHASES = ("forward", "backward", "optimizer")
-    PHASES = DEVICE_PHASES + ("checkpoint_stall", "report_wait")
+    PHASES = DEVICE_PHASES + ("checkpoint_stall", "report_wait", "eval")
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, peak: Optional[Peak], world_size: int,
                  device: torch.device, data_wait: Optional[DataWait] = None) -> None:
