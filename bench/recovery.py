@@ -75,12 +75,13 @@ SCENARIOS = {
 
 
 def prepare_tiny(uri: str) -> str:
-    """The bundled tiny corpus in the object store, as `make demo` prepares it."""
+    """The bundled tiny corpus in the object store, as `make demo` prepares it (5% of its
+    documents held out for validation)."""
     # "local": a private Ray, never another one running on this machine.
     ray.init(address="local", num_cpus=2, include_dashboard=False)
     try:
         prepare(PrepareConfig(input=str(REPO / "tests/assets/tiny_corpus.jsonl"),
-                              output=uri, rows_per_group=128))
+                              output=uri, rows_per_group=128, val_fraction=0.05))
     finally:
         ray.shutdown()
     return uri

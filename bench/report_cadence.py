@@ -12,8 +12,10 @@ and its ratio to the `log_every=1000` runs at the same size (the goal: within 3%
 steps/s is read back from MLflow: the steps between the first and the last window the run
 logged, over the time between them (the workers stamp each window when it closes), so
 start-up and the end of the run are left out, and every run is timed over the same span.
-`report wait` is the mean share of step time spent handing reports over (goodput's
-report_wait), `load` the machine's 1-minute load average meanwhile.
+`report wait` and `validation` are the shares of that span spent handing reports over and
+scoring the validation set (goodput's report_wait and eval; the demo's experiment validates
+every 20 steps on the 5% of documents `make demo` holds out), `load` the machine's 1-minute
+load average meanwhile.
 
 Usage: .venv/bin/python bench/report_cadence.py [--steps 150] [--log-every 1,5,1000] [--world-sizes 1,2] [--repeats 2]
 """
@@ -49,18 +51,19 @@ from wildtrain.config import load_config  # noqa: E402
 from wildtrain.tracking.mlflow_run import quiet_mlflow  # noqa: E402
 
 
-def steps_per_s(client: MlflowClient, run_id: str) -> tuple[float, float]:
-    """Steps/s between the run's first and last logged windows, and the mean report-wait
-    share of their step time."""
+def steps_per_s(client: MlflowClient, run_id: str) -> tuple[float, float, float]:
+    """Steps/s between the run's first and last logged windows, and the shares of that span
+    spent handing reports over and validating (the demo's validations: eval.every)."""
     windows = sorted(client.get_metric_history(run_id, "step_time_s"), key=lambda m: m.step)
     first, last = windows[0], windows[-1]
-    waits = {m.step: m.value for m in client.get_metric_history(run_id, "time/report_wait_s")}
-    later = windows[1:]
-    # Each window's mean per step, weighted by the steps it covers.
-    covered = [(w.step - before.step, w) for before, w in zip(windows, later)]
-    wait_s = sum(n * waits.get(w.step, 0.0) for n, w in covered)
-    step_s = sum(n * w.value for n, w in covered)
-    return (last.step - first.step) / ((last.timestamp - first.timestamp) / 1000), wait_s / step_s if step_s else 0.0
+    span_s = (last.timestamp - first.timestamp) / 1000
+
+    def share(key: str) -> float:
+        per_step = {m.step: m.value for m in client.get_metric_history(run_id, key)}
+        # Each window's mean per step, times the steps it covers.
+        return sum((w.step - before.step) * per_step.get(w.step, 0.0) for before, w in zip(windows, windows[1:])) / span_s
+
+    return (last.step - first.step) / span_s, share("time/report_wait_s"), share("time/eval_s")
 
 
 def main() -> None:
@@ -104,9 +107,10 @@ def main() -> None:
                         say(f"world size {size}, log_every {every}, run {repeat + 1}: training {args.steps} steps")
                         load_before = os.getloadavg()[0]
                         summary = driver.run(cfg)
-                        rate, wait_share = steps_per_s(client, summary.run_id)
+                        rate, wait_share, eval_share = steps_per_s(client, summary.run_id)
                         rows.append({"world size": size, "log_every": every, "steps/s": rate,
-                                     "report wait": wait_share, "load": (load_before + os.getloadavg()[0]) / 2})
+                                     "report wait": wait_share, "eval": eval_share,
+                                     "load": (load_before + os.getloadavg()[0]) / 2})
                         say(f"world size {size}, log_every {every}, run {repeat + 1}: {rate:.2f} steps/s")
         finally:
             ray.shutdown()
@@ -119,15 +123,15 @@ def main() -> None:
         return statistics.median(r[key] for r in rows if r["world size"] == size and r["log_every"] == every)
 
     print(f"\nmedians of {args.repeats} runs each, {args.steps} steps a run")
-    print("| world size | log_every | steps/s | vs log_every=1000 | report wait | load | each run's steps/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| world size | log_every | steps/s | vs log_every=1000 | report wait | validation | load | each run's steps/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for size in sizes:
         for every in cadences:
             rate = median(size, every, "steps/s")
             ratio = f"{rate / median(size, 1000, 'steps/s'):.3f}" if 1000 in cadences else "-"
             each = ", ".join(f"{r['steps/s']:.2f}" for r in rows if r["world size"] == size and r["log_every"] == every)
             print(f"| {size} | {every} | {rate:.2f} | {ratio} | {median(size, every, 'report wait'):.1%} | "
-                  f"{median(size, every, 'load'):.1f} | {each} |")
+                  f"{median(size, every, 'eval'):.1%} | {median(size, every, 'load'):.1f} | {each} |")
 
 
 if __name__ == "__main__":

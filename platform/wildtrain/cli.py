@@ -161,13 +161,14 @@ def sweep(name: str, grid: tuple[str, ...], steps: int | None, budget_tokens: in
 @main.command()
 @click.argument("sweep_name", metavar="SWEEP")
 @click.option("--to", "to", multiple=True, required=True, help="What the big run changes, e.g. model=7b (repeatable).")
-@click.option("--metric", default="loss", show_default=True, help="What the best trial is chosen by.")
+@click.option("--metric", type=click.Choice(["val/loss", "loss"]), default=None,
+              help="What the best trial is chosen by [default: val/loss where every finished trial has one, else loss].")
 @click.option("--name", help="The experiment's name [default: SWEEP-yolo].")
 @click.option("--submit", is_flag=True, help="Start the promoted run on --cluster.")
 @click.option("--cluster", help="With --submit: the cluster of the registry to run it on.")
 @click.option("--tracking-uri", help="The MLflow server [default: tracking.uri of the config].")
 @OVERRIDES
-def promote(sweep_name: str, to: tuple[str, ...], metric: str, name: str | None, submit: bool, cluster: str | None,
+def promote(sweep_name: str, to: tuple[str, ...], metric: str | None, name: str | None, submit: bool, cluster: str | None,
             tracking_uri: str | None, overrides: tuple[str, ...]) -> None:
     """Write the best trial of SWEEP as conf/experiment/<name>.yaml for the big run (--to),
     its learning rate, init and output scaled by muP, with its provenance."""

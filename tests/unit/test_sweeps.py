@@ -123,6 +123,23 @@ def test_ranking_is_by_final_smoothed_loss_with_ties_stated_and_the_rest_unranke
     assert "best: s-b (lr=2 d=64)" in text and "lr=10: - (n=0)" in text
 
 
+def test_trials_with_validation_losses_rank_by_them_and_show_the_training_loss_beside():
+    from dataclasses import replace
+
+    trials = [replace(record("s-a", (("obj", "causal"),), [3.0, 1.0]), val_loss=2.5),
+              replace(record("s-b", (("obj", "ul2"),), [3.0, 2.0]), val_loss=2.0)]
+    ranked = rank(trials)  # training losses of different objectives say nothing: val/loss decides
+    assert [(r.place, r.trial.name, r.score) for r in ranked] == [(1, "s-b", 2.0), (2, "s-a", 2.5)]
+    text = table_text("s", ranked, ["obj"])
+    assert "ranked by final validation loss" in text and "val loss" in text.splitlines()[1]
+    # One finished trial without a validation set: all rank by the training loss, and say so.
+    mixed = [trials[0], record("s-c", (("obj", "prefix"),), [3.0, 1.5])]
+    assert [r.trial.name for r in rank(mixed)] == ["s-a", "s-c"]
+    assert "ranked by final smoothed training loss" in table_text("s", rank(mixed), ["obj"])
+    with pytest.raises(ValueError, match="ranked by val/loss or loss"):
+        rank(trials, "accuracy")
+
+
 def test_smoothing_starts_at_the_first_value():
     assert smooth([4.0, 4.0, 4.0]) == pytest.approx([4.0, 4.0, 4.0])
 

@@ -35,14 +35,15 @@ class Prediction:
 
 def predict_promoted(uri: str, sweep: str, to: Sequence[str], overrides: Sequence[str] = (),
                      conf_dir: Optional[Path] = None) -> Prediction:
-    """Fit the sweep's finished trials (parameters from their configs, tokens and final
-    smoothed loss from MLflow) and predict the run `promote` would write with `to`."""
+    """Fit the sweep's finished trials (parameters from their configs, tokens and final loss
+    from MLflow: the validation loss where every trial has one, as they are ranked) and
+    predict the run `promote` would write with `to`."""
     parent, _, trials = fetch_sweep(uri, sweep)
     common = common_overrides(parent)
     ranked = [r for r in compare.rank(trials) if r.place is not None]
     params = [param_count(load_config([*common, *(f"{k}={v}" for k, v in r.trial.values)], conf_dir).model)
               for r in ranked]
-    fitted = fit_law(params, [r.trial.tokens[-1] for r in ranked], [r.final_loss for r in ranked])
+    fitted = fit_law(params, [r.trial.tokens[-1] for r in ranked], [r.score for r in ranked])
     best = ranked[0].trial
     chosen = [*to, *overrides]
     kept = [o for o in [*common, *(f"{k}={v}" for k, v in best.values)] if not overridden(o.partition("=")[0], chosen)]

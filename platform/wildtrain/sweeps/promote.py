@@ -17,7 +17,7 @@ from wildtrain.sweeps.grid import trial_hash
 from wildtrain.sweeps.report import fetch_sweep
 from wildtrain.sweeps.transfer import Transfer, transfer
 
-METRICS = ("loss",)  # what a trial can be promoted by: its final smoothed loss
+METRICS = compare.METRICS  # what a trial can be promoted by (compare.rank)
 PROVENANCE = "wildtrain.promoted_from."  # + sweep, trial, trial_hash, config_hash, data_manifests, ...
 
 
@@ -35,13 +35,19 @@ class Promotion:
 
 
 def promote(uri: str, sweep: str, to: Sequence[str], overrides: Sequence[str] = (), name: Optional[str] = None,
-            metric: str = "loss", conf_dir: Optional[Path] = None) -> Promotion:
-    if metric not in METRICS:
+            metric: Optional[str] = None, conf_dir: Optional[Path] = None) -> Promotion:
+    """`metric`: what the best trial is chosen by; None: the validation loss where every
+    finished trial has one, else the training loss (`compare.ranking_metric`)."""
+    if metric is not None and metric not in METRICS:
         raise PromoteError(f"--metric {metric}: a trial can be promoted by {', '.join(METRICS)}")
     from mlflow.tracking import MlflowClient
 
     parent, keys, trials = fetch_sweep(uri, sweep)
-    ranked = compare.rank(trials)
+    if metric == "val/loss" and compare.ranking_metric(trials) != "val/loss":
+        raise PromoteError(f"--metric val/loss: not every finished trial of sweep {sweep!r} has a validation loss "
+                           "(its data held no documents out); promote by --metric loss")
+    metric = metric or compare.ranking_metric(trials)
+    ranked = compare.rank(trials, metric)
     best = next((r for r in ranked if r.place == 1), None)
     if best is None:
         raise PromoteError(f"sweep {sweep!r} has no finished trial to promote (run it, or see `wildtrain report {sweep}`)")
@@ -64,7 +70,7 @@ def promote(uri: str, sweep: str, to: Sequence[str], overrides: Sequence[str] = 
         "sweep": sweep, "sweep_run_id": parent.info.run_id, "trial": best.trial.name,
         "trial_run_id": trial_run.info.run_id, "trial_hash": trial_run.data.tags[TRIAL_TAG],
         "config_hash": config_hash(trial_cfg), "data_manifests": ",".join(best.trial.data_digests),
-        "final_loss": f"{best.final_loss:.{compare.LOSS_DECIMALS}f}",
+        "metric": metric, "score": f"{best.score:.{compare.LOSS_DECIMALS}f}",
     }
     tags = {PROVENANCE + key: value for key, value in provenance.items()}
     cfg = load_config([*kept, *to, *overrides, *(f"{k}={v}" for k, v in rule.overrides().items()),
@@ -101,7 +107,7 @@ def _header(sweep: str, best: compare.Ranked, rule: Transfer, to: Sequence[str],
     lines = [
         f"Promoted by `wildtrain promote {sweep} --to {' '.join(to)}{' ' + ' '.join(overrides) if overrides else ''}`:",
         f"the best trial of sweep {sweep}, {best.trial.name} "
-        f"({' '.join(f'{k}={v}' for k, v in best.trial.values)}), final smoothed loss {best.final_loss:.4f}.",
+        f"({' '.join(f'{k}={v}' for k, v in best.trial.values)}), final {provenance['metric']} {best.score:.4f}.",
         "Frozen: every value is written out, so later changes to conf/ do not change this run.",
         f"Scaled by muP (width x{rule.width_mult:.4g}) and depth-muP (depth x{rule.depth_mult:.4g}) from the trial's "
         f"shape; base width {rule.base_dim}, base depth {rule.base_n_layers}:",

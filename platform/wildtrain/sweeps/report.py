@@ -44,6 +44,7 @@ def _record(client, run, keys: list[str]) -> compare.TrialRecord:
         return sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
 
     loss = {m.step: m.value for m in history("loss")}  # a step logged twice (a resumed run) counts once
+    validated = {m.step: m.value for m in history("val/loss")}
     tokens = {m.step: m.value for m in history("tokens_seen")}
     rates = [m.value for m in history("tokens_per_s")]
     mfu = [m.value for m in history("mfu")]
@@ -64,6 +65,7 @@ def _record(client, run, keys: list[str]) -> compare.TrialRecord:
         goodput=run.data.metrics.get("goodput"),
         peak_memory_gb=max(memory) if memory else None,
         data_digests=digests,
+        val_loss=validated[max(validated)] if validated else None,
     )
 
 
