@@ -22,8 +22,9 @@ demo: $(STAMP)
 		--output s3://wildtrain/datasets/tiny --rows-per-group 128 --val-fraction 0.05
 	$(BIN)/wildtrain train experiment=tiny
 
+# Two workers: the integration tests on one, the unit tests beside them (tests/conftest.py).
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -q -ra --durations=15
+	$(BIN)/python -m pytest tests -q -ra --durations=15 -n 2 --dist loadgroup
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q

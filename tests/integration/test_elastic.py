@@ -88,6 +88,9 @@ def test_node_dies_and_returns_without_changing_what_is_trained(worker_nodes, el
 
     run = BackgroundRun(elastic_config(f"elastic-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true", *OBJECTIVE))
     run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6 at world size 2", 300)
+    # A committed checkpoint for the shrink to reshard (the first save's commit may trail step 6).
+    checkpoints = tmp_path / "runs" / run.cfg.run.name / "checkpoints"
+    wait_for(lambda: list(checkpoints.glob("step_*/manifest.json")), "committed checkpoint at world size 2", 300)
     victim = next(iter(cluster.worker_nodes))
     cluster.remove_node(victim)
     run.wait_until(lambda h: h and h[-1].value == 1, "a step at world size 1", 300)
