@@ -221,3 +221,38 @@ def test_unreachable_store_fails_prepare_fast_naming_the_endpoint(monkeypatch):
         prepare(PrepareConfig(input=str(CORPUS), output="s3://bucket/ds",
                               storage=StorageConfig(endpoint=endpoint, max_attempts=2)))
     assert time.monotonic() - started < 10
+
+
+def _documents(output: str, shards: list[Shard]) -> list[str]:
+    """The whole documents of `shards` (byte-level ids, each closed by the end id 256)."""
+    fs, root = storage.filesystem(output)
+    ids = [pq.read_table(fs.open_input_file(f"{root}/{shard.path}")).column("tokens").combine_chunks().flatten()
+           .to_numpy() for shard in shards]
+    stream = bytes()
+    documents = []
+    for token in (int(t) for part in ids for t in part):
+        if token == 256:
+            documents.append(stream.decode("utf-8"))
+            stream = bytes()
+        elif token < 256:
+            stream += bytes([token])
+    return documents
+
+
+def test_held_out_documents_become_validation_shards_chosen_by_their_text(bucket):
+    from wildtrain.data.prepare import held_out
+
+    output = f"{bucket}/held-out"
+    cfg = PrepareConfig(input=str(CORPUS), output=output, val_fraction=0.1, **SETTINGS)
+    result = prepare(cfg)
+    manifest = result.manifest
+    assert manifest.validation and all(s.path.startswith("validation-") for s in manifest.validation)
+    verify(output, manifest)
+    texts = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines()]
+    expected = {t for t in texts if held_out(t, 0.1)}
+    validation = _documents(output, manifest.validation)
+    training = _documents(output, manifest.shards)
+    # The first document of each is whole; a row cut off at the tail of either is dropped.
+    assert set(validation) <= expected and len(validation) >= len(expected) - 2
+    assert not expected & set(training)
+    assert prepare(cfg).written == []  # the same documents held out again
