@@ -98,7 +98,7 @@ def test_the_bundled_task_runs_on_an_exported_model_elsewhere_and_a_broken_task_
     results, failed = run_tasks(model, [TASK, "wildtrain_broken"], EvalConfig(limit=4), folder, tmp_path / "there")
     assert os.getcwd() == before
     assert list(results) == [TASK] and list(failed) == ["wildtrain_broken"]
-    assert "gone.jsonl" in failed["wildtrain_broken"], failed
+    assert f"{source}/gone.jsonl" in failed["wildtrain_broken"], failed  # where the user put the task
     assert results[TASK]["n-samples"][TASK]["effective"] == 4
     metrics = harness_metrics(results[TASK])
     assert 0 <= metrics[f"eval/{TASK}/acc"] <= 1

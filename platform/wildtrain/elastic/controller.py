@@ -342,10 +342,13 @@ class EvalEvery(ray_compat.ReportCallback, ray_compat.ControllerCallback):
         self.cfg = cfg
         self.plan = plan
         self.mlflow = mlflow  # its Tracker and events: the run's one MLflow client in the controller
-        self._lock = threading.Lock()
+        self._lock: threading.Lock | None = None  # made in the controller: a lock does not pickle
         self._queue = EvalQueue()
         self._runner: threading.Thread | None = None
         self._closed = False  # the run's tracking is closed: nothing more is logged
+
+    def after_controller_start(self, train_run_context) -> None:
+        self._lock = threading.Lock()
 
     def after_report(self, training_report, metrics) -> None:
         committed = {step_of(uri.rsplit("/", 1)[-1]) for uri in metrics[0].get("committed_checkpoints", [])}
@@ -392,9 +395,10 @@ class EvalEvery(ray_compat.ReportCallback, ray_compat.ControllerCallback):
                 print(f"evaluated step {evaluated.step} in {evaluated.seconds:.1f} s: " + ", ".join(
                     f"{name} {value:.4g}" for name, value in evaluated.metrics.items() if "_stderr" not in name),
                       flush=True)
-            tasks, reason = list(evaluated.failed), "; ".join(f"{t}: {r}" for t, r in evaluated.failed.items())
+            tasks = list(evaluated.failed)
             if not tasks:
                 return
+            reason = "; ".join(f"{t}: {r}" for t, r in evaluated.failed.items()) if len(tasks) > 1 else evaluated.failed[tasks[0]]
         if not self._closed:
             self.mlflow.record_event(EvalFailed(time.time(), step, tasks, reason))
 

@@ -13,6 +13,7 @@ import difflib
 import logging
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -123,6 +124,23 @@ def _inside(folder: Path) -> Iterator[None]:
         os.chdir(before)
 
 
+@contextlib.contextmanager
+def _no_stderr() -> Iterator[None]:
+    """Nothing on this process's stderr, its children's included: lm-eval's progress bars
+    (which ignore TQDM_DISABLE) and the `git describe` it runs in the task folder ("fatal: not
+    a git repository") would interleave with the training run's lines. A task's failure is
+    reported by its exception."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+        os.dup2(devnull.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def run_tasks(model_dir: Path, tasks: Sequence[str], settings: EvalConfig, folder: Optional[TaskFolder],
               workdir: Path) -> tuple[dict[str, dict], dict[str, str]]:
     """The Transformers model in `model_dir` evaluated on each task in turn, on the GPU
@@ -144,8 +162,11 @@ def run_tasks(model_dir: Path, tasks: Sequence[str], settings: EvalConfig, folde
         results, failed = {}, {}
         for task in tasks:
             try:
-                results[task] = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=manager,
-                                                        limit=settings.limit, log_samples=False)
+                with _no_stderr():
+                    results[task] = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=manager,
+                                                            limit=settings.limit, log_samples=False)
             except Exception as e:  # noqa: BLE001 - any task's failure is that task's alone
-                failed[task] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+                reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+                # Named where the user put the files, not in the copy evaluated here.
+                failed[task] = reason.replace(str(include), folder.source) if include is not None else reason
     return results, failed

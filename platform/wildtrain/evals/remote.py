@@ -21,8 +21,9 @@ from wildtrain.export import RunInfo, export_checkpoint
 
 ARTIFACT_DIR = "evals"
 # The task's process logs to the console of whoever submitted it (the training run's):
-# lm-eval's, Transformers' and Datasets' progress bars would bury its progress lines.
-_QUIET_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+# Transformers' and Datasets' progress bars would bury its progress lines (lm-eval's:
+# `harness.run_tasks`).
+_QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
               "TRANSFORMERS_VERBOSITY": "error"}
 
 
@@ -95,10 +96,11 @@ def submit(run: RunInfo, step: Optional[int], plan: EvalPlan):
     import ray
 
     resources = eval_resources(plan.settings, ray.cluster_resources().get("GPU", 0.0))
-    task = ray.remote(evaluate).options(
-        num_cpus=resources.num_cpus, num_gpus=resources.num_gpus, max_calls=1, max_retries=0,
+    task = ray.remote(max_calls=1)(evaluate).options(
+        num_cpus=resources.num_cpus, num_gpus=resources.num_gpus, max_retries=0,
         name=f"wildtrain-eval-{run.name}-step{step if step is not None else 'newest'}",
-        runtime_env={"env_vars": _QUIET_ENV},
+        # DeepSpeed (the export's checkpoint reading) told there is no GPU, as a CPU worker is.
+        runtime_env={"env_vars": {**_QUIET_ENV, **({} if resources.num_gpus else {"DS_ACCELERATOR": "cpu"})}},
     )
     return task.remote(run, step, plan)
 
