@@ -8,9 +8,11 @@ from wildtrain import services
 REPO = Path(__file__).resolve().parents[1]
 INTEGRATION = REPO / "tests" / "integration"
 
-# No test downloads from the Hugging Face Hub: Transformers and huggingface_hub read this
-# when imported, so it is set before any test module imports them.
+# No test downloads from the Hugging Face Hub: Transformers, huggingface_hub and Datasets
+# (lm-eval's tasks) read these when imported, so they are set before any test module
+# imports them; Ray clusters the tests start pass them on to their workers.
 os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 # Every Ray cluster a test starts uses token authentication, as `wildtrain up` does. Ray
 # reads the mode once, when it is imported, so it is set before any test module imports it.

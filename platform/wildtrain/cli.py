@@ -266,6 +266,58 @@ def sample_command(run: str, step: int | None, prompt: str, max_tokens: int, tem
     click.echo(sampled.text)
 
 
+@main.command("eval")
+@click.argument("run")
+@STEP
+@click.option("--tasks", help="lm-eval tasks, comma-separated (hellaswag,arc_easy) [default: eval.tasks of the config].")
+@OVERRIDES
+def eval_command(run: str, step: int | None, tasks: str | None, overrides: tuple[str, ...]) -> None:
+    """Evaluate a committed checkpoint of RUN with EleutherAI's lm-evaluation-harness, as a
+    Ray task on the cluster (a GPU of its own where it offers GPUs, else eval.num_cpus CPUs),
+    and log eval/<task>/<metric> to the run's MLflow run at the checkpoint's step, with each
+    task's full results as the artifact evals/step_<n>/<task>.json. OVERRIDES: where the run
+    is, as for `export`, and eval.* (limit, batch_size, include_path)."""
+    cfg = _config((*overrides, f"run.name={run}"))
+    services.prepare_ray_client(cfg.cluster.ray_address)
+    with _reading_run():
+        from wildtrain.evals.remote import failure_reason, log_evaluation, plan_evaluation, submit
+        from wildtrain.export import committed_step, run_info
+        from wildtrain.layout import RunLayout
+        from wildtrain.tracking.mlflow_run import FLUSH_TIMEOUT_S, Tracker, check_reachable
+
+        info = run_info(cfg)
+        at = committed_step(info, step)
+        names = [task for task in tasks.split(",") if task] if tasks is not None else cfg.eval.tasks
+        plan = plan_evaluation(cfg.eval, names, "--tasks" if tasks is not None else "eval.tasks")
+        check_reachable(cfg.tracking.uri)
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        from wildtrain.driver import connect_ray
+
+        connect_ray(cfg)
+        click.echo(f"evaluating {run} step {at} on {', '.join(plan.tasks)}", err=True)
+        ref = submit(info, step, plan)
+        try:
+            evaluated = ray.get(ref, timeout=cfg.eval.timeout_s)
+        except GetTimeoutError:
+            ray.cancel(ref, force=True)
+            _fail(f"the evaluation of {run} step {at} took longer than eval.timeout_s ({cfg.eval.timeout_s:g} s)", 1)
+        except ray.exceptions.RayError as e:
+            _fail(f"the evaluation of {run} step {at} failed: {failure_reason(e)}", 1)
+        tracker = Tracker(cfg.tracking.uri, info.mlflow_run_id, RunLayout.of(cfg).tracking / "eval")
+        log_evaluation(tracker, evaluated)
+        unsent = tracker.close(FLUSH_TIMEOUT_S)
+    for name, value in evaluated.metrics.items():
+        click.echo(f"{name} {value:.4g}")
+    for task, reason in evaluated.failed.items():
+        click.echo(f"wildtrain: {task} failed: {reason}", err=True)
+    click.echo(f"logged to MLflow run {info.mlflow_run_id} at step {evaluated.step} ({evaluated.checkpoint}, "
+               f"{evaluated.seconds:.1f} s)", err=True)
+    if evaluated.failed or unsent is not None:
+        sys.exit(1)
+
+
 @contextlib.contextmanager
 def _reading_run():
     """Reading a run and its checkpoints: s3:// URIs reach `wildtrain up`'s store, as for

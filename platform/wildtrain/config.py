@@ -363,6 +363,34 @@ class ChaosConfig:
 
 
 @dataclass
+class EvalConfig:
+    """The `eval:` section: downstream evaluations of committed checkpoints with EleutherAI's
+    lm-evaluation-harness (`wildtrain eval`, and automatically beside training; evals/)."""
+
+    # lm-eval task or group names (hellaswag, arc_easy, ...) or those of include_path, each
+    # evaluated on its own: a task that fails costs only its own metrics. Empty: no
+    # evaluation during training; `wildtrain eval` without --tasks runs these.
+    tasks: list[str] = field(default_factory=list)
+    # While training, evaluate the committed checkpoints of the steps that are multiples of
+    # every_checkpoints x train.checkpoint_every (the same steps whatever restarts, resizes
+    # or resubmissions happen), and the last step's.
+    every_checkpoints: int = 1
+    # Examples per task (below 1: a share of them); None: all. lm-eval's --limit.
+    limit: Optional[float] = None
+    batch_size: int = 8
+    # Logical CPUs an evaluation holds, besides one GPU where the cluster offers GPUs; a
+    # training group leaves them free while tasks are set (elastic.scaling.spare_cpus).
+    num_cpus: float = 1.0
+    # A folder of task YAMLs of your own (lm-eval's --include_path), read where the run or
+    # `wildtrain eval` starts and carried to the node that evaluates; relative paths in the
+    # YAMLs (dataset_kwargs.data_files) are relative to it.
+    include_path: Optional[str] = None
+    # How long one evaluation may take, waiting for its resources included, before it is
+    # stopped and recorded as failed; the end of a run waits for those in flight.
+    timeout_s: float = 3600.0
+
+
+@dataclass
 class TrackingConfig:
     uri: str = "http://127.0.0.1:5000"
     experiment: str = "wildtrain"
@@ -398,6 +426,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
 
@@ -494,6 +523,7 @@ def validate(cfg: Config) -> None:
             f"data.seq_len: {cfg.data.seq_len} exceeds model.max_seq_len ({cfg.model.max_seq_len})"
         )
     _validate_objective(cfg)
+    _validate_eval(cfg.eval)
     if cfg.model.dim % cfg.model.n_heads:
         raise ConfigError(f"model.n_heads: {cfg.model.n_heads} does not divide model.dim ({cfg.model.dim})")
     kv_heads = cfg.model.n_kv_heads or cfg.model.n_heads
@@ -536,6 +566,17 @@ def _validate_objective(cfg: Config) -> None:
             raise ConfigError(f"{key}.mean_span: must be at least 1, got {d.mean_span}")
         if d.weight <= 0:
             raise ConfigError(f"{key}.weight: must be positive, got {d.weight}")
+
+
+def _validate_eval(cfg: EvalConfig) -> None:
+    for key in ("every_checkpoints", "batch_size", "num_cpus", "timeout_s"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"eval.{key}: must be positive, got {getattr(cfg, key)}")
+    if cfg.limit is not None and cfg.limit <= 0:
+        raise ConfigError(f"eval.limit: must be positive (below 1: a share of each task) or null, got {cfg.limit}")
+    for i, task in enumerate(cfg.tasks):
+        if not task.strip() or "," in task:
+            raise ConfigError(f"eval.tasks.{i}: {task!r} is not a task name (give a list: [hellaswag, arc_easy])")
 
 
 def to_yaml(cfg: Config) -> str:
@@ -619,6 +660,8 @@ def _explain(e: OmegaConfBaseException) -> str:
         got = re.match(r"Value '(.*)' of type '(.*?)'", str(e))
         if expected and got:
             return f"{full_key}: expected {expected}, got {got[1]!r} ({got[2]})"
+        if "is not a ListConfig" in str(e):  # `eval.tasks=hellaswag` for `eval.tasks=[hellaswag]`
+            return f"{full_key}: expected a list, e.g. {full_key}=[a,b]"
     return f"{full_key}: {str(e).splitlines()[0]}"
 
 

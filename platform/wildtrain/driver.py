@@ -57,6 +57,7 @@ def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
     """Train `cfg` to its last step; `tags` go on the MLflow run when it is created."""
     started_at = time.time()
     data = open_datasets(cfg)
+    evaluation = _plan_evaluation(cfg)
     layout = RunLayout.of(cfg)
     record = json.loads(storage.read_text(layout.record, cfg.storage) or "{}")
     pins = order_pins(cfg, data)
@@ -106,7 +107,7 @@ def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
             failure_config=scaling.failure_config(cfg),
             # Ray hands the list to the controller as one argument: the elastic callbacks'
             # events go through the same MLflow callback, not a copy of it.
-            callbacks=[ProgressCallback(cfg.train.steps), mlflow, *controller_callbacks(cfg, mlflow.record_event)],
+            callbacks=[ProgressCallback(cfg.train.steps), mlflow, *controller_callbacks(cfg, mlflow, evaluation)],
             worker_runtime_env={"env_vars": scaling.worker_env(cfg)},
             # Ray Train's per-report INFO lines would drown the progress lines.
             logging_config=LoggingConfig(log_level="WARNING"),
@@ -132,6 +133,15 @@ def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
         # The newest value of each metric: Ray Train's result only knows checkpointed reports.
         final_metrics=tracking.get_run(run_id).data.metrics,
     )
+
+
+def _plan_evaluation(cfg: Config):
+    """The evaluations beside training (eval.tasks), their tasks checked before Ray starts."""
+    if not cfg.eval.tasks:
+        return None
+    from wildtrain.evals.remote import plan_evaluation
+
+    return plan_evaluation(cfg.eval, cfg.eval.tasks)
 
 
 def _check_order(cfg: Config, record: dict, pins: OrderPins) -> list[str]:

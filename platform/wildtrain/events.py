@@ -271,6 +271,32 @@ class RegrowPostponed(Event):
     reason: str
 
 
+# The controller's evaluations beside training (`eval.*`); they never stop the run.
+
+@_kind("eval_failed")
+@dataclass(frozen=True)
+class EvalFailed(Event):
+    """The evaluation of step `step`'s checkpoint gave no metrics for `tasks` (all of them
+    when the evaluation itself failed: the export, the task's process, eval.timeout_s)."""
+
+    step: int
+    tasks: list[str]
+    reason: str
+
+    def summary(self) -> str:
+        return f"evaluating step {self.step} on {', '.join(self.tasks)} failed: {self.reason}"
+
+
+@_kind("eval_skipped")
+@dataclass(frozen=True)
+class EvalSkipped(Event):
+    """Step `step`'s checkpoint was due for evaluation, but a newer one came due before the
+    evaluation in flight ended: only the newest waits (`elastic.controller.EvalQueue`)."""
+
+    step: int
+    reason: str
+
+
 # The tracking client: MLflow did not answer.
 
 @_kind("tracking_outage")

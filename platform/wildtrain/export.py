@@ -71,7 +71,12 @@ def run_record(model: ModelConfig, tokenizer: dict) -> dict:
 
 def open_run(name: str, overrides: Sequence[str] = ()) -> RunInfo:
     """The run `name` where the config of `overrides` puts it (see the module docstring)."""
-    cfg = load_config([*overrides, f"run.name={name}"])
+    return run_info(load_config([*overrides, f"run.name={name}"]))
+
+
+def run_info(cfg: Config) -> RunInfo:
+    """The run `cfg` names (run.name), where it puts it: what it trained, from its record."""
+    name = cfg.run.name
     layout = RunLayout.of(cfg)
     text = storage.read_text(layout.record, cfg.storage)
     if text is None:
@@ -177,6 +182,18 @@ def read_checkpoint(run: RunInfo, step: Optional[int] = None) -> Checkpoint:
                           restored.bytes_read)
     finally:
         shutil.rmtree(local, ignore_errors=True)
+
+
+def committed_step(run: RunInfo, step: Optional[int] = None) -> int:
+    """The step of the run's newest committed checkpoint (or `step`, if one is committed
+    there), from the stores' listing: for a check before the work, which `read_checkpoint`
+    (verifying the files) does."""
+    stores = checkpoint_stores(run.cfg)
+    with storage.errors(stores[0].uri, run.cfg.storage):
+        steps = [c.step for c in list_candidates(stores) if c.manifest is not None and step in (None, c.step)]
+    if not steps:
+        raise ExportError(_nothing_committed(run, stores, step))
+    return max(steps)
 
 
 def _nothing_committed(run: RunInfo, stores: list[Store], step: Optional[int]) -> str:

@@ -11,6 +11,7 @@ from typing import Optional
 import numpy as np
 
 from tests.helpers.datasets import write_dataset
+from wildtrain.checkpoint.store import commit, upload
 from wildtrain.config import Config, ModelConfig, load_config
 from wildtrain.data.pins import OrderPins
 from wildtrain.data.tokenizer import ByteTokenizer
@@ -45,3 +46,16 @@ def mlflow_run(cfg: Config, artifacts: Path) -> str:
 
     MlflowClient(cfg.tracking.uri).create_experiment(cfg.tracking.experiment, artifact_location=str(artifacts))
     return open_run(cfg, None)[1]
+
+
+def commit_checkpoint(cfg: Config, tmp_path: Path, step: int, committed: bool = True) -> None:
+    """A checkpoint folder of `step` in the run's store, with a manifest unless not
+    `committed`; its files are no checkpoint's (for tests that never read them)."""
+    local = tmp_path / f"ckpt{step}"
+    (local / f"step_{step}").mkdir(parents=True)
+    (local / f"step_{step}" / "mp_rank_00_model_states.pt").write_bytes(b"not read by these tests")
+    store, name = RunLayout.of(cfg).checkpoint_uris[0], f"step_{step:09d}-ab"
+    files = upload(str(local), store, name)
+    if committed:
+        commit(store, name, step=step, tag=f"step_{step}", world_size=1, zero_stage=0, files=files,
+               data_position={}, config_hash="test")

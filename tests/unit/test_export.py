@@ -13,9 +13,8 @@ import pytest
 from click.testing import CliRunner, Result
 from mlflow.tracking import MlflowClient
 
-from tests.helpers.runs import make_run as make_run_in, mlflow_run
+from tests.helpers.runs import commit_checkpoint, make_run as make_run_in, mlflow_run
 from wildtrain import cli
-from wildtrain.checkpoint.store import commit, upload
 from wildtrain.config import Config, ModelConfig, load_config
 from wildtrain.data.tokenizer import ByteTokenizer
 from wildtrain.export import Exported, open_run, register
@@ -45,18 +44,6 @@ def where(tmp_path) -> list[str]:
 
 def make_run(tmp_path: Path, where: list[str], name: str = "r", model: ModelConfig = MODEL, **record) -> Config:
     return make_run_in(tmp_path / "data", [*where, f"run.name={name}"], model, **record)
-
-
-def commit_checkpoint(cfg: Config, tmp_path: Path, step: int, committed: bool = True) -> None:
-    """A checkpoint folder of `step` in the run's store, with a manifest unless not `committed`."""
-    local = tmp_path / f"ckpt{step}"
-    (local / f"step_{step}").mkdir(parents=True)
-    (local / f"step_{step}" / "mp_rank_00_model_states.pt").write_bytes(b"not read by these tests")
-    store, name = RunLayout.of(cfg).checkpoint_uris[0], f"step_{step:09d}-ab"
-    files = upload(str(local), store, name)
-    if committed:
-        commit(store, name, step=step, tag=f"step_{step}", world_size=1, zero_stage=0, files=files,
-               data_position={}, config_hash="test")
 
 
 def test_an_unknown_run_is_named_with_where_it_was_looked_for(tmp_path, where):
@@ -155,9 +142,11 @@ def test_a_registered_export_is_a_new_version_linked_to_the_run_and_step(tmp_pat
 
 
 def test_training_never_imports_transformers():
-    """Only an export imports Transformers: not the driver, a worker's loop, or the CLI."""
-    code = ("import sys, wildtrain.cli, wildtrain.driver, wildtrain.train.loop, wildtrain.export, wildtrain.sample; "
-            "print(sorted({'transformers', 'huggingface_hub', 'safetensors'} & set(sys.modules)))")
+    """Only an export or an evaluation imports Transformers or lm-eval: not the driver, a
+    worker's loop, the controller's callbacks, or the CLI."""
+    code = ("import sys, wildtrain.cli, wildtrain.driver, wildtrain.train.loop, wildtrain.export, wildtrain.sample, "
+            "wildtrain.elastic.controller, wildtrain.evals.remote; "
+            "print(sorted({'transformers', 'huggingface_hub', 'safetensors', 'lm_eval', 'datasets'} & set(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -1,6 +1,7 @@
 """What Ray Train's controller does not do by itself, as callbacks that run inside it, one
 per concern: restarts (failures counted, lost nodes awaited, capacity waited for, the
-resource view kept fresh), nodes left out, and checkpoints converted ahead of a resize."""
+resource view kept fresh), nodes left out, checkpoints converted ahead of a resize, and
+checkpoints evaluated beside training."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import ray
 
 from wildtrain import ray_compat
 from wildtrain.checkpoint import reshard
+from wildtrain.checkpoint.format import step_of
 from wildtrain.checkpoint.store import Store, read_manifest
 from wildtrain.config import Config
 from wildtrain.elastic.nodes import (
     ResourceView, exclude_nodes, excluded_nodes, lost_a_worker_process, workers_that_fit,
 )
 from wildtrain.elastic.signals import CapacityError, NodeExcluded, classify_restart
-from wildtrain.events import Event, Waiting
+from wildtrain.events import EvalFailed, EvalSkipped, Event, Waiting
 from ray.train.v2.api.exceptions import WorkerGroupError
 
 
@@ -116,11 +118,14 @@ _WAITING_STATES = ("INITIALIZING", "RESTARTING", "RESCHEDULING")
 _WAIT_REFRESH_S = 1.0
 
 
-def controller_callbacks(cfg: Config, record_event: Callable[[Event], None]) -> list:
-    """The controller callbacks of a run; `record_event` logs an event to its MLflow run."""
-    callbacks = [RestartPolicy(cfg, record_event), NodeExclusion(cfg)]
+def controller_callbacks(cfg: Config, mlflow, evaluation=None) -> list:
+    """The controller callbacks of a run; `mlflow` (its `MlflowCallback`) logs to its MLflow
+    run; `evaluation` (an `evals.remote.EvalPlan`), where eval.tasks are set."""
+    callbacks = [RestartPolicy(cfg, mlflow.record_event), NodeExclusion(cfg)]
     if cfg.cluster.reshard_ahead and cfg.deepspeed.zero_stage > 0:
         callbacks.append(ReshardAhead(cfg))
+    if evaluation is not None:
+        callbacks.append(EvalEvery(cfg, evaluation, mlflow))
     return callbacks
 
 
@@ -291,3 +296,123 @@ class ReshardAhead(ray_compat.ReportCallback, ray_compat.ControllerCallback):
         # may never come.
         if self._converting is not None:
             self._converting.join(timeout=_CONVERSION_SHUTDOWN_WAIT_S)
+
+
+def eval_due(step: int, every_checkpoints: int, checkpoint_every: int, last_step: int) -> bool:
+    """Whether the committed checkpoint of `step` is evaluated (eval.every_checkpoints): a
+    multiple of every_checkpoints x train.checkpoint_every, or the last step. By step rather
+    than by count, so a restart, a resize's extra checkpoint or a resubmission moves nothing."""
+    return step == last_step or step % (every_checkpoints * checkpoint_every) == 0
+
+
+@dataclass(frozen=True)
+class EvalQueue:
+    """Which checkpoint is evaluated: one evaluation at a time (each holds resources of its
+    own, and a backlog would outlive its checkpoints' retention), and at most one waiting,
+    the newest due: an older waiting one is skipped."""
+
+    running: Optional[int] = None  # the step being evaluated
+    waiting: Optional[int] = None  # the step due next
+
+    def due(self, step: int) -> tuple["EvalQueue", Optional[int], Optional[int]]:
+        """The queue once `step` is due; the step to start now, and the step skipped."""
+        if self.running is None:
+            return replace(self, running=step), step, None
+        return replace(self, waiting=step), None, self.waiting
+
+    def finished(self) -> tuple["EvalQueue", Optional[int]]:
+        """The queue once the running evaluation ended; the step to start now."""
+        return EvalQueue(running=self.waiting), self.waiting
+
+
+# Beyond eval.timeout_s per evaluation left, what the end of a run allows for the export and logging.
+_EVAL_SHUTDOWN_SLACK_S = 60.0
+
+
+class EvalEvery(ray_compat.ReportCallback, ray_compat.ControllerCallback):
+    """Evaluates the committed checkpoints `eval_due` names with lm-eval beside training:
+    each a Ray task on resources of its own (`evals.remote.submit`), watched by a thread
+    here, one at a time (`EvalQueue`). Its metrics go to the run's MLflow run at the
+    checkpoint's step; a failure, whole or of some tasks, is an `EvalFailed` event and never
+    the run's: no report waits for an evaluation. The end of the run waits for the
+    evaluation in flight and the one due after it (eval.timeout_s each), the last
+    checkpoint's among them."""
+
+    def __init__(self, cfg: Config, plan, mlflow) -> None:
+        self.cfg = cfg
+        self.plan = plan
+        self.mlflow = mlflow  # its Tracker and events: the run's one MLflow client in the controller
+        self._lock: threading.Lock | None = None  # made in the controller: a lock does not pickle
+        self._queue = EvalQueue()
+        self._runner: threading.Thread | None = None
+        self._closed = False  # the run's tracking is closed: nothing more is logged
+
+    def after_controller_start(self, train_run_context) -> None:
+        self._lock = threading.Lock()
+
+    def after_report(self, training_report, metrics) -> None:
+        committed = {step_of(uri.rsplit("/", 1)[-1]) for uri in metrics[0].get("committed_checkpoints", [])}
+        settings, train = self.plan.settings, self.cfg.train
+        for step in sorted(s for s in committed if s is not None):
+            if eval_due(step, settings.every_checkpoints, train.checkpoint_every, train.steps):
+                self._due(step)
+
+    def _due(self, step: int) -> None:
+        with self._lock:
+            self._queue, start, skipped = self._queue.due(step)
+        if skipped is not None:
+            self.mlflow.record_event(EvalSkipped(time.time(), skipped, f"step {step} came due before the "
+                                                                       "evaluation in flight ended"))
+        if start is not None:
+            self._runner = threading.Thread(target=self._run, args=(start,), name="wildtrain-eval", daemon=True)
+            self._runner.start()
+
+    def _run(self, step: Optional[int]) -> None:
+        while step is not None:
+            self._evaluate(step)
+            with self._lock:
+                self._queue, step = self._queue.finished()
+
+    def _evaluate(self, step: int) -> None:
+        from ray.exceptions import GetTimeoutError
+
+        from wildtrain.evals.remote import failure_reason, log_evaluation, submit
+        from wildtrain.export import run_info
+
+        tasks, timeout_s = list(self.plan.tasks), self.plan.settings.timeout_s
+        ref = None
+        try:
+            ref = submit(run_info(self.cfg), step, self.plan)
+            evaluated = ray.get(ref, timeout=timeout_s)
+        except GetTimeoutError:
+            ray.cancel(ref, force=True)
+            reason = f"not done within eval.timeout_s ({timeout_s:g} s, waiting for its resources included)"
+        except Exception as e:  # noqa: BLE001 - an evaluation's failure is never the run's
+            reason = failure_reason(e)
+        else:
+            if not self._closed:
+                log_evaluation(self.mlflow.tracking, evaluated)
+                print(f"evaluated step {evaluated.step} in {evaluated.seconds:.1f} s: " + ", ".join(
+                    f"{name} {value:.4g}" for name, value in evaluated.metrics.items() if "_stderr" not in name),
+                      flush=True)
+            tasks = list(evaluated.failed)
+            if not tasks:
+                return
+            reason = "; ".join(f"{t}: {r}" for t, r in evaluated.failed.items()) if len(tasks) > 1 else evaluated.failed[tasks[0]]
+        if not self._closed:
+            self.mlflow.record_event(EvalFailed(time.time(), step, tasks, reason))
+
+    async def before_controller_shutdown(self) -> None:
+        # Training is over (its workers are gone): the evaluations left have its resources too.
+        runner = self._runner
+        if runner is not None and runner.is_alive():
+            with self._lock:
+                left = sum(s is not None for s in (self._queue.running, self._queue.waiting))
+            print(f"waiting for {left} evaluation{'s' if left > 1 else ''} of checkpoints", flush=True)
+            runner.join(timeout=left * self.plan.settings.timeout_s + _EVAL_SHUTDOWN_SLACK_S)
+            if runner.is_alive():
+                print("an evaluation outlasted eval.timeout_s at the run's end; its results are not logged", flush=True)
+        self._closed = True
+
+    def before_controller_abort(self) -> None:
+        self._closed = True

@@ -61,6 +61,13 @@ def data_cpus(cfg: Config) -> float:
     return cfg.data.read_cpus
 
 
+def spare_cpus(cfg: Config) -> float:
+    """The CPUs a training group leaves free: Ray Data's reads', and, while eval.tasks are
+    set, an evaluation's (eval.num_cpus). An evaluation that took the reads' CPU would hold
+    it to its end, and training would wait for its data meanwhile."""
+    return data_cpus(cfg) + (cfg.eval.num_cpus if cfg.eval.tasks else 0.0)
+
+
 def largest_group(total: dict[str, float], per_worker: dict[str, float], max_workers: int) -> int:
     """The most workers, up to `max_workers`, that resources `total` hold: the size Ray Train
     starts a group at when the whole cluster is free (at most: it also counts per node)."""
@@ -112,20 +119,21 @@ def shortfall(cfg: Config, need: Mapping[str, float], total: Mapping[str, float]
     offered = ", ".join(f"{total.get(name, 0):g} {name}" for name in need)
     return CapacityError(
         f"elastic.min_workers: {cfg.elastic.min_workers} workers need {wanted} "
-        f"({data_cpus(cfg):g} CPU of it for data), but the cluster has offered only {offered} "
+        f"({spare_cpus(cfg):g} CPU of it for data{' and evaluations' if cfg.eval.tasks else ''}), but the cluster "
+        f"has offered only {offered} "
         f"for {wait}; lower elastic.min_workers or add nodes"
     )
 
 
 def wait_for_capacity(cfg: Config) -> None:
-    """Return once the cluster can hold `min_workers` workers plus the data pipeline;
-    otherwise fail after `cluster.capacity_wait_s` (`shortfall`) instead of letting Ray wait
-    forever. Fail at once where the group Ray Train would start takes the CPUs the data reads
-    need."""
+    """Return once the cluster can hold `min_workers` workers plus the CPUs they leave free
+    (`spare_cpus`); otherwise fail after `cluster.capacity_wait_s` (`shortfall`) instead of
+    letting Ray wait forever. Fail at once where the group Ray Train would start takes the
+    CPUs the data reads (and evaluations) need."""
     per_worker = worker_resources(cfg)
-    data = data_cpus(cfg)
+    reserved = spare_cpus(cfg)
     need = {name: amount * cfg.elastic.min_workers for name, amount in per_worker.items()}
-    need["CPU"] += data
+    need["CPU"] += reserved
     deadline = time.monotonic() + cfg.cluster.capacity_wait_s
     while True:
         total = ray.cluster_resources()
@@ -137,9 +145,14 @@ def wait_for_capacity(cfg: Config) -> None:
         time.sleep(1.0)
     size = largest_group(total, per_worker, cfg.elastic.max_workers)
     spare = total.get("CPU", 0) - size * per_worker.get("CPU", 0)
-    if spare < data:
+    if spare < reserved:
+        if cfg.eval.tasks:
+            left_for = (f"Ray Data's reads (data.read_cpus {cfg.data.read_cpus:g}) and an evaluation "
+                        f"(eval.num_cpus {cfg.eval.num_cpus:g}), which need {reserved:g}; training would wait for its data")
+        else:
+            left_for = f"Ray Data's reads, which need {reserved:g} (data.read_cpus); the run would wait forever"
         raise CapacityError(
             f"elastic.max_workers: a group of {size} workers would hold {size * per_worker.get('CPU', 0):g} "
-            f"of the cluster's {total.get('CPU', 0):g} CPUs, leaving {spare:g} for Ray Data's reads, which need "
-            f"{data:g} (data.read_cpus); the run would wait forever. Lower elastic.max_workers or add CPUs"
+            f"of the cluster's {total.get('CPU', 0):g} CPUs, leaving {spare:g} for {left_for}. "
+            "Lower elastic.max_workers or add CPUs"
         )

@@ -38,7 +38,7 @@ from wildtrain.data.dataset import OpenedData
 from wildtrain.data.manifest import ShardCorrupt
 from wildtrain.data.objectives import Objective
 from wildtrain.data.stream import RankStream
-from wildtrain.elastic.scaling import data_cpus, trains_on_gpu
+from wildtrain.elastic.scaling import spare_cpus, trains_on_gpu
 from wildtrain.elastic.signals import FinalCheckpointFailed, PlannedRegrow, RunCannotContinue, UnhealthyNodes
 from wildtrain.events import RegrowPostponed, StoppedEarly
 from wildtrain.layout import RunLayout, checkpoint_stores
@@ -173,7 +173,7 @@ class Attempt:
         self.slow_forward_s = cfg.chaos.slow_step_s if self.monitor.slowed_by_chaos else 0.0
         self.fails_at_step = cfg.chaos.fail_at_step if rank == cfg.chaos.fail_rank else 0
         self.growth = GrowthCheck(world_size < cfg.elastic.max_workers, rank, inputs.worker_resources,
-                                  cfg.elastic.resize_check_interval_s, cfg.run.name, data_cpus(cfg))
+                                  cfg.elastic.resize_check_interval_s, cfg.run.name, spare_cpus(cfg))
 
     def step(self) -> Due:
         """One optimizer step; what it is due for."""
