@@ -156,13 +156,38 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    """Validation during training (train/validation.py): every `every` steps and at the last,
-    the loss and bits per byte on the whole validation set, per dataset and overall."""
+    """The `eval:` section. Validation during training (train/validation.py): every `every`
+    steps and at the last, the loss and bits per byte on the whole validation set, per dataset
+    and overall. Downstream evaluations of committed checkpoints with EleutherAI's
+    lm-evaluation-harness (`wildtrain eval`, and automatically beside training; evals/)."""
 
     # Steps between validations (0: only at the last step).
     every: int = 0
-    # Rows per forward pass; None: train.micro_batch_size.
+    # Validation rows per forward pass; None: train.micro_batch_size.
     micro_batch_size: Optional[int] = None
+
+    # lm-eval task or group names (hellaswag, arc_easy, ...) or those of include_path, each
+    # evaluated on its own: a task that fails costs only its own metrics. Empty: no
+    # evaluation during training; `wildtrain eval` without --tasks runs these.
+    tasks: list[str] = field(default_factory=list)
+    # While training, evaluate the committed checkpoints of the steps that are multiples of
+    # every_checkpoints x train.checkpoint_every (the same steps whatever restarts, resizes
+    # or resubmissions happen), and the last step's.
+    every_checkpoints: int = 1
+    # Examples per task (below 1: a share of them); None: all. lm-eval's --limit.
+    limit: Optional[float] = None
+    # lm-eval's batch size.
+    batch_size: int = 8
+    # Logical CPUs an evaluation holds, besides one GPU where the cluster offers GPUs; a
+    # training group leaves them free while tasks are set (elastic.scaling.spare_cpus).
+    num_cpus: float = 1.0
+    # A folder of task YAMLs of your own (lm-eval's --include_path), read where the run or
+    # `wildtrain eval` starts and carried to the node that evaluates; relative paths in the
+    # YAMLs (dataset_kwargs.data_files) are relative to it.
+    include_path: Optional[str] = None
+    # How long one evaluation may take, waiting for its resources included, before it is
+    # stopped and recorded as failed; the end of a run waits for those in flight.
+    timeout_s: float = 3600.0
 
 
 @dataclass
@@ -363,34 +388,6 @@ class ChaosConfig:
 
 
 @dataclass
-class EvalConfig:
-    """The `eval:` section: downstream evaluations of committed checkpoints with EleutherAI's
-    lm-evaluation-harness (`wildtrain eval`, and automatically beside training; evals/)."""
-
-    # lm-eval task or group names (hellaswag, arc_easy, ...) or those of include_path, each
-    # evaluated on its own: a task that fails costs only its own metrics. Empty: no
-    # evaluation during training; `wildtrain eval` without --tasks runs these.
-    tasks: list[str] = field(default_factory=list)
-    # While training, evaluate the committed checkpoints of the steps that are multiples of
-    # every_checkpoints x train.checkpoint_every (the same steps whatever restarts, resizes
-    # or resubmissions happen), and the last step's.
-    every_checkpoints: int = 1
-    # Examples per task (below 1: a share of them); None: all. lm-eval's --limit.
-    limit: Optional[float] = None
-    batch_size: int = 8
-    # Logical CPUs an evaluation holds, besides one GPU where the cluster offers GPUs; a
-    # training group leaves them free while tasks are set (elastic.scaling.spare_cpus).
-    num_cpus: float = 1.0
-    # A folder of task YAMLs of your own (lm-eval's --include_path), read where the run or
-    # `wildtrain eval` starts and carried to the node that evaluates; relative paths in the
-    # YAMLs (dataset_kwargs.data_files) are relative to it.
-    include_path: Optional[str] = None
-    # How long one evaluation may take, waiting for its resources included, before it is
-    # stopped and recorded as failed; the end of a run waits for those in flight.
-    timeout_s: float = 3600.0
-
-
-@dataclass
 class TrackingConfig:
     uri: str = "http://127.0.0.1:5000"
     experiment: str = "wildtrain"
@@ -479,10 +476,6 @@ def validate(cfg: Config) -> None:
     positive("train.micro_batch_size", cfg.train.micro_batch_size)
     positive("train.log_every", cfg.train.log_every)
     positive("train.checkpoint_every", cfg.train.checkpoint_every)
-    if cfg.eval.every < 0:
-        raise ConfigError(f"eval.every: must be 0 (the last step only) or positive, got {cfg.eval.every}")
-    if cfg.eval.micro_batch_size is not None:
-        positive("eval.micro_batch_size", cfg.eval.micro_batch_size)
     positive("early_stop.loss_factor", cfg.early_stop.loss_factor)
     if cfg.early_stop.metric not in ("loss", "val/loss"):
         raise ConfigError(f"early_stop.metric: expected 'loss' or 'val/loss', got {cfg.early_stop.metric!r}")
@@ -569,6 +562,10 @@ def _validate_objective(cfg: Config) -> None:
 
 
 def _validate_eval(cfg: EvalConfig) -> None:
+    if cfg.every < 0:
+        raise ConfigError(f"eval.every: must be 0 (the last step only) or positive, got {cfg.every}")
+    if cfg.micro_batch_size is not None and cfg.micro_batch_size <= 0:
+        raise ConfigError(f"eval.micro_batch_size: must be positive or null, got {cfg.micro_batch_size}")
     for key in ("every_checkpoints", "batch_size", "num_cpus", "timeout_s"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"eval.{key}: must be positive, got {getattr(cfg, key)}")
