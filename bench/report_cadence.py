@@ -9,9 +9,7 @@ poll, one run after the other, `--repeats` times in alternating order (so that t
 a shared machine drifts over every cadence alike), and prints the median steps/s of each
 and its ratio to the `log_every=1000` runs at the same size (the goal: within 3%).
 
-steps/s is read back from MLflow: the steps between the first and the last window the run
-logged, over the time between them (the workers stamp each window when it closes), so
-start-up and the end of the run are left out, and every run is timed over the same span.
+steps/s is read back from MLflow over the run's logged span (bench/tiny_runs.py).
 `report wait` and `validation` are the shares of that span spent handing reports over and
 scoring the validation set (goodput's report_wait and eval; the demo's experiment validates
 every 20 steps on the 5% of documents `make demo` holds out), `load` the machine's 1-minute
@@ -25,45 +23,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 from progress import say
-from wildtrain import services
-
-REPO = Path(__file__).resolve().parents[1]
-# The tiny corpus's preparation comes from the recovery bench, beside this file.
-sys.path.insert(0, str(REPO))
-
-# Ray reads its authentication mode once, on import: the fake cluster uses tokens, as
-# `wildtrain up` does.
-os.environ.update(services.token_auth_env())
-
-import ray  # noqa: E402
-from mlflow.tracking import MlflowClient  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from recovery import prepare_tiny  # noqa: E402
-from wildtrain import driver  # noqa: E402
-from wildtrain.config import load_config  # noqa: E402
-from wildtrain.tracking.mlflow_run import quiet_mlflow  # noqa: E402
-
-
-def steps_per_s(client: MlflowClient, run_id: str) -> tuple[float, float, float]:
-    """Steps/s between the run's first and last logged windows, and the shares of that span
-    spent handing reports over and validating (the demo's validations: eval.every)."""
-    windows = sorted(client.get_metric_history(run_id, "step_time_s"), key=lambda m: m.step)
-    first, last = windows[0], windows[-1]
-    span_s = (last.timestamp - first.timestamp) / 1000
-
-    def share(key: str) -> float:
-        per_step = {m.step: m.value for m in client.get_metric_history(run_id, key)}
-        # Each window's mean per step, times the steps it covers.
-        return sum((w.step - before.step) * per_step.get(w.step, 0.0) for before, w in zip(windows, windows[1:])) / span_s
-
-    return (last.step - first.step) / span_s, share("time/report_wait_s"), share("time/eval_s")
+from tiny_runs import tiny_bench
 
 
 def main() -> None:
@@ -75,49 +37,23 @@ def main() -> None:
     args = parser.parse_args()
     cadences = [int(n) for n in args.log_every.split(",")]
     sizes = [int(n) for n in args.world_sizes.split(",")]
-    quiet_mlflow()
-    root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-report-cadence-"))
-    say(f"starting an object store and an MLflow server in {root}")
-    store = services.start_object_store(root / "objectstore", services.free_port(), "bench")
-    os.environ.update(store.env())  # before the cluster starts: its workers inherit it
-    port = services.free_port()
-    mlflow = services.start_mlflow(root / "mlflow", port)
-    mlflow_url = f"http://{services.HOST}:{port}"
     rows = []
-    try:
-        say("preparing the tiny corpus")
-        dataset = prepare_tiny(f"s3://{store.bucket}/datasets/tiny")
-        # Two training workers and a CPU for Ray Data's reads, as `wildtrain up`'s head offers.
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": max(sizes) + 1})
-        ray.init(address=cluster.address)
-        client = MlflowClient(mlflow_url)
-        try:
-            for size in sizes:
-                for repeat in range(args.repeats):
-                    for every in cadences if repeat % 2 == 0 else cadences[::-1]:
-                        name = f"cadence-w{size}-log{every}-{repeat}-{int(time.time())}"
-                        cfg = load_config([
-                            "experiment=tiny", f"data.datasets=[{{uri: {dataset}}}]", f"run.name={name}",
-                            f"run.storage={root / 'runs'}", f"tracking.uri={mlflow_url}",
-                            "tracking.experiment=bench-report-cadence", f"train.steps={args.steps}",
-                            f"train.log_every={every}", f"train.checkpoint_every={args.steps}",
-                            f"elastic.min_workers={size}", f"elastic.max_workers={size}",
-                            "elastic.poll_interval_s=2",
-                        ])
-                        say(f"world size {size}, log_every {every}, run {repeat + 1}: training {args.steps} steps")
-                        load_before = os.getloadavg()[0]
-                        summary = driver.run(cfg)
-                        rate, wait_share, eval_share = steps_per_s(client, summary.run_id)
-                        rows.append({"world size": size, "log_every": every, "steps/s": rate,
-                                     "report wait": wait_share, "eval": eval_share,
-                                     "load": (load_before + os.getloadavg()[0]) / 2})
-                        say(f"world size {size}, log_every {every}, run {repeat + 1}: {rate:.2f} steps/s")
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
-    finally:
-        services.stop_process(mlflow.pid)
-        services.stop_process(store.pid)
+    # Two training workers and a CPU for Ray Data's reads, as `wildtrain up`'s head offers.
+    with tiny_bench("bench-report-cadence", max(sizes) + 1) as bench:
+        for size in sizes:
+            for repeat in range(args.repeats):
+                for every in cadences if repeat % 2 == 0 else cadences[::-1]:
+                    cfg = bench.config(f"cadence-w{size}-log{every}-{repeat}", f"train.steps={args.steps}",
+                                       f"train.log_every={every}", f"train.checkpoint_every={args.steps}",
+                                       f"elastic.min_workers={size}", f"elastic.max_workers={size}",
+                                       "elastic.poll_interval_s=2")
+                    say(f"world size {size}, log_every {every}, run {repeat + 1}: training {args.steps} steps")
+                    load_before = os.getloadavg()[0]
+                    timed = bench.train(cfg)
+                    rows.append({"world size": size, "log_every": every, "steps/s": timed.steps_per_s,
+                                 "report wait": timed.report_wait, "eval": timed.validation,
+                                 "load": (load_before + os.getloadavg()[0]) / 2})
+                    say(f"world size {size}, log_every {every}, run {repeat + 1}: {timed.steps_per_s:.2f} steps/s")
 
     def median(size: int, every: int, key: str) -> float:
         return statistics.median(r[key] for r in rows if r["world size"] == size and r["log_every"] == every)

@@ -296,6 +296,9 @@ class EvalSkipped(Event):
     step: int
     reason: str
 
+    def summary(self) -> str:
+        return f"step {self.step}'s checkpoint is not evaluated: {self.reason}"
+
 
 # The tracking client: MLflow did not answer.
 

@@ -8,6 +8,7 @@ submits one and waits for it; the controller's `EvalEvery` submits them beside t
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from wildtrain.evals.harness import TaskFolder, harness_metrics, name_part, run_
 from wildtrain.export import RunInfo, export_checkpoint
 
 ARTIFACT_DIR = "evals"
+_BELOW_TRAINING = 10  # nice increment of an evaluation's process
 # The task's process logs to the console of whoever submitted it (the training run's):
 # Transformers' and Datasets' progress bars would bury its progress lines (lm-eval's:
 # `harness.run_tasks`).
@@ -76,6 +78,10 @@ class Evaluated:
 def evaluate(run: RunInfo, step: Optional[int], plan: EvalPlan) -> Evaluated:
     """Run in the Ray task: the run's newest committed checkpoint (or `step`'s), exported
     into checkpoint.staging_dir, evaluated on each task; the folder is removed after."""
+    # Below training's priority: where the evaluation shares a node's cores with training
+    # (its CPU work on a GPU node; all of it on a CPU one), training's processes come first.
+    # The task's process ends with it (max_calls=1).
+    os.nice(_BELOW_TRAINING)
     started = time.monotonic()
     staging = Path(run.cfg.checkpoint.staging_dir)
     staging.mkdir(parents=True, exist_ok=True)

@@ -12,8 +12,9 @@ peers leave the collective they wait in instead of waiting out its timeout.
 A report never holds a step back: Ray Train keeps one report per worker, and a second
 waits until the controller polls (`elastic.poll_interval_s`). So the metrics of each log
 step are kept as a closed window, and the windows go to the controller together at the
-first report step at which every rank's previous report has been collected; only the last
-step's report, and a regrow's, wait for their turn.
+first report step at which every rank's previous report has been collected, looked for
+once a poll's worth of steps has passed, or at every log step once a save waits for its
+step's report to commit; only the last step's report, and a regrow's, wait for their turn.
 """
 
 from __future__ import annotations
@@ -157,6 +158,9 @@ class Attempt:
         self.validated: dict[str, float] = {}  # this step's validation metrics, for its window
         # The first step at which the previous report may have been collected (see `report`).
         self.next_report_look = 0
+        # A save waits for a report of its step before it may commit: from its step on, every
+        # log step looks whether one can go (the same steps on every rank).
+        self.save_unreported = False
         self.startup: dict = {}  # the attempt's start-up timings, until a report carries them
 
         self.tokens_per_step = self.plan.global_batch_size * cfg.data.seq_len
@@ -287,8 +291,9 @@ class Attempt:
         with self.window.timed("report_wait"):
             # The run's end and a regrow cannot go on without their report; every other
             # report waits for a step at which no rank's previous one is still queued.
-            if not due.must_commit and (state.step < self.next_report_look
-                                        or not collectives.all_ranks(ray_compat.reports_collected())):
+            self.save_unreported |= due.checkpoint
+            looking = state.step >= self.next_report_look or self.save_unreported
+            if not due.must_commit and (not looking or not collectives.all_ranks(ray_compat.reports_collected())):
                 return
             windows = self.window.resolve(self.windows)
             self.windows = []
@@ -304,6 +309,7 @@ class Attempt:
             ray.train.report({"step": state.step, "tokens_seen": state.tokens_seen, "world_size": self.world_size,
                               "windows": windows, "events": events} | saves | self.startup)
             self.startup = {}
+            self.save_unreported = False
             self.next_report_look = state.step + self._steps_per_poll(windows)
         # Every rank's previous report had been collected (or this one waited for its turn),
         # so reports up to it are at the controller; this one's save commits once the
