@@ -69,6 +69,38 @@ def test_a_source_that_does_not_match_its_manifest_is_not_committed_at_the_desti
     assert not (dst / "manifest.json").exists() and not (dst / "model" / "part1.bin").exists()
 
 
+def test_a_checkpoint_that_commits_during_the_sync_waits_for_the_next_one(tmp_path):
+    """The manifests copied last are the ones listed when the sync planned its copy: a
+    checkpoint committed at SRC meanwhile has files the sync did not copy or check."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    committed_checkpoint(src)
+    late = []
+
+    def commit_another(path: str) -> None:
+        if not late:  # as the first file lands, the training run commits its next checkpoint
+            late.append(committed_checkpoint(src, step=8))
+
+    done = sync(Location(str(src)), Location(str(dst)), on_copied=commit_another)
+    assert done.commit_files == ("checkpoints/step_000000004-ab/manifest.json", "wildtrain_run.json")
+    assert (dst / "checkpoints/step_000000004-ab/manifest.json").is_file()
+    assert not (dst / "checkpoints/step_000000008-ab/manifest.json").exists()
+    again = sync(Location(str(src)), Location(str(dst)))
+    assert "checkpoints/step_000000008-ab/manifest.json" in again.commit_files
+    assert (dst / "checkpoints/step_000000008-ab/manifest.json").is_file()
+
+
+def test_a_manifest_that_vanishes_during_the_sync_is_one_line_naming_it(tmp_path):
+    folder = committed_checkpoint(tmp_path / "src")
+
+    def retention_removes_it(path: str) -> None:
+        (folder / "manifest.json").unlink(missing_ok=True)
+
+    with pytest.raises(SyncError) as raised:
+        sync(Location(str(tmp_path / "src")), Location(str(tmp_path / "dst")), on_copied=retention_removes_it)
+    assert str(raised.value) == (f"{folder}/manifest.json: gone from SRC during the sync; run the sync again")
+    assert not (tmp_path / "dst" / "checkpoints/step_000000004-ab/manifest.json").exists()
+
+
 def test_store_keys_reach_rclone_through_its_environment_never_its_command_line(monkeypatch):
     from wildtrain.clusters.sync import _Rclone
     from wildtrain.config import StorageConfig

@@ -10,7 +10,9 @@ a run through its record (`wildtrain_run.json`): these "commit files" go last. I
    DST; the rest (part records, anything else) byte for byte against SRC (`rclone check
    --download`), since stores such as SeaweedFS give rclone no hash for pyarrow's uploads.
    A file that fails is removed from DST, so the next sync copies it again.
-3. The commit files are copied and checked byte for byte.
+3. The commit files listed in step 1's plan, and only those, are copied and checked byte
+   for byte: a checkpoint that commits at SRC during the sync has files that steps 1 and 2
+   may not have seen, so its manifest waits for the next sync.
 
 SRC and DST are URIs (s3://, gs://, local paths) or `CLUSTER:runs/...`, `CLUSTER:data/...`:
 that cluster's store (`storage.runs`, `storage.data` of the registry), reached with its
@@ -27,9 +29,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from wildtrain import storage
 from wildtrain.checkpoint import format as ckpt_format
@@ -160,9 +163,17 @@ class _Rclone:
         return {item["Path"]: item["Size"] for item in json.loads(listing or "[]")}
 
 
-def _commit_filter(include: bool) -> list[str]:
-    flag = "--include" if include else "--exclude"
-    return [arg for name in COMMIT_FILES for arg in (flag, name)]
+def _commit_filter() -> list[str]:
+    return [arg for name in COMMIT_FILES for arg in ("--exclude", name)]
+
+
+@contextmanager
+def _listing(paths: list[str]) -> Iterator[str]:
+    """A file naming `paths`, one a line, for rclone's --files-from."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as listing:
+        listing.write("\n".join(paths) + "\n")
+        listing.flush()
+        yield listing.name
 
 
 def sync(src: Location, dst: Location, bwlimit: Optional[str] = None,
@@ -184,12 +195,13 @@ def sync(src: Location, dst: Location, bwlimit: Optional[str] = None,
         stats.update(entry.get("stats", {}))
 
     rclone.run("copy", rclone.src, rclone.dst, "--checksum", "-v", *(["--bwlimit", cap] if cap else []),
-               *_commit_filter(include=False), log=note)
+               *_commit_filter(), log=note)
     copied_bytes, copy_seconds = stats.get("bytes", 0), stats.get("transferTime", 0.0)
     verified = _verify(rclone, src, dst, sizes)
     commit = sorted(p for p in sizes if p.rsplit("/", 1)[-1] in COMMIT_FILES)
     if commit:
-        rclone.run("copy", rclone.src, rclone.dst, "--checksum", "-v", *_commit_filter(include=True), log=note)
+        with _listing(commit) as listing:
+            rclone.run("copy", rclone.src, rclone.dst, "--checksum", "-v", "--files-from", listing, log=note)
         _check_bytes(rclone, dst, commit)
     return SyncResult(tuple(copied), copied_bytes, copy_seconds, verified + len(commit), tuple(commit))
 
@@ -218,7 +230,10 @@ def _verify_by_manifest(src: Location, dst: Location, folder: str) -> tuple[list
     """The files the manifest in SRC's `folder` names, and those of them whose bytes at DST do
     not hash to its sha256. A manifest of neither kind covers nothing."""
     src_root = storage.join(src.uri, folder) if folder else src.uri
-    text = storage.read_text(storage.join(src_root, ckpt_format.MANIFEST), src.storage)
+    manifest = storage.join(src_root, ckpt_format.MANIFEST)
+    text = storage.read_text(manifest, src.storage)
+    if text is None:  # its checkpoint was removed (retention, a user) since the sync listed SRC
+        raise SyncError(f"{manifest}: gone from SRC during the sync; run the sync again")
     raw = json.loads(text)
     if "shards" in raw:
         files = [ckpt_format.FileEntry(s["path"], s["bytes"], s["sha256"]) for s in raw["shards"]]
@@ -241,17 +256,15 @@ def _check_bytes(rclone: _Rclone, dst: Location, paths: list[str], raise_on_mism
     """Compare `paths` at DST with SRC byte for byte; the ones that differ."""
     if not paths:
         return []
-    with tempfile.NamedTemporaryFile("w", suffix=".txt") as listing:
-        listing.write("\n".join(paths) + "\n")
-        listing.flush()
-        bad: list[str] = []
+    bad: list[str] = []
 
-        def note(entry: dict) -> None:
-            if entry.get("level") == "error" and entry.get("object"):
-                bad.append(entry["object"])
+    def note(entry: dict) -> None:
+        if entry.get("level") == "error" and entry.get("object"):
+            bad.append(entry["object"])
 
-        done = rclone.run("check", rclone.src, rclone.dst, "--one-way", "--download", "--files-from",
-                          listing.name, log=note, allow_fail=True)
+    with _listing(paths) as listing:
+        done = rclone.run("check", rclone.src, rclone.dst, "--one-way", "--download", "--files-from", listing,
+                          log=note, allow_fail=True)
     if done.returncode != 0 and not bad:
         raise SyncError(f"rclone check {rclone.src} -> {rclone.dst} failed: {done.stderr}")
     if bad and raise_on_mismatch:
