@@ -26,7 +26,7 @@ from wildtrain.config import Config, config_hash, redact
 from wildtrain.checkpoint.restore import newest_committed
 from wildtrain.data.dataset import DataError, open_datasets
 from wildtrain.elastic import scaling
-from wildtrain.elastic.controller import controller_callbacks
+from wildtrain.elastic.controller import StorageSettings, controller_callbacks
 from wildtrain.elastic.signals import classify_restart
 from wildtrain.data.pins import OrderPins, order_changes, order_pins
 from wildtrain.layout import RunLayout, checkpoint_stores
@@ -56,6 +56,9 @@ class RunSummary:
 def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
     """Train `cfg` to its last step; `tags` go on the MLflow run when it is created."""
     started_at = time.time()
+    # The storage settings everything below checks the run's data and record with: every
+    # process of the run gets them, whatever its node's environment holds.
+    storage_env, storage_view = storage.handover_env(cfg.storage), storage.StorageView.here(cfg.storage)
     data = open_datasets(cfg)
     evaluation = _plan_evaluation(cfg)
     layout = RunLayout.of(cfg)
@@ -92,7 +95,7 @@ def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
     run_fs, run_path = storage.filesystem(storage.resolve(cfg.run.storage), cfg.storage)
     mlflow = MlflowCallback(cfg.tracking.uri, run_id, classify_restart, layout.hangs, cfg.storage,
                             layout.tracking)
-    inputs = LoopInputs(cfg, data, scaling.worker_resources(cfg))
+    inputs = LoopInputs(cfg, data, scaling.worker_resources(cfg), storage_view)
     trainer = TorchTrainer(
         # Typed inputs rather than Ray's `train_loop_config` dict.
         functools.partial(train_loop, inputs),
@@ -107,8 +110,10 @@ def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
             failure_config=scaling.failure_config(cfg),
             # Ray hands the list to the controller as one argument: the elastic callbacks'
             # events go through the same MLflow callback, not a copy of it.
-            callbacks=[ProgressCallback(cfg.train.steps), mlflow, *controller_callbacks(cfg, mlflow, evaluation)],
-            worker_runtime_env={"env_vars": scaling.worker_env(cfg)},
+            callbacks=[StorageSettings(storage_env), ProgressCallback(cfg.train.steps), mlflow,
+                       *controller_callbacks(cfg, mlflow, evaluation)],
+            # The Ray Data tasks a worker starts inherit its runtime env, not its process's.
+            worker_runtime_env={"env_vars": {**scaling.worker_env(cfg), **storage_env}},
             # Ray Train's per-report INFO lines would drown the progress lines.
             logging_config=LoggingConfig(log_level="WARNING"),
         ),

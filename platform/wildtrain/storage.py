@@ -4,20 +4,29 @@ An s3:// URI reaches AWS or any S3-compatible store (SeaweedFS, MinIO, ...): the
 from `StorageConfig.endpoint` or $AWS_ENDPOINT_URL, the keys from the environment variables the
 config names. Each request is retried with backoff `max_attempts` times; a request that still
 fails raises `StorageError` naming the URI and endpoint, never the keys.
+
+Every process of a run must reach the store its driver checked, wherever it runs: a node of
+another cluster may have no endpoint, or another one, in its environment. The driver hands
+its own settings to the others (`handover_env`) and each compares what it resolves
+(`StorageView`) with the driver's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
 
-from wildtrain.config import StorageConfig
+from wildtrain.config import StorageConfig, redact
+
+ENDPOINT_VARIABLE = "AWS_ENDPOINT_URL"
 
 
 class StorageError(OSError):
@@ -33,7 +42,57 @@ def resolve(uri: str) -> str:
 
 def endpoint(config: Optional[StorageConfig] = None) -> Optional[str]:
     """The S3 endpoint that s3:// URIs go to; None: AWS itself."""
-    return (config or StorageConfig()).endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
+    return (config or StorageConfig()).endpoint or os.environ.get(ENDPOINT_VARIABLE) or None
+
+
+def _keys(config: StorageConfig) -> tuple[Optional[str], Optional[str]]:
+    """The key pair from the variables `config` names, or (None, None) unless both are set:
+    then pyarrow's default credential chain answers."""
+    access, secret = os.environ.get(config.access_key_env), os.environ.get(config.secret_key_env)
+    return (access, secret) if access and secret else (None, None)
+
+
+@dataclass(frozen=True)
+class StorageView:
+    """What s3:// URIs resolve to in one process: endpoint (None: AWS), region, and keys as a
+    digest of both values (None: the default credential chain), so that a view can travel
+    to another process and be compared and named there without the keys."""
+
+    endpoint: Optional[str]
+    region: str
+    key_variables: tuple[str, str]
+    keys_sha256: Optional[str]
+
+    @classmethod
+    def here(cls, config: StorageConfig) -> "StorageView":
+        access, secret = _keys(config)
+        digest = hashlib.sha256(f"{access}\0{secret}".encode()).hexdigest() if access else None
+        return cls(endpoint(config), config.region, (config.access_key_env, config.secret_key_env), digest)
+
+    def differences(self, drivers: "StorageView") -> list[str]:
+        """How this view differs from the driver's, a phrase each, no key's value in any.
+        Keys count only where the driver has its own: its default credential chain is its
+        machine's, which no other process can have."""
+        found = []
+        if self.endpoint != drivers.endpoint:
+            found.append(f"endpoint {redact(self.endpoint or 'AWS')}, the driver's {redact(drivers.endpoint or 'AWS')}")
+        if self.region != drivers.region:
+            found.append(f"region {self.region}, the driver's {drivers.region}")
+        if drivers.keys_sha256 is not None and self.keys_sha256 != drivers.keys_sha256:
+            names = "/".join(self.key_variables)
+            found.append(f"{names} not both set, the driver's are" if self.keys_sha256 is None
+                         else f"{names} hold other keys than the driver's")
+        return found
+
+
+def handover_env(config: StorageConfig) -> dict[str, str]:
+    """The environment variables that make another process resolve s3:// as this one does
+    (`StorageView.here`): the endpoint, empty for AWS (so that one in a node's environment
+    does not count), and the key pair where this process has one. It holds the keys: for a
+    runtime env, never a config, a log or MLflow."""
+    access, secret = _keys(config)
+    keys = {config.access_key_env: access, config.secret_key_env: secret} if access else {}
+    return {ENDPOINT_VARIABLE: endpoint(config) or "", **keys}
 
 
 def s3_filesystem(endpoint_url: Optional[str], access_key: Optional[str], secret_key: Optional[str],
@@ -56,10 +115,7 @@ def filesystem(uri: str, config: Optional[StorageConfig] = None) -> tuple[pafs.F
     uri = resolve(uri)
     if uri.startswith("s3://"):
         config = config or StorageConfig()
-        fs = s3_filesystem(
-            endpoint(config), os.environ.get(config.access_key_env), os.environ.get(config.secret_key_env),
-            config.region, config.max_attempts,
-        )
+        fs = s3_filesystem(endpoint(config), *_keys(config), config.region, config.max_attempts)
         return fs, uri[len("s3://"):].rstrip("/")
     # gs:// and local paths: pyarrow's own defaults (GCS credentials from the environment).
     return pafs.FileSystem.from_uri(uri)

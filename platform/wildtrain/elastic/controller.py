@@ -1,10 +1,11 @@
 """What Ray Train's controller does not do by itself, as callbacks that run inside it, one
-per concern: restarts (failures counted, lost nodes awaited, capacity waited for, the
-resource view kept fresh), nodes left out, checkpoints converted ahead of a resize, and
-checkpoints evaluated beside training."""
+per concern: the driver's storage settings, restarts (failures counted, lost nodes awaited,
+capacity waited for, the resource view kept fresh), nodes left out, checkpoints converted
+ahead of a resize, and checkpoints evaluated beside training."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -127,6 +128,21 @@ def controller_callbacks(cfg: Config, mlflow, evaluation=None) -> list:
     if evaluation is not None:
         callbacks.append(EvalEvery(cfg, evaluation, mlflow))
     return callbacks
+
+
+class StorageSettings(ray_compat.ControllerCallback):
+    """Gives the controller's process the storage settings the driver resolved
+    (`storage.handover_env`), before anything in it reads the store. Ray starts the
+    controller with the cluster node's environment and a fixed list of Ray's own variables,
+    and has no runtime env for it as it has for workers. What the controller starts in turn
+    gets them from it: a reshard's subprocess by inheritance, an evaluation's task from
+    `evals.remote.submit`. Goes first among the run's callbacks."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self._env = env  # holds the keys: never in a repr or a log
+
+    def after_controller_start(self, train_run_context) -> None:
+        os.environ.update(self._env)
 
 
 class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallback):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from wildtrain import storage
 from wildtrain.config import ConfigError, EvalConfig
 from wildtrain.elastic.scaling import choose_device
 from wildtrain.evals.harness import TaskFolder, harness_metrics, name_part, run_tasks, task_manager
@@ -105,8 +106,11 @@ def submit(run: RunInfo, step: Optional[int], plan: EvalPlan):
     task = ray.remote(max_calls=1)(evaluate).options(
         num_cpus=resources.num_cpus, num_gpus=resources.num_gpus, max_retries=0,
         name=f"wildtrain-eval-{run.name}-step{step if step is not None else 'newest'}",
-        # DeepSpeed (the export's checkpoint reading) told there is no GPU, as a CPU worker is.
-        runtime_env={"env_vars": {**_QUIET_ENV, **({} if resources.num_gpus else {"DS_ACCELERATOR": "cpu"})}},
+        # DeepSpeed (the export's checkpoint reading) told there is no GPU, as a CPU worker is;
+        # the checkpoint read from the store this process reaches, not the one (if any) of
+        # the node the task lands on.
+        runtime_env={"env_vars": {**_QUIET_ENV, **({} if resources.num_gpus else {"DS_ACCELERATOR": "cpu"}),
+                                  **storage.handover_env(run.cfg.storage)}},
     )
     return task.remote(run, step, plan)
 

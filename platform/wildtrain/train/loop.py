@@ -58,16 +58,19 @@ from wildtrain.train.watchdog import HangWatchdog
 
 @dataclass(frozen=True)
 class LoopInputs:
-    """What the driver hands every worker: the run's config, its opened datasets, and what
-    one worker holds on its node (to look for room for another)."""
+    """What the driver hands every worker: the run's config, its opened datasets, what
+    one worker holds on its node (to look for room for another), and where the driver's
+    s3:// URIs went."""
 
     cfg: Config
     data: OpenedData
     worker_resources: dict[str, float]
+    storage_view: storage.StorageView
 
 
 def train_loop(inputs: LoopInputs) -> None:
     cfg = inputs.cfg
+    check_storage(inputs.storage_view, cfg)
     collectives.open_control_group(control_timeout_s(cfg))
     # Raised by every rank at the same step: nobody's failure.
     together = (PlannedRegrow, UnhealthyNodes, FinalCheckpointFailed)
@@ -89,6 +92,17 @@ def train_loop(inputs: LoopInputs) -> None:
                                         f"regrowing from the checkpoint of step {attempt.state.step}")
         finally:
             attempt.watchdog.stop()
+
+
+def check_storage(drivers: storage.StorageView, cfg: Config) -> None:
+    """Stop the run, naming what differs, unless this worker's s3:// URIs go where the
+    driver's went. The driver's settings reach it in its runtime env; a worker that still
+    resolves them otherwise (something on its node overrides them) would read and write
+    another store, or none."""
+    differs = storage.StorageView.here(cfg.storage).differences(drivers)
+    if differs:
+        raise RunCannotContinue(f"storage: a worker on {ray.util.get_node_ip_address()} resolves s3:// unlike "
+                                f"the driver: {'; '.join(differs)}")
 
 
 def control_timeout_s(cfg: Config) -> float:
