@@ -8,11 +8,11 @@ import os
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from wildtrain import services
 from tests.conftest import REPO
 from tests.helpers.chaos import HEAD_SLOT
+from tests.helpers.ray_clusters import start_cluster
 from wildtrain.config import load_config
 from wildtrain.data.prepare import PrepareConfig, prepare
 
@@ -46,32 +46,7 @@ def ray_cluster(tmp_path_factory, object_store):
     # Raylets and so every worker and Ray Data task inherit the store's AWS_* variables,
     # as on a head started by `wildtrain up`; so does this process (the driver).
     os.environ.update(object_store.env())
-    # The autoscaler's and the dashboard's own metrics ports are fixed numbers unless set in
-    # the environment the cluster's processes inherit; `wildtrain up`'s head may hold them.
-    # (Ray picks the agents' other ports, the raylet's and the workers' free by itself.)
-    os.environ.update(AUTOSCALER_METRIC_PORT=str(services.free_port()), DASHBOARD_METRIC_PORT=str(services.free_port()))
-    # Ray's helpers that look for "the" cluster without an address (Ray Train's placement
-    # group cleaner) take the newest Ray instance on the machine unless RAY_ADDRESS names
-    # theirs; beside `wildtrain up`'s head they removed this cluster's placement groups.
-    gcs_port = services.free_port()
-    os.environ["RAY_ADDRESS"] = f"{services.HOST}:{gcs_port}"
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "gcs_server_port": gcs_port,
-            "num_cpus": HEAD_CPUS,
-            "resources": {HEAD_SLOT: HEAD_CPUS},
-            "include_dashboard": True,
-            "dashboard_host": services.HOST,
-            "dashboard_port": services.free_port(),
-            # Ray's default agent port (52365) is taken while `wildtrain up`'s head runs.
-            "dashboard_agent_listen_port": services.free_port(),
-            # The Prometheus endpoint that workers' `ray.util.metrics` reach (the dashboard's
-            # source), refreshed every second rather than every 10.
-            "metrics_export_port": services.free_port(),
-            "_system_config": {**services.NODE_HEALTH_CHECKS, "metrics_report_interval_ms": 1000},
-        },
-    )
+    cluster = start_cluster(os.environ.__setitem__, HEAD_CPUS, {HEAD_SLOT: HEAD_CPUS})
     ray.init(address=cluster.address)
     yield cluster
     ray.shutdown()

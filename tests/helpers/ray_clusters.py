@@ -1,0 +1,43 @@
+"""A Ray cluster for tests (`ray.cluster_utils.Cluster`) on 127.0.0.1, beside any other on
+the machine (`wildtrain up`'s head, another test run's): every port it listens on is free."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from ray.cluster_utils import Cluster
+
+from wildtrain import services
+
+
+def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: Optional[dict] = None) -> Cluster:
+    """A head of `num_cpus` logical CPUs (and `resources`) with its dashboard and jobs API.
+    Its processes inherit this process's environment as it is when called, after what is
+    set here through `setenv` (os.environ's, or a test's monkeypatch)."""
+    # The autoscaler's and the dashboard's own metrics ports are fixed numbers unless set in
+    # the environment the cluster's processes inherit; `wildtrain up`'s head may hold them.
+    # (Ray picks the agents' other ports, the raylet's and the workers' free by itself.)
+    setenv("AUTOSCALER_METRIC_PORT", str(services.free_port()))
+    setenv("DASHBOARD_METRIC_PORT", str(services.free_port()))
+    # Ray's helpers that look for "the" cluster without an address (Ray Train's placement
+    # group cleaner) take the newest Ray instance on the machine unless RAY_ADDRESS names
+    # theirs; beside `wildtrain up`'s head they removed this cluster's placement groups.
+    gcs_port = services.free_port()
+    setenv("RAY_ADDRESS", f"{services.HOST}:{gcs_port}")
+    return Cluster(
+        initialize_head=True,
+        head_node_args={
+            "gcs_server_port": gcs_port,
+            "num_cpus": num_cpus,
+            "resources": resources or {},
+            "include_dashboard": True,
+            "dashboard_host": services.HOST,
+            "dashboard_port": services.free_port(),
+            # Ray's default agent port (52365) is taken while `wildtrain up`'s head runs.
+            "dashboard_agent_listen_port": services.free_port(),
+            # The Prometheus endpoint that workers' `ray.util.metrics` reach (the dashboard's
+            # source), refreshed every second rather than every 10.
+            "metrics_export_port": services.free_port(),
+            "_system_config": {**services.NODE_HEALTH_CHECKS, "metrics_report_interval_ms": 1000},
+        },
+    )
