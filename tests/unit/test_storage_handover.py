@@ -20,9 +20,11 @@ KEY_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY
 
 @pytest.fixture
 def environ(monkeypatch):
-    """Sets this process's storage variables, from none of them."""
+    """Sets this process's storage variables, from none of them; all are restored after the
+    test, those that code under test set included."""
     for name in KEY_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # records the variable's value before the test
+        monkeypatch.delenv(name)
 
     def set_to(**values: str) -> None:
         for name in KEY_VARIABLES:
