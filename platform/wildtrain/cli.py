@@ -171,7 +171,7 @@ def sweep(name: str, grid: tuple[str, ...], steps: int | None, budget_tokens: in
 def promote(sweep_name: str, to: tuple[str, ...], metric: str | None, name: str | None, submit: bool, cluster: str | None,
             tracking_uri: str | None, overrides: tuple[str, ...]) -> None:
     """Write the best trial of SWEEP as conf/experiment/<name>.yaml for the big run (--to),
-    its learning rate, init and output scaled by muP, with its provenance."""
+    its learning rates, init, output and attention scaled by muP from the trial's shape, with its provenance."""
     from wildtrain.sweeps.promote import PromoteError, promote as promote_best
     from wildtrain.tracking.mlflow_run import TrackingError, check_reachable, quiet_mlflow
 

@@ -73,15 +73,21 @@ class ModelConfig:
     norm_eps: float = 1e-5
     # Standard deviation of the initial embedding and output weights (the base sigma of muP).
     init_std: float = 0.02
-    # Of the blocks' matrices; None: init_std. muP divides it by sqrt(width multiplier).
+    # Of the blocks' matrices; None: init_std. At the base model's shape (base_*, below);
+    # muP scales each matrix's by sqrt(base fan-in / its fan-in).
     hidden_init_std: Optional[float] = None
-    # Multiplies the logits (muP: 1 / width multiplier) and each residual branch (depth-muP:
-    # 1 / sqrt(depth multiplier)); 1.0 is the plain parametrization.
+    # Multiply the logits and each residual branch, at the base model's shape; muP multiplies
+    # the logits by base_dim / dim, depth-muP the branches by sqrt(base_n_layers / n_layers).
     output_mult: float = 1.0
     residual_mult: float = 1.0
-    # The width and depth the muP multipliers were derived from (`wildtrain promote`); the
-    # residual projections' init then scales with the base depth, not this one.
+    # The shape of the base (proxy) model that the multipliers above and optim.hidden_lr_mult
+    # were tuned at (`wildtrain promote` writes it): muP/depth-muP scale each matrix's init and
+    # learning rate, the logits, the residual branches and attention's scale (1 / head_dim,
+    # equal to 1 / sqrt(head_dim) at base_head_dim) from it (model/transformer.py, `scaling`).
+    # All four or none; none: the model is its own base and nothing is scaled.
     base_dim: Optional[int] = None
+    base_ffn_dim: Optional[int] = None
+    base_head_dim: Optional[int] = None
     base_n_layers: Optional[int] = None
     # torch.compile the model: None compiles on CUDA, where it is worth ~1.5x in tokens/s,
     # except under ZeRO-3, whose per-module parameter hooks break the graph at every layer
@@ -200,8 +206,9 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
-    # The blocks' matrices learn at lr * hidden_lr_mult (muP with Adam: 1 / width multiplier);
-    # embeddings, norms and the output head at lr.
+    # The blocks' matrices learn at lr * hidden_lr_mult at the base model's shape (model.base_*);
+    # muP with Adam scales each matrix's by base fan-in / its fan-in, depth-muP all by
+    # sqrt(base_n_layers / n_layers). Embeddings, norms and the output head learn at lr.
     hidden_lr_mult: float = 1.0
 
 
@@ -522,6 +529,7 @@ def validate(cfg: Config) -> None:
     kv_heads = cfg.model.n_kv_heads or cfg.model.n_heads
     if cfg.model.n_heads % kv_heads:
         raise ConfigError(f"model.n_kv_heads: {kv_heads} does not divide model.n_heads ({cfg.model.n_heads})")
+    _validate_base_shape(cfg.model)
     bad = unservable_world_sizes(
         cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.elastic.min_workers, cfg.elastic.max_workers
     )
@@ -605,6 +613,20 @@ def redact(text: str) -> str:
     `***`: values such as tracking.uri and cluster.ray_address end up in MLflow params,
     printed URLs and errors, which others read."""
     return _URI_CREDENTIALS.sub(r"\1***@", text)
+
+
+def _validate_base_shape(model: ModelConfig) -> None:
+    keys = ("base_dim", "base_ffn_dim", "base_head_dim", "base_n_layers")
+    base = {f"model.{key}": getattr(model, key) for key in keys}
+    unset = [key for key, value in base.items() if value is None]
+    if unset and len(unset) < len(base):
+        # Also what an experiment promoted before per-matrix muP looks like: its multipliers
+        # were already scaled, and scaling them from its base again would be wrong.
+        raise ConfigError(f"{unset[0]}: the base model's shape needs {', '.join(base)} all set or none "
+                          f"(set: {', '.join(k for k in base if k not in unset)}); promote the sweep again")
+    for key, value in base.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key}: must be positive, got {value}")
 
 
 def config_hash(cfg: Config) -> str:

@@ -143,20 +143,22 @@ def build_model(cfg: Config, plan: BatchPlan, device: torch.device) -> Transform
 
 
 def param_groups(model: Transformer, optim: OptimConfig) -> list[dict]:
-    """Matrices with weight decay, vectors (norms) without; under muP (optim.hidden_lr_mult)
-    the blocks' matrices in a group of their own at lr * hidden_lr_mult. Without it the
-    groups are the two that earlier checkpoints' optimizer states hold."""
+    """Matrices with weight decay, vectors (norms) without; a block matrix whose learning rate
+    muP scales (`Scaling.lr_mult`: optim.hidden_lr_mult, its fan-in against the base's, depth)
+    in a group per distinct multiple of lr, after those two. Without muP the groups are the
+    two that earlier checkpoints' optimizer states hold."""
     # A partitioned parameter (zero.Init) is an empty tensor; its true shape is DeepSpeed's.
     def matrix(p) -> bool:
         return len(getattr(p, "ds_shape", p.shape)) >= 2
 
-    hidden = {id(p) for p in model.hidden_matrices()} if optim.hidden_lr_mult != 1.0 else set()
-    groups = [{"params": [p for p in model.parameters() if matrix(p) and id(p) not in hidden],
+    mults = {id(p): model.scaling.lr_mult(name, optim.hidden_lr_mult) for name, p in model.hidden_matrices()}
+    scaled = {key: mult for key, mult in mults.items() if mult != 1.0}
+    groups = [{"params": [p for p in model.parameters() if matrix(p) and id(p) not in scaled],
                "weight_decay": optim.weight_decay},
               {"params": [p for p in model.parameters() if not matrix(p)], "weight_decay": 0.0}]
-    if hidden:
-        groups.append({"params": [p for p in model.parameters() if id(p) in hidden], "weight_decay": optim.weight_decay,
-                       "lr": optim.lr * optim.hidden_lr_mult})
+    for mult in dict.fromkeys(scaled.values()):
+        groups.append({"params": [p for p in model.parameters() if scaled.get(id(p)) == mult],
+                       "weight_decay": optim.weight_decay, "lr": optim.lr * mult})
     return groups
 
 
@@ -180,7 +182,7 @@ def build_engine(cfg: Config, plan: BatchPlan, model: torch.nn.Module, device: t
         fused=on_cuda,
     )
     # LambdaLR multiplies each group's base lr; dividing by lr keeps lr_at the single source
-    # of truth, and the muP hidden group at its multiple of it.
+    # of truth, and the muP groups at their multiples of it.
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_at(step, cfg.optim, cfg.train.steps) / cfg.optim.lr
     )

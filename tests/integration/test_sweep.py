@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO
 from wildtrain.config import load_config
+from wildtrain.model.transformer import scaling
 from wildtrain.sweeps.execute import SWEEP_TAG, run_sweep
 from wildtrain.sweeps.fit import FitError
 from wildtrain.sweeps.grid import plan_sweep
@@ -127,10 +128,13 @@ def test_promote_writes_a_frozen_scaled_experiment_whose_run_carries_the_provena
     cfg = load_config(["experiment=yolo"], conf)
     assert cfg == promotion.cfg and cfg.model.dim == 768 and cfg.train.steps == 100 and not cfg.early_stop.enabled
     width, depth = 768 / best.cfg.model.dim, 12 / best.cfg.model.n_layers
-    assert cfg.optim.lr == best.cfg.optim.lr
-    assert cfg.optim.hidden_lr_mult == pytest.approx(1 / width / math.sqrt(depth))
-    assert cfg.model.output_mult == pytest.approx(1 / width)
-    assert (cfg.model.base_dim, cfg.model.base_n_layers) == (best.cfg.model.dim, best.cfg.model.n_layers)
+    # The trial's multipliers are kept, its shape recorded as the base the model scales from.
+    assert cfg.optim.lr == best.cfg.optim.lr and cfg.optim.hidden_lr_mult == best.cfg.optim.hidden_lr_mult
+    assert (cfg.model.base_dim, cfg.model.base_head_dim, cfg.model.base_n_layers) == (
+        best.cfg.model.dim, best.cfg.model.dim // best.cfg.model.n_heads, best.cfg.model.n_layers)
+    scaled = scaling(cfg.model)
+    assert scaled.output_mult == pytest.approx(1 / width)
+    assert scaled.lr_mult("attention.wq", cfg.optim.hidden_lr_mult) == pytest.approx(1 / width / math.sqrt(depth))
     text = promotion.path.read_text()
     assert "# Provenance" in text and best.run_name in text
     # The run it starts is created with the provenance as MLflow tags.

@@ -79,6 +79,17 @@ def test_seq_len_longer_than_the_model_is_rejected():
         load_config(["data.seq_len=4096"])
 
 
+def test_a_partial_base_model_shape_is_rejected_naming_the_missing_key():
+    # Also what an experiment promoted before per-matrix muP holds: base_dim and base_n_layers
+    # beside multipliers already scaled, which scaling from the base again would compound.
+    with pytest.raises(ConfigError, match=r"^model\.base_ffn_dim: .* all set or none \(set: model\.base_dim, "
+                                          r"model\.base_n_layers\)"):
+        load_config(["model.base_dim=64", "model.base_n_layers=1"])
+    with pytest.raises(ConfigError, match=r"^model\.base_head_dim: must be positive"):
+        load_config(["model.base_dim=64", "model.base_ffn_dim=96", "model.base_head_dim=0", "model.base_n_layers=1"])
+    load_config(["model.base_dim=64", "model.base_ffn_dim=96", "model.base_head_dim=16", "model.base_n_layers=1"])
+
+
 def test_flatten_and_hash_follow_the_values():
     a, b = load_config([]), load_config(["train.steps=61"])
     assert flatten(a)["train.steps"] == 60 and flatten(b)["train.steps"] == 61

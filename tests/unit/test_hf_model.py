@@ -21,14 +21,16 @@ from wildtrain.sample import generate
 EOS = ByteTokenizer.eos_id
 
 # Each option the presets use (explicit or derived SwiGLU width, grouped-query attention as
-# in 21b), and each the config offers: multi-query attention, muP's multipliers, another
-# rotary base and norm epsilon, per-document attention, a sliding window.
+# in 21b), and each the config offers: multi-query attention, muP's multipliers (against a
+# base of half the width, head_dim and depth: logits, residual branches and attention's
+# 1/head_dim scale), another rotary base and norm epsilon, per-document attention, a sliding window.
 ARCHITECTURES = {
     "tiny": ModelConfig(dim=64, n_layers=2, n_heads=4, max_seq_len=64),
     "gqa_ffn_dim": ModelConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=96, max_seq_len=64),
     "mqa": ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=1, max_seq_len=64),
     "mup_rope_eps": ModelConfig(dim=64, n_layers=3, n_heads=4, max_seq_len=64, output_mult=0.25, residual_mult=0.6,
-                                rope_theta=500000.0, norm_eps=1e-6, base_dim=32, base_n_layers=1),
+                                rope_theta=500000.0, norm_eps=1e-6, base_dim=32, base_ffn_dim=96, base_head_dim=8,
+                                base_n_layers=1),
     "document": ModelConfig(dim=64, n_layers=2, n_heads=4, max_seq_len=64, attention="document"),
     "window": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, attention_window=7),
     "document_window": ModelConfig(dim=64, n_layers=2, n_heads=4, max_seq_len=64, attention="document",

@@ -164,10 +164,10 @@ def test_mup_multipliers_scale_the_logits_the_branches_the_hidden_init_and_lr():
     torch.manual_seed(0)
     plain = Transformer(plain_cfg)
     torch.manual_seed(0)
-    mup = Transformer(replace(plain_cfg, output_mult=0.25, hidden_init_std=0.005, base_n_layers=1))
+    mup = Transformer(replace(plain_cfg, output_mult=0.25, hidden_init_std=0.005))
     assert mup.tok_embeddings.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert mup.layers[0].attention.wq.weight.std().item() == pytest.approx(0.005, rel=0.05)
-    assert mup.layers[0].attention.wo.weight.std().item() == pytest.approx(0.005 / 2 ** 0.5, rel=0.05)
+    assert mup.layers[0].attention.wo.weight.std().item() == pytest.approx(0.005 / 2, rel=0.05)  # / sqrt(2 layers x 2)
     mup.load_state_dict(plain.state_dict())
     tokens = torch.randint(0, plain_cfg.vocab_size, (2, 8))
     torch.testing.assert_close(mup(tokens), plain(tokens) * 0.25)
@@ -180,7 +180,75 @@ def test_mup_multipliers_scale_the_logits_the_branches_the_hidden_init_and_lr():
 
     assert len(param_groups(plain, OptimConfig())) == 2  # what earlier checkpoints' optimizers hold
     groups = param_groups(plain, OptimConfig(lr=1e-2, hidden_lr_mult=0.25))
-    hidden = {id(p) for p in plain.hidden_matrices()}
+    hidden = {id(p) for _, p in plain.hidden_matrices()}
     assert {id(p) for p in groups[2]["params"]} == hidden and groups[2]["lr"] == pytest.approx(2.5e-3)
     assert id(plain.output.weight) in {id(p) for p in groups[0]["params"]}
     assert sum(len(g["params"]) for g in groups) == len(list(plain.parameters()))
+
+
+# muP against a base model (Tensor Programs V, Table 3/8 for Adam), measured on the modules:
+# a base of width 64 (head_dim 16, ffn_dim 96, 2 layers) and a target 4x as wide whose MLP is
+# 8x as wide, with heads twice as wide, 4 layers.
+BASE = ModelConfig(dim=64, n_layers=2, n_heads=4, ffn_dim=96, max_seq_len=32)
+WIDE = ModelConfig(dim=256, n_layers=4, n_heads=8, ffn_dim=768, max_seq_len=32)
+
+
+def promoted(base: ModelConfig, target: ModelConfig) -> ModelConfig:
+    from wildtrain.sweeps.transfer import transfer
+
+    overrides = transfer(base, 1.0, target).overrides()
+    return replace(target, **{k.removeprefix("model."): v for k, v in overrides.items() if k.startswith("model.")})
+
+
+def test_init_variance_of_each_hidden_matrix_is_inverse_to_its_own_fan_in():
+    base, wide = make(BASE), make(promoted(BASE, WIDE))
+    base_layer, wide_layer = dict(base.layers[0].named_parameters()), dict(wide.layers[0].named_parameters())
+    for name, weight in wide_layer.items():
+        if weight.ndim != 2:
+            continue
+        # Init var ~ 1 / fan_in: w2 (fan-in ffn_dim, 8x) at 1/8 of the base's, the rest at 1/4.
+        fan_in_ratio = base_layer[name].shape[1] / weight.shape[1]
+        assert fan_in_ratio == (1 / 8 if name == "feed_forward.w2.weight" else 1 / 4)
+        variance_ratio = weight.var().item() / base_layer[name].var().item()
+        assert variance_ratio == pytest.approx(fan_in_ratio, rel=0.1), name
+    # The embedding's and output head's fan-in or fan-out is the vocabulary: their init is kept.
+    for kept in ("tok_embeddings.weight", "output.weight"):
+        assert wide.get_parameter(kept).std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_logits_scale_with_one_over_the_width_and_attention_with_one_over_head_dim():
+    x = tokens(BASE)
+    plain = make(replace(WIDE, n_layers=2))
+
+    def with_base(**base) -> Transformer:
+        own = dict(base_dim=256, base_ffn_dim=768, base_head_dim=32, base_n_layers=2)
+        model = Transformer(replace(WIDE, n_layers=2, **(own | base)))
+        model.load_state_dict(plain.state_dict())
+        return model
+
+    with torch.no_grad():
+        # Output multiplier 1 / width multiplier: a base 4x narrower, logits x 1/4.
+        torch.testing.assert_close(with_base(base_dim=64)(x), plain(x) / 4)
+        # Attention logits q.k / head_dim, equal to q.k / sqrt(head_dim) at the base's head_dim:
+        # a base head_dim of 8 (head_dim 32 here) gives q.k / sqrt(32) x sqrt(8 / 32), the logits
+        # of the standard model whose queries are halved.
+        halved = make(replace(WIDE, n_layers=2))
+        halved.load_state_dict(plain.state_dict())
+        for block in halved.layers:
+            block.attention.wq.weight.mul_(0.5)
+        torch.testing.assert_close(with_base(base_head_dim=8)(x), halved(x))
+
+
+def test_a_model_at_its_own_base_shape_is_the_standard_one():
+    plain = make(BASE)
+    at_base = make(promoted(BASE, BASE))
+    for (name, weight), other in zip(plain.state_dict().items(), at_base.state_dict().values()):
+        assert torch.equal(weight, other), name
+    x = tokens(BASE)
+    with torch.no_grad():
+        torch.testing.assert_close(at_base(x), plain(x), rtol=1e-6, atol=1e-6)
+    from wildtrain.config import OptimConfig
+    from wildtrain.engine import param_groups
+
+    assert [len(g["params"]) for g in param_groups(at_base, OptimConfig())] == [
+        len(g["params"]) for g in param_groups(plain, OptimConfig())]

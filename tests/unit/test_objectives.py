@@ -94,6 +94,28 @@ def test_each_denoiser_corrupts_at_its_configured_rate_and_span(index):
         assert mean_span == pytest.approx(d.mean_span, rel=0.05), d
 
 
+def mean_target_share(obj: Objective, documents: int = 4000, length: int = 1001) -> float:
+    """The mean share of a document's tokens (less the mode token) that are targets."""
+    rng = np.random.default_rng(0)
+    shares = []
+    for _ in range(documents):
+        e = obj.example(rng.integers(0, 256, length).astype(np.int32), rng)
+        shares.append(e.target.sum() / (length - (obj.denoisers[0].mode is not None)))
+    return float(np.mean(shares))
+
+
+@pytest.mark.parametrize("target", [0.1, 0.25, 0.5, 0.75, 0.9])
+def test_prefix_lm_and_the_s_denoiser_hit_their_mean_target_share(target):
+    prefix_lm = objective("train.objective=prefix_lm", f"objective.prefix_target={target}")
+    s = objective("train.objective=ul2", f"objective.denoisers=[{{name: S, kind: prefix, corruption: {target}, "
+                                         "mode: '[S2S]'}]")
+    # 4000 draws: the mean's standard error is at most 1 / sqrt(12 * 4000) < 0.005 (a uniform
+    # share on an interval of width <= 1), so 0.02 is four of them; today's [0, 2c] clipped
+    # at 1 gives 2/3 for 0.75 and 0.72 for 0.9.
+    for obj in (prefix_lm, s):
+        assert mean_target_share(obj) == pytest.approx(target, abs=0.02), obj.kind
+
+
 def test_the_mixture_draws_denoisers_at_their_weights():
     ul2 = objective("train.objective=ul2")
     rng = np.random.default_rng(0)

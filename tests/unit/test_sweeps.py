@@ -7,8 +7,11 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
 from wildtrain.config import ConfigError, load_config
+from wildtrain.engine import param_groups
+from wildtrain.model import Transformer
 from wildtrain.sweeps.compare import TrialRecord, differing_data, effects, rank, smooth, table_text
 from wildtrain.elastic.scaling import resolve_device
 from wildtrain.sweeps.execute import trial_need, trial_slots
@@ -150,29 +153,65 @@ def test_trials_on_other_data_are_flagged():
     assert "warning: trained on other data than" in table_text("s", rank(trials), [])
 
 
-# The muP tables (Tensor Programs V, Table 3; the Practitioner's Guide, Table 1) for Adam,
-# with depth-muP for depth, written out for the presets: width multiplier m_d = d / 768,
-# depth multiplier m_L = L / 12 from the 125m preset.
-#   hidden lr mult = 1 / m_d / sqrt(m_L), hidden init std = 0.02 / sqrt(m_d),
-#   output logit mult = 1 / m_d, residual branch mult = 1 / sqrt(m_L).
-@pytest.mark.parametrize("target, table", [
-    # m_d = 2048 / 768 = 8/3, m_L = 24 / 12 = 2
-    ("1.3b", dict(width=8 / 3, depth=2.0, hidden_lr=0.2651650, hidden_std=0.01224745, output=0.375,
-                  residual=0.7071068)),
-    # m_d = 4096 / 768 = 16/3, m_L = 32 / 12 = 8/3
-    ("7b", dict(width=16 / 3, depth=8 / 3, hidden_lr=0.1148198, hidden_std=0.008660254, output=0.1875,
-                residual=0.6123724)),
-])
-def test_transfer_rule_matches_the_mup_table(target, table):
-    base = load_config(["model=125m"]).model
-    result = transfer(base, 1.0, load_config([f"model={target}"]).model)
-    assert result.width_mult == pytest.approx(table["width"])
-    assert result.depth_mult == pytest.approx(table["depth"])
-    assert result.hidden_lr_mult == pytest.approx(table["hidden_lr"], rel=1e-6)
-    assert result.hidden_init_std == pytest.approx(table["hidden_std"], rel=1e-6)
-    assert result.output_mult == pytest.approx(table["output"])
-    assert result.residual_mult == pytest.approx(table["residual"], rel=1e-6)
-    assert (result.base_dim, result.base_n_layers) == (768, 12)
+def promoted_model(target: str, base: str = "125m"):
+    """The model `promote --to model=<target>` builds from a trial of shape `base`, on the meta
+    device (shapes only), with its transfer."""
+    trial = load_config([f"model={base}"])
+    rule = transfer(trial.model, trial.optim.hidden_lr_mult, load_config([f"model={target}"]).model)
+    cfg = load_config([f"model={target}", *(f"{k}={v}" for k, v in rule.overrides().items())])
+    with torch.device("meta"):
+        return Transformer(cfg.model), cfg.optim, rule
+
+
+# Tensor Programs V (Yang et al. 2022), Table 3 and its equivalent Table 8 for Adam, with the
+# width of each matrix its own fan-in, relative to the base (proxy) model:
+#   hidden weights: init var ~ 1/fan_in, Adam LR ~ 1/fan_in;
+#   input weights (embedding; fan-in the vocabulary): init and LR unchanged;
+#   output weights: init and LR unchanged, logits multiplied by 1/width multiplier;
+#   attention logits ~ 1/d_head instead of 1/sqrt(d_head), equal to it at the base's d_head;
+# and depth-muP for Adam (Tensor Programs VI): residual branches and hidden LRs x 1/sqrt(m_L).
+# Written out from the 125m preset (d 768, ffn_dim 1024, d_head 64, 12 layers) to each larger
+# preset: wq..w3 have fan-in d, w2 fan-in ffn_dim.
+TP5 = {
+    # d 2048, ffn_dim 5472 (8/3 d rounded up to 32), d_head 128, 24 layers: m_L = 2
+    "1.3b": dict(lr_d=768 / 2048 / math.sqrt(2), lr_ffn=1024 / 5472 / math.sqrt(2),
+                 std_d=math.sqrt(768 / 2048), std_ffn=math.sqrt(1024 / 5472),
+                 output=768 / 2048, residual=1 / math.sqrt(2), attention=1 / 128 * math.sqrt(64)),
+    # d 4096, ffn_dim 11008, d_head 128, 32 layers: m_L = 8/3
+    "7b": dict(lr_d=768 / 4096 / math.sqrt(32 / 12), lr_ffn=1024 / 11008 / math.sqrt(32 / 12),
+               std_d=math.sqrt(768 / 4096), std_ffn=math.sqrt(1024 / 11008),
+               output=768 / 4096, residual=1 / math.sqrt(32 / 12), attention=1 / 128 * math.sqrt(64)),
+    # d 6144, ffn_dim 18432, d_head 128 (grouped-query: wk, wv still have fan-in d), 48 layers: m_L = 4
+    "21b": dict(lr_d=768 / 6144 / 2, lr_ffn=1024 / 18432 / 2, std_d=math.sqrt(768 / 6144),
+                std_ffn=math.sqrt(1024 / 18432), output=768 / 6144, residual=1 / 2, attention=1 / 128 * 8),
+}
+
+
+@pytest.mark.parametrize("target", TP5)
+def test_promoted_presets_follow_the_tensor_programs_v_table_per_matrix(target):
+    table = TP5[target]
+    model, optim, rule = promoted_model(target)
+    # The learning rate each matrix trains at, as the optimizer is built, a multiple of optim.lr.
+    lr_of = {id(p): group.get("lr", optim.lr) / optim.lr for group in param_groups(model, optim)
+             for p in group["params"]}
+    hidden = [(name.removesuffix(".weight"), w) for layer in model.layers for name, w in layer.named_parameters()
+              if w.ndim == 2]
+    assert {name for name, _ in hidden} == {"attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                                            "feed_forward.w1", "feed_forward.w3", "feed_forward.w2"}
+    for name, weight in hidden:
+        kind = "ffn" if name == "feed_forward.w2" else "d"
+        assert lr_of[id(weight)] == pytest.approx(table[f"lr_{kind}"], rel=1e-9), name
+    for name, _ in hidden:
+        kind = "ffn" if name == "feed_forward.w2" else "d"
+        assert model.scaling.init_std(name, 1.0) == pytest.approx(table[f"std_{kind}"], rel=1e-9), name
+    for kept in (model.tok_embeddings.weight, model.output.weight, model.norm.weight):
+        assert lr_of[id(kept)] == 1.0
+    assert model.scaling.output_mult == pytest.approx(table["output"], rel=1e-9)
+    assert model.scaling.residual_mult == pytest.approx(table["residual"], rel=1e-9)
+    assert model.layers[0].attention.scale == pytest.approx(table["attention"], rel=1e-9)
+    # The trial's own multipliers are what the big run keeps, at the base's shape.
+    assert (rule.base_dim, rule.base_ffn_dim, rule.base_head_dim, rule.base_n_layers) == (768, 1024, 64, 12)
+    assert (rule.hidden_lr_mult, rule.output_mult, rule.residual_mult, rule.hidden_init_std) == (1.0, 1.0, 1.0, 0.02)
 
 
 def test_transfer_composes_through_an_intermediate_size():
@@ -182,9 +221,7 @@ def test_transfer_composes_through_an_intermediate_size():
                                       if key.startswith("model.")})
     through = transfer(mid, step.hidden_lr_mult, big)
     direct = transfer(small, 1.0, big)
-    assert through.hidden_lr_mult == pytest.approx(direct.hidden_lr_mult)
-    assert through.hidden_init_std == pytest.approx(direct.hidden_init_std)
-    assert through.output_mult == pytest.approx(direct.output_mult)
+    assert through == direct
     assert (through.base_dim, through.base_n_layers) == (768, 12)
 
 

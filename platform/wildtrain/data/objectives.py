@@ -177,12 +177,17 @@ def span_example(document: np.ndarray, d: Denoiser, sentinels: tuple[int, ...], 
 def prefix_example(document: np.ndarray, d: Denoiser, sentinels: tuple[int, ...], eos_id: int,
                    rng: np.random.Generator) -> Optional[Example]:
     """[mode] + the document's start (inputs) + the rest (targets), the targets' share
-    uniform in [0, 2 x corruption], so its mean is the corruption; None if too short."""
+    uniform on the widest interval in [0, 1] centred on the corruption ([0, 2c] up to 0.5,
+    [2c - 1, 1] above), so its mean is the corruption; None if too short."""
     mode = [] if d.mode is None else [d.mode]
     n = len(document) - len(mode)
     if n < 2:
         return None
-    suffix = int(np.clip(round(rng.random() * 2 * d.corruption * n), 1, n - 1))
+    # Centred, not [0, 2c] clipped at 1: clipping would pull a mean above 0.5 down (0.75 -> 2/3).
+    # Up to 0.5 the draw is the same number as [0, 2c]'s, so such runs' examples are unchanged.
+    half_width = min(d.corruption, 1 - d.corruption)
+    share = d.corruption - half_width + rng.random() * 2 * half_width
+    suffix = int(np.clip(round(share * n), 1, n - 1))
     tokens = np.concatenate([np.array(mode, dtype=document.dtype), document[:n]])
     prefix = np.arange(len(document)) < len(document) - suffix
     return Example(tokens, prefix, ~prefix)

@@ -7,9 +7,13 @@ absorb exactly:
 - rotary embeddings rotate consecutive pairs of a head's dimensions (2i, 2i+1); Llama's
   rotate the two halves (i, i + head_dim/2). Permuting the rows of wq and wk per head to
   that order gives the same dot products between queries and keys, so the same attention.
-- `model.output_mult` scales the logits: the output head's weight times it is the same map.
-- `model.residual_mult` scales what each residual branch adds: it folds into the branch's
-  last projection (wo, w2), which the branch's output is linear in.
+- muP's logit multiplier (`Scaling.output_mult`) scales the logits: the output head's
+  weight times it is the same map.
+- The residual multiplier (`Scaling.residual_mult`) scales what each residual branch adds:
+  it folds into the branch's last projection (wo, w2), which the branch's output is linear in.
+- muP's attention scale (`Scaling.attention_scale`, for a model with a base) replaces
+  1/sqrt(head_dim): wq's rows times attention_scale * sqrt(head_dim) give Llama's
+  1/sqrt(head_dim) the same logits, rotary embeddings being linear in the query.
 
 Attention: `causal` is Llama's; `document` is causal within each document, and a sequence
 given to Transformers is one document, so it is Llama's too; a sliding window
@@ -20,6 +24,7 @@ attend to each other bidirectionally, which a causal model would not do, so it i
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Mapping
@@ -27,7 +32,7 @@ from typing import Mapping
 import torch
 
 from wildtrain.config import ModelConfig
-from wildtrain.model.transformer import ffn_hidden_dim
+from wildtrain.model.transformer import ffn_hidden_dim, scaling
 
 
 class NotExpressible(ValueError):
@@ -121,15 +126,18 @@ def hf_state_dict(model: ModelConfig, weights: Mapping[str, torch.Tensor]) -> di
         raise ValueError(f"the checkpoint's weights do not fit model {model.name!r}: "
                          f"missing {missing[:5] or 'none'}, unexpected {unknown[:5] or 'none'}")
     kv_heads = model.n_kv_heads or model.n_heads
+    scaled = scaling(model)
     converted = {}
     for name, weight in weights.items():
         if name.endswith("attention.wq.weight"):
             weight = rotate_halves(weight, model.n_heads)
+            if scaled.attention_scale is not None:
+                weight = weight * (scaled.attention_scale * math.sqrt(model.dim // model.n_heads))
         elif name.endswith("attention.wk.weight"):
             weight = rotate_halves(weight, kv_heads)
-        elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) and model.residual_mult != 1.0:
-            weight = weight * model.residual_mult
-        elif name == "output.weight" and model.output_mult != 1.0:
-            weight = weight * model.output_mult
+        elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) and scaled.residual_mult != 1.0:
+            weight = weight * scaled.residual_mult
+        elif name == "output.weight" and scaled.output_mult != 1.0:
+            weight = weight * scaled.output_mult
         converted[hf_name(name)] = weight.contiguous()
     return converted

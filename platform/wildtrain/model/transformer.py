@@ -3,12 +3,24 @@
 Pre-norm blocks of RMSNorm -> masked self-attention (`model.attention`: causal, per
 document or prefix-LM, see `masks`; rotary positions, optional grouped-query attention) and RMSNorm -> SwiGLU MLP; a final RMSNorm and an untied
 output head; no biases.
+
+Parametrized by muP against a base (proxy) model when `model.base_*` give its shape
+(`scaling`): Yang et al. 2022, "Tensor Programs V", Table 8 for Adam, and depth-muP (Yang
+et al. 2023, "Tensor Programs VI"). Each block matrix's init variance and Adam learning rate
+scale by base fan-in / its own fan-in (dim for wq, wk, wv, wo, w1, w3; ffn_dim for w2, which
+grows faster than dim between the presets); the embedding and output head keep theirs (their
+fan-in or fan-out is the vocabulary) and the logits are multiplied by base_dim / dim;
+attention's logits are q.k / head_dim (muP's 1/d), written sqrt(base_head_dim) / head_dim so
+that the base model keeps its 1/sqrt(head_dim); with m_L = n_layers / base_n_layers, residual
+branches and the blocks' learning rates are multiplied by 1/sqrt(m_L). The config's own
+multipliers are the base model's and are multiplied by these. Without a base, all are 1.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -27,6 +39,50 @@ def ffn_hidden_dim(cfg: ModelConfig) -> int:
     # 8/3 * dim keeps the three SwiGLU matrices at the parameter count of a 4 * dim GELU MLP.
     hidden = int(8 * cfg.dim / 3)
     return cfg.multiple_of * math.ceil(hidden / cfg.multiple_of)
+
+
+# The blocks' matrices, by their names in a block.
+HIDDEN = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w3",
+          "feed_forward.w2")
+
+
+def fan_ins(dim: int, ffn_dim: int) -> dict[str, int]:
+    """Each block matrix's fan-in: the width, but for the MLP's down-projection, ffn_dim (wo's,
+    n_heads * head_dim, is the width: the heads divide it)."""
+    return {name: ffn_dim if name == "feed_forward.w2" else dim for name in HIDDEN}
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """What muP and depth-muP make of a model against its base (see the module docstring)."""
+
+    fan_in_ratio: dict[str, float]  # each block matrix: the base's fan-in / its own
+    depth_ratio: float  # base_n_layers / n_layers
+    output_mult: float  # of the logits
+    residual_mult: float  # of each residual branch
+    attention_scale: Optional[float]  # of q.k; None: SDPA's 1/sqrt(head_dim)
+
+    def init_std(self, matrix: str, std: float) -> float:
+        """Of a block matrix whose base model's init std is `std`."""
+        return std * math.sqrt(self.fan_in_ratio[matrix])
+
+    def lr_mult(self, matrix: str, hidden_lr_mult: float) -> float:
+        """Of a block matrix's learning rate, whose base model's is lr * `hidden_lr_mult`."""
+        return hidden_lr_mult * self.fan_in_ratio[matrix] * math.sqrt(self.depth_ratio)
+
+
+def scaling(cfg: ModelConfig) -> Scaling:
+    if cfg.base_dim is None:
+        return Scaling(dict.fromkeys(HIDDEN, 1.0), 1.0, cfg.output_mult, cfg.residual_mult, None)
+    base, own = fan_ins(cfg.base_dim, cfg.base_ffn_dim), fan_ins(cfg.dim, ffn_hidden_dim(cfg))
+    depth_ratio = cfg.base_n_layers / cfg.n_layers
+    return Scaling(
+        fan_in_ratio={name: base[name] / own[name] for name in HIDDEN},
+        depth_ratio=depth_ratio,
+        output_mult=cfg.output_mult * cfg.base_dim / cfg.dim,
+        residual_mult=cfg.residual_mult * math.sqrt(depth_ratio),
+        attention_scale=math.sqrt(cfg.base_head_dim) / (cfg.dim // cfg.n_heads),
+    )
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,8 +116,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, scale: Optional[float]):
         super().__init__()
+        self.scale = scale
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
         self.head_dim = cfg.dim // cfg.n_heads
@@ -79,9 +136,10 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         gqa = self.n_kv_heads != self.n_heads
         if isinstance(mask, BlockMask):
-            out = _compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
+            out = _compiled_flex_attention()(q, k, v, block_mask=mask, scale=self.scale, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                                 enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -98,13 +156,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, scaled: Scaling):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, scaled.attention_scale)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = MLP(cfg)
-        self.residual_mult = cfg.residual_mult
+        self.residual_mult = scaled.residual_mult
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: masks.Mask) -> torch.Tensor:
         x = x + self.residual_mult * self.attention(self.attention_norm(x), cos, sin, mask)
@@ -115,8 +173,9 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.scaling = scaling(cfg)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, self.scaling) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Derived from the config, so kept out of checkpoints.
@@ -131,25 +190,27 @@ class Transformer(nn.Module):
         numbers. A model built partitioned (DeepSpeed's zero.Init) has only shards by the
         time its __init__ runs, so its builder gathers each parameter and applies these."""
         cfg = self.cfg
-        hidden = {id(w) for w in self.hidden_matrices()}
+        hidden = {id(w): name for name, w in self.hidden_matrices()}
         hidden_std = cfg.hidden_init_std if cfg.hidden_init_std is not None else cfg.init_std
         matmul = [m.weight for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
         for weight in matmul:
-            std = hidden_std if id(weight) in hidden else cfg.init_std
+            std = self.scaling.init_std(hidden[id(weight)], hidden_std) if id(weight) in hidden else cfg.init_std
             yield weight, lambda w, std=std: nn.init.normal_(w, std=std)
         # GPT-2 scheme: each block adds two projections to the residual stream, so scaling
         # them keeps the stream's variance from growing with depth. A model transferred from
         # a shallower base leaves depth to residual_mult (depth-muP) and keeps the base's.
         residual_std = hidden_std / math.sqrt(2 * (cfg.base_n_layers or cfg.n_layers))
         for block in self.layers:
-            for weight in (block.attention.wo.weight, block.feed_forward.w2.weight):
-                yield weight, lambda w: nn.init.normal_(w, std=residual_std)
+            for name in ("attention.wo", "feed_forward.w2"):
+                std = self.scaling.init_std(name, residual_std)
+                yield block.get_parameter(f"{name}.weight"), lambda w, std=std: nn.init.normal_(w, std=std)
 
-    def hidden_matrices(self) -> list[nn.Parameter]:
-        """The blocks' matrices: what muP gives a width-scaled init and learning rate
-        (the embedding, norms and output head keep theirs)."""
-        # A partitioned parameter (zero.Init) is an empty tensor; its true shape is DeepSpeed's.
-        return [p for p in self.layers.parameters() if len(getattr(p, "ds_shape", p.shape)) >= 2]
+    def hidden_matrices(self) -> list[tuple[str, nn.Parameter]]:
+        """The blocks' matrices, each with its name in a block (`HIDDEN`): what muP gives an
+        init and learning rate scaled by its fan-in (the embedding, norms and output head
+        keep theirs)."""
+        return [(name.removesuffix(".weight"), p) for block in self.layers for name, p in block.named_parameters()
+                if name.removesuffix(".weight") in HIDDEN]
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -186,8 +247,8 @@ class Transformer(nn.Module):
             else:
                 h = block(h, cos, sin, mask)
         logits = self.output(self.norm(h))
-        if self.cfg.output_mult != 1.0:
-            logits = logits * self.cfg.output_mult
+        if self.scaling.output_mult != 1.0:
+            logits = logits * self.scaling.output_mult
         if targets is None:
             return logits
         if loss_mask is None:

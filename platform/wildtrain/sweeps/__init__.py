@@ -1,3 +1,3 @@
 """Few short ablations, then one big run: the grid of a sweep (`grid`), running it
 (`execute`), comparing its trials (`compare`) and promoting the winner (`promote`, with the
-width/depth `transfer` rule)."""
+muP/depth-muP `transfer` rule)."""

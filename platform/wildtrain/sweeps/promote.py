@@ -1,5 +1,5 @@
 """`wildtrain promote SWEEP --to model=7b`: the best trial as a frozen experiment file
-(conf/experiment/<name>.yaml) for the big run, scaled by the width/depth `transfer` rule,
+(conf/experiment/<name>.yaml) for the big run, scaled by the muP/depth-muP `transfer` rule,
 with where it came from as comments and as `run.tags` (so the run it starts carries them
 as MLflow tags). Everything is read back from MLflow and checked against it: the trial's
 config is rebuilt from the sweep's recorded overrides and must hash to the trial's hash."""
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from wildtrain.config import Config, ConfigError, config_hash, load_config, to_yaml
+from wildtrain.model.transformer import HIDDEN
 from wildtrain.sweeps import compare
 from wildtrain.sweeps.execute import TRIAL_TAG, common_overrides
 from wildtrain.sweeps.grid import trial_hash
@@ -109,9 +110,15 @@ def _header(sweep: str, best: compare.Ranked, rule: Transfer, to: Sequence[str],
         f"the best trial of sweep {sweep}, {best.trial.name} "
         f"({' '.join(f'{k}={v}' for k, v in best.trial.values)}), final {provenance['metric']} {best.score:.4f}.",
         "Frozen: every value is written out, so later changes to conf/ do not change this run.",
-        f"Scaled by muP (width x{rule.width_mult:.4g}) and depth-muP (depth x{rule.depth_mult:.4g}) from the trial's "
-        f"shape; base width {rule.base_dim}, base depth {rule.base_n_layers}:",
+        "Scaled by muP and depth-muP from the base model (the trial's shape, or the base it was itself promoted "
+        f"from): dim {rule.base_dim}, ffn_dim {rule.base_ffn_dim}, head_dim {rule.base_head_dim}, "
+        f"n_layers {rule.base_n_layers}, with the trial's multipliers:",
         *(f"  {key} = {value:.6g}" for key, value in rule.overrides().items()),
+        "which this model scales by each matrix's fan-in against the base's (learning rate: a multiple of optim.lr):",
+        *(f"  {matrix}: learning rate x{rule.scaled.lr_mult(matrix, rule.hidden_lr_mult):.6g}, "
+          f"init std x{rule.scaled.init_std(matrix, 1.0):.6g}" for matrix in HIDDEN),
+        f"  logits x{rule.scaled.output_mult:.6g}, residual branches x{rule.scaled.residual_mult:.6g}, "
+        f"attention logits q.k x{rule.scaled.attention_scale:.6g}",
         "Provenance (also run.tags, so the run carries them as MLflow tags):",
         *(f"  {key}: {value}" for key, value in provenance.items()),
     ]
