@@ -88,7 +88,7 @@ def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Opt
         open_datasets(cfg)
     client = MlflowClient(tracking.uri)
     experiment_id = experiment_id_of(client, tracking.experiment)
-    parent = _parent(client, experiment_id, plan)
+    parent = open_parent(client, experiment_id, plan)
     done = {run.data.tags[TRIAL_TAG] for run in trial_runs(client, [experiment_id], plan.name)
             if run.info.status == "FINISHED"}
     todo = [t for t in plan.trials if t.hash not in done]
@@ -109,7 +109,7 @@ def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Opt
     say(f"sweep {plan.name}: {len(todo)} trials to run, {parallel} at a time")
     client.update_run(parent, status="RUNNING")
     try:
-        ran, failed = _run_trials(todo, parallel, lambda t: _trial_tags(parent, plan.name, t), plan.name, say)
+        ran, failed = _run_trials(todo, parallel, lambda t: trial_tags(parent, plan.name, t), plan.name, say)
     except BaseException as e:
         # The parent must not read RUNNING in the MLflow UI for ever after.
         with contextlib.suppress(Exception):  # MLflow itself may be what failed
@@ -211,7 +211,7 @@ def _search(client, experiment_ids: list[str], sweep: str, role: str) -> list:
             return runs
 
 
-def _parent(client, experiment_id: str, plan: SweepPlan) -> str:
+def open_parent(client, experiment_id: str, plan: SweepPlan) -> str:
     """The sweep's parent run: created with its grid and common overrides, or found. A
     sweep of that name with another grid or other overrides is refused: its trials would
     not compare with these."""
@@ -233,7 +233,7 @@ def _parent(client, experiment_id: str, plan: SweepPlan) -> str:
     return run.info.run_id
 
 
-def _trial_tags(parent_run_id: str, sweep: str, trial: Trial) -> dict[str, str]:
+def trial_tags(parent_run_id: str, sweep: str, trial: Trial) -> dict[str, str]:
     return {"mlflow.parentRunId": parent_run_id, SWEEP_TAG: sweep, ROLE_TAG: "trial", TRIAL_TAG: trial.hash,
             **{VALUE_TAG + key: value for key, value in trial.values}}
 
