@@ -608,7 +608,9 @@ def redact(text: str) -> str:
 
 
 def config_hash(cfg: Config) -> str:
-    return hashlib.sha256(json.dumps(flatten(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """Of what the run trains with: credentials in its URIs are left out (`redact`), as
+    they change nothing it trains and the hash is recorded where others read it."""
+    return hashlib.sha256(redact(json.dumps(flatten(cfg), sort_keys=True, default=str)).encode()).hexdigest()[:16]
 
 
 def _split_overrides(overrides: list[str]) -> tuple[dict[str, str], Optional[str], list[str]]:

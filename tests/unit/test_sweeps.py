@@ -56,6 +56,14 @@ def test_grid_is_the_cartesian_product_first_key_slowest_with_stable_distinct_ha
     assert not {t.hash for t in longer.trials} & {t.hash for t in plan.trials}
 
 
+def test_credentials_change_no_trial_hash():
+    def hashes(uri):
+        return [t.hash for t in plan_sweep("s", ["optim.lr=1e-3,3e-3"], [f"tracking.uri={uri}"], steps=4).trials]
+
+    assert hashes("http://alice:s3cret@mlflow.example:5000") == hashes("http://bob:other@mlflow.example:5000")
+    assert hashes("http://alice:s3cret@mlflow.example:5000") != hashes("http://alice:s3cret@elsewhere:5000")
+
+
 def test_budget_tokens_equalizes_data_across_batch_sizes():
     assert steps_for_budget(16 * 128 * 10, 16, 128) == 10
     assert steps_for_budget(16 * 128 * 10 + 1, 16, 128) == 11
