@@ -200,7 +200,10 @@ def test_the_big_runs_choices_replace_the_trials_own():
     from wildtrain.sweeps.promote import overridden
 
     assert overridden("model.dim", ["model=7b"]) and overridden("model.dim", ["model.dim=4096"])
+    assert overridden("model", ["model=7b"]) and overridden("optim.lr", ["optim={lr: 1}"])
     assert not overridden("model.dim", ["model.dims=1", "optim.lr=1"])
+    # A group choice replaces only what its file sets: conf/model/7b.yaml sets no mask.
+    assert not overridden("model.attention", ["model=7b"]) and not overridden("model", ["model.dim=4096"])
 
 
 def test_a_sweep_on_data_that_is_not_there_fails_before_any_trial_or_parent_run(tmp_path):

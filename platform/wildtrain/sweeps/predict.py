@@ -10,9 +10,9 @@ from typing import Optional, Sequence
 from wildtrain.config import load_config
 from wildtrain.model import param_count
 from wildtrain.sweeps import compare
-from wildtrain.sweeps.execute import common_overrides
+from wildtrain.sweeps.execute import trial_args
 from wildtrain.sweeps.fit import Fitted, fit_law
-from wildtrain.sweeps.promote import overridden
+from wildtrain.sweeps.promote import promoted_args
 from wildtrain.sweeps.report import fetch_sweep
 
 
@@ -39,15 +39,11 @@ def predict_promoted(uri: str, sweep: str, to: Sequence[str], overrides: Sequenc
     from MLflow: the validation loss where every trial has one, as they are ranked) and
     predict the run `promote` would write with `to`."""
     parent, _, trials = fetch_sweep(uri, sweep)
-    common = common_overrides(parent)
     ranked = [r for r in compare.rank(trials) if r.place is not None]
-    params = [param_count(load_config([*common, *(f"{k}={v}" for k, v in r.trial.values)], conf_dir).model)
-              for r in ranked]
+    args = {r.trial.name: trial_args(parent, r.trial) for r in ranked}
+    params = [param_count(load_config(args[r.trial.name], conf_dir).model) for r in ranked]
     fitted = fit_law(params, [r.trial.tokens[-1] for r in ranked], [r.score for r in ranked])
-    best = ranked[0].trial
-    chosen = [*to, *overrides]
-    kept = [o for o in [*common, *(f"{k}={v}" for k, v in best.values)] if not overridden(o.partition("=")[0], chosen)]
-    target = load_config([*kept, *chosen], conf_dir)
+    target = load_config(promoted_args(args[ranked[0].trial.name], to, overrides, conf_dir), conf_dir)
     n = param_count(target.model)
     d = target.train.steps * target.train.global_batch_size * target.data.seq_len
     return Prediction(fitted, n, d, fitted.law.predict(n, d), fitted.predict_interval(n, d))
