@@ -148,6 +148,19 @@ def test_trials_with_validation_losses_rank_by_them_and_show_the_training_loss_b
         rank(trials, "accuracy")
 
 
+def test_the_law_is_fitted_through_the_best_trial_at_each_size_at_its_final_loss():
+    from wildtrain.sweeps.predict import final_loss, fit_points
+
+    trial = dataclasses.replace(record("a", (), [9.0] * 10 + [4.0] * 8 + [3.0, 1.0]), val_loss=2.5)
+    assert final_loss(trial, "val/loss") == 2.5
+    assert final_loss(trial, "loss") == 2.0, "the mean of the last tenth of its logged losses"
+    assert final_loss(record("b", (), [7.0]), "loss") == 7.0
+    # a and b: the same size and tokens (their last logged token count), b the better.
+    trials = [record("a", (), [3.0, 3.0]), record("b", (), [5.0, 2.0]), record("c", (), [5.0, 5.0]),
+              record("d", (), [float("nan")] * 2)]
+    assert fit_points(trials, {"a": 10, "b": 10, "c": 20, "d": 30}, "loss") == ([10, 20], [1, 1], [2.0, 5.0])
+
+
 def test_smoothing_starts_at_the_first_value():
     assert smooth([4.0, 4.0, 4.0]) == pytest.approx([4.0, 4.0, 4.0])
 

@@ -12,8 +12,12 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO
+from wildtrain.config import load_config
+from wildtrain.model import param_count
 from wildtrain.sweeps.execute import SweepError, open_parent, trial_tags
+from wildtrain.sweeps.fit import Law
 from wildtrain.sweeps.grid import plan_sweep
+from wildtrain.sweeps.predict import predict_promoted
 from wildtrain.sweeps.promote import PromoteError, promote
 
 EXPERIMENT = "sweeps"
@@ -101,3 +105,38 @@ def test_credentials_in_a_sweeps_overrides_reach_no_mlflow_record(store):
         promote(uri, plan.name, ["model=125m"], name="credentials-big", conf_dir=conf)
     cfg = promote(uri, plan.name, ["model=125m"], [secret], name="credentials-big", conf_dir=conf).cfg
     assert cfg.tracking.uri == "http://user:s3cret@mlflow.example:5000" and cfg.optim.lr == 3e-3
+
+
+# The loss the sweep's trials reach at the best learning rate (Chinchilla's law, Hoffmann
+# et al. 2022); worse learning rates add more the wider the model, as a fixed rate does.
+TRUE = Law(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
+PENALTY = {"1e-3": 0.0, "3e-2": 1.0, "1e-1": 2.0}
+WIDTHS = {"64": 1, "128": 2, "256": 3}
+
+
+def size(trial) -> tuple[int, int]:
+    cfg = trial.cfg
+    return param_count(cfg.model), cfg.train.steps * cfg.train.global_batch_size * cfg.data.seq_len
+
+
+def final(trial) -> float:
+    values = dict(trial.values)
+    return TRUE.predict(*size(trial)) + PENALTY[values["optim.lr"]] * WIDTHS[values["model.dim"]]
+
+
+def test_fit_goes_through_the_best_trial_of_each_size_at_its_final_loss(store):
+    uri, conf = store
+
+    def curve(trial):
+        # No validation set: each falls steeply to its final training loss, reached in the
+        # last tenth of its logged steps, where a moving average of it still lags behind.
+        return [final(trial) + 2.0 * (9 - i) for i in range(9)] + [final(trial)], None
+
+    grid = ["model.dim=64,128,256", "train.steps=10,20,40", "optim.lr=1e-3,3e-2,1e-1"]
+    plan = plan_sweep("fit", grid, ["experiment=tiny", f"tracking.experiment={EXPERIMENT}"], conf_dir=conf)
+    record_sweep(uri, plan, curve)
+    prediction = predict_promoted(uri, plan.name, ["model=125m"], ["train.steps=100"], conf_dir=conf)
+    for trial in (t for t in plan.trials if dict(t.values)["optim.lr"] == "1e-3"):
+        assert prediction.fitted.law.predict(*size(trial)) == pytest.approx(final(trial), rel=0.01), trial.label()
+    target = load_config(["experiment=tiny", "model=125m", "train.steps=100"], conf)
+    assert (prediction.params, prediction.tokens) == (param_count(target.model), 100 * 16 * 128)
