@@ -200,8 +200,9 @@ def promote(sweep_name: str, to: tuple[str, ...], metric: str | None, name: str 
 @click.option("--tracking-uri", help="The MLflow server [default: tracking.uri of the config].")
 @OVERRIDES
 def fit(sweep_name: str, to: tuple[str, ...], tracking_uri: str | None, overrides: tuple[str, ...]) -> None:
-    """Fit loss = E + A/N^alpha + B/D^beta to SWEEP's finished trials and predict the loss
-    of the run `promote SWEEP --to ... OVERRIDES` would write, with 90% bootstrap intervals."""
+    """Fit loss = E + A/N^alpha + B/D^beta to the best of SWEEP's finished trials at each model
+    size and token count, and predict the loss of the run `promote SWEEP --to ... OVERRIDES`
+    would write, with 90% bootstrap intervals."""
     from wildtrain.sweeps.fit import FitError
     from wildtrain.sweeps.predict import predict_promoted
     from wildtrain.tracking.mlflow_run import TrackingError, check_reachable, quiet_mlflow

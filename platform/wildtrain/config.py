@@ -630,7 +630,18 @@ def _validate_base_shape(model: ModelConfig) -> None:
 
 
 def config_hash(cfg: Config) -> str:
-    return hashlib.sha256(json.dumps(flatten(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """Of what the run trains with: credentials in its URIs are left out (`redact`), as
+    they change nothing it trains and the hash is recorded where others read it."""
+    return hashlib.sha256(redact(json.dumps(flatten(cfg), sort_keys=True, default=str)).encode()).hexdigest()[:16]
+
+
+def group_keys(group: str, choice: str, conf_dir: Optional[Path] = None) -> list[str]:
+    """The dotted keys conf/<group>/<choice>.yaml sets: `model.dim`, `model.n_layers`, ..."""
+    def keys(data: dict, prefix: str) -> list[str]:
+        return [k for key, value in data.items()
+                for k in (keys(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [f"{prefix}{key}"])]
+
+    return keys(_read_yaml((conf_dir or default_conf_dir()) / group / f"{choice}.yaml", kind=group), f"{group}.")
 
 
 def _split_overrides(overrides: list[str]) -> tuple[dict[str, str], Optional[str], list[str]]:

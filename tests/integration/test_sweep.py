@@ -150,5 +150,5 @@ def test_promote_writes_a_frozen_scaled_experiment_whose_run_carries_the_provena
 
 def test_fit_refuses_a_sweep_too_small_for_five_parameters(sweep, mlflow_url):
     plan, _, _ = sweep
-    with pytest.raises(FitError, match=r"at least 8 finished trials .* got 2 trials, 2 sizes"):
+    with pytest.raises(FitError, match=r"at least 8 points .* got 2 points, 2 sizes"):
         predict_promoted(mlflow_url, plan.name, ["model=125m"])

@@ -26,5 +26,5 @@ def test_fit_recovers_known_exponents_within_5_percent():
 
 
 def test_too_few_trials_are_refused_with_what_is_missing():
-    with pytest.raises(FitError, match=r"at least 8 finished trials .* got 2 trials, 1 sizes, 2 token counts"):
+    with pytest.raises(FitError, match=r"at least 8 points .* got 2 points, 1 sizes, 2 token counts"):
         fit_law([1e6, 1e6], [1e8, 2e8], [4.0, 3.9])

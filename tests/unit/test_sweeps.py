@@ -59,6 +59,14 @@ def test_grid_is_the_cartesian_product_first_key_slowest_with_stable_distinct_ha
     assert not {t.hash for t in longer.trials} & {t.hash for t in plan.trials}
 
 
+def test_credentials_change_no_trial_hash():
+    def hashes(uri):
+        return [t.hash for t in plan_sweep("s", ["optim.lr=1e-3,3e-3"], [f"tracking.uri={uri}"], steps=4).trials]
+
+    assert hashes("http://alice:s3cret@mlflow.example:5000") == hashes("http://bob:other@mlflow.example:5000")
+    assert hashes("http://alice:s3cret@mlflow.example:5000") != hashes("http://alice:s3cret@elsewhere:5000")
+
+
 def test_budget_tokens_equalizes_data_across_batch_sizes():
     assert steps_for_budget(16 * 128 * 10, 16, 128) == 10
     assert steps_for_budget(16 * 128 * 10 + 1, 16, 128) == 11
@@ -141,6 +149,19 @@ def test_trials_with_validation_losses_rank_by_them_and_show_the_training_loss_b
     assert "ranked by final smoothed training loss" in table_text("s", rank(mixed), ["obj"])
     with pytest.raises(ValueError, match="ranked by val/loss or loss"):
         rank(trials, "accuracy")
+
+
+def test_the_law_is_fitted_through_the_best_trial_at_each_size_at_its_final_loss():
+    from wildtrain.sweeps.predict import final_loss, fit_points
+
+    trial = dataclasses.replace(record("a", (), [9.0] * 10 + [4.0] * 8 + [3.0, 1.0]), val_loss=2.5)
+    assert final_loss(trial, "val/loss") == 2.5
+    assert final_loss(trial, "loss") == 2.0, "the mean of the last tenth of its logged losses"
+    assert final_loss(record("b", (), [7.0]), "loss") == 7.0
+    # a and b: the same size and tokens (their last logged token count), b the better.
+    trials = [record("a", (), [3.0, 3.0]), record("b", (), [5.0, 2.0]), record("c", (), [5.0, 5.0]),
+              record("d", (), [float("nan")] * 2)]
+    assert fit_points(trials, {"a": 10, "b": 10, "c": 20, "d": 30}, "loss") == ([10, 20], [1, 1], [2.0, 5.0])
 
 
 def test_smoothing_starts_at_the_first_value():
@@ -229,7 +250,10 @@ def test_the_big_runs_choices_replace_the_trials_own():
     from wildtrain.sweeps.promote import overridden
 
     assert overridden("model.dim", ["model=7b"]) and overridden("model.dim", ["model.dim=4096"])
+    assert overridden("model", ["model=7b"]) and overridden("optim.lr", ["optim={lr: 1}"])
     assert not overridden("model.dim", ["model.dims=1", "optim.lr=1"])
+    # A group choice replaces only what its file sets: conf/model/7b.yaml sets no mask.
+    assert not overridden("model.attention", ["model=7b"]) and not overridden("model", ["model.dim=4096"])
 
 
 def test_a_sweep_on_data_that_is_not_there_fails_before_any_trial_or_parent_run(tmp_path):

@@ -36,6 +36,7 @@ class TrialRecord:
     peak_memory_gb: Optional[float]
     data_digests: tuple[str, ...] = ()  # the dataset manifests it trained on
     val_loss: Optional[float] = None  # at its last validation (train/validation.py)
+    hash: str = ""  # the trial's (grid.trial_hash)
 
 
 # What trials can be ranked by: the validation loss at their last validation, or the

@@ -26,7 +26,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
-from wildtrain.config import Config
+from wildtrain.config import Config, redact
+from wildtrain.sweeps.compare import TrialRecord
 from wildtrain.sweeps.grid import SweepPlan, Trial
 
 SWEEP_TAG = "wildtrain.sweep"  # the sweep's name, on its parent and its trials
@@ -35,6 +36,9 @@ TRIAL_TAG = "wildtrain.trial"  # a trial's hash
 VALUE_TAG = "sweep."  # + swept key: the trial's value, on the trial's run
 GRID_PARAM = "sweep.grid"  # on the parent: {key: [values]}, JSON
 OVERRIDES_PARAM = "sweep.overrides"  # on the parent: the overrides common to every trial, JSON
+# + a trial's hash, on the parent: all its arguments (its `wildtrain train` overrides, which
+# --budget-tokens gives their own train.steps), JSON; what `promote` rebuilds it from.
+ARGS_PARAM = "sweep.args."
 # A trial told to stop (the sweep was interrupted) has this long to close its run.
 STOP_GRACE_S = 60.0
 
@@ -88,7 +92,7 @@ def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Opt
         open_datasets(cfg)
     client = MlflowClient(tracking.uri)
     experiment_id = experiment_id_of(client, tracking.experiment)
-    parent = _parent(client, experiment_id, plan)
+    parent = open_parent(client, experiment_id, plan)
     done = {run.data.tags[TRIAL_TAG] for run in trial_runs(client, [experiment_id], plan.name)
             if run.info.status == "FINISHED"}
     todo = [t for t in plan.trials if t.hash not in done]
@@ -109,7 +113,7 @@ def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Opt
     say(f"sweep {plan.name}: {len(todo)} trials to run, {parallel} at a time")
     client.update_run(parent, status="RUNNING")
     try:
-        ran, failed = _run_trials(todo, parallel, lambda t: _trial_tags(parent, plan.name, t), plan.name, say)
+        ran, failed = _run_trials(todo, parallel, lambda t: trial_tags(parent, plan.name, t), plan.name, say)
     except BaseException as e:
         # The parent must not read RUNNING in the MLflow UI for ever after.
         with contextlib.suppress(Exception):  # MLflow itself may be what failed
@@ -211,14 +215,17 @@ def _search(client, experiment_ids: list[str], sweep: str, role: str) -> list:
             return runs
 
 
-def _parent(client, experiment_id: str, plan: SweepPlan) -> str:
-    """The sweep's parent run: created with its grid and common overrides, or found. A
-    sweep of that name with another grid or other overrides is refused: its trials would
-    not compare with these."""
+def open_parent(client, experiment_id: str, plan: SweepPlan) -> str:
+    """The sweep's parent run: created with its grid, common overrides and each trial's
+    arguments, or found. A sweep of that name with another grid, other overrides or other
+    trials (another --budget-tokens) is refused: its trials would not compare with these.
+    Credentials in them are redacted as in every run's params: the trials run with them,
+    MLflow's readers do not see them."""
     from mlflow.entities import Param
 
-    grid = json.dumps({key: list(dict.fromkeys(dict(t.values)[key] for t in plan.trials)) for key in plan.keys})
-    overrides = json.dumps(list(plan.overrides))
+    grid = redact(json.dumps({key: list(dict.fromkeys(dict(t.values)[key] for t in plan.trials)) for key in plan.keys}))
+    overrides = redact(json.dumps(list(plan.overrides)))
+    args = {ARGS_PARAM + t.hash: redact(json.dumps(list(t.args))) for t in plan.trials}
     existing = _search(client, [experiment_id], plan.name, "parent")
     if existing:
         params = existing[0].data.params
@@ -226,14 +233,19 @@ def _parent(client, experiment_id: str, plan: SweepPlan) -> str:
             if params.get(name) != value:
                 raise SweepError(f"sweep {plan.name!r} already exists with other {option} ({params.get(name)}, "
                                  f"now {value}); give this one another name")
+        recorded = {name: value for name, value in params.items() if name.startswith(ARGS_PARAM)}
+        if recorded != args:
+            raise SweepError(f"sweep {plan.name!r} already exists with other trials (another --budget-tokens, "
+                             "or recorded before each trial's arguments were); give this one another name")
         return existing[0].info.run_id
     run = client.create_run(experiment_id, run_name=plan.name, tags={SWEEP_TAG: plan.name, ROLE_TAG: "parent"})
     client.log_batch(run.info.run_id, params=[Param(GRID_PARAM, grid), Param(OVERRIDES_PARAM, overrides),
-                                              Param("sweep.trials", str(len(plan.trials)))])
+                                              Param("sweep.trials", str(len(plan.trials))),
+                                              *(Param(name, value) for name, value in args.items())])
     return run.info.run_id
 
 
-def _trial_tags(parent_run_id: str, sweep: str, trial: Trial) -> dict[str, str]:
+def trial_tags(parent_run_id: str, sweep: str, trial: Trial) -> dict[str, str]:
     return {"mlflow.parentRunId": parent_run_id, SWEEP_TAG: sweep, ROLE_TAG: "trial", TRIAL_TAG: trial.hash,
             **{VALUE_TAG + key: value for key, value in trial.values}}
 
@@ -249,3 +261,13 @@ def grid_keys(parent_run) -> list[str]:
 
 def common_overrides(parent_run) -> list[str]:
     return json.loads(parent_run.data.params[OVERRIDES_PARAM])
+
+
+def trial_args(parent_run, trial: TrialRecord) -> list[str]:
+    """The arguments that load `trial`'s config, credentials redacted: as the parent
+    recorded them or, for a sweep recorded before it did, its common overrides and the
+    trial's swept values (which miss a --budget-tokens trial's steps)."""
+    recorded = parent_run.data.params.get(ARGS_PARAM + trial.hash)
+    if recorded is None:
+        return [*common_overrides(parent_run), *(f"{key}={value}" for key, value in trial.values)]
+    return json.loads(recorded)

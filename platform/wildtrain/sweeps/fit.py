@@ -98,9 +98,9 @@ def fit_law(params: Sequence[float], tokens: Sequence[float], losses: Sequence[f
     the grid's size again for little change."""
     n, d, l = (np.asarray(x, dtype=float) for x in (params, tokens, losses))
     if len(l) < MIN_POINTS or len(set(n)) < 2 or len(set(d)) < 2 or not np.all(np.isfinite(l)):
-        raise FitError(f"a loss-vs-compute fit needs at least {MIN_POINTS} finished trials with finite losses over "
-                       f"several model sizes and token counts; got {len(l)} trials, {len(set(n))} sizes, "
-                       f"{len(set(d))} token counts")
+        raise FitError(f"a loss-vs-compute fit needs at least {MIN_POINTS} points (the best finished trial at a "
+                       f"model size and token count) with finite losses over several of each; got {len(l)} points, "
+                       f"{len(set(n))} sizes, {len(set(d))} token counts")
     log_n, log_d, log_l = np.log(n), np.log(d), np.log(l)
     theta = _fit(log_n, log_d, log_l, _STARTS)
     rng = np.random.default_rng(seed)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from wildtrain.config import Config, ConfigError, flatten, load_config
+from wildtrain.config import Config, ConfigError, flatten, load_config, redact
 
 # The sweep names its trials by their hash.
 _RESERVED = ("run.name",)
@@ -83,10 +83,12 @@ def _split_values(values: str) -> list[str]:
 
 
 def trial_hash(cfg: Config) -> str:
-    """Of the resolved config minus its name and labels: the same trial hashes the same in
-    every sweep and on every machine, and any change to what it trains changes it."""
+    """Of the resolved config minus its name, labels and the credentials in its URIs: the
+    same trial hashes the same in every sweep, on every machine and for every user, any
+    change to what it trains changes it, and a trial rebuilt from its recorded (redacted)
+    arguments hashes as it did."""
     flat = {key: value for key, value in flatten(cfg).items() if not key.startswith(_NOT_HASHED)}
-    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return hashlib.sha256(redact(json.dumps(flat, sort_keys=True, default=str)).encode()).hexdigest()[:10]
 
 
 def steps_for_budget(tokens: int, global_batch_size: int, seq_len: int) -> int:

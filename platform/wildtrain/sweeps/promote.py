@@ -2,7 +2,8 @@
 (conf/experiment/<name>.yaml) for the big run, scaled by the muP/depth-muP `transfer` rule,
 with where it came from as comments and as `run.tags` (so the run it starts carries them
 as MLflow tags). Everything is read back from MLflow and checked against it: the trial's
-config is rebuilt from the sweep's recorded overrides and must hash to the trial's hash."""
+config is rebuilt from its arguments, as the sweep recorded them, and must hash to the
+trial's hash."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from wildtrain.config import Config, ConfigError, config_hash, load_config, to_yaml
+from wildtrain.config import GROUPS, Config, ConfigError, config_hash, group_keys, load_config, to_yaml
 from wildtrain.model.transformer import HIDDEN
 from wildtrain.sweeps import compare
-from wildtrain.sweeps.execute import TRIAL_TAG, common_overrides
+from wildtrain.sweeps.execute import trial_args
 from wildtrain.sweeps.grid import trial_hash
 from wildtrain.sweeps.report import fetch_sweep
 from wildtrain.sweeps.transfer import Transfer, transfer
@@ -41,8 +42,6 @@ def promote(uri: str, sweep: str, to: Sequence[str], overrides: Sequence[str] = 
     finished trial has one, else the training loss (`compare.ranking_metric`)."""
     if metric is not None and metric not in METRICS:
         raise PromoteError(f"--metric {metric}: a trial can be promoted by {', '.join(METRICS)}")
-    from mlflow.tracking import MlflowClient
-
     parent, keys, trials = fetch_sweep(uri, sweep)
     if metric == "val/loss" and compare.ranking_metric(trials) != "val/loss":
         raise PromoteError(f"--metric val/loss: not every finished trial of sweep {sweep!r} has a validation loss "
@@ -52,30 +51,27 @@ def promote(uri: str, sweep: str, to: Sequence[str], overrides: Sequence[str] = 
     best = next((r for r in ranked if r.place == 1), None)
     if best is None:
         raise PromoteError(f"sweep {sweep!r} has no finished trial to promote (run it, or see `wildtrain report {sweep}`)")
-    client = MlflowClient(uri)
-    trial_run = client.get_run(best.trial.run_id)
-    # The sweep's trials ran with early stop on; the big run trains on whatever its loss does.
-    common = [o for o in common_overrides(parent) if not o.startswith("early_stop.enabled=")]
-    swept = [f"{key}={value}" for key, value in best.trial.values]
-    trial_cfg = load_config([*common_overrides(parent), *swept], conf_dir)
-    if trial_hash(trial_cfg) != trial_run.data.tags[TRIAL_TAG]:
+    args = trial_args(parent, best.trial)
+    trial_cfg = load_config(args, conf_dir)
+    if trial_hash(trial_cfg) != best.trial.hash:
         raise PromoteError(f"trial {best.trial.name}: its config rebuilt from conf/ hashes to {trial_hash(trial_cfg)}, "
                            "not its own hash: conf/ changed since the sweep ran")
-    # The big run's own choices win over the trial's: `--to model=7b` replaces a swept
-    # model.dim, which the transfer rule then scales from.
-    kept = [o for o in [*common, *swept] if not overridden(o.partition("=")[0], [*to, *overrides])]
-    target = load_config([*kept, *to, *overrides], conf_dir)
+    promoted = promoted_args(args, to, overrides, conf_dir)
+    lost = [o.partition("=")[0] for o in promoted if _REDACTED in o]
+    if lost:
+        raise PromoteError(f"{', '.join(lost)}: the sweep recorded it without its credentials; give it again as an "
+                           f"override ({lost[0]}=...)")
+    target = load_config(promoted, conf_dir)
     rule = transfer(trial_cfg.model, trial_cfg.optim.hidden_lr_mult, target.model)
     name = name or f"{sweep}-yolo"
     provenance = {
         "sweep": sweep, "sweep_run_id": parent.info.run_id, "trial": best.trial.name,
-        "trial_run_id": trial_run.info.run_id, "trial_hash": trial_run.data.tags[TRIAL_TAG],
+        "trial_run_id": best.trial.run_id, "trial_hash": best.trial.hash,
         "config_hash": config_hash(trial_cfg), "data_manifests": ",".join(best.trial.data_digests),
         "metric": metric, "score": f"{best.score:.{compare.LOSS_DECIMALS}f}",
     }
     tags = {PROVENANCE + key: value for key, value in provenance.items()}
-    cfg = load_config([*kept, *to, *overrides, *(f"{k}={v}" for k, v in rule.overrides().items()),
-                       f"run.name={name}"], conf_dir)
+    cfg = load_config([*promoted, *(f"{k}={v}" for k, v in rule.overrides().items()), f"run.name={name}"], conf_dir)
     cfg.run.tags = {**cfg.run.tags, **tags}
     path = (conf_dir or _conf_dir()) / "experiment" / f"{name}.yaml"
     if path.exists():
@@ -92,9 +88,35 @@ def promote(uri: str, sweep: str, to: Sequence[str], overrides: Sequence[str] = 
     return Promotion(name, path, cfg, tags, rule)
 
 
-def overridden(key: str, by: Sequence[str]) -> bool:
-    """Whether one of the overrides `by` sets `key`, itself or as its group or section."""
-    return any(key == other or key.startswith(other + ".") for other in (o.partition("=")[0] for o in by))
+# What a trial had that the big run does not: its name, and early stop (the big run trains
+# on whatever its loss does).
+_TRIAL_ONLY = ("run.name", "early_stop.enabled")
+# What `redact` puts in place of a URI's credentials.
+_REDACTED = "://***@"
+
+
+def promoted_args(trial: Sequence[str], to: Sequence[str], overrides: Sequence[str],
+                  conf_dir: Optional[Path] = None) -> list[str]:
+    """The big run's arguments: the trial's `trial` arguments, less what `to` and
+    `overrides` set (`--to model=7b` replaces a swept model.dim, which the transfer rule
+    then scales from, and keeps a model.attention conf/model/7b.yaml says nothing of), then
+    those."""
+    chosen = [*to, *overrides]
+    kept = [o for o in trial if o.partition("=")[0] not in _TRIAL_ONLY
+            and not overridden(o.partition("=")[0], chosen, conf_dir)]
+    return [*kept, *chosen]
+
+
+def overridden(key: str, by: Sequence[str], conf_dir: Optional[Path] = None) -> bool:
+    """Whether one of the overrides `by` sets `key`: itself or its section, or, for a group
+    choice such as `model=7b`, the group itself or a key its file (conf/model/7b.yaml) sets."""
+    for other, _, value in (o.partition("=") for o in by):
+        if key == other:
+            return True
+        if key.startswith(other + ".") and (
+                other not in GROUPS or any(key == s or key.startswith(s + ".") for s in group_keys(other, value, conf_dir))):
+            return True
+    return False
 
 
 def _conf_dir() -> Path:

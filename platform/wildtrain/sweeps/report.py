@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from wildtrain.sweeps import compare
-from wildtrain.sweeps.execute import find_parent, grid_keys, swept_values, trial_runs
+from wildtrain.sweeps.execute import TRIAL_TAG, find_parent, grid_keys, swept_values, trial_runs
 from wildtrain.tracking.mlflow_run import STOPPED_EARLY_TAG
 
 ARTIFACT_DIR = "report"
@@ -66,6 +66,7 @@ def _record(client, run, keys: list[str]) -> compare.TrialRecord:
         peak_memory_gb=max(memory) if memory else None,
         data_digests=digests,
         val_loss=validated[max(validated)] if validated else None,
+        hash=run.data.tags[TRIAL_TAG],
     )
 
 
