@@ -32,7 +32,10 @@ class Law:
     beta: float
 
     def predict(self, n: float, d: float) -> float:
-        return self.E + self.A / n ** self.alpha + self.B / d ** self.beta
+        # In floats that overflow to inf: a bootstrap law fitted badly (from a few points) may
+        # predict beyond float range far from its data, and its interval then says so.
+        with np.errstate(over="ignore"):
+            return float(self.E + self.A * np.power(np.float64(n), -self.alpha) + self.B * np.power(np.float64(d), -self.beta))
 
 
 @dataclass(frozen=True)
