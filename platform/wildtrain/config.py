@@ -426,7 +426,6 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
 
