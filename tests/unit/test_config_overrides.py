@@ -104,7 +104,8 @@ MALFORMED = st.sampled_from([
     "train.steps", "=1", "=", ".train=1", "train.=1", "train..steps=1", "train.steps=[", "train.steps={",
     "run.name=]", "run.name='open", "run.name=a: b: c", "run.name=!!python/object:os.system",
     "train.steps=${", "train.steps=${nope}", "run.name=${nope.x}", "train.steps=???", "run.name=???",
-    "data.datasets.0.uri=${oops:1}", "data.validation=${run.tags}", "run.tags=${data.datasets}", "cluster.worker_resources.a[0]=1", "run.tags.a]=b",
+    "data.datasets.0.uri=${oops:1}", "data.validation=${run.tags}", "run.tags=${data.datasets}",
+    "cluster.worker_resources.a[0]=1", "run.tags.a]=b",
     "model=", "model=nope", "model=../config", "model=a/b", "experiment=", "experiment=../config.yaml",
     "deepspeed=zero1 ", "train .steps=1",
 ])
