@@ -60,7 +60,8 @@ def train(overrides: tuple[str, ...]) -> None:
     ))
     click.echo(f"  MLflow run:     {redact(summary.mlflow_url)}")
     if summary.dashboard_url:
-        click.echo(f"  Ray dashboard:  {redact(summary.dashboard_url)}")
+        dashboard = services.dashboard_text(summary.dashboard_url, services.uses_token_auth())
+        click.echo(f"  Ray dashboard:  {redact(dashboard)}")
     click.echo(f"  checkpoint:     {summary.checkpoint}")
 
 
@@ -360,8 +361,9 @@ def up(state_dir: Path, ray_port: int, dashboard_port: int, mlflow_port: int, ob
                               num_cpus, object_store_port, num_gpus=num_gpus)
     except services.ServiceError as e:
         _fail(str(e), 1)
-    gpus = "" if running.num_gpus is None else f", {running.num_gpus} GPU{'' if running.num_gpus == 1 else 's'}"
-    click.echo(f"Ray:            {running.ray_address} (dashboard {running.dashboard_url}{gpus})")
+    gpus = "" if running.num_gpus is None else f" ({running.num_gpus} GPU{'' if running.num_gpus == 1 else 's'})"
+    click.echo(f"Ray:            {running.ray_address}{gpus}")
+    click.echo(f"Ray dashboard:  {services.dashboard_text(running.dashboard_url, token_auth=True)}")
     click.echo(f"MLflow:         {running.mlflow_url}")
     store = running.object_store
     click.echo(f"object store:   {store.endpoint} (S3, bucket {store.bucket}; keys in {state_dir / 'services.json'})")
@@ -452,7 +454,7 @@ def _submit(cluster: registry.Cluster, overrides: tuple[str, ...], follow: bool,
         _fail(str(e), 1)
     click.echo(f"job:            {submitted.job_id} on {cluster.name}")
     click.echo(f"MLflow run:     {redact(submitted.tracking)}")
-    click.echo(f"Ray dashboard:  {redact(submitted.dashboard)}")
+    click.echo(f"Ray dashboard:  {redact(submitted.dashboard)} (sign in with the token in {cluster.token_file})")
 
 
 @main.command()

@@ -17,15 +17,18 @@ key path, so the CLI can print one line and exit 2.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 import hashlib
 import json
+import types
+import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf import BooleanNode, FloatNode, IntegerNode, OmegaConf, StringNode
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from wildtrain.batching import unservable_world_sizes
 
@@ -430,7 +433,6 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
 
@@ -458,16 +460,23 @@ def load_config(overrides: list[str] = (), conf_dir: Optional[Path] = None) -> C
             raise ConfigError(f"defaults.{group}: unknown config group (groups: {', '.join(GROUPS)})")
         layers.append({group: _read_yaml(conf_dir / group / f"{choice}.yaml", kind=group)})
     layers.append(deltas)
+    for layer in layers:
+        _check(layer, Config, "")
 
     merged = OmegaConf.structured(Config)
+    at = None  # the override at hand: some of OmegaConf's errors name no key
     try:
-        for layer in layers:
-            merged = OmegaConf.merge(merged, layer)
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotlist))
+        merged.merge_with(*layers)
+        for at, value in dotlist:
+            _check_item_numbers(merged, at)
+            OmegaConf.update(merged, at, value, merge=True)
+        for at, _ in dotlist:
+            OmegaConf.select(merged, at)  # resolves an interpolation, named by its key if it fails
+        at = None
         OmegaConf.resolve(merged)
+        cfg: Config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        raise ConfigError(_explain(e)) from None
-    cfg: Config = OmegaConf.to_object(merged)
+        raise ConfigError(_explain(e, at)) from None
     validate(cfg)
     return cfg
 
@@ -644,21 +653,48 @@ def group_keys(group: str, choice: str, conf_dir: Optional[Path] = None) -> list
     return keys(_read_yaml((conf_dir or default_conf_dir()) / group / f"{choice}.yaml", kind=group), f"{group}.")
 
 
-def _split_overrides(overrides: list[str]) -> tuple[dict[str, str], Optional[str], list[str]]:
+# A choice of conf/<group>/ or conf/experiment/: a file name there, never a path.
+_CHOICE = re.compile(r"\w[\w.-]*")
+# What OmegaConf reads as bracket syntax or an escape inside a key.
+_NOT_IN_KEYS = re.compile(r"[\[\]\\]")
+
+
+def _split_overrides(overrides: list[str]) -> tuple[dict[str, str], Optional[str], list[tuple[str, Any]]]:
+    """Group choices, the experiment, and the dotlist as (key, value) pairs, each checked
+    against the schema before any file is read."""
     groups: dict[str, str] = {}
     experiment = None
     dotlist = []
     for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
+        key, sep, text = item.partition("=")
+        if not sep or "" in key.split("."):
             raise ConfigError(f"{item}: an override must look like key=value")
-        if key == "experiment":
-            experiment = value
-        elif key in GROUPS:
-            groups[key] = value
-        else:
-            dotlist.append(item)
+        if key == "experiment" or key in GROUPS:
+            if not _CHOICE.fullmatch(text):
+                raise ConfigError(f"{item}: {text!r} is not the name of a file in conf/{key}/")
+            if key == "experiment":
+                experiment = text
+            else:
+                groups[key] = text
+            continue
+        declared = _type_at(key)
+        value = _parse_value(key, text)
+        _check(value, declared, key)
+        dotlist.append((key, value))
     return groups, experiment, dotlist
+
+
+def _parse_value(key: str, text: str) -> Any:
+    """`text` read as YAML, as OmegaConf reads a dotlist's values."""
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist([f"value={text}"]))["value"]
+    except Exception as e:  # PyYAML's errors and OmegaConf's (a key YAML reads as a list)
+        raise ConfigError(f"{key}: {text!r} is not a value ({_first_line(e)})") from None
+
+
+def _first_line(e: Exception) -> str:
+    """What is wrong, without PyYAML's multi-line excerpt of where."""
+    return getattr(e, "problem", None) or str(e).splitlines()[0]
 
 
 def _read_yaml(path: Path, kind: str = "config") -> dict:
@@ -669,37 +705,136 @@ def _read_yaml(path: Path, kind: str = "config") -> dict:
     try:
         data = OmegaConf.to_container(OmegaConf.load(path))
     except Exception as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(f"{path}: not valid YAML: {_first_line(e)}") from None
+    if not isinstance(data or {}, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys to values, got a list")
     return data or {}
 
 
-def _explain(e: OmegaConfBaseException) -> str:
-    """Turn OmegaConf's multi-line errors into `full.key: what is wrong`."""
-    full_key = getattr(e, "full_key", None) or "config"
-    if isinstance(e, ConfigKeyError):
-        parent_key, _, leaf = full_key.rpartition(".")
-        section = _section(parent_key)
-        known = [f.name for f in fields(section)] if section is not None else []
-        guess = difflib.get_close_matches(leaf, known, n=1)
-        hint = f" (did you mean {parent_key + '.' if parent_key else ''}{guess[0]}?)" if guess else ""
-        return f"{full_key}: unknown key{hint}"
-    if isinstance(e, ValidationError):
-        section = _section(full_key.rpartition(".")[0])
-        types = {f.name: f.type for f in fields(section)} if section is not None else {}
-        expected = types.get(full_key.rpartition(".")[2])
-        got = re.match(r"Value '(.*)' of type '(.*?)'", str(e))
-        if expected and got:
-            return f"{full_key}: expected {expected}, got {got[1]!r} ({got[2]})"
-        if "is not a ListConfig" in str(e):  # `eval.tasks=hellaswag` for `eval.tasks=[hellaswag]`
-            return f"{full_key}: expected a list, e.g. {full_key}=[a,b]"
-    return f"{full_key}: {str(e).splitlines()[0]}"
+def _required(declared: Any) -> Any:
+    """`X` of `Optional[X]`; any other type as it is."""
+    if typing.get_origin(declared) in (typing.Union, types.UnionType):
+        return next(arg for arg in typing.get_args(declared) if arg is not type(None))
+    return declared
 
 
-def _section(dotted: str):
-    node: Any = Config
-    for part in filter(None, dotted.split(".")):
-        types = {f.name: f.default_factory for f in fields(node) if callable(f.default_factory)}
-        if part not in types:
-            return None
-        node = types[part]
-    return node
+@functools.cache
+def _fields(section: type) -> dict[str, Any]:
+    return typing.get_type_hints(section)
+
+
+def _unknown(key: str, at: str, known: dict[str, Any]) -> str:
+    parent, _, leaf = at.rpartition(".")
+    guess = difflib.get_close_matches(leaf, list(known), n=1)
+    hint = f" (did you mean {parent + '.' if parent else ''}{guess[0]}?)" if guess else ""
+    return f"{key}: unknown key{'' if at == key else ' ' + at}{hint}"
+
+
+def _type_at(key: str) -> Any:
+    """The declared type of `key` (`data.datasets.0.uri`); a ConfigError names the part of
+    it that is no key."""
+    declared: Any = Config
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        parent = ".".join(parts[:i])
+        inner = _required(declared)
+        if is_dataclass(inner):
+            if part not in _fields(inner):
+                raise ConfigError(_unknown(key, ".".join(parts[: i + 1]), _fields(inner)))
+            declared = _fields(inner)[part]
+        elif typing.get_origin(inner) is list:
+            if not re.fullmatch(r"[0-9]+", part):
+                raise ConfigError(f"{key}: {parent} is a list, and {part!r} is not an item number")
+            declared = typing.get_args(inner)[0]
+        elif typing.get_origin(inner) is dict:
+            if _NOT_IN_KEYS.search(part):
+                raise ConfigError(f"{key}: a key may not contain [, ] or \\")
+            declared = typing.get_args(inner)[1]
+        else:
+            raise ConfigError(f"{key}: {parent} ({_type_name(declared)}) has no keys below it")
+    return declared
+
+
+def _type_name(declared: Any) -> str:
+    inner = _required(declared)
+    if inner is not declared:
+        return f"{_type_name(inner)} or null"
+    if is_dataclass(inner):
+        return f"a mapping of {', '.join(_fields(inner))}"
+    if typing.get_origin(inner) is list:
+        return f"a list of {_type_name(typing.get_args(inner)[0])}"
+    if typing.get_origin(inner) is dict:
+        return f"a mapping of names to {_type_name(typing.get_args(inner)[1])}"
+    return inner.__name__
+
+
+# What OmegaConf converts a scalar with (a str "3" to the int 3); the same conversions here.
+_SCALARS = {int: IntegerNode, float: FloatNode, bool: BooleanNode, str: StringNode}
+
+
+def _check(value: Any, declared: Any, path: str) -> None:
+    """A ConfigError naming the full key of the first thing in `value` (a YAML layer, an
+    override's value) that the `declared` type cannot hold. OmegaConf's own errors name keys
+    inside list items without the list (`w: unknown key` for data.datasets.0.w), and it lets
+    lists and mappings into a mapping or list of strings (run.tags, eval.tasks)."""
+    if isinstance(value, str) and "${" in value:
+        return  # an interpolation: OmegaConf checks what it resolves to
+    if value == "???":
+        raise ConfigError(f"{path}: ??? (OmegaConf's missing value) is not a value")
+    inner = _required(declared)
+    if value is None:
+        if inner is declared:
+            raise ConfigError(f"{path}: expected {_type_name(declared)}, got null")
+        return
+    if is_dataclass(inner) or typing.get_origin(inner) is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected {_type_name(inner)}, got {value!r}")
+        for name, item in value.items():
+            key = f"{path}.{name}" if path else str(name)
+            if item is None and ":" in str(name):  # `{w:1}`: YAML's flow mappings need `: `
+                written = str(name).replace(":", ": ", 1)
+                raise ConfigError(f"{path or key}: {{{name}}} reads as the key {name!r} without a value: "
+                                  f"write {{{written}}}")
+            if is_dataclass(inner):
+                if name not in _fields(inner):
+                    raise ConfigError(_unknown(key, key, _fields(inner)))
+                _check(item, _fields(inner)[name], key)
+            else:
+                if not isinstance(name, str):
+                    raise ConfigError(f"{key}: the names in {path} must be text, not {type(name).__name__}")
+                _check(item, typing.get_args(inner)[1], key)
+    elif typing.get_origin(inner) is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, e.g. {path}=[a,b]")
+        for i, item in enumerate(value):
+            _check(item, typing.get_args(inner)[0], f"{path}.{i}")
+    elif isinstance(value, (dict, list)) or not _holds(inner, value):
+        raise ConfigError(f"{path}: expected {_type_name(declared)}, got {value!r} ({type(value).__name__})")
+
+
+def _holds(scalar: type, value: Any) -> bool:
+    try:
+        _SCALARS[scalar](value)
+    except ValidationError:
+        return False
+    return True
+
+
+def _check_item_numbers(merged: Any, key: str) -> None:
+    """An item past the end of its list (OmegaConf would call it the wrong type)."""
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        at = ".".join(parts[:i])
+        if typing.get_origin(_required(_type_at(at))) is list:
+            items = len(OmegaConf.select(merged, at))
+            if int(parts[i]) >= items:
+                numbers = f" (0..{items - 1})" if items > 1 else " (0)" if items else ""
+                raise ConfigError(f"{key}: {at} has {items} item{'' if items == 1 else 's'}{numbers}; "
+                                  f"set the whole list: {at}=[...]")
+
+
+def _explain(e: OmegaConfBaseException, at: Optional[str]) -> str:
+    """`full.key: what is wrong` for what OmegaConf finds beyond `_check`: interpolations
+    that do not resolve, or resolve to the wrong type."""
+    key = re.sub(r"\[(\w+)\]", r".\1", getattr(e, "full_key", None) or "") or at or "config"
+    return f"{key}: {str(e).splitlines()[0]}"

@@ -89,7 +89,7 @@ def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
     mlflow_url = run_url(cfg.tracking.uri, experiment_id, run_id)
     print(f"MLflow run:     {redact(mlflow_url)}", flush=True)
     if dashboard_url:
-        print(f"Ray dashboard:  {dashboard_url}", flush=True)
+        print(f"Ray dashboard:  {services.dashboard_text(dashboard_url, services.uses_token_auth())}", flush=True)
 
     scaling.controller_env(cfg)
     run_fs, run_path = storage.filesystem(storage.resolve(cfg.run.storage), cfg.storage)

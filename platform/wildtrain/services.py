@@ -338,6 +338,26 @@ def ray_cli() -> str:
     return shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
 
 
+def token_command() -> str:
+    """The command that prints the token of Ray's token authentication (`token_auth_env`), as
+    a shell can run it: the `ray` beside this Python, by its path where PATH finds another
+    (`make demo` runs .venv/bin/wildtrain from a shell without the venv)."""
+    ours = ray_cli()
+    return f"{'ray' if shutil.which('ray') == ours else ours} get-auth-token"
+
+
+def uses_token_auth() -> bool:
+    """Whether this process's Ray authenticates with a token (`prepare_ray_client`)."""
+    return os.environ.get("RAY_AUTH_MODE") == "token"
+
+
+def dashboard_text(url: str, token_auth: bool) -> str:
+    """The dashboard's address as printed: under token authentication its sign-in asks for
+    the token, so with the command that prints it; never the token itself, which would stay
+    in terminals' scrollback, job logs and CI output."""
+    return f"{url} (sign in with the token `{token_command()}` prints)" if token_auth else url
+
+
 def token_auth_env() -> dict[str, str]:
     """The environment for Ray processes: token authentication, with a token generated in
     ~/.ray/auth_token if there is none (the dashboard and jobs API run arbitrary code for

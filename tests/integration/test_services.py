@@ -72,6 +72,11 @@ def test_up_listens_on_loopback_only_and_down_stops_only_what_it_started(ray_clu
     assert started.returncode == 0, started.stdout + started.stderr
     state = json.loads((state_dir / "services.json").read_text())
     try:
+        # The dashboard asks for Ray's token: `up` names the command that prints it, never the token.
+        token = subprocess.run([services.ray_cli(), "get-auth-token"], capture_output=True, text=True,
+                               check=True).stdout
+        assert token and token not in started.stdout + started.stderr
+        assert "ray get-auth-token" in started.stdout
         # The head offers the GPUs this machine's torch can use, recorded with the rest.
         assert state["num_gpus"] == torch.cuda.device_count()
         assert f"{state['num_gpus']} GPU" in started.stdout

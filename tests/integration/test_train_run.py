@@ -15,7 +15,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 
 from tests.conftest import REPO
 
-from wildtrain import driver, storage
+from wildtrain import driver, services, storage
 from wildtrain.checkpoint import STATE_FILE, reshard
 from wildtrain.checkpoint.restore import list_candidates, newest_committed
 from wildtrain.config import load_config
@@ -48,6 +48,12 @@ def test_a_two_worker_run_sent_with_ray_job_submit_trains_tracks_and_checkpoints
     assert done.returncode == 0, output
     assert JobSubmissionClient(dashboard).get_job_status(submission_id) == JobStatus.SUCCEEDED, output
     assert "step 8/8" in done.stdout and "finished" in done.stdout
+    # The run's first lines and its summary name the command that prints the dashboard's
+    # token (Ray's token authentication), never the token.
+    dashboard_lines = [line for line in done.stdout.splitlines() if "Ray dashboard:" in line]
+    assert len(dashboard_lines) == 2 and all("ray get-auth-token" in line for line in dashboard_lines), dashboard_lines
+    token = subprocess.run([services.ray_cli(), "get-auth-token"], capture_output=True, text=True, check=True).stdout
+    assert token and token not in done.stdout + done.stderr
 
     client = MlflowClient(mlflow_url)
     [run] = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],

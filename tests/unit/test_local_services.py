@@ -3,6 +3,10 @@ machine in MLflow params, printed URLs and errors (no Ray, no servers)."""
 
 import json
 import os
+import re
+import secrets
+import shlex
+import subprocess
 from dataclasses import fields
 from pathlib import Path
 
@@ -136,3 +140,23 @@ def test_a_client_of_wildtrain_ups_head_authenticates_with_its_token(tmp_path, m
     assert "RAY_AUTH_MODE" not in os.environ
     services.prepare_ray_client(None, tmp_path)
     assert os.environ["RAY_AUTH_MODE"] == "token"
+
+
+def test_the_dashboard_line_names_the_command_that_prints_its_token_and_never_the_token(tmp_path, monkeypatch):
+    token = secrets.token_hex(16)
+    (tmp_path / "auth_token").write_text(token)
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "auth_token"))
+    url = "http://127.0.0.1:8265"
+    assert services.dashboard_text(url, token_auth=False) == url
+
+    line = services.dashboard_text(url, token_auth=True)
+    assert line.startswith(url) and "ray get-auth-token" in line and token not in line
+    # From a shell without the venv on PATH (`make demo`), the command names its `ray` by path.
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    line = services.dashboard_text(url, token_auth=True)
+    command = re.search(r"`(.+)`", line)[1]
+    assert command == f"{services.ray_cli()} get-auth-token" and token not in line
+    printed = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == token  # the command named prints the token the dashboard asks for
