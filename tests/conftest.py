@@ -6,7 +6,6 @@ import pytest
 from wildtrain import services
 
 REPO = Path(__file__).resolve().parents[1]
-INTEGRATION = REPO / "tests" / "integration"
 
 # No test downloads from the Hugging Face Hub: Transformers, huggingface_hub and Datasets
 # (lm-eval's tasks) read these when imported, so they are set before any test module
@@ -30,12 +29,3 @@ def pytest_configure(config):
         from tests.helpers import standin_device
 
         standin_device.device()
-
-
-def pytest_collection_modifyitems(config, items):
-    # `make test` runs two pytest workers (pytest-xdist, --dist loadgroup): the integration
-    # tests, which share one Ray cluster, object store and MLflow server per worker and wait
-    # on them much of the time, all on one; the unit tests on the other, meanwhile.
-    for item in items:
-        if item.path.is_relative_to(INTEGRATION):
-            item.add_marker(pytest.mark.xdist_group("integration"))
