@@ -3,6 +3,7 @@ the machine (`wildtrain up`'s head, another test run's): every port it listens o
 
 from __future__ import annotations
 
+import tempfile
 from typing import Callable, Optional
 
 from ray.cluster_utils import Cluster
@@ -27,6 +28,10 @@ def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: 
     return Cluster(
         initialize_head=True,
         head_node_args={
+            # A temporary folder of its own: Ray's job supervisor tells a job's driver the
+            # address of the newest cluster started under the same folder ("auto"), and another
+            # test's cluster under /tmp/ray, gone since, sent the jobs of this one there to hang.
+            "temp_dir": tempfile.mkdtemp(prefix="wildtrain-test-ray-"),
             "gcs_server_port": gcs_port,
             "num_cpus": num_cpus,
             "resources": resources or {},
