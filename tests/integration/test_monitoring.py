@@ -101,9 +101,18 @@ def _train_workers() -> list[psutil.Process]:
     Ray may hand an actor a worker process it started earlier, idle until then."""
     found = []
     for process in psutil.process_iter(["cmdline"]):
-        if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
+        if "RayTrainWorker" in " ".join(process.info["cmdline"] or []) and _of_this_cluster(process):
             found.append(process)
     return found
+
+
+def _of_this_cluster(process: psutil.Process) -> bool:
+    """Whether `process` belongs to the session's cluster, not another on the machine (a
+    second test run's): its processes inherit the RAY_ADDRESS the cluster was started with."""
+    try:
+        return process.environ().get("RAY_ADDRESS") == os.environ.get("RAY_ADDRESS")
+    except psutil.Error:
+        return False
 
 
 def test_a_stopped_rank_is_detected_as_a_hang_and_the_attempt_restarts(ray_cluster, tiny_config, mlflow_url, tmp_path):
