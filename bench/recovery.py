@@ -20,12 +20,14 @@ Usage: .venv/bin/python bench/recovery.py [--steps 60] [--only "wildtrain tuned"
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 from progress import say
 from wildtrain import services
@@ -85,6 +87,25 @@ def prepare_tiny(uri: str) -> str:
     finally:
         ray.shutdown()
     return uri
+
+
+@contextlib.contextmanager
+def tiny_services(name: str) -> Iterator[tuple[Path, str, str]]:
+    """An object store and an MLflow server in a new folder, the tiny corpus prepared in
+    the store: the folder, the dataset's URI and MLflow's URL; the services stopped after."""
+    quiet_mlflow()
+    root = Path(tempfile.mkdtemp(prefix=f"wildtrain-{name}-"))
+    say(f"starting an object store and an MLflow server in {root}")
+    store = services.start_object_store(root / "objectstore", services.free_port(), "bench")
+    os.environ.update(store.env())  # before any cluster starts: its workers inherit it
+    port = services.free_port()
+    mlflow = services.start_mlflow(root / "mlflow", port)
+    try:
+        say("preparing the tiny corpus")
+        yield root, prepare_tiny(f"s3://{store.bucket}/datasets/tiny"), f"http://{services.HOST}:{port}"
+    finally:
+        services.stop_process(mlflow.pid)
+        services.stop_process(store.pid)
 
 
 def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path,
@@ -171,25 +192,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--only", choices=sorted(SCENARIOS), help="run this scenario alone")
     args = parser.parse_args()
-    quiet_mlflow()
     scenarios = {args.only: SCENARIOS[args.only]} if args.only else SCENARIOS
-    root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-recovery-"))
     load = LoadSampler()
-    say(f"starting an object store and an MLflow server in {root}")
-    store = services.start_object_store(root / "objectstore", services.free_port(), "bench")
-    os.environ.update(store.env())  # before any cluster starts: its workers inherit it
-    port = services.free_port()
-    mlflow = services.start_mlflow(root / "mlflow", port)
-    try:
-        say("preparing the tiny corpus")
-        dataset = prepare_tiny(f"s3://{store.bucket}/datasets/tiny")
-        rows = []
+    rows = []
+    with tiny_services("bench-recovery") as (root, dataset, mlflow_url):
         for name, scenario in scenarios.items():
             overrides = [f"data.datasets=[{{uri: {dataset}}}]", *scenario["overrides"]]
-            rows += run_scenario(name, overrides, scenario["system_config"], f"http://{services.HOST}:{port}", args.steps, root, load)
-    finally:
-        services.stop_process(mlflow.pid)
-        services.stop_process(store.pid)
+            rows += run_scenario(name, overrides, scenario["system_config"], mlflow_url, args.steps, root, load)
 
     columns = ["scenario", "event", "detection", "restart", "restore", "reshard", "first step", "steps lost", "load"]
     print("\n| " + " | ".join(columns) + " |")

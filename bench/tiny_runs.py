@@ -11,13 +11,11 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from progress import say
 from wildtrain import services
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,10 +29,9 @@ import ray  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from recovery import prepare_tiny  # noqa: E402
+from recovery import tiny_services  # noqa: E402
 from wildtrain import driver  # noqa: E402
 from wildtrain.config import Config, load_config  # noqa: E402
-from wildtrain.tracking.mlflow_run import quiet_mlflow  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -83,23 +80,11 @@ class TinyBench:
 def tiny_bench(experiment: str, num_cpus: int) -> Iterator[TinyBench]:
     """The services, the tiny corpus in the store, and a one-node fake cluster of `num_cpus`
     CPUs that this process has joined; all stopped after."""
-    quiet_mlflow()
-    root = Path(tempfile.mkdtemp(prefix=f"wildtrain-{experiment}-"))
-    say(f"starting an object store and an MLflow server in {root}")
-    store = services.start_object_store(root / "objectstore", services.free_port(), "bench")
-    os.environ.update(store.env())  # before the cluster starts: its workers inherit it
-    port = services.free_port()
-    mlflow = services.start_mlflow(root / "mlflow", port)
-    try:
-        say("preparing the tiny corpus")
-        dataset = prepare_tiny(f"s3://{store.bucket}/datasets/tiny")
+    with tiny_services(experiment) as (root, dataset, mlflow_url):
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus})
         ray.init(address=cluster.address)
         try:
-            yield TinyBench(root, dataset, f"http://{services.HOST}:{port}", experiment)
+            yield TinyBench(root, dataset, mlflow_url, experiment)
         finally:
             ray.shutdown()
             cluster.shutdown()
-    finally:
-        services.stop_process(mlflow.pid)
-        services.stop_process(store.pid)
