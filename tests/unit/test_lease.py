@@ -161,3 +161,33 @@ def test_of_two_drivers_that_take_the_lease_at_once_one_is_refused(tmp_path, mon
     assert any(o.startswith("run 'r' is live: pid") for o in outcomes if o != "held")
     for k in keepers:
         k.release()
+
+
+def _registry(tmp_path):
+    """Clusters a and b with their runs on local folders and no jobs API (nothing listens):
+    a move that refuses must do so before it asks one."""
+    import yaml
+
+    from wildtrain.services import free_port
+
+    entries = {name: {"provider": "local", "launcher": str(REPO / "ray_clusters/local-dev.yaml"),
+                      "jobs_api": f"http://127.0.0.1:{free_port()}", "token_file": "none.token",
+                      "storage": {"runs": str(tmp_path / name / "runs"), "data": str(tmp_path / name / "data")}}
+               for name in ("a", "b")}
+    path = tmp_path / "clusters.yaml"
+    path.write_text(yaml.safe_dump({"clusters": entries}))
+    return registry.load(path)
+
+
+def test_move_refuses_a_run_live_on_its_cluster_that_no_job_of_it_holds_and_copies_nothing(tmp_path):
+    from wildtrain.clusters.move import move
+
+    clusters = _registry(tmp_path)
+    root = tmp_path / "a" / "runs" / "r"
+    root.mkdir(parents=True)
+    (root / "wildtrain_run.json").write_text(json.dumps({"mlflow_run_id": "0123"}))
+    head = Holder("head-node", 4242, "a", "t-head")  # `wildtrain train` on a's head: no job
+    (root / "lease.json").write_text(Lease(head, time.time(), time.time() + 60).to_json())
+    with pytest.raises(LeaseError, match=r"^a: run 'r' is live: pid 4242 on head-node \(cluster a\) holds its lease"):
+        move("r", clusters.get("a"), clusters.get("b"), [])
+    assert not (tmp_path / "b").exists()

@@ -95,10 +95,11 @@ def move(run: str, src: Cluster, dst: Cluster, overrides: list[str], *, working_
     record = storage.read_text(src_layout.record, src_cfg.storage)
     if record is None:
         raise jobs_api.ClusterError(f"{src.name}: no run {run!r} at {src_layout.root} (no {src_layout.record})")
-    job = running_job(src, run)
     held = lease.read(src_layout.lease, src_cfg.storage)
     verdict = lease.decide(run, held, time.time())
-    if not verdict.free and not (job and held.holder.job == job):
+    # A live lease may only be that of the job step 1 stops; one no job holds refuses at once.
+    job = running_job(src, run) if verdict.free or held.holder.job else None
+    if not verdict.free and (job is None or held.holder.job != job):
         raise lease.LeaseError(f"{src.name}: {verdict.why}")
     on_dst = lease.check(run, dst_layout.lease, dst_cfg.storage)
     if not on_dst.free:
