@@ -191,3 +191,15 @@ def test_move_refuses_a_run_live_on_its_cluster_that_no_job_of_it_holds_and_copi
     with pytest.raises(LeaseError, match=r"^a: run 'r' is live: pid 4242 on head-node \(cluster a\) holds its lease"):
         move("r", clusters.get("a"), clusters.get("b"), [])
     assert not (tmp_path / "b").exists()
+
+
+def test_sync_leaves_the_lease_behind_so_a_copy_is_no_driver_s_and_a_renewal_fails_no_check(tmp_path):
+    from wildtrain.clusters.sync import Location, sync
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "wildtrain_run.json").write_text(json.dumps({"mlflow_run_id": "0123"}))
+    (src / "lease.json").write_text(Lease(OTHER, time.time(), time.time() + 60).to_json())
+    done = sync(Location(str(src)), Location(str(tmp_path / "dst")))
+    assert done.copied == ("wildtrain_run.json",)
+    assert sorted(p.name for p in (tmp_path / "dst").iterdir()) == ["wildtrain_run.json"]
