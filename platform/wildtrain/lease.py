@@ -133,6 +133,7 @@ class Keeper:
         self.renew_s, self.expire_s = cfg.run.lease_renew_s, cfg.run.lease_expire_s
         self.holder = Holder.here(cfg.cluster.name)
         self._stop = threading.Event()
+        self._written = False
         self._thread: Optional[threading.Thread] = None
 
     def _write(self) -> None:
@@ -149,6 +150,7 @@ class Keeper:
         """Take the lease (checked again: another driver may have taken it since) and keep
         renewing it until `release`."""
         self.refuse_if_held()
+        self._written = True  # from here on, an interrupted acquire releases what it wrote
         self._write()
         time.sleep(SETTLE_S)
         won = read(self.uri, self.config)
@@ -174,10 +176,11 @@ class Keeper:
 
     def release(self) -> None:
         """Stop renewing and mark the lease released, if this driver took it."""
-        if self._thread is None:
+        if not self._written:
             return
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         try:
             release_for(self.uri, self.config, self.holder)
         except (OSError, LeaseError) as e:  # never hides how the run ended; it expires anyway

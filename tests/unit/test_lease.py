@@ -159,8 +159,11 @@ def test_of_two_drivers_that_take_the_lease_at_once_one_is_refused(tmp_path, mon
         t.join()
     assert sorted(o == "held" for o in outcomes) == [False, True]
     assert any(o.startswith("run 'r' is live: pid") for o in outcomes if o != "held")
-    for k in keepers:
-        k.release()
+    winner, loser = sorted(keepers, key=lambda k: outcomes[keepers.index(k)] != "held")
+    loser.release()  # what it wrote was overwritten: the winner's lease stays live
+    assert _read(cfg).holder == winner.holder and _read(cfg).released_at is None
+    winner.release()
+    assert _read(cfg).released_at is not None
 
 
 def _registry(tmp_path):
