@@ -170,7 +170,8 @@ class Keeper:
                     print(f"warning: run {self.run!r}: lost its lease to {current.holder.describe()}; "
                           "two drivers may now write this run", flush=True)
                     return
-                self._write()
+                if not self._stop.is_set():  # released meanwhile: a renewal now would undo it
+                    self._write()
             except (OSError, LeaseError) as e:  # a storage outage: the next renewal tries again
                 print(f"warning: run {self.run!r}: could not renew its lease: {e}", flush=True)
 
@@ -180,7 +181,12 @@ class Keeper:
             return
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            # A renewal stuck on a store that does not answer must not hold the driver's end.
+            self._thread.join(timeout=self.expire_s)
+            if self._thread.is_alive():
+                print(f"warning: run {self.run!r}: its lease was not released (its store does not answer); "
+                      f"it expires within {self.expire_s:g} s", flush=True)
+                return
         try:
             release_for(self.uri, self.config, self.holder)
         except (OSError, LeaseError) as e:  # never hides how the run ended; it expires anyway
