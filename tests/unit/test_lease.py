@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.conftest import REPO
+from tests.helpers.waiting import wait_for
 from wildtrain import lease
 from wildtrain.clusters import registry
 from wildtrain.clusters.submit import job_spec, refuse_live
@@ -67,9 +68,8 @@ def test_a_driver_writes_renews_and_releases_its_lease(tmp_path, monkeypatch):
         first = _read(cfg)
         assert (first.holder.host, first.holder.pid, first.holder.cluster) == (socket.gethostname(), os.getpid(), "a")
         assert first.released_at is None and first.expires_at == pytest.approx(first.renewed_at + 0.5)
-        time.sleep(0.3)
-        renewed = _read(cfg)
-        assert renewed.holder == first.holder and renewed.renewed_at > first.renewed_at
+        renewed = wait_for(lambda: (now := _read(cfg)).renewed_at > first.renewed_at and now, "a renewal")
+        assert renewed.holder == first.holder and renewed.expires_at == pytest.approx(renewed.renewed_at + 0.5)
     released = _read(cfg)
     assert released.holder == first.holder and released.released_at is not None
     assert lease.check("r", RunLayout.of(cfg).lease, cfg.storage).free
@@ -77,17 +77,16 @@ def test_a_driver_writes_renews_and_releases_its_lease(tmp_path, monkeypatch):
 
 def test_a_second_driver_is_refused_while_the_first_holds_the_lease_and_not_after_it_expires(tmp_path, monkeypatch):
     monkeypatch.setattr(lease, "SETTLE_S", 0.0)
-    cfg = _cfg(tmp_path, "run.lease_renew_s=0.05", "run.lease_expire_s=0.3")
+    cfg = _cfg(tmp_path, "run.lease_renew_s=0.05", "run.lease_expire_s=1")
     first = Keeper(cfg, RunLayout.of(cfg).lease)
     first.acquire()
-    time.sleep(0.4)  # renewed past its first expiry: alive
     with pytest.raises(LeaseError, match=rf"^run 'r' is live: pid {os.getpid()} on .* holds its lease until"):
         with Keeper(cfg, RunLayout.of(cfg).lease):
             pass
     # The first driver dies: nothing renews, nothing releases.
     first._stop.set()
     first._thread.join()
-    time.sleep(0.35)
+    wait_for(lambda: lease.check("r", RunLayout.of(cfg).lease, cfg.storage).free, "the lease's expiry")
     second = Keeper(cfg, RunLayout.of(cfg).lease)
     with second:
         second.acquire()
@@ -139,8 +138,8 @@ def test_submit_refuses_a_run_live_on_the_cluster_and_names_its_job_in_the_job_e
     assert spec.runtime_env["env_vars"][lease.JOB_VARIABLE] == spec.submission_id
 
 
-def test_of_two_drivers_that_take_the_lease_at_once_one_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(lease, "SETTLE_S", 0.3)  # both write within it: the re-read settles who won
+def test_of_two_drivers_that_take_the_lease_at_once_one_is_refused(tmp_path):
+    # Both read no lease, both write within SETTLE_S: the read back settles who won.
     cfg = _cfg(tmp_path)
     keepers = [Keeper(cfg, RunLayout.of(cfg).lease) for _ in range(2)]
     outcomes: list = [None, None]
