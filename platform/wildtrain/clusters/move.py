@@ -106,8 +106,9 @@ def move(run: str, src: Cluster, dst: Cluster, overrides: list[str], *, working_
         raise lease.LeaseError(f"{dst.name}: {on_dst.why}")
     step = (stop_after_next_commit(src, job, src_cfg, checkpoint_timeout_s, poll_s, say) if job
             else newest_step(src_cfg))
-    if job and held is not None and held.holder.job == job:
-        lease.release_for(src_layout.lease, src_cfg.storage, held.holder)  # the job ended: so did its driver
+    if job and (stopped := lease.read(src_layout.lease, src_cfg.storage)) and stopped.holder.job == job:
+        # Its driver ended with the job, killed perhaps before it could release the lease.
+        lease.release_for(src_layout.lease, src_cfg.storage, stopped.holder)
     say(f"copying {src_layout.root} to {dst_layout.root}")
     synced = sync(Location(src_layout.root, src.entry.storage, src.entry.sync_bwlimit),
                   Location(dst_layout.root, dst.entry.storage, dst.entry.sync_bwlimit), bwlimit,
