@@ -205,3 +205,10 @@ def test_sync_leaves_the_lease_behind_so_a_copy_is_no_driver_s_and_a_renewal_fai
     done = sync(Location(str(src)), Location(str(tmp_path / "dst")))
     assert done.copied == ("wildtrain_run.json",)
     assert sorted(p.name for p in (tmp_path / "dst").iterdir()) == ["wildtrain_run.json"]
+
+
+def test_the_lease_durations_change_no_trial_hash():
+    from wildtrain.sweeps.grid import trial_hash
+
+    timed = trial_hash(load_config(["run.lease_renew_s=5", "run.lease_expire_s=300"]))
+    assert timed == trial_hash(load_config([])) != trial_hash(load_config(["train.steps=3"]))
