@@ -58,8 +58,8 @@ class RunSectionConfig:
     # came from (sweep, trial, config hash, data manifests) here.
     tags: dict[str, str] = field(default_factory=dict)
     # The liveness lease (wildtrain.lease): the driver renews it this often, and each renewal
-    # holds for lease_expire_s, so a dead driver's run is free after at most that long; three
-    # renewals may fail (a storage hiccup) before a live run looks dead.
+    # holds for lease_expire_s, so a dead driver's run is free after at most that long, and a
+    # live one looks dead only once three renewals in a row are missed (a storage hiccup).
     lease_renew_s: float = 30.0
     lease_expire_s: float = 90.0
 
