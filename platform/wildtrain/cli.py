@@ -45,6 +45,7 @@ def train(overrides: tuple[str, ...]) -> None:
     from wildtrain.data.dataset import DataError
     from wildtrain.driver import RunFailed, run
     from wildtrain.elastic.signals import CapacityError
+    from wildtrain.lease import LeaseError
     from wildtrain.storage import StorageError
     from wildtrain.tracking.mlflow_run import TrackingError, quiet_mlflow
 
@@ -53,7 +54,8 @@ def train(overrides: tuple[str, ...]) -> None:
         summary = run(cfg)
     except ConfigError as e:  # a setting the cluster it joined cannot serve (cluster.use_gpu)
         _fail(str(e), 2)
-    except (DataError, StorageError, TrackingError, CapacityError, RunFailed, services.ServiceError) as e:
+    except (DataError, StorageError, TrackingError, CapacityError, RunFailed, services.ServiceError,
+            LeaseError) as e:
         _fail(str(e), 1)
     click.echo(f"\nrun {cfg.run.name!r} finished: " + ", ".join(
         f"{key} {value:.4g}" for key, value in summary.final_metrics.items() if key in ("step", "loss", "tokens_per_s")
@@ -444,13 +446,14 @@ def submit(name: str, follow: bool, registry: Path | None, overrides: tuple[str,
 def _submit(cluster: registry.Cluster, overrides: tuple[str, ...], follow: bool, command=None) -> None:
     from wildtrain.clusters.jobs_api import ClusterError
     from wildtrain.clusters.submit import TRAIN, submit as send
+    from wildtrain.lease import LeaseError
 
     try:
         submitted = send(cluster, list(overrides), follow=(lambda text: click.echo(text, nl=False)) if follow else None,
                          command=command or TRAIN)
     except ConfigError as e:
         _fail(str(e), 2)
-    except ClusterError as e:
+    except (ClusterError, LeaseError) as e:
         _fail(str(e), 1)
     click.echo(f"job:            {submitted.job_id} on {cluster.name}")
     click.echo(f"MLflow run:     {redact(submitted.tracking)}")
@@ -496,6 +499,7 @@ def move(run: str, source: str, target: str, bwlimit: str | None, checkpoint_tim
     from wildtrain.clusters.jobs_api import ClusterError
     from wildtrain.clusters.move import move as relocate
     from wildtrain.clusters.sync import SyncError
+    from wildtrain.lease import LeaseError
     from wildtrain.tracking.mlflow_run import quiet_mlflow
 
     quiet_mlflow()
@@ -505,7 +509,7 @@ def move(run: str, source: str, target: str, bwlimit: str | None, checkpoint_tim
                         checkpoint_timeout_s=checkpoint_timeout, say=click.echo)
     except ConfigError as e:
         _fail(str(e), 2)
-    except (ClusterError, SyncError, OSError) as e:
+    except (ClusterError, SyncError, OSError, LeaseError) as e:
         _fail(str(e), 1)
     click.echo(f"moved {run} from {source} to {target} at step {done.step}")
     click.echo(f"job:            {done.submitted.job_id} on {target}")

@@ -57,6 +57,11 @@ class RunSectionConfig:
     # MLflow tags the run is created with: `wildtrain promote` records where a promoted run
     # came from (sweep, trial, config hash, data manifests) here.
     tags: dict[str, str] = field(default_factory=dict)
+    # The liveness lease (wildtrain.lease): the driver renews it this often, and each renewal
+    # holds for lease_expire_s, so a dead driver's run is free after at most that long, and a
+    # live one looks dead only once three renewals in a row are missed (a storage hiccup).
+    lease_renew_s: float = 30.0
+    lease_expire_s: float = 90.0
 
 
 @dataclass
@@ -488,6 +493,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}: must be positive, got {value}")
 
     positive("train.steps", cfg.train.steps)
+    positive("run.lease_renew_s", cfg.run.lease_renew_s)
+    if cfg.run.lease_expire_s <= cfg.run.lease_renew_s:
+        raise ConfigError(f"run.lease_expire_s: must be above run.lease_renew_s ({cfg.run.lease_renew_s:g}), "
+                          f"else a live run's lease expires between renewals; got {cfg.run.lease_expire_s:g}")
     positive("train.global_batch_size", cfg.train.global_batch_size)
     positive("train.micro_batch_size", cfg.train.micro_batch_size)
     positive("train.log_every", cfg.train.log_every)

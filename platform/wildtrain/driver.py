@@ -4,7 +4,7 @@ Everything that can be checked without workers is checked before Ray starts any:
 data exists and fits the model, the MLflow server answers, the cluster can hold the
 smallest allowed worker group on the device chosen for it (its GPUs, where it offers any).
 A run is identified by its name: resubmitting a name reopens its MLflow run and continues
-from its newest checkpoint.
+from its newest checkpoint, unless another driver trains it now (its lease, `wildtrain.lease`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from mlflow.tracking import MlflowClient
 from ray.train import LoggingConfig, RunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from wildtrain import ray_compat, services, storage
+from wildtrain import lease, ray_compat, services, storage
 from wildtrain.config import Config, config_hash, redact
 from wildtrain.checkpoint.restore import newest_committed
 from wildtrain.data.dataset import DataError, open_datasets
@@ -54,8 +54,14 @@ class RunSummary:
 
 
 def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
-    """Train `cfg` to its last step; `tags` go on the MLflow run when it is created."""
+    """Train `cfg` to its last step; `tags` go on the MLflow run when it is created. Refused
+    (`lease.LeaseError`) before anything starts while another driver holds the run's lease."""
     started_at = time.time()
+    with lease.Keeper(cfg, RunLayout.of(cfg).lease) as keeper:
+        return _run(cfg, tags, started_at, keeper)
+
+
+def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper: lease.Keeper) -> RunSummary:
     # The storage settings everything below checks the run's data and record with: every
     # process of the run gets them, whatever its node's environment holds.
     storage_env, storage_view = storage.handover_env(cfg.storage), storage.StorageView.here(cfg.storage)
@@ -70,6 +76,7 @@ def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
     cfg = resolve_device(cfg)
     scaling.wait_for_capacity(cfg)
 
+    keeper.acquire()  # the first write: nothing is written before the checks above pass
     experiment_id, run_id = open_run(cfg, record.get("mlflow_run_id"), tags)
     storage.write_text(layout.record, json.dumps({"mlflow_run_id": run_id, "config_hash": config_hash(cfg),
                                                "data_order": pins.to_dict(), **run_record(cfg.model, data.tokenizer)}),

@@ -3,6 +3,7 @@ or an object-store URI), shared by the driver, the workers and the controller.
 
     <run.storage>/<run.name>/
         wildtrain_run.json     the run record: its MLflow run, config hash, data order pins
+        lease.json             which driver trains the run now, until when (wildtrain.lease)
         checkpoints/           committed checkpoints (unless checkpoint.store names another)
         hangs/<time>-rank<r>.txt   the hang watchdog's stacks, attached to MLflow by the controller
         samples/step_<n>.json  each global batch's sample ids (data.record_samples)
@@ -43,6 +44,10 @@ class RunLayout:
     @property
     def record(self) -> str:
         return storage.join(self.root, "wildtrain_run.json")
+
+    @property
+    def lease(self) -> str:
+        return storage.join(self.root, "lease.json")
 
     @property
     def hangs(self) -> str:

@@ -5,7 +5,10 @@ job with `ray job submit`, and resubmitted from its checkpoints."""
 from __future__ import annotations
 
 import json
+import re
+import socket
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -14,6 +17,7 @@ from mlflow.tracking import MlflowClient
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from tests.conftest import REPO
+from tests.helpers.waiting import wait_for
 
 from wildtrain import driver, services, storage
 from wildtrain.checkpoint import STATE_FILE, reshard
@@ -23,7 +27,7 @@ from wildtrain.checkpoint.store import Store
 from wildtrain.data.dataset import DataError
 from wildtrain.elastic.signals import CapacityError
 from wildtrain.events import CheckpointFallback
-from wildtrain.layout import checkpoint_stores
+from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.tracking.mlflow_run import read_events
 
 pytestmark = pytest.mark.integration
@@ -135,6 +139,38 @@ def test_a_resubmitted_run_continues_its_checkpoint_and_mlflow_run_and_falls_bac
     # It restored step 4 (each submission logs its first step: here 5 again) and went on to 10.
     steps = [m.step for m in client.get_metric_history(first.run_id, "loss")]
     assert steps.count(5) == 2 and 9 not in steps and max(steps) == 10
+
+
+def test_a_second_driver_of_a_run_that_trains_is_refused_in_one_line_naming_the_first(
+        ray_cluster, tiny_overrides, tmp_path):
+    # Started as a user does on the head, `wildtrain train`: no job of `wildtrain submit` to
+    # find. Steps enough to still train while the second starts.
+    overrides = [*tiny_overrides, "train.steps=24", "train.checkpoint_every=8"]
+    log = tmp_path / "first.log"
+    with log.open("w") as out:
+        first = subprocess.Popen([sys.executable, "-m", "wildtrain", "train", *overrides], stdout=out,
+                                 stderr=subprocess.STDOUT)
+    cfg = load_config(overrides)
+    try:
+        # Printed once the run is the first's: its lease taken, its MLflow run opened.
+        wait_for(lambda: "MLflow run:" in log.read_text(), "first driver's MLflow run line", timeout_s=120,
+                 every_s=0.1)
+        second = subprocess.run([sys.executable, "-m", "wildtrain", "train", *overrides],
+                                capture_output=True, text=True, timeout=120)
+        assert first.poll() is None, "the first driver must still train while the second is refused"
+        first.wait(timeout=480)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    output = log.read_text()
+    assert second.returncode == 1, second.stdout + second.stderr
+    [line] = [text for text in second.stderr.splitlines() if text.startswith("wildtrain:")]
+    assert re.fullmatch(rf"wildtrain: run '{cfg.run.name}' is live: pid {first.pid} on {socket.gethostname()} "
+                        r"\(cluster local\) holds its lease until \d\d:\d\d:\d\d UTC .*", line), second.stderr
+    assert "Traceback" not in second.stderr
+    assert first.returncode == 0 and "step 24/24" in output, output[-3000:]
+    held = json.loads((Path(RunLayout.of(cfg).root) / "lease.json").read_text())
+    assert held["holder"]["pid"] == first.pid and held["released_at"] is not None  # its end released it
 
 
 def test_min_workers_the_cluster_cannot_hold_fails_fast(ray_cluster, tiny_config):

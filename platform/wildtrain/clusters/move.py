@@ -1,8 +1,12 @@
 """`wildtrain move RUN --from A --to B`: the same run (its lineage of checkpoints, its MLflow
 run) continues on another cluster.
 
+0. A run that is live (its lease, `wildtrain.lease`) other than as that job is refused before
+   anything stops or moves: a `wildtrain train` on A's head, a RayJob, a sweep's trial; so is a
+   run live on B.
 1. The run's job on A, if one still runs, is stopped once its next checkpoint has committed
-   (a job stop loses the steps since the newest commit, so right after one it loses least).
+   (a job stop loses the steps since the newest commit, so right after one it loses least),
+   and its lease released: its driver may have been killed before it could.
 2. `<A's runs>/<RUN>/` (committed checkpoints, the run record with its MLflow run id) is
    synced to B's runs store: manifests and record last, every byte verified (`sync`).
 3. The MLflow run gets a `moved` event; the run is submitted on B with the same name, so the
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from wildtrain import storage
+from wildtrain import lease, storage
 from wildtrain.checkpoint.restore import newest_committed
 from wildtrain.clusters import jobs_api
 from wildtrain.clusters.registry import Cluster
@@ -91,9 +95,20 @@ def move(run: str, src: Cluster, dst: Cluster, overrides: list[str], *, working_
     record = storage.read_text(src_layout.record, src_cfg.storage)
     if record is None:
         raise jobs_api.ClusterError(f"{src.name}: no run {run!r} at {src_layout.root} (no {src_layout.record})")
-    job = running_job(src, run)
+    held = lease.read(src_layout.lease, src_cfg.storage)
+    verdict = lease.decide(run, held, time.time())
+    # A live lease may only be that of the job step 1 stops; one no job holds refuses at once.
+    job = running_job(src, run) if verdict.free or held.holder.job else None
+    if not verdict.free and (job is None or held.holder.job != job):
+        raise lease.LeaseError(f"{src.name}: {verdict.why}")
+    on_dst = lease.check(run, dst_layout.lease, dst_cfg.storage)
+    if not on_dst.free:
+        raise lease.LeaseError(f"{dst.name}: {on_dst.why}")
     step = (stop_after_next_commit(src, job, src_cfg, checkpoint_timeout_s, poll_s, say) if job
             else newest_step(src_cfg))
+    if job and (stopped := lease.read(src_layout.lease, src_cfg.storage)) and stopped.holder.job == job:
+        # Its driver ended with the job, killed perhaps before it could release the lease.
+        lease.release_for(src_layout.lease, src_cfg.storage, stopped.holder)
     say(f"copying {src_layout.root} to {dst_layout.root}")
     synced = sync(Location(src_layout.root, src.entry.storage, src.entry.sync_bwlimit),
                   Location(dst_layout.root, dst.entry.storage, dst.entry.sync_bwlimit), bwlimit,

@@ -1,7 +1,8 @@
 """`wildtrain submit --cluster NAME`: the same `python -m wildtrain train` a user runs
 locally, sent through the cluster's jobs API with its token, with the cluster's settings
 (`Cluster.run_overrides`), its NCCL profile and hotfixes in the runtime env, and an explicit
-`run.name`, so resubmitting (or moving) continues the same run."""
+`run.name`, so resubmitting (or moving) continues the same run; refused while the run is
+live (its lease: another driver trains it now)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from wildtrain import lease, storage
 from wildtrain.clusters import jobs_api
 from wildtrain.clusters.registry import Cluster
 from wildtrain.config import Config, default_conf_dir, load_config
+from wildtrain.layout import RunLayout
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ TRAIN = Command()
 @dataclass(frozen=True)
 class JobSpec:
     config: Config  # the run's config as the job will resolve it, checked here first
+    submission_id: str
     entrypoint: str
     runtime_env: dict[str, Any]
 
@@ -61,14 +65,27 @@ def job_spec(cluster: Cluster, overrides: list[str], working_dir: Optional[Path]
     with the key named, instead of in a job on the cluster."""
     run_overrides = cluster.run_overrides() + list(overrides)
     cfg = load_config(run_overrides)
+    submission_id = f"wildtrain-{cfg.run.name}-{uuid.uuid4().hex[:8]}"
     entrypoint = shlex.join(["python", "-m", "wildtrain", *command.args, *run_overrides, *command.named(cfg)])
     hotfix = dict(cluster.entry.hotfix.runtime_env)
     runtime_env = {
         **hotfix,
         "working_dir": str(working_dir or default_conf_dir().parent),
-        "env_vars": {**hotfix.get("env_vars", {}), **cluster.job_env()},
+        # The job's leases name it, so that `move` knows the lease of the job it stopped.
+        "env_vars": {**hotfix.get("env_vars", {}), **cluster.job_env(), lease.JOB_VARIABLE: submission_id},
     }
-    return JobSpec(cfg, entrypoint, runtime_env)
+    return JobSpec(cfg, submission_id, entrypoint, runtime_env)
+
+
+def refuse_live(cluster: Cluster, cfg: Config) -> None:
+    """Raise `lease.LeaseError` while another driver holds the lease of `cfg`'s run. Where the
+    cluster's store does not answer from here, the job's driver checks it there instead."""
+    try:
+        verdict = lease.check(cfg.run.name, RunLayout.of(cfg).lease, cfg.storage)
+    except storage.StorageError:
+        return
+    if not verdict.free:
+        raise lease.LeaseError(f"{cluster.name}: {verdict.why}")
 
 
 def submit(cluster: Cluster, overrides: list[str], working_dir: Optional[Path] = None,
@@ -76,9 +93,11 @@ def submit(cluster: Cluster, overrides: list[str], working_dir: Optional[Path] =
     """Send the run (or the sweep, see `job_spec`); with `follow`, pass it the job's log
     lines until the job ends and fail if the job did not succeed."""
     spec = job_spec(cluster, overrides, working_dir, command)
+    if not command.sweep:  # a sweep's trials are refused one by one, by their drivers
+        refuse_live(cluster, spec.config)
     client = jobs_api.client(cluster)
     job_id = client.submit_job(entrypoint=spec.entrypoint, runtime_env=spec.runtime_env,
-                               submission_id=f"wildtrain-{spec.config.run.name}-{uuid.uuid4().hex[:8]}")
+                               submission_id=spec.submission_id)
     submitted = Submitted(job_id, cluster.entry.jobs_api, f"{spec.config.tracking.uri} experiment "
                                                          f"{spec.config.tracking.experiment!r}, {command.what(spec.config)}")
     if follow is not None:

@@ -45,6 +45,9 @@ RUN_RECORD = "wildtrain_run.json"  # layout.RunLayout.record's name
 # A dataset's and a checkpoint's manifest have the same name.
 assert data_manifest.MANIFEST == ckpt_format.MANIFEST
 COMMIT_FILES = (ckpt_format.MANIFEST, RUN_RECORD)
+# layout.RunLayout.lease's name: which driver trains the run at SRC. Never copied: nothing
+# trains the copy, and a live run's lease, renewed mid-sync, would fail the byte check.
+LEASE = "lease.json"
 _CLUSTER_PATH = re.compile(r"(?P<cluster>[A-Za-z0-9_.-]+):(?P<store>runs|data)(?:/(?P<path>.*))?")
 _SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -182,7 +185,7 @@ def sync(src: Location, dst: Location, bwlimit: Optional[str] = None,
     default the clusters' cap. `on_copied` gets each path as it lands at DST."""
     rclone = _Rclone(src, dst)
     cap = check_bwlimit(bwlimit) if bwlimit else default_bwlimit(src, dst)
-    sizes = rclone.files()
+    sizes = {path: size for path, size in rclone.files().items() if path.rsplit("/", 1)[-1] != LEASE}
     if not sizes:
         raise SyncError(f"{src.uri}: nothing to copy (no such folder, or empty)")
     copied: list[str] = []
@@ -195,7 +198,7 @@ def sync(src: Location, dst: Location, bwlimit: Optional[str] = None,
         stats.update(entry.get("stats", {}))
 
     rclone.run("copy", rclone.src, rclone.dst, "--checksum", "-v", *(["--bwlimit", cap] if cap else []),
-               *_commit_filter(), log=note)
+               *_commit_filter(), "--exclude", LEASE, log=note)
     copied_bytes, copy_seconds = stats.get("bytes", 0), stats.get("transferTime", 0.0)
     verified = _verify(rclone, src, dst, sizes)
     commit = sorted(p for p in sizes if p.rsplit("/", 1)[-1] in COMMIT_FILES)

@@ -16,8 +16,8 @@ from wildtrain.config import Config, ConfigError, flatten, load_config, redact
 
 # The sweep names its trials by their hash.
 _RESERVED = ("run.name",)
-# Keys that name or label a trial rather than change what it trains.
-_NOT_HASHED = ("run.name", "run.tags")
+# Keys that name or label a trial, or time its driver's lease, rather than change what it trains.
+_NOT_HASHED = ("run.name", "run.tags", "run.lease_")
 
 
 class GridError(ValueError):
