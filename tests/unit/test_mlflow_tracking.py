@@ -144,3 +144,17 @@ def test_each_window_of_a_report_is_logged_at_its_own_step_and_time(store, tmp_p
     assert [(m.step, m.value, m.timestamp) for m in history] == [
         (1, 4.0, 1_700_000_001_000), (2, 3.0, 1_700_000_002_000), (3, 2.0, 1_700_000_003_000)]
     assert [m.step for m in client.get_metric_history(run_id, "checkpoint/bytes")] == [3]
+
+
+def test_the_experiment_wildtrain_creates_opens_in_the_mlflow_uis_model_training_view(tmp_path, monkeypatch):
+    from wildtrain.config import load_config
+
+    monkeypatch.chdir(tmp_path)  # MLflow's default artifact root of a new experiment: ./mlruns
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = load_config(["experiment=tiny", f"tracking.uri={uri}", "tracking.experiment=new"])
+    experiment_id, run_id = run_setup.open_run(cfg, None)
+    # What MLflow 3's UI reads and its kind switch writes: not the GenAI view of traces.
+    assert MlflowClient(uri).get_experiment(experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    # MLflow 3.17 follows its own switch, not the tag: the address wildtrain prints asks.
+    url = mlflow_run.run_url("http://127.0.0.1:5000/", experiment_id, run_id)
+    assert url == f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"

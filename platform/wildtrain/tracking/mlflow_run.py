@@ -213,7 +213,10 @@ def _numbers(values: dict, keys: tuple[str, ...]) -> dict[str, float]:
 
 
 def run_url(uri: str, experiment_id: str, run_id: str) -> str:
-    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    """The run's page. MLflow 3.17's UI shows every experiment in the view of its own switch
+    (GenAI unless the browser chose otherwise) and ignores the experiment's kind tag: the
+    address asks for the model-training view, which its links keep."""
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
 
 
 class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, ray_compat.WorkerGroupCallback):
