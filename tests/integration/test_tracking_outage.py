@@ -78,4 +78,4 @@ def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(ray_
     [outage] = [e for e in read_events(url, summary.run_id, str(tmp_path / "events")) if isinstance(e, TrackingOutage)]
     assert outage.resolved and paused_at - 1 < outage.start < outage.end < resumed_at + 15
     assert PAUSE_S / 2 < outage.seconds <= PAUSE_S + 15
-    assert client.get_run(summary.run_id).data.metrics["badput/stalled_s"] == 0
+    assert float(client.get_run(summary.run_id).data.tags["badput/stalled_s"]) == 0

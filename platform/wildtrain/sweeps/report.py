@@ -13,6 +13,7 @@ from typing import Sequence
 from wildtrain.sweeps import compare
 from wildtrain.sweeps.execute import TRIAL_TAG, find_parent, grid_keys, swept_values, trial_runs
 from wildtrain.tracking.mlflow_run import STOPPED_EARLY_TAG
+from wildtrain.tracking.report import GOODPUT, summary_figure
 
 ARTIFACT_DIR = "report"
 BEST_TAG = "wildtrain.sweep.best"
@@ -62,7 +63,7 @@ def _record(client, run, keys: list[str]) -> compare.TrialRecord:
         loss=tuple(loss[step] for step in steps),
         tokens_per_s=statistics.fmean(rates) if rates else None,
         mfu=statistics.fmean(mfu) if mfu else None,
-        goodput=run.data.metrics.get("goodput"),
+        goodput=summary_figure(run.data.tags, GOODPUT),
         peak_memory_gb=max(memory) if memory else None,
         data_digests=digests,
         val_loss=validated[max(validated)] if validated else None,

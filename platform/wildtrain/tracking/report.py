@@ -25,6 +25,7 @@ from wildtrain.tracking.mlflow_run import read_events
 from wildtrain.tracking.run_setup import CLUSTER_TAG, CLUSTERS_TAG
 
 PLOT_ARTIFACT_DIR = "report"
+GOODPUT = "goodput"  # a run tag, with goodput/* and badput/<cause>_s: see `report_run`
 
 # Metrics read besides `loss` and `step_time_s`. Per report of rank 0, like step_time_s:
 MFU = "mfu"
@@ -348,10 +349,10 @@ def goodput_text(result: goodput.Goodput) -> str:
 
 
 def report_run(uri: str, run_id: str) -> goodput.Goodput:
-    """Plot the run into its artifacts (report/run.png) and log its goodput and badput by
-    cause as metrics at its newest step; its goodput. For the end of a run and for
+    """Plot the run into its artifacts (report/run.png) and set its goodput and badput by
+    cause as its summary figures; its goodput. For the end of a run and for
     `wildtrain report RUN` on a running or finished one."""
-    from mlflow.entities import Metric
+    from mlflow.entities import RunTag
     from mlflow.tracking import MlflowClient
 
     record = fetch_run(uri, run_id)
@@ -363,12 +364,19 @@ def report_run(uri: str, run_id: str) -> goodput.Goodput:
         path = Path(folder) / "run.png"
         plot_run(record.history, events, path, now)
         client.log_artifact(run_id, str(path), PLOT_ARTIFACT_DIR)
-    step = max((s.step for samples in record.history.values() for s in samples), default=0)
-    stamp = int(now * 1000)
-    values = {"goodput": result.goodput, "goodput/wall_s": result.wall_s, "goodput/productive_s": result.productive_s}
+    values = {GOODPUT: result.goodput, "goodput/wall_s": result.wall_s, "goodput/productive_s": result.productive_s}
     values |= {f"badput/{cause}_s": seconds for cause, seconds in result.badput_s.items()}
-    client.log_batch(run_id, metrics=[Metric(key, value, stamp, step) for key, value in values.items()])
+    # Figures of the whole run, not curves: as metrics, each was a one-point chart at the top
+    # of the MLflow UI's Model metrics tab, above the loss. As tags they are on the run's
+    # Overview, a column of the runs table, and a report later replaces them.
+    client.log_batch(run_id, tags=[RunTag(key, f"{value:.6g}") for key, value in values.items()])
     return result
+
+
+def summary_figure(tags: Mapping[str, str], key: str) -> Optional[float]:
+    """A figure `report_run` set on a run (`GOODPUT`, `badput/<cause>_s`), None before it has."""
+    value = tags.get(key)
+    return float(value) if value is not None else None
 
 
 def report_cluster(uri: str, cluster: str) -> str:
