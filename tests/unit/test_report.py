@@ -10,6 +10,7 @@ from wildtrain.tracking.report import (
     DATA_WAIT,
     MFU,
     NODES,
+    STEP_TIME,
     WORLD_SIZE,
     RunRecord,
     RunStats,
@@ -51,7 +52,7 @@ def record() -> RunRecord:
     # (logged at, step, step_time_s) of each report with a window; steps 9 and 10 redone.
     reports = [(1012.0, 1, 2.0), (1020.0, 5, 2.0), (1030.0, 10, 2.0), (1053.0, 9, 1.0), (1055.0, 10, 1.0)]
     history = {
-        "step_time_s": tuple(Sample(at, step, value) for at, step, value in reports),
+        STEP_TIME: tuple(Sample(at, step, value) for at, step, value in reports),
         "loss": tuple(Sample(at, step, 5.0 - 0.1 * step) for at, step, _ in reports),
         MFU: tuple(Sample(at, step, 0.3 + 0.01 * i) for i, (at, step, _) in enumerate(reports)),
         DATA_WAIT: (Sample(1020.0, 5, 0.5),),
@@ -109,7 +110,7 @@ def test_a_moved_run_counts_on_each_cluster_for_the_part_it_trained_there():
     a, b = summarize(before, before.ended_at), summarize(after, after.ended_at)
     assert a.goodput.wall_s + b.goodput.wall_s == 60.0
     assert (a.failures, b.failures) == (1, 0)
-    assert [s.step for s in after.history["step_time_s"]] == [9, 10], "the steps b trained"
+    assert [s.step for s in after.history[STEP_TIME]] == [9, 10], "the steps b trained"
     # A run that never moved is on its own cluster's card whole.
     assert parts_on(record(), "lambda-h100") == [record()] and parts_on(record(), "b") == []
 

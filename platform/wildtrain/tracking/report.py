@@ -21,24 +21,25 @@ from typing import Mapping, Optional, Sequence
 from wildtrain import events as run_events
 from wildtrain.tracking import goodput
 from wildtrain.tracking.goodput import AttemptStarted, Interrupted, RunStarted, RunStopped, Steps, Waiting
-from wildtrain.tracking.mlflow_run import read_events
+from wildtrain.tracking.mlflow_run import mlflow_key, read_events
 from wildtrain.tracking.run_setup import CLUSTER_TAG, CLUSTERS_TAG
 
 PLOT_ARTIFACT_DIR = "report"
 GOODPUT = "goodput"  # a run tag, with goodput/* and badput/<cause>_s: see `report_run`
 
-# Metrics read besides `loss` and `step_time_s`. Per report of rank 0, like step_time_s:
-MFU = "mfu"
-DATA_WAIT = "time/data_wait_s"  # mean per step over the report's window
-CHECKPOINT_STALL = "time/checkpoint_stall_s"  # mean per step over the report's window
-REPORT_WAIT = "time/report_wait_s"  # mean per step over the report's window
-EVAL = "time/eval_s"  # mean per step over the report's window
-CHECKPOINT_BYTES = "checkpoint/bytes"  # per save
-CHECKPOINT_SAVE_S = "checkpoint/save_s"  # per save
+# Metrics read besides `loss`, by their MLflow keys (`mlflow_key`). Per report of rank 0:
+MFU = mlflow_key("mfu")
+STEP_TIME = mlflow_key("step_time_s")
+DATA_WAIT = mlflow_key("time/data_wait_s")  # mean per step over the report's window
+CHECKPOINT_STALL = mlflow_key("time/checkpoint_stall_s")  # mean per step over the report's window
+REPORT_WAIT = mlflow_key("time/report_wait_s")  # mean per step over the report's window
+EVAL = mlflow_key("time/eval_s")  # mean per step over the report's window
+CHECKPOINT_BYTES = mlflow_key("checkpoint/bytes")  # per save
+CHECKPOINT_SAVE_S = mlflow_key("checkpoint/save_s")  # per save
 # From the controller: the distinct nodes of the worker group when it starts, 0 when it stops.
-NODES = "elastic/nodes"
-WORLD_SIZE = "world_size"  # per report, like step_time_s: stalls are judged per world size
-HISTORY_KEYS = ("loss", "step_time_s", MFU, DATA_WAIT, CHECKPOINT_STALL, REPORT_WAIT, EVAL, CHECKPOINT_BYTES,
+NODES = mlflow_key("elastic/nodes")
+WORLD_SIZE = mlflow_key("world_size")  # per report, like step_time_s: stalls are judged per world size
+HISTORY_KEYS = ("loss", STEP_TIME, MFU, DATA_WAIT, CHECKPOINT_STALL, REPORT_WAIT, EVAL, CHECKPOINT_BYTES,
                 CHECKPOINT_SAVE_S, NODES, WORLD_SIZE)
 
 
@@ -154,7 +155,7 @@ def _step_windows(history: History, events: Sequence[goodput.Event]) -> list[Ste
     world_size = {(s.at, s.step): int(s.value) for s in history.get(WORLD_SIZE, ())}
     windows = []
     previous: Optional[Sample] = None
-    for report in history.get("step_time_s", ()):
+    for report in history.get(STEP_TIME, ()):
         same_attempt = (previous is not None and report.step > previous.step
                         and bisect.bisect_right(boundaries, previous.at) == bisect.bisect_right(boundaries, report.at))
         steps = report.step - previous.step if same_attempt else 1
