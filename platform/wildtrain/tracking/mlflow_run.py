@@ -41,10 +41,11 @@ TRAINING_METRICS = (
 
 # The MLflow UI's Model metrics tab shows a section per key prefix, alphabetically, above the
 # keys with none, and keeps the keys under `system/` for its System metrics tab. What the
-# model learns and how fast stays on the first (val/*, eval/*, then loss, lr, MFU, tokens/s:
-# nothing sorts above them); how the run runs (step timings, memory, checkpoints, nodes,
-# start-up) goes to the second. `step`, `tokens_seen` and `world_size` stay: tools read them
-# there (a run's summary, a sweep's loss-against-tokens curves, the elastic tests).
+# model learns and how fast stays on the first: validation's section (eval/ too, where evals
+# ran), then loss, lr, mfu and tokens_per_s; how the run runs (step timings, memory,
+# checkpoints, nodes, start-up) goes to the second, where its sections stood above the loss.
+# `step`, `tokens_seen` and `world_size` stay: tools read them there (a run's summary, a
+# sweep's loss-against-tokens curves, the elastic tests).
 MODEL_METRICS = ("step", "loss", "lr", "tokens_seen", "tokens_per_s", "mfu", "world_size")
 SYSTEM_PREFIX = "system/"
 
