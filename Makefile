@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit integration bench up down clean
+.PHONY: demo test unit integration bench up down clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,16 @@ demo: $(STAMP)
 		--output s3://wildtrain/datasets/tiny --rows-per-group 128 --val-fraction 0.05
 	$(BIN)/wildtrain train experiment=tiny
 
-# Two workers: the integration tests on one, the unit tests beside them (tests/conftest.py).
+# Debian's Chromium and its driver, for the test that looks at the MLflow UI as a user does
+# (tests/integration/test_mlflow_ui.py; it skips without them). Installed where this runs
+# as root with apt-get, as on CI; elsewhere install the two packages yourself. Browser
+# builds that test tools download themselves cannot be fetched here.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
+	echo "no chromium here (not root, or no apt-get): the MLflow UI test will skip"
+
 # Two pytest processes side by side: the integration tests, which wait on their Ray cluster,
 # object store and MLflow server much of the time, in one; the unit and GPU tests (skipped
 # without CUDA) in the other, whose lines come after. (pytest-xdist's loadgroup cannot keep
@@ -38,7 +47,7 @@ test: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q
 
-integration: $(STAMP)
+integration: $(STAMP) browser
 	$(BIN)/python -m pytest tests/integration -q -ra
 
 up: $(STAMP)

@@ -40,6 +40,7 @@ from wildtrain.data.manifest import Manifest, encode_shard, write_manifest  # no
 from wildtrain.data.prepare import PrepareConfig, prepare  # noqa: E402
 from wildtrain.data.stream import TOKENS, RankStream, columns  # noqa: E402
 from wildtrain.data.tokenizer import ByteTokenizer  # noqa: E402
+from wildtrain.tracking.mlflow_run import mlflow_key  # noqa: E402
 
 SEQ_LEN = 1024
 GLOBAL_BATCH = 32
@@ -129,8 +130,8 @@ def training_data_wait(root: Path, dataset_uri: str) -> tuple[float, float]:
                            "elastic.max_workers=1"])
         summary = driver.run(cfg)
         client = MlflowClient(uri)
-        waits = [m.value for m in client.get_metric_history(summary.run_id, "time/data_wait_s") if m.step > 1]
-        steps = [m.value for m in client.get_metric_history(summary.run_id, "step_time_s") if m.step > 1]
+        waits = [m.value for m in client.get_metric_history(summary.run_id, mlflow_key("time/data_wait_s")) if m.step > 1]
+        steps = [m.value for m in client.get_metric_history(summary.run_id, mlflow_key("step_time_s")) if m.step > 1]
         return statistics.mean(waits), statistics.mean(steps)
     finally:
         services.stop_process(mlflow.pid)

@@ -26,6 +26,7 @@ import statistics
 from mlflow.tracking import MlflowClient
 from progress import say
 from tiny_runs import REPO, tiny_bench
+from wildtrain.tracking.mlflow_run import mlflow_key
 
 TASK = "wildtrain_tiny_choice"  # tests/assets/evals/tiny_choice.yaml
 
@@ -49,7 +50,7 @@ def main() -> None:
                 say(f"{mode}, run {repeat + 1}: training {args.steps} steps")
                 load_before = os.getloadavg()[0]
                 timed = bench.train(cfg)
-                span = sorted(m.step for m in client.get_metric_history(timed.run_id, "step_time_s"))
+                span = sorted(m.step for m in client.get_metric_history(timed.run_id, mlflow_key("step_time_s")))
                 evaluated = [m for m in client.get_metric_history(timed.run_id, f"eval/{TASK}/acc")
                              if span[0] <= m.step < span[-1]]
                 rows.append({"mode": mode, "steps/s": timed.steps_per_s, "evaluations": len(evaluated),

@@ -32,6 +32,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from recovery import tiny_services  # noqa: E402
 from wildtrain import driver  # noqa: E402
 from wildtrain.config import Config, load_config  # noqa: E402
+from wildtrain.tracking.mlflow_run import mlflow_key  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class TinyBench:
     def train(self, cfg: Config) -> Timed:
         summary = driver.run(cfg)
         client = MlflowClient(self.mlflow_url)
-        windows = sorted(client.get_metric_history(summary.run_id, "step_time_s"), key=lambda m: m.step)
+        windows = sorted(client.get_metric_history(summary.run_id, mlflow_key("step_time_s")), key=lambda m: m.step)
         first, last = windows[0], windows[-1]
         span_s = (last.timestamp - first.timestamp) / 1000
 
@@ -72,8 +73,8 @@ class TinyBench:
             return sum((w.step - before.step) * per_step.get(w.step, 0.0)
                        for before, w in zip(windows, windows[1:])) / span_s
 
-        return Timed(summary.run_id, (last.step - first.step) / span_s, share("time/report_wait_s"),
-                     share("time/eval_s"))
+        return Timed(summary.run_id, (last.step - first.step) / span_s, share(mlflow_key("time/report_wait_s")),
+                     share(mlflow_key("time/eval_s")))
 
 
 @contextlib.contextmanager

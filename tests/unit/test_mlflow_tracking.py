@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from wildtrain.config import StorageConfig
 from wildtrain.tracking import mlflow_run, run_setup
-from wildtrain.events import Resize, TrackingOutage
+from wildtrain.events import Resize, StoppedEarly, TrackingOutage
 from wildtrain.tracking.mlflow_run import MlflowCallback, Tracker, read_events
 from wildtrain.elastic.signals import Restart
 
@@ -143,4 +143,39 @@ def test_each_window_of_a_report_is_logged_at_its_own_step_and_time(store, tmp_p
     history = client.get_metric_history(run_id, "loss")
     assert [(m.step, m.value, m.timestamp) for m in history] == [
         (1, 4.0, 1_700_000_001_000), (2, 3.0, 1_700_000_002_000), (3, 2.0, 1_700_000_003_000)]
-    assert [m.step for m in client.get_metric_history(run_id, "checkpoint/bytes")] == [3]
+    assert [m.step for m in client.get_metric_history(run_id, "system/checkpoint/bytes")] == [3]
+
+
+def test_the_experiment_wildtrain_creates_opens_in_the_mlflow_uis_model_training_view(tmp_path, monkeypatch):
+    from wildtrain.config import load_config
+
+    monkeypatch.chdir(tmp_path)  # MLflow's default artifact root of a new experiment: ./mlruns
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = load_config(["experiment=tiny", f"tracking.uri={uri}", "tracking.experiment=new"])
+    experiment_id, run_id = run_setup.open_run(cfg, None)
+    # What MLflow 3's UI reads and its kind switch writes: not the GenAI view of traces.
+    assert MlflowClient(uri).get_experiment(experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    # MLflow 3.17 follows its own switch, not the tag: the address wildtrain prints asks.
+    url = mlflow_run.run_url("http://127.0.0.1:5000/", experiment_id, run_id)
+    assert url == f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+
+
+def test_the_model_metrics_tab_opens_on_the_training_curves_and_how_the_run_runs_is_under_system(store, tmp_path):
+    client, run_id = store
+    callback = MlflowCallback(client.tracking_uri, run_id, lambda e: Restart("failure", "", False),
+                              str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking")
+    window = {"step": 4, "at": 1_700_000_000.0, "loss": 3.0, "lr": 1e-3, "tokens_seen": 512.0, "tokens_per_s": 900.0,
+              "step_time_s": 0.5, "world_size": 2, "epoch": 0, "mfu": 0.3, "time/forward_s": 0.2,
+              "time/data_wait_s": 0.01, "memory/peak_gb": 1.5, "val/loss": 3.2}
+    callback.after_report(None, [{"step": 4, "world_size": 2, "events": [], "windows": [window],
+                                  "checkpoint/bytes": 1024.0, "checkpoint/save_s": 0.3, "attempt_started_at": 1.0}])
+    callback.record_event(StoppedEarly(time.time(), 4, "loss stopped falling"))
+    callback.after_controller_finish(None)
+    keys = set(client.get_run(run_id).data.metrics)
+    # The MLflow UI's Model metrics tab lists a section per key prefix above the keys with
+    # none, and shows `system/...` keys on its System metrics tab instead: on the first tab,
+    # only validation (whose section is first) and the training curves beside the step.
+    on_model_tab = {key for key in keys if not key.startswith("system/")}
+    assert on_model_tab == {"val/loss", "loss", "lr", "mfu", "tokens_per_s", "step", "tokens_seen", "world_size"}
+    assert {"system/time/forward_s", "system/memory/peak_gb", "system/checkpoint/bytes", "system/step_time_s",
+            "system/startup/attempt_started_at", "system/elastic/stopped_early", "system/epoch"} <= keys

@@ -10,6 +10,7 @@ from wildtrain.tracking.report import (
     DATA_WAIT,
     MFU,
     NODES,
+    STEP_TIME,
     WORLD_SIZE,
     RunRecord,
     RunStats,
@@ -23,6 +24,7 @@ from wildtrain.tracking.report import (
     plot_run,
     report_run,
     summarize,
+    summary_figure,
 )
 from wildtrain.events import Event, HealthCheck, Moved
 from wildtrain.tracking.timeline import Timeline
@@ -50,7 +52,7 @@ def record() -> RunRecord:
     # (logged at, step, step_time_s) of each report with a window; steps 9 and 10 redone.
     reports = [(1012.0, 1, 2.0), (1020.0, 5, 2.0), (1030.0, 10, 2.0), (1053.0, 9, 1.0), (1055.0, 10, 1.0)]
     history = {
-        "step_time_s": tuple(Sample(at, step, value) for at, step, value in reports),
+        STEP_TIME: tuple(Sample(at, step, value) for at, step, value in reports),
         "loss": tuple(Sample(at, step, 5.0 - 0.1 * step) for at, step, _ in reports),
         MFU: tuple(Sample(at, step, 0.3 + 0.01 * i) for i, (at, step, _) in enumerate(reports)),
         DATA_WAIT: (Sample(1020.0, 5, 0.5),),
@@ -108,7 +110,7 @@ def test_a_moved_run_counts_on_each_cluster_for_the_part_it_trained_there():
     a, b = summarize(before, before.ended_at), summarize(after, after.ended_at)
     assert a.goodput.wall_s + b.goodput.wall_s == 60.0
     assert (a.failures, b.failures) == (1, 0)
-    assert [s.step for s in after.history["step_time_s"]] == [9, 10], "the steps b trained"
+    assert [s.step for s in after.history[STEP_TIME]] == [9, 10], "the steps b trained"
     # A run that never moved is on its own cluster's card whole.
     assert parts_on(record(), "lambda-h100") == [record()] and parts_on(record(), "b") == []
 
@@ -208,5 +210,8 @@ def test_fetch_and_report_through_mlflow(mlflow_uri, tmp_path):
     assert [a.path for a in client.list_artifacts(run_id, "report")] == ["report/run.png"]
     downloaded = client.download_artifacts(run_id, "report/run.png", str(tmp_path))
     assert Path(downloaded).read_bytes().startswith(PNG_SIGNATURE)
-    logged = client.get_run(run_id).data.metrics
-    assert logged["goodput"] == result.goodput and logged["badput/lost_s"] == 9.0
+    logged = client.get_run(run_id).data
+    # The run's summary, not one-point charts above its loss in the MLflow UI.
+    assert summary_figure(logged.tags, "goodput") == pytest.approx(result.goodput, rel=1e-5)
+    assert summary_figure(logged.tags, "badput/lost_s") == 9.0
+    assert not [key for key in logged.metrics if key.startswith(("goodput", "badput/"))]

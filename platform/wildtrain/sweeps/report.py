@@ -12,7 +12,8 @@ from typing import Sequence
 
 from wildtrain.sweeps import compare
 from wildtrain.sweeps.execute import TRIAL_TAG, find_parent, grid_keys, swept_values, trial_runs
-from wildtrain.tracking.mlflow_run import STOPPED_EARLY_TAG
+from wildtrain.tracking.mlflow_run import STOPPED_EARLY_TAG, mlflow_key
+from wildtrain.tracking.report import GOODPUT, summary_figure
 
 ARTIFACT_DIR = "report"
 BEST_TAG = "wildtrain.sweep.best"
@@ -48,7 +49,7 @@ def _record(client, run, keys: list[str]) -> compare.TrialRecord:
     tokens = {m.step: m.value for m in history("tokens_seen")}
     rates = [m.value for m in history("tokens_per_s")]
     mfu = [m.value for m in history("mfu")]
-    memory = [m.value for m in history("memory/peak_gb")]
+    memory = [m.value for m in history(mlflow_key("memory/peak_gb"))]
     inputs = client.get_run(run_id).inputs
     digests = tuple(sorted(d.dataset.digest for d in (inputs.dataset_inputs if inputs else [])))
     steps = sorted(loss)
@@ -62,7 +63,7 @@ def _record(client, run, keys: list[str]) -> compare.TrialRecord:
         loss=tuple(loss[step] for step in steps),
         tokens_per_s=statistics.fmean(rates) if rates else None,
         mfu=statistics.fmean(mfu) if mfu else None,
-        goodput=run.data.metrics.get("goodput"),
+        goodput=summary_figure(run.data.tags, GOODPUT),
         peak_memory_gb=max(memory) if memory else None,
         data_digests=digests,
         val_loss=validated[max(validated)] if validated else None,

@@ -39,6 +39,22 @@ TRAINING_METRICS = (
     "time/report_wait_s", "time/eval_s", "memory/peak_gb",
 )
 
+# The MLflow UI's Model metrics tab shows a section per key prefix, alphabetically, above the
+# keys with none, and keeps the keys under `system/` for its System metrics tab. What the
+# model learns and how fast stays on the first: validation's section (eval/ too, where evals
+# ran), then loss, lr, mfu and tokens_per_s; how the run runs (step timings, memory,
+# checkpoints, nodes, start-up) goes to the second, where its sections stood above the loss.
+# `step`, `tokens_seen` and `world_size` stay: tools read them there (a run's summary, a
+# sweep's loss-against-tokens curves, the elastic tests).
+MODEL_METRICS = ("step", "loss", "lr", "tokens_seen", "tokens_per_s", "mfu", "world_size")
+SYSTEM_PREFIX = "system/"
+
+
+def mlflow_key(name: str) -> str:
+    """The MLflow key of a metric the workers or the controller name `name`."""
+    return name if name in MODEL_METRICS or name.startswith(("val/", "eval/")) else SYSTEM_PREFIX + name
+
+
 # An attempt's first report: where its start-up went (bench/startup.py), logged as startup/<key>.
 STARTUP_METRICS = ("worker_started_at", "attempt_started_at", "health_checked_at", "restored_at", "engine_build_s",
                    "first_step_at")
@@ -110,7 +126,7 @@ def _event_records(run_id: str, event: Event, step: int) -> list[dict]:
     return [
         {"op": "text", "run_id": run_id, "path": f"{EVENTS_DIR}/{now:.3f}-{next(_EVENT_COUNTER):06d}-{event.KIND}.json",
          "text": json.dumps(event.to_dict(), indent=1)},
-        {"op": "metrics", "run_id": run_id, "metrics": [[f"elastic/{event.KIND}", 1.0, int(now * 1000), step]]},
+        {"op": "metrics", "run_id": run_id, "metrics": [[mlflow_key(f"elastic/{event.KIND}"), 1.0, int(now * 1000), step]]},
     ]
 
 
@@ -171,7 +187,7 @@ class Tracker:
         carries every log step since the last one, and a request per step would cost the
         controller and the server more than the step itself on a small machine."""
         now = time.time()
-        rows = [[key, float(value), int((now if at is None else at) * 1000), step]
+        rows = [[mlflow_key(key), float(value), int((now if at is None else at) * 1000), step]
                 for values, step, at in points for key, value in values.items()]
         if points:
             self.step = max(self.step, max(step for _, step, _ in points))
@@ -213,7 +229,10 @@ def _numbers(values: dict, keys: tuple[str, ...]) -> dict[str, float]:
 
 
 def run_url(uri: str, experiment_id: str, run_id: str) -> str:
-    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    """The run's page. MLflow 3.17's UI shows every experiment in the view of its own switch
+    (GenAI unless the browser chose otherwise) and ignores the experiment's kind tag: the
+    address asks for the model-training view, which its links keep."""
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
 
 
 class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, ray_compat.WorkerGroupCallback):

@@ -21,23 +21,25 @@ from typing import Mapping, Optional, Sequence
 from wildtrain import events as run_events
 from wildtrain.tracking import goodput
 from wildtrain.tracking.goodput import AttemptStarted, Interrupted, RunStarted, RunStopped, Steps, Waiting
-from wildtrain.tracking.mlflow_run import read_events
+from wildtrain.tracking.mlflow_run import mlflow_key, read_events
 from wildtrain.tracking.run_setup import CLUSTER_TAG, CLUSTERS_TAG
 
 PLOT_ARTIFACT_DIR = "report"
+GOODPUT = "goodput"  # a run tag, with goodput/* and badput/<cause>_s: see `report_run`
 
-# Metrics read besides `loss` and `step_time_s`. Per report of rank 0, like step_time_s:
-MFU = "mfu"
-DATA_WAIT = "time/data_wait_s"  # mean per step over the report's window
-CHECKPOINT_STALL = "time/checkpoint_stall_s"  # mean per step over the report's window
-REPORT_WAIT = "time/report_wait_s"  # mean per step over the report's window
-EVAL = "time/eval_s"  # mean per step over the report's window
-CHECKPOINT_BYTES = "checkpoint/bytes"  # per save
-CHECKPOINT_SAVE_S = "checkpoint/save_s"  # per save
+# Metrics read besides `loss`, by their MLflow keys (`mlflow_key`). Per report of rank 0:
+MFU = mlflow_key("mfu")
+STEP_TIME = mlflow_key("step_time_s")
+DATA_WAIT = mlflow_key("time/data_wait_s")  # mean per step over the report's window
+CHECKPOINT_STALL = mlflow_key("time/checkpoint_stall_s")  # mean per step over the report's window
+REPORT_WAIT = mlflow_key("time/report_wait_s")  # mean per step over the report's window
+EVAL = mlflow_key("time/eval_s")  # mean per step over the report's window
+CHECKPOINT_BYTES = mlflow_key("checkpoint/bytes")  # per save
+CHECKPOINT_SAVE_S = mlflow_key("checkpoint/save_s")  # per save
 # From the controller: the distinct nodes of the worker group when it starts, 0 when it stops.
-NODES = "elastic/nodes"
-WORLD_SIZE = "world_size"  # per report, like step_time_s: stalls are judged per world size
-HISTORY_KEYS = ("loss", "step_time_s", MFU, DATA_WAIT, CHECKPOINT_STALL, REPORT_WAIT, EVAL, CHECKPOINT_BYTES,
+NODES = mlflow_key("elastic/nodes")
+WORLD_SIZE = mlflow_key("world_size")  # per report, like step_time_s: stalls are judged per world size
+HISTORY_KEYS = ("loss", STEP_TIME, MFU, DATA_WAIT, CHECKPOINT_STALL, REPORT_WAIT, EVAL, CHECKPOINT_BYTES,
                 CHECKPOINT_SAVE_S, NODES, WORLD_SIZE)
 
 
@@ -153,7 +155,7 @@ def _step_windows(history: History, events: Sequence[goodput.Event]) -> list[Ste
     world_size = {(s.at, s.step): int(s.value) for s in history.get(WORLD_SIZE, ())}
     windows = []
     previous: Optional[Sample] = None
-    for report in history.get("step_time_s", ()):
+    for report in history.get(STEP_TIME, ()):
         same_attempt = (previous is not None and report.step > previous.step
                         and bisect.bisect_right(boundaries, previous.at) == bisect.bisect_right(boundaries, report.at))
         steps = report.step - previous.step if same_attempt else 1
@@ -348,10 +350,10 @@ def goodput_text(result: goodput.Goodput) -> str:
 
 
 def report_run(uri: str, run_id: str) -> goodput.Goodput:
-    """Plot the run into its artifacts (report/run.png) and log its goodput and badput by
-    cause as metrics at its newest step; its goodput. For the end of a run and for
+    """Plot the run into its artifacts (report/run.png) and set its goodput and badput by
+    cause as its summary figures; its goodput. For the end of a run and for
     `wildtrain report RUN` on a running or finished one."""
-    from mlflow.entities import Metric
+    from mlflow.entities import RunTag
     from mlflow.tracking import MlflowClient
 
     record = fetch_run(uri, run_id)
@@ -363,12 +365,19 @@ def report_run(uri: str, run_id: str) -> goodput.Goodput:
         path = Path(folder) / "run.png"
         plot_run(record.history, events, path, now)
         client.log_artifact(run_id, str(path), PLOT_ARTIFACT_DIR)
-    step = max((s.step for samples in record.history.values() for s in samples), default=0)
-    stamp = int(now * 1000)
-    values = {"goodput": result.goodput, "goodput/wall_s": result.wall_s, "goodput/productive_s": result.productive_s}
+    values = {GOODPUT: result.goodput, "goodput/wall_s": result.wall_s, "goodput/productive_s": result.productive_s}
     values |= {f"badput/{cause}_s": seconds for cause, seconds in result.badput_s.items()}
-    client.log_batch(run_id, metrics=[Metric(key, value, stamp, step) for key, value in values.items()])
+    # Figures of the whole run, not curves: as metrics, each was a one-point chart at the top
+    # of the MLflow UI's Model metrics tab, above the loss. As tags they are on the run's
+    # Overview, a column of the runs table, and a report later replaces them.
+    client.log_batch(run_id, tags=[RunTag(key, f"{value:.6g}") for key, value in values.items()])
     return result
+
+
+def summary_figure(tags: Mapping[str, str], key: str) -> Optional[float]:
+    """A figure `report_run` set on a run (`GOODPUT`, `badput/<cause>_s`), None before it has."""
+    value = tags.get(key)
+    return float(value) if value is not None else None
 
 
 def report_cluster(uri: str, cluster: str) -> str:

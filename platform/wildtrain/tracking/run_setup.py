@@ -14,6 +14,10 @@ CLUSTER_TAG = "wildtrain.cluster"  # where the run trains now
 # Every cluster it trained on, as ",a,b,": a moved run is on each one's report card, and
 # MLflow's search finds it with LIKE.
 CLUSTERS_TAG = "wildtrain.clusters"
+# MLflow 3 opens an experiment in its GenAI view (traces, latency, "Detect issues") unless it
+# is a model-training one: the kind the UI's own switch writes, set when wildtrain creates it.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"
 # MLflow caps a batch at 100 params and a param value at 6000 characters.
 _PARAMS_PER_BATCH = 100
 
@@ -55,7 +59,7 @@ def experiment_id_of(client, name: str) -> str:
     if experiment is not None:
         return experiment.experiment_id
     try:
-        return client.create_experiment(name)
+        return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: TRAINING_KIND})
     except MlflowException:
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
