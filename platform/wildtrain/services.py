@@ -230,6 +230,12 @@ def _tail(log: Path, lines: int = 15) -> str:
         return ""
 
 
+# MLflow's server starts a job runner with eight Huey consumer processes for its GenAI jobs
+# (LLM judges, trace roll-ups), which wildtrain never submits: each imports MLflow, together
+# about 40 s of CPU at every start and a gigabyte of memory for as long as the server runs.
+MLFLOW_SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 def start_mlflow(root: Path, port: int, timeout_s: float = 120.0) -> subprocess.Popen:
     """An MLflow tracking server on 127.0.0.1:`port`, storing runs in `root`."""
     root = private_dir(root.resolve())
@@ -244,6 +250,7 @@ def start_mlflow(root: Path, port: int, timeout_s: float = 120.0) -> subprocess.
         stdout=log.open("ab"),
         stderr=subprocess.STDOUT,
         start_new_session=True,  # outlives the shell that ran `wildtrain up`
+        env={**os.environ, **MLFLOW_SERVER_ENV},
     )
     try:
         wait_healthy(f"http://{HOST}:{port}/health", process, log, timeout_s)

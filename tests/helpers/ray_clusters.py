@@ -4,6 +4,7 @@ the machine (`wildtrain up`'s head, another test run's): every port it listens o
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 from typing import Callable, Optional
 
 from ray.cluster_utils import Cluster
@@ -25,13 +26,11 @@ def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: 
     # theirs; beside `wildtrain up`'s head they removed this cluster's placement groups.
     gcs_port = services.free_port()
     setenv("RAY_ADDRESS", f"{services.HOST}:{gcs_port}")
-    return Cluster(
+    temp_dir = tempfile.mkdtemp(prefix="wildtrain-test-ray-")
+    cluster = Cluster(
         initialize_head=True,
         head_node_args={
-            # A temporary folder of its own: Ray's job supervisor tells a job's driver the
-            # address of the newest cluster started under the same folder ("auto"), and another
-            # test's cluster under /tmp/ray, gone since, sent the jobs of this one there to hang.
-            "temp_dir": tempfile.mkdtemp(prefix="wildtrain-test-ray-"),
+            "temp_dir": temp_dir,
             "gcs_server_port": gcs_port,
             "num_cpus": num_cpus,
             "resources": resources or {},
@@ -46,3 +45,10 @@ def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: 
             "_system_config": {**services.NODE_HEALTH_CHECKS, "metrics_report_interval_ms": 1000},
         },
     )
+    # Ray's job supervisor gives a job's driver the address recorded in its cluster's temporary
+    # folder (`ray_current_cluster`), and without one any cluster it finds running on the
+    # machine. `ray start` records it there; `Cluster` records it in /tmp/ray only, where
+    # another test's cluster, gone since, or `wildtrain up`'s head may be: jobs went there to
+    # hang. A folder of its own, recorded in, sends them to this cluster alone.
+    (Path(temp_dir) / "ray_current_cluster").write_text(cluster.gcs_address)
+    return cluster
