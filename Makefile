@@ -32,17 +32,11 @@ browser:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
 	echo "no chromium here (not root, or no apt-get): the MLflow UI test will skip"
 
-# Two pytest processes side by side: the integration tests, which wait on their Ray cluster,
-# object store and MLflow server much of the time, in one; the unit and GPU tests (skipped
-# without CUDA) in the other, whose lines come after. (pytest-xdist's loadgroup cannot keep
-# the integration tests on one worker under pytest 9: it groups by a node id suffix that
-# pytest 9 no longer shows.)
+# Two pytest workers, each taking whole test files as it frees up, and each with its own Ray
+# cluster, object store and MLflow server (session fixtures on free ports): the integration
+# tests wait on their services much of the time, and one stream of them left a core idle.
 test: $(STAMP)
-	@log=$$(mktemp); \
-	$(BIN)/python -m pytest tests/unit tests/gpu -q -ra -p no:cacheprovider >$$log 2>&1 & unit=$$!; \
-	$(BIN)/python -m pytest tests/integration -q -ra --durations=15; integration=$$?; \
-	wait $$unit; units=$$?; echo "--- tests/unit, tests/gpu:"; cat $$log; rm -f $$log; \
-	test $$integration -eq 0 -a $$units -eq 0
+	$(BIN)/python -m pytest tests -q -ra --durations=30 -p no:cacheprovider -n 2 --dist loadfile
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q
