@@ -22,7 +22,6 @@ demo: $(STAMP)
 		--output s3://wildtrain/datasets/tiny --rows-per-group 128 --val-fraction 0.05
 	$(BIN)/wildtrain train experiment=tiny
 
-# Two workers: the integration tests on one, the unit tests beside them (tests/conftest.py).
 # Two pytest workers, each taking whole test files as it frees up, and each with its own Ray
 # cluster, object store and MLflow server (session fixtures on free ports): the integration
 # tests wait on their services much of the time, and one stream of them left a core idle.
