@@ -23,7 +23,7 @@ from mlflow.tracking import MlflowClient
 from tests.conftest import REPO
 from tests.helpers.chaos import BackgroundRun
 from tests.helpers.waiting import wait_for
-from wildtrain import cli, services, storage
+from wildtrain import cli, lease, services, storage
 from wildtrain.config import load_config
 from wildtrain.checkpoint.format import CheckpointManifest, FileEntry
 from wildtrain.clusters import jobs_api, registry, sync
@@ -120,7 +120,8 @@ def test_submit_runs_the_train_command_with_the_clusters_settings_and_refuses_a_
     info = client.get_job_info(submitted.job_id)
     assert "python -m wildtrain train cluster=local cluster.name=b run.storage=s3://wildtrain-test/cluster-b/runs" in info.entrypoint
     assert info.entrypoint.endswith("run.name=moved-nowhere")
-    assert info.runtime_env["env_vars"] == {"WILDTRAIN_HOTFIX": "b"}
+    # The hotfix's variables, and the job's own id, by which its driver's lease names it.
+    assert info.runtime_env["env_vars"] == {"WILDTRAIN_HOTFIX": "b", lease.JOB_VARIABLE: submitted.job_id}
     logs = []
     # The job that was sent, followed to its end: one job, not a second one beside it.
     with pytest.raises(jobs_api.ClusterError, match=r"^b: job wildtrain-moved-nowhere-\w{8} ended FAILED$"):
