@@ -27,8 +27,9 @@ def test_a_death_and_a_return_together_make_one_generation():
 
 def test_nothing_changed_keeps_the_generation_until_a_failed_collective_has_aged():
     assert next_membership(THREE, dead=(), joiners=["w2"]) is None
-    assert next_membership(THREE, dead=(), joiners=[], errored_for_s=0.5, dead_after_s=1.0) is None
-    assert next_membership(THREE, dead=(), joiners=[], errored_for_s=1.5, dead_after_s=1.0) == Membership(5, THREE.members)
+    assert next_membership(THREE, dead=(), joiners=[], errored_for_s=0.4, confirm_s=0.5) is None
+    same = next_membership(THREE, dead=(), joiners=[], errored_for_s=0.6, confirm_s=0.5)
+    assert same == Membership(5, THREE.members), "a broken group re-forms with the same members"
 
 
 def test_a_dead_joiner_is_not_admitted_and_no_one_left_is_an_error():
@@ -39,6 +40,12 @@ def test_a_dead_joiner_is_not_admitted_and_no_one_left_is_an_error():
 
 def test_stale_heartbeats():
     assert stale({"w0": 10.0, "w1": 8.9, "w2": 9.5}, now=10.0, dead_after_s=1.0) == {"w1"}
+
+
+def test_after_a_failed_collective_a_member_silent_since_is_dead_sooner():
+    beats = {"w0": 10.3, "w1": 9.95, "w2": 10.25}
+    assert stale(beats, now=10.3, dead_after_s=1.0, error_at=10.0, confirm_s=0.5) == set(), "not confirmed yet"
+    assert stale(beats, now=10.6, dead_after_s=1.0, error_at=10.0, confirm_s=0.5) == {"w1"}
 
 
 def test_only_a_departure_abandons_a_collective_in_flight():

@@ -21,26 +21,33 @@ class Membership:
         return self.members.index(member) if member in self.members else None
 
 
-def stale(beats: Mapping[str, float], now: float, dead_after_s: float) -> frozenset[str]:
-    """The members whose last heartbeat (a time.time() each) is older than `dead_after_s`."""
-    return frozenset(member for member, beat in beats.items() if now - beat > dead_after_s)
+def stale(beats: Mapping[str, float], now: float, dead_after_s: float, error_at: Optional[float] = None,
+          confirm_s: float = 0.0) -> frozenset[str]:
+    """The members found dead, from their last heartbeats (a time.time() each): silent for
+    longer than `dead_after_s`, or, once a collective failed at `error_at`, silent since then
+    for `confirm_s`. A failed collective says someone left but not who; the heartbeats that
+    continue after it say who did not, sooner than the silence that has to cover a hang."""
+    after_error = error_at is not None and now - error_at > confirm_s
+    return frozenset(member for member, beat in beats.items()
+                     if now - beat > dead_after_s or (after_error and beat < error_at))
 
 
 def next_membership(current: Membership, dead: Iterable[str], joiners: Sequence[str],
-                    errored_for_s: Optional[float] = None, dead_after_s: float = 0.0) -> Optional[Membership]:
+                    errored_for_s: Optional[float] = None, confirm_s: float = 0.0) -> Optional[Membership]:
     """The next generation, or None while the current one should stand.
 
     Survivors keep their order, so rank 0 stays rank 0 while it lives; joiners (in the order
-    they asked) follow. A collective that failed without anyone found dead (`errored_for_s`
-    since a worker reported it) re-forms the same members, but only once a dead member would
-    have been found (`dead_after_s`): re-forming earlier could include a member that is dead
-    but not yet stale, and the new group's rendezvous would wait for it until it timed out."""
+    they asked) follow. A collective that failed `errored_for_s` ago without anyone found dead
+    re-forms the same members, but only after `confirm_s`, the time `stale` takes to find a
+    dead member after a failed collective: re-forming earlier could include a member that is
+    dead but not yet found, and the new group's rendezvous would wait for it until it timed
+    out."""
     dead = set(dead)
     survivors = tuple(m for m in current.members if m not in dead)
     joining = tuple(dict.fromkeys(j for j in joiners if j not in current.members and j not in dead))
     members = survivors + joining
     if members == current.members:
-        if errored_for_s is None or errored_for_s < dead_after_s:
+        if errored_for_s is None or errored_for_s < confirm_s:
             return None
     if not members:
         raise RuntimeError(f"generation {current.generation}: every member ({', '.join(current.members)}) is dead "
