@@ -1,0 +1,103 @@
+"""Who trains in the next generation of an in-process elastic group, and from whose state.
+
+The decisions of bench/recovery_spike.py (issue 24), kept pure so that they can be tested
+without processes: workers stay alive across a resize, and a resize is a new generation of
+the process group (a new TCPStore prefix) whose members are the survivors, in their old
+order, followed by the workers that asked to join.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class Membership:
+    generation: int
+    members: tuple[str, ...]  # by rank
+
+    def rank(self, member: str) -> Optional[int]:
+        return self.members.index(member) if member in self.members else None
+
+
+def stale(beats: Mapping[str, float], now: float, dead_after_s: float, error_at: Optional[float] = None,
+          confirm_s: float = 0.0) -> frozenset[str]:
+    """The members found dead, from their last heartbeats (a time.time() each): silent for
+    longer than `dead_after_s`, or, once a collective failed at `error_at`, silent since then
+    for `confirm_s`. A failed collective says someone left but not who; the heartbeats that
+    continue after it say who did not, sooner than the silence that has to cover a hang."""
+    after_error = error_at is not None and now - error_at > confirm_s
+    return frozenset(member for member, beat in beats.items()
+                     if now - beat > dead_after_s or (after_error and beat < error_at))
+
+
+def next_membership(current: Membership, dead: Iterable[str], joiners: Sequence[str],
+                    errored_for_s: Optional[float] = None, confirm_s: float = 0.0) -> Optional[Membership]:
+    """The next generation, or None while the current one should stand.
+
+    Survivors keep their order, so rank 0 stays rank 0 while it lives; joiners (in the order
+    they asked) follow. A collective that failed `errored_for_s` ago without anyone found dead
+    re-forms the same members, but only after `confirm_s`, the time `stale` takes to find a
+    dead member after a failed collective: re-forming earlier could include a member that is
+    dead but not yet found, and the new group's rendezvous would wait for it until it timed
+    out."""
+    dead = set(dead)
+    survivors = tuple(m for m in current.members if m not in dead)
+    joining = tuple(dict.fromkeys(j for j in joiners if j not in current.members and j not in dead))
+    members = survivors + joining
+    if members == current.members:
+        if errored_for_s is None or errored_for_s < confirm_s:
+            return None
+    if not members:
+        raise RuntimeError(f"generation {current.generation}: every member ({', '.join(current.members)}) is dead "
+                           "and none asked to join; only a checkpoint can restore this run")
+    return Membership(current.generation + 1, members)
+
+
+def must_abandon(current: Membership, newer: Membership) -> bool:
+    """Whether a collective in flight in `current` can never finish: a member left. A newer
+    generation that only adds joiners lets the step finish first (the group re-forms at its
+    boundary)."""
+    return not set(current.members) <= set(newer.members)
+
+
+@dataclass(frozen=True)
+class StateSync:
+    source: int  # the rank whose model and optimizer state every rank takes
+    step: int  # the optimizer steps that state has taken
+    needed: bool  # false: every rank holds that state already
+
+
+def plan_sync(steps: Sequence[int]) -> StateSync:
+    """From whom the ranks of a new generation take their state; `steps[rank]` is how many
+    optimizer steps each has taken, -1 for a joiner that holds none.
+
+    The source is the lowest rank at the highest step. Survivors differ by at most one step:
+    one finished the all-reduce of the step in flight when a peer died (every rank's gradient
+    was in it, so that step is good) while another saw it fail. More than one apart means the
+    state of some member is not the group's, and carrying on would diverge silently."""
+    if not steps or max(steps) < 0:
+        raise ValueError(f"no rank of the new group holds any state (steps {list(steps)}): a new group starts "
+                         "from a checkpoint or from step 0, not from a peer")
+    top = max(steps)
+    behind = [(rank, s) for rank, s in enumerate(steps) if 0 <= s < top - 1]
+    if behind:
+        raise ValueError(f"ranks {behind} (rank, step) are more than one step behind step {top}: survivors can "
+                         "differ only by the step in flight")
+    return StateSync(source=steps.index(top), step=top, needed=any(s != top for s in steps))
+
+
+def micro_batches(global_batch: int, world: int, rank: int, micro_batch: int) -> tuple[range, ...]:
+    """The rows of the global batch that `rank` of `world` computes, in micro-batches of at
+    most `micro_batch` rows: a smaller world gives each rank a larger share (more
+    accumulation), so the global batch, and with the same data order the losses, do not
+    depend on the world size."""
+    if not 0 <= rank < world or world > global_batch or micro_batch < 1:
+        raise ValueError(f"rank {rank} of world {world}, global batch {global_batch}, micro batch {micro_batch}: "
+                         "need 0 <= rank < world <= global batch and micro batch >= 1")
+    # The first global_batch % world ranks take one row more.
+    base, extra = divmod(global_batch, world)
+    start = rank * base + min(rank, extra)
+    stop = start + base + (rank < extra)
+    return tuple(range(s, min(s + micro_batch, stop)) for s in range(start, stop, micro_batch))

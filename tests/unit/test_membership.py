@@ -1,0 +1,84 @@
+import pytest
+
+from wildtrain.elastic.membership import (
+    Membership,
+    StateSync,
+    micro_batches,
+    must_abandon,
+    next_membership,
+    plan_sync,
+    stale,
+)
+
+THREE = Membership(4, ("w0", "w1", "w2"))
+
+
+def test_a_death_keeps_the_survivors_in_order_and_a_joiner_comes_last():
+    shrunk = next_membership(THREE, dead={"w0"}, joiners=[])
+    assert shrunk == Membership(5, ("w1", "w2"))
+    assert shrunk.rank("w1") == 0 and shrunk.rank("w0") is None
+    grown = next_membership(shrunk, dead=set(), joiners=["w3", "w1", "w3"])
+    assert grown == Membership(6, ("w1", "w2", "w3")), "a member asking again is not a joiner; one request each"
+
+
+def test_a_death_and_a_return_together_make_one_generation():
+    assert next_membership(THREE, dead={"w1"}, joiners=["w3", "w4"]) == Membership(5, ("w0", "w2", "w3", "w4"))
+
+
+def test_nothing_changed_keeps_the_generation_until_a_failed_collective_has_aged():
+    assert next_membership(THREE, dead=(), joiners=["w2"]) is None
+    assert next_membership(THREE, dead=(), joiners=[], errored_for_s=0.4, confirm_s=0.5) is None
+    same = next_membership(THREE, dead=(), joiners=[], errored_for_s=0.6, confirm_s=0.5)
+    assert same == Membership(5, THREE.members), "a broken group re-forms with the same members"
+
+
+def test_a_dead_joiner_is_not_admitted_and_no_one_left_is_an_error():
+    assert next_membership(THREE, dead={"w3"}, joiners=["w3"]) is None
+    with pytest.raises(RuntimeError, match="generation 4: every member"):
+        next_membership(THREE, dead=set(THREE.members), joiners=[])
+
+
+def test_stale_heartbeats():
+    assert stale({"w0": 10.0, "w1": 8.9, "w2": 9.5}, now=10.0, dead_after_s=1.0) == {"w1"}
+
+
+def test_after_a_failed_collective_a_member_silent_since_is_dead_sooner():
+    beats = {"w0": 10.3, "w1": 9.95, "w2": 10.25}
+    assert stale(beats, now=10.3, dead_after_s=1.0, error_at=10.0, confirm_s=0.5) == set(), "not confirmed yet"
+    assert stale(beats, now=10.6, dead_after_s=1.0, error_at=10.0, confirm_s=0.5) == {"w1"}
+
+
+def test_only_a_departure_abandons_a_collective_in_flight():
+    assert must_abandon(THREE, Membership(5, ("w0", "w2")))
+    assert not must_abandon(THREE, Membership(5, ("w0", "w1", "w2", "w3")))
+
+
+def test_the_state_comes_from_the_lowest_rank_at_the_highest_step():
+    assert plan_sync([7, 7, 7]) == StateSync(source=0, step=7, needed=False)
+    sync = plan_sync([6, 7, -1])
+    assert (sync.source, sync.step, sync.needed) == (1, 7, True)
+    assert plan_sync([7, 7, -1]).source == 0
+
+
+def test_survivors_more_than_a_step_apart_or_no_state_at_all_are_refused():
+    with pytest.raises(ValueError, match=r"ranks \[\(0, 5\)\]"):
+        plan_sync([5, 7])
+    with pytest.raises(ValueError, match="holds any state"):
+        plan_sync([-1, -1])
+
+
+@pytest.mark.parametrize("global_batch,world,micro", [(6, 3, 2), (6, 2, 2), (7, 3, 2), (6, 1, 4), (5, 5, 1)])
+def test_the_ranks_cover_the_global_batch_once_in_order(global_batch, world, micro):
+    shares = [micro_batches(global_batch, world, rank, micro) for rank in range(world)]
+    rows = [row for share in shares for mb in share for row in mb]
+    assert rows == list(range(global_batch))
+    assert all(1 <= len(mb) <= micro for share in shares for mb in share)
+    sizes = [sum(map(len, share)) for share in shares]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_a_smaller_world_gives_each_rank_more_accumulation():
+    assert micro_batches(6, 3, 1, 2) == (range(2, 4),)
+    assert micro_batches(6, 2, 1, 2) == (range(3, 5), range(5, 6))
+    with pytest.raises(ValueError, match="rank 3 of world 3"):
+        micro_batches(6, 3, 3, 2)
