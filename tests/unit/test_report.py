@@ -28,6 +28,7 @@ from wildtrain.tracking.report import (
 )
 from wildtrain.events import Event, HealthCheck, Moved
 from wildtrain.tracking.timeline import Timeline
+from tests.helpers.reports import first_report, report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -38,11 +39,11 @@ def recorded_events() -> list[Event]:
     timeline = Timeline()
     timeline.group_started(["a", "b"])
     for step in (1, 5, 10):
-        timeline.reported({"step": step, "world_size": 2})
+        timeline.reported(report(step, 2))
     timeline.interrupted("failure", at=1035.0, cause="node b died")
     timeline.group_started(["a"])
-    timeline.reported({"step": 9, "world_size": 1, "restored_step": 8, "attempt_started_at": 1045.0,
-                       "first_step_at": 1052.0, "restore_s": 3.0, "reshard_s": 2.0})
+    timeline.reported(first_report(9, 1, restored_step=8, started_at=1045.0, first_step_at=1052.0, restore_s=3.0,
+                                   reshard_s=2.0))
     health = [HealthCheck(1001.0, "gpu-burn", 0, "a", passed=True, detail=""),
               HealthCheck(1001.0, "nccl-allreduce", -1, "b", passed=False, detail="12 GB/s")]
     return timeline.events + health
