@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from wildtrain.tracking.goodput import BADPUT_CAUSES, AttemptStarted, Goodput, Interrupted, RunStarted, RunStopped, Steps, account
+from wildtrain.tracking.goodput import (
+    BADPUT_CAUSES, AttemptStarted, Goodput, GroupStopped, RunStarted, RunStopped, Steps, account,
+)
 from wildtrain.tracking.report import (
     CHECKPOINT_BYTES,
     CHECKPOINT_SAVE_S,
@@ -69,7 +71,7 @@ def record() -> RunRecord:
 def test_goodput_events_from_the_timeline_and_the_reports():
     events = goodput_events(record())
     assert [e for e in events if not isinstance(e, Steps)] == [
-        RunStarted(1000.0), RunStopped(1060.0), Interrupted(1035.0, "failure"),
+        RunStarted(1000.0), RunStopped(1060.0), GroupStopped(1035.0, "failure"),
         AttemptStarted(1045.0, restored_step=8, restore_s=3.0, reshard_s=2.0),
     ]
     # a window per report, from the previous report of the same attempt; an attempt's
@@ -119,7 +121,7 @@ def test_a_moved_run_counts_on_each_cluster_for_the_part_it_trained_there():
 def test_plot_is_a_png(tmp_path):
     r = record()
     path = tmp_path / "run.png"
-    plot_run(r.history, goodput_events(r) + [Interrupted(1058.0, "resize")], path, now=1060.0)
+    plot_run(r.history, goodput_events(r) + [GroupStopped(1058.0, "resize")], path, now=1060.0)
     data = path.read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
 
