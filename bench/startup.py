@@ -42,7 +42,7 @@ from mlflow.tracking import MlflowClient
 from progress import say
 from wildtrain import services
 from wildtrain.events import Started
-from wildtrain.tracking.mlflow_run import mlflow_key, quiet_mlflow, read_events
+from wildtrain.tracking.mlflow_run import STARTUP_METRICS, mlflow_key, quiet_mlflow, read_events
 from wildtrain.tracking.report import find_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,9 +89,7 @@ def start_up_phases(uri: str, run_name: str, submitted: float, folder: Path) -> 
     def first(key: str):
         return min(client.get_metric_history(run_id, key), key=lambda m: m.step)
 
-    stamps = {key: first(mlflow_key(f"startup/{key}")).value for key in
-              ("worker_started_at", "attempt_started_at", "health_checked_at", "restored_at", "engine_build_s",
-               "first_step_at")}
+    stamps = {key: first(mlflow_key(f"startup/{key}")).value for key in STARTUP_METRICS}
     first_report = first(mlflow_key("startup/first_step_at")).step
     data_wait = next(m.value for m in client.get_metric_history(run_id, mlflow_key("time/data_wait_s")) if m.step == first_report)
     # A worker process Ray started ahead of the group (an idle one it reuses) exists before the driver does.

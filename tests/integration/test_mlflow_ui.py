@@ -18,6 +18,7 @@ from wildtrain.elastic.signals import Restart
 from wildtrain.tracking.mlflow_run import MlflowCallback, run_url
 from wildtrain.tracking.report import report_run
 from wildtrain.tracking.run_setup import open_run
+from wildtrain.worker_report import WorkerReport
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +66,7 @@ def finished_run(mlflow_url: str, tmp_path) -> tuple[str, str]:
                     **({"val/loss": 5.2 - 0.3 * s, "val/bpb": 2.0 - 0.1 * s} if s % 4 == 0 else {})}
                    for s in (step - 1, step)]
         saved = {"checkpoint/bytes": 4096.0, "checkpoint/save_s": 0.2} if step == 8 else {}
-        callback.after_report(None, [{"step": step, "world_size": 2, "events": [], "windows": windows, **saved}])
+        callback.after_report(None, [WorkerReport(step, 64 * step, 2, windows=tuple(windows), checkpoint=saved).to_dict()])
     callback.after_controller_finish(None)
     MlflowClient(mlflow_url).set_terminated(run_id, "FINISHED")
     report_run(mlflow_url, run_id)

@@ -7,11 +7,11 @@ from hypothesis import strategies as st
 from wildtrain.tracking.goodput import (
     BADPUT_CAUSES,
     AttemptStarted,
-    Interrupted,
+    CapacityWait,
+    GroupStopped,
     RunStarted,
     RunStopped,
     Steps,
-    Waiting,
     account,
     goodput_over_time,
     stalled_s,
@@ -72,7 +72,7 @@ def test_one_failure_loses_the_steps_after_the_restored_checkpoint():
         AttemptStarted(4.0, restored_step=0),
         Steps(1, 10, 10.0, 110.0),
         Steps(11, 20, 110.0, 210.0, data_wait_s=10.0, checkpoint_stall_s=2.0),
-        Interrupted(215.0, "failure"),
+        GroupStopped(215.0, "failure"),
         AttemptStarted(225.0, restored_step=15, restore_s=5.0, reshard_s=3.0),
         Steps(16, 20, 240.0, 290.0),
         Steps(21, 30, 290.0, 390.0),
@@ -96,13 +96,13 @@ def test_failures_during_recovery_count_each_redone_step_each_time_and_each_inst
         RunStarted(0.0),
         AttemptStarted(0.0, restored_step=0),
         Steps(1, 10, 0.0, 100.0),
-        Interrupted(100.0, "failure"),
+        GroupStopped(100.0, "failure"),
         AttemptStarted(110.0, restored_step=5, restore_s=5.0),
         Steps(6, 8, 120.0, 150.0),
-        Interrupted(150.0, "failure"),
-        Interrupted(152.0, "failure"),  # the same outage, reported twice
+        GroupStopped(150.0, "failure"),
+        GroupStopped(152.0, "failure"),  # the same outage, reported twice
         AttemptStarted(160.0, restored_step=5, restore_s=30.0),
-        Interrupted(175.0, "failure"),  # a failure while restoring: the restore still claims its time
+        GroupStopped(175.0, "failure"),  # a failure while restoring: the restore still claims its time
         AttemptStarted(200.0, restored_step=5, restore_s=5.0),
         Steps(6, 10, 210.0, 260.0),
     ]
@@ -119,11 +119,11 @@ def test_failures_during_recovery_count_each_redone_step_each_time_and_each_inst
 def test_waiting_for_resources_and_a_resubmission():
     events = [
         RunStarted(0.0),
-        Waiting(2.0, 30.0),
+        CapacityWait(2.0, 30.0),
         AttemptStarted(35.0, restored_step=0),
         Steps(1, 5, 40.0, 90.0),
-        Interrupted(90.0, "failure"),  # right after the checkpoint of step 5: nothing lost
-        Waiting(95.0, 195.0),
+        GroupStopped(90.0, "failure"),  # right after the checkpoint of step 5: nothing lost
+        CapacityWait(95.0, 195.0),
         AttemptStarted(200.0, restored_step=5, restore_s=2.0, reshard_s=6.0),
         Steps(6, 10, 210.0, 260.0),
         RunStopped(262.0),
@@ -148,7 +148,7 @@ def test_waiting_for_resources_and_a_resubmission():
     ("resize", {"startup": 3.0 + 7.0}),  # handing over to a bigger group
 ])
 def test_time_after_the_last_step_goes_to_what_interrupted_the_group(kind, badput):
-    events = [RunStarted(0.0), Steps(1, 4, 0.0, 40.0), Interrupted(43.0, kind), AttemptStarted(50.0, restored_step=4)]
+    events = [RunStarted(0.0), Steps(1, 4, 0.0, 40.0), GroupStopped(43.0, kind), AttemptStarted(50.0, restored_step=4)]
     assert parts(account(events, now=50.0)) == {"productive": 40.0, **badput}
 
 
@@ -158,7 +158,7 @@ def test_time_since_the_newest_report_of_a_running_group_is_unreported():
 
 
 def test_an_instant_claimed_twice_counts_once_for_the_badput():
-    events = [RunStarted(0.0), Steps(1, 10, 0.0, 100.0), Waiting(50.0, 70.0), Steps(11, 12, 90.0, 110.0)]
+    events = [RunStarted(0.0), Steps(1, 10, 0.0, 100.0), CapacityWait(50.0, 70.0), Steps(11, 12, 90.0, 110.0)]
     assert parts(account(events, now=110.0)) == {"productive": 90.0, "waiting": 20.0}
 
 
@@ -183,7 +183,7 @@ def test_slower_steps_at_a_smaller_world_size_are_not_a_stall():
 
 def test_a_stalled_window_whose_steps_were_redone_is_lost():
     events = [RunStarted(0.0), AttemptStarted(0.0, 0)] + [Steps(i, i, i - 1.0, float(i)) for i in range(1, 5)]
-    events += [Steps(5, 5, 4.0, 64.0), Interrupted(64.0, "failure"), AttemptStarted(70.0, restored_step=4)]
+    events += [Steps(5, 5, 4.0, 64.0), GroupStopped(64.0, "failure"), AttemptStarted(70.0, restored_step=4)]
     assert parts(account(events, now=70.0)) == {"productive": 4.0, "lost": 60.0, "startup": 6.0}
 
 
@@ -201,7 +201,7 @@ def test_the_parts_add_up_exactly_with_times_that_floats_cannot_hold():
 
 
 def test_goodput_over_time_ends_at_the_runs_goodput():
-    events = [RunStarted(0.0), AttemptStarted(0.0, 0), Steps(1, 10, 20.0, 120.0), Interrupted(120.0, "failure"),
+    events = [RunStarted(0.0), AttemptStarted(0.0, 0), Steps(1, 10, 20.0, 120.0), GroupStopped(120.0, "failure"),
               AttemptStarted(140.0, restored_step=5), Steps(6, 10, 140.0, 190.0)]
     curve = goodput_over_time(events, 190.0, [0.0, 20.0, 70.0, 120.0, 190.0, 500.0])
     # steps 6..10 first ran over [70, 120) and were redone: that stretch counts as lost
@@ -224,9 +224,9 @@ steps = st.integers(0, 40)
 events = st.one_of(
     st.builds(RunStarted, times),
     st.builds(RunStopped, times),
-    st.builds(lambda t, d: Waiting(t, t + d), times, durations),
+    st.builds(lambda t, d: CapacityWait(t, t + d), times, durations),
     st.builds(AttemptStarted, times, steps, durations, durations),
-    st.builds(Interrupted, times, st.sampled_from(["failure", "resize"])),
+    st.builds(GroupStopped, times, st.sampled_from(["failure", "resize"])),
     st.builds(lambda first, n, t, d, w, c, size: Steps(first, first + n, t, t + d, w, c, size),
               steps, st.integers(0, 9), times, durations, durations, durations, st.integers(0, 2)),
 )

@@ -4,6 +4,7 @@ answers, as a stopped process does) and a real MLflow store (SQLite, no server).
 import json
 import socket
 import time
+from dataclasses import replace
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -13,6 +14,8 @@ from wildtrain.tracking import mlflow_run, run_setup
 from wildtrain.events import Resize, StoppedEarly, TrackingOutage
 from wildtrain.tracking.mlflow_run import MlflowCallback, Tracker, read_events
 from wildtrain.elastic.signals import Restart
+from wildtrain.worker_report import WorkerReport
+from tests.helpers.reports import first_report
 
 
 @pytest.fixture
@@ -41,7 +44,7 @@ def test_reports_never_wait_on_a_hung_mlflow_server_and_nothing_is_lost(hung_ser
     started = time.perf_counter()
     for step in range(1, 101):
         window = {"step": step, "at": time.time(), "loss": 5.0 - step / 100, "world_size": 2}
-        callback.after_report(None, [{"step": step, "world_size": 2, "events": [], "windows": [window]}])
+        callback.after_report(None, [WorkerReport(step, 64 * step, 2, windows=(window,)).to_dict()])
     assert time.perf_counter() - started < 1.0, "the report path waited on MLflow"
 
     started = time.perf_counter()
@@ -137,8 +140,8 @@ def test_each_window_of_a_report_is_logged_at_its_own_step_and_time(store, tmp_p
     # controller's previous report was still queued, and a save's figures at the report's step.
     windows = [{"step": step, "at": 1_700_000_000.0 + step, "loss": 5.0 - step, "step_time_s": 0.5,
                 "world_size": 2, "time/report_wait_s": 0.0} for step in (1, 2, 3)]
-    callback.after_report(None, [{"step": 3, "world_size": 2, "events": [], "windows": windows,
-                                  "checkpoint/bytes": 1024.0}])
+    callback.after_report(None, [WorkerReport(3, 192, 2, windows=tuple(windows),
+                                              checkpoint={"checkpoint/bytes": 1024.0}).to_dict()])
     callback.after_controller_finish(None)
     history = client.get_metric_history(run_id, "loss")
     assert [(m.step, m.value, m.timestamp) for m in history] == [
@@ -167,8 +170,9 @@ def test_the_model_metrics_tab_opens_on_the_training_curves_and_how_the_run_runs
     window = {"step": 4, "at": 1_700_000_000.0, "loss": 3.0, "lr": 1e-3, "tokens_seen": 512.0, "tokens_per_s": 900.0,
               "step_time_s": 0.5, "world_size": 2, "epoch": 0, "mfu": 0.3, "time/forward_s": 0.2,
               "time/data_wait_s": 0.01, "memory/peak_gb": 1.5, "val/loss": 3.2}
-    callback.after_report(None, [{"step": 4, "world_size": 2, "events": [], "windows": [window],
-                                  "checkpoint/bytes": 1024.0, "checkpoint/save_s": 0.3, "attempt_started_at": 1.0}])
+    report = replace(first_report(4, 2, restored_step=0, started_at=1.0, first_step_at=2.0), windows=(window,),
+                     checkpoint={"checkpoint/bytes": 1024.0, "checkpoint/save_s": 0.3})
+    callback.after_report(None, [report.to_dict()])
     callback.record_event(StoppedEarly(time.time(), 4, "loss stopped falling"))
     callback.after_controller_finish(None)
     keys = set(client.get_run(run_id).data.metrics)

@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from wildtrain.tracking.goodput import BADPUT_CAUSES, AttemptStarted, Goodput, Interrupted, RunStarted, RunStopped, Steps, account
+from wildtrain.tracking.goodput import (
+    BADPUT_CAUSES, AttemptStarted, Goodput, GroupStopped, RunStarted, RunStopped, Steps, account,
+)
 from wildtrain.tracking.report import (
     CHECKPOINT_BYTES,
     CHECKPOINT_SAVE_S,
@@ -28,6 +30,7 @@ from wildtrain.tracking.report import (
 )
 from wildtrain.events import Event, HealthCheck, Moved
 from wildtrain.tracking.timeline import Timeline
+from tests.helpers.reports import first_report, report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -38,11 +41,11 @@ def recorded_events() -> list[Event]:
     timeline = Timeline()
     timeline.group_started(["a", "b"])
     for step in (1, 5, 10):
-        timeline.reported({"step": step, "world_size": 2})
+        timeline.reported(report(step, 2))
     timeline.interrupted("failure", at=1035.0, cause="node b died")
     timeline.group_started(["a"])
-    timeline.reported({"step": 9, "world_size": 1, "restored_step": 8, "attempt_started_at": 1045.0,
-                       "first_step_at": 1052.0, "restore_s": 3.0, "reshard_s": 2.0})
+    timeline.reported(first_report(9, 1, restored_step=8, started_at=1045.0, first_step_at=1052.0, restore_s=3.0,
+                                   reshard_s=2.0))
     health = [HealthCheck(1001.0, "gpu-burn", 0, "a", passed=True, detail=""),
               HealthCheck(1001.0, "nccl-allreduce", -1, "b", passed=False, detail="12 GB/s")]
     return timeline.events + health
@@ -68,7 +71,7 @@ def record() -> RunRecord:
 def test_goodput_events_from_the_timeline_and_the_reports():
     events = goodput_events(record())
     assert [e for e in events if not isinstance(e, Steps)] == [
-        RunStarted(1000.0), RunStopped(1060.0), Interrupted(1035.0, "failure"),
+        RunStarted(1000.0), RunStopped(1060.0), GroupStopped(1035.0, "failure"),
         AttemptStarted(1045.0, restored_step=8, restore_s=3.0, reshard_s=2.0),
     ]
     # a window per report, from the previous report of the same attempt; an attempt's
@@ -118,7 +121,7 @@ def test_a_moved_run_counts_on_each_cluster_for_the_part_it_trained_there():
 def test_plot_is_a_png(tmp_path):
     r = record()
     path = tmp_path / "run.png"
-    plot_run(r.history, goodput_events(r) + [Interrupted(1058.0, "resize")], path, now=1060.0)
+    plot_run(r.history, goodput_events(r) + [GroupStopped(1058.0, "resize")], path, now=1060.0)
     data = path.read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
 

@@ -1,13 +1,6 @@
 from wildtrain.events import Failure
 from wildtrain.tracking.timeline import Timeline
-
-
-def first_report(step, world_size, restored_step, started_at, first_step_at, restore_s=1.0, reshard_s=2.0):
-    return {
-        "step": step, "world_size": world_size, "restored_step": restored_step,
-        "attempt_started_at": started_at, "first_step_at": first_step_at,
-        "restore_s": restore_s, "reshard_s": reshard_s,
-    }
+from tests.helpers.reports import first_report, report
 
 
 def test_a_failure_and_its_recovery_are_split_into_parts():
@@ -15,7 +8,7 @@ def test_a_failure_and_its_recovery_are_split_into_parts():
     timeline.group_started(["node-a", "node-b"])
     timeline.reported(first_report(1, 2, 0, 0.0, 1.0))
     for step in range(2, 7):
-        timeline.reported({"step": step, "world_size": 2})
+        timeline.reported(report(step, 2))
     event = timeline.interrupted("failure", at=100.0, cause="node-b died")
     assert isinstance(event, Failure)
     assert event.last_step == 6 and event.world_size == 2 and event.nodes == ["node-a", "node-b"]
@@ -40,10 +33,10 @@ def test_steps_lost_count_from_the_newest_report_of_the_interrupted_attempt():
     timeline = Timeline()
     timeline.group_started(["a", "b"])
     for step in range(1, 11):
-        timeline.reported({"step": step, "world_size": 2})
+        timeline.reported(report(step, 2))
     timeline.interrupted("failure", at=0.0)
     timeline.reported(first_report(9, 1, 8, 1.0, 2.0))  # restored from step 8: 2 lost
-    timeline.reported({"step": 10, "world_size": 1})
+    timeline.reported(report(10, 1))
     timeline.interrupted("resize", at=3.0)
     recovery = timeline.reported(first_report(11, 2, 10, 4.0, 5.0))
     assert recovery.kind == "resize" and recovery.steps_lost == 0

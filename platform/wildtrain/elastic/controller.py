@@ -23,6 +23,7 @@ from wildtrain.elastic.nodes import (
 )
 from wildtrain.elastic.signals import CapacityError, NodeExcluded, classify_restart
 from wildtrain.events import EvalFailed, EvalSkipped, Event, Waiting
+from wildtrain.worker_report import rank_zero
 from ray.train.v2.api.exceptions import WorkerGroupError
 
 
@@ -287,7 +288,7 @@ class ReshardAhead(ray_compat.ReportCallback, ray_compat.ControllerCallback):
         self._converting: threading.Thread | None = None
 
     def after_report(self, training_report, metrics) -> None:
-        committed = metrics[0].get("committed_checkpoints", [])
+        committed = rank_zero(metrics).committed_checkpoints
         if not committed:
             return
         if self._converting is not None and self._converting.is_alive():
@@ -367,7 +368,7 @@ class EvalEvery(ray_compat.ReportCallback, ray_compat.ControllerCallback):
         self._lock = threading.Lock()
 
     def after_report(self, training_report, metrics) -> None:
-        committed = {step_of(uri.rsplit("/", 1)[-1]) for uri in metrics[0].get("committed_checkpoints", [])}
+        committed = {step_of(uri.rsplit("/", 1)[-1]) for uri in rank_zero(metrics).committed_checkpoints}
         settings, train = self.plan.settings, self.cfg.train
         for step in sorted(s for s in committed if s is not None):
             if eval_due(step, settings.every_checkpoints, train.checkpoint_every, train.steps):

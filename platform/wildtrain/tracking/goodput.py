@@ -66,7 +66,7 @@ class RunStopped:
 
 
 @dataclass(frozen=True)
-class Waiting:
+class CapacityWait:
     """The cluster could not hold the smallest allowed worker group."""
 
     start: float
@@ -85,7 +85,7 @@ class AttemptStarted:
 
 
 @dataclass(frozen=True)
-class Interrupted:
+class GroupStopped:
     """The controller learned that the worker group stopped: kind "failure" or "resize"."""
 
     at: float
@@ -116,8 +116,11 @@ class Steps:
         return max(0.0, self.end - self.start - waits) / (self.last - self.first + 1)
 
 
-Event = Union[RunStarted, RunStopped, Waiting, AttemptStarted, Interrupted, Steps]
-_POINT_EVENTS = (Interrupted, RunStopped, RunStarted, AttemptStarted)
+# Goodput's own inputs, named apart from the run's events (`wildtrain.events`) that
+# `tracking.report.goodput_events` turns into them: a `Waiting` into a `CapacityWait`, a
+# `Failure` or `Resize` into a `GroupStopped`.
+GoodputEvent = Union[RunStarted, RunStopped, CapacityWait, AttemptStarted, GroupStopped, Steps]
+_POINT_EVENTS = (GroupStopped, RunStopped, RunStarted, AttemptStarted)
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,7 @@ class Goodput:
         return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def account(events: Sequence[Event], now: float) -> Goodput:
+def account(events: Sequence[GoodputEvent], now: float) -> Goodput:
     """Split the wall time from the first `RunStarted` to `now` into productive time and
     badput by cause. The parts add up to `wall_s` exactly (times are taken to 1/1024 s).
 
@@ -146,9 +149,9 @@ def account(events: Sequence[Event], now: float) -> Goodput:
          is redone when an attempt that starts at or after the window's end restored an
          older step, or a window that starts at or after its end runs it again.
        - RESTORE for `restore_s + reshard_s` from an `AttemptStarted`;
-       - WAITING for a `Waiting`.
+       - WAITING for a `CapacityWait`.
     2. Unclaimed time takes the cause of the latest event before it: STARTUP after a
-       `RunStarted`, `AttemptStarted` or `Interrupted`; STOPPED after a `RunStopped`.
+       `RunStarted`, `AttemptStarted` or `GroupStopped`; STOPPED after a `RunStopped`.
        After a `Steps` window it depends on what comes next: LOST before a failure (the
        step in flight and the time to notice it), STARTUP before a resize or a stop
        (handing the group over), UNREPORTED before anything else (between report windows;
@@ -167,7 +170,7 @@ def account(events: Sequence[Event], now: float) -> Goodput:
     )
 
 
-def goodput_over_time(events: Sequence[Event], now: float, times: Sequence[float]) -> list[float]:
+def goodput_over_time(events: Sequence[GoodputEvent], now: float, times: Sequence[float]) -> list[float]:
     """Goodput of the run from its start to each of `times` (clipped to the run), as known
     at `now`: steps redone later already count as lost where they ran."""
     bounds, causes = _partition(events, now)
@@ -188,7 +191,7 @@ def _tick(t: float) -> int:
     return round(t * _TICKS_PER_S)
 
 
-def _partition(events: Sequence[Event], now: float) -> tuple[list[int], list[str]]:
+def _partition(events: Sequence[GoodputEvent], now: float) -> tuple[list[int], list[str]]:
     """Ascending tick boundaries from the run's start to `now`, and the cause of each
     segment between two of them (see `account`)."""
     starts = [e.at for e in events if isinstance(e, RunStarted)]
@@ -221,21 +224,21 @@ def _partition(events: Sequence[Event], now: float) -> tuple[list[int], list[str
     return bounds, causes
 
 
-def _check(e: Event) -> None:
+def _check(e: GoodputEvent) -> None:
     if isinstance(e, Steps) and (e.last < e.first or e.end < e.start
                                  or min(e.data_wait_s, e.checkpoint_stall_s, e.report_wait_s, e.eval_s) < 0):
         raise ValueError(f"{e}: needs first <= last, start <= end and parts >= 0")
-    if isinstance(e, Waiting) and e.end < e.start:
+    if isinstance(e, CapacityWait) and e.end < e.start:
         raise ValueError(f"{e}: ends before it starts")
     if isinstance(e, AttemptStarted) and min(e.restore_s, e.reshard_s) < 0:
         raise ValueError(f"{e}: negative restore or reshard time")
 
 
-def _claims(events: Sequence[Event]) -> list[tuple[int, int, str]]:
+def _claims(events: Sequence[GoodputEvent]) -> list[tuple[int, int, str]]:
     """(start, end, cause) of every non-empty interval the events claim."""
     claims = []
     for e in events:
-        if isinstance(e, Waiting):
+        if isinstance(e, CapacityWait):
             claims.append((_tick(e.start), _tick(e.end), WAITING))
         elif isinstance(e, AttemptStarted):
             claims.append((_tick(e.at), _tick(e.at + e.restore_s + e.reshard_s), RESTORE))
@@ -292,10 +295,10 @@ def stalled_s(windows: Sequence[Steps]) -> list[float]:
 
 # Ties at one instant: a window that ends as the group is interrupted ends first; a stop
 # and a resubmission at the same instant leave the run started.
-_PHASE_ORDER = {Steps: 0, Interrupted: 1, RunStopped: 2, RunStarted: 3, AttemptStarted: 4}
+_PHASE_ORDER = {Steps: 0, GroupStopped: 1, RunStopped: 2, RunStarted: 3, AttemptStarted: 4}
 
 
-def _phases(events: Sequence[Event]) -> list[tuple[int, int, str]]:
+def _phases(events: Sequence[GoodputEvent]) -> list[tuple[int, int, str]]:
     """(tick, tie order, cause) from which unclaimed time takes `cause`, ascending."""
     # What follows a window decides the cause of the unclaimed time after it.
     followers = sorted(
@@ -314,7 +317,7 @@ def _phases(events: Sequence[Event]) -> list[tuple[int, int, str]]:
     return sorted(phases)
 
 
-def _after_steps_before(e: Event) -> str:
-    if isinstance(e, Interrupted):
+def _after_steps_before(e: GoodputEvent) -> str:
+    if isinstance(e, GroupStopped):
         return LOST if e.kind == "failure" else STARTUP
     return STARTUP if isinstance(e, RunStopped) else UNREPORTED

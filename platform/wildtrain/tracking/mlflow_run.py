@@ -27,6 +27,7 @@ from wildtrain.tracking.buffer import Outage, TrackingBuffer
 from wildtrain.elastic.signals import Restart
 from wildtrain.tracking.timeline import Timeline
 from wildtrain.layout import rank_of_hang_dump
+from wildtrain.worker_report import rank_zero
 
 EVENTS_DIR = "events"
 # Set, with the reason, on a run the early-stop rule ended (`early_stop.*`).
@@ -300,16 +301,16 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
                 self._log_event(carried, self.timeline.last_step)
 
     def after_report(self, training_report, metrics) -> None:
-        reported = metrics[0]
-        step = int(reported["step"])
-        recovery = self.timeline.reported(reported)
+        report = rank_zero(metrics)
+        step = report.step
+        recovery = self.timeline.reported(report)
         # Each window closed at a log step since the last report, at its step and at the time
         # the worker closed it: the report itself may come a poll later (train/loop.py).
         self.tracking.metric_points([(_numbers(window, TRAINING_METRICS), int(window["step"]), window["at"])
-                                     for window in reported.get("windows", [])])
-        values = {key: value for key, value in reported.items()
-                  if key.startswith("checkpoint/") and isinstance(value, (int, float))}
-        values |= {f"startup/{key}": reported[key] for key in STARTUP_METRICS if key in reported}
+                                     for window in report.windows])
+        values = dict(report.checkpoint)
+        if report.startup is not None:
+            values |= {f"startup/{key}": getattr(report.startup, key) for key in STARTUP_METRICS}
         if recovery is not None:
             values |= {f"elastic/{key}": value for key, value in asdict(recovery).items()
                        if key != "at" and isinstance(value, (int, float))}
@@ -320,9 +321,9 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
                 f"reshard {recovery.reshard_s:.1f} s); {recovery.steps_lost} steps redone",
                 flush=True,
             )
-        for event in reported.get("events", []):  # the workers' own: health, stragglers, checkpoints
+        for event in report.events:  # the workers' own: health, stragglers, checkpoints
             self._log_event(event, step)
-        for committed in reported.get("committed_checkpoints", []):
+        for committed in report.committed_checkpoints:
             self.tracking.tag("wildtrain.last_checkpoint", committed)
         if values:
             self.tracking.metrics(values, step)

@@ -6,6 +6,8 @@ import datetime
 
 from ray.train import UserCallback
 
+from wildtrain.worker_report import rank_zero
+
 
 def progress_line(metrics: dict, total_steps: int) -> str:
     step = int(metrics["step"])
@@ -21,6 +23,6 @@ class ProgressCallback(UserCallback):
         self.total_steps = total_steps
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
-        windows = metrics[0].get("windows", [])
+        windows = rank_zero(metrics).windows
         if windows:  # the newest: a report carries the log steps of up to a poll interval
             print(progress_line(windows[-1], self.total_steps), flush=True)

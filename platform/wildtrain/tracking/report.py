@@ -20,7 +20,7 @@ from typing import Mapping, Optional, Sequence
 
 from wildtrain import events as run_events
 from wildtrain.tracking import goodput
-from wildtrain.tracking.goodput import AttemptStarted, Interrupted, RunStarted, RunStopped, Steps, Waiting
+from wildtrain.tracking.goodput import AttemptStarted, CapacityWait, GroupStopped, RunStarted, RunStopped, Steps
 from wildtrain.tracking.mlflow_run import mlflow_key, read_events
 from wildtrain.tracking.run_setup import CLUSTER_TAG, CLUSTERS_TAG
 
@@ -119,10 +119,10 @@ class CardRow:
     health_checks: int
 
 
-def goodput_events(record: RunRecord) -> list[goodput.Event]:
+def goodput_events(record: RunRecord) -> list[goodput.GoodputEvent]:
     """The goodput events (see `goodput.account`) of a recorded run: its submissions, waits,
     interruptions and attempts from its events, and its step windows from its reports."""
-    events: list[goodput.Event] = [RunStarted(record.started_at)]
+    events: list[goodput.GoodputEvent] = [RunStarted(record.started_at)]
     if record.ended_at is not None:
         events.append(RunStopped(record.ended_at))
     # A recovery's restart time counts from the interruption (or resubmission) before it.
@@ -134,20 +134,20 @@ def goodput_events(record: RunRecord) -> list[goodput.Event]:
         elif isinstance(e, run_events.Stopped):
             events.append(RunStopped(e.at))
         elif isinstance(e, run_events.Waiting):
-            events.append(Waiting(e.start, e.end))
+            events.append(CapacityWait(e.start, e.end))
         elif isinstance(e, run_events.Interrupted):
-            events.append(Interrupted(e.at, e.KIND))
+            events.append(GroupStopped(e.at, e.KIND))
             restart_from = e.at
         elif isinstance(e, run_events.Recovered):
             events.append(AttemptStarted(restart_from + e.restart_s, e.restored_step, e.restore_s, e.reshard_s))
     return events + _step_windows(record.history, events)
 
 
-def _step_windows(history: History, events: Sequence[goodput.Event]) -> list[Steps]:
+def _step_windows(history: History, events: Sequence[goodput.GoodputEvent]) -> list[Steps]:
     """One window per log step with `step_time_s`: from the previous such window of the same
     attempt to this one, stamped when the worker closed it. An attempt's first window covers
     one step (the loop logs every attempt's first step)."""
-    boundaries = sorted(e.at for e in events if isinstance(e, (RunStarted, Interrupted, AttemptStarted)))
+    boundaries = sorted(e.at for e in events if isinstance(e, (RunStarted, GroupStopped, AttemptStarted)))
     data_wait = {(s.at, s.step): s.value for s in history.get(DATA_WAIT, ())}
     stall = {(s.at, s.step): s.value for s in history.get(CHECKPOINT_STALL, ())}
     report_wait = {(s.at, s.step): s.value for s in history.get(REPORT_WAIT, ())}
@@ -249,7 +249,7 @@ def card_text(cluster: str, runs: Sequence[RunStats]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_run(history: History, events: Sequence[goodput.Event], path: Path, now: float) -> None:
+def plot_run(history: History, events: Sequence[goodput.GoodputEvent], path: Path, now: float) -> None:
     """A PNG at `path`: loss, MFU and goodput (as known at `now`) over the run's wall
     time, with its failures and resizes marked on each."""
     # The object-oriented API draws with Agg and leaves pyplot's global state alone.
@@ -277,7 +277,7 @@ def plot_run(history: History, events: Sequence[goodput.Event], path: Path, now:
 
     marks = {"failure": ("tab:red", "--"), "resize": ("tab:purple", ":")}
     for e in events:
-        if isinstance(e, Interrupted):
+        if isinstance(e, GroupStopped):
             color, style = marks.get(e.kind, ("grey", "-."))
             for ax in (loss_ax, mfu_ax, goodput_ax):
                 ax.axvline(x(e.at), color=color, linestyle=style, linewidth=1)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from wildtrain.events import Event, Failure, Interrupted, Recovered, Resize
+from wildtrain.worker_report import WorkerReport
 
 
 @dataclass
@@ -34,25 +35,26 @@ class Timeline:
         self.events.append(self.pending)
         return self.pending
 
-    def reported(self, metrics: dict) -> Optional[Recovered]:
+    def reported(self, report: WorkerReport) -> Optional[Recovered]:
         """Note a report; the recovery it completes, if it is the first after an interruption."""
-        self.world_size = int(metrics.get("world_size", self.world_size))
+        self.world_size = report.world_size
         recovery = None
-        if "restored_step" in metrics and self.pending is not None:
+        startup = report.startup
+        if startup is not None and self.pending is not None:
             p = self.pending
             recovery = Recovered(
-                at=metrics["first_step_at"],
+                at=startup.first_step_at,
                 kind=p.KIND,
                 world_size_before=p.world_size,
                 world_size_after=self.world_size,
-                restart_s=metrics["attempt_started_at"] - p.at,
-                restore_s=metrics["restore_s"],
-                reshard_s=metrics["reshard_s"],
-                recovery_s=metrics["first_step_at"] - p.at,
-                restored_step=int(metrics["restored_step"]),
-                steps_lost=max(0, p.last_step - int(metrics["restored_step"])),
+                restart_s=startup.attempt_started_at - p.at,
+                restore_s=startup.restore_s,
+                reshard_s=startup.reshard_s,
+                recovery_s=startup.first_step_at - p.at,
+                restored_step=startup.restored_step,
+                steps_lost=max(0, p.last_step - startup.restored_step),
             )
             self.events.append(recovery)
             self.pending = None
-        self.last_step = int(metrics["step"])
+        self.last_step = report.step
         return recovery

@@ -29,10 +29,20 @@ from wildtrain.train import collectives
 from wildtrain.train.state import TrainState
 
 
+@dataclass(frozen=True)
+class RestoreTiming:
+    """Where a restore's time went: the controller splits the recovery time with it
+    (`worker_report.Startup`)."""
+
+    restore_s: float
+    reshard_s: float
+    engine_build_s: float
+
+
 @dataclass
 class Restored:
     candidate: Optional[Candidate]  # None: nothing to restore, the run starts from scratch
-    timing: dict  # restore_s, reshard_s, engine_build_s: the controller splits the recovery time with them
+    timing: RestoreTiming
     events: list[CheckpointFallback]  # committed checkpoints passed over, and why
 
 
@@ -75,8 +85,7 @@ def build_and_restore(cfg: Config, plan: BatchPlan, world_size: int, rank: int, 
                            universal_copy=universal_copy)
         if restored is None:
             engine = new_engine()
-            timing = {"restore_s": 0.0, "reshard_s": 0.0, "engine_build_s": engine_build_s}
-            return engine, TrainState(world_size=world_size), Restored(None, timing, [])
+            return engine, TrainState(world_size=world_size), Restored(None, RestoreTiming(0.0, 0.0, engine_build_s), [])
         events = [CheckpointFallback(time.time(), s.store, s.name, s.step, s.reason) for s in restored.skipped]
         state = TrainState.from_json(checkpoint.read_client_state(restored.folder))
         universal_load = needs_universal(restored.manifest, world_size)
@@ -84,8 +93,8 @@ def build_and_restore(cfg: Config, plan: BatchPlan, world_size: int, rank: int, 
         (universal.load if universal_load else checkpoint.load)(engine, restored.folder, restored.manifest.tag)
     finally:
         shutil.rmtree(local, ignore_errors=True)
-    timing = {"restore_s": time.perf_counter() - started - reshard_s, "reshard_s": reshard_s,
-              "engine_build_s": engine_build_s}
+    timing = RestoreTiming(restore_s=time.perf_counter() - started - reshard_s, reshard_s=reshard_s,
+                           engine_build_s=engine_build_s)
     return engine, state, Restored(restored.candidate, timing, events)
 
 
@@ -153,12 +162,20 @@ def save(saver: AsyncSaver, engine, cfg: Config, state: TrainState, world_size: 
 _NOT_SAVED = {"failed": CheckpointFailed, "skipped": CheckpointSkipped, "partial": CheckpointPartial}
 
 
-def saves_report(outcomes: list[SaveOutcome]) -> dict:
-    """Metrics and events for the saves that ended since the last report: the controller
-    logs them (rank 0's), and converts each committed local checkpoint ahead of a resize."""
+@dataclass(frozen=True)
+class SavesReport:
+    """The saves that ended since the last report, for the report (`WorkerReport`): the
+    controller logs them (rank 0's), and converts each committed checkpoint ahead of a resize."""
+
+    metrics: dict[str, float]  # checkpoint/<metric>
+    committed: list[str]  # "<store URI>/<checkpoint name>" of each copy committed
+    events: list[Event]  # the saves that did not commit everywhere
+
+
+def saves_report(outcomes: list[SaveOutcome]) -> SavesReport:
     events: list[Event] = [
         _NOT_SAVED[o.status](time.time(), o.step, o.name, o.reason, o.failure, str(o.disk_full) if o.disk_full else "")
         for o in outcomes if o.status != "saved"
     ]
     committed = [f"{store}/{o.name}" for o in outcomes if o.status in ("saved", "partial") for store in o.stored]
-    return save_policy.metrics(outcomes) | {"events": events, "committed_checkpoints": committed}
+    return SavesReport(save_policy.metrics(outcomes), committed, events)

@@ -20,9 +20,11 @@ step's report to commit; only the last step's report, and a regrow's, wait for t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Optional
 
 import psutil
 import ray.train
@@ -54,6 +56,7 @@ from wildtrain.train.schedule import Due, due_at
 from wildtrain.train.step import DeviceBatches, StepMetrics, Window, train_step
 from wildtrain.train.validation import Validator
 from wildtrain.train.watchdog import HangWatchdog
+from wildtrain.worker_report import Startup, WorkerReport
 
 
 @dataclass(frozen=True)
@@ -175,7 +178,7 @@ class Attempt:
         # A save waits for a report of its step before it may commit: from its step on, every
         # log step looks whether one can go (the same steps on every rank).
         self.save_unreported = False
-        self.startup: dict = {}  # the attempt's start-up timings, until a report carries them
+        self.startup: Optional[Startup] = None  # the attempt's start-up timings, until a report carries them
 
         self.tokens_per_step = self.plan.global_batch_size * cfg.data.seq_len
         peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -293,14 +296,10 @@ class Attempt:
             self.validated = {}
         if due.first_of_attempt:
             # What the controller needs to split this attempt's recovery (and start-up) time into its parts.
-            self.startup = self.restored.timing | {
-                "restored_step": self.restored_step,
-                "worker_started_at": psutil.Process().create_time(),
-                "attempt_started_at": self.started_at,
-                "health_checked_at": self.health_checked_at,
-                "restored_at": self.restored_at,
-                "first_step_at": time.time(),
-            }
+            self.startup = Startup(restored_step=self.restored_step, **dataclasses.asdict(self.restored.timing),
+                                   worker_started_at=psutil.Process().create_time(), attempt_started_at=self.started_at,
+                                   health_checked_at=self.health_checked_at, restored_at=self.restored_at,
+                                   first_step_at=time.time())
         # Time blocked here is the report's, never the step's: its own badput in goodput.
         with self.window.timed("report_wait"):
             # The run's end and a regrow cannot go on without their report; every other
@@ -317,12 +316,15 @@ class Attempt:
             if windows:
                 self.monitor.export(windows[-1])
             saves = checkpointing.saves_report(self.saver.drain())
-            events += self.monitor.take_events() + saves.pop("events")
-            if self.startup:
+            events += self.monitor.take_events() + saves.events
+            if self.startup is not None:
                 events = self.restored.events + events
-            ray.train.report({"step": state.step, "tokens_seen": state.tokens_seen, "world_size": self.world_size,
-                              "windows": windows, "events": events} | saves | self.startup)
-            self.startup = {}
+            ray.train.report(WorkerReport(
+                step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size, windows=tuple(windows),
+                events=tuple(events), checkpoint=saves.metrics, committed_checkpoints=tuple(saves.committed),
+                startup=self.startup,
+            ).to_dict())
+            self.startup = None
             self.save_unreported = False
             self.next_report_look = state.step + self._steps_per_poll(windows)
         # Every rank's previous report had been collected (or this one waited for its turn),
