@@ -1,6 +1,7 @@
 """The command line's answers to bad input: one line naming the culprit, a non-zero exit,
 and no Ray started (these run in seconds, before any cluster exists)."""
 
+import ast
 import subprocess
 import sys
 
@@ -9,7 +10,9 @@ import pytest
 
 from tests.conftest import REPO
 from tests.helpers.datasets import write_dataset
+from wildtrain.cli_common import RUN_ERRORS, SETTING_ERRORS, one_line_errors
 from wildtrain.clusters import registry
+from wildtrain.config import redact
 from wildtrain.services import free_port
 
 
@@ -78,3 +81,27 @@ def test_sweep_dry_run_prints_each_trial_with_its_hash_and_starts_nothing():
 def test_sweep_and_promote_refuse_what_they_cannot_do_with_one_line(args, message):
     done = wildtrain(*args)
     assert (done.returncode, done.stderr.strip()) == (2, message)
+
+
+def test_every_error_the_command_line_knows_is_one_wildtrain_defines():
+    defined = {node.name for path in (REPO / "platform/wildtrain").rglob("*.py")
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)}
+    assert SETTING_ERRORS | RUN_ERRORS <= defined, "renamed? update cli_common"
+    assert not SETTING_ERRORS & RUN_ERRORS
+
+
+def test_known_errors_end_a_command_with_one_line_and_others_keep_their_traceback(capsys):
+    from wildtrain.config import ConfigError
+    from wildtrain.services import ServiceError
+
+    def command(error: Exception) -> None:
+        raise error
+
+    for error, code in ((ConfigError("train.steps: must be positive"), 2), (ServiceError("http://u:pw@h down"), 1),
+                        (LookupError("no run 'r'"), 1)):
+        with pytest.raises(SystemExit) as ended:
+            one_line_errors(LookupError)(command)(error)
+        assert ended.value.code == code
+        assert capsys.readouterr().err == f"wildtrain: {redact(str(error))}\n"
+    with pytest.raises(LookupError):  # not named by this command: a bug, with its traceback
+        one_line_errors()(command)(LookupError("no run 'r'"))

@@ -16,6 +16,7 @@ from wildtrain import services
 from wildtrain.config import flatten, load_config, redact
 from wildtrain.elastic.scaling import largest_group
 from wildtrain.services import RayPorts, ServiceError, choose_ray_address
+from wildtrain.services.ray_head import _names
 
 STATE = Path(".wildtrain/services.json")
 
@@ -90,11 +91,11 @@ def test_a_head_without_gpus_declares_none_rather_than_leave_them_to_ray():
 
 def test_a_temp_dir_names_paths_inside_it_not_its_siblings():
     folder = Path("/tmp/wildtrain-ray-abc")
-    assert services._names("--temp-dir=/tmp/wildtrain-ray-abc", folder)
-    assert services._names("/tmp/wildtrain-ray-abc/session_1/logs", folder)
-    assert services._names("--log_dir=/tmp/wildtrain-ray-abc/session_1/logs", folder)
-    assert not services._names("--temp-dir=/tmp/wildtrain-ray-abcd", folder)
-    assert not services._names("/tmp/wildtrain-ray-abcd/session_1", folder)
+    assert _names("--temp-dir=/tmp/wildtrain-ray-abc", folder)
+    assert _names("/tmp/wildtrain-ray-abc/session_1/logs", folder)
+    assert _names("--log_dir=/tmp/wildtrain-ray-abc/session_1/logs", folder)
+    assert not _names("--temp-dir=/tmp/wildtrain-ray-abcd", folder)
+    assert not _names("/tmp/wildtrain-ray-abcd/session_1", folder)
 
 
 @pytest.mark.parametrize(
