@@ -98,7 +98,8 @@ def test_flatten_and_hash_follow_the_values():
     assert config_hash(a) != config_hash(b) and config_hash(a) == config_hash(load_config([]))
 
 
-MOVED = [("train.checkpoint_every", "checkpoint.every", "7"), ("cluster.reshard_ahead", "checkpoint.reshard_ahead", "true"),
+MOVED = [("train.checkpoint_every", "checkpoint.every", "7"),
+         ("cluster.reshard_ahead", "checkpoint.reshard_ahead", "true"),
          ("cluster.capacity_wait_s", "elastic.capacity_wait_s", "33")]
 
 
@@ -123,7 +124,8 @@ def test_a_moved_key_s_old_name_in_a_yaml_file_loads_and_the_warning_names_the_f
         f"cluster.capacity_wait_s (in {old}) is now elastic.capacity_wait_s"]
     assert (cfg.train.steps, cfg.checkpoint.every, cfg.elastic.capacity_wait_s) == (8, 4, 9.0)
     old.write_text("train:\n  checkpoint_every: 4\ncheckpoint:\n  every: 5\n")
-    with pytest.raises(ConfigError, match=rf"^train\.checkpoint_every: now checkpoint\.every, which {re.escape(str(old))} also sets"):
+    both = rf"^train\.checkpoint_every: now checkpoint\.every, which {re.escape(str(old))} also sets"
+    with pytest.raises(ConfigError, match=both):
         load_config(["experiment=old"], conf_dir=conf)
 
 

@@ -256,7 +256,8 @@ def test_the_big_runs_choices_replace_the_trials_own():
     # A group choice replaces only what its file sets: conf/model/7b.yaml sets no mask.
     assert not overridden("model.attention", ["model=7b"]) and not overridden("model", ["model.dim=4096"])
     # conf/cluster/gpu.yaml sets a key of another section too.
-    assert overridden("checkpoint.reshard_ahead", ["cluster=gpu"]) and not overridden("cluster.ray_address", ["cluster=gpu"])
+    assert overridden("checkpoint.reshard_ahead", ["cluster=gpu"])
+    assert not overridden("cluster.ray_address", ["cluster=gpu"])
 
 
 def test_a_sweep_on_data_that_is_not_there_fails_before_any_trial_or_parent_run(tmp_path):
