@@ -45,7 +45,7 @@ def main() -> None:
         for repeat in range(args.repeats):
             for mode in list(modes) if repeat % 2 == 0 else list(modes)[::-1]:
                 cfg = bench.config(f"evals-{'on' if modes[mode] else 'off'}-{repeat}", f"train.steps={args.steps}",
-                                   f"train.checkpoint_every={args.checkpoint_every}", "elastic.max_workers=1",
+                                   f"checkpoint.every={args.checkpoint_every}", "elastic.max_workers=1",
                                    *modes[mode])
                 say(f"{mode}, run {repeat + 1}: training {args.steps} steps")
                 load_before = os.getloadavg()[0]

@@ -70,7 +70,7 @@ SCENARIOS = {
     # resize loads one ready (on this CPU-only machine the conversion slows training).
     "tuned + reshard ahead": dict(
         overrides=["elastic.worker_start_timeout_s=10", "elastic.poll_interval_s=2",
-                   "elastic.resize_check_interval_s=5", "cluster.reshard_ahead=true"],
+                   "elastic.resize_check_interval_s=5", "checkpoint.reshard_ahead=true"],
         system_config=services.NODE_HEALTH_CHECKS,
     ),
 }
@@ -120,7 +120,7 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
         cfg = load_config([
             "experiment=tiny", f"run.name=recovery-{name.replace(' ', '-')}-{int(time.time())}",
             f"run.storage={root / 'runs'}", f"tracking.uri={mlflow_url}", "tracking.experiment=bench-recovery",
-            f"train.steps={steps}", "train.log_every=1", "train.checkpoint_every=4",
+            f"train.steps={steps}", "train.log_every=1", "checkpoint.every=4",
             f"cluster.worker_resources.{WORKER_SLOT}=1", *overrides,
         ])
         say(f"{name}: training {steps} steps at world size 2")

@@ -44,7 +44,7 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for every in cadences if repeat % 2 == 0 else cadences[::-1]:
                     cfg = bench.config(f"cadence-w{size}-log{every}-{repeat}", f"train.steps={args.steps}",
-                                       f"train.log_every={every}", f"train.checkpoint_every={args.steps}",
+                                       f"train.log_every={every}", f"checkpoint.every={args.steps}",
                                        f"elastic.min_workers={size}", f"elastic.max_workers={size}",
                                        "elastic.poll_interval_s=2")
                     say(f"world size {size}, log_every {every}, run {repeat + 1}: training {args.steps} steps")

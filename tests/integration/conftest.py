@@ -76,7 +76,7 @@ def tiny_overrides(tmp_path, mlflow_url, tiny_dataset) -> list[str]:
         "tracking.experiment=integration",
         "train.steps=8",
         "train.log_every=2",
-        "train.checkpoint_every=4",
+        "checkpoint.every=4",
         "elastic.worker_start_timeout_s=20",
         # How soon the controller notices a failed worker and logs a report: tests wait on both.
         "elastic.poll_interval_s=0.5",

@@ -196,7 +196,7 @@ def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_sam
     # A loss is the mean over its report's window: reported every step, windows agree.
     # Half a second a step: the move lands mid-run however fast the machine trains, and
     # a busy one still stops the run on a well before its last step.
-    common = [f"train.steps={steps}", "train.log_every=1", "train.checkpoint_every=4", "elastic.max_workers=1",
+    common = [f"train.steps={steps}", "train.log_every=1", "checkpoint.every=4", "elastic.max_workers=1",
               f"tracking.uri={mlflow_url}", "tracking.experiment=moves", "chaos.min_step_s=0.5"]
     data_on = {name: f"{c.entry.storage.data}/tiny" for name, c in (("a", a), ("b", b))}
     assert data_on["a"] == tiny_dataset

@@ -40,7 +40,7 @@ def gpu_node(ray_cluster):
 
 
 def config(*extra: str):
-    return load_config(["experiment=tiny", "cluster.capacity_wait_s=5", *extra])
+    return load_config(["experiment=tiny", "elastic.capacity_wait_s=5", *extra])
 
 
 def test_unset_trains_on_the_gpus_the_cluster_offers_and_cpu_takes_an_explicit_false(gpu_node, capsys):
@@ -67,7 +67,7 @@ def test_use_gpu_true_without_gpus_exits_2_naming_the_key_after_the_wait(ray_clu
     write_dataset(dataset, [np.zeros((32, 129), dtype=np.int32)], rows_per_group=16)
     done = subprocess.run([sys.executable, "-m", "wildtrain", "train", f"tracking.uri={mlflow_url}",
                            f"run.storage={tmp_path / 'runs'}", f"data.datasets=[{{uri: {dataset}}}]",
-                           "cluster.use_gpu=true", "cluster.capacity_wait_s=2"],
+                           "cluster.use_gpu=true", "elastic.capacity_wait_s=2"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "wildtrain: cluster.use_gpu: true, but the cluster has offered no GPU for 2 s; " in done.stderr

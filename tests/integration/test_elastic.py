@@ -48,7 +48,7 @@ def elastic_config(tiny_config):
         f"run.name={name}",
         f"train.steps={STEPS}",
         "train.log_every=1",
-        "train.checkpoint_every=4",
+        "checkpoint.every=4",
         "elastic.resize_check_interval_s=5",
         "elastic.worker_start_timeout_s=10",
         # Half a second a step: 40 of them outlast the node's death, its detection and its return.
@@ -144,13 +144,13 @@ def test_a_run_left_without_nodes_stops_and_keeps_its_checkpoints(worker_nodes, 
     cluster = worker_nodes
     # Unlimited failures: attempts to restart on the vanishing nodes fail too, and this test
     # is about the capacity wait, not elastic.max_failures.
-    run = BackgroundRun(elastic_config(f"stranded-{tmp_path.name}", ON_WORKER_NODES, "cluster.capacity_wait_s=15",
+    run = BackgroundRun(elastic_config(f"stranded-{tmp_path.name}", ON_WORKER_NODES, "elastic.capacity_wait_s=15",
                                        "elastic.max_failures=-1"))
     checkpoints = tmp_path / "runs" / run.cfg.run.name / "checkpoints"
     wait_for(lambda: list(checkpoints.glob("step_000000004-*/manifest.json")), "commit of step 4", 300)
     for node in list(cluster.worker_nodes):
         cluster.remove_node(node)
-    with pytest.raises(driver.RunFailed, match=r"(?s)cluster.capacity_wait_s: no worker group could run for 15 s.*run the same command again to resume"):
+    with pytest.raises(driver.RunFailed, match=r"(?s)elastic.capacity_wait_s: no worker group could run for 15 s.*run the same command again to resume"):
         run.join(240)
     saved = sorted((tmp_path / "runs" / run.cfg.run.name / "checkpoints").glob("step_000000004-*/manifest.json"))
     assert saved, "the committed checkpoint of step 4 is still there to resume from"

@@ -39,7 +39,7 @@ def test_a_run_evaluates_its_checkpoints_beside_training_and_wildtrain_eval_an_e
     client = MlflowClient(mlflow_url)
     run_id = summary.run_id
     assert client.get_run(run_id).info.status == "FINISHED"
-    # Checkpoints at steps 4 and 8 (train.checkpoint_every 4); due: 8, a multiple of 2 x 4 and the last.
+    # Checkpoints at steps 4 and 8 (checkpoint.every 4); due: 8, a multiple of 2 x 4 and the last.
     [auto] = client.get_metric_history(run_id, f"eval/{TASK}/acc")
     assert auto.step == 8 and 0 <= auto.value <= 1
     [artifact] = client.list_artifacts(run_id, "evals/step_8")

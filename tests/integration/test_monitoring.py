@@ -119,7 +119,7 @@ def test_a_stopped_rank_is_detected_as_a_hang_and_the_attempt_restarts(ray_clust
     earlier = {p.pid for p in _train_workers()}  # an earlier run's, if any is still exiting
     # Half a second a step: the rank is stopped mid-run, before the last step's save (whose
     # commit the watchdog waits out longer than a hang).
-    cfg = tiny_config("train.steps=16", "train.log_every=1", "train.checkpoint_every=5", "monitor.hang_timeout_s=15",
+    cfg = tiny_config("train.steps=16", "train.log_every=1", "checkpoint.every=5", "monitor.hang_timeout_s=15",
                       "chaos.min_step_s=0.5")
     run = BackgroundRun(cfg)
     run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6", 300)

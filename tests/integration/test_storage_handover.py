@@ -53,7 +53,7 @@ def test_a_cluster_without_the_store_trains_on_the_one_the_driver_resolved(bare_
         "experiment=tiny", f"data.datasets=[{{uri: {root}/data}}]", f"run.storage={root}/runs",
         f"run.name=handover-{os.getpid()}", f"tracking.uri={mlflow_url}", "tracking.experiment=integration",
         f"cluster.ray_address={bare_cluster.address}", "train.steps=4", "train.log_every=2",
-        "train.checkpoint_every=2", "elastic.min_workers=1", "elastic.max_workers=1",
+        "checkpoint.every=2", "elastic.min_workers=1", "elastic.max_workers=1",
         # A worker that reaches another store (AWS, unreachable here) fails the run at once.
         "elastic.max_failures=0", "elastic.worker_start_timeout_s=300", "elastic.poll_interval_s=0.5",
     ]

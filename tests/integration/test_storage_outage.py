@@ -53,7 +53,7 @@ def test_a_store_outage_mid_run_costs_only_the_saves_during_it(ray_cluster, obje
     store_uri = f"s3://{object_store.bucket}/outage-{tmp_path.name}"
     cfg = tiny_config(
         f"data.datasets=[{{uri: {local_dataset}}}]", f"checkpoint.store={store_uri}",
-        f"train.steps={STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}", "train.log_every=1",
+        f"train.steps={STEPS}", f"checkpoint.every={CHECKPOINT_EVERY}", "train.log_every=1",
         "checkpoint.keep_last=1000", "checkpoint.timeout_s=300",
         # Steps of at least 0.5 s, so that training outlasts the outage by several saves.
         "chaos.slow_rank=0", "chaos.slow_step_s=0.125", *ONE_WORKER,
@@ -97,7 +97,7 @@ def test_a_final_checkpoint_that_cannot_commit_ends_the_run_naming_the_newest_co
     store_uri = f"s3://{object_store.bucket}/final-{tmp_path.name}"
     cfg = tiny_config(
         f"data.datasets=[{{uri: {local_dataset}}}]", f"checkpoint.store={store_uri}", f"train.steps={steps}",
-        "train.checkpoint_every=4", "checkpoint.timeout_s=12", "chaos.slow_rank=0", "chaos.slow_step_s=0.125",
+        "checkpoint.every=4", "checkpoint.timeout_s=12", "chaos.slow_rank=0", "chaos.slow_step_s=0.125",
         *ONE_WORKER,
     )
     store = Store.from_uri(store_uri)

@@ -42,7 +42,7 @@ def sweep(ray_cluster, mlflow_url, tiny_dataset, tmp_path_factory):
         # Half a CPU for the reads: two trials fit the head's 3 CPUs at once.
         "elastic.min_workers=1", "elastic.max_workers=1", "data.read_cpus=0.5",
         "train.global_batch_size=8", "train.micro_batch_size=8",
-        "train.log_every=2", "train.checkpoint_every=6", "elastic.worker_start_timeout_s=20",
+        "train.log_every=2", "checkpoint.every=6", "elastic.worker_start_timeout_s=20",
         "elastic.poll_interval_s=0.5",  # as tiny_overrides: steps not held up by the poll
     ]
     plan = plan_sweep(name, GRID, overrides, steps=6)

@@ -43,7 +43,7 @@ def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(ray_
     # Paced at 3 steps/s, so the run's length does not depend on the machine's speed.
     steps = int((PAUSE_S + 20) * 3) // LOG_EVERY * LOG_EVERY  # every report step a multiple of LOG_EVERY
     cfg = tiny_config(f"tracking.uri={url}", f"train.steps={steps}", f"train.log_every={LOG_EVERY}",
-                      f"train.checkpoint_every={steps}", "elastic.poll_interval_s=2", "chaos.min_step_s=0.33")
+                      f"checkpoint.every={steps}", "elastic.poll_interval_s=2", "chaos.min_step_s=0.33")
     run = BackgroundRun(cfg)
     run.wait_until(lambda reports: any(m.step >= 2 * LOG_EVERY for m in reports), "the first reports", 300,
                    key="step_time_s")

@@ -146,7 +146,7 @@ def test_a_second_driver_of_a_run_that_trains_is_refused_in_one_line_naming_the_
         ray_cluster, tiny_overrides, tmp_path):
     # Started as a user does on the head, `wildtrain train`: no job of `wildtrain submit` to
     # find. Steps enough to still train while the second starts.
-    overrides = [*tiny_overrides, "train.steps=24", "train.checkpoint_every=8"]
+    overrides = [*tiny_overrides, "train.steps=24", "checkpoint.every=8"]
     log = tmp_path / "first.log"
     with log.open("w") as out:
         first = subprocess.Popen([sys.executable, "-m", "wildtrain", "train", *overrides], stdout=out,
@@ -175,7 +175,7 @@ def test_a_second_driver_of_a_run_that_trains_is_refused_in_one_line_naming_the_
 
 
 def test_min_workers_the_cluster_cannot_hold_fails_fast(ray_cluster, tiny_config):
-    cfg = tiny_config("elastic.min_workers=8", "elastic.max_workers=8", "cluster.capacity_wait_s=2")
+    cfg = tiny_config("elastic.min_workers=8", "elastic.max_workers=8", "elastic.capacity_wait_s=2")
     with pytest.raises(CapacityError, match=r"^elastic.min_workers: 8 workers need 9 CPU .* offered only 3 CPU for 2 s"):
         driver.run(cfg)
 
@@ -183,7 +183,7 @@ def test_min_workers_the_cluster_cannot_hold_fails_fast(ray_cluster, tiny_config
 def test_reshard_ahead_commits_a_universal_copy_beside_a_checkpoint_in_the_object_store(
         ray_cluster, object_store, tiny_config, mlflow_url, tmp_path):
     store_uri = f"s3://{object_store.bucket}/reshard-{tmp_path.name}"
-    first = driver.run(tiny_config(f"checkpoint.store={store_uri}", "cluster.reshard_ahead=true"))
+    first = driver.run(tiny_config(f"checkpoint.store={store_uri}", "checkpoint.reshard_ahead=true"))
     store = Store.from_uri(store_uri)
     name = first.checkpoint.rsplit("/", 1)[-1]
     # The controller converted a committed checkpoint in the background and committed the copy.

@@ -1,6 +1,8 @@
+import re
+
 import pytest
 
-from wildtrain.config import Config, ConfigError, config_hash, flatten, load_config
+from wildtrain.config import Config, ConfigError, config_hash, flatten, group_keys, load_config
 
 
 def test_defaults_load_and_validate():
@@ -94,3 +96,49 @@ def test_flatten_and_hash_follow_the_values():
     a, b = load_config([]), load_config(["train.steps=61"])
     assert flatten(a)["train.steps"] == 60 and flatten(b)["train.steps"] == 61
     assert config_hash(a) != config_hash(b) and config_hash(a) == config_hash(load_config([]))
+
+
+MOVED = [("train.checkpoint_every", "checkpoint.every", "7"),
+         ("cluster.reshard_ahead", "checkpoint.reshard_ahead", "true"),
+         ("cluster.capacity_wait_s", "elastic.capacity_wait_s", "33")]
+
+
+@pytest.mark.parametrize("old, new, value", MOVED)
+def test_a_moved_key_s_old_name_still_loads_and_the_warning_names_its_new_home(old, new, value):
+    with pytest.warns(FutureWarning, match=rf"^{old} \(on the command line\) is now {new}; the old name is read"):
+        cfg = load_config([f"{old}={value}"])
+    assert flatten(cfg) == flatten(load_config([f"{new}={value}"]))
+    assert flatten(cfg) != flatten(load_config([]))
+
+
+def test_a_moved_key_s_old_name_in_a_yaml_file_loads_and_the_warning_names_the_file(tmp_path):
+    conf = tmp_path / "conf"
+    (conf / "experiment").mkdir(parents=True)
+    (conf / "config.yaml").write_text("{}\n")
+    old = conf / "experiment" / "old.yaml"
+    old.write_text("train:\n  steps: 8\n  checkpoint_every: 4\ncluster:\n  capacity_wait_s: 9\n")
+    with pytest.warns(FutureWarning) as warned:
+        cfg = load_config(["experiment=old"], conf_dir=conf)
+    assert [str(w.message).partition(";")[0] for w in warned] == [
+        f"train.checkpoint_every (in {old}) is now checkpoint.every",
+        f"cluster.capacity_wait_s (in {old}) is now elastic.capacity_wait_s"]
+    assert (cfg.train.steps, cfg.checkpoint.every, cfg.elastic.capacity_wait_s) == (8, 4, 9.0)
+    old.write_text("train:\n  checkpoint_every: 4\ncheckpoint:\n  every: 5\n")
+    both = rf"^train\.checkpoint_every: now checkpoint\.every, which {re.escape(str(old))} also sets"
+    with pytest.raises(ConfigError, match=both):
+        load_config(["experiment=old"], conf_dir=conf)
+
+
+def test_a_moved_key_s_old_name_where_it_is_not_read_is_an_unknown_key_naming_its_new_home():
+    with pytest.raises(ConfigError) as e:
+        load_config(["train={checkpoint_every: 3}"])
+    assert str(e.value) == "train.checkpoint_every: unknown key (now checkpoint.every)"
+
+
+def test_a_cluster_s_file_sets_whether_its_head_converts_checkpoints_ahead():
+    # conf/cluster/ files start with `# @package _global_`: their keys are full paths.
+    assert not load_config(["cluster=local"]).checkpoint.reshard_ahead
+    gpu = load_config(["cluster=gpu"])
+    assert gpu.checkpoint.reshard_ahead and gpu.cluster.name == "gpu" and gpu.cluster.use_gpu
+    assert "checkpoint.reshard_ahead" in group_keys("cluster", "gpu") and "cluster.name" in group_keys("cluster", "gpu")
+    assert group_keys("deepspeed", "zero2") == ["deepspeed.zero_stage"]

@@ -65,7 +65,7 @@ def test_cluster_gpu_asks_for_what_wildtrain_up_declares():
 
 
 def test_a_wait_for_gpus_that_never_came_names_cluster_use_gpu():
-    cfg, _ = resolve_device(load_config(["experiment=tiny", "cluster.use_gpu=true", "cluster.capacity_wait_s=5"]), {})
+    cfg, _ = resolve_device(load_config(["experiment=tiny", "cluster.use_gpu=true", "elastic.capacity_wait_s=5"]), {})
     need = {"CPU": 2.0, "GPU": 1.0}
     error = shortfall(cfg, need, {"CPU": 8.0})
     assert isinstance(error, ConfigError)

@@ -150,11 +150,11 @@ def test_a_smaller_group_slow_to_start_after_a_stale_sized_attempt_is_not_a_capa
 
 
 def test_a_run_without_capacity_ends_after_capacity_wait_s(clock, nodes):
-    p = policy("cluster.capacity_wait_s=15")
+    p = policy("elastic.capacity_wait_s=15")
     p.after_controller_state_update(state("RUNNING"), state("RESTARTING", lost_worker()))
     started = clock.now - p.node_grace_s
     restarting = state("RESTARTING", lost_worker())
-    with pytest.raises(CapacityError, match=r"^cluster.capacity_wait_s: no worker group could run for 15 s"):
+    with pytest.raises(CapacityError, match=r"^elastic.capacity_wait_s: no worker group could run for 15 s"):
         for _ in range(100):
             p.after_controller_state_update(restarting, restarting)
     assert 15 < clock.now - started < 17, "each turn of the controller's loop waits for the next refresh"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -254,6 +255,9 @@ def test_the_big_runs_choices_replace_the_trials_own():
     assert not overridden("model.dim", ["model.dims=1", "optim.lr=1"])
     # A group choice replaces only what its file sets: conf/model/7b.yaml sets no mask.
     assert not overridden("model.attention", ["model=7b"]) and not overridden("model", ["model.dim=4096"])
+    # conf/cluster/gpu.yaml sets a key of another section too.
+    assert overridden("checkpoint.reshard_ahead", ["cluster=gpu"])
+    assert not overridden("cluster.ray_address", ["cluster=gpu"])
 
 
 def test_a_sweep_on_data_that_is_not_there_fails_before_any_trial_or_parent_run(tmp_path):
@@ -283,3 +287,25 @@ def test_the_early_stop_rules_best_loss_survives_a_restart_through_the_checkpoin
     assert judge_loss(9.0, restored.best_loss, 3.0).reason == "loss 9 is above 3 x the best 2.5"
     # A checkpoint written before the rule kept its best: the restart starts afresh.
     assert TrainState.from_json('{"step": 12, "tokens_seen": 96, "world_size": 2}').best_loss == math.inf
+
+
+# Hashes computed at 7ba7460, before train.checkpoint_every, cluster.reshard_ahead and
+# cluster.capacity_wait_s moved to checkpoint.every, checkpoint.reshard_ahead and
+# elastic.capacity_wait_s. A new key or default changes every hash (it may change what a trial
+# trains); then pin anew from the commit before it.
+PINNED = {"trial": "30113d631c", "config": "26db893b72da748c"}
+MOVED_OLD = ["train.checkpoint_every=7", "cluster.reshard_ahead=false", "cluster.capacity_wait_s=33"]
+MOVED_NEW = ["checkpoint.every=7", "checkpoint.reshard_ahead=false", "elastic.capacity_wait_s=33"]
+
+
+@pytest.mark.parametrize("moved", [MOVED_OLD, MOVED_NEW], ids=["old names", "new names"])
+def test_a_finished_trial_hashes_as_it_did_before_its_keys_moved(moved):
+    from wildtrain.config import config_hash
+    from wildtrain.sweeps.grid import trial_hash
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        cfg = load_config(["experiment=tiny", "cluster=gpu", *moved])
+    assert (trial_hash(cfg), config_hash(cfg)) == (PINNED["trial"], PINNED["config"])
+    assert trial_hash(cfg) != trial_hash(load_config(["experiment=tiny", "cluster=gpu", "checkpoint.every=8",
+                                                      "checkpoint.reshard_ahead=false", "elastic.capacity_wait_s=33"]))

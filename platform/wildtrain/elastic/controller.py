@@ -57,7 +57,7 @@ class FailureBudget:
 @dataclass(frozen=True)
 class CapacityClock:
     """How long the controller has gone without capacity for a worker group, the time that
-    cluster.capacity_wait_s bounds.
+    elastic.capacity_wait_s bounds.
 
     It runs from the moment no group runs until one runs again (a start that succeeds, however
     slowly, ends the wait): while Ray's scaling policy sees room for fewer than min_workers,
@@ -124,7 +124,7 @@ def controller_callbacks(cfg: Config, mlflow, evaluation=None) -> list:
     """The controller callbacks of a run; `mlflow` (its `MlflowCallback`) logs to its MLflow
     run; `evaluation` (an `evals.remote.EvalPlan`), where eval.tasks are set."""
     callbacks = [RestartPolicy(cfg, mlflow.record_event), NodeExclusion(cfg)]
-    if cfg.cluster.reshard_ahead and cfg.deepspeed.zero_stage > 0:
+    if cfg.checkpoint.reshard_ahead and cfg.deepspeed.zero_stage > 0:
         callbacks.append(ReshardAhead(cfg))
     if evaluation is not None:
         callbacks.append(EvalEvery(cfg, evaluation, mlflow))
@@ -168,7 +168,7 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
     def __init__(self, cfg: Config, record_event: Callable[[Event], None], node_grace_s: float = 5.0) -> None:
         self.run_name = cfg.run.name
         self.min_workers = cfg.elastic.min_workers
-        self.capacity_wait_s = cfg.cluster.capacity_wait_s
+        self.capacity_wait_s = cfg.elastic.capacity_wait_s
         self.budget = FailureBudget(cfg.elastic.max_failures)
         self.capacity = CapacityClock(cfg.elastic.min_workers)
         self.view = ResourceView()
@@ -217,7 +217,7 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
             self.view.refresh()
         if self.capacity.waited_s(time.monotonic()) > self.capacity_wait_s:
             raise CapacityError(
-                f"cluster.capacity_wait_s: no worker group could run for {self.capacity_wait_s:g} s "
+                f"elastic.capacity_wait_s: no worker group could run for {self.capacity_wait_s:g} s "
                 f"(the cluster cannot hold elastic.min_workers workers)"
             )
 
@@ -317,7 +317,7 @@ class ReshardAhead(ray_compat.ReportCallback, ray_compat.ControllerCallback):
 
 def eval_due(step: int, every_checkpoints: int, checkpoint_every: int, last_step: int) -> bool:
     """Whether the committed checkpoint of `step` is evaluated (eval.every_checkpoints): a
-    multiple of every_checkpoints x train.checkpoint_every, or the last step. By step rather
+    multiple of every_checkpoints x checkpoint.every, or the last step. By step rather
     than by count, so a restart, a resize's extra checkpoint or a resubmission moves nothing."""
     return step == last_step or step % (every_checkpoints * checkpoint_every) == 0
 
@@ -371,7 +371,7 @@ class EvalEvery(ray_compat.ReportCallback, ray_compat.ControllerCallback):
         committed = {step_of(uri.rsplit("/", 1)[-1]) for uri in rank_zero(metrics).committed_checkpoints}
         settings, train = self.plan.settings, self.cfg.train
         for step in sorted(s for s in committed if s is not None):
-            if eval_due(step, settings.every_checkpoints, train.checkpoint_every, train.steps):
+            if eval_due(step, settings.every_checkpoints, self.cfg.checkpoint.every, train.steps):
                 self._due(step)
 
     def _due(self, step: int) -> None:

@@ -111,7 +111,7 @@ def shortfall(cfg: Config, need: Mapping[str, float], total: Mapping[str, float]
     """The error of a capacity wait that ended with `total` short of `need`: a config error
     naming cluster.use_gpu where the workers need GPUs and the cluster offered none at all,
     else a capacity error naming elastic.min_workers."""
-    wait = f"{cfg.cluster.capacity_wait_s:g} s"
+    wait = f"{cfg.elastic.capacity_wait_s:g} s"
     if need.get("GPU", 0) > 0 and total.get("GPU", 0) == 0:
         return ConfigError(f"cluster.use_gpu: true, but the cluster has offered no GPU for {wait}; unset it to train "
                            f"on what the cluster offers (cluster.use_gpu=null), or add GPU nodes")
@@ -127,14 +127,14 @@ def shortfall(cfg: Config, need: Mapping[str, float], total: Mapping[str, float]
 
 def wait_for_capacity(cfg: Config) -> None:
     """Return once the cluster can hold `min_workers` workers plus the CPUs they leave free
-    (`spare_cpus`); otherwise fail after `cluster.capacity_wait_s` (`shortfall`) instead of
+    (`spare_cpus`); otherwise fail after `elastic.capacity_wait_s` (`shortfall`) instead of
     letting Ray wait forever. Fail at once where the group Ray Train would start takes the
     CPUs the data reads (and evaluations) need."""
     per_worker = worker_resources(cfg)
     reserved = spare_cpus(cfg)
     need = {name: amount * cfg.elastic.min_workers for name, amount in per_worker.items()}
     need["CPU"] += reserved
-    deadline = time.monotonic() + cfg.cluster.capacity_wait_s
+    deadline = time.monotonic() + cfg.elastic.capacity_wait_s
     while True:
         total = ray.cluster_resources()
         short = {name: amount for name, amount in need.items() if total.get(name, 0) < amount}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from wildtrain.config import Config, ConfigError, flatten, load_config, redact
+from wildtrain.config import Config, ConfigError, hashed_form, load_config, redact
 
 # The sweep names its trials by their hash.
 _RESERVED = ("run.name",)
@@ -86,8 +86,8 @@ def trial_hash(cfg: Config) -> str:
     """Of the resolved config minus its name, labels and the credentials in its URIs: the
     same trial hashes the same in every sweep, on every machine and for every user, any
     change to what it trains changes it, and a trial rebuilt from its recorded (redacted)
-    arguments hashes as it did."""
-    flat = {key: value for key, value in flatten(cfg).items() if not key.startswith(_NOT_HASHED)}
+    arguments hashes as it did, whichever names of moved keys it spells (`hashed_form`)."""
+    flat = {key: value for key, value in hashed_form(cfg).items() if not key.startswith(_NOT_HASHED)}
     return hashlib.sha256(redact(json.dumps(flat, sort_keys=True, default=str)).encode()).hexdigest()[:10]
 
 

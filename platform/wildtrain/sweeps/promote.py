@@ -113,8 +113,10 @@ def overridden(key: str, by: Sequence[str], conf_dir: Optional[Path] = None) -> 
     for other, _, value in (o.partition("=") for o in by):
         if key == other:
             return True
-        if key.startswith(other + ".") and (
-                other not in GROUPS or any(key == s or key.startswith(s + ".") for s in group_keys(other, value, conf_dir))):
+        if other in GROUPS:  # its file may set keys of other sections too (cluster: checkpoint.reshard_ahead)
+            if any(key == s or key.startswith(s + ".") for s in group_keys(other, value, conf_dir)):
+                return True
+        elif key.startswith(other + "."):
             return True
     return False
 

@@ -219,7 +219,8 @@ class Attempt:
         self.monitor.step_done(state.step, self.window)
         if self.samples is not None:
             self.samples.record(state.step, batch.sample_ids)
-        due = due_at(state.step, self.restored_step, self.cfg.train, self.cfg.eval, self.validator is not None)
+        due = due_at(state.step, self.restored_step, self.cfg.train, self.cfg.checkpoint, self.cfg.eval,
+                     self.validator is not None)
         # Looked for at log steps only, whose report decision synchronizes the ranks anyway.
         if due.log and not due.last and self.growth.room_now():
             due = due.with_regrow()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from wildtrain.config import EvalConfig, TrainConfig
+from wildtrain.config import CheckpointConfig, EvalConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -33,12 +33,12 @@ class Due:
         return replace(self, regrow=False)
 
 
-def due_at(step: int, restored_step: int, train: TrainConfig, evaluation: EvalConfig = EvalConfig(),
-           validates: bool = False) -> Due:
+def due_at(step: int, restored_step: int, train: TrainConfig, checkpoint: CheckpointConfig,
+           evaluation: EvalConfig = EvalConfig(), validates: bool = False) -> Due:
     """What `step` is due for; `validates`: the run has a validation set."""
     last = step == train.steps
     first = step == restored_step + 1
     validate = validates and (last or (evaluation.every > 0 and step % evaluation.every == 0))
     return Due(log=last or first or validate or step % train.log_every == 0,
-               checkpoint=last or step % train.checkpoint_every == 0, last=last, first_of_attempt=first,
+               checkpoint=last or step % checkpoint.every == 0, last=last, first_of_attempt=first,
                validate=validate)

@@ -1,0 +1,33 @@
+"""Checks across sections, after each section has checked its own keys."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from wildtrain.batching import unservable_world_sizes
+from wildtrain.config.errors import ConfigError
+from wildtrain.config.schema import Config
+
+
+def validate(cfg: Config) -> None:
+    """What the types alone cannot express: each section's own checks, then those across them."""
+    for section in (getattr(cfg, f.name) for f in fields(cfg)):
+        if hasattr(section, "validate"):  # sections whose keys any value of their type suits have none
+            section.validate()
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds model.max_seq_len ({cfg.model.max_seq_len})")
+    if cfg.model.attention == "prefix_lm" and cfg.train.objective == "causal":
+        raise ConfigError("model.attention: prefix_lm needs train.objective prefix_lm or ul2 "
+                          "(a causal objective has no inputs to attend to bidirectionally)")
+    if cfg.train.objective == "ul2" and not cfg.objective.denoisers:
+        raise ConfigError("objective.denoisers: train.objective=ul2 needs at least one denoiser")
+    bad = unservable_world_sizes(
+        cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.elastic.min_workers, cfg.elastic.max_workers
+    )
+    if bad:
+        raise ConfigError(
+            f"train.global_batch_size: {cfg.train.global_batch_size} sequences cannot be split evenly "
+            f"at world size {', '.join(map(str, bad))} with micro-batches of at most "
+            f"{cfg.train.micro_batch_size} (elastic.min_workers..max_workers = "
+            f"{cfg.elastic.min_workers}..{cfg.elastic.max_workers})"
+        )

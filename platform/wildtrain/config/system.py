@@ -1,0 +1,229 @@
+"""The sections of where and how a run runs: its name and storage, the cluster, elasticity,
+checkpoints, monitoring, tracking, object storage and injected faults. Each validates its
+own keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from wildtrain.config.errors import ConfigError, positive, zero_or_positive
+
+
+@dataclass
+class RunSectionConfig:
+    """The `run:` section. Not `RunConfig`, the name of Ray Train's settings of a whole run,
+    which the driver uses beside this."""
+
+    name: str = "demo"
+    # Where checkpoints and run state live: a local path or an object-store URI. Not
+    # relative to the current directory: a job's working directory is deleted after it.
+    storage: str = "~/wildtrain/runs"
+    # MLflow tags the run is created with: `wildtrain promote` records where a promoted run
+    # came from (sweep, trial, config hash, data manifests) here.
+    tags: dict[str, str] = field(default_factory=dict)
+    # The liveness lease (wildtrain.lease): the driver renews it this often, and each renewal
+    # holds for lease_expire_s, so a dead driver's run is free after at most that long, and a
+    # live one looks dead only once three renewals in a row are missed (a storage hiccup).
+    lease_renew_s: float = 30.0
+    lease_expire_s: float = 90.0
+
+    def validate(self) -> None:
+        positive("run.lease_renew_s", self.lease_renew_s)
+        if self.lease_expire_s <= self.lease_renew_s:
+            raise ConfigError(f"run.lease_expire_s: must be above run.lease_renew_s ({self.lease_renew_s:g}), "
+                              f"else a live run's lease expires between renewals; got {self.lease_expire_s:g}")
+
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 1
+
+    def validate(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"deepspeed.zero_stage: must be 0, 1, 2 or 3, got {self.zero_stage}")
+
+
+@dataclass
+class ElasticConfig:
+    min_workers: int = 1
+    max_workers: int = 2
+    # Failures (worker or node deaths) tolerated before the run gives up; -1: no limit.
+    max_failures: int = 3
+    # How long a worker group's start waits for room for its workers (their placement group)
+    # before Ray Train retries at the size it then sees. Where the room exists, the placement
+    # takes well under a second; a longer wait means the size does not fit, most often
+    # because Ray still counts a dead node (~30 s after the death, measured here). Ray's 60 s
+    # default made a node's loss cost 74 s, 10 s made it 37.5 s (measured). 30 s leaves a
+    # loaded GCS room; a start that fits but is slow afterwards (actors, runtime env) is not
+    # bounded by it.
+    worker_start_timeout_s: float = 30.0
+    # How often a healthy, smaller-than-max group looks for room to grow (at its next log
+    # step after this). A look is two GCS reads on rank 0, 1.3 ms on this loaded 2-core
+    # machine (measured), so looking every 2 s costs under 0.1% of one process; at 60 s a
+    # node that came back idled 30 s on average before the group noticed it.
+    resize_check_interval_s: float = 2.0
+    # How often the controller polls its workers: the delay before a dead worker is
+    # noticed, and before a report reaches MLflow. Ray Train queues one report per worker
+    # and a second would wait for the poll, so the loop sends the log steps' metrics
+    # together at most once a poll and never waits for it (train/loop.py). Ray's default.
+    poll_interval_s: float = 2.0
+    # The bound of one collective of the training step (gradients, the loss): a wait that
+    # long means a peer is gone, and the attempt fails instead of hanging. Ray's own is
+    # 1800 s. Waits that are long by nature (a rank converting a checkpoint while the
+    # others wait, a save that must commit) go over a separate group bounded by
+    # monitor.startup_timeout_s and checkpoint.timeout_s (train/collectives.py).
+    collective_timeout_s: float = 300.0
+    # How long to wait for the cluster to offer `min_workers` workers before giving up: at
+    # submission, and whenever no worker group runs (see elastic.controller.CapacityClock for what
+    # counts). A node's death alone spends ~5 s in the node grace, up to ~30 s of Ray still
+    # counting the dead node, and a start attempt of the smallest group that times out on
+    # that stale view (elastic.worker_start_timeout_s): about 65 s at the defaults, so 120 s
+    # ends a run only when capacity is really gone, not while a smaller group starts.
+    capacity_wait_s: float = 120.0
+
+    def validate(self) -> None:
+        for key in ("min_workers", "worker_start_timeout_s", "collective_timeout_s", "capacity_wait_s"):
+            positive(f"elastic.{key}", getattr(self, key))
+        if self.max_workers < self.min_workers:
+            raise ConfigError(f"elastic.max_workers: {self.max_workers} is below elastic.min_workers "
+                              f"({self.min_workers})")
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    # None: RAY_ADDRESS, else the head `wildtrain up` recorded in .wildtrain/services.json,
+    # else the run stops and says to run `wildtrain up`: never a private Ray started on the
+    # spot, whose CPUs the workers could take all of, leaving Ray Data none.
+    ray_address: Optional[str] = None
+    cpus_per_worker: int = 1
+    # One GPU per worker, NCCL between them; false: CPU workers over gloo. None: whatever the
+    # cluster offers, decided once by the driver when it joins (GPUs if it has any) and
+    # handed to the workers resolved. Where the cluster has GPUs, training on CPU takes an
+    # explicit false; a true where it has none fails after elastic.capacity_wait_s.
+    use_gpu: Optional[bool] = None
+    # Custom Ray resources each worker also needs, to keep workers on the nodes that
+    # offer them (e.g. {"trainer": 1} on GPU nodes, not on a CPU-only head).
+    worker_resources: dict[str, float] = field(default_factory=dict)
+    # Peak FLOP/s of one device for MFU; None: looked up by device name (measured on CPU).
+    peak_flops_per_device: Optional[float] = None
+
+    def validate(self) -> None:
+        # A worker that holds nothing would fit any node any number of times.
+        positive("cluster.cpus_per_worker", self.cpus_per_worker)
+
+
+@dataclass
+class CheckpointConfig:
+    # Steps between saves; the last step always saves.
+    every: int = 20
+    # Where committed checkpoints live; None: <run.storage>/<run.name>/checkpoints.
+    store: Optional[str] = None
+    # A second store (another bucket or provider) every checkpoint is also committed to;
+    # restore falls back to it when the primary's copy is gone or corrupt.
+    replica: Optional[str] = None
+    # Local folder for each rank's files between capture and upload.
+    staging_dir: str = "/tmp/wildtrain-staging"
+    # A save due while the previous one is still in flight: "skip" it, or "queue" it.
+    policy: str = "skip"
+    # A save not committed within this time is recorded as failed; training goes on.
+    timeout_s: float = 1800.0
+    # Read every uploaded file back and compare its sha256 (restore always checks).
+    verify_upload: bool = True
+    # Keep the newest `keep_last` committed checkpoints, plus every step that is a multiple
+    # of `keep_every` (0: none) for good.
+    keep_last: int = 2
+    keep_every: int = 0
+    # Where a save's upload, hashing and verification run: "process" (a child of the
+    # worker, so training keeps the GIL; see checkpoint/async_save.py) or "thread" (no
+    # second process: for a worker that cannot spawn one).
+    background: str = "process"
+    # Convert each committed checkpoint to the universal format in the background (on the
+    # head, in checkpoint.staging_dir) and commit the copy beside it, so a resize finds it
+    # ready: right where the head's CPUs idle beside GPU training, wrong on a CPU-only
+    # cluster, where the conversion takes cores from training: conf/cluster/'s files set it.
+    reshard_ahead: bool = True
+
+    def validate(self) -> None:
+        for key in ("every", "keep_last", "timeout_s"):
+            positive(f"checkpoint.{key}", getattr(self, key))
+        zero_or_positive("checkpoint.keep_every", self.keep_every, "off")
+        if self.policy not in ("skip", "queue"):
+            raise ConfigError(f"checkpoint.policy: expected 'skip' or 'queue', got {self.policy!r}")
+        if self.background not in ("process", "thread"):
+            raise ConfigError(f"checkpoint.background: expected 'process' or 'thread', got {self.background!r}")
+
+
+@dataclass
+class MonitorConfig:
+    # Every `straggler_every` steps the ranks' busy times are compared; a rank slower than
+    # the median by `straggler_factor` in `straggler_patience` checks in a row is flagged.
+    straggler_every: int = 10
+    straggler_factor: float = 1.5
+    straggler_patience: int = 3
+    # A rank whose matmul rate in the pre-flight check of a new worker group is below this
+    # share of the group's median fails the check (a `health` event in MLflow).
+    health_min_ratio: float = 0.5
+    # Leave the nodes that fail the pre-flight check out of the run: the group re-forms
+    # without them (a Ray label selector on node ids), unless that would leave fewer than
+    # elastic.min_workers workers. Off: a failed check is only recorded.
+    exclude_unhealthy: bool = False
+    # No optimizer step for this long: dump every thread's stack and fail the attempt, so the
+    # group restarts from the last checkpoint (0: off). A save that must commit (the last
+    # step, a planned regrow) may wait checkpoint.timeout_s on top of it.
+    hang_timeout_s: float = 600.0
+    # The same, from a worker's start to its first optimizer step (0: off): the health check,
+    # the restore with any resharding (21 s for a 95M model on 2 CPU cores here, growing
+    # with the model) and compilation (minutes for large models) come before it. 30 min leaves
+    # room for checkpoints far larger than the measured ones; raise it for slower restores.
+    startup_timeout_s: float = 1800.0
+
+    def validate(self) -> None:
+        for key in ("straggler_every", "straggler_factor", "straggler_patience"):
+            positive(f"monitor.{key}", getattr(self, key))
+        zero_or_positive("monitor.hang_timeout_s", self.hang_timeout_s, "off")
+        zero_or_positive("monitor.startup_timeout_s", self.startup_timeout_s, "off")
+
+
+@dataclass
+class ChaosConfig:
+    """Faults injected on purpose, for drills and tests; off by default."""
+
+    # This rank sleeps `slow_step_s` in every step's forward pass and health-check matmul
+    # (-1: none); so does every rank on a node that carries the Ray label `slow_node_label`.
+    slow_rank: int = -1
+    slow_node_label: Optional[str] = None
+    slow_step_s: float = 0.0
+    # Every step of every rank takes at least this long (0: as long as it takes): a pace for
+    # drills that act mid-run, which a faster machine would otherwise run past.
+    min_step_s: float = 0.0
+    # This rank (-1: none) raises in the middle of step `fail_at_step` while its peers go on
+    # into the step's collectives, as a CUDA OOM or a corrupt shard on one rank does; once
+    # per run (it leaves a marker in the run's folder), so the restarted group passes it.
+    fail_rank: int = -1
+    fail_at_step: int = 0
+
+    def slows(self, rank: int, node_labels: dict[str, str]) -> bool:
+        return rank == self.slow_rank or (self.slow_node_label is not None and self.slow_node_label in node_labels)
+
+
+@dataclass
+class TrackingConfig:
+    uri: str = "http://127.0.0.1:5000"
+    experiment: str = "wildtrain"
+
+
+@dataclass
+class StorageConfig:
+    """How to reach object storage (s3:// URIs); gs:// and local paths need nothing here."""
+
+    # An S3-compatible endpoint such as http://127.0.0.1:8333; None: $AWS_ENDPOINT_URL, else AWS.
+    endpoint: Optional[str] = None
+    region: str = "us-east-1"
+    # The names of the variables holding the keys, never the keys: configs are logged to MLflow.
+    access_key_env: str = "AWS_ACCESS_KEY_ID"
+    secret_key_env: str = "AWS_SECRET_ACCESS_KEY"
+    # Attempts per request, with backoff, before an unreachable store is an error.
+    max_attempts: int = 5
