@@ -37,14 +37,16 @@ class FakeTime:
         self.now += seconds
 
 
+_RAY_STATES = {"INITIALIZING": ray_states.InitializingState, "SCHEDULING": ray_states.SchedulingState,
+               "RUNNING": ray_states.RunningState, "RESTARTING": ray_states.RestartingState,
+               "RESCHEDULING": ray_states.ReschedulingState}
+
+
 def state(name: str, error=None, workers: int | None = None):
     """Ray's controller state `name`, holding `error` or a decision for `workers` where it holds one."""
-    if name in ("SCHEDULING", "RESIZING"):
-        decision = ResizeDecision(num_workers=workers, resources_per_worker={"CPU": 1.0})
-        return {"SCHEDULING": ray_states.SchedulingState, "RESIZING": ray_states.ResizingState}[name](decision)
-    if name in ("RESTARTING", "RESCHEDULING"):
-        return {"RESTARTING": ray_states.RestartingState, "RESCHEDULING": ray_states.ReschedulingState}[name](error)
-    return {"INITIALIZING": ray_states.InitializingState, "RUNNING": ray_states.RunningState}[name]()
+    if name == "SCHEDULING":
+        return _RAY_STATES[name](ResizeDecision(num_workers=workers, resources_per_worker={"CPU": 1.0}))
+    return _RAY_STATES[name](error) if name in ("RESTARTING", "RESCHEDULING") else _RAY_STATES[name]()
 
 
 def worker_exception() -> WorkerGroupError:
