@@ -27,7 +27,7 @@ from wildtrain.checkpoint.restore import newest_committed
 from wildtrain.data.dataset import DataError, open_datasets
 from wildtrain.elastic import scaling
 from wildtrain.elastic.controller import StorageSettings, controller_callbacks
-from wildtrain.elastic.signals import classify_restart
+from wildtrain.elastic.restarts import interpret
 from wildtrain.data.pins import OrderPins, order_changes, order_pins
 from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.export import run_record
@@ -100,7 +100,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
 
     scaling.controller_env(cfg)
     run_fs, run_path = storage.filesystem(storage.resolve(cfg.run.storage), cfg.storage)
-    mlflow = MlflowCallback(cfg.tracking.uri, run_id, classify_restart, layout.hangs, cfg.storage,
+    mlflow = MlflowCallback(cfg.tracking.uri, run_id, interpret, layout.hangs, cfg.storage,
                             layout.tracking)
     inputs = LoopInputs(cfg, data, scaling.worker_resources(cfg), storage_view)
     trainer = TorchTrainer(

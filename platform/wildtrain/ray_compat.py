@@ -1,8 +1,11 @@
-"""The one place that reaches into Ray's private or developer-only APIs (Ray 2.60).
+"""The one place that reaches into Ray's private or developer-only APIs (Ray 2.60), and
+the one place that reads Ray Train's controller states, scaling decisions and errors.
 
 Each use here has no public equivalent; `tests/unit/test_ray_compat.py` imports every
 symbol and checks the attributes used, so a Ray upgrade that moves them fails in
-seconds rather than in the middle of a run.
+seconds rather than in the middle of a run. The attributes are read directly, never with
+a default: a renamed one must fail that test (or the controller), not make a failure look
+like a start that timed out, or no failure at all.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import ray
+from ray.exceptions import RayActorError
 from ray.experimental import internal_kv
 from ray.train.v2._internal.exceptions import (
     UserExceptionWithTraceback,
@@ -26,16 +30,20 @@ from ray.train.v2._internal.execution.callback import (
     ReportCallback,
     WorkerGroupCallback,
 )
+from ray.train.v2._internal.execution.controller import state as _states
+from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
 # Ray Train's developer callback hooks (the controller's state changes, worker-group starts,
-# reports) and the errors its worker groups fail with, used by the elastic policy and MLflow
-# (and by tests, to stand in for what a failed group carries).
+# reports) and what wildtrain reads of its controller's states, scaling decisions and errors,
+# for the elastic policy and MLflow; the errors its worker groups fail with, for tests to
+# stand in for what a failed group carries.
 __all__ = [
     "UserExceptionWithTraceback",
     "ControllerCallback", "ReportCallback", "WorkerGroupCallback", "WorkerGroupStartupTimeoutError",
     "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError", "available_resources_per_node",
-    "dashboard_url", "group_workers", "kv_get", "kv_put", "quiet_ray_data", "quiet_report_log", "refresh_train_resource_view",
-    "reports_collected", "state_name",
+    "ControllerState", "controller_state", "counts_as_failure", "dashboard_url", "group_workers", "kv_get", "kv_put",
+    "lost_a_worker_process", "quiet_ray_data", "quiet_report_log", "refresh_train_resource_view", "reports_collected",
+    "resize_request", "resize_to", "start_timed_out", "worker_failures",
 ]
 
 
@@ -110,9 +118,70 @@ def refresh_train_resource_view(timeout_s: float = 10) -> None:
     ray.get(coordinator.get_reserved_resources.remote("wildtrain-refresh", recompute=True), timeout=timeout_s)
 
 
-def state_name(controller_state) -> str:
-    """The name of a Ray Train controller state (RUNNING, RESTARTING, ...)."""
-    return controller_state._state_type.state_name
+@dataclass(frozen=True)
+class ControllerState:
+    """What wildtrain reads of a Ray Train controller state."""
+
+    name: str  # INITIALIZING, SCHEDULING, RUNNING, RESTARTING, ...
+    # The failure the state holds (RESTARTING, RESCHEDULING, ERRORED): a `WorkerGroupError`
+    # or a `ControllerError`. Its identity tells a new failure from one seen again.
+    error: Optional[BaseException] = None
+    workers: Optional[int] = None  # the group size Ray decided on (SCHEDULING, RESIZING)
+
+
+_FAILED_STATES = (_states.RestartingState, _states.ReschedulingState, _states.ErroredState)
+_SCALING_STATES = (_states.SchedulingState, _states.ResizingState)
+
+
+def controller_state(state) -> ControllerState:
+    """A controller state, as `after_controller_state_update` hands it to callbacks."""
+    error = state.training_failed_error if isinstance(state, _FAILED_STATES) else None
+    workers = resize_request(state.scaling_decision).workers if isinstance(state, _SCALING_STATES) else None
+    return ControllerState(state._state_type.state_name, error, workers)
+
+
+@dataclass(frozen=True)
+class ResizeRequest:
+    """A group size Ray's scaling policy decided on, before the controller starts the group."""
+
+    workers: int
+    per_worker: dict[str, float]  # the resources of each worker
+
+
+def resize_request(decision) -> ResizeRequest:
+    return ResizeRequest(decision.num_workers, decision.resources_per_worker)
+
+
+def resize_to(decision, workers: int) -> None:
+    """Start the group at `workers` rather than the size decided (in
+    `before_controller_execute_resize_decision`, the one hook that may change it)."""
+    decision.num_workers = workers
+
+
+def worker_failures(error: Optional[BaseException]) -> dict[int, BaseException]:
+    """Each failed worker's exception, by rank, of a worker group's failure; none for
+    another error (a group that could not start, or None)."""
+    return error.worker_failures if isinstance(error, WorkerGroupError) else {}
+
+
+def counts_as_failure(error: Optional[BaseException]) -> bool:
+    """Whether the error is the workers' own, which Ray's failure policy counts (and
+    wildtrain's, unless planned), rather than the controller's (a group that could not start)."""
+    return isinstance(error, WorkerGroupError)
+
+
+def start_timed_out(error: Optional[BaseException]) -> bool:
+    """Whether a group's start failed because its workers found no room in time."""
+    return isinstance(error, ControllerError) and isinstance(error.controller_failure, WorkerGroupStartupTimeoutError)
+
+
+def lost_a_worker_process(error: Optional[BaseException]) -> bool:
+    """Whether a failed group lost a worker's process, so a node may be gone, rather than
+    only seeing the training function raise. Ray reports a worker whose process (or node)
+    died, or that stopped answering, as a failed or timed-out health check wrapping the
+    actor's error; an exception raised in the training function arrives as itself."""
+    lost = (WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError, RayActorError)
+    return any(isinstance(failure, lost) for failure in worker_failures(error).values())
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from wildtrain.config import StorageConfig, load_config
-from wildtrain.elastic.signals import Restart
+from wildtrain.elastic.restarts import interpret
 from wildtrain.tracking.mlflow_run import MlflowCallback, run_url
 from wildtrain.tracking.report import report_run
 from wildtrain.tracking.run_setup import open_run
@@ -56,7 +56,7 @@ def finished_run(mlflow_url: str, tmp_path) -> tuple[str, str]:
     cfg = load_config(["experiment=tiny", f"tracking.uri={mlflow_url}", f"tracking.experiment=ui-{uuid.uuid4().hex[:8]}",
                        "run.name=ui"])
     experiment_id, run_id = open_run(cfg, None)
-    callback = MlflowCallback(mlflow_url, run_id, lambda e: Restart("failure", "", False), str(tmp_path / "hangs"),
+    callback = MlflowCallback(mlflow_url, run_id, interpret, str(tmp_path / "hangs"),
                               StorageConfig(), tmp_path / "tracking")
     start = time.time() - 60
     for step in range(2, 10, 2):

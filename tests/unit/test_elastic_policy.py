@@ -1,21 +1,23 @@
-"""The controller-side elastic policy without Ray: failures counted once however often the
-controller repeats a state, the capacity clock that ends a stranded run but not a recovering
-one, refreshes of the resource view that fail, and the node grace only for lost processes.
-The controller's states are stand-ins with the attributes the policy reads; time is fake."""
+"""The controller-side elastic policy without a Ray cluster: failures counted once however
+often the controller repeats a state, the capacity clock that ends a stranded run but not a
+recovering one, refreshes of the resource view that fail, and the node grace only for lost
+processes. The controller's states are Ray's own, as its controller makes them; time is fake."""
 
 from types import SimpleNamespace
 
 import pytest
 from ray.exceptions import ActorDiedError
-
+from ray.train.v2._internal.execution.controller import state as ray_states
+from ray.train.v2._internal.execution.scaling_policy.scaling_policy import ResizeDecision
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
 from wildtrain.elastic import controller, nodes as elastic_nodes
-from wildtrain.ray_compat import WorkerGroupStartupTimeoutError, WorkerHealthCheckFailedError
+from wildtrain.ray_compat import WorkerGroupStartupTimeoutError, WorkerHealthCheckFailedError, lost_a_worker_process
 from wildtrain.config import load_config
 from wildtrain.events import Waiting
-from wildtrain.elastic.controller import CapacityClock, FailureBudget, RestartPolicy
-from wildtrain.elastic.nodes import ResourceView, lost_a_worker_process
+from wildtrain.elastic.controller import RestartPolicy
+from wildtrain.elastic.nodes import ResourceView
+from wildtrain.elastic.restarts import CapacityClock, FailureBudget
 from wildtrain.elastic.signals import CapacityError
 
 
@@ -35,9 +37,16 @@ class FakeTime:
         self.now += seconds
 
 
+_RAY_STATES = {"INITIALIZING": ray_states.InitializingState, "SCHEDULING": ray_states.SchedulingState,
+               "RUNNING": ray_states.RunningState, "RESTARTING": ray_states.RestartingState,
+               "RESCHEDULING": ray_states.ReschedulingState}
+
+
 def state(name: str, error=None, workers: int | None = None):
-    return SimpleNamespace(_state_type=SimpleNamespace(state_name=name), training_failed_error=error,
-                           scaling_decision=SimpleNamespace(num_workers=workers))
+    """Ray's controller state `name`, holding `error` or a decision for `workers` where it holds one."""
+    if name == "SCHEDULING":
+        return _RAY_STATES[name](ResizeDecision(num_workers=workers, resources_per_worker={"CPU": 1.0}))
+    return _RAY_STATES[name](error) if name in ("RESTARTING", "RESCHEDULING") else _RAY_STATES[name]()
 
 
 def worker_exception() -> WorkerGroupError:

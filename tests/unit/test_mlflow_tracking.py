@@ -13,7 +13,7 @@ from wildtrain.config import StorageConfig
 from wildtrain.tracking import mlflow_run, run_setup
 from wildtrain.events import Resize, StoppedEarly, TrackingOutage
 from wildtrain.tracking.mlflow_run import MlflowCallback, Tracker, read_events
-from wildtrain.elastic.signals import Restart
+from wildtrain.elastic.restarts import interpret
 from wildtrain.worker_report import WorkerReport
 from tests.helpers.reports import first_report
 
@@ -39,7 +39,7 @@ def test_reports_never_wait_on_a_hung_mlflow_server_and_nothing_is_lost(hung_ser
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "120")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "7")
     monkeypatch.setattr(mlflow_run, "FLUSH_TIMEOUT_S", 0.5)
-    callback = MlflowCallback(hung_server, "r1", lambda e: Restart("failure", "", False), str(tmp_path / "hangs"),
+    callback = MlflowCallback(hung_server, "r1", interpret, str(tmp_path / "hangs"),
                               StorageConfig(), tmp_path / "tracking")
     started = time.perf_counter()
     for step in range(1, 101):
@@ -134,7 +134,7 @@ def test_runs_that_start_together_on_the_same_dataset_each_record_it(tmp_path):
 
 def test_each_window_of_a_report_is_logged_at_its_own_step_and_time(store, tmp_path):
     client, run_id = store
-    callback = MlflowCallback(client.tracking_uri, run_id, lambda e: Restart("failure", "", False),
+    callback = MlflowCallback(client.tracking_uri, run_id, interpret,
                               str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking")
     # Three log steps that waited for one report, as the loop sends them while the
     # controller's previous report was still queued, and a save's figures at the report's step.
@@ -165,7 +165,7 @@ def test_the_experiment_wildtrain_creates_opens_in_the_mlflow_uis_model_training
 
 def test_the_model_metrics_tab_opens_on_the_training_curves_and_how_the_run_runs_is_under_system(store, tmp_path):
     client, run_id = store
-    callback = MlflowCallback(client.tracking_uri, run_id, lambda e: Restart("failure", "", False),
+    callback = MlflowCallback(client.tracking_uri, run_id, interpret,
                               str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking")
     window = {"step": 4, "at": 1_700_000_000.0, "loss": 3.0, "lr": 1e-3, "tokens_seen": 512.0, "tokens_per_s": 900.0,
               "step_time_s": 0.5, "world_size": 2, "epoch": 0, "mfu": 0.3, "time/forward_s": 0.2,
@@ -183,3 +183,25 @@ def test_the_model_metrics_tab_opens_on_the_training_curves_and_how_the_run_runs
     assert on_model_tab == {"val/loss", "loss", "lr", "mfu", "tokens_per_s", "step", "tokens_seen", "world_size"}
     assert {"system/time/forward_s", "system/memory/peak_gb", "system/checkpoint/bytes", "system/step_time_s",
             "system/startup/attempt_started_at", "system/elastic/stopped_early", "system/epoch"} <= keys
+
+
+def test_a_failed_group_is_one_failure_with_what_it_carries_however_long_the_controller_waits_with_it(store, tmp_path):
+    from ray.train.v2._internal.execution.controller import state as ray_states
+    from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
+
+    from wildtrain.elastic.signals import UnhealthyNodes
+    from wildtrain.events import Failure, HealthCheck, NodeExcluded
+
+    client, run_id = store
+    callback = MlflowCallback(client.tracking_uri, run_id, interpret, str(tmp_path / "hangs"), StorageConfig(),
+                              tmp_path / "tracking")
+    check = HealthCheck(1.0, "matmul", 1, "slow", False, "0.2x")
+    statuses = {0: WorkerStatus(False, UnhealthyNodes(["slow"], [check])), 1: WorkerStatus(False, UnhealthyNodes(["slow"], []))}
+    restarting = ray_states.RestartingState(WorkerGroupPollStatus(statuses).get_worker_group_error())
+    callback.after_controller_state_update(ray_states.RunningState(), restarting)
+    for _ in range(3):  # no room for a group without the node: the controller's loop turns in the same state
+        callback.after_controller_state_update(restarting, restarting)
+    callback.after_controller_finish(None)
+    events = read_events(client.tracking_uri, run_id, str(tmp_path / "events"))
+    assert [type(e) for e in events] == [Failure, HealthCheck, NodeExcluded]
+    assert "slow" in events[0].cause and events[2].node == "slow"

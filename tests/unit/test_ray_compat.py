@@ -1,9 +1,14 @@
-"""Ray's private symbols that wildtrain relies on still exist with the attributes it reads:
-a Ray upgrade that moves one fails here, in seconds."""
+"""Ray's private symbols that wildtrain relies on still exist with the attributes it reads,
+and only `ray_compat` reads them: a Ray upgrade that moves or renames one fails here, in
+seconds, instead of misreading a failure in a run's controller."""
 
 import dataclasses
 import inspect
 import logging
+import re
+from pathlib import Path
+
+from ray.exceptions import ActorDiedError
 
 from ray._private import state as private_state
 from ray._private import worker as private_worker
@@ -12,9 +17,17 @@ from ray.experimental import internal_kv
 from ray.train.v2._internal.execution import context as train_context
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.controller import state as controller_state
+from ray.train.v2._internal.execution.controller.controller import TrainController
+from ray.train.v2._internal.execution.scaling_policy.scaling_policy import ResizeDecision
+from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
 from ray.train.v2._internal.execution.worker_group.worker import Worker
+from ray.train.v2.api.exceptions import ControllerError
 
 from wildtrain import ray_compat
+from wildtrain.elastic import restarts
+from wildtrain.ray_compat import (
+    ControllerState, WorkerGroupStartupTimeoutError, WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError,
+)
 
 
 def test_every_name_the_compat_module_exports_exists():
@@ -43,9 +56,90 @@ def test_the_controller_hooks_keep_their_names_and_signatures():
     assert list(inspect.signature(ReportCallback.after_report).parameters)[:3] == ["self", "training_report", "metrics"]
 
 
-def test_controller_states_carry_the_name_state_name_reads():
-    running = controller_state.RunningState()
-    assert ray_compat.state_name(running) == "RUNNING"
+def _group_error(*errors: Exception):
+    """A worker group's failure, as Ray's controller makes it from a poll of its workers."""
+    statuses = {rank: WorkerStatus(running=False, error=e) for rank, e in enumerate(errors)}
+    return WorkerGroupPollStatus(statuses).get_worker_group_error()
+
+
+def test_controller_state_reads_each_state_ray_makes():
+    failed, decision = _group_error(ValueError("bad batch")), ResizeDecision(3, {"CPU": 2.0})
+    read = ray_compat.controller_state
+    assert read(controller_state.InitializingState()) == ControllerState("INITIALIZING")
+    assert read(controller_state.SchedulingState(decision)) == ControllerState("SCHEDULING", workers=3)
+    assert read(controller_state.RunningState()) == ControllerState("RUNNING")
+    assert read(controller_state.ResizingState(decision)) == ControllerState("RESIZING", workers=3)
+    for name, state in {"RESTARTING": controller_state.RestartingState, "RESCHEDULING": controller_state.ReschedulingState,
+                        "ERRORED": controller_state.ErroredState}.items():
+        held = read(state(failed))
+        assert (held.name, held.workers) == (name, None) and held.error is failed
+    assert read(controller_state.ShuttingDownState(controller_state.FinishedState())) == ControllerState("SHUTTING_DOWN")
+    assert read(controller_state.FinishedState()) == ControllerState("FINISHED")
+    assert read(controller_state.AbortedState()) == ControllerState("ABORTED")
+
+
+def test_interpret_knows_every_state_of_rays_controller():
+    """A state Ray adds would otherwise read as the end of the run."""
+    assert {t.state_name for t in controller_state.TrainControllerStateType} == set(restarts.CONTROLLER_STATES)
+
+
+def test_the_errors_of_a_failed_group_read_as_ray_makes_them():
+    died = WorkerHealthCheckFailedError("A worker health check failed.", failure=ActorDiedError())
+    crashed = _group_error(ValueError("bad batch"), RuntimeError("Connection closed by peer"))
+    lost = _group_error(RuntimeError("Connection closed by peer"), died)
+    hung = _group_error(WorkerHealthCheckTimeoutError("no answer"))
+    # What the controller's loop makes of a group whose start timed out.
+    timed_out = ControllerError(WorkerGroupStartupTimeoutError(num_workers=2))
+
+    assert {rank: str(e) for rank, e in ray_compat.worker_failures(crashed).items()} == {
+        0: "bad batch", 1: "Connection closed by peer"}
+    assert ray_compat.worker_failures(timed_out) == {} and ray_compat.worker_failures(None) == {}
+    assert ray_compat.counts_as_failure(crashed) and not ray_compat.counts_as_failure(timed_out)
+    assert ray_compat.start_timed_out(timed_out)
+    assert not ray_compat.start_timed_out(ControllerError(ValueError("a callback failed")))
+    assert not ray_compat.start_timed_out(crashed) and not ray_compat.start_timed_out(None)
+    assert ray_compat.lost_a_worker_process(lost) and ray_compat.lost_a_worker_process(hung)
+    assert not ray_compat.lost_a_worker_process(crashed) and not ray_compat.lost_a_worker_process(timed_out)
+
+
+def test_a_resize_decision_is_read_and_resized_where_ray_reads_its_size_after_the_hook():
+    decision = ResizeDecision(num_workers=4, resources_per_worker={"CPU": 2.0})
+    assert ray_compat.resize_request(decision) == ray_compat.ResizeRequest(4, {"CPU": 2.0})
+    ray_compat.resize_to(decision, 2)
+    assert ray_compat.resize_request(decision).workers == 2
+    source = inspect.getsource(TrainController._execute_resize_decision)
+    assert source.index('"before_controller_execute_resize_decision"') < source.index("num_workers=decision.num_workers")
+
+
+# Reads of Ray Train's controller states, scaling decisions and errors (and of the Ray core
+# errors its worker groups carry), and imports of Ray's private modules.
+_RAY_READS = re.compile(
+    r"(?<!ray_compat)\.(training_failed_error|scaling_decision|controller_failure|worker_failures|health_check_failure|_state_type"
+    r"|state_name|num_workers|resources_per_worker)\b"
+    r"|[\"'](training_failed_error|scaling_decision|controller_failure|worker_failures|_state_type|num_workers)[\"']"
+    r"|\bresize_decision\.\w+"
+    r"|isinstance\([^)]*\b(ray_compat\.\w+|WorkerGroupError|ControllerError|TrainingFailedError|PreemptionError"
+    r"|NCCLHangError|RayActorError|ActorDiedError|WorkerHealthCheck\w*Error|WorkerGroupStartupTimeoutError"
+    r"|(Initializing|Scheduling|Rescheduling|Running|Preempting|Restarting|Resizing|ShuttingDown|Errored|Finished"
+    r"|Aborted)State)\b"
+    r"|ray\.train\.v2\._internal|ray\.train\.v2\.api\.exceptions|ray\._private|ray\.experimental"
+)
+
+
+def test_no_module_but_ray_compat_reads_rays_controller_states_or_errors():
+    for removed in ('error = getattr(current_state, "training_failed_error", None)',
+                    'size = getattr(getattr(previous_state, "scaling_decision", None), "num_workers", 1)',
+                    "resize_decision.num_workers = max(self.min_workers, fit)",
+                    "return any(isinstance(failure, lost) for failure in getattr(error, 'worker_failures', {}).values())",
+                    "counts=isinstance(error, WorkerGroupError) and not restart.planned",
+                    "timed_out = isinstance(error, ray_compat.WorkerGroupStartupTimeoutError)",
+                    "from ray.train.v2.api.exceptions import WorkerGroupError"):
+        assert _RAY_READS.search(removed), removed  # what the scan is for
+    package = Path(ray_compat.__file__).parent
+    found = [f"{path.relative_to(package)}:{number}: {line.strip()}"
+             for path in sorted(package.rglob("*.py")) if path.name != "ray_compat.py"
+             for number, line in enumerate(path.read_text().splitlines(), 1) if _RAY_READS.search(line)]
+    assert found == [], "read these through ray_compat"
 
 
 def test_workers_carry_what_group_workers_reads():

@@ -1,12 +1,17 @@
-"""The controller's pure decisions about restarts: why a group restarts, and how many
-workers the nodes that are not left out can hold."""
+"""The controller's pure decisions about restarts: why a group restarts, what a change of
+the controller's state means, what the restart policy does about it, and how many workers
+the nodes that are not left out can hold. Ray's errors as its controller holds them; no
+Ray cluster, no time passing."""
 
-from ray.train.v2.api.exceptions import WorkerGroupError
+from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
 from wildtrain.events import HealthCheck, NodeExcluded
-from wildtrain.ray_compat import UserExceptionWithTraceback
+from wildtrain.ray_compat import ControllerState, UserExceptionWithTraceback, WorkerGroupStartupTimeoutError
 from wildtrain.elastic.nodes import room_for_another_worker, workers_that_fit
-from wildtrain.elastic.signals import PeerFailed, PlannedRegrow, UnhealthyNodes, classify_restart
+from wildtrain.elastic.restarts import (
+    CapacityClock, FailureBudget, Restart, Transition, classify_restart, decide, interpret,
+)
+from wildtrain.elastic.signals import PeerFailed, PlannedRegrow, UnhealthyNodes
 
 
 def _worker_group_error(*worker_errors: BaseException) -> WorkerGroupError:
@@ -100,3 +105,86 @@ def test_room_to_grow_leaves_the_data_reads_their_cpus():
     free["b"]["CPU"] = 1.0
     assert room_for_another_worker(free, per_worker, excluded=set(), keep_free_cpus=1.0)
     assert not room_for_another_worker(free, per_worker, excluded={"a"}, keep_free_cpus=1.0), "no worker slot elsewhere"
+
+
+RUNNING = ControllerState("RUNNING")
+
+
+def test_interpret_tells_a_failure_from_a_regrow_and_from_the_controller_waiting_with_it():
+    crash = _worker_group_error(ValueError("bad batch"))
+    failure = interpret(RUNNING, ControllerState("RESTARTING", crash))
+    assert (failure.kind, failure.interruption, failure.counted, failure.again) == ("failure", "failure", True, False)
+    assert failure.cause == "rank 0: builtins.ValueError: bad batch" and failure.error is crash
+    restarting = ControllerState("RESTARTING", crash)
+    assert interpret(restarting, restarting).again, "no room: the controller's loop turns in the same state"
+
+    regrow = interpret(RUNNING, ControllerState("RESTARTING", _worker_group_error(PlannedRegrow("room for 2"))))
+    assert (regrow.kind, regrow.interruption, regrow.counted) == ("resize", "resize", False)
+    unhealthy = interpret(RUNNING, ControllerState("RESTARTING", _worker_group_error(UnhealthyNodes(["slow"], []))))
+    assert (unhealthy.kind, unhealthy.counted) == ("failure", False)
+    assert [e.node for e in unhealthy.events if isinstance(e, NodeExcluded)] == ["slow"]
+    ray_resize = interpret(RUNNING, ControllerState("RESIZING", workers=3))
+    assert (ray_resize.kind, ray_resize.restart, ray_resize.interruption) == ("resize", None, "resize")
+
+
+def test_interpret_follows_a_start_and_its_failure():
+    start = interpret(ControllerState("RESTARTING"), ControllerState("SCHEDULING", workers=2))
+    assert (start.kind, start.workers, start.interruption) == ("start", 2, None)
+    timed_out = ControllerError(WorkerGroupStartupTimeoutError(num_workers=2))
+    failed = interpret(ControllerState("SCHEDULING", workers=2), ControllerState("RESCHEDULING", timed_out))
+    assert (failed.kind, failed.workers, failed.timed_out, failed.counted, failed.interruption) == (
+        "start_failed", 2, True, False, "failure")
+    rescheduling = ControllerState("RESCHEDULING", timed_out)
+    assert interpret(rescheduling, rescheduling) == Transition("waiting", again=True)
+    assert interpret(ControllerState("SCHEDULING", workers=1), RUNNING) == Transition("running")
+    assert interpret(RUNNING, ControllerState("SHUTTING_DOWN")).kind == "finish"
+    assert interpret(ControllerState("INITIALIZING"), ControllerState("INITIALIZING")).again
+
+
+def _failure(cause: str = "rank 0: bad batch", counted: bool = True, **fields) -> Transition:
+    return Transition("failure", Restart("failure", cause, planned=not counted), RuntimeError(cause),
+                      counted=counted, **fields)
+
+
+def test_a_failure_is_counted_once_and_its_restart_sized_for_what_is_alive():
+    budget, clock = FailureBudget(max_failures=1), CapacityClock(min_workers=1)
+    failure = _failure(lost_process=True)
+    decision = decide(failure, budget, clock, now=10.0)
+    assert (decision.budget.failures, decision.end, decision.exclude) == (1, None, frozenset())
+    assert decision.await_lost_nodes and decision.refresh and decision.bounded and not decision.paced
+    assert decision.capacity.waiting_since == 10.0
+    again = decide(failure, decision.budget, decision.capacity, now=11.0)
+    assert again.budget.failures == 1 and not again.await_lost_nodes, "the same error again is a turn of the loop"
+    assert again.paced and again.refresh
+
+    second = decide(_failure("rank 1: out of memory"), decision.budget, decision.capacity, now=12.0)
+    assert second.end == ("elastic.max_failures: 2 failures, more than the 1 allowed; the last: rank 1: out of memory")
+    planned = decide(_failure(counted=False), decision.budget, decision.capacity, now=12.0)
+    assert planned.budget.failures == 1 and planned.end is None
+
+
+def test_a_failed_health_check_leaves_its_nodes_out_and_a_hopeless_failure_ends_the_run():
+    excluded = Restart("failure", "health check failed", planned=True, events=[NodeExcluded(1.0, "slow", "")])
+    t = Transition("failure", excluded, RuntimeError("unhealthy"))
+    assert decide(t, FailureBudget(-1), CapacityClock(1), now=0.0).exclude == {"slow"}
+    fatal = Transition("failure", Restart("failure", "shard gone", planned=False, fatal=True), RuntimeError("x"))
+    decision = decide(fatal, FailureBudget(-1), CapacityClock(1), now=0.0)
+    assert decision.end == "shard gone" and not decision.refresh
+
+
+def test_a_wait_for_room_is_timed_from_the_first_turn_that_found_none_until_a_group_runs():
+    clock = decide(_failure(), FailureBudget(-1), CapacityClock(1), now=100.0).capacity
+    turn = decide(Transition("waiting", again=True), FailureBudget(-1), clock, now=101.0)
+    assert turn.capacity.no_room_since == 100.0 and turn.paced
+    start = decide(Transition("start", workers=1), FailureBudget(-1), turn.capacity, now=130.0)
+    assert not start.refresh and not start.bounded and start.capacity.attempt_started == 130.0
+    running = decide(Transition("running"), FailureBudget(-1), start.capacity, now=135.0)
+    assert running.waited_s == 35.0 and running.capacity.waited_s(200.0) == 0.0
+    assert decide(Transition("running"), FailureBudget(-1), running.capacity, now=136.0).waited_s is None
+
+
+def test_a_failed_start_above_the_minimum_is_forgiven_once_per_size():
+    clock = decide(Transition("start", workers=2), FailureBudget(-1), CapacityClock(1).waiting(0.0), now=10.0).capacity
+    failed = decide(Transition("start_failed", workers=2, timed_out=True), FailureBudget(-1), clock, now=40.0)
+    assert failed.refresh and failed.bounded and failed.capacity.waited_s(40.0) == 10.0
+    assert decide(Transition("finish"), FailureBudget(-1), failed.capacity, now=50.0).capacity == failed.capacity

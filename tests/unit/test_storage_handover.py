@@ -10,7 +10,8 @@ import pytest
 from wildtrain import storage
 from wildtrain.config import StorageConfig, flatten, load_config, redact, to_yaml
 from wildtrain.elastic.controller import StorageSettings
-from wildtrain.elastic.signals import RunCannotContinue, classify_restart
+from wildtrain.elastic.restarts import classify_restart
+from wildtrain.elastic.signals import RunCannotContinue
 from wildtrain.train.loop import check_storage
 
 ACCESS, SECRET = "AKIDRIVER0000000", "driver-secret-value"

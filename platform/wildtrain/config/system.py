@@ -76,7 +76,7 @@ class ElasticConfig:
     # monitor.startup_timeout_s and checkpoint.timeout_s (train/collectives.py).
     collective_timeout_s: float = 300.0
     # How long to wait for the cluster to offer `min_workers` workers before giving up: at
-    # submission, and whenever no worker group runs (see elastic.controller.CapacityClock for what
+    # submission, and whenever no worker group runs (see elastic.restarts.CapacityClock for what
     # counts). A node's death alone spends ~5 s in the node grace, up to ~30 s of Ray still
     # counting the dead node, and a start attempt of the smallest group that times out on
     # that stale view (elastic.worker_start_timeout_s): about 65 s at the defaults, so 120 s

@@ -6,6 +6,7 @@ quickly that happens: how long a group start may wait for a dead node's worker, 
 often a healthy but smaller group looks for room to grow, and which nodes a group may not
 use because they failed its health check.
 
-By process: `scaling` runs in the driver, `controller` in Ray Train's controller, `nodes`
-in both and in the workers; `signals` are what workers raise and the controller reads.
+By process: `scaling` runs in the driver, `controller` in Ray Train's controller (acting on
+the pure decisions of `restarts`), `nodes` in both and in the workers; `signals` are what
+workers raise and the controller reads.
 """

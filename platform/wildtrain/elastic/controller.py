@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import ray
@@ -18,100 +18,15 @@ from wildtrain.checkpoint import reshard
 from wildtrain.checkpoint.format import step_of
 from wildtrain.checkpoint.store import Store, read_manifest
 from wildtrain.config import Config
-from wildtrain.elastic.nodes import (
-    ResourceView, exclude_nodes, excluded_nodes, lost_a_worker_process, workers_that_fit,
-)
-from wildtrain.elastic.signals import CapacityError, NodeExcluded, classify_restart
+from wildtrain.elastic.nodes import ResourceView, exclude_nodes, excluded_nodes, workers_that_fit
+from wildtrain.elastic.restarts import CapacityClock, FailureBudget, decide, interpret
+from wildtrain.elastic.signals import CapacityError
 from wildtrain.events import EvalFailed, EvalSkipped, Event, Waiting
 from wildtrain.worker_report import rank_zero
-from ray.train.v2.api.exceptions import WorkerGroupError
 
 
 # How long the end of a run waits for a conversion ahead of a resize to commit.
 _CONVERSION_SHUTDOWN_WAIT_S = 60.0
-
-
-@dataclass(frozen=True)
-class FailureBudget:
-    """The failures counted against elastic.max_failures (-1: no limit). A failure is known
-    by its error: while the cluster lacks capacity, the controller re-enters its RESTARTING
-    state, with the same error, at every turn of its loop."""
-
-    max_failures: int
-    failures: int = 0
-    last_error: Optional[BaseException] = field(default=None, compare=False, repr=False)
-
-    def is_new(self, error: BaseException) -> bool:
-        return error is not self.last_error
-
-    def after(self, error: BaseException, counts: bool) -> "FailureBudget":
-        if not self.is_new(error):
-            return self
-        return replace(self, failures=self.failures + int(counts), last_error=error)
-
-    @property
-    def exceeded(self) -> bool:
-        return 0 <= self.max_failures < self.failures
-
-
-@dataclass(frozen=True)
-class CapacityClock:
-    """How long the controller has gone without capacity for a worker group, the time that
-    elastic.capacity_wait_s bounds.
-
-    It runs from the moment no group runs until one runs again (a start that succeeds, however
-    slowly, ends the wait): while Ray's scaling policy sees room for fewer than min_workers,
-    and through start attempts that failed. One kind of failed attempt is not counted: one
-    for more than min_workers workers that timed out waiting for room, the first time at
-    its size. After a node dies, Ray's resource view still counts it for up to ~30 s, so the
-    first attempt may be sized for a group that cannot fit while a smaller one can; its
-    time says nothing about the capacity for min_workers. A second timed-out attempt at the
-    same size counts (the view is not merely stale), so the wait stays bounded."""
-
-    min_workers: int
-    waiting_since: Optional[float] = None  # time.monotonic(); None while a group runs
-    attempt_started: Optional[float] = None  # the start attempt in flight, if any
-    forgiven_sizes: frozenset[int] = frozenset()  # sizes whose timed-out attempt was not counted
-    # Since when the wait is for room (a counted failed attempt, or no group to attempt),
-    # not a restart going its usual way: goodput's WAITING.
-    no_room_since: Optional[float] = None
-
-    def running(self) -> "CapacityClock":
-        return CapacityClock(self.min_workers)
-
-    def no_room(self, now: float) -> "CapacityClock":
-        clock = self.waiting(now)
-        return clock if clock.no_room_since is not None else replace(clock, no_room_since=clock.waiting_since)
-
-    def waiting(self, now: float) -> "CapacityClock":
-        return self if self.waiting_since is not None else replace(self, waiting_since=now)
-
-    def attempt(self, now: float) -> "CapacityClock":
-        return replace(self.waiting(now), attempt_started=now)
-
-    @property
-    def in_attempt(self) -> bool:
-        return self.attempt_started is not None
-
-    def attempt_failed(self, now: float, size: int, timed_out: bool) -> "CapacityClock":
-        clock = replace(self.waiting(now), attempt_started=None)
-        if timed_out and size > self.min_workers and size not in self.forgiven_sizes:
-            return replace(clock, waiting_since=clock.waiting_since + (now - self.attempt_started),
-                           forgiven_sizes=self.forgiven_sizes | {size})
-        if clock.no_room_since is None:
-            clock = replace(clock, no_room_since=self.attempt_started)
-        return clock
-
-    def waited_s(self, now: float) -> float:
-        return 0.0 if self.waiting_since is None else now - self.waiting_since
-
-
-# Controller states in which a worker group exists and runs (or drains, or is resized), and
-# those in which the controller has none and waits for a scaling decision that can start one.
-_GROUP_STATES = ("RUNNING", "PREEMPTING", "RESIZING")
-
-
-_WAITING_STATES = ("INITIALIZING", "RESTARTING", "RESCHEDULING")
 
 
 # While it waits, Ray's controller loop turns without pausing; its scaling policy reads the
@@ -147,7 +62,7 @@ class StorageSettings(ray_compat.ControllerCallback):
 
 
 class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallback):
-    """How the controller restarts a worker group:
+    """How the controller restarts a worker group (`restarts.decide` decides, this acts):
 
     - after a failure that lost a worker's process, wait (at most `node_grace_s`) for Ray to
       mark the group's lost nodes dead; after any failure, refresh the resource view, so
@@ -167,7 +82,6 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
 
     def __init__(self, cfg: Config, record_event: Callable[[Event], None], node_grace_s: float = 5.0) -> None:
         self.run_name = cfg.run.name
-        self.min_workers = cfg.elastic.min_workers
         self.capacity_wait_s = cfg.elastic.capacity_wait_s
         self.budget = FailureBudget(cfg.elastic.max_failures)
         self.capacity = CapacityClock(cfg.elastic.min_workers)
@@ -185,62 +99,27 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
         self.group_nodes = {w.node_id for w in ray_compat.group_workers(worker_group)}
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
-        name = ray_compat.state_name(current_state)
-        now = time.monotonic()
-        if name in _GROUP_STATES:
-            if self.capacity.no_room_since is not None:
-                waited_s = now - self.capacity.no_room_since
-                wall = time.time()
-                self.record_event(Waiting(wall, wall - waited_s, wall))
-            self.capacity = self.capacity.running()
-            return
-        if name == "SCHEDULING":
-            self.capacity = self.capacity.attempt(now)
-            return
-        if name not in _WAITING_STATES:  # shutting down, or done
-            return
-        self.capacity = self.capacity.waiting(now)
-        error = getattr(current_state, "training_failed_error", None)
-        if name == "RESTARTING" and self.budget.is_new(error):
-            self._after_failure(error)
-        elif name == "RESCHEDULING" and self.capacity.in_attempt:
-            # The start attempt failed. Too big a group for a stale view, most often: let
-            # the next decision see what is alive.
-            size = getattr(getattr(previous_state, "scaling_decision", None), "num_workers", self.min_workers)
-            timed_out = isinstance(getattr(error, "controller_failure", None), ray_compat.WorkerGroupStartupTimeoutError)
-            self.capacity = self.capacity.attempt_failed(now, size, timed_out)
-            self.view.refresh()
-        else:  # another turn of the controller's loop
-            if previous_state is not None and ray_compat.state_name(previous_state) == name:
-                self.capacity = self.capacity.no_room(now)  # a turn that decided nothing: no room for a group
+        transition = interpret(ray_compat.controller_state(previous_state), ray_compat.controller_state(current_state))
+        decision = decide(transition, self.budget, self.capacity, time.monotonic())
+        self.budget, self.capacity = decision.budget, decision.capacity
+        if decision.waited_s is not None:
+            wall = time.time()
+            self.record_event(Waiting(wall, wall - decision.waited_s, wall))
+        if decision.exclude:
+            exclude_nodes(self.run_name, set(decision.exclude))
+        if decision.end is not None:
+            raise RuntimeError(decision.end)
+        if decision.await_lost_nodes:
+            self._wait_for_lost_nodes()
+        if decision.paced:
             time.sleep(max(0.0, self.view.last + _WAIT_REFRESH_S - time.monotonic()))
+        if decision.refresh:
             self.view.refresh()
-        if self.capacity.waited_s(time.monotonic()) > self.capacity_wait_s:
+        if decision.bounded and self.capacity.waited_s(time.monotonic()) > self.capacity_wait_s:
             raise CapacityError(
                 f"elastic.capacity_wait_s: no worker group could run for {self.capacity_wait_s:g} s "
                 f"(the cluster cannot hold elastic.min_workers workers)"
             )
-
-    def _after_failure(self, error: BaseException) -> None:
-        """Once per failure of a running group: leave out the nodes its health check failed,
-        count it, and size the restart for the nodes that are alive."""
-        restart = classify_restart(error)
-        newly_excluded = {e.node for e in restart.events if isinstance(e, NodeExcluded)}
-        if newly_excluded:
-            exclude_nodes(self.run_name, newly_excluded)
-        # Like Ray's own policy, only workers' failures count; a group that could not
-        # start in time is the capacity wait's business.
-        if restart.fatal:
-            raise RuntimeError(restart.cause)
-        self.budget = self.budget.after(error, counts=isinstance(error, WorkerGroupError) and not restart.planned)
-        if self.budget.exceeded:
-            raise RuntimeError(
-                f"elastic.max_failures: {self.budget.failures} failures, more than the {self.budget.max_failures} "
-                f"allowed; the last: {restart.cause[:300]}"
-            )
-        if lost_a_worker_process(error):
-            self._wait_for_lost_nodes()
-        self.view.refresh()
 
     def _wait_for_lost_nodes(self) -> None:
         """Return once a node of the failed group is marked dead, or after the grace if the
@@ -269,8 +148,9 @@ class NodeExclusion(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
         excluded = excluded_nodes(self.run_name)
         if excluded:
             alive = {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
-            fit = workers_that_fit(alive, resize_decision.resources_per_worker, excluded)
-            resize_decision.num_workers = max(self.min_workers, min(resize_decision.num_workers, fit))
+            request = ray_compat.resize_request(resize_decision)
+            fit = workers_that_fit(alive, request.per_worker, excluded)
+            ray_compat.resize_to(resize_decision, max(self.min_workers, min(request.workers, fit)))
 
     def on_controller_start_worker_group(self, *, scaling_config, num_workers: int) -> dict[str, str] | None:
         excluded = excluded_nodes(self.run_name)

@@ -7,8 +7,6 @@ import json
 import time
 from typing import Callable
 
-from ray.exceptions import RayActorError
-
 from wildtrain import ray_compat
 
 
@@ -90,12 +88,3 @@ class ResourceView:
                 print(f"refreshing Ray's resource view failed ({error}); Ray refreshes it every 20 s "
                       f"by itself and wildtrain keeps retrying", flush=True)
             return False
-
-
-def lost_a_worker_process(error: BaseException | None) -> bool:
-    """Whether a failed group lost a worker's process, so a node may be gone, rather than
-    only seeing the training function raise. Ray reports a worker whose process (or node)
-    died, or that stopped answering, as a failed or timed-out health check wrapping the
-    actor's error; an exception raised in the training function arrives as itself."""
-    lost = (ray_compat.WorkerHealthCheckFailedError, ray_compat.WorkerHealthCheckTimeoutError, RayActorError)
-    return any(isinstance(failure, lost) for failure in getattr(error, "worker_failures", {}).values())

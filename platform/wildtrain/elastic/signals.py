@@ -1,33 +1,16 @@
 """What workers and the controller tell each other beyond Ray's own states: a worker
 raises one of these to ask for a planned restart (a regrow, leaving out unhealthy nodes) or
-to end the run, and the controller classifies each restart from the error Ray hands it.
-Ray keeps only the text of workers' exceptions, so what must reach the controller rides in
-the text after a marker.
+to end the run, and the controller classifies each restart from the error Ray hands it
+(`restarts.classify_restart`). Ray keeps only the text of workers' exceptions, so what must
+reach the controller rides in the text after a marker. Workers import this module: it
+imports no Ray.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import re
-import time
-from dataclasses import dataclass, field
 
-from wildtrain.events import Event, HealthCheck, NodeExcluded, from_dict
-
-
-@dataclass(frozen=True)
-class Restart:
-    """Why the controller restarts a worker group (see `classify_restart`)."""
-
-    kind: str  # "failure" or "resize"
-    cause: str
-    # wildtrain's own decision (a planned regrow, leaving out unhealthy nodes), not a fault
-    # of the workers: not counted against elastic.max_failures.
-    planned: bool
-    events: list[Event] = field(default_factory=list)  # what the restart carries for MLflow
-    # A restart cannot help (`RunCannotContinue`): the run ends with `cause`.
-    fatal: bool = False
+from wildtrain.events import HealthCheck
 
 
 class CapacityError(RuntimeError):
@@ -107,40 +90,3 @@ class PeerFailed(RuntimeError):
 
     def __reduce__(self):
         return type(self), (self.rank, self.reason)
-
-
-def worker_error_cause(per_worker: dict) -> str:
-    """`rank N: <its exception's line>` of the first worker whose failure is its own (not a
-    `PeerFailed`); "" when there is none."""
-    for rank, failure in sorted(per_worker.items()):
-        text = str(failure).strip()
-        if not text or PeerFailed.MARKER in text:
-            continue
-        return f"rank {rank}: {text.splitlines()[-1][:500]}"
-    return ""
-
-
-@functools.lru_cache(maxsize=16)
-def classify_restart(error: BaseException | None) -> Restart:
-    """Why the controller is restarting the group, from its error: Ray's summary of the
-    workers' exceptions (truncated), and each worker's own traceback text, whole. Cached
-    by the error's identity: the controller's callbacks each ask, and get one answer."""
-    text = str(error).strip() if error is not None else ""
-    per_worker = "\n".join(str(failure) for failure in getattr(error, "worker_failures", {}).values())
-    if PlannedRegrow.__name__ in text + per_worker:
-        return Restart("resize", "room for more workers", planned=True)
-    fatal = re.search(rf"^{re.escape(RunCannotContinue.MARKER)} (\".*\")$", text + "\n" + per_worker, re.MULTILINE)
-    if fatal:
-        return Restart("failure", json.loads(fatal[1]), planned=False, fatal=True)
-    # Every rank raises UnhealthyNodes; only rank 0's carries the check's results.
-    found = [json.loads(m) for m in re.findall(rf"^{re.escape(UnhealthyNodes.MARKER)} (\{{.*\}})$", per_worker, re.MULTILINE)]
-    if found:
-        nodes = sorted({node for f in found for node in f["nodes"]})
-        at = time.time()
-        excluded = [NodeExcluded(at, node, f"node {node} failed the pre-flight health check; left out of the run")
-                    for node in nodes]
-        checks = [from_dict(check) for f in found for check in f["checks"]]
-        return Restart("failure", f"health check failed on node(s) {', '.join(nodes)}; left out of the run",
-                       planned=True, events=checks + excluded)
-    cause = worker_error_cause(getattr(error, "worker_failures", {}))
-    return Restart("failure", cause or (text.splitlines()[0][:500] if text else ""), planned=False)

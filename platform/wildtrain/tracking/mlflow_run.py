@@ -17,17 +17,18 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Optional
-
+from typing import TYPE_CHECKING, Callable, Optional
 
 from wildtrain import ray_compat, storage
 from wildtrain.config import StorageConfig
 from wildtrain.events import Event, HealthCheck, Hang, Interrupted, Recovered, StoppedEarly, from_dict
 from wildtrain.tracking.buffer import Outage, TrackingBuffer
-from wildtrain.elastic.signals import Restart
 from wildtrain.tracking.timeline import Timeline
 from wildtrain.layout import rank_of_hang_dump
 from wildtrain.worker_report import rank_zero
+
+if TYPE_CHECKING:  # the driver hands the controller's reading of its states in: tracking sits below elastic
+    from wildtrain.elastic.restarts import Transition
 
 EVENTS_DIR = "events"
 # Set, with the reason, on a run the early-stop rule ended (`early_stop.*`).
@@ -243,12 +244,13 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
     It uses Ray Train's developer callback hooks rather than `UserCallback`, which sees
     reports but not the controller's state changes that mark failures and resizes."""
 
-    def __init__(self, uri: str, run_id: str, classify_restart: Callable[[BaseException | None], Restart],
+    def __init__(self, uri: str, run_id: str,
+                 interpret: Callable[[ray_compat.ControllerState, ray_compat.ControllerState], Transition],
                  hang_dumps: str, storage_config: StorageConfig, folder: Path) -> None:
         self.uri = uri
         self.run_id = run_id
         self.folder = folder  # see `RunLayout.tracking`
-        self.classify_restart = classify_restart
+        self.interpret = interpret  # `elastic.restarts.interpret`, as the restart policy reads the states
         self.hang_dumps = hang_dumps  # where workers' hang watchdogs write their stacks
         self.storage_config = storage_config
         self._attached: set[str] = set()
@@ -283,22 +285,20 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
         self.tracking.metrics({"elastic/nodes": len(set(nodes))}, self.timeline.last_step)
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
-        state = ray_compat.state_name(current_state)
-        kind = {"RESTARTING": "failure", "RESCHEDULING": "failure", "RESIZING": "resize"}.get(state)
-        if kind is None:
+        previous, current = ray_compat.controller_state(previous_state), ray_compat.controller_state(current_state)
+        transition = self.interpret(previous, current)
+        kind = transition.interruption
+        if kind is None or transition.again:
             return
-        restart = self.classify_restart(getattr(current_state, "training_failed_error", None))
-        if kind == "failure":
-            kind = restart.kind
-        event = self.timeline.interrupted(kind, time.time(), restart.cause)
+        event = self.timeline.interrupted(kind, time.time(), transition.cause)
         if event is not None:
             self._log_event(event, event.last_step)
             self.tracking.metrics({"elastic/nodes": 0}, event.last_step)
             self._attach_hang_dumps(event.last_step, event.nodes)
-            print(f"{kind} after step {event.last_step} at world size {event.world_size}: {restart.cause}", flush=True)
-        if state == "RESTARTING":  # once per failed group, even within one outage
-            for carried in restart.events:  # a failed health check's results, the nodes left out
-                self._log_event(carried, self.timeline.last_step)
+            print(f"{kind} after step {event.last_step} at world size {event.world_size}: {transition.cause}", flush=True)
+        # Once per failed group, even within one outage: a failed health check's results, the nodes left out.
+        for carried in transition.events:
+            self._log_event(carried, self.timeline.last_step)
 
     def after_report(self, training_report, metrics) -> None:
         report = rank_zero(metrics)
