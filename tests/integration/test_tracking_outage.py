@@ -46,7 +46,7 @@ def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(ray_
                       f"checkpoint.every={steps}", "elastic.poll_interval_s=2", "chaos.min_step_s=0.33")
     run = BackgroundRun(cfg)
     run.wait_until(lambda reports: any(m.step >= 2 * LOG_EVERY for m in reports), "the first reports", 300,
-                   key="step_time_s")
+                   key="system/step_time_s")
 
     paused_at = time.time()
     os.killpg(server.pid, signal.SIGSTOP)
