@@ -49,6 +49,8 @@ def elastic_config(tiny_config):
         f"train.steps={STEPS}",
         "train.log_every=1",
         "checkpoint.every=4",
+        # Validated at world size 2, 1 and 2 again (the demo validates at its last step only).
+        "eval.every=10",
         "elastic.resize_check_interval_s=5",
         "elastic.worker_start_timeout_s=10",
         # Half a second a step: 40 of them outlast the node's death, its detection and its return.
