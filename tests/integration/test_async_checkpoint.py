@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from tests.integration.test_resharding import STAGES, _config, _engine, _full_params, _init_process, _spawn, _train
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.standalone]
 
 SAVE_AT = 2
 WAIT_S = 120

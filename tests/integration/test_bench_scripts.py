@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.standalone]
 
 REPO = Path(__file__).resolve().parents[2]
 # What the GPU machine's image holds that the carry does not bring.

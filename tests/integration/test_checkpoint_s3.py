@@ -15,7 +15,7 @@ from wildtrain.checkpoint.restore import list_candidates, restore
 from wildtrain.checkpoint.store import Store, read_manifest
 from wildtrain.checkpoint.retention import RetentionPolicy
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.standalone]
 
 WAIT_S = 60
 

@@ -24,7 +24,7 @@ from tests.helpers.runs import make_run, mlflow_run
 from tests.integration.test_resharding import _init_process, _spawn
 from wildtrain.config import ModelConfig
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.standalone]
 
 # GQA and muP's multipliers, which the export folds into the weights.
 MODEL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=64,

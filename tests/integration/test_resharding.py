@@ -22,7 +22,7 @@ from wildtrain import services
 from wildtrain.checkpoint import universal
 from wildtrain.checkpoint.universal import MARKER, convert, is_converted, universal_tag
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.standalone]
 
 TAG = "step_3"
 STAGES = [1, 2, 3]

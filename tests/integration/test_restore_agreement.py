@@ -19,7 +19,7 @@ from wildtrain.checkpoint.format import checkpoint_name
 from wildtrain.checkpoint.restore import restore
 from wildtrain.checkpoint.store import Store, commit, upload, write_part
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.standalone]
 
 
 def _commit(root: Path, step: int) -> None:

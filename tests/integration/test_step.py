@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from wildtrain import services
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.standalone]
 
 WORLD = 2
 STEPS = 6
