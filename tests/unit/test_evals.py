@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import multiprocessing
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from wildtrain.data.tokenizer import ByteTokenizer
 from wildtrain.elastic.controller import EvalQueue, eval_due
 from wildtrain.elastic.scaling import spare_cpus
 from wildtrain.evals.harness import TaskFolder, harness_metrics, run_tasks
-from wildtrain.evals.remote import eval_resources
+from wildtrain.evals.remote import eval_resources, yield_to_training
 from wildtrain.export import write_hf
 from wildtrain.layout import RunLayout
 
@@ -81,6 +83,28 @@ def test_an_evaluation_takes_a_gpu_where_the_cluster_offers_them_and_training_le
     assert eval_resources(EvalConfig(), cluster_gpus=0).describe() == "1 CPU"
     assert spare_cpus(load_config(["eval.num_cpus=2"])) == 1  # no tasks: nothing held for evaluations
     assert spare_cpus(load_config(["eval.num_cpus=2", "eval.tasks=[x]"])) == 3
+
+
+def _yielded_threads(started_before: threading.Event, queue) -> None:
+    # In a process of its own: the policy stays with its threads.
+    threading.Thread(target=started_before.wait, daemon=True).start()  # as Ray's threads are
+    yield_to_training()
+    later = threading.Thread(target=started_before.wait, daemon=True)
+    later.start()  # as torch's intra-op threads are
+    queue.put({int(t): os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")})
+    started_before.set()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policy")
+def test_an_evaluation_yields_every_thread_to_training_those_started_before_and_after():
+    context = multiprocessing.get_context("fork")  # a copy of this process, which then changes
+    queue = context.Queue()
+    process = context.Process(target=_yielded_threads, args=(context.Event(), queue))
+    process.start()
+    policies = queue.get(timeout=60)
+    process.join(60)
+    assert len(policies) >= 3 and set(policies.values()) == {os.SCHED_IDLE}, policies
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller's own threads are left alone
 
 
 def test_the_bundled_task_runs_on_an_exported_model_elsewhere_and_a_broken_task_fails_alone(tmp_path):

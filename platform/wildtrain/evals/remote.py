@@ -22,7 +22,6 @@ from wildtrain.evals.harness import TaskFolder, harness_metrics, name_part, run_
 from wildtrain.export import RunInfo, export_checkpoint
 
 ARTIFACT_DIR = "evals"
-_BELOW_TRAINING = 10  # nice increment of an evaluation's process
 # The task's process logs to the console of whoever submitted it (the training run's):
 # Transformers' and Datasets' progress bars would bury its progress lines (lm-eval's:
 # `harness.run_tasks`).
@@ -79,10 +78,7 @@ class Evaluated:
 def evaluate(run: RunInfo, step: Optional[int], plan: EvalPlan) -> Evaluated:
     """Run in the Ray task: the run's newest committed checkpoint (or `step`'s), exported
     into checkpoint.staging_dir, evaluated on each task; the folder is removed after."""
-    # Below training's priority: where the evaluation shares a node's cores with training
-    # (its CPU work on a GPU node; all of it on a CPU one), training's processes come first.
-    # The task's process ends with it (max_calls=1).
-    os.nice(_BELOW_TRAINING)
+    yield_to_training()  # the task's process ends with it (max_calls=1)
     started = time.monotonic()
     staging = Path(run.cfg.checkpoint.staging_dir)
     staging.mkdir(parents=True, exist_ok=True)
@@ -95,6 +91,23 @@ def evaluate(run: RunInfo, step: Optional[int], plan: EvalPlan) -> Evaluated:
     return Evaluated(exported.step, exported.checkpoint, metrics,
                      {task: json.dumps(result, indent=1, default=str) for task, result in results.items()}, failed,
                      time.monotonic() - started)
+
+
+def yield_to_training() -> None:
+    """Every thread of this process runs only on CPU time no other process wants (Linux's
+    SCHED_IDLE), where the evaluation shares a node's cores with training (its CPU work on a
+    GPU node; all of it on a CPU one). Niceness was not enough: Ray runs training's workers
+    at nice 15, and at nice 19 an evaluation still took 30% of a contended core from them
+    (steps/s 0.925x in bench/eval_interference.py). Per thread, as Linux schedules threads:
+    Ray's own were started before the task ran; those started later inherit it."""
+    if not hasattr(os, "SCHED_IDLE"):
+        os.nice(19)  # not Linux: the lowest priority it offers
+        return
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(thread), os.SCHED_IDLE, os.sched_param(0))
+        except ProcessLookupError:
+            pass  # ended meanwhile
 
 
 def submit(run: RunInfo, step: Optional[int], plan: EvalPlan):
