@@ -12,7 +12,7 @@ and its ratio to the `log_every=1000` runs at the same size (the goal: within 3%
 steps/s is read back from MLflow over the run's logged span (bench/tiny_runs.py).
 `report wait` and `validation` are the shares of that span spent handing reports over and
 scoring the validation set (goodput's report_wait and eval; the demo's experiment validates
-every 20 steps on the 5% of documents `make demo` holds out), `load` the machine's 1-minute
+at its last step on the 5% of documents `make demo` holds out), `load` the machine's 1-minute
 load average meanwhile.
 
 Usage: .venv/bin/python bench/report_cadence.py [--steps 150] [--log-every 1,5,1000] [--world-sizes 1,2] [--repeats 2]
