@@ -3,6 +3,7 @@ ZeRO-3) and the engine for a batch plan (`wildtrain.batching`)."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import sys
 
@@ -93,7 +94,13 @@ def import_deepspeed():
     DeepSpeed's autotuner imports MLflow whenever it is installed, for its own tuning runs,
     which wildtrain never starts: 1.4 s of every worker's start here. A worker that has not
     imported MLflow itself imports DeepSpeed with MLflow hidden (a `None` in `sys.modules`
-    fails that import, which the autotuner takes as "not installed"), then unhidden."""
+    fails that import, which the autotuner takes as "not installed"), then unhidden.
+
+    DeepSpeed's ZeRO optimizers import its Muon module when the engine is built; its kernels
+    are decorated with `torch.compile`, and decorating resolves the inductor backend: 1.2 s
+    of every worker's start here (py-spy, under the engine build), for an optimizer wildtrain
+    never uses. The module is imported once with `torch.compile` as the identity, so its
+    kernels stay uncompiled and every later import finds it loaded."""
     hide_mlflow = "mlflow" not in sys.modules
     if hide_mlflow:
         sys.modules["mlflow"] = None
@@ -108,7 +115,26 @@ def import_deepspeed():
     shm_comm = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if shm_comm is not None:
         deepspeed.ops.__compatible_ops__[shm_comm.NAME] = False
+    _import_uncompiled(MUON_MODULE)
     return deepspeed
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.original_muon"
+
+
+def _import_uncompiled(module: str) -> None:
+    """Import `module` with `torch.compile` (as a decorator, bare or with arguments) returning
+    the function it decorates; a module that is gone (another DeepSpeed) is left out."""
+    if module in sys.modules:
+        return
+    compile_ = torch.compile
+    torch.compile = lambda fn=None, **_: fn if fn is not None else (lambda f: f)
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        pass
+    finally:
+        torch.compile = compile_
 
 
 def compiles(cfg: Config, on_cuda: bool) -> bool:

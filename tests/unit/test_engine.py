@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import torch
 
+from tests.conftest import REPO
 from wildtrain.batching import BatchPlanError, batch_plan, unservable_world_sizes
 from wildtrain.config import PACKAGE_CONF_DIR, Config, OptimConfig, load_config
 from wildtrain import services
@@ -146,3 +147,19 @@ def test_deepspeed_starts_on_cpu_past_a_stale_shm_build_lock(tmp_path):
     started = subprocess.run([sys.executable, "-c", START_COMM], env=env, capture_output=True, text=True, timeout=120)
     assert started.returncode == 0, started.stderr
     assert "shm op: None" in started.stdout
+
+
+def test_deepspeed_is_imported_without_compiling_its_muon_kernels():
+    # In a process of its own: this one may have compiled something already.
+    probe = """
+import sys, torch
+from wildtrain.engine import MUON_MODULE, import_deepspeed
+import_deepspeed()
+import deepspeed.runtime.zero.muon.muon_optimizer  # as the engine's build imports it
+print(MUON_MODULE in sys.modules, torch.compile.__module__, 'torch._inductor.compile_fx' in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "platform"), "DS_ACCELERATOR": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    # Loaded, torch.compile itself again, and inductor never resolved.
+    assert done.stdout.split() == ["True", "torch", "False"], done.stdout
