@@ -112,13 +112,16 @@ def test_a_two_worker_run_sent_with_ray_job_submit_trains_tracks_and_checkpoints
 
 def test_a_resubmitted_run_continues_its_checkpoint_and_mlflow_run_and_falls_back_past_a_corrupt_one(
         ray_cluster, tiny_config, mlflow_url, tmp_path):
-    # Checkpoints at steps 4 and 8 (every 4); the run logs its first step, then every 2nd.
-    first = driver.run(tiny_config("train.steps=8"))
+    # One worker: what is resumed does not depend on the world size, and a worker's start is
+    # most of a tiny run's CPU time. Checkpoints at steps 4 and 8 (every 4); the run logs its
+    # first step, then every 2nd.
+    one_worker = ("elastic.max_workers=1",)
+    first = driver.run(tiny_config("train.steps=8", *one_worker))
     client = MlflowClient(mlflow_url)
     assert client.get_run(first.run_id).info.status == "FINISHED"
     # Another seed would resume step 8 in another data order: refused before Ray starts.
     with pytest.raises(DataError, match=r"train\.seed: 0 -> 1.*data\.allow_order_change=true"):
-        driver.run(tiny_config("train.steps=12", "train.seed=1"))
+        driver.run(tiny_config("train.steps=12", "train.seed=1", *one_worker))
 
     # The newest checkpoint damaged where only its checksum can tell: same size, other bytes.
     newest = Path(first.checkpoint)
@@ -127,7 +130,7 @@ def test_a_resubmitted_run_continues_its_checkpoint_and_mlflow_run_and_falls_bac
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    resubmitted = driver.run(tiny_config("train.steps=10"))
+    resubmitted = driver.run(tiny_config("train.steps=10", *one_worker))
     assert resubmitted.run_id == first.run_id
     assert client.get_run(first.run_id).info.status == "FINISHED"
     events = read_events(mlflow_url, first.run_id, str(tmp_path / "events"))
@@ -142,8 +145,8 @@ def test_a_resubmitted_run_continues_its_checkpoint_and_mlflow_run_and_falls_bac
 def test_a_second_driver_of_a_run_that_trains_is_refused_in_one_line_naming_the_first(
         ray_cluster, tiny_overrides, tmp_path):
     # Started as a user does on the head, `wildtrain train`: no job of `wildtrain submit` to
-    # find. Steps enough to still train while the second starts.
-    overrides = [*tiny_overrides, "train.steps=24", "checkpoint.every=8"]
+    # find. Steps enough to still train while the second starts; one worker is enough.
+    overrides = [*tiny_overrides, "train.steps=24", "checkpoint.every=8", "elastic.max_workers=1"]
     log = tmp_path / "first.log"
     with log.open("w") as out:
         first = subprocess.Popen([sys.executable, "-m", "wildtrain", "train", *overrides], stdout=out,
