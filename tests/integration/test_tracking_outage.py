@@ -43,10 +43,12 @@ def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(ray_
     server, url = own_mlflow
     # Long enough that training runs on well after the pause; saves only at the end, so
     # that every window but the last (which waits for the final save to commit) is steps alone.
-    # Paced at 3 steps/s, so the run's length does not depend on the machine's speed.
+    # Paced at 3 steps/s, so the run's length does not depend on the machine's speed. One
+    # worker: the controller's tracking is what the outage reaches.
     steps = int((PAUSE_S + 20) * 3) // LOG_EVERY * LOG_EVERY  # every report step a multiple of LOG_EVERY
     cfg = tiny_config(f"tracking.uri={url}", f"train.steps={steps}", f"train.log_every={LOG_EVERY}",
-                      f"checkpoint.every={steps}", "elastic.poll_interval_s=2", "chaos.min_step_s=0.33")
+                      f"checkpoint.every={steps}", "elastic.poll_interval_s=2", "chaos.min_step_s=0.33",
+                      "elastic.max_workers=1")
     run = BackgroundRun(cfg)
     run.wait_until(lambda reports: any(m.step >= 2 * LOG_EVERY for m in reports), "the first reports", 300,
                    key="system/step_time_s")
