@@ -5,6 +5,11 @@ per session, on 127.0.0.1 and free ports, torn down at the end."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
 
 import pytest
 import ray
@@ -25,12 +30,34 @@ HEAD_CPUS = 3
 VAL_FRACTION = 0.05
 
 
+_mlflow_starting: Optional[Future] = None
+
+
+def pytest_collection_finish(session) -> None:
+    """Start the session's MLflow server as soon as a selected test needs it: it takes ~30 s
+    to become healthy here, which the object store's and the Ray clusters' starts overlap."""
+    global _mlflow_starting
+    if any("mlflow_url" in item.fixturenames for item in session.items):
+        root = Path(tempfile.mkdtemp(prefix="wildtrain-test-mlflow-"))
+        port = services.free_port()
+        pool = ThreadPoolExecutor(1)
+        _mlflow_starting = pool.submit(lambda: (services.start_mlflow(root, port), root, port))
+        pool.shutdown(wait=False)  # the fixture waits for the start, not collection
+
+
+def pytest_sessionfinish(session) -> None:
+    """Stop it whether or not a test used it (the tests that would have may have skipped)."""
+    if _mlflow_starting is not None and _mlflow_starting.exception() is None:
+        server, root, _ = _mlflow_starting.result()
+        services.stop_process(server.pid)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
-def mlflow_url(tmp_path_factory) -> str:
-    port = services.free_port()
-    server = services.start_mlflow(tmp_path_factory.mktemp("mlflow"), port)
-    yield f"http://{services.HOST}:{port}"
-    services.stop_process(server.pid)
+def mlflow_url() -> str:
+    assert _mlflow_starting is not None, "pytest_collection_finish starts MLflow for the tests that use it"
+    _, _, port = _mlflow_starting.result()
+    return f"http://{services.HOST}:{port}"
 
 
 @pytest.fixture(scope="session")
