@@ -19,7 +19,7 @@ from typing import Optional
 import ray
 from mlflow.tracking import MlflowClient
 from ray.train import LoggingConfig, RunConfig
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchConfig
 
 from wildtrain import lease, ray_compat, services, storage
 from wildtrain.config import Config, config_hash, redact
@@ -103,7 +103,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
     mlflow = MlflowCallback(cfg.tracking.uri, run_id, interpret, layout.hangs, cfg.storage,
                             layout.tracking)
     inputs = LoopInputs(cfg, data, scaling.worker_resources(cfg), storage_view)
-    trainer = TorchTrainer(
+    trainer = ray_compat.TrainerWithoutDatasets(
         # Typed inputs rather than Ray's `train_loop_config` dict.
         functools.partial(train_loop, inputs),
         scaling_config=scaling.scaling_config(cfg),

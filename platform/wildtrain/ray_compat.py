@@ -18,6 +18,8 @@ from typing import Optional
 import ray
 from ray.exceptions import RayActorError
 from ray.experimental import internal_kv
+from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.exceptions import (
     UserExceptionWithTraceback,
     WorkerGroupStartupTimeoutError,
@@ -43,7 +45,7 @@ __all__ = [
     "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError", "available_resources_per_node",
     "ControllerState", "controller_state", "counts_as_failure", "dashboard_url", "group_workers", "kv_get", "kv_put",
     "lost_a_worker_process", "quiet_ray_data", "quiet_report_log", "refresh_train_resource_view", "reports_collected",
-    "resize_request", "resize_to", "start_timed_out", "worker_failures",
+    "resize_request", "resize_to", "start_timed_out", "worker_failures", "TrainerWithoutDatasets",
 ]
 
 
@@ -85,6 +87,17 @@ def quiet_ray_data() -> None:
         if handler.name == "console":
             handler.setLevel(logging.WARNING)
             handler.addFilter(_PROGRESS_BARS_OFF_NOTICE)  # once: addFilter skips a filter it has
+
+
+class TrainerWithoutDatasets(TorchTrainer):
+    """Ray Train's TorchTrainer, less the dataset manager it starts for every worker group
+    whether or not it was given datasets: a process of its own importing Ray Train, ~3
+    CPU-seconds of every attempt's start here (py-spy), and wildtrain's workers read their
+    datasets themselves (`data.stream`), never through `get_dataset_shard`."""
+
+    def _create_default_callbacks(self):
+        callbacks = super()._create_default_callbacks()
+        return callbacks if self.datasets else [c for c in callbacks if not isinstance(c, DatasetsCallback)]
 
 
 def dashboard_url() -> Optional[str]:

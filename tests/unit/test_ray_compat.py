@@ -21,6 +21,7 @@ from ray.train.v2._internal.execution.controller.controller import TrainControll
 from ray.train.v2._internal.execution.scaling_policy.scaling_policy import ResizeDecision
 from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
 from ray.train.v2._internal.execution.worker_group.worker import Worker
+from ray.train.torch import TorchTrainer
 from ray.train.v2.api.exceptions import ControllerError
 
 from wildtrain import ray_compat
@@ -182,3 +183,16 @@ def test_ray_data_info_lines_and_progress_bar_notice_leave_the_console_and_stay_
     assert not shown(logging.WARNING, "Progress bars disabled. To enable, set `ray.data.DataContext...`")
     assert shown(logging.WARNING, "Ray Data cannot schedule its read tasks: no CPUs left")
 
+
+
+def test_the_trainer_starts_no_dataset_manager_without_datasets_and_ray_still_builds_one():
+    def names(trainer) -> list[str]:
+        return [type(c).__name__ for c in trainer._create_default_callbacks()]
+
+    # Ray still adds it by that method (else dropping it would have stopped mattering) ...
+    assert "DatasetsCallback" in names(TorchTrainer(lambda: None))
+    # ... and wildtrain's trainer leaves it out, keeping everything else.
+    ours = names(ray_compat.TrainerWithoutDatasets(lambda: None))
+    assert "DatasetsCallback" not in ours
+    assert ours == [name for name in names(TorchTrainer(lambda: None)) if name != "DatasetsCallback"]
+    assert "DatasetsCallback" in names(ray_compat.TrainerWithoutDatasets(lambda: None, datasets={"rows": [1]}))
