@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from tests.helpers.chaos import BackgroundRun
 from wildtrain import driver
 from wildtrain.events import Failure, Hang, HealthCheck, NodeExcluded, Recovered, Straggler
-from wildtrain.tracking.mlflow_run import read_events
+from wildtrain.tracking.record import read_events
 
 pytestmark = pytest.mark.integration
 

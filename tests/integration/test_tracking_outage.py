@@ -17,11 +17,11 @@ from mlflow.tracking import MlflowClient
 from tests.helpers.chaos import BackgroundRun
 from wildtrain import services
 from wildtrain.events import TrackingOutage
-from wildtrain.tracking.mlflow_run import read_events
+from wildtrain.tracking.record import read_events
 
 pytestmark = pytest.mark.integration
 
-# Twice the controller's request timeout (tracking.mlflow_run._REQUEST_TIMEOUT_S, 10 s): a
+# Twice the controller's request timeout (tracking.controller.mlflow_run._REQUEST_TIMEOUT_S, 10 s): a
 # request sent in the pause's first half fails within it, so the outage is always seen. At
 # 12 s only one sent in the first 2 s did, and a run whose reports fell otherwise logged none.
 PAUSE_S = float(os.environ.get("WILDTRAIN_MLFLOW_PAUSE_S", "20"))

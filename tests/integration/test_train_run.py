@@ -28,7 +28,7 @@ from wildtrain.data.dataset import DataError
 from wildtrain.elastic.signals import CapacityError
 from wildtrain.events import CheckpointFallback
 from wildtrain.layout import RunLayout, checkpoint_stores
-from wildtrain.tracking.mlflow_run import read_events
+from wildtrain.tracking.record import read_events
 
 pytestmark = pytest.mark.integration
 
