@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 from tests.helpers.chaos import BackgroundRun
 from wildtrain import services
 from wildtrain.events import TrackingOutage
-from wildtrain.tracking.record import read_events
+from wildtrain.tracking.record import mlflow_key, read_events
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,7 @@ def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(ray_
                       f"checkpoint.every={steps}", "elastic.poll_interval_s=2", "chaos.min_step_s=0.33")
     run = BackgroundRun(cfg)
     run.wait_until(lambda reports: any(m.step >= 2 * LOG_EVERY for m in reports), "the first reports", 300,
-                   key="system/step_time_s")
+                   key=mlflow_key("step_time_s"))
 
     paused_at = time.time()
     os.killpg(server.pid, signal.SIGSTOP)
@@ -61,7 +61,7 @@ def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(ray_
     summary = run.join(600)
 
     client = MlflowClient(url)
-    history = sorted(client.get_metric_history(summary.run_id, "system/step_time_s"), key=lambda m: m.timestamp)
+    history = sorted(client.get_metric_history(summary.run_id, mlflow_key("step_time_s")), key=lambda m: m.timestamp)
     assert [m.step for m in history] == [1, *range(LOG_EVERY, steps + 1, LOG_EVERY)], "a report is missing or out of order"
     assert history[-1].timestamp / 1000 > resumed_at, f"the run ended before the pause did: make it longer than {steps} steps"
 

@@ -14,7 +14,7 @@ from wildtrain.tracking import mlflow_client, record, run_setup
 from wildtrain.tracking.controller import mlflow_run
 from wildtrain.events import Resize, StoppedEarly, TrackingOutage
 from wildtrain.tracking.controller.mlflow_run import MlflowCallback, Tracker
-from wildtrain.tracking.record import read_events
+from wildtrain.tracking.record import mlflow_key, read_events
 from wildtrain.elastic.restarts import interpret
 from wildtrain.worker_report import WorkerReport
 from tests.helpers.reports import first_report
@@ -146,7 +146,7 @@ def test_each_window_of_a_report_is_logged_at_its_own_step_and_time(store, tmp_p
     history = client.get_metric_history(run_id, "loss")
     assert [(m.step, m.value, m.timestamp) for m in history] == [
         (1, 4.0, 1_700_000_001_000), (2, 3.0, 1_700_000_002_000), (3, 2.0, 1_700_000_003_000)]
-    assert [m.step for m in client.get_metric_history(run_id, "system/checkpoint/bytes")] == [3]
+    assert [m.step for m in client.get_metric_history(run_id, mlflow_key("checkpoint/bytes"))] == [3]
 
 
 def test_the_experiment_wildtrain_creates_opens_in_the_mlflow_uis_model_training_view(tmp_path, monkeypatch):
