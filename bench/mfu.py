@@ -224,7 +224,7 @@ def main() -> int:
     deepspeed.init_distributed(dist_backend="nccl" if ON_CUDA else "gloo", verbose=False)
     peak = peak_flops(torch.cuda.get_device_name(DEVICE) if ON_CUDA else "cpu")
     if peak is None:
-        sys.exit(f"no peak FLOP/s known for {torch.cuda.get_device_name(DEVICE)}: add it to tracking/mfu.py")
+        sys.exit(f"no peak FLOP/s known for {torch.cuda.get_device_name(DEVICE)}: add it to tracking/worker/mfu.py")
     presets = (ARGS.presets or ("125m,1.3b" if ON_CUDA else "tiny")).split(",")
     say(f"{DEVICE} ({peak.source}, {peak.flops_per_s / 1e12:.1f} TFLOP/s peak), batch {BATCH}x{SEQ_LEN}, "
         f"{'compiled' if COMPILE else 'eager'}, {ARGS.steps} steps after {WARMUP} warm-up")
