@@ -212,9 +212,9 @@ def open_parent(client: Client, experiment_id: str, plan: SweepPlan) -> str:
     grid = redact(json.dumps({key: list(dict.fromkeys(dict(t.values)[key] for t in plan.trials)) for key in plan.keys}))
     overrides = redact(json.dumps(list(plan.overrides)))
     args = {ARGS_PARAM + t.hash: redact(json.dumps(list(t.args))) for t in plan.trials}
-    existing = list(_search(client, [experiment_id], plan.name, "parent"))
-    if existing:
-        params = existing[0].data.params
+    existing = next(_search(client, [experiment_id], plan.name, "parent"), None)
+    if existing is not None:
+        params = existing.data.params
         for name, value, option in ((GRID_PARAM, grid, "--grid"), (OVERRIDES_PARAM, overrides, "overrides")):
             if params.get(name) != value:
                 raise SweepError(f"sweep {plan.name!r} already exists with other {option} ({params.get(name)}, "
@@ -223,7 +223,7 @@ def open_parent(client: Client, experiment_id: str, plan: SweepPlan) -> str:
         if recorded != args:
             raise SweepError(f"sweep {plan.name!r} already exists with other trials (another --budget-tokens, "
                              "or recorded before each trial's arguments were); give this one another name")
-        return existing[0].info.run_id
+        return existing.info.run_id
     run_id = client.create_run(experiment_id, plan.name, {SWEEP_TAG: plan.name, ROLE_TAG: "parent"})
     client.log_params(run_id, {GRID_PARAM: grid, OVERRIDES_PARAM: overrides, "sweep.trials": str(len(plan.trials)),
                                **args})
