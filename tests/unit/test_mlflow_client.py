@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import wildtrain
-from wildtrain.tracking.mlflow_client import Client
+from wildtrain.tracking.mlflow_client import Client, Refused
 
 _CLIENT_MODULE = Path("tracking", "mlflow_client.py")
 
@@ -89,3 +89,12 @@ def test_ending_a_run_and_running_it_again(client):
     client.set_running(run_id)
     assert client.get_run(run_id).info.status == "RUNNING"
     assert client.run_or_none("no-such-run") is None
+
+
+def test_an_artifact_is_downloaded_and_a_missing_one_is_refused_with_mlflows_reason(client, tmp_path):
+    run_id = client.create_run(client.experiment_id("files"), "files", {})
+    client.log_text(run_id, "a: 1\n", "config.yaml")
+    assert client.has_artifacts(run_id, "") and not client.has_artifacts(run_id, "events")
+    assert Path(client.download(run_id, "config.yaml", str(tmp_path))).read_text() == "a: 1\n"
+    with pytest.raises(Refused, match="events"):
+        client.download(run_id, "events", str(tmp_path))

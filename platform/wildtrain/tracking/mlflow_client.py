@@ -9,6 +9,7 @@ Runs returned (`get_run`, `search_runs`) are MLflow's own `Run` objects, read by
 
 from __future__ import annotations
 
+import contextlib
 import os
 import urllib.error
 import urllib.request
@@ -245,15 +246,12 @@ class Client:
         return str(version.version)
 
 
-class _refusals:
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
     """MLflow's errors as `Refused`, with MLflow's message, for the callers that report them."""
+    from mlflow.exceptions import MlflowException
 
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, error, traceback) -> bool:
-        from mlflow.exceptions import MlflowException
-
-        if isinstance(error, MlflowException):
-            raise Refused(error.message) from error
-        return False
+    try:
+        yield
+    except MlflowException as e:
+        raise Refused(e.message) from e
