@@ -66,8 +66,8 @@ def report(run: str | None, cluster: str | None, tracking_uri: str | None) -> No
     """Where a run's compute went (RUN: its name or MLflow run id): goodput, badput by cause,
     and a plot attached to the run; for a sweep's name, its trials ranked and compared, with
     their loss curves attached to the sweep's run; or, with --cluster, the cluster's report card."""
-    from wildtrain.tracking.reports import runs as reports
     from wildtrain.tracking.mlflow_client import check_reachable, quiet_mlflow
+    from wildtrain.tracking.reports import runs as reports
 
     quiet_mlflow()
     if (run is None) == (cluster is None):
