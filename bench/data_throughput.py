@@ -40,7 +40,7 @@ from wildtrain.data.manifest import Manifest, encode_shard, write_manifest  # no
 from wildtrain.data.prepare import PrepareConfig, prepare  # noqa: E402
 from wildtrain.data.stream import TOKENS, RankStream, columns  # noqa: E402
 from wildtrain.data.tokenizer import ByteTokenizer  # noqa: E402
-from wildtrain.tracking.mlflow_run import mlflow_key  # noqa: E402
+from wildtrain.tracking.record import mlflow_key  # noqa: E402
 
 SEQ_LEN = 1024
 GLOBAL_BATCH = 32

@@ -26,7 +26,7 @@ import statistics
 from mlflow.tracking import MlflowClient
 from progress import say
 from tiny_runs import REPO, tiny_bench
-from wildtrain.tracking.mlflow_run import mlflow_key
+from wildtrain.tracking.record import mlflow_key
 
 TASK = "wildtrain_tiny_choice"  # tests/assets/evals/tiny_choice.yaml
 

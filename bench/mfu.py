@@ -5,7 +5,7 @@ For each preset: the same batch trained by
                CUDA, fused AdamW) through train.step.train_step and DeviceBatches
     plain      the same Transformer in plain PyTorch: bf16 autocast, torch.compile, fused
                AdamW, gradient clipping; the reference our engine must come close to
-printing tokens/s, MFU (tracking.mfu, model.flops) and peak memory of each. Then, for the
+printing tokens/s, MFU (tracking.worker.mfu, model.flops) and peak memory of each. Then, for the
 last preset, the checkpoint stall of its full training state (weights + Adam moments)
 through AsyncSaver, against the device-to-host copy time of the same number of bytes.
 
@@ -60,7 +60,7 @@ from wildtrain.checkpoint.store import Store  # noqa: E402
 from wildtrain.config import Config, load_config  # noqa: E402
 from wildtrain.engine import build_engine, build_model, import_deepspeed, lr_at  # noqa: E402
 from wildtrain.model import Transformer, flops_per_token, param_count  # noqa: E402
-from wildtrain.tracking.mfu import Peak, mfu, peak_flops  # noqa: E402
+from wildtrain.tracking.worker.mfu import Peak, mfu, peak_flops  # noqa: E402
 from wildtrain.train.step import DeviceBatches, StepMetrics, train_step  # noqa: E402
 
 DEVICE = torch.device("cuda", 0) if ON_CUDA else torch.device("cpu")
@@ -224,7 +224,7 @@ def main() -> int:
     deepspeed.init_distributed(dist_backend="nccl" if ON_CUDA else "gloo", verbose=False)
     peak = peak_flops(torch.cuda.get_device_name(DEVICE) if ON_CUDA else "cpu")
     if peak is None:
-        sys.exit(f"no peak FLOP/s known for {torch.cuda.get_device_name(DEVICE)}: add it to tracking/mfu.py")
+        sys.exit(f"no peak FLOP/s known for {torch.cuda.get_device_name(DEVICE)}: add it to tracking/worker/mfu.py")
     presets = (ARGS.presets or ("125m,1.3b" if ON_CUDA else "tiny")).split(",")
     say(f"{DEVICE} ({peak.source}, {peak.flops_per_s / 1e12:.1f} TFLOP/s peak), batch {BATCH}x{SEQ_LEN}, "
         f"{'compiled' if COMPILE else 'eager'}, {ARGS.steps} steps after {WARMUP} warm-up")

@@ -48,7 +48,8 @@ from tests.helpers.chaos import BackgroundRun  # noqa: E402
 from wildtrain.config import load_config  # noqa: E402
 from wildtrain.data.prepare import PrepareConfig, prepare  # noqa: E402
 from wildtrain.events import Failure, Interrupted, Recovered  # noqa: E402
-from wildtrain.tracking.mlflow_run import quiet_mlflow, read_events  # noqa: E402
+from wildtrain.tracking.mlflow_client import quiet_mlflow  # noqa: E402
+from wildtrain.tracking.record import read_events  # noqa: E402
 
 WORKER_SLOT = "wildtrain_worker"
 SCENARIOS = {

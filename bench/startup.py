@@ -42,8 +42,9 @@ from mlflow.tracking import MlflowClient
 from progress import say
 from wildtrain import services
 from wildtrain.events import Started
-from wildtrain.tracking.mlflow_run import STARTUP_METRICS, mlflow_key, quiet_mlflow, read_events
-from wildtrain.tracking.report import find_run
+from wildtrain.tracking.mlflow_client import quiet_mlflow
+from wildtrain.tracking.record import STARTUP_METRICS, mlflow_key, read_events
+from wildtrain.tracking.reports.runs import find_run
 
 REPO = Path(__file__).resolve().parents[1]
 COMM_START = """

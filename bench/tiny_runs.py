@@ -32,7 +32,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from recovery import tiny_services  # noqa: E402
 from wildtrain import driver  # noqa: E402
 from wildtrain.config import Config, load_config  # noqa: E402
-from wildtrain.tracking.mlflow_run import mlflow_key  # noqa: E402
+from wildtrain.tracking.record import mlflow_key  # noqa: E402
 
 
 @dataclass(frozen=True)

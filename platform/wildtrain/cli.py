@@ -35,7 +35,7 @@ def train(overrides: tuple[str, ...]) -> None:
     services.prepare_ray_client(cfg.cluster.ray_address)
     # Ray, DeepSpeed and MLflow load only once the config is known to be good.
     from wildtrain.driver import run
-    from wildtrain.tracking.mlflow_run import quiet_mlflow
+    from wildtrain.tracking.mlflow_client import quiet_mlflow
 
     quiet_mlflow()
     summary = run(cfg)  # a ConfigError here: a setting the cluster it joined cannot serve (cluster.use_gpu)
@@ -66,8 +66,8 @@ def report(run: str | None, cluster: str | None, tracking_uri: str | None) -> No
     """Where a run's compute went (RUN: its name or MLflow run id): goodput, badput by cause,
     and a plot attached to the run; for a sweep's name, its trials ranked and compared, with
     their loss curves attached to the sweep's run; or, with --cluster, the cluster's report card."""
-    from wildtrain.tracking import report as reports
-    from wildtrain.tracking.mlflow_run import check_reachable, quiet_mlflow
+    from wildtrain.tracking.mlflow_client import check_reachable, quiet_mlflow
+    from wildtrain.tracking.reports import runs as reports
 
     quiet_mlflow()
     if (run is None) == (cluster is None):
@@ -125,7 +125,7 @@ def sweep(name: str, grid: tuple[str, ...], steps: int | None, budget_tokens: in
     services.prepare_ray_client(plan.trials[0].cfg.cluster.ray_address)
     from wildtrain.sweeps.execute import run_sweep
     from wildtrain.sweeps.report import report_sweep
-    from wildtrain.tracking.mlflow_run import quiet_mlflow
+    from wildtrain.tracking.mlflow_client import quiet_mlflow
 
     quiet_mlflow()
     outcome = run_sweep(plan, say=click.echo, parallel=parallel)
@@ -150,7 +150,7 @@ def promote(sweep_name: str, to: tuple[str, ...], metric: str | None, name: str 
     """Write the best trial of SWEEP as conf/experiment/<name>.yaml for the big run (--to),
     its learning rates, init, output and attention scaled by muP from the trial's shape, with its provenance."""
     from wildtrain.sweeps.promote import promote as promote_best
-    from wildtrain.tracking.mlflow_run import check_reachable, quiet_mlflow
+    from wildtrain.tracking.mlflow_client import check_reachable, quiet_mlflow
 
     if submit and cluster is None:
         fail("promote --submit: give the cluster with --cluster NAME", 2)
@@ -177,7 +177,7 @@ def fit(sweep_name: str, to: tuple[str, ...], tracking_uri: str | None, override
     size and token count, and predict the loss of the run `promote SWEEP --to ... OVERRIDES`
     would write, with 90% bootstrap intervals."""
     from wildtrain.sweeps.predict import predict_promoted
-    from wildtrain.tracking.mlflow_run import check_reachable, quiet_mlflow
+    from wildtrain.tracking.mlflow_client import check_reachable, quiet_mlflow
 
     quiet_mlflow()
     uri = tracking_uri or resolve_config(()).tracking.uri
@@ -269,7 +269,7 @@ def eval_command(run: str, step: int | None, tasks: str | None, overrides: tuple
 def _reading_run() -> None:
     """Before a run and its checkpoints are read: s3:// URIs reach `wildtrain up`'s store,
     as for `train`."""
-    from wildtrain.tracking.mlflow_run import quiet_mlflow
+    from wildtrain.tracking.mlflow_client import quiet_mlflow
 
     quiet_mlflow()
     services.use_local_object_store()

@@ -38,7 +38,7 @@ def clusters(ctx: click.Context, registry_file: Path | None) -> None:
 def clusters_check(path: Path | None, name: str, tracking_uri: str | None) -> None:
     """Whether a run can go to NAME: token, Ray version, stores, and its report card."""
     from wildtrain.clusters.check import check
-    from wildtrain.tracking.mlflow_run import quiet_mlflow
+    from wildtrain.tracking.mlflow_client import quiet_mlflow
 
     quiet_mlflow()
     cluster = registry.load(path).get(name)
@@ -104,7 +104,7 @@ def move(run: str, source: str, target: str, bwlimit: str | None, checkpoint_tim
     """Continue RUN on another cluster: stop it after its next checkpoint, copy its checkpoints
     and record (verified, manifests last), submit it there with the same name and MLflow run."""
     from wildtrain.clusters.move import move as relocate
-    from wildtrain.tracking.mlflow_run import quiet_mlflow
+    from wildtrain.tracking.mlflow_client import quiet_mlflow
 
     quiet_mlflow()
     clusters = registry.load(registry_file)

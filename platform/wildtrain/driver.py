@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import ray
-from mlflow.tracking import MlflowClient
 from ray.train import LoggingConfig, RunConfig
 from ray.train.torch import TorchConfig
 
@@ -32,11 +31,12 @@ from wildtrain.data.pins import OrderPins, order_changes, order_pins
 from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.export import run_record
 from wildtrain.events import DataOrderChanged, ShardSkipped, Started, Stopped, StragglerCheckOff
-from wildtrain.tracking import report
-from wildtrain.tracking.mlflow_run import FLUSH_TIMEOUT_S, MlflowCallback, Tracker, check_reachable, log_event, run_url
-from wildtrain.tracking.run_setup import log_datasets, open_run
-from wildtrain.tracking.progress import ProgressCallback
-from wildtrain.tracking.stragglers import cannot_observe
+from wildtrain.tracking.controller.mlflow_run import FLUSH_TIMEOUT_S, MlflowCallback, Tracker, log_event
+from wildtrain.tracking.controller.progress import ProgressCallback
+from wildtrain.tracking.mlflow_client import Client, check_reachable, run_url
+from wildtrain.tracking.reports import runs as report
+from wildtrain.tracking.run_setup import open_run
+from wildtrain.tracking.worker.stragglers import cannot_observe
 from wildtrain.train.loop import LoopInputs, train_loop
 
 
@@ -81,9 +81,9 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
     storage.write_text(layout.record, json.dumps({"mlflow_run_id": run_id, "config_hash": config_hash(cfg),
                                                "data_order": pins.to_dict(), **run_record(cfg.model, data.tokenizer)}),
                        cfg.storage)
-    tracking = MlflowClient(cfg.tracking.uri)
+    tracking = Client(cfg.tracking.uri)
     log_event(tracking, run_id, Started(started_at), step=0)
-    log_datasets(tracking, run_id, [(uri, sha256) for uri, _, sha256 in pins.datasets])
+    tracking.log_datasets(run_id, [(uri, sha256) for uri, _, sha256 in pins.datasets])
     if order_changed:
         log_event(tracking, run_id, DataOrderChanged(time.time(), order_changed, "; ".join(order_changed)), step=0)
     for skipped in data.skipped_shards:

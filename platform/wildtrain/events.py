@@ -1,6 +1,6 @@
 """What happened to a run besides its metrics: one frozen dataclass per kind of event.
 
-Workers, the Ray Train controller and the driver make them; `tracking.mlflow_run` stores
+Workers, the Ray Train controller and the driver make them; `tracking.controller.mlflow_run` stores
 each as a JSON artifact (`to_dict`) and reads them back (`from_dict`); goodput and the
 cluster card read their types. The dict form is `{"event": KIND, **fields}`, so every
 record MLflow already holds reads back the same.
@@ -205,7 +205,7 @@ class Straggler(Event):
 @_kind("straggler_check_off")
 @dataclass(frozen=True)
 class StragglerCheckOff(Event):
-    """The run's ranks' busy times cannot show a straggler (`tracking.stragglers.cannot_observe`):
+    """The run's ranks' busy times cannot show a straggler (`tracking.worker.stragglers.cannot_observe`):
     no check runs, rather than one that never flags."""
 
     reason: str

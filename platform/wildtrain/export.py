@@ -105,17 +105,15 @@ def _model_config(raw: dict, where: str) -> ModelConfig:
 
 def _logged_model(uri: str, run_id: str, record: str) -> ModelConfig:
     """The model section of the config.yaml that the run's MLflow run was created with."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
     from omegaconf import OmegaConf
 
-    from wildtrain.tracking.mlflow_run import check_reachable
+    from wildtrain.tracking.mlflow_client import Client, Refused, check_reachable
 
     check_reachable(uri)
     with tempfile.TemporaryDirectory() as folder:
         try:
-            path = MlflowClient(uri).download_artifacts(run_id, "config.yaml", folder)
-        except MlflowException as e:
+            path = Client(uri).download(run_id, "config.yaml", folder)
+        except Refused as e:
             raise ExportError(f"{record} records no model, and MLflow run {run_id} at {uri} has no config.yaml: "
                               f"{str(e).splitlines()[0]}") from None
         raw = OmegaConf.to_container(OmegaConf.load(path))
@@ -307,7 +305,7 @@ def export(run: RunInfo, out: str, step: Optional[int] = None, register_as: Opti
     """`wildtrain export`: into the local folder or object-store URI `out`, and with
     `register_as`, registered as a new version of that model in MLflow."""
     if register_as is not None:
-        from wildtrain.tracking.mlflow_run import check_reachable
+        from wildtrain.tracking.mlflow_client import check_reachable
 
         check_reachable(run.cfg.tracking.uri)  # before the export's work, not after
     if "://" not in out:
@@ -341,23 +339,15 @@ def _export_to_store(run: RunInfo, uri: str, step: Optional[int]) -> Exported:
 def register(run: RunInfo, exported: Exported, name: str) -> str:
     """A new version of the registered model `name` whose source is the export, linked to
     the run's MLflow run and tagged with its step and checkpoint; its version number."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+    from wildtrain.tracking.mlflow_client import Client, Refused
 
-    client = MlflowClient(run.cfg.tracking.uri)
     try:
-        try:
-            client.create_registered_model(name)
-        except MlflowException as e:
-            if e.error_code != "RESOURCE_ALREADY_EXISTS":  # another export may have created it
-                raise
-        version = client.create_model_version(
-            name, exported.location, run_id=run.mlflow_run_id,
+        return Client(run.cfg.tracking.uri).register_version(
+            name, exported.location, run.mlflow_run_id,
             tags={"wildtrain.run": run.name, "wildtrain.step": str(exported.step),
                   "wildtrain.checkpoint": exported.checkpoint, "wildtrain.architecture": exported.architecture},
             description=f"run {run.name}, step {exported.step}, from checkpoint {exported.checkpoint}",
         )
-    except MlflowException as e:
+    except Refused as e:
         raise ExportError(f"{exported.location} is written, but registering it as {name!r} at "
                           f"{run.cfg.tracking.uri} failed: {str(e).splitlines()[0]}") from None
-    return str(version.version)

@@ -21,7 +21,7 @@ from wildtrain.events import Event
 @dataclass(frozen=True)
 class Startup:
     """Where an attempt's start-up went, in its first report: the controller splits the
-    recovery it completes into its parts (`tracking.timeline`), and bench/startup.py the
+    recovery it completes into its parts (`tracking.controller.timeline`), and bench/startup.py the
     start-up. `*_at` are wall-clock times (time.time()) on the worker."""
 
     restored_step: int  # the step of the checkpoint the attempt restored (0: none)

@@ -39,7 +39,7 @@ def test_every_collective_runs_on_nccl(cuda_group):
 
 
 def test_health_check_measures_the_gpu(cuda_group):
-    from wildtrain.tracking.mfu import peak_flops
+    from wildtrain.tracking.worker.mfu import peak_flops
     from wildtrain.train import health
 
     rate = health.measure_matmul(cuda_group)
@@ -69,7 +69,7 @@ def test_the_step_trains_in_bf16_on_the_gpu(cuda_group, stage):
     from wildtrain.config import Config, ModelConfig
     from wildtrain.engine import build_engine, build_model
     from wildtrain.model import flops_per_token
-    from wildtrain.tracking.mfu import peak_flops
+    from wildtrain.tracking.worker.mfu import peak_flops
     from wildtrain.train.step import DeviceBatches, StepMetrics, train_step
 
     cfg = Config()

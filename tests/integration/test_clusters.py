@@ -30,8 +30,8 @@ from wildtrain.clusters import jobs_api, registry, sync
 from wildtrain.clusters.move import newest_step, move
 from wildtrain.clusters.submit import follow_job, submit
 from wildtrain.events import Moved
-from wildtrain.tracking import report
-from wildtrain.tracking.mlflow_run import read_events
+from wildtrain.tracking.reports import runs as report
+from wildtrain.tracking.record import read_events
 
 pytestmark = pytest.mark.integration
 

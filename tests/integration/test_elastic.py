@@ -18,7 +18,7 @@ from wildtrain.data.manifest import read_manifest
 from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order
 from wildtrain.data.stream import sample_ids
 from wildtrain.events import Failure, Recovered, Resize
-from wildtrain.tracking.mlflow_run import read_events
+from wildtrain.tracking.record import read_events
 
 pytestmark = pytest.mark.integration
 

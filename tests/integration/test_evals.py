@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 from tests.conftest import REPO
 from wildtrain import cli, driver
 from wildtrain.events import EvalFailed
-from wildtrain.tracking.mlflow_run import read_events
+from wildtrain.tracking.record import read_events
 
 pytestmark = pytest.mark.integration
 

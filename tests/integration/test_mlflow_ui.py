@@ -15,8 +15,9 @@ from mlflow.tracking import MlflowClient
 
 from wildtrain.config import StorageConfig, load_config
 from wildtrain.elastic.restarts import interpret
-from wildtrain.tracking.mlflow_run import MlflowCallback, run_url
-from wildtrain.tracking.report import report_run
+from wildtrain.tracking.controller.mlflow_run import MlflowCallback
+from wildtrain.tracking.mlflow_client import run_url
+from wildtrain.tracking.reports.runs import report_run
 from wildtrain.tracking.run_setup import open_run
 from wildtrain.worker_report import WorkerReport
 

@@ -108,7 +108,7 @@ def _run(rank: int, world_size: int, port: int, root: str) -> None:
     from wildtrain.batching import batch_plan
     from wildtrain.engine import build_engine, build_model
     from wildtrain.model import flops_per_token
-    from wildtrain.tracking.mfu import Peak
+    from wildtrain.tracking.worker.mfu import Peak
     from wildtrain.train.step import DeviceBatches, StepMetrics, train_step
 
     result = {"collectives": _collectives(rank)}

@@ -22,9 +22,9 @@ from wildtrain.sweeps.grid import plan_sweep
 from wildtrain.sweeps.predict import predict_promoted
 from wildtrain.sweeps.promote import promote
 from wildtrain.sweeps.report import report_sweep
-from wildtrain.tracking.mlflow_run import STOPPED_EARLY_TAG
+from wildtrain.tracking.record import STOPPED_EARLY_TAG
 from wildtrain.tracking.run_setup import open_run
-from wildtrain.tracking.report import report_cluster
+from wildtrain.tracking.reports.runs import report_cluster
 
 pytestmark = pytest.mark.integration
 

@@ -17,11 +17,11 @@ from mlflow.tracking import MlflowClient
 from tests.helpers.chaos import BackgroundRun
 from wildtrain import services
 from wildtrain.events import TrackingOutage
-from wildtrain.tracking.mlflow_run import read_events
+from wildtrain.tracking.record import mlflow_key, read_events
 
 pytestmark = pytest.mark.integration
 
-# Twice the controller's request timeout (tracking.mlflow_run._REQUEST_TIMEOUT_S, 10 s): a
+# Twice the controller's request timeout (tracking.controller.mlflow_run._REQUEST_TIMEOUT_S, 10 s): a
 # request sent in the pause's first half fails within it, so the outage is always seen. At
 # 12 s only one sent in the first 2 s did, and a run whose reports fell otherwise logged none.
 PAUSE_S = float(os.environ.get("WILDTRAIN_MLFLOW_PAUSE_S", "20"))
@@ -51,7 +51,7 @@ def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(ray_
                       "elastic.max_workers=1")
     run = BackgroundRun(cfg)
     run.wait_until(lambda reports: any(m.step >= 2 * LOG_EVERY for m in reports), "the first reports", 300,
-                   key="system/step_time_s")
+                   key=mlflow_key("step_time_s"))
 
     paused_at = time.time()
     os.killpg(server.pid, signal.SIGSTOP)
@@ -63,7 +63,7 @@ def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(ray_
     summary = run.join(600)
 
     client = MlflowClient(url)
-    history = sorted(client.get_metric_history(summary.run_id, "system/step_time_s"), key=lambda m: m.timestamp)
+    history = sorted(client.get_metric_history(summary.run_id, mlflow_key("step_time_s")), key=lambda m: m.timestamp)
     assert [m.step for m in history] == [1, *range(LOG_EVERY, steps + 1, LOG_EVERY)], "a report is missing or out of order"
     assert history[-1].timestamp / 1000 > resumed_at, f"the run ended before the pause did: make it longer than {steps} steps"
 

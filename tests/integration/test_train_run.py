@@ -28,7 +28,7 @@ from wildtrain.data.dataset import DataError
 from wildtrain.elastic.signals import CapacityError
 from wildtrain.events import CheckpointFallback
 from wildtrain.layout import RunLayout, checkpoint_stores
-from wildtrain.tracking.mlflow_run import read_events
+from wildtrain.tracking.record import mlflow_key, read_events
 
 pytestmark = pytest.mark.integration
 
@@ -74,15 +74,16 @@ def test_a_two_worker_run_sent_with_ray_job_submit_trains_tracks_and_checkpoints
     tokens = client.get_metric_history(run_id, "tokens_seen")
     assert max(m.value for m in tokens) == 8 * cfg.train.global_batch_size * cfg.data.seq_len
     # Saves of steps 4 and 8 commit in the background; each is reported once it has.
-    assert sum(m.value for m in client.get_metric_history(run_id, "system/checkpoint/saved")) == 2
-    assert max(m.value for m in client.get_metric_history(run_id, "system/checkpoint/step")) == 8
+    assert sum(m.value for m in client.get_metric_history(run_id, mlflow_key("checkpoint/saved"))) == 2
+    assert max(m.value for m in client.get_metric_history(run_id, mlflow_key("checkpoint/step"))) == 8
     assert "config.yaml" in [a.path for a in client.list_artifacts(run_id)]
 
     # Where the time went: the step split, MFU against the measured CPU peak, goodput and its plot.
     metrics = client.get_run(run_id).data.metrics  # newest values
     for phase in ("data_wait", "forward", "backward", "optimizer", "checkpoint_stall"):
-        assert f"system/time/{phase}_s" in metrics, phase
-    assert 0 < metrics["system/time/forward_s"] + metrics["system/time/backward_s"] < metrics["system/step_time_s"]
+        assert mlflow_key(f"time/{phase}_s") in metrics, phase
+    forward, backward, step = (metrics[mlflow_key(name)] for name in ("time/forward_s", "time/backward_s", "step_time_s"))
+    assert 0 < forward + backward < step
     assert 0 < metrics["mfu"] < 1
     tags = client.get_run(run_id).data.tags
     assert 0 < float(tags["goodput"]) <= 1
@@ -92,7 +93,7 @@ def test_a_two_worker_run_sent_with_ray_job_submit_trains_tracks_and_checkpoints
     assert [m.step for m in validated] == [4, 8]
     assert validated[-1].value < validated[0].value
     assert metrics["val/tiny/loss"] == metrics["val/loss"] and 0 < metrics["val/bpb"] < metrics["val/loss"] * 2
-    assert "system/time/eval_s" in metrics and "badput/eval_s" in tags
+    assert mlflow_key("time/eval_s") in metrics and "badput/eval_s" in tags
     plots = {a.path: a.file_size for a in client.list_artifacts(run_id, "report")}
     assert plots.get("report/run.png", 0) > 1000
 

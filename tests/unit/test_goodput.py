@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wildtrain.tracking.goodput import (
+from wildtrain.tracking.reports.goodput import (
     BADPUT_CAUSES,
     AttemptStarted,
     CapacityWait,

@@ -5,7 +5,7 @@ from omegaconf import OmegaConf
 
 from wildtrain.config import ModelConfig
 from wildtrain.model import flops_per_token
-from wildtrain.tracking.mfu import CONFIG, MEASURED_CPU, Peak, measure_cpu_peak, mfu, peak_flops
+from wildtrain.tracking.worker.mfu import CONFIG, MEASURED_CPU, Peak, measure_cpu_peak, mfu, peak_flops
 
 PRESETS = Path(__file__).resolve().parents[2] / "conf" / "model"
 

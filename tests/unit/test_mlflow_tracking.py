@@ -10,9 +10,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from wildtrain.config import StorageConfig
-from wildtrain.tracking import mlflow_run, run_setup
+from wildtrain.tracking import mlflow_client, record, run_setup
+from wildtrain.tracking.controller import mlflow_run
 from wildtrain.events import Resize, StoppedEarly, TrackingOutage
-from wildtrain.tracking.mlflow_run import MlflowCallback, Tracker, read_events
+from wildtrain.tracking.controller.mlflow_run import MlflowCallback, Tracker
+from wildtrain.tracking.record import mlflow_key, read_events
 from wildtrain.elastic.restarts import interpret
 from wildtrain.worker_report import WorkerReport
 from tests.helpers.reports import first_report
@@ -97,13 +99,11 @@ def test_a_run_reopened_on_another_cluster_is_tagged_with_every_cluster_it_train
     for cluster in ("b", "b", "a"):  # moved to b, resubmitted there, moved back
         run_setup.open_run(on(cluster), run_id)
     tags = MlflowClient(uri).get_run(run_id).data.tags
-    assert (tags[run_setup.CLUSTER_TAG], tags[run_setup.CLUSTERS_TAG]) == ("a", ",a,b,")
+    assert (tags[record.CLUSTER_TAG], tags[record.CLUSTERS_TAG]) == ("a", ",a,b,")
 
 
 def test_runs_that_start_together_on_the_same_dataset_each_record_it(tmp_path):
     import threading
-
-    from wildtrain.tracking.run_setup import log_datasets
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
@@ -117,7 +117,7 @@ def test_runs_that_start_together_on_the_same_dataset_each_record_it(tmp_path):
         def log(run_id):
             start.wait()
             try:
-                log_datasets(MlflowClient(uri), run_id, [(f"s3://b/data-{round_}", f"{round_:02d}" * 32)])
+                mlflow_client.Client(uri).log_datasets(run_id, [(f"s3://b/data-{round_}", f"{round_:02d}" * 32)])
             except Exception as e:  # noqa: BLE001 - the test reports every one
                 errors.append(repr(e)[:200])
 
@@ -146,7 +146,7 @@ def test_each_window_of_a_report_is_logged_at_its_own_step_and_time(store, tmp_p
     history = client.get_metric_history(run_id, "loss")
     assert [(m.step, m.value, m.timestamp) for m in history] == [
         (1, 4.0, 1_700_000_001_000), (2, 3.0, 1_700_000_002_000), (3, 2.0, 1_700_000_003_000)]
-    assert [m.step for m in client.get_metric_history(run_id, "system/checkpoint/bytes")] == [3]
+    assert [m.step for m in client.get_metric_history(run_id, mlflow_key("checkpoint/bytes"))] == [3]
 
 
 def test_the_experiment_wildtrain_creates_opens_in_the_mlflow_uis_model_training_view(tmp_path, monkeypatch):
@@ -159,7 +159,7 @@ def test_the_experiment_wildtrain_creates_opens_in_the_mlflow_uis_model_training
     # What MLflow 3's UI reads and its kind switch writes: not the GenAI view of traces.
     assert MlflowClient(uri).get_experiment(experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     # MLflow 3.17 follows its own switch, not the tag: the address wildtrain prints asks.
-    url = mlflow_run.run_url("http://127.0.0.1:5000/", experiment_id, run_id)
+    url = mlflow_client.run_url("http://127.0.0.1:5000/", experiment_id, run_id)
     assert url == f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
 
 

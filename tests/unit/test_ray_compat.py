@@ -152,7 +152,7 @@ def test_every_hook_our_callbacks_define_is_one_ray_calls_with_those_parameters(
     """A hook Ray renamed would never be called, silently: each of ours must still be a
     method of a Ray callback base, taking the same parameters."""
     from wildtrain.elastic.controller import NodeExclusion, ReshardAhead, RestartPolicy
-    from wildtrain.tracking.mlflow_run import MlflowCallback
+    from wildtrain.tracking.controller.mlflow_run import MlflowCallback
 
     bases = (ControllerCallback, ReportCallback, WorkerGroupCallback)
     for ours in (RestartPolicy, NodeExclusion, ReshardAhead, MlflowCallback):

@@ -3,10 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from wildtrain.tracking.goodput import (
+from wildtrain.tracking.reports.goodput import (
     BADPUT_CAUSES, AttemptStarted, Goodput, GroupStopped, RunStarted, RunStopped, Steps, account,
 )
-from wildtrain.tracking.report import (
+from wildtrain.tracking.reports.runs import (
     CHECKPOINT_BYTES,
     CHECKPOINT_SAVE_S,
     DATA_WAIT,
@@ -29,7 +29,7 @@ from wildtrain.tracking.report import (
     summary_figure,
 )
 from wildtrain.events import Event, HealthCheck, Moved
-from wildtrain.tracking.timeline import Timeline
+from wildtrain.tracking.controller.timeline import Timeline
 from tests.helpers.reports import first_report, report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -1,5 +1,5 @@
 from wildtrain.events import StragglerCheckOff, from_dict
-from wildtrain.tracking.stragglers import Straggler, StragglerDetector, cannot_observe
+from wildtrain.tracking.worker.stragglers import Straggler, StragglerDetector, cannot_observe
 
 
 def test_a_rank_slow_for_patience_intervals_is_flagged_once():

@@ -19,6 +19,7 @@ from wildtrain.sweeps.fit import Law
 from wildtrain.sweeps.grid import plan_sweep
 from wildtrain.sweeps.predict import predict_promoted
 from wildtrain.sweeps.promote import PromoteError, promote
+from wildtrain.tracking.mlflow_client import Client
 
 EXPERIMENT = "sweeps"
 
@@ -39,7 +40,7 @@ def record_sweep(uri, plan, curve) -> str:
     gives: (training losses logged evenly up to train.steps, final val/loss or None)."""
     client = MlflowClient(uri)
     experiment_id = client.get_experiment_by_name(EXPERIMENT).experiment_id
-    parent = open_parent(client, experiment_id, plan)
+    parent = open_parent(Client(uri), experiment_id, plan)
     for trial in plan.trials:
         losses, val_loss = curve(trial)
         train = trial.cfg.train
@@ -88,7 +89,7 @@ def test_a_sweep_with_a_token_budget_promotes_with_each_trials_own_steps(store):
                        budget_tokens=2 * budget, conf_dir=conf)
     client = MlflowClient(uri)
     with pytest.raises(SweepError, match="already exists with other trials"):
-        open_parent(client, client.get_experiment_by_name(EXPERIMENT).experiment_id, other)
+        open_parent(Client(uri), client.get_experiment_by_name(EXPERIMENT).experiment_id, other)
 
 
 def test_credentials_in_a_sweeps_overrides_reach_no_mlflow_record(store):

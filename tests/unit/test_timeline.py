@@ -1,5 +1,5 @@
 from wildtrain.events import Failure
-from wildtrain.tracking.timeline import Timeline
+from wildtrain.tracking.controller.timeline import Timeline
 from tests.helpers.reports import first_report, report
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from tests.helpers import waiting
 from wildtrain.events import TrackingOutage
-from wildtrain.tracking.buffer import Backoff, Outage, TrackingBuffer
+from wildtrain.tracking.controller.buffer import Backoff, Outage, TrackingBuffer
 
 FAST = Backoff(first_s=0.01, max_s=0.05)
 

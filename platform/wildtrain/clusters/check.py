@@ -48,8 +48,8 @@ def _attempt(what: str, action: Callable[[], None], success: str) -> Finding:
 
 
 def _report_card(cluster: Cluster, tracking_uri: str) -> Finding:
-    from wildtrain.tracking import report
-    from wildtrain.tracking.mlflow_run import TrackingError, check_reachable
+    from wildtrain.tracking.reports import runs as report
+    from wildtrain.tracking.mlflow_client import TrackingError, check_reachable
 
     try:
         check_reachable(tracking_uri)

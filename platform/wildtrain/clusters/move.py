@@ -120,8 +120,7 @@ def move(run: str, src: Cluster, dst: Cluster, overrides: list[str], *, working_
 
 
 def _record_move(cfg: Config, run_id: str, event: Moved, step: int) -> None:
-    from mlflow.tracking import MlflowClient
+    from wildtrain.tracking.controller.mlflow_run import log_event
+    from wildtrain.tracking.mlflow_client import Client
 
-    from wildtrain.tracking.mlflow_run import log_event
-
-    log_event(MlflowClient(cfg.tracking.uri), run_id, event, step)
+    log_event(Client(cfg.tracking.uri), run_id, event, step)

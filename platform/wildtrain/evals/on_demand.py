@@ -12,7 +12,8 @@ from wildtrain.config import Config
 from wildtrain.evals.remote import Evaluated, failure_reason, log_evaluation, plan_evaluation, submit
 from wildtrain.export import committed_step, run_info
 from wildtrain.layout import RunLayout
-from wildtrain.tracking.mlflow_run import FLUSH_TIMEOUT_S, Tracker, check_reachable
+from wildtrain.tracking.controller.mlflow_run import FLUSH_TIMEOUT_S, Tracker
+from wildtrain.tracking.mlflow_client import check_reachable
 
 
 class EvalError(RuntimeError):

@@ -24,11 +24,12 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 from wildtrain.config import Config, redact
 from wildtrain.sweeps.compare import TrialRecord
 from wildtrain.sweeps.grid import SweepPlan, Trial
+from wildtrain.tracking.mlflow_client import Client, check_reachable
 
 SWEEP_TAG = "wildtrain.sweep"  # the sweep's name, on its parent and its trials
 ROLE_TAG = "wildtrain.sweep.role"  # "parent" or "trial"
@@ -78,11 +79,7 @@ def trial_slots(total: Mapping[str, float], needs: Sequence[Mapping[str, float]]
 def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Optional[int] = None) -> SweepOutcome:
     """Run the trials not finished yet, `parallel` at once (default: `trial_slots` of the
     cluster); each trial's output goes to `say`, prefixed with its name."""
-    from mlflow.tracking import MlflowClient
-
     from wildtrain.data.dataset import open_datasets
-    from wildtrain.tracking.mlflow_run import check_reachable
-    from wildtrain.tracking.run_setup import experiment_id_of
 
     tracking = plan.trials[0].cfg.tracking
     check_reachable(tracking.uri)
@@ -90,8 +87,8 @@ def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Opt
     # one line, rather than once per trial.
     for cfg in {json.dumps([d.uri for d in t.cfg.data.datasets]): t.cfg for t in plan.trials}.values():
         open_datasets(cfg)
-    client = MlflowClient(tracking.uri)
-    experiment_id = experiment_id_of(client, tracking.experiment)
+    client = Client(tracking.uri)
+    experiment_id = client.experiment_id(tracking.experiment)
     parent = open_parent(client, experiment_id, plan)
     done = {run.data.tags[TRIAL_TAG] for run in trial_runs(client, [experiment_id], plan.name)
             if run.info.status == "FINISHED"}
@@ -111,15 +108,15 @@ def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Opt
         # Each trial as its own driver will size it: on the GPUs, where the cluster offers them.
         parallel = trial_slots(total, [trial_need(resolve_device(t.cfg, total)[0]) for t in todo])
     say(f"sweep {plan.name}: {len(todo)} trials to run, {parallel} at a time")
-    client.update_run(parent, status="RUNNING")
+    client.set_running(parent)
     try:
         ran, failed = _run_trials(todo, parallel, lambda t: trial_tags(parent, plan.name, t), plan.name, say)
     except BaseException as e:
         # The parent must not read RUNNING in the MLflow UI for ever after.
         with contextlib.suppress(Exception):  # MLflow itself may be what failed
-            client.set_terminated(parent, status="KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+            client.end_run(parent, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
-    client.set_terminated(parent, status="FAILED" if failed else "FINISHED")
+    client.end_run(parent, "FAILED" if failed else "FINISHED")
     return SweepOutcome(parent, tuple(ran), skipped, tuple(failed))
 
 
@@ -193,42 +190,31 @@ def _stop(running: Sequence[_Running], interrupt: bool) -> None:
             r.process.wait()
 
 
-def trial_runs(client, experiment_ids: list[str], sweep: str) -> list:
-    return _search(client, experiment_ids, sweep, "trial")
+def trial_runs(client: Client, experiment_ids: list[str], sweep: str) -> list:
+    return list(_search(client, experiment_ids, sweep, "trial"))
 
 
-def find_parent(client, sweep: str):
+def find_parent(client: Client, sweep: str):
     """The sweep's parent run, or None."""
-    experiment_ids = [e.experiment_id for e in client.search_experiments()]
-    runs = _search(client, experiment_ids, sweep, "parent")
-    return runs[0] if runs else None
+    return next(_search(client, None, sweep, "parent"), None)
 
 
-def _search(client, experiment_ids: list[str], sweep: str, role: str) -> list:
-    runs, token = [], None
-    while True:
-        page = client.search_runs(experiment_ids, f"tags.`{SWEEP_TAG}` = '{sweep}' and tags.`{ROLE_TAG}` = '{role}'",
-                                  order_by=["attributes.start_time ASC"], page_token=token)
-        runs += list(page)
-        token = page.token
-        if not token:
-            return runs
+def _search(client: Client, experiment_ids: Optional[list[str]], sweep: str, role: str) -> Iterator:
+    return client.search_runs(experiment_ids, f"tags.`{SWEEP_TAG}` = '{sweep}' and tags.`{ROLE_TAG}` = '{role}'")
 
 
-def open_parent(client, experiment_id: str, plan: SweepPlan) -> str:
+def open_parent(client: Client, experiment_id: str, plan: SweepPlan) -> str:
     """The sweep's parent run: created with its grid, common overrides and each trial's
     arguments, or found. A sweep of that name with another grid, other overrides or other
     trials (another --budget-tokens) is refused: its trials would not compare with these.
     Credentials in them are redacted as in every run's params: the trials run with them,
     MLflow's readers do not see them."""
-    from mlflow.entities import Param
-
     grid = redact(json.dumps({key: list(dict.fromkeys(dict(t.values)[key] for t in plan.trials)) for key in plan.keys}))
     overrides = redact(json.dumps(list(plan.overrides)))
     args = {ARGS_PARAM + t.hash: redact(json.dumps(list(t.args))) for t in plan.trials}
-    existing = _search(client, [experiment_id], plan.name, "parent")
-    if existing:
-        params = existing[0].data.params
+    existing = next(_search(client, [experiment_id], plan.name, "parent"), None)
+    if existing is not None:
+        params = existing.data.params
         for name, value, option in ((GRID_PARAM, grid, "--grid"), (OVERRIDES_PARAM, overrides, "overrides")):
             if params.get(name) != value:
                 raise SweepError(f"sweep {plan.name!r} already exists with other {option} ({params.get(name)}, "
@@ -237,12 +223,11 @@ def open_parent(client, experiment_id: str, plan: SweepPlan) -> str:
         if recorded != args:
             raise SweepError(f"sweep {plan.name!r} already exists with other trials (another --budget-tokens, "
                              "or recorded before each trial's arguments were); give this one another name")
-        return existing[0].info.run_id
-    run = client.create_run(experiment_id, run_name=plan.name, tags={SWEEP_TAG: plan.name, ROLE_TAG: "parent"})
-    client.log_batch(run.info.run_id, params=[Param(GRID_PARAM, grid), Param(OVERRIDES_PARAM, overrides),
-                                              Param("sweep.trials", str(len(plan.trials))),
-                                              *(Param(name, value) for name, value in args.items())])
-    return run.info.run_id
+        return existing.info.run_id
+    run_id = client.create_run(experiment_id, plan.name, {SWEEP_TAG: plan.name, ROLE_TAG: "parent"})
+    client.log_params(run_id, {GRID_PARAM: grid, OVERRIDES_PARAM: overrides, "sweep.trials": str(len(plan.trials)),
+                               **args})
+    return run_id
 
 
 def trial_tags(parent_run_id: str, sweep: str, trial: Trial) -> dict[str, str]:

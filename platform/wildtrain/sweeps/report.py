@@ -12,24 +12,21 @@ from typing import Sequence
 
 from wildtrain.sweeps import compare
 from wildtrain.sweeps.execute import TRIAL_TAG, find_parent, grid_keys, swept_values, trial_runs
-from wildtrain.tracking.mlflow_run import STOPPED_EARLY_TAG, mlflow_key
-from wildtrain.tracking.report import GOODPUT, summary_figure
+from wildtrain.tracking.mlflow_client import Client
+from wildtrain.tracking.record import STOPPED_EARLY_TAG, mlflow_key
+from wildtrain.tracking.reports.runs import GOODPUT, summary_figure
 
 ARTIFACT_DIR = "report"
 BEST_TAG = "wildtrain.sweep.best"
 
 
 def is_sweep(uri: str, name: str) -> bool:
-    from mlflow.tracking import MlflowClient
-
-    return find_parent(MlflowClient(uri), name) is not None
+    return find_parent(Client(uri), name) is not None
 
 
 def fetch_sweep(uri: str, sweep: str) -> tuple[object, list[str], list[compare.TrialRecord]]:
     """(parent run, swept keys, one record per trial) as MLflow holds them."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(uri)
+    client = Client(uri)
     parent = find_parent(client, sweep)
     if parent is None:
         raise LookupError(f"no sweep named {sweep!r} at {uri}")
@@ -38,11 +35,11 @@ def fetch_sweep(uri: str, sweep: str) -> tuple[object, list[str], list[compare.T
     return parent, keys, [_record(client, run, keys) for run in runs]
 
 
-def _record(client, run, keys: list[str]) -> compare.TrialRecord:
+def _record(client: Client, run, keys: list[str]) -> compare.TrialRecord:
     run_id = run.info.run_id
 
     def history(key: str) -> list:
-        return sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+        return sorted(client.metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
 
     loss = {m.step: m.value for m in history("loss")}  # a step logged twice (a resumed run) counts once
     validated = {m.step: m.value for m in history("val/loss")}
@@ -97,12 +94,10 @@ def plot_sweep(sweep: str, ranked: Sequence[compare.Ranked], path: Path) -> None
 
 def report_sweep(uri: str, sweep: str) -> str:
     """The sweep's table, also attached to its parent run with the plot."""
-    from mlflow.tracking import MlflowClient
-
     parent, keys, trials = fetch_sweep(uri, sweep)
     ranked = compare.rank(trials)
     text = compare.table_text(sweep, ranked, keys)
-    client = MlflowClient(uri)
+    client = Client(uri)
     with tempfile.TemporaryDirectory(prefix="wildtrain-sweep-") as folder:
         path = Path(folder) / "sweep.png"
         plot_sweep(sweep, ranked, path)

@@ -46,7 +46,7 @@ from wildtrain.elastic.signals import FinalCheckpointFailed, PlannedRegrow, RunC
 from wildtrain.events import RegrowPostponed, StoppedEarly
 from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.model import flops_per_token
-from wildtrain.tracking.mfu import peak_flops
+from wildtrain.tracking.worker.mfu import peak_flops
 from wildtrain.train import checkpointing, collectives
 from wildtrain.train.divergence import judge_loss
 from wildtrain.train.growth import GrowthCheck

@@ -10,7 +10,7 @@ import torch
 
 from wildtrain.config import Config
 from wildtrain.events import Event, HealthCheck, Straggler
-from wildtrain.tracking.stragglers import StragglerDetector, cannot_observe
+from wildtrain.tracking.worker.stragglers import StragglerDetector, cannot_observe
 from wildtrain.train import collectives, health
 from wildtrain.train.step import StepMetrics
 
@@ -19,7 +19,7 @@ class Monitor:
     """The new group's health check (and, with monitor.exclude_unhealthy, the nodes to leave
     out, known to every rank), stragglers (every rank's forward time gathered every
     `monitor.straggler_every` steps, judged on rank 0; not under ZeRO-3, see
-    `tracking.stragglers`) and the live numbers exported through
+    `tracking.worker.stragglers`) and the live numbers exported through
     Ray's metrics API. Its events ride in rank 0's next report."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int, device: torch.device) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from wildtrain.batching import BatchPlan
 from wildtrain.data.objectives import FIELDS
-from wildtrain.tracking.mfu import Peak, mfu
+from wildtrain.tracking.worker.mfu import Peak, mfu
 from wildtrain.train import collectives
 
 B = TypeVar("B")

@@ -5,7 +5,7 @@ A rank stuck in a collective (a peer stopped, a NIC gone quiet) waits forever or
 backend's own timeout (30 min by default). The watchdog instead writes every thread's Python
 stack to `<dump folder>/<time>-rank<r>.txt` (and stderr), then ends the worker process, so Ray
 Train sees the group fail and the elastic machinery restarts it from the last committed
-checkpoint. The controller attaches the dumps to the MLflow run (`tracking.mlflow_run`).
+checkpoint. The controller attaches the dumps to the MLflow run (`tracking.controller.mlflow_run`).
 
 What counts as too long depends on what the worker is doing, so the watchdog has three bounds:
 from the worker's start to its first optimizer step (`monitor.startup_timeout_s`: restore,

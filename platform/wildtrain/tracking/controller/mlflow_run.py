@@ -11,28 +11,24 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 from wildtrain import ray_compat, storage
 from wildtrain.config import StorageConfig
-from wildtrain.events import Event, HealthCheck, Hang, Interrupted, Recovered, StoppedEarly, from_dict
-from wildtrain.tracking.buffer import Outage, TrackingBuffer
-from wildtrain.tracking.timeline import Timeline
+from wildtrain.events import Event, HealthCheck, Hang, Interrupted, Recovered, StoppedEarly
+from wildtrain.tracking.controller.buffer import Outage, TrackingBuffer
+from wildtrain.tracking.controller.timeline import Timeline
+from wildtrain.tracking.mlflow_client import METRICS_PER_REQUEST, Client, bound_requests, is_transient
+from wildtrain.tracking.record import EVENTS_DIR, STARTUP_METRICS, STOPPED_EARLY_TAG, mlflow_key
 from wildtrain.layout import rank_of_hang_dump
 from wildtrain.worker_report import rank_zero
 
 if TYPE_CHECKING:  # the driver hands the controller's reading of its states in: tracking sits below elastic
     from wildtrain.elastic.restarts import Transition
 
-EVENTS_DIR = "events"
-# Set, with the reason, on a run the early-stop rule ended (`early_stop.*`).
-STOPPED_EARLY_TAG = "wildtrain.stopped_early"
 # What the controller logs of rank 0's reports, besides every `checkpoint/*` (per save);
 # `time/*` are means per step over the report's window.
 TRAINING_METRICS = (
@@ -41,79 +37,16 @@ TRAINING_METRICS = (
     "time/report_wait_s", "time/eval_s", "memory/peak_gb",
 )
 
-# The MLflow UI's Model metrics tab shows a section per key prefix, alphabetically, above the
-# keys with none, and keeps the keys under `system/` for its System metrics tab. What the
-# model learns and how fast stays on the first: validation's section (eval/ too, where evals
-# ran), then loss, lr, mfu and tokens_per_s; how the run runs (step timings, memory,
-# checkpoints, nodes, start-up) goes to the second, where its sections stood above the loss.
-# `step`, `tokens_seen` and `world_size` stay: tools read them there (a run's summary, a
-# sweep's loss-against-tokens curves, the elastic tests).
-MODEL_METRICS = ("step", "loss", "lr", "tokens_seen", "tokens_per_s", "mfu", "world_size")
-SYSTEM_PREFIX = "system/"
-
-
-def mlflow_key(name: str) -> str:
-    """The MLflow key of a metric the workers or the controller name `name`."""
-    return name if name in MODEL_METRICS or name.startswith(("val/", "eval/")) else SYSTEM_PREFIX + name
-
-
-# An attempt's first report: where its start-up went (bench/startup.py), logged as startup/<key>.
-STARTUP_METRICS = ("worker_started_at", "attempt_started_at", "health_checked_at", "restored_at", "engine_build_s",
-                   "first_step_at")
-
 # In the controller, a request to a stopped server fails after this long, once: the
-# tracker retries it with its own backoff, in order, and records the outage. MLflow's own
-# retries (7, minutes in all) would hold the records behind it without a word.
+# tracker retries it with its own backoff, in order, and records the outage.
 _REQUEST_TIMEOUT_S = 10
-# Metric points per `log_batch` request: MLflow refuses more.
-_MLFLOW_BATCH_LIMIT = 1000
 # At the end of a run, how long the records still waiting may take to send.
 FLUSH_TIMEOUT_S = 30.0
-
-
-class TrackingError(RuntimeError):
-    pass
-
-
-def quiet_mlflow() -> None:
-    """No MLflow console output in this process unless the user asked for it: a progress
-    bar per artifact download (the events a report reads) and the run's address when it
-    ends, which the driver printed at its start. MLflow reads both at each call."""
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-
-
-def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
-    if not uri.startswith(("http://", "https://")):
-        return
-    try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as response:
-            if response.status == 200:
-                return
-            reason = f"HTTP {response.status}"
-    except (urllib.error.URLError, OSError) as e:
-        reason = str(getattr(e, "reason", e))
-    raise TrackingError(
-        f"tracking.uri: the MLflow server at {uri} is unreachable ({reason}); start the local one "
-        "with `wildtrain up`, or point tracking.uri at yours"
-    )
-
-
-def read_events(uri: str, run_id: str, folder: str) -> list[Event]:
-    """The run's elastic events (see `MlflowCallback`), oldest first."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(uri)
-    if not client.list_artifacts(run_id, EVENTS_DIR):
-        return []
-    local = client.download_artifacts(run_id, EVENTS_DIR, folder)
-    return [from_dict(json.loads(path.read_text())) for path in sorted(Path(local).glob("*.json"))]
-
 
 _EVENT_COUNTER = itertools.count()
 
 
-def log_event(client, run_id: str, event: Event, step: int) -> None:
+def log_event(client: Client, run_id: str, event: Event, step: int) -> None:
     """Log an event now (for the driver, outside training); `Tracker.event` buffers it."""
     for record in _event_records(run_id, event, step):
         _send(client, record)
@@ -132,35 +65,21 @@ def _event_records(run_id: str, event: Event, step: int) -> list[dict]:
     ]
 
 
-def _send(client, record: dict) -> None:
+def _send(client: Client, record: dict) -> None:
     """One buffered record to MLflow. Each is idempotent (a metric point with its
     timestamp, a tag, a named artifact), so sending one again after a timeout is harmless."""
-    from mlflow.entities import Metric
-
     run_id = record["run_id"]
     op = record["op"]
     if op == "metrics":
-        client.log_batch(run_id, metrics=[Metric(key, value, at, step) for key, value, at, step in record["metrics"]])
+        client.log_metrics(run_id, [tuple(row) for row in record["metrics"]])
     elif op == "tag":
         client.set_tag(run_id, record["key"], record["value"])
     elif op == "text":
         client.log_text(run_id, record["text"], record["path"])
     elif op == "terminated":
-        client.set_terminated(run_id, status=record["status"], end_time=record["end_time"])
+        client.end_run(run_id, record["status"], record["end_time"])
     else:
         raise ValueError(f"unknown tracking record {op!r}")
-
-
-def _transient(error: BaseException) -> bool:
-    """Whether a failed send may succeed later (the server or network), rather than being
-    refused for good (a bad request, a deleted run)."""
-    import requests
-    from mlflow.exceptions import MlflowException
-
-    if isinstance(error, MlflowException):
-        status = error.get_http_status_code()
-        return status >= 500 or status == 429
-    return isinstance(error, (OSError, requests.RequestException))
 
 
 class Tracker:
@@ -169,15 +88,12 @@ class Tracker:
     once the server takes records again."""
 
     def __init__(self, uri: str, run_id: str, folder: Path, bounded_requests: bool = False) -> None:
-        from mlflow.tracking import MlflowClient
-
         if bounded_requests:  # process-wide: for the controller, where only this tracker calls MLflow
-            os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(_REQUEST_TIMEOUT_S)
-            os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+            bound_requests(_REQUEST_TIMEOUT_S)
         self.run_id = run_id
         self.step = 0  # the newest step logged: where an outage event is marked
-        client = MlflowClient(uri)
-        self._buffer = TrackingBuffer(lambda record: _send(client, record), folder, is_transient=_transient,
+        client = Client(uri)
+        self._buffer = TrackingBuffer(lambda record: _send(client, record), folder, is_transient=is_transient,
                                       on_outage=self._outage)
 
     def metrics(self, values: dict[str, float], step: int, at: Optional[float] = None) -> None:
@@ -187,14 +103,15 @@ class Tracker:
     def metric_points(self, points: list[tuple[dict[str, float], int, Optional[float]]]) -> None:
         """Log several (values, step, at) points in as few requests as MLflow takes: a report
         carries every log step since the last one, and a request per step would cost the
-        controller and the server more than the step itself on a small machine."""
+        controller and the server more than the step itself on a small machine. A record is
+        one request: retried whole."""
         now = time.time()
         rows = [[mlflow_key(key), float(value), int((now if at is None else at) * 1000), step]
                 for values, step, at in points for key, value in values.items()]
         if points:
             self.step = max(self.step, max(step for _, step, _ in points))
-        for i in range(0, len(rows), _MLFLOW_BATCH_LIMIT):
-            self._buffer.put({"op": "metrics", "run_id": self.run_id, "metrics": rows[i:i + _MLFLOW_BATCH_LIMIT]})
+        for i in range(0, len(rows), METRICS_PER_REQUEST):
+            self._buffer.put({"op": "metrics", "run_id": self.run_id, "metrics": rows[i:i + METRICS_PER_REQUEST]})
 
     def event(self, event: Event, step: int) -> None:
         for record in _event_records(self.run_id, event, step):
@@ -228,13 +145,6 @@ def _numbers(values: dict, keys: tuple[str, ...]) -> dict[str, float]:
     """The numbers among `values` named in `keys`, and the validation metrics (`val/...`)."""
     return {key: value for key, value in values.items()
             if (key in keys or key.startswith("val/")) and isinstance(value, (int, float))}
-
-
-def run_url(uri: str, experiment_id: str, run_id: str) -> str:
-    """The run's page. MLflow 3.17's UI shows every experiment in the view of its own switch
-    (GenAI unless the browser chose otherwise) and ignores the experiment's kind tag: the
-    address asks for the model-training view, which its links keep."""
-    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
 
 
 class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, ray_compat.WorkerGroupCallback):

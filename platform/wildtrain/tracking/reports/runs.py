@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from wildtrain import events as run_events
-from wildtrain.tracking import goodput
-from wildtrain.tracking.goodput import AttemptStarted, CapacityWait, GroupStopped, RunStarted, RunStopped, Steps
-from wildtrain.tracking.mlflow_run import mlflow_key, read_events
-from wildtrain.tracking.run_setup import CLUSTER_TAG, CLUSTERS_TAG
+from wildtrain.tracking.mlflow_client import Client
+from wildtrain.tracking.record import CLUSTER_TAG, CLUSTERS_TAG, mlflow_key, read_events
+from wildtrain.tracking.reports import goodput
+from wildtrain.tracking.reports.goodput import AttemptStarted, CapacityWait, GroupStopped, RunStarted, RunStopped, Steps
 
 PLOT_ARTIFACT_DIR = "report"
 GOODPUT = "goodput"  # a run tag, with goodput/* and badput/<cause>_s: see `report_run`
@@ -60,7 +60,7 @@ class RunRecord:
     started_at: float
     ended_at: Optional[float]  # None while the run is running
     history: History
-    events: tuple[run_events.Event, ...]  # as `mlflow_run.read_events` returns them
+    events: tuple[run_events.Event, ...]  # as `record.read_events` returns them
     cluster: str  # where it trains now (or last did): its `wildtrain.cluster` tag
 
 
@@ -286,39 +286,28 @@ def plot_run(history: History, events: Sequence[goodput.GoodputEvent], path: Pat
 
 
 def fetch_run(uri: str, run_id: str) -> RunRecord:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(uri)
-    return _record(uri, client, client.get_run(run_id))
+    client = Client(uri)
+    return _record(client, client.get_run(run_id))
 
 
 def fetch_cluster(uri: str, cluster: str) -> list[RunRecord]:
     """Every run in every experiment that trained on the cluster (all of it, or a part
     before or after a move), oldest first."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(uri)
-    experiment_ids = [e.experiment_id for e in client.search_experiments()]
-    runs, token = [], None
-    while True:
-        # LIKE's `_` matches any character: the exact test is on the tag's items.
-        page = client.search_runs(experiment_ids, f"tags.`{CLUSTERS_TAG}` LIKE '%,{cluster},%'",
-                                  order_by=["attributes.start_time ASC"], page_token=token)
-        runs += [_record(uri, client, run) for run in page if cluster in run.data.tags[CLUSTERS_TAG].split(",")]
-        token = page.token
-        if not token:
-            return runs
+    client = Client(uri)
+    # LIKE's `_` matches any character: the exact test is on the tag's items.
+    return [_record(client, run) for run in client.search_runs(None, f"tags.`{CLUSTERS_TAG}` LIKE '%,{cluster},%'")
+            if cluster in run.data.tags[CLUSTERS_TAG].split(",")]
 
 
-def _record(uri: str, client, run) -> RunRecord:
+def _record(client: Client, run) -> RunRecord:
     run_id = run.info.run_id
     history = {
         key: tuple(Sample(m.timestamp / 1000, int(m.step), float(m.value))
-                   for m in sorted(client.get_metric_history(run_id, key), key=lambda m: (m.timestamp, m.step)))
+                   for m in sorted(client.metric_history(run_id, key), key=lambda m: (m.timestamp, m.step)))
         for key in HISTORY_KEYS
     }
     with tempfile.TemporaryDirectory(prefix="wildtrain-report-") as folder:
-        events = tuple(read_events(uri, run_id, folder))
+        events = tuple(read_events(client.uri, run_id, folder))
     ended = run.info.end_time / 1000 if run.info.status != "RUNNING" and run.info.end_time else None
     return RunRecord(run_id, run.info.run_name, run.info.start_time / 1000, ended, history, events,
                      run.data.tags.get(CLUSTER_TAG, ""))
@@ -326,20 +315,14 @@ def _record(uri: str, client, run) -> RunRecord:
 
 def find_run(uri: str, name_or_id: str) -> str:
     """The id of the run with this MLflow run id, or else the newest run with this name."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(uri)
-    try:
-        return client.get_run(name_or_id).info.run_id
-    except MlflowException:
-        pass
-    experiment_ids = [e.experiment_id for e in client.search_experiments()]
-    runs = client.search_runs(experiment_ids, f"attributes.run_name = '{name_or_id}'",
-                              order_by=["attributes.start_time DESC"], max_results=1)
-    if not runs:
+    client = Client(uri)
+    run = client.run_or_none(name_or_id)
+    if run is None:
+        run = next(client.search_runs(None, f"attributes.run_name = '{name_or_id}'", newest_first=True, page_size=1),
+                   None)
+    if run is None:
         raise LookupError(f"no MLflow run named or with the id {name_or_id!r} at {uri}")
-    return runs[0].info.run_id
+    return run.info.run_id
 
 
 def goodput_text(result: goodput.Goodput) -> str:
@@ -353,14 +336,11 @@ def report_run(uri: str, run_id: str) -> goodput.Goodput:
     """Plot the run into its artifacts (report/run.png) and set its goodput and badput by
     cause as its summary figures; its goodput. For the end of a run and for
     `wildtrain report RUN` on a running or finished one."""
-    from mlflow.entities import RunTag
-    from mlflow.tracking import MlflowClient
-
     record = fetch_run(uri, run_id)
     now = record.ended_at if record.ended_at is not None else time.time()
     events = goodput_events(record)
     result = goodput.account(events, now)
-    client = MlflowClient(uri)
+    client = Client(uri)
     with tempfile.TemporaryDirectory(prefix="wildtrain-report-") as folder:
         path = Path(folder) / "run.png"
         plot_run(record.history, events, path, now)
@@ -370,7 +350,7 @@ def report_run(uri: str, run_id: str) -> goodput.Goodput:
     # Figures of the whole run, not curves: as metrics, each was a one-point chart at the top
     # of the MLflow UI's Model metrics tab, above the loss. As tags they are on the run's
     # Overview, a column of the runs table, and a report later replaces them.
-    client.log_batch(run_id, tags=[RunTag(key, f"{value:.6g}") for key, value in values.items()])
+    client.set_tags(run_id, {key: f"{value:.6g}" for key, value in values.items()})
     return result
 
 

@@ -2,10 +2,10 @@
 and resize), went into training progress that was kept, and where the rest went.
 
 `account` is a pure function over typed events. They come from the run's elastic timeline
-(`tracking.timeline`: interruptions, and recoveries with their restored step and restore
+(`tracking.controller.timeline`: interruptions, and recoveries with their restored step and restore
 and reshard times), the driver (each submission starting and stopping), the controller
 (waits for capacity) and the training loop's reports (windows of consecutive steps with
-their data-wait and checkpoint-stall parts). `tracking.report` builds them from MLflow.
+their data-wait and checkpoint-stall parts). `reports.runs` builds them from MLflow.
 
 A window's steps are not productive just because they ran: a window whose steps took far
 longer than the run's usual at its world size was held up (a report blocked on a stopped
@@ -117,7 +117,7 @@ class Steps:
 
 
 # Goodput's own inputs, named apart from the run's events (`wildtrain.events`) that
-# `tracking.report.goodput_events` turns into them: a `Waiting` into a `CapacityWait`, a
+# `reports.runs.goodput_events` turns into them: a `Waiting` into a `CapacityWait`, a
 # `Failure` or `Resize` into a `GroupStopped`.
 GoodputEvent = Union[RunStarted, RunStopped, CapacityWait, AttemptStarted, GroupStopped, Steps]
 _POINT_EVENTS = (GroupStopped, RunStopped, RunStarted, AttemptStarted)

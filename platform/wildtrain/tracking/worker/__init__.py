@@ -1,0 +1,1 @@
+"""Tracking maths that runs in the training workers: no MLflow, no Ray controller."""
