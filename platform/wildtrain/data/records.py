@@ -119,7 +119,7 @@ def _bad(part: Partition, where: str, why: str) -> BadRecord:
 def _lines(fs: pafs.FileSystem, part: Partition) -> Iterator[tuple[int, bytes]]:
     """(offset, line without its newline) of each line that starts in the partition."""
     if part.compression:
-        stream = pa.CompressedInputStream(fs.open_input_stream(part.path), part.compression)
+        stream = fs.open_input_stream(part.path, compression=part.compression)
         offset = 0
     else:
         stream = fs.open_input_file(part.path)
@@ -180,7 +180,7 @@ def _json(fs: pafs.FileSystem, part: Partition, text_field: str) -> Iterator[tup
 
 
 def _text(fs: pafs.FileSystem, part: Partition, text_field: str) -> Iterator[tuple[object, int]]:
-    with fs.open_input_stream(part.path) as f:
+    with fs.open_input_stream(part.path, compression=None) as f:
         data = f.read()
     try:
         yield data.decode("utf-8"), part.stop

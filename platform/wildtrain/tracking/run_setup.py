@@ -6,6 +6,7 @@ each of these calls takes the loser through.
 
 from __future__ import annotations
 
+import json
 from typing import Optional
 
 from wildtrain.config import Config, flatten, redact, to_yaml
@@ -67,16 +68,17 @@ def experiment_id_of(client, name: str) -> str:
         return experiment.experiment_id
 
 
-def log_datasets(client, run_id: str, datasets: list[tuple[str, str]]) -> None:
-    """Each (uri, manifest sha256) as an MLflow dataset input: the UI shows what each run
-    trained on, and runs on different data show different digests. MLflow keeps one input
-    per dataset and digest, so a resubmission logs nothing new."""
+def log_datasets(client, run_id: str, datasets: list[tuple[str, str, int]]) -> None:
+    """Each (uri, manifest sha256, bad records its preparation skipped) as an MLflow dataset
+    input: the UI shows what each run trained on, and runs on different data show different
+    digests. MLflow keeps one input per dataset and digest, so a resubmission logs nothing new."""
     from mlflow.entities import Dataset, DatasetInput, InputTag
     from mlflow.exceptions import MlflowException
 
     inputs = [DatasetInput(Dataset(name=uri, digest=sha256[:16], source_type="wildtrain-manifest",
-                                   source=f"{uri}/manifest.json"), tags=[InputTag("mlflow.data.context", "training")])
-              for uri, sha256 in datasets]
+                                   source=f"{uri}/manifest.json", profile=json.dumps({"bad_records": bad})),
+                           tags=[InputTag("mlflow.data.context", "training")])
+              for uri, sha256, bad in datasets]
     for attempt in range(_DATASET_ATTEMPTS):
         try:
             client.log_inputs(run_id, datasets=inputs)
