@@ -130,7 +130,8 @@ def _lines(fs: pafs.FileSystem, part: Partition) -> Iterator[tuple[int, bytes]]:
     with stream:
         rest, first = b"", part.start > 0 and not part.compression
         while True:
-            chunk = stream.read(CHUNK)
+            # A small range reads little past its end: just enough to finish its last line.
+            chunk = stream.read(CHUNK if part.compression else min(CHUNK, max(part.stop - offset, 1 << 16)))
             lines = (rest + chunk).split(b"\n")
             rest = lines.pop() if chunk else b""
             for line in lines:
