@@ -45,7 +45,7 @@ def corpus(folder: Path, files: int = 3, bad_line: str = "") -> Path:
 
 
 @pytest.mark.parametrize("line, why", [
-    ("{not json\n", r"not JSON \(Expecting property name enclosed in double quotes, column 2\)"),
+    ("{not json\n", r"not JSON \(Expecting property name enclosed in double quotes: column 2\)"),
     ('{"body": "x"}\n', r"no field 'text'"),
     ('{"text": 7}\n', r"field 'text' is int, not text"),
     ('["text"]\n', r"no field 'text'"),

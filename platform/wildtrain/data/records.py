@@ -167,7 +167,7 @@ def _json(fs: pafs.FileSystem, part: Partition, text_field: str) -> Iterator[tup
         except UnicodeDecodeError as e:
             why = f"not UTF-8 (byte {e.start + 1})"
         except json.JSONDecodeError as e:
-            why = f"not JSON ({e.msg}, column {e.colno})"
+            why = f"not JSON ({e.msg}: column {e.colno})"
         else:
             if not isinstance(record, dict) or text_field not in record:
                 why = f"no field {text_field!r}"
