@@ -72,16 +72,18 @@ def main(input_uri: str, output: str, seq_len: int, tokenizer: str, text_field: 
 
 
 def _quiet_ray_of_the_run() -> None:
-    """Ray Data starts Ray on first use: let it join the cluster a run would join
-    (RAY_ADDRESS under `ray job submit`, else `wildtrain up`'s head) rather than start one of
-    its own (seconds), and keep Ray's INFO lines in its log folder. Before Ray is imported,
-    which reads these settings once."""
+    """Let prepare's tasks run on the cluster a run would join (RAY_ADDRESS under `ray job
+    submit`, else `wildtrain up`'s head) rather than on a Ray of its own (seconds), and keep
+    Ray's INFO lines in its log folder. Before Ray is imported, which reads these settings once."""
     services.prepare_ray_client(None)
     try:
         os.environ.setdefault("RAY_ADDRESS", services.ray_address(None))
     except services.ServiceError:
         pass  # no cluster to join: a Ray of its own for this job
     os.environ.setdefault("RAY_LOGGER_LEVEL", "warning")
+    # A partition's bad record stops the job in its one line; the tasks it cancels then are
+    # no errors to print as well.
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
 
 
 if __name__ == "__main__":
