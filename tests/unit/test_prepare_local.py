@@ -149,11 +149,11 @@ def test_progress_line_says_bytes_documents_rate_eta_and_shards():
 def test_progress_off_a_terminal_prints_plain_lines():
     out = io.StringIO()
     progress = Progress(100, 1, every=0.0, stream=out)
-    progress.advance(50, 10, 1000)
+    progress.advance(50, 10, 1000, 2)
     progress.finish()
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and all(line.startswith("prepare: ") and "\r" not in line for line in lines)
-    assert "50 B of 100 B (50%), 10 documents" in lines[-1]
+    assert "50 B of 100 B (50%), 10 documents" in lines[-1] and "2 shards written, 0/1 partitions" in lines[-1]
 
 
 KILLABLE = """

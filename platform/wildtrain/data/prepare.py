@@ -170,10 +170,10 @@ def part_key(cfg: PrepareConfig, tokenizer: Tokenizer, part: Partition) -> dict:
 
 
 def prepare_part(cfg: PrepareConfig, tokenizer: Tokenizer, index: int, part: Partition,
-                 on_batch: Optional[Callable[[int, int, int], None]] = None) -> PartResult:
+                 on_batch: Optional[Callable[[int, int, int, int], None]] = None) -> PartResult:
     """Read, tokenize and pack partition `index` into its shards and part record, unless its
     stored part record has the same key and its shards verify. `on_batch(bytes, documents,
-    tokens)` follows the reading."""
+    tokens, shards written)` follows the reading."""
     started = time.process_time()
     key = part_key(cfg, tokenizer, part)
     record_uri = storage.join(cfg.output, PARTS, f"{index:05d}.json")
@@ -199,7 +199,7 @@ def prepare_part(cfg: PrepareConfig, tokenizer: Tokenizer, index: int, part: Par
         for texts, skipped, read in records.read(fs, part, cfg.text_field, cfg.skip_bad_records):
             bad += skipped
             documents += len(texts)
-            batch_tokens = 0
+            batch_tokens, shards_before = 0, len(written)
             if texts:
                 ids, lengths = tokenizer.encode_batch(texts)
                 batch_tokens = len(ids) + len(texts)
@@ -211,7 +211,7 @@ def prepare_part(cfg: PrepareConfig, tokenizer: Tokenizer, index: int, part: Par
                         write(flag, packers[flag].add(chosen))
             tokens += batch_tokens
             if on_batch:
-                on_batch(read, len(texts), batch_tokens)
+                on_batch(read, len(texts), batch_tokens, len(written) - shards_before)
     for flag in (False, True):
         write(flag, packers[flag].finish())
     result = Part(key, shards[False], shards[True], documents, bad, tokens)
@@ -240,15 +240,15 @@ def _stored(cfg: PrepareConfig, uri: str, key: dict) -> Optional[Part]:
     return part
 
 
-def _run_local(cfg: PrepareConfig, tokenizer: Tokenizer, parts: list[Partition], progress: "Progress") -> list[PartResult]:
+def _run_local(cfg: PrepareConfig, tokenizer: Tokenizer, parts: list[Partition], progress: Progress) -> list[PartResult]:
     results = []
     for i, part in enumerate(parts):
         results.append(prepare_part(cfg, tokenizer, i, part, progress.advance))
-        progress.part_done(results[-1], part.bytes, counted=True)
+        progress.part_done(results[-1], part.bytes)
     return results
 
 
-def _run_ray(cfg: PrepareConfig, tokenizer: Tokenizer, parts: list[Partition], progress: "Progress") -> list[PartResult]:
+def _run_ray(cfg: PrepareConfig, tokenizer: Tokenizer, parts: list[Partition], progress: Progress) -> list[PartResult]:
     """A task per partition, a few per CPU of the cluster in flight: the driver waits, orders
     and reports; the tasks read, tokenize, pack and write."""
     import ray
@@ -261,6 +261,7 @@ def _run_ray(cfg: PrepareConfig, tokenizer: Tokenizer, parts: list[Partition], p
     task = ray.remote(prepare_part).options(num_cpus=1,
                                             runtime_env={"env_vars": storage.handover_env(cfg.storage)})
     cfg_ref, tokenizer_ref = ray.put(cfg), ray.put(tokenizer)
+    read_so_far = ray.remote(num_cpus=0)(ReadSoFar).remote()
     window = 2 * max(int(ray.cluster_resources().get("CPU", 1)), 1)
     results: list[Optional[PartResult]] = [None] * len(parts)
     pending: dict = {}
@@ -268,7 +269,8 @@ def _run_ray(cfg: PrepareConfig, tokenizer: Tokenizer, parts: list[Partition], p
     try:
         while submitted < len(parts) or pending:
             while submitted < len(parts) and len(pending) < window:
-                pending[task.remote(cfg_ref, tokenizer_ref, submitted, parts[submitted])] = submitted
+                pending[task.remote(cfg_ref, tokenizer_ref, submitted, parts[submitted],
+                                    Reporter(read_so_far, submitted))] = submitted
                 submitted += 1
             done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=1.0, fetch_local=True)
             for ref in done:
@@ -280,53 +282,52 @@ def _run_ray(cfg: PrepareConfig, tokenizer: Tokenizer, parts: list[Partition], p
                     if isinstance(e.cause, (DataError, StorageError)):
                         raise e.cause from None
                     raise
-                progress.part_done(results[index], parts[index].bytes, counted=False)
+                progress.part_done(results[index], parts[index].bytes)
+            if pending:
+                progress.running = np.array(ray.get(read_so_far.of.remote(list(pending.values()))), np.int64)
             progress.show()
     finally:
         for ref in pending:
             ray.cancel(ref)
+        ray.kill(read_so_far)
     return results  # type: ignore[return-value]
 
 
 class Progress:
     """One line of progress: bytes and documents read of the total, tokens/s, ETA, shards
-    written; rewritten in place on a terminal, else printed every `every` seconds."""
+    written; rewritten in place on a terminal, else printed every `every` seconds. Finished
+    partitions count exactly (`part_done`); running ones as far as they have reported
+    (`running`)."""
 
     def __init__(self, total_bytes: int, parts: int, every: float, stream=None) -> None:
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.every = 1.0 if self.tty else every
-        self.total_bytes, self.parts = total_bytes, parts
-        self.bytes = self.documents = self.tokens = self.shards = self.parts_done = 0
-        self.tokenized_bytes = 0  # of partitions this run read (not found stored): the rate's base
+        self.total_bytes, self.parts, self.parts_done = total_bytes, parts, 0
+        # bytes, documents, tokens, shards written, bytes tokenized by this run (the rate's base)
+        self.finished = np.zeros(5, np.int64)
+        self.running = np.zeros(5, np.int64)
         self.started = self.shown = time.monotonic()
 
-    def advance(self, read: int, documents: int, tokens: int) -> None:
-        self.bytes += read
-        self.tokenized_bytes += read
-        self.documents += documents
-        self.tokens += tokens
+    def advance(self, read: int, documents: int, tokens: int, shards: int) -> None:
+        """What the partition being read here has read since the last call."""
+        self.running += (read, documents, tokens, shards, read)
         self.show()
 
-    def part_done(self, result: PartResult, part_bytes: int, counted: bool) -> None:
-        """`counted`: what it read came already through `advance`."""
+    def part_done(self, result: PartResult, part_bytes: int) -> None:
         self.parts_done += 1
-        self.shards += len(result.written)
-        if counted and result.read:
-            return
-        self.bytes += part_bytes
-        self.documents += result.part.documents
-        if result.read:
-            self.tokens += result.part.tokens
-            self.tokenized_bytes += part_bytes
+        self.running = np.zeros(5, np.int64)
+        tokens, tokenized = (result.part.tokens, part_bytes) if result.read else (0, 0)
+        self.finished += (part_bytes, result.part.documents, tokens, len(result.written), tokenized)
 
     def show(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self.shown < self.every:
             return
         self.shown = now
-        line = progress_line(self.bytes, self.total_bytes, self.documents, self.tokens, self.tokenized_bytes,
-                             self.shards, self.parts_done, self.parts, now - self.started)
+        done, documents, tokens, shards, tokenized = (int(n) for n in self.finished + self.running)
+        line = progress_line(done, self.total_bytes, documents, tokens, tokenized, shards, self.parts_done,
+                             self.parts, now - self.started)
         self.stream.write(f"\r\033[K{line}" if self.tty else f"{line}\n")
         self.stream.flush()
 
@@ -334,6 +335,34 @@ class Progress:
         self.show(force=True)
         if self.tty:
             self.stream.write("\n")
+
+
+class ReadSoFar:
+    """What each running partition's task has read so far (a Ray actor of the driver's)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[int, np.ndarray] = {}
+
+    def add(self, index: int, counts: tuple[int, int, int, int]) -> None:
+        self.parts[index] = self.parts.get(index, 0) + np.array([*counts, counts[0]], np.int64)
+
+    def of(self, indices: list[int]) -> list[int]:
+        return sum((self.parts.get(i, np.zeros(5, np.int64)) for i in indices), np.zeros(5, np.int64)).tolist()
+
+
+class Reporter:
+    """A task's `on_batch`: adds up what it read and tells `ReadSoFar` at most every second."""
+
+    def __init__(self, actor, index: int) -> None:
+        self.actor, self.index = actor, index
+        self.counts, self.sent = (0, 0, 0, 0), None
+
+    def __call__(self, read: int, documents: int, tokens: int, shards: int) -> None:
+        self.counts = tuple(a + b for a, b in zip(self.counts, (read, documents, tokens, shards)))
+        now = time.monotonic()
+        if self.sent is None or now - self.sent >= 1.0:
+            self.actor.add.remote(self.index, self.counts)
+            self.counts, self.sent = (0, 0, 0, 0), now
 
 
 def progress_line(done: int, total: int, documents: int, tokens: int, tokenized: int, shards: int,
