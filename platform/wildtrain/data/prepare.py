@@ -215,10 +215,8 @@ def prepare_part(cfg: PrepareConfig, tokenizer: Tokenizer, index: int, part: Par
     for flag in (False, True):
         write(flag, packers[flag].finish())
     result = Part(key, shards[False], shards[True], documents, bad, tokens)
-    if storage.write_if_changed(record_uri, result.to_json().encode(), cfg.storage):
-        written.append(f"{PARTS}/{index:05d}.json")
-    return PartResult(index, result, [w for w in written if not w.startswith(PARTS)], unchanged, True,
-                      time.process_time() - started)
+    storage.write_if_changed(record_uri, result.to_json().encode(), cfg.storage)
+    return PartResult(index, result, written, unchanged, True, time.process_time() - started)
 
 
 def _stored(cfg: PrepareConfig, uri: str, key: dict) -> Optional[Part]:
