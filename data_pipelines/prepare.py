@@ -38,7 +38,7 @@ from wildtrain.storage import StorageError
               help="Skip records that are not UTF-8, not JSON or lack the text field, counting them per file in "
                    "the manifest, rather than stop at the first.")
 @click.option("--partition-mb", type=int, default=PrepareConfig.partition_bytes >> 20, show_default=True,
-              help="A plain JSONL file larger than this is prepared in ranges of it, each by its own task.")
+              help="A plain JSONL or Parquet file larger than this is prepared in ranges of it, each by its own task.")
 @click.option("--endpoint", default=None, help="S3-compatible endpoint for s3:// URIs  [default: $AWS_ENDPOINT_URL, else AWS]")
 @click.option("--region", default=StorageConfig.region, show_default=True)
 @click.option("--max-attempts", type=int, default=StorageConfig.max_attempts, show_default=True,

@@ -114,6 +114,18 @@ def test_byte_ranges_of_a_file_read_every_record_once(tmp_path):
         assert [t for t, _ in read] == whole, partition_bytes
 
 
+def test_byte_ranges_of_a_parquet_file_read_every_row_group_once(tmp_path):
+    path = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": TEXTS}), path, row_group_size=100)
+    size = path.stat().st_size
+    fs = pafs.LocalFileSystem()
+    for partition_bytes in (1000, 20_000, size):
+        parts = records.split([(str(path), size, "parquet", None)], partition_bytes)
+        read = [t for p in parts for texts, _, _ in records.read(fs, p, "text", False) for t in texts]
+        assert read == TEXTS, partition_bytes
+    assert len(records.split([(str(path), size, "parquet", None)], 20_000)) > 1
+
+
 def test_a_bad_record_in_a_later_range_is_named_by_its_line_in_the_file(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", TEXTS, extra="oops\n")
     with pytest.raises(DataError, match=rf"^{path}:line {len(TEXTS) + 1}: not JSON"):

@@ -57,7 +57,7 @@ class PrepareConfig:
     # Count and skip records that are not UTF-8, not JSON or lack the text field, rather
     # than stop at the first, naming it.
     skip_bad_records: bool = False
-    partition_bytes: int = 256 << 20  # a plain JSONL file larger than this is read in ranges of it
+    partition_bytes: int = 256 << 20  # a plain JSONL or Parquet file larger than this is read in ranges of it
     executor: str = "ray"  # ray: a task per partition on the cluster | local: one after another, here
     progress_every: float = 30.0  # seconds between progress lines when stderr is no terminal
     storage: StorageConfig = field(default_factory=StorageConfig)

@@ -1,8 +1,8 @@
 """The documents of a corpus of raw files, split into partitions that tasks read on their own.
 
-A partition is a whole file, or a byte range of a large uncompressed JSONL file: a record
-belongs to the range its first byte lies in, so the ranges of a file together read each
-record once. Formats: JSONL (`.jsonl`, `.json`, plain or `.gz`/`.zst`-compressed), text
+A partition is a whole file, or a byte range of a large uncompressed JSONL or Parquet file:
+a record (a Parquet row group) belongs to the range its first byte lies in, so the ranges of
+a file together read each record once. Formats: JSONL (`.jsonl`, `.json`, plain or `.gz`/`.zst`-compressed), text
 files (`.txt`, one document each), Parquet, and Hugging Face `datasets` saved to disk (the
 Arrow stream files `data-*.arrow` of `save_to_disk`).
 
@@ -41,7 +41,7 @@ class BadRecord(DataError):
 
 @dataclass(frozen=True)
 class Partition:
-    """Bytes `start`..`stop` of `path` (the whole file unless a large plain JSONL file)."""
+    """Bytes `start`..`stop` of `path` (the whole file unless a large plain JSONL or Parquet file)."""
 
     path: str  # on the input's filesystem
     name: str  # as the user wrote it (with its scheme): what messages and the manifest say
@@ -81,12 +81,12 @@ def documents(paths: list[str], sizes: list[int]) -> list[tuple[str, int, str, O
 
 def split(files: list[tuple[str, int, str, Optional[str]]], partition_bytes: int,
           scheme: str = "") -> list[Partition]:
-    """The partitions of `files` (see `documents`), in input order: a plain JSONL file in
-    ranges of `partition_bytes`, any other file whole. Pure."""
+    """The partitions of `files` (see `documents`), in input order: a plain JSONL or a
+    Parquet file in ranges of `partition_bytes`, any other file whole. Pure."""
     parts = []
     for path, size, kind, compression in files:
         ranges = [(0, size)]
-        if kind == "json" and compression is None and size > partition_bytes:
+        if kind in ("json", "parquet") and compression is None and size > partition_bytes:
             ranges = [(start, min(start + partition_bytes, size)) for start in range(0, size, partition_bytes)]
         parts += [Partition(path, scheme + path, kind, compression, start, stop, size) for start, stop in ranges]
     return parts
@@ -198,9 +198,10 @@ def _columns(part: Partition, schema: pa.Schema, text_field: str) -> None:
         raise DataError(f"text_field: {text_field!r} in {part.name} is {kind}, not text")
 
 
-def _rows(batches: Iterator[pa.RecordBatch], part: Partition, text_field: str) -> Iterator[tuple[object, int]]:
-    """The texts of column `text_field`; a file's bytes count as read once all its rows are."""
-    row = 0
+def _rows(batches: Iterator[pa.RecordBatch], part: Partition, text_field: str,
+          row: int = 0) -> Iterator[tuple[object, int]]:
+    """The texts of column `text_field`, from the file's row `row` on; a partition's bytes
+    count as read once all its rows are."""
     for batch in batches:
         column = batch.column(text_field)
         try:
@@ -218,10 +219,21 @@ def _rows(batches: Iterator[pa.RecordBatch], part: Partition, text_field: str) -
 
 
 def _parquet(fs: pafs.FileSystem, part: Partition, text_field: str) -> Iterator[tuple[object, int]]:
+    """The row groups that start in the partition's byte range (all of a whole file's)."""
     with fs.open_input_file(part.path) as f:
         parquet = pq.ParquetFile(f)
         _columns(part, parquet.schema_arrow, text_field)
-        yield from _rows(parquet.iter_batches(columns=[text_field]), part, text_field)
+        meta = parquet.metadata
+        groups = [i for i in range(meta.num_row_groups) if part.start <= _group_start(meta.row_group(i)) < part.stop]
+        if groups:
+            first_row = sum(meta.row_group(i).num_rows for i in range(groups[0]))
+            yield from _rows(parquet.iter_batches(columns=[text_field], row_groups=groups), part, text_field,
+                             first_row)
+
+
+def _group_start(group: pq.RowGroupMetaData) -> int:
+    column = group.column(0)
+    return column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
 
 
 def _arrow(fs: pafs.FileSystem, part: Partition, text_field: str) -> Iterator[tuple[object, int]]:
