@@ -2,9 +2,9 @@
 `seq_len + 1` ids that remember each token's document, and write Parquet shards and a
 manifest (see `manifest`) to the output URI.
 
-The input is split into partitions (`records`: files, or byte ranges of large JSONL files).
-A Ray task per partition reads, tokenizes and packs it into shards of its own, named by the
-partition's index (`shard-PPPPP-SSSSS.parquet`), and writes a part record
+The input is split into partitions (`records`: files, or byte ranges of large JSONL and
+Parquet files). A Ray task per partition reads, tokenizes and packs it into shards of its
+own, named by the partition's index (`shard-PPPPP-SSSSS.parquet`), and writes a part record
 (`parts/PPPPP.json`) last; the driver only orders the partitions' shards into the manifest.
 A row never spans two partitions: each partition drops its tail that fills no row.
 
