@@ -69,14 +69,12 @@ def documents(paths: list[str], sizes: list[int]) -> list[tuple[str, int, str, O
     files of no known format, and the metadata `datasets.save_to_disk` keeps beside its
     Arrow files, are no input."""
     arrow_dirs = {PurePosixPath(p).parent for p in paths if kind_of(p) == ("arrow", None)}
-    out = []
-    for path, size in zip(paths, sizes):
-        kind = kind_of(path)
-        if kind is None or (PurePosixPath(path).name in HF_METADATA
-                            and (PurePosixPath(path).parent in arrow_dirs or PurePosixPath(path).name == "dataset_dict.json")):
-            continue
-        out.append((path, size, *kind))
-    return out
+
+    def metadata(path: PurePosixPath) -> bool:
+        return path.name == "dataset_dict.json" or (path.name in HF_METADATA and path.parent in arrow_dirs)
+
+    return [(path, size, *kind) for path, size in zip(paths, sizes)
+            if (kind := kind_of(path)) is not None and not metadata(PurePosixPath(path))]
 
 
 def split(files: list[tuple[str, int, str, Optional[str]]], partition_bytes: int,
