@@ -194,7 +194,7 @@ def test_a_killed_prepare_reruns_to_the_bytes_of_an_uninterrupted_one(tmp_path):
     assert (killed / "parts/00000.json").exists()
     resumed = prepare(PrepareConfig(input=str(folder), output=str(killed), **settings))
     assert not any(p.startswith("shard-00000-") for p in resumed.written)  # a finished partition is not read again
-    assert resumed.parts[0].read is False and all(r.read for r in resumed.parts[2:])
+    assert resumed.parts[0].read is False  # found stored and verified
 
     def files(root: Path) -> dict[str, bytes]:
         # A write the kill cut short leaves its temporary file, never a partial shard.
