@@ -21,7 +21,8 @@ from wildtrain.storage import StorageError
 
 @click.command()
 @click.option("--input", "input_uri", required=True,
-              help="A .jsonl/.json, .txt or .parquet file, or a folder or prefix of them (local, s3://, gs://).")
+              help="A .jsonl/.json (plain, .gz or .zst), .txt, .parquet or .arrow file (a `datasets` folder saved "
+                   "to disk), or a folder or prefix of them (local, s3://, gs://).")
 @click.option("--output", required=True, help="The dataset root: shards, manifest.json and tokenizer.json go here.")
 @click.option("--seq-len", type=int, default=PrepareConfig.seq_len, show_default=True)
 @click.option("--tokenizer", default=PrepareConfig.tokenizer, show_default=True,
@@ -33,12 +34,18 @@ from wildtrain.storage import StorageError
 @click.option("--val-fraction", type=float, default=PrepareConfig.val_fraction, show_default=True,
               help="The share of documents held out for validation, chosen by a hash of each document's text "
                    "(a rerun holds out the same ones).")
+@click.option("--skip-bad-records", is_flag=True,
+              help="Skip records that are not UTF-8, not JSON or lack the text field, counting them per file in "
+                   "the manifest, rather than stop at the first.")
+@click.option("--partition-mb", type=int, default=PrepareConfig.partition_bytes >> 20, show_default=True,
+              help="A plain JSONL or Parquet file larger than this is prepared in ranges of it, each by its own task.")
 @click.option("--endpoint", default=None, help="S3-compatible endpoint for s3:// URIs  [default: $AWS_ENDPOINT_URL, else AWS]")
 @click.option("--region", default=StorageConfig.region, show_default=True)
 @click.option("--max-attempts", type=int, default=StorageConfig.max_attempts, show_default=True,
               help="Attempts per object-store request before giving up.")
 def main(input_uri: str, output: str, seq_len: int, tokenizer: str, text_field: str, rows_per_shard: int,
-         rows_per_group: int, val_fraction: float, endpoint: str | None, region: str, max_attempts: int) -> None:
+         rows_per_group: int, val_fraction: float, skip_bad_records: bool, partition_mb: int, endpoint: str | None,
+         region: str, max_attempts: int) -> None:
     """Write INPUT's documents to OUTPUT as Parquet shards of packed rows plus manifest.json.
     Rerunning writes only missing or changed shards."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -47,11 +54,9 @@ def main(input_uri: str, output: str, seq_len: int, tokenizer: str, text_field: 
     cfg = PrepareConfig(
         input=input_uri, output=output, seq_len=seq_len, tokenizer=tokenizer, text_field=text_field,
         rows_per_shard=rows_per_shard, rows_per_group=rows_per_group, val_fraction=val_fraction,
+        skip_bad_records=skip_bad_records, partition_bytes=partition_mb << 20,
         storage=StorageConfig(endpoint=endpoint, region=region, max_attempts=max_attempts),
     )
-    from wildtrain import ray_compat
-
-    ray_compat.quiet_ray_data()
     try:
         result = prepare(cfg)
     except (DataError, StorageError) as e:
@@ -60,21 +65,25 @@ def main(input_uri: str, output: str, seq_len: int, tokenizer: str, text_field: 
     manifest = result.manifest
     held_out = f", {sum(s.rows for s in manifest.validation)} rows held out in {len(manifest.validation)} validation " \
                f"shards" if manifest.validation else ""
+    bad = f", {sum(manifest.bad_records.values())} bad records skipped in {len(manifest.bad_records)} files" \
+        if manifest.bad_records else ""
     click.echo(f"{output}: {manifest.rows} rows, {manifest.tokens} tokens in {len(manifest.shards)} shards{held_out} "
-               f"({len(result.written)} written, {len(result.unchanged)} unchanged)")
+               f"({len(result.written)} written, {len(result.unchanged)} unchanged){bad}")
 
 
 def _quiet_ray_of_the_run() -> None:
-    """Ray Data starts Ray on first use: let it join the cluster a run would join
-    (RAY_ADDRESS under `ray job submit`, else `wildtrain up`'s head) rather than start one of
-    its own (seconds), and keep Ray's INFO lines in its log folder. Before Ray is imported,
-    which reads these settings once."""
+    """Let prepare's tasks run on the cluster a run would join (RAY_ADDRESS under `ray job
+    submit`, else `wildtrain up`'s head) rather than on a Ray of its own (seconds), and keep
+    Ray's INFO lines in its log folder. Before Ray is imported, which reads these settings once."""
     services.prepare_ray_client(None)
     try:
         os.environ.setdefault("RAY_ADDRESS", services.ray_address(None))
     except services.ServiceError:
         pass  # no cluster to join: a Ray of its own for this job
     os.environ.setdefault("RAY_LOGGER_LEVEL", "warning")
+    # A partition's bad record stops the job in its one line; the tasks it cancels then are
+    # no errors to print as well.
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
                        cfg.storage)
     tracking = Client(cfg.tracking.uri)
     log_event(tracking, run_id, Started(started_at), step=0)
-    tracking.log_datasets(run_id, [(uri, sha256) for uri, _, sha256 in pins.datasets])
+    tracking.log_datasets(run_id, [(uri, sha256, bad) for (uri, _, sha256), bad in zip(pins.datasets, data.bad_records)])
     if order_changed:
         log_event(tracking, run_id, DataOrderChanged(time.time(), order_changed, "; ".join(order_changed)), step=0)
     for skipped in data.skipped_shards:

@@ -148,13 +148,19 @@ def probe(uri: str, config: Optional[StorageConfig] = None) -> None:
 def list_files(uri: str, config: Optional[StorageConfig] = None) -> tuple[pafs.FileSystem, list[str]]:
     """The filesystem of `uri` and the files there, as its paths, sorted: `uri` itself if it
     is a file, everything under it if it is a folder or prefix, nothing if it does not exist."""
+    fs, files = list_sizes(uri, config)
+    return fs, [path for path, _ in files]
+
+
+def list_sizes(uri: str, config: Optional[StorageConfig] = None) -> tuple[pafs.FileSystem, list[tuple[str, int]]]:
+    """`list_files` with each file's size, from the same listing."""
     fs, path = filesystem(uri, config)
     with errors(uri, config):
         info = fs.get_file_info(path)
         if info.type != pafs.FileType.Directory:
-            return fs, [path] if info.type == pafs.FileType.File else []
+            return fs, [(path, info.size)] if info.type == pafs.FileType.File else []
         found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
-    return fs, sorted(f.path for f in found if f.type == pafs.FileType.File)
+    return fs, sorted((f.path, f.size) for f in found if f.type == pafs.FileType.File)
 
 
 def read_bytes(uri: str, config: Optional[StorageConfig] = None) -> Optional[bytes]:

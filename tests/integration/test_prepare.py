@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -69,7 +70,7 @@ def test_tiny_corpus_becomes_verified_shards_of_whole_documents(prepared):
     cfg, result = prepared
     manifest = read_manifest(cfg.output)
     assert manifest == result.manifest
-    assert result.written == [f"shard-{i:05d}.parquet" for i in range(5)] and result.unchanged == []
+    assert result.written == [f"shard-00000-{i:05d}.parquet" for i in range(5)] and result.unchanged == []
     verify(cfg.output, manifest)
     fs, root = storage.filesystem(cfg.output)
     tables = [pq.read_table(f"{root}/{shard.path}", filesystem=fs) for shard in manifest.shards]
@@ -96,25 +97,25 @@ def test_interrupted_run_resumes_to_identical_output(prepared):
     manifest_bytes = storage.read_bytes(manifest_uri)
     fs, root = storage.filesystem(cfg.output)
     # What a run killed while writing leaves: a shard missing and no manifest yet.
-    fs.delete_file(f"{root}/shard-00002.parquet")
+    fs.delete_file(f"{root}/shard-00000-00002.parquet")
     fs.delete_file(f"{root}/manifest.json")
     with pytest.raises(DataError, match="no manifest"):
         read_manifest(cfg.output)
     resumed = prepare(cfg)
-    assert resumed.written == ["shard-00002.parquet"]
+    assert resumed.written == ["shard-00000-00002.parquet"]
     assert resumed.manifest == first.manifest and storage.read_bytes(manifest_uri) == manifest_bytes
     verify(cfg.output, resumed.manifest)
 
 
 def test_corrupt_shard_is_named_and_a_rerun_repairs_it(prepared):
     cfg, first = prepared
-    uri = storage.join(cfg.output, "shard-00001.parquet")
+    uri = storage.join(cfg.output, "shard-00000-00001.parquet")
     data = bytearray(storage.read_bytes(uri))
     data[8] ^= 0xFF
     storage.write_bytes(uri, bytes(data))
-    with pytest.raises(DataError, match=r"^shard shard-00001.parquet: sha256 does not match"):
+    with pytest.raises(DataError, match=r"^shard shard-00000-00001.parquet: sha256 does not match"):
         verify(cfg.output, first.manifest)
-    assert prepare(cfg).written == ["shard-00001.parquet"]
+    assert prepare(cfg).written == ["shard-00000-00001.parquet"]
     verify(cfg.output, first.manifest)
 
 
@@ -128,6 +129,7 @@ def test_parquet_input_gives_the_same_shards_as_jsonl(prepared, bucket, tmp_path
 
 
 def test_text_files_are_one_document_each_with_a_trained_bpe(bucket, tmp_path):
+    """Each file is a partition of its own: its shards start with its first document, numbered 0."""
     texts = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines()]
     for i in range(3):
         (tmp_path / f"book-{i}.txt").write_text(" ".join(texts[i::3]))
@@ -140,11 +142,13 @@ def test_text_files_are_one_document_each_with_a_trained_bpe(bucket, tmp_path):
     tokenizer = get_tokenizer(storage.join(output, "tokenizer.json"))
     fs, root = storage.filesystem(output)
     tables = [pq.read_table(f"{root}/{shard.path}", filesystem=fs) for shard in manifest.shards]
-    tokens = [i for t in tables for row in t.column("tokens").to_pylist() for i in row]
-    doc_ids = [i for t in tables for row in t.column("doc_ids").to_pylist() for i in row]
-    first_book = tokenizer.encode(" ".join(texts[0::3])) + [tokenizer.eos_id]
-    assert tokens[:len(first_book)] == first_book and doc_ids[:len(first_book)] == [0] * len(first_book)
-    assert doc_ids[len(first_book)] == 1 and sorted(set(doc_ids)) == [0, 1, 2]
+    for book in range(3):
+        shards = [i for i, s in enumerate(manifest.shards) if s.path.startswith(f"shard-{book:05d}-")]
+        book_tokens = [i for t in shards for row in tables[t].column("tokens").to_pylist() for i in row]
+        book_docs = {i for t in shards for row in tables[t].column("doc_ids").to_pylist() for i in row}
+        ids = tokenizer.encode(" ".join(texts[book::3])) + [tokenizer.eos_id]
+        # Its tail that fills no row of seq_len + 1 ids is dropped.
+        assert book_tokens == ids[:len(ids) // 65 * 65] and book_docs == {0}
 
 
 def test_a_shard_with_the_wrong_schema_is_named(bucket):
@@ -163,7 +167,7 @@ def test_a_shard_with_the_wrong_schema_is_named(bucket):
 @pytest.mark.parametrize("content, message", [
     ("", r"^input: .*empty.jsonl holds no documents"),
     ('{"text": ""}\n{"text": "short"}\n', r"^input: .*empty.jsonl holds no text that fills one row of seq_len \+ 1 = 129"),
-    ('{"body": "x"}\n', r"^text_field: no field 'text' in .*empty.jsonl \(fields: body\)"),
+    ('{"body": "x"}\n', r"^/.*empty.jsonl:line 1: no field 'text' \(--skip-bad-records skips"),
 ])
 def test_empty_corpus_or_missing_field_is_one_clear_error(bucket, tmp_path, content, message):
     (tmp_path / "empty.jsonl").write_text(content)
@@ -178,6 +182,33 @@ def test_cli_reports_a_missing_input_in_one_line(tmp_path):
     )
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [f"prepare: input: {tmp_path / 'nope'} does not exist"]
+
+
+def test_cli_names_a_malformed_line_in_one_line_and_skips_it_when_told(ray_cluster, tmp_path):
+    """On the test cluster's tasks, as `make demo` runs it: the error is the task's own line,
+    not Ray's wrapper; with --skip-bad-records the count is printed and in the manifest."""
+    texts = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines()]
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for i in range(2):
+        (folder / f"part-{i}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[i::2]))
+    with open(folder / "part-1.jsonl", "a") as f:
+        f.write('{"text": "cut off\n')
+    command = [sys.executable, "data_pipelines/prepare.py", "--input", str(folder), "--output", str(tmp_path / "out")]
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.address}
+    failed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1, failed.stderr
+    assert "Traceback" not in failed.stderr
+    named = [line for line in failed.stderr.splitlines() if "part-1.jsonl" in line]
+    assert named == [f"prepare: {folder}/part-1.jsonl:line {len(texts[1::2]) + 1}: not JSON (Unterminated string "
+                     "starting at: column 10) (--skip-bad-records skips and counts such records)"], failed.stderr
+    done = subprocess.run(command + ["--skip-bad-records"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith(", 1 bad records skipped in 1 files")
+    assert [line for line in done.stderr.splitlines() if line.startswith("prepare: ")][-1].endswith(
+        "2/2 partitions")  # the progress line, off a terminal: at its end at least
+    assert read_manifest(str(tmp_path / "out")).bad_records == {f"{folder}/part-1.jsonl": 1}
 
 
 @pytest.fixture

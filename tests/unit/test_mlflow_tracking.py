@@ -117,7 +117,7 @@ def test_runs_that_start_together_on_the_same_dataset_each_record_it(tmp_path):
         def log(run_id):
             start.wait()
             try:
-                mlflow_client.Client(uri).log_datasets(run_id, [(f"s3://b/data-{round_}", f"{round_:02d}" * 32)])
+                mlflow_client.Client(uri).log_datasets(run_id, [(f"s3://b/data-{round_}", f"{round_:02d}" * 32, round_)])
             except Exception as e:  # noqa: BLE001 - the test reports every one
                 errors.append(repr(e)[:200])
 
@@ -128,8 +128,8 @@ def test_runs_that_start_together_on_the_same_dataset_each_record_it(tmp_path):
             thread.join()
         assert errors == []
     for run_id in runs:
-        assert sorted(i.dataset.name for i in client.get_run(run_id).inputs.dataset_inputs) == [
-            f"s3://b/data-{r}" for r in range(3)]
+        assert sorted((i.dataset.name, i.dataset.profile) for i in client.get_run(run_id).inputs.dataset_inputs) == [
+            (f"s3://b/data-{r}", f'{{"bad_records": {r}}}') for r in range(3)]
 
 
 def test_each_window_of_a_report_is_logged_at_its_own_step_and_time(store, tmp_path):

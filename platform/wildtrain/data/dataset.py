@@ -41,14 +41,17 @@ class OpenedData:
     # the validation datasets, and the UTF-8 bytes each token id spells (for bits per byte).
     validation: list[ValidationSet] = field(default_factory=list)
     token_bytes: Optional[np.ndarray] = None
+    # Records each dataset's preparation skipped as unreadable (its manifest's bad_records), in order.
+    bad_records: list[int] = field(default_factory=list)
 
 
 def open_datasets(cfg: Config) -> OpenedData:
-    datasets, skipped, tokenizer, hashes, held_out = [], [], None, [], []
+    datasets, skipped, tokenizer, hashes, held_out, bad_records = [], [], None, [], [], []
     for index, spec in enumerate(cfg.data.datasets):
         key = f"data.datasets.{index}.uri"
         root, manifest, text = _manifest(cfg, key, spec.uri)
         hashes.append(hashlib.sha256(text.encode()).hexdigest())
+        bad_records.append(sum(manifest.bad_records.values()))
         _check_fits(cfg, key, manifest)
         if tokenizer is not None and manifest.tokenizer != tokenizer:
             raise DataError(f"{key}: tokenized with {manifest.tokenizer}, data.datasets.0 with {tokenizer}")
@@ -95,7 +98,7 @@ def open_datasets(cfg: Config) -> OpenedData:
     validation = [ValidationSet(name, root, tuple(shards))
                   for name, (root, shards) in zip(names_for([root for root, _ in held_out]), held_out)]
     token_bytes = (dataset_tokenizer(datasets[0].root, tokenizer, cfg.storage).token_bytes() if validation else None)
-    return OpenedData(datasets, steps, tokenizer, skipped, hashes, validation, token_bytes)
+    return OpenedData(datasets, steps, tokenizer, skipped, hashes, validation, token_bytes, bad_records)
 
 
 def _manifest(cfg: Config, key: str, uri: str) -> tuple[str, Manifest, str]:

@@ -4,6 +4,8 @@ A dataset root holds the shards, the tokenizer.json they were tokenized with (un
 byte-level) and manifest.json, written last: a root without a manifest is an unfinished
 preparation. Every shard row holds two columns of `seq_len + 1` int32s: `tokens`, and
 `doc_ids`, the document each token belongs to, so attention can be masked per document.
+Doc ids tell a row's documents apart and nothing more: they count documents within one
+input partition (a row never spans two), modulo 2**31.
 
 The manifest knows every shard's rows, row groups, size and sha256: a reader plans its
 reads without listing the bucket or opening every footer, and `verify` proves the stored
@@ -67,11 +69,14 @@ class Manifest:
     # Shards of documents held out for validation (prepare's val_fraction), never trained
     # on; `rows` and `tokens` count the training shards alone.
     validation: list[Shard] = field(default_factory=list)
+    # Records skipped as unreadable (prepare's --skip-bad-records), per input file that had any.
+    bad_records: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> str:
         data = asdict(self)
-        if not self.validation:  # a manifest without held-out documents reads as it always did
-            del data["validation"]
+        for key in ("validation", "bad_records"):  # a manifest without them reads as it always did
+            if not data[key]:
+                del data[key]
         return json.dumps(data, indent=2) + "\n"
 
     @classmethod

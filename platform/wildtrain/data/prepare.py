@@ -2,58 +2,96 @@
 `seq_len + 1` ids that remember each token's document, and write Parquet shards and a
 manifest (see `manifest`) to the output URI.
 
-Ray Data reads and tokenizes in parallel and in input order. The driver packs the token
-stream, which is sequential by nature (a row starts where the previous one ended), and
-encodes and uploads shards from a few threads. The same input and settings give
-byte-identical shards under the same names, so a rerun writes only the shards that are
-missing or differ from what is stored, an interrupted run resumes where it stopped, and
-manifest.json, written last, marks the dataset complete.
+The input is split into partitions (`records`: files, or byte ranges of large JSONL and
+Parquet files). A Ray task per partition reads, tokenizes and packs it into shards of its
+own, named by the partition's index (`shard-PPPPP-SSSSS.parquet`), and writes a part record
+(`parts/PPPPP.json`) last; the driver only orders the partitions' shards into the manifest.
+A row never spans two partitions: each partition drops its tail that fills no row.
+
+The same input and settings give byte-identical shards under the same names, so a rerun
+writes only the shards that are missing or differ from what is stored; a partition whose
+part record matches and whose shards verify is not read again, so an interrupted run
+resumes where it stopped; manifest.json, written last, marks the dataset complete.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Iterable, Iterator
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
 
 from wildtrain import storage
 from wildtrain.config import StorageConfig
+from wildtrain.data import records
 from wildtrain.data.manifest import (
-    TOKENIZER, DataError, Manifest, Shard, encode_shard, verify, write_manifest,
+    FORMAT, TOKENIZER, DataError, Manifest, Shard, encode_shard, verify, verify_shard, write_manifest,
 )
+from wildtrain.data.records import Partition
 from wildtrain.data.tokenizer import HFTokenizer, Tokenizer, bpe_vocab_size, get_tokenizer, train_bpe
-
-if TYPE_CHECKING:
-    from ray.data import Dataset
 
 log = logging.getLogger(__name__)
 
-FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
-# Shards being encoded and uploaded at once: the upload overlaps packing, and memory stays
-# bounded at a few shards.
-WRITERS = 4
+PARTS = "parts"  # the folder of part records under the dataset root
+EXECUTORS = ("ray", "local")
 
 
 @dataclass
 class PrepareConfig:
-    input: str  # a file, or a folder or prefix of .jsonl/.json, .txt or .parquet files
+    input: str  # a file, or a folder or prefix of input files (see `records`)
     output: str  # the dataset root
     seq_len: int = 128
     tokenizer: str = "byte"  # byte | bpe:VOCAB (trained on the input) | path or URI of a tokenizer.json
-    text_field: str = "text"  # of jsonl records, or the column of Parquet files
+    text_field: str = "text"  # of jsonl records, or the column of Parquet and Arrow files
     rows_per_shard: int = 8192
     rows_per_group: int = 1024  # Parquet row group: the unit a training reader fetches
     # Documents held out for validation, by a hash of their text (`held_out`): a rerun, or
     # the same corpus in another order, holds out the same ones. 0: none.
     val_fraction: float = 0.0
+    # Count and skip records that are not UTF-8, not JSON or lack the text field, rather
+    # than stop at the first, naming it.
+    skip_bad_records: bool = False
+    partition_bytes: int = 256 << 20  # a plain JSONL or Parquet file larger than this is read in ranges of it
+    executor: str = "ray"  # ray: a task per partition on the cluster | local: one after another, here
+    progress_every: float = 30.0  # seconds between progress lines when stderr is no terminal
     storage: StorageConfig = field(default_factory=StorageConfig)
+
+
+@dataclass
+class Part:
+    """A partition's part record: what it was prepared from (`key`) and what it holds."""
+
+    key: dict
+    shards: list[Shard]
+    validation: list[Shard]
+    documents: int
+    bad_records: int
+    tokens: int  # ids tokenized, end-of-document ids included, before the tail is dropped
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "Part":
+        data = json.loads(text)
+        return cls(**{**data, "shards": [Shard(**s) for s in data["shards"]],
+                      "validation": [Shard(**s) for s in data["validation"]]})
+
+
+@dataclass
+class PartResult:
+    index: int
+    part: Part
+    written: list[str]
+    unchanged: list[str]
+    read: bool  # tokenized by this run, rather than found stored and verified
+    cpu_s: float  # the task's CPU time, tokenizer threads included
 
 
 @dataclass
@@ -61,44 +99,26 @@ class PrepareResult:
     manifest: Manifest
     written: list[str]  # shards written by this run
     unchanged: list[str]  # shards already stored byte for byte
+    parts: list[PartResult] = field(default_factory=list)
 
 
 def prepare(cfg: PrepareConfig) -> PrepareResult:
     _validate(cfg)
     storage.probe(cfg.output, cfg.storage)
-    texts = read_texts(cfg)
-    tokenizer = _tokenizer(cfg, texts)
-    ids = texts.map_batches(_tokenize, batch_format="pyarrow",
-                            fn_kwargs={"text_field": cfg.text_field, "tokenizer": tokenizer,
-                                       "val_fraction": cfg.val_fraction})
-    packers = {False: RowPacker(cfg.seq_len, tokenizer.eos_id, cfg.rows_per_shard),
-               True: RowPacker(cfg.seq_len, tokenizer.eos_id, cfg.rows_per_shard)}
-    names = {False: "shard", True: "validation"}
-    counts = {False: 0, True: 0}
-    done: dict[bool, list[tuple[Shard, bool]]] = {False: [], True: []}
-    with ThreadPoolExecutor(WRITERS) as pool:
-        pending: deque[tuple[bool, Future]] = deque()
-
-        def write(held_out: bool, shards: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
-            for tokens, doc_ids in shards:
-                name = f"{names[held_out]}-{counts[held_out]:05d}.parquet"
-                counts[held_out] += 1
-                pending.append((held_out, pool.submit(_write_shard, cfg, name, tokens, doc_ids)))
-            while len(pending) >= WRITERS or (pending and pending[0][1].done()):
-                held, future = pending.popleft()
-                done[held].append(future.result())
-
-        for batch in ids.iter_batches(batch_format="pyarrow", batch_size=None):
-            documents, held_out = batch.column("ids").combine_chunks(), batch.column("validation").to_numpy()
-            for held in (False, True):
-                part = documents.filter(pa.array(held_out == held))
-                write(held, packers[held].add(part) if len(part) else [])
-        for held in (False, True):
-            write(held, packers[held].finish())
-        for held, future in pending:
-            done[held].append(future.result())
-    shards, validation = ([shard for shard, _ in done[held]] for held in (False, True))
-    written = [shard.path for held in done for shard, was_written in done[held] if was_written]
+    parts = partitions(cfg)
+    tokenizer = _tokenizer(cfg, parts)
+    progress = Progress(sum(p.bytes for p in parts), len(parts), cfg.progress_every)
+    run = _run_ray if cfg.executor == "ray" else _run_local
+    results = run(cfg, tokenizer, parts, progress)
+    progress.finish()
+    shards = [s for r in results for s in r.part.shards]
+    validation = [s for r in results for s in r.part.validation]
+    bad: dict[str, int] = {}
+    for part, result in zip(parts, results):
+        if result.part.bad_records:
+            bad[part.name] = bad.get(part.name, 0) + result.part.bad_records
+    if not any(r.part.documents for r in results):
+        raise DataError(f"input: {cfg.input} holds no documents")
     if not shards:
         raise DataError(f"input: {cfg.input} holds no text that fills one row of seq_len + 1 = {cfg.seq_len + 1} tokens")
     if cfg.val_fraction and not validation:
@@ -112,13 +132,27 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         rows=sum(shard.rows for shard in shards),
         tokens=sum(shard.tokens for shard in shards),
         validation=validation,
+        bad_records=bad,
     )
     write_manifest(cfg.output, manifest, cfg.storage)
     verify(cfg.output, manifest, check_checksums=False, config=cfg.storage)
-    log.info("%s: %d rows, %d tokens in %d shards, %d validation shards (%d written)", cfg.output, manifest.rows,
-             manifest.tokens, len(shards), len(validation), len(written))
-    return PrepareResult(manifest, written,
-                         [shard.path for held in done for shard, was_written in done[held] if not was_written])
+    written = [path for r in results for path in r.written]
+    log.info("%s: %d rows, %d tokens in %d shards, %d validation shards (%d written), %d bad records skipped",
+             cfg.output, manifest.rows, manifest.tokens, len(shards), len(validation), len(written),
+             sum(bad.values()))
+    return PrepareResult(manifest, written, [path for r in results for path in r.unchanged], results)
+
+
+def partitions(cfg: PrepareConfig) -> list[Partition]:
+    _, listed = storage.list_sizes(cfg.input, cfg.storage)
+    if not listed:
+        raise DataError(f"input: {cfg.input} does not exist")
+    files = records.documents(*map(list, zip(*listed)))
+    if not files:
+        raise DataError(f"input: no {', '.join(records.FORMATS)} files in {cfg.input}")
+    resolved = storage.resolve(cfg.input)
+    scheme = resolved[:resolved.index("://") + 3] if "://" in resolved else ""
+    return records.split(files, cfg.partition_bytes, scheme)
 
 
 def held_out(text: str, fraction: float) -> bool:
@@ -127,25 +161,250 @@ def held_out(text: str, fraction: float) -> bool:
     return fraction > 0 and int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") < fraction * 2**64
 
 
+def part_key(cfg: PrepareConfig, tokenizer: Tokenizer, part: Partition) -> dict:
+    """What a partition's shards follow from: a stored part record with another key is stale."""
+    return {"format": FORMAT, "input": part.name, "start": part.start, "stop": part.stop, "size": part.size,
+            "seq_len": cfg.seq_len, "tokenizer": tokenizer.describe(), "text_field": cfg.text_field,
+            "rows_per_shard": cfg.rows_per_shard, "rows_per_group": cfg.rows_per_group,
+            "val_fraction": cfg.val_fraction, "skip_bad_records": cfg.skip_bad_records}
+
+
+def prepare_part(cfg: PrepareConfig, tokenizer: Tokenizer, index: int, part: Partition,
+                 on_batch: Optional[Callable[[int, int, int, int], None]] = None) -> PartResult:
+    """Read, tokenize and pack partition `index` into its shards and part record, unless its
+    stored part record has the same key and its shards verify. `on_batch(bytes, documents,
+    tokens, shards written)` follows the reading."""
+    started = time.process_time()
+    key = part_key(cfg, tokenizer, part)
+    record_uri = storage.join(cfg.output, PARTS, f"{index:05d}.json")
+    stored = _stored(cfg, record_uri, key)
+    if stored is not None:
+        paths = [s.path for s in stored.shards + stored.validation]
+        return PartResult(index, stored, [], paths, False, time.process_time() - started)
+    fs, _ = storage.filesystem(cfg.input, cfg.storage)
+    packers = {held: RowPacker(cfg.seq_len, tokenizer.eos_id, cfg.rows_per_shard) for held in (False, True)}
+    shards: dict[bool, list[Shard]] = {False: [], True: []}
+    written, unchanged = [], []
+    documents = bad = tokens = 0
+
+    def write(held: bool, packed: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
+        for rows, doc_ids in packed:
+            name = f"{'validation' if held else 'shard'}-{index:05d}-{len(shards[held]):05d}.parquet"
+            shard, data = encode_shard(name, rows, doc_ids, cfg.rows_per_group)
+            (written if storage.write_if_changed(storage.join(cfg.output, name), data, cfg.storage)
+             else unchanged).append(name)
+            shards[held].append(shard)
+
+    with storage.errors(part.name, cfg.storage):
+        for texts, skipped, read in records.read(fs, part, cfg.text_field, cfg.skip_bad_records):
+            bad += skipped
+            documents += len(texts)
+            batch_tokens, shards_before = 0, len(written)
+            if texts:
+                ids, lengths = tokenizer.encode_batch(texts)
+                batch_tokens = len(ids) + len(texts)
+                batch = pa.LargeListArray.from_arrays(np.concatenate([[0], np.cumsum(lengths)]), ids)
+                held = np.fromiter((held_out(t, cfg.val_fraction) for t in texts), bool, count=len(texts))
+                for flag in (False, True):
+                    chosen = batch.filter(pa.array(held == flag))
+                    if len(chosen):
+                        write(flag, packers[flag].add(chosen))
+            tokens += batch_tokens
+            if on_batch:
+                on_batch(read, len(texts), batch_tokens, len(written) - shards_before)
+    for flag in (False, True):
+        write(flag, packers[flag].finish())
+    result = Part(key, shards[False], shards[True], documents, bad, tokens)
+    storage.write_if_changed(record_uri, result.to_json().encode(), cfg.storage)
+    return PartResult(index, result, written, unchanged, True, time.process_time() - started)
+
+
+def _stored(cfg: PrepareConfig, uri: str, key: dict) -> Optional[Part]:
+    """The partition's stored part record if it has `key` and every shard it names verifies."""
+    text = storage.read_text(uri, cfg.storage)
+    if text is None:
+        return None
+    try:
+        part = Part.from_json(text)
+    except (TypeError, ValueError, KeyError):
+        return None  # a record from another version: the partition is prepared again
+    if part.key != key:
+        return None
+    try:
+        for shard in part.shards + part.validation:
+            verify_shard(cfg.output, shard, cfg.seq_len + 1, True, cfg.storage)
+    except DataError:
+        return None
+    return part
+
+
+def _run_local(cfg: PrepareConfig, tokenizer: Tokenizer, parts: list[Partition], progress: Progress) -> list[PartResult]:
+    results = []
+    for i, part in enumerate(parts):
+        results.append(prepare_part(cfg, tokenizer, i, part, progress.advance))
+        progress.part_done(results[-1], part.bytes)
+    return results
+
+
+def _run_ray(cfg: PrepareConfig, tokenizer: Tokenizer, parts: list[Partition], progress: Progress) -> list[PartResult]:
+    """A task per partition, a few per CPU of the cluster in flight: the driver waits, orders
+    and reports; the tasks read, tokenize, pack and write."""
+    import ray
+
+    from wildtrain.storage import StorageError
+
+    if not ray.is_initialized():
+        ray.init(log_to_driver=False)
+    # The tasks write to the store with this process's endpoint and keys.
+    task = ray.remote(prepare_part).options(num_cpus=1,
+                                            runtime_env={"env_vars": storage.handover_env(cfg.storage)})
+    cfg_ref, tokenizer_ref = ray.put(cfg), ray.put(tokenizer)
+    read_so_far = ray.remote(num_cpus=0)(ReadSoFar).remote()
+    window = 2 * max(int(ray.cluster_resources().get("CPU", 1)), 1)
+    results: list[Optional[PartResult]] = [None] * len(parts)
+    pending: dict = {}
+    submitted = 0
+    try:
+        while submitted < len(parts) or pending:
+            while submitted < len(parts) and len(pending) < window:
+                pending[task.remote(cfg_ref, tokenizer_ref, submitted, parts[submitted],
+                                    Reporter(read_so_far, submitted))] = submitted
+                submitted += 1
+            done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=1.0, fetch_local=True)
+            for ref in done:
+                index = pending.pop(ref)
+                try:
+                    results[index] = ray.get(ref)
+                except ray.exceptions.RayTaskError as e:
+                    # The task's own one-line error, not Ray's wrapper with both tracebacks.
+                    if isinstance(e.cause, (DataError, StorageError)):
+                        raise e.cause from None
+                    raise
+                progress.part_done(results[index], parts[index].bytes)
+            if pending:
+                progress.running = np.array(ray.get(read_so_far.of.remote(list(pending.values()))), np.int64)
+            progress.show()
+    finally:
+        for ref in pending:
+            ray.cancel(ref)
+        ray.kill(read_so_far)
+    return results  # type: ignore[return-value]
+
+
+class Progress:
+    """One line of progress: bytes and documents read of the total, tokens/s, ETA, shards
+    written; rewritten in place on a terminal, else printed every `every` seconds. Finished
+    partitions count exactly (`part_done`); running ones as far as they have reported
+    (`running`)."""
+
+    def __init__(self, total_bytes: int, parts: int, every: float, stream=None) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.every = 1.0 if self.tty else every
+        self.total_bytes, self.parts, self.parts_done = total_bytes, parts, 0
+        # bytes, documents, tokens, shards written, bytes tokenized by this run (the rate's base)
+        self.finished = np.zeros(5, np.int64)
+        self.running = np.zeros(5, np.int64)
+        self.started = self.shown = time.monotonic()
+
+    def advance(self, read: int, documents: int, tokens: int, shards: int) -> None:
+        """What the partition being read here has read since the last call."""
+        self.running += (read, documents, tokens, shards, read)
+        self.show()
+
+    def part_done(self, result: PartResult, part_bytes: int) -> None:
+        self.parts_done += 1
+        self.running = np.zeros(5, np.int64)
+        tokens, tokenized = (result.part.tokens, part_bytes) if result.read else (0, 0)
+        self.finished += (part_bytes, result.part.documents, tokens, len(result.written), tokenized)
+
+    def show(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.shown < self.every:
+            return
+        self.shown = now
+        done, documents, tokens, shards, tokenized = (int(n) for n in self.finished + self.running)
+        line = progress_line(done, self.total_bytes, documents, tokens, tokenized, shards, self.parts_done,
+                             self.parts, now - self.started)
+        self.stream.write(f"\r\033[K{line}" if self.tty else f"{line}\n")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        self.show(force=True)
+        if self.tty:
+            self.stream.write("\n")
+
+
+class ReadSoFar:
+    """What each running partition's task has read so far (a Ray actor of the driver's)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[int, np.ndarray] = {}
+
+    def add(self, index: int, counts: tuple[int, int, int, int]) -> None:
+        self.parts[index] = self.parts.get(index, 0) + np.array([*counts, counts[0]], np.int64)
+
+    def of(self, indices: list[int]) -> list[int]:
+        return sum((self.parts.get(i, np.zeros(5, np.int64)) for i in indices), np.zeros(5, np.int64)).tolist()
+
+
+class Reporter:
+    """A task's `on_batch`: adds up what it read and tells `ReadSoFar` at most every second."""
+
+    def __init__(self, actor, index: int) -> None:
+        self.actor, self.index = actor, index
+        self.counts, self.sent = (0, 0, 0, 0), None
+
+    def __call__(self, read: int, documents: int, tokens: int, shards: int) -> None:
+        self.counts = tuple(a + b for a, b in zip(self.counts, (read, documents, tokens, shards)))
+        now = time.monotonic()
+        if self.sent is None or now - self.sent >= 1.0:
+            self.actor.add.remote(self.index, self.counts)
+            self.counts, self.sent = (0, 0, 0, 0), now
+
+
+def progress_line(done: int, total: int, documents: int, tokens: int, tokenized: int, shards: int,
+                  parts_done: int, parts: int, elapsed: float) -> str:
+    """The progress line: the ETA extrapolates the bytes this run tokenized per second over
+    the bytes left. Pure."""
+    rate = tokenized / elapsed if elapsed > 0 else 0
+    eta = f"{(total - done) / rate:.0f} s" if rate > 0 else "?"
+    share = 100 * done / total if total else 100
+    return (f"prepare: {_size(done)} of {_size(total)} ({share:.0f}%), {documents:,} documents, "
+            f"{tokens / elapsed if elapsed > 0 else 0:,.0f} tokens/s, ETA {eta}, {shards} shards written, "
+            f"{parts_done}/{parts} partitions")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
 class RowPacker:
     """Packs batches of tokenized documents into shards of rows (see `pack_rows`), fed batch
-    by batch, so one pass over a corpus can fill two packers (training and validation)."""
+    by batch, so one pass over a corpus can fill two packers (training and validation).
+    Documents are numbered from `first_doc`, modulo 2**31 so that they fit the shards' int32:
+    a row holds far fewer documents, so its ids still tell them apart."""
 
-    def __init__(self, seq_len: int, eos_id: int, rows_per_shard: int) -> None:
+    def __init__(self, seq_len: int, eos_id: int, rows_per_shard: int, first_doc: int = 0) -> None:
         self.row_len = seq_len + 1
         self.shard_len = rows_per_shard * self.row_len
         self.eos_id = eos_id
         self._tokens: list[np.ndarray] = []
         self._doc_ids: list[np.ndarray] = []
-        self._buffered = self._next_doc = 0
+        self._buffered = 0
+        self._next_doc = first_doc  # a Python int: no overflow however many documents
 
     def add(self, batch: pa.ListArray) -> list[tuple[np.ndarray, np.ndarray]]:
         """The shards that `batch` completes."""
         lengths = batch.value_lengths().to_numpy(zero_copy_only=False)
         self._tokens.append(np.insert(batch.flatten().to_numpy(zero_copy_only=False), np.cumsum(lengths),
                                       self.eos_id).astype(np.int32))
-        self._doc_ids.append(np.repeat(np.arange(self._next_doc, self._next_doc + len(lengths), dtype=np.int32),
-                                       lengths + 1))
+        numbers = np.arange(self._next_doc, self._next_doc + len(lengths), dtype=np.int64) % 2**31
+        self._doc_ids.append(np.repeat(numbers.astype(np.int32), lengths + 1))
         self._next_doc += len(lengths)
         self._buffered += len(self._tokens[-1])
         if self._buffered < self.shard_len:
@@ -171,7 +430,7 @@ def pack_rows(documents: Iterable[pa.ListArray], seq_len: int, eos_id: int,
               rows_per_shard: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Shards of packed rows from batches of tokenized documents: (tokens, doc_ids), each
     (rows, seq_len + 1) int32. Every document is closed by `eos_id`, which belongs to it;
-    doc_ids count documents from 0 in input order. Only the last shard may be shorter, and
+    doc_ids count documents from 0 in input order (modulo 2**31). Only the last shard may be shorter, and
     the tail that fills no row is dropped. Pure: batch boundaries do not change the result."""
     packer = RowPacker(seq_len, eos_id, rows_per_shard)
     for batch in documents:
@@ -179,49 +438,13 @@ def pack_rows(documents: Iterable[pa.ListArray], seq_len: int, eos_id: int,
     yield from packer.finish()
 
 
-def read_texts(cfg: PrepareConfig) -> Dataset:
-    """A Ray dataset of the input's documents, in input order, as a column `text_field` of strings."""
-    import ray.data
-
-    fs, paths = storage.list_files(cfg.input, cfg.storage)
-    if not paths:
-        raise DataError(f"input: {cfg.input} does not exist")
-    formats = {FORMATS.get(PurePosixPath(p).suffix) for p in paths} - {None}
-    if not formats:
-        raise DataError(f"input: no {', '.join(FORMATS)} files in {cfg.input}")
-    if len(formats) > 1:
-        raise DataError(f"input: {cfg.input} mixes {' and '.join(sorted(formats))} files; prepare one kind at a time")
-    (kind,) = formats
-    paths = [p for p in paths if FORMATS.get(PurePosixPath(p).suffix) == kind]
-    # Determinism: the same documents must reach the packer in the same order on every run.
-    ray.data.DataContext.get_current().execution_options.preserve_order = True
-    if kind == "text":
-        return ray.data.read_binary_files(paths, filesystem=fs).map_batches(
-            _decode, batch_format="pyarrow", fn_kwargs={"text_field": cfg.text_field}
-        )
-    texts = (ray.data.read_parquet if kind == "parquet" else ray.data.read_json)(paths, filesystem=fs)
-    schema = texts.schema()  # Parquet's from its footer; JSON's by reading the first block only
-    if schema is None:
-        raise DataError(f"input: {cfg.input} holds no documents")
-    _require_text(schema.names, schema.types, cfg.text_field, paths[0])
-    return texts.select_columns([cfg.text_field])
-
-
-def _require_text(names: list[str], types: list, text_field: str, path: str) -> None:
-    if text_field not in names:
-        raise DataError(f"text_field: no field {text_field!r} in {path} (fields: {', '.join(names)})")
-    kind = types[names.index(text_field)]
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise DataError(f"text_field: {text_field!r} in {path} is {kind}, not text")
-
-
-def _tokenizer(cfg: PrepareConfig, texts: Dataset) -> Tokenizer:
+def _tokenizer(cfg: PrepareConfig, parts: list[Partition]) -> Tokenizer:
     """The tokenizer, trained first for bpe:VOCAB; any but byte-level is saved as the dataset's
     tokenizer.json, so the dataset carries what it was tokenized with."""
     vocab_size = bpe_vocab_size(cfg.tokenizer)
     if vocab_size is not None:
         log.info("training a BPE of %d ids on %s", vocab_size, cfg.input)
-        tokenizer = train_bpe(_iter_texts(texts, cfg.text_field), vocab_size)
+        tokenizer = train_bpe(_texts(cfg, parts), vocab_size)
     else:
         tokenizer = get_tokenizer(cfg.tokenizer, cfg.storage)
     if isinstance(tokenizer, HFTokenizer):
@@ -229,35 +452,23 @@ def _tokenizer(cfg: PrepareConfig, texts: Dataset) -> Tokenizer:
     return tokenizer
 
 
-def _iter_texts(texts: Dataset, text_field: str) -> Iterator[str]:
-    for batch in texts.iter_batches(batch_format="pyarrow", batch_size=None):
-        yield from filter(None, batch.column(text_field).to_pylist())
-
-
-def _decode(batch: pa.Table, text_field: str) -> pa.Table:
-    # A stray invalid byte must not stop a corpus of millions of files.
-    texts = [data.decode("utf-8", errors="replace") for data in batch.column("bytes").to_pylist()]
-    return pa.table({text_field: pa.array(texts, pa.string())})
-
-
-def _tokenize(batch: pa.Table, text_field: str, tokenizer: Tokenizer, val_fraction: float) -> pa.Table:
-    # Missing and empty texts are no documents: they would pack as a lone end-of-document id.
-    texts = [text for text in batch.column(text_field).to_pylist() if text]
-    return pa.table({"ids": pa.array([tokenizer.encode(text) for text in texts], pa.list_(pa.int32())),
-                     "validation": pa.array([held_out(text, val_fraction) for text in texts], pa.bool_())})
-
-
-def _write_shard(cfg: PrepareConfig, path: str, tokens: np.ndarray, doc_ids: np.ndarray) -> tuple[Shard, bool]:
-    shard, data = encode_shard(path, tokens, doc_ids, cfg.rows_per_group)
-    written = storage.write_if_changed(storage.join(cfg.output, path), data, cfg.storage)
-    log.info("%s: %d rows, %s", path, shard.rows, "written" if written else "unchanged")
-    return shard, written
+def _texts(cfg: PrepareConfig, parts: list[Partition]) -> Iterator[str]:
+    """Every document of the input in order, read here: what a BPE is trained on."""
+    fs, _ = storage.filesystem(cfg.input, cfg.storage)
+    for part in parts:
+        with storage.errors(part.name, cfg.storage):
+            for texts, _, _ in records.read(fs, part, cfg.text_field, cfg.skip_bad_records):
+                yield from texts
 
 
 def _validate(cfg: PrepareConfig) -> None:
     for key in ("seq_len", "rows_per_shard", "rows_per_group"):
         if getattr(cfg, key) < 1:
             raise DataError(f"{key}: must be positive, got {getattr(cfg, key)}")
+    if cfg.executor not in EXECUTORS:
+        raise DataError(f"executor: {cfg.executor!r} is none of {', '.join(EXECUTORS)}")
+    if cfg.partition_bytes < 1:
+        raise DataError(f"partition_bytes: must be positive, got {cfg.partition_bytes}")
     if not 0 <= cfg.val_fraction < 1:
         raise DataError(f"val_fraction: must be at least 0 and below 1, got {cfg.val_fraction}")
     if cfg.rows_per_shard * (cfg.seq_len + 1) >= 2**31:

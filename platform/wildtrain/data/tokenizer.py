@@ -11,6 +11,7 @@ which `hf_files` turns into what Transformers' AutoTokenizer loads (an export's 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from typing import Iterable, Optional, Protocol
@@ -40,6 +41,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]: ...
+
     def describe(self) -> dict: ...
 
     def decode(self, ids: list[int]) -> str: ...
@@ -61,6 +64,12 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of all `texts` in one int32 array, and each text's count of them."""
+        data = [text.encode("utf-8") for text in texts]
+        return (np.frombuffer(b"".join(data), np.uint8).astype(np.int32),
+                np.fromiter(map(len, data), np.int64, count=len(data)))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -121,6 +130,12 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         # Packing adds the end-of-document id itself; a template's BOS/EOS would double it.
         return self._backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of all `texts` in one int32 array, and each text's count of them."""
+        ids = [encoding.ids for encoding in self._backend.encode_batch(texts, add_special_tokens=False)]
+        lengths = np.fromiter(map(len, ids), np.int64, count=len(ids))
+        return np.fromiter(itertools.chain.from_iterable(ids), np.int32, count=int(lengths.sum())), lengths
 
     def decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids)

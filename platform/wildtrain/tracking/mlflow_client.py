@@ -9,6 +9,8 @@ Runs returned (`get_run`, `search_runs`) are MLflow's own `Run` objects, read by
 
 from __future__ import annotations
 
+import json
+
 import contextlib
 import os
 import urllib.error
@@ -191,16 +193,17 @@ class Client:
     def log_artifact(self, run_id: str, local_path: str, folder: str) -> None:
         self._client.log_artifact(run_id, local_path, folder)
 
-    def log_datasets(self, run_id: str, datasets: Sequence[tuple[str, str]]) -> None:
-        """Each (uri, manifest sha256) as an MLflow dataset input: the UI shows what each run
-        trained on, and runs on different data show different digests. MLflow keeps one input
-        per dataset and digest, so a resubmission logs nothing new."""
+    def log_datasets(self, run_id: str, datasets: Sequence[tuple[str, str, int]]) -> None:
+        """Each (uri, manifest sha256, bad records its preparation skipped) as an MLflow dataset
+        input: the UI shows what each run trained on, and runs on different data show different
+        digests. MLflow keeps one input per dataset and digest, so a resubmission logs nothing new."""
         from mlflow.entities import Dataset, DatasetInput, InputTag
         from mlflow.exceptions import MlflowException
 
         inputs = [DatasetInput(Dataset(name=uri, digest=sha256[:16], source_type="wildtrain-manifest",
-                                       source=f"{uri}/manifest.json"), tags=[InputTag("mlflow.data.context", "training")])
-                  for uri, sha256 in datasets]
+                                       source=f"{uri}/manifest.json", profile=json.dumps({"bad_records": bad})),
+                               tags=[InputTag("mlflow.data.context", "training")])
+                  for uri, sha256, bad in datasets]
         for attempt in range(_DATASET_ATTEMPTS):
             try:
                 self._client.log_inputs(run_id, datasets=inputs)
