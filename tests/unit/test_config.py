@@ -81,6 +81,17 @@ def test_seq_len_longer_than_the_model_is_rejected():
         load_config(["data.seq_len=4096"])
 
 
+@pytest.mark.parametrize("key, bad, choices", [
+    ("checkpoint.policy", "drop", "skip, queue"),
+    ("checkpoint.background", "fork", "process, thread"),
+    ("early_stop.metric", "val/acc", "loss, val/loss"),
+])
+def test_a_value_outside_its_choices_names_the_key_the_value_and_the_choices(key, bad, choices):
+    with pytest.raises(ConfigError) as e:
+        load_config([f"{key}={bad}"])
+    assert str(e.value) == f"{key}: expected one of {choices}, got {bad!r}"
+
+
 def test_a_partial_base_model_shape_is_rejected_naming_the_missing_key():
     # Also what an experiment promoted before per-matrix muP holds: base_dim and base_n_layers
     # beside multipliers already scaled, which scaling from the base again would compound.

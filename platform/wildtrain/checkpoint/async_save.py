@@ -5,16 +5,14 @@ A save has two halves.
 Capture, on the training thread (`AsyncSaver.save_engine`, `save_state`): DeepSpeed's
 `save_checkpoint` runs as usual (it is a collective, builds every state dict and names every
 file) but with the engine's checkpoint writer swapped for one that copies each tensor into a
-host buffer instead of serializing it (see `host_copy`). The small files DeepSpeed writes itself (`latest`, its recovery script) and the
-client state go straight to the rank's local staging folder.
+host buffer instead of serializing it (see `host_copy`, which owns the buffers). The small
+files DeepSpeed writes itself and the client state go straight to the rank's staging folder.
 
-Background, in the saver's child process (`save_process`; `save_work` is the work itself):
-`torch.save` of the host copies into the staging folder; upload to each store (primary
-first, then replicas), hashing while reading; verification (sizes, and by default every
-sha256 read back); this rank's part record; then rank 0 waits for every rank's part record,
-commits the manifest (see `store.py`) and applies retention. The staging folder is deleted
-afterwards. A writer thread of the saver hands each save to the child and relays what the
-child asks (whether a step's report was collected) and tells (what it is doing, its deadline).
+Background, in the saver's child process (`save_process`; `save_work` is the work itself:
+staging write, upload to each store, verification, and on rank 0 the commit once every
+rank's part is in). A writer thread of the saver hands each save to the child and relays
+what the child asks (whether a step's report was collected) and tells (what it is doing,
+its deadline).
 
 Why a process: in a thread, the background half takes the GIL (torch.save's pickling, the
 Python loops of hashing and copying) in turns with training, and once the cores are
@@ -48,22 +46,11 @@ for 15.7 GB on one H200, see DESIGN.md) against 18.5 s for `torch.save` of the s
 The price is host memory: the buffers stay allocated, one copy of this rank's checkpoint
 (two while a queued save waits).
 
-At most one save is in flight; one due meanwhile is skipped or queued as `policy` says (see
-`save_policy`). With several ranks the decision must be the same on every rank, because the
-capture is a collective: each rank asks `admission()`, the loop all-reduces "any rank would
-skip", and passes that as `blocked_elsewhere`.
-
-Storage problems never raise into training: every save ends as one `SaveOutcome` (saved,
-partial, failed or skipped; why; how long the training thread waited; how long the rest
-took; bytes), which `drain()` hands to the loop, and the next save is the retry. A full disk
-names the path and the bytes needed. `timeout_s` bounds the background half: it is checked
-between chunks of every upload and hash, between files, and while waiting for other ranks.
-A single storage call that never returns is bounded too: once the child
-is past its deadline by `save_process.KILL_GRACE_S` (or timeout_s, if less), the saver kills
-it, records the save failed with a reason naming the call, and the next save spawns a new
-child. With `background="thread"` (no second process) such a call cannot be interrupted;
-that save then stays in flight, and later saves are skipped (or queued) with a reason naming
-the call and how long it has been running.
+Storage problems never raise into training: every save ends as one `SaveOutcome` (see
+`save_policy`, which also decides what becomes of a save due while one is in flight), and
+the next save is the retry. A storage call that never returns is bounded by killing the
+child (`save_process.KILL_GRACE_S` past its deadline) and spawning a new one; in a thread
+(`background="thread"`) it cannot be, and later saves are skipped (or queued) meanwhile.
 """
 
 from __future__ import annotations
@@ -80,7 +67,7 @@ import torch
 
 from wildtrain import checkpoint
 from wildtrain.checkpoint.format import checkpoint_name
-from wildtrain.checkpoint.host_copy import CapturingWriter, HostBuffers, copying, tensor_specs, to_host
+from wildtrain.checkpoint.host_copy import CapturingWriter, HostBuffers, buffer_key, copying, reserve, to_host
 from wildtrain.checkpoint.retention import RetentionPolicy
 from wildtrain.checkpoint.save_policy import Admission, InFlight, Policy, SaveOutcome, admit
 from wildtrain.checkpoint.save_process import SaveProcess, SaveProcessLost
@@ -109,11 +96,6 @@ class _Job:
 
     def pending_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers.values())
-
-
-def _buffer_key(folder: Path, tag: str, path: str) -> str:
-    """Buffers are matched by position in the file, not by the tag folder, which changes every save."""
-    return Path(path).relative_to(folder).as_posix().removeprefix(f"{tag}/")
 
 
 class _Link:
@@ -243,27 +225,8 @@ class AsyncSaver:
 
     def reserve_buffers(self, engine) -> None:
         """Allocate the host buffers of this rank's part of `engine`'s checkpoints in the
-        background, before the first save needs them (a collective, as a save is: every
-        rank calls it). What the checkpoint holds is learned from a capture that copies
-        nothing: DeepSpeed's `save_checkpoint` into a scratch folder, its tensors noted."""
-        tag = "reserve"
-        folder = self.staging / f"reserve.rank{self.rank}"
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        specs: dict = {}
-
-        def note(path: str, state: Any) -> None:
-            if not isinstance(state, bytes):
-                specs.update(tensor_specs(state, _buffer_key(folder, tag, path)))
-
-        original = engine.checkpoint_engine
-        engine.checkpoint_engine = CapturingWriter(original, note)
-        try:
-            checkpoint.save(engine, str(folder), tag, "{}", self.rank)
-        finally:
-            engine.checkpoint_engine = original
-            shutil.rmtree(folder, ignore_errors=True)
-        self._buffers.reserve(specs)
+        background, before the first save needs them (a collective, as a save is)."""
+        reserve(self._buffers, engine, self.staging / f"reserve.rank{self.rank}", self.rank)
 
     def save_state(self, meta: CheckpointMeta, files: Mapping[str, Any], *, blocked_elsewhere: bool = False,
                    policy: Optional[Policy] = None) -> Admission:
@@ -355,7 +318,7 @@ class AsyncSaver:
         return _Job(meta, name, folder)
 
     def _capture(self, job: _Job, path: str, state: Any) -> None:
-        key = _buffer_key(job.folder, job.meta.tag, path)
+        key = buffer_key(job.folder, job.meta.tag, path)
         host = state if isinstance(state, bytes) else to_host(state, key, self._buffers, job.buffers, self._copy_stream)
         job.pending.append((Path(path).relative_to(job.folder).as_posix(), host))
 

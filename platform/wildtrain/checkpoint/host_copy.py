@@ -12,11 +12,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import shutil
 import weakref
+from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.cuda._pin_memory_utils as pin_memory_utils
+
+from wildtrain import checkpoint
 
 
 class HostBuffers:
@@ -162,3 +166,32 @@ def tensor_specs(obj: Any, key: str) -> dict[str, tuple[torch.Size, torch.dtype]
 
     map_tensors(obj, key, note, {})
     return specs
+
+
+def buffer_key(folder: Path, tag: str, path: str) -> str:
+    """Buffers are matched by position in the file, not by the tag folder, which changes every save."""
+    return Path(path).relative_to(folder).as_posix().removeprefix(f"{tag}/")
+
+
+def reserve(buffers: HostBuffers, engine, scratch: Path, rank: int) -> None:
+    """Have `buffers` allocate, in the background, a spare for each tensor of this rank's
+    part of `engine`'s checkpoints (a collective, as a save is: every rank calls it). What
+    the checkpoint holds is learned from a capture that copies nothing: DeepSpeed's
+    `save_checkpoint` into the `scratch` folder, its tensors noted."""
+    tag = "reserve"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    specs: dict[str, tuple[torch.Size, torch.dtype]] = {}
+
+    def note(path: str, state: Any) -> None:
+        if not isinstance(state, bytes):
+            specs.update(tensor_specs(state, buffer_key(scratch, tag, path)))
+
+    original = engine.checkpoint_engine
+    engine.checkpoint_engine = CapturingWriter(original, note)
+    try:
+        checkpoint.save(engine, str(scratch), tag, "{}", rank)
+    finally:
+        engine.checkpoint_engine = original
+        shutil.rmtree(scratch, ignore_errors=True)
+    buffers.reserve(specs)

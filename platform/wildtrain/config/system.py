@@ -7,7 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from wildtrain.config.errors import ConfigError, positive, zero_or_positive
+from wildtrain.config.errors import ConfigError, one_of, positive, zero_or_positive
+
+SAVE_POLICIES = ("skip", "queue")
+SAVE_BACKGROUNDS = ("process", "thread")
 
 
 @dataclass
@@ -150,10 +153,8 @@ class CheckpointConfig:
         for key in ("every", "keep_last", "timeout_s"):
             positive(f"checkpoint.{key}", getattr(self, key))
         zero_or_positive("checkpoint.keep_every", self.keep_every, "off")
-        if self.policy not in ("skip", "queue"):
-            raise ConfigError(f"checkpoint.policy: expected 'skip' or 'queue', got {self.policy!r}")
-        if self.background not in ("process", "thread"):
-            raise ConfigError(f"checkpoint.background: expected 'process' or 'thread', got {self.background!r}")
+        one_of("checkpoint.policy", self.policy, SAVE_POLICIES)
+        one_of("checkpoint.background", self.background, SAVE_BACKGROUNDS)
 
 
 @dataclass

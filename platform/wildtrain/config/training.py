@@ -11,6 +11,7 @@ from wildtrain.config.errors import ConfigError, one_of, positive, zero_or_posit
 ATTENTION = ("causal", "document", "prefix_lm")
 OBJECTIVES = ("causal", "prefix_lm", "ul2")
 DENOISER_KINDS = ("span", "prefix")
+EARLY_STOP_METRICS = ("loss", "val/loss")
 
 
 @dataclass
@@ -228,8 +229,7 @@ class EarlyStopConfig:
 
     def validate(self) -> None:
         positive("early_stop.loss_factor", self.loss_factor)
-        if self.metric not in ("loss", "val/loss"):
-            raise ConfigError(f"early_stop.metric: expected 'loss' or 'val/loss', got {self.metric!r}")
+        one_of("early_stop.metric", self.metric, EARLY_STOP_METRICS)
 
 
 @dataclass
