@@ -25,7 +25,8 @@ import pytest
 from tests.conftest import REPO
 from wildtrain.data import records
 from wildtrain.data.manifest import DataError, read_manifest, verify
-from wildtrain.data.prepare import PrepareConfig, Progress, RowPacker, prepare, progress_line
+from wildtrain.data.prepare import PrepareConfig, RowPacker, prepare
+from wildtrain.data.progress import Progress, progress_line
 
 TEXTS = [json.loads(line)["text"] for line in (REPO / "tests/assets/tiny_corpus.jsonl").read_text().splitlines()]
 SETTINGS = {"seq_len": 64, "rows_per_shard": 100, "rows_per_group": 50, "executor": "local"}
