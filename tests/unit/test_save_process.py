@@ -38,7 +38,8 @@ def test_one_child_serves_every_save_and_goes_away_with_the_saver(tmp_path):
         child = saver._process.process
         assert save(saver, 20, 2.0).status == "saved"
         assert saver._process.process is child and child.is_alive()
-        assert psutil.Process(child.pid).nice() == psutil.Process().nice() + 5
+        # Linux caps niceness at 19 (`make test` runs the unit tests at 19 already).
+        assert psutil.Process(child.pid).nice() == min(psutil.Process().nice() + 5, 19)
     finally:
         assert saver.close(WAIT_S)
     assert not psutil.pid_exists(child.pid) or psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE
