@@ -12,7 +12,10 @@ median steps/s of each, their ratio, and how many evaluations ended while the ru
 On a machine with fewer cores than the cluster declares (CI's and this one's: 2), the
 evaluation's process takes CPU time from the worker's, which a node whose evaluation has a
 core or a GPU of its own does not: the ratio printed there is the worst case, not the
-platform's overhead. `load` is the 1-minute load average over the run.
+platform's overhead. `load` is the 1-minute load average over the run. So is a store and
+an MLflow server on the training node at `wildtrain up`'s priority (0, above Ray's workers
+at 15): serving the evaluation's checkpoint read and results there took training's CPU
+(0.821 here, against 1.024 with `--services-nice 19`, as if the services ran elsewhere).
 
 Usage: .venv/bin/python bench/eval_interference.py [--steps 150] [--checkpoint-every 25] [--repeats 2]
 """
@@ -36,11 +39,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--services-nice", type=int, default=0,
+                        help="the object store's and MLflow server's niceness: 0 as `wildtrain up` runs them, "
+                             "19 as if they ran elsewhere (tiny_runs.tiny_bench)")
     args = parser.parse_args()
     modes = {"without": [], "with evaluations": [f"eval.tasks=[{TASK}]", f"eval.include_path={REPO / 'tests/assets/evals'}",
                                                  "eval.every_checkpoints=1"]}
     rows = []
-    with tiny_bench("bench-eval-interference", 3) as bench:
+    with tiny_bench("bench-eval-interference", 3, args.services_nice) as bench:
         client = MlflowClient(bench.mlflow_url)
         for repeat in range(args.repeats):
             for mode in list(modes) if repeat % 2 == 0 else list(modes)[::-1]:

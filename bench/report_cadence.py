@@ -34,12 +34,15 @@ def main() -> None:
     parser.add_argument("--log-every", default="1,5,1000")
     parser.add_argument("--world-sizes", default="1,2")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--services-nice", type=int, default=0,
+                        help="the object store's and MLflow server's niceness: 0 as `wildtrain up` runs them, "
+                             "19 as if they ran elsewhere (tiny_runs.tiny_bench)")
     args = parser.parse_args()
     cadences = [int(n) for n in args.log_every.split(",")]
     sizes = [int(n) for n in args.world_sizes.split(",")]
     rows = []
     # Two training workers and a CPU for Ray Data's reads, as `wildtrain up`'s head offers.
-    with tiny_bench("bench-report-cadence", max(sizes) + 1) as bench:
+    with tiny_bench("bench-report-cadence", max(sizes) + 1, args.services_nice) as bench:
         for size in sizes:
             for repeat in range(args.repeats):
                 for every in cadences if repeat % 2 == 0 else cadences[::-1]:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import psutil
+
 from wildtrain import services
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,10 +80,17 @@ class TinyBench:
 
 
 @contextlib.contextmanager
-def tiny_bench(experiment: str, num_cpus: int) -> Iterator[TinyBench]:
+def tiny_bench(experiment: str, num_cpus: int, services_nice: int = 0) -> Iterator[TinyBench]:
     """The services, the tiny corpus in the store, and a one-node fake cluster of `num_cpus`
-    CPUs that this process has joined; all stopped after."""
+    CPUs that this process has joined; all stopped after. `services_nice`: the object
+    store's and MLflow server's niceness (`wildtrain up` runs them at 0, which outranks
+    training: Ray runs its workers at 15). 19 stands in for services on other machines,
+    as on a real cluster: what they serve then costs the training node no CPU."""
     with tiny_services(experiment) as (root, dataset, mlflow_url):
+        for process in psutil.process_iter(["cmdline"]) if services_nice else ():
+            if str(root) in " ".join(process.info["cmdline"] or []):  # the store's and MLflow's, by their folder
+                for member in [process, *process.children(recursive=True)]:
+                    member.nice(services_nice)
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus})
         ray.init(address=cluster.address)
         try:
