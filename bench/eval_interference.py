@@ -29,7 +29,7 @@ import statistics
 
 from mlflow.tracking import MlflowClient
 from progress import say
-from tiny_runs import REPO, tiny_bench
+from tiny_runs import REPO, add_services_nice, tiny_bench
 from wildtrain.tracking.record import mlflow_key
 
 TASK = "wildtrain_tiny_choice"  # tests/assets/evals/tiny_choice.yaml
@@ -40,9 +40,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--services-nice", type=int, default=0,
-                        help="the object store's and MLflow server's niceness: 0 as `wildtrain up` runs them, "
-                             "19 as if they ran elsewhere (tiny_runs.tiny_bench)")
+    add_services_nice(parser)
     args = parser.parse_args()
     modes = {"without": [], "with evaluations": [f"eval.tasks=[{TASK}]", f"eval.include_path={REPO / 'tests/assets/evals'}",
                                                  "eval.every_checkpoints=1"]}

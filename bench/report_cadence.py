@@ -25,7 +25,7 @@ import os
 import statistics
 
 from progress import say
-from tiny_runs import tiny_bench
+from tiny_runs import add_services_nice, tiny_bench
 
 
 def main() -> None:
@@ -34,9 +34,7 @@ def main() -> None:
     parser.add_argument("--log-every", default="1,5,1000")
     parser.add_argument("--world-sizes", default="1,2")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--services-nice", type=int, default=0,
-                        help="the object store's and MLflow server's niceness: 0 as `wildtrain up` runs them, "
-                             "19 as if they ran elsewhere (tiny_runs.tiny_bench)")
+    add_services_nice(parser)
     args = parser.parse_args()
     cadences = [int(n) for n in args.log_every.split(",")]
     sizes = [int(n) for n in args.world_sizes.split(",")]

@@ -79,6 +79,13 @@ class TinyBench:
                      share(mlflow_key("time/eval_s")))
 
 
+def add_services_nice(parser) -> None:
+    """The `--services-nice` option of the benches that pass it to `tiny_bench`."""
+    parser.add_argument("--services-nice", type=int, default=0,
+                        help="the object store's and MLflow server's niceness: 0 as `wildtrain up` runs them, "
+                             "19 as if they ran elsewhere (tiny_runs.tiny_bench)")
+
+
 @contextlib.contextmanager
 def tiny_bench(experiment: str, num_cpus: int, services_nice: int = 0) -> Iterator[TinyBench]:
     """The services, the tiny corpus in the store, and a one-node fake cluster of `num_cpus`
