@@ -21,11 +21,12 @@ from wildtrain.checkpoint.format import needs_universal
 from wildtrain.checkpoint.restore import Candidate, restore
 from wildtrain.checkpoint.save_policy import SaveOutcome
 from wildtrain.checkpoint.store import CommitError, Store
-from wildtrain.config import Config, config_hash
+from wildtrain.config import CheckpointConfig, Config, config_hash
 from wildtrain.engine import build_engine, build_model
 from wildtrain.events import CheckpointFailed, CheckpointFallback, CheckpointPartial, CheckpointSkipped, Event, ShmTooSmall
 from wildtrain.model import param_count
 from wildtrain.train import collectives
+from wildtrain.train.schedule import At, every
 from wildtrain.train.state import TrainState
 
 
@@ -125,6 +126,17 @@ def save_mode(cfg: Config, rank: int, world_size: int, nodes: list[str],
 # A final save that did not commit is tried again after this, then 4x longer each time
 # (at most a minute): a store's blip passes within seconds, an outage within minutes.
 FIRST_COMMIT_RETRY_S = 5.0
+
+
+def due(at: At, checkpoint: CheckpointConfig, regrow: bool = False) -> bool:
+    """A save every `checkpoint.every` steps, at the run's last step, and before a regrow."""
+    return at.last or regrow or every(at.step, checkpoint.every)
+
+
+def must_commit(at: At, regrow: bool) -> bool:
+    """The run cannot go on without this save: the last step's, or a regrow's, which the
+    larger group restarts from."""
+    return at.last or regrow
 
 
 def save(saver: AsyncSaver, engine, cfg: Config, state: TrainState, world_size: int, must_commit: bool,

@@ -6,12 +6,13 @@ import time
 
 from wildtrain.elastic.nodes import excluded_nodes, has_room_for_another_worker
 from wildtrain.train import collectives
+from wildtrain.train.schedule import At
 
 
 class GrowthCheck:
     """While the group is below max size, rank 0 looks for room for another worker at most
     every `interval_s` (on a node not left out of the run), and every rank learns the answer
-    at the same step: each rank calls `room_now` at the same steps."""
+    at the same step: each rank calls `due` at the same steps."""
 
     def __init__(self, below_max: bool, rank: int, per_worker: dict, interval_s: float, run_name: str,
                  data_cpus: float) -> None:
@@ -23,7 +24,12 @@ class GrowthCheck:
         self.run_name = run_name
         self.next_look = time.monotonic() + interval_s
 
-    def room_now(self) -> bool:
+    def due(self, at: At, logs: bool) -> bool:
+        """Whether to checkpoint and restart larger after `at`: looked for at log steps only,
+        whose report decision synchronizes the ranks anyway, and never at the run's last."""
+        return logs and not at.last and self._room_now()
+
+    def _room_now(self) -> bool:
         if not self.below_max:
             return False
         room = False

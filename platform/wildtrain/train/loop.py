@@ -47,12 +47,13 @@ from wildtrain.events import RegrowPostponed, StoppedEarly
 from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.model import flops_per_token
 from wildtrain.tracking.worker.mfu import peak_flops
-from wildtrain.train import checkpointing, collectives
+from wildtrain.train import checkpointing, collectives, validation
 from wildtrain.train.divergence import judge_loss
 from wildtrain.train.growth import GrowthCheck
 from wildtrain.train.monitor import Monitor
 from wildtrain.train.samples import SampleRecorder
-from wildtrain.train.schedule import Due, due_at
+from wildtrain.train.reporting import ReportCadence
+from wildtrain.train.schedule import At
 from wildtrain.train.step import DeviceBatches, StepMetrics, Window, train_step
 from wildtrain.train.validation import Validator
 from wildtrain.train.watchdog import HangWatchdog
@@ -81,16 +82,19 @@ def train_loop(inputs: LoopInputs) -> None:
         attempt = Attempt(inputs)
         try:
             while attempt.state.step < cfg.train.steps:
-                due = attempt.step()
-                if due.validate:
-                    attempt.validate()
-                if due.checkpoint:
-                    due = attempt.save(due)
-                if due.report:
-                    attempt.report(due)
+                at = attempt.step()
+                # Each component says whether this step is due for it, in the order they run.
+                validated = attempt.validate(at)
+                logs = attempt.reports.logs(at, validated)
+                regrow = attempt.growth.due(at, logs)
+                saving = checkpointing.due(at, cfg.checkpoint, regrow)
+                if saving:
+                    regrow = attempt.save(at, regrow)
+                if attempt.reports.due(logs, saving):
+                    attempt.report(at, logs, saving, checkpointing.must_commit(at, regrow))
                 if attempt.diverged:
                     break  # a diverged trial's checkpoint is worth nothing: no last save
-                if due.regrow:
+                if regrow:
                     raise PlannedRegrow(f"room for more than {attempt.world_size} workers; "
                                         f"regrowing from the checkpoint of step {attempt.state.step}")
         finally:
@@ -173,11 +177,7 @@ class Attempt:
         self.windows: list[Window] = []  # closed at log steps, not yet reported
         self.validator = Validator(cfg, inputs.data, rank, world_size, device) if inputs.data.validation else None
         self.validated: dict[str, float] = {}  # this step's validation metrics, for its window
-        # The first step at which the previous report may have been collected (see `report`).
-        self.next_report_look = 0
-        # A save waits for a report of its step before it may commit: from its step on, every
-        # log step looks whether one can go (the same steps on every rank).
-        self.save_unreported = False
+        self.reports = ReportCadence(cfg.train.log_every)
         self.startup: Optional[Startup] = None  # the attempt's start-up timings, until a report carries them
 
         self.tokens_per_step = self.plan.global_batch_size * cfg.data.seq_len
@@ -196,8 +196,8 @@ class Attempt:
         self.growth = GrowthCheck(world_size < cfg.elastic.max_workers, rank, inputs.worker_resources,
                                   cfg.elastic.resize_check_interval_s, cfg.run.name, spare_cpus(cfg))
 
-    def step(self) -> Due:
-        """One optimizer step; what it is due for."""
+    def step(self) -> At:
+        """One optimizer step; where it leaves the run."""
         try:
             rows, batch = next(self.batches)
         except ShardCorrupt as e:
@@ -219,18 +219,17 @@ class Attempt:
         self.monitor.step_done(state.step, self.window)
         if self.samples is not None:
             self.samples.record(state.step, batch.sample_ids)
-        due = due_at(state.step, self.restored_step, self.cfg.train, self.cfg.checkpoint, self.cfg.eval,
-                     self.validator is not None)
-        # Looked for at log steps only, whose report decision synchronizes the ranks anyway.
-        if due.log and not due.last and self.growth.room_now():
-            due = due.with_regrow()
-        return due
+        return At.of(state.step, self.restored_step, self.cfg.train.steps)
 
-    def validate(self) -> None:
-        """Score the validation set at this step (train/validation.py); its time is the
-        window's `eval`, its metrics ride in the window closed at this step."""
+    def validate(self, at: At) -> bool:
+        """Score the validation set if the run has one and `at` is due for it
+        (train/validation.py); its time is the window's `eval`, its metrics ride in the
+        window closed at this step. Whether it did."""
+        if self.validator is None or not validation.due(at, self.cfg.eval):
+            return False
         with self.window.timed("eval"):
             self.validated = self.validator.evaluate(self.engine)
+        return True
 
     def _fail_once(self) -> None:
         """The chaos.fail_rank drill: this rank raises mid-step, the first time the run gets here."""
@@ -239,31 +238,32 @@ class Attempt:
             storage.write_text(marker, f"rank {self.rank}, step {self.fails_at_step}", self.cfg.storage)
             raise RuntimeError(f"chaos drill: rank {self.rank} fails in step {self.fails_at_step} (chaos.fail_rank)")
 
-    def save(self, due: Due) -> Due:
-        """Save this step's checkpoint; what is still due after it. A regrow whose checkpoint
+    def save(self, at: At, regrow: bool) -> bool:
+        """Save this step's checkpoint; whether the regrow is still on. A regrow whose checkpoint
         did not commit is called off; a last step whose checkpoint did not commit ends the run."""
         cfg, state = self.cfg, self.state
         # Every optimizer step applied exactly once across restarts, or nothing is saved.
         if self.engine.global_steps != state.step:
             raise RuntimeError(f"DeepSpeed counted {self.engine.global_steps} optimizer steps where the run is at {state.step}")
+        must_commit = checkpointing.must_commit(at, regrow)
         # A save that must commit waits on storage up to checkpoint.timeout_s, longer than a hang.
         commit_wait = (self.watchdog.waiting(f"the commit of step {state.step}", up_to_s=cfg.checkpoint.timeout_s)
-                       if due.must_commit else contextlib.nullcontext())
+                       if must_commit else contextlib.nullcontext())
         with self.window.timed("checkpoint_stall"), commit_wait:
             # The last save is retried; a regrow's is not: training on at this size is no loss.
             committed = checkpointing.save(self.saver, self.engine, cfg, state, self.world_size,
-                                           must_commit=due.must_commit, retry=due.last)
-        if due.regrow and not committed:
+                                           must_commit=must_commit, retry=at.last)
+        if regrow and not committed:
             # Regrowing now would restart from an older checkpoint and redo steps, and a
             # regrow is no failure, so storage trouble plus free room would loop.
             self.monitor.events.append(RegrowPostponed(
                 time.time(), state.step, f"the checkpoint of step {state.step} did not commit; training on at this size"))
-            return due.without_regrow()
-        if due.last and not committed:
+            return False
+        if at.last and not committed:
             restored = self.restored.candidate
             newest = self.saver.last_commit or (storage.join(*restored.key) if restored else None)
             raise FinalCheckpointFailed(state.step, collectives.broadcast_object(newest) or "none")
-        return due
+        return regrow
 
     def _steps_per_poll(self, windows: list[dict]) -> int:
         """About how many steps pass before the controller polls again and has taken the
@@ -284,18 +284,18 @@ class Attempt:
         self.diverged = True
         return [StoppedEarly(time.time(), step, verdict.reason)]
 
-    def report(self, due: Due) -> None:
-        """Close this log step's window, then hand the controller the windows, the saves
+    def report(self, at: At, logs: bool, saving: bool, must_commit: bool) -> None:
+        """Close this log step's window (`logs`), then hand the controller the windows, the saves
         that ended and the events since the last report, once that holds no step back (see
         the module docstring); a save commits once its report is collected."""
         state = self.state
-        if due.log:
+        if logs:
             self.windows.append(self.window.close(step=state.step, tokens_seen=state.tokens_seen,
                                                   world_size=self.world_size, lr=self.engine.get_lr()[0],
                                                   epoch=(state.step - 1) // self.data.steps_per_epoch,
                                                   **self.validated))
             self.validated = {}
-        if due.first_of_attempt:
+        if at.first:
             # What the controller needs to split this attempt's recovery (and start-up) time into its parts.
             self.startup = Startup(restored_step=self.restored_step, **dataclasses.asdict(self.restored.timing),
                                    worker_started_at=psutil.Process().create_time(), attempt_started_at=self.started_at,
@@ -305,9 +305,8 @@ class Attempt:
         with self.window.timed("report_wait"):
             # The run's end and a regrow cannot go on without their report; every other
             # report waits for a step at which no rank's previous one is still queued.
-            self.save_unreported |= due.checkpoint
-            looking = state.step >= self.next_report_look or self.save_unreported
-            if not due.must_commit and (not looking or not collectives.all_ranks(ray_compat.reports_collected())):
+            looking = self.reports.looks(at, saving)
+            if not must_commit and (not looking or not collectives.all_ranks(ray_compat.reports_collected())):
                 return
             windows = self.window.resolve(self.windows)
             self.windows = []
@@ -326,8 +325,7 @@ class Attempt:
                 startup=self.startup,
             ).to_dict())
             self.startup = None
-            self.save_unreported = False
-            self.next_report_look = state.step + self._steps_per_poll(windows)
+            self.reports.sent(state.step, self._steps_per_poll(windows))
         # Every rank's previous report had been collected (or this one waited for its turn),
         # so reports up to it are at the controller; this one's save commits once the
         # controller polls (`reports_collected`).

@@ -22,10 +22,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from wildtrain.config import Config
+from wildtrain.config import Config, EvalConfig
 from wildtrain.data.dataset import OpenedData
 from wildtrain.data.validation import ValidationSet, rank_share, read_share
 from wildtrain.train import collectives
+from wildtrain.train.schedule import At, every
+
+
+def due(at: At, evaluation: EvalConfig) -> bool:
+    """Validation runs every `eval.every` steps (0: never) and at the run's last step."""
+    return at.last or every(at.step, evaluation.every)
 
 
 def batch_counts(sets: list[ValidationSet], world_size: int, micro_batch: int) -> list[int]:
