@@ -45,14 +45,6 @@ def pytest_collection_finish(session) -> None:
         pool.shutdown(wait=False)  # the fixture waits for the start, not collection
 
 
-def pytest_collection_modifyitems(items) -> None:
-    """The `paced` drills first, each file still whole and in its order. Alone, they leave
-    up to half of this 2-core machine idle while a service stays paused or a slowed run
-    sleeps; `make test`'s other stream fills that only while it still has tests to run,
-    and it ends long before the drills do."""
-    items.sort(key=lambda item: item.get_closest_marker("paced") is None)
-
-
 def pytest_sessionfinish(session) -> None:
     """Stop it whether or not a test used it (the tests that would have may have skipped)."""
     if _mlflow_starting is not None and _mlflow_starting.exception() is None:

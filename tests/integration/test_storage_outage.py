@@ -22,7 +22,7 @@ from wildtrain.checkpoint.restore import list_candidates
 from wildtrain.checkpoint.store import Store
 from wildtrain.data.prepare import PrepareConfig, prepare
 
-pytestmark = [pytest.mark.integration, pytest.mark.paced]
+pytestmark = pytest.mark.integration
 
 OUTAGE_S = float(os.environ.get("WILDTRAIN_OUTAGE_S", "10"))
 # Steps take at least 0.5 s (chaos.slow_step_s in each of a step's 4 forward passes at one

@@ -19,7 +19,7 @@ from wildtrain import services
 from wildtrain.events import TrackingOutage
 from wildtrain.tracking.record import mlflow_key, read_events
 
-pytestmark = [pytest.mark.integration, pytest.mark.paced]
+pytestmark = pytest.mark.integration
 
 # Twice the controller's request timeout (tracking.controller.mlflow_run._REQUEST_TIMEOUT_S, 10 s): a
 # request sent in the pause's first half fails within it, so the outage is always seen. At
