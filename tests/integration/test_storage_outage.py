@@ -1,6 +1,7 @@
 """A full run whose checkpoint store goes away mid-run (the SeaweedFS process stopped with
-SIGSTOP, then continued): training goes on, a later periodic checkpoint commits once the
-store is back, and the final checkpoint is the last step.
+SIGSTOP, then continued): training goes on and a later periodic checkpoint commits once
+the store is back; when it goes again for good, the final checkpoint cannot commit and the
+run ends naming the newest one that did.
 
 Only the checkpoints live in the paused store: the data is prepared into a local folder,
 so the outage tests the saves, not the reads. `WILDTRAIN_OUTAGE_S` sets the outage (10 s
@@ -48,24 +49,40 @@ def committed(store: Store) -> list[int]:
         return []
 
 
-def test_a_store_outage_mid_run_costs_only_the_saves_during_it(ray_cluster, object_store, tiny_config, local_dataset,
-                                                              mlflow_url, tmp_path):
+def _wait_for_a_commit_after(store: Store, step: int, runner: threading.Thread, what: str) -> list[int]:
+    deadline = time.monotonic() + 300
+    while max(steps := committed(store), default=0) <= step:
+        assert runner.is_alive() and time.monotonic() < deadline, what
+        time.sleep(0.2)
+    return steps
+
+
+def test_a_store_outage_costs_only_the_saves_during_it_and_a_final_one_that_cannot_commit_names_the_newest(
+        ray_cluster, object_store, tiny_config, local_dataset, mlflow_url, tmp_path):
+    """One run, two outages: one mid-run, after which a periodic checkpoint commits again, and
+    one from there to the end, whose final checkpoint cannot commit and ends the run."""
     store_uri = f"s3://{object_store.bucket}/outage-{tmp_path.name}"
     cfg = tiny_config(
         f"data.datasets=[{{uri: {local_dataset}}}]", f"checkpoint.store={store_uri}",
         f"train.steps={STEPS}", f"checkpoint.every={CHECKPOINT_EVERY}", "train.log_every=1",
-        "checkpoint.keep_last=1000", "checkpoint.timeout_s=300",
+        # Longer than the first outage: a save it holds up may still commit after it.
+        "checkpoint.keep_last=1000", f"checkpoint.timeout_s={OUTAGE_S + 2:g}",
         # Steps of at least 0.5 s, so that training outlasts the outage by several saves.
         "chaos.slow_rank=0", "chaos.slow_step_s=0.125", *ONE_WORKER,
     )
     store = Store.from_uri(store_uri)
     result: dict = {}
-    runner = threading.Thread(target=lambda: result.update(summary=driver.run(cfg)), daemon=True)
+
+    def run() -> None:
+        try:
+            result["summary"] = driver.run(cfg)
+        except driver.RunFailed as e:
+            result["error"] = str(e)
+
+    runner = threading.Thread(target=run, daemon=True)
     runner.start()
-    deadline = time.monotonic() + 300
-    while not committed(store):  # the first periodic checkpoint: the store works before the outage
-        assert runner.is_alive() and time.monotonic() < deadline, "no checkpoint committed before the outage"
-        time.sleep(0.2)
+    # The first periodic checkpoint: the store works before the outage.
+    _wait_for_a_commit_after(store, 0, runner, "no checkpoint committed before the outage")
     os.killpg(object_store.pid, signal.SIGSTOP)
     try:
         paused_at = time.time()
@@ -73,56 +90,27 @@ def test_a_store_outage_mid_run_costs_only_the_saves_during_it(ray_cluster, obje
     finally:
         os.killpg(object_store.pid, signal.SIGCONT)
     resumed_at = time.time()
-    runner.join(timeout=480)
-    assert not runner.is_alive() and "summary" in result, "the run did not finish"
-
-    steps = committed(store)
+    # The run's reports say which step trained when (it has reported: a checkpoint committed).
     client = MlflowClient(mlflow_url)
-    logged = sorted(client.get_metric_history(result["summary"].run_id, "step"), key=lambda m: m.step)
+    [tracked] = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
+                                   f"attributes.run_name = '{cfg.run.name}'")
+    run_id = tracked.info.run_id
+    logged = client.get_metric_history(run_id, "step")
     step_at_resume = max((int(m.value) for m in logged if m.timestamp / 1000 <= resumed_at), default=0)
     step_at_pause = max((int(m.value) for m in logged if m.timestamp / 1000 <= paused_at), default=0)
-    after = [s for s in steps if s > step_at_resume]
-    print(f"\nstore paused {OUTAGE_S:g} s from step {step_at_pause} to step {step_at_resume}; "
-          f"committed checkpoints {steps}; first committed after the outage: step {after[0] if after else None}")
-    assert step_at_resume < STEPS - 2 * CHECKPOINT_EVERY, "training ended before the store came back; slow it down"
-    # A periodic checkpoint (not only the final one) commits after the store is back.
-    assert [s for s in after if s < STEPS], f"no periodic checkpoint after step {step_at_resume}: {steps}"
-    assert steps[-1] == STEPS
-    assert result["summary"].checkpoint.rsplit("/", 1)[-1].startswith(f"step_{STEPS:09d}-")
-
-
-def test_a_final_checkpoint_that_cannot_commit_ends_the_run_naming_the_newest_committed_one(
-        ray_cluster, object_store, tiny_config, local_dataset, tmp_path):
-    steps = 12
-    store_uri = f"s3://{object_store.bucket}/final-{tmp_path.name}"
-    cfg = tiny_config(
-        f"data.datasets=[{{uri: {local_dataset}}}]", f"checkpoint.store={store_uri}", f"train.steps={steps}",
-        "checkpoint.every=4", "checkpoint.timeout_s=12", "chaos.slow_rank=0", "chaos.slow_step_s=0.125",
-        *ONE_WORKER,
-    )
-    store = Store.from_uri(store_uri)
-    result: dict = {}
-
-    def run() -> None:
-        try:
-            driver.run(cfg)
-        except driver.RunFailed as e:
-            result["error"] = str(e)
-
-    runner = threading.Thread(target=run, daemon=True)
-    runner.start()
-    deadline = time.monotonic() + 300
-    while not committed(store):  # the store goes away for good after the first periodic save
-        assert runner.is_alive() and time.monotonic() < deadline, "no periodic checkpoint committed"
-        time.sleep(0.2)
+    # A periodic checkpoint commits after the store is back; then the store goes for good.
+    steps = _wait_for_a_commit_after(store, step_at_resume, runner, f"no periodic checkpoint after step {step_at_resume}")
     os.killpg(object_store.pid, signal.SIGSTOP)
     try:
         runner.join(timeout=400)
     finally:
         os.killpg(object_store.pid, signal.SIGCONT)
+    print(f"\nstore paused {OUTAGE_S:g} s from step {step_at_pause} to step {step_at_resume}; committed after it: "
+          f"{[s for s in steps if s > step_at_resume]}; then paused to the end")
+    assert step_at_resume < STEPS - 2 * CHECKPOINT_EVERY, "training ended before the store came back; slow it down"
     assert not runner.is_alive(), "the run kept going (or restarting) without its final checkpoint"
     error = result.get("error", "")
-    assert f"the final checkpoint (step {steps}) could not be committed" in error, result
-    newest = committed(store)[-1]  # a save in flight during the outage may not have committed
-    assert newest < steps
+    assert f"the final checkpoint (step {STEPS}) could not be committed" in error, result
+    newest = committed(store)[-1]  # a save in flight when the store went may not have committed
+    assert step_at_resume < newest < STEPS
     assert f"the newest committed checkpoint is {store_uri}/step_{newest:09d}-" in error
