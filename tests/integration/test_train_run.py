@@ -111,53 +111,25 @@ def test_a_two_worker_run_sent_with_ray_job_submit_trains_tracks_and_checkpoints
         assert json.loads(f.read())["step"] == 8
 
 
-def test_a_resubmitted_run_continues_its_checkpoint_and_mlflow_run_and_falls_back_past_a_corrupt_one(
-        ray_cluster, tiny_config, mlflow_url, tmp_path):
-    # One worker: what is resumed does not depend on the world size, and a worker's start is
-    # most of a tiny run's CPU time. Checkpoints at steps 4 and 8 (every 4); the run logs its
-    # first step, then every 2nd.
-    one_worker = ("elastic.max_workers=1",)
-    first = driver.run(tiny_config("train.steps=8", *one_worker))
-    client = MlflowClient(mlflow_url)
-    assert client.get_run(first.run_id).info.status == "FINISHED"
-    # Another seed would resume step 8 in another data order: refused before Ray starts.
-    with pytest.raises(DataError, match=r"train\.seed: 0 -> 1.*data\.allow_order_change=true"):
-        driver.run(tiny_config("train.steps=12", "train.seed=1", *one_worker))
-
-    # The newest checkpoint damaged where only its checksum can tell: same size, other bytes.
-    newest = Path(first.checkpoint)
-    assert newest.name.startswith("step_000000008-")
-    damaged = newest / "step_8" / "mp_rank_00_model_states.pt"
-    data = bytearray(damaged.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    damaged.write_bytes(bytes(data))
-    resubmitted = driver.run(tiny_config("train.steps=10", *one_worker))
-    assert resubmitted.run_id == first.run_id
-    assert client.get_run(first.run_id).info.status == "FINISHED"
-    events = read_events(mlflow_url, first.run_id, str(tmp_path / "events"))
-    (fallback,) = [e for e in events if isinstance(e, CheckpointFallback)]
-    assert fallback.step == 8 and "sha256" in fallback.reason
-    # It continued the checkpoint of step 4 in the same MLflow run: 1, 2, 4, 6, 8 from the
-    # first submission, then its first step 5 and every 2nd to 10 (6 and 8 trained again).
-    steps = [m.step for m in client.get_metric_history(first.run_id, "loss")]
-    assert sorted(steps) == [1, 2, 4, 5, 6, 6, 8, 8, 10]
-
-
-def test_a_second_driver_of_a_run_that_trains_is_refused_in_one_line_naming_the_first(
-        ray_cluster, tiny_overrides, tmp_path):
-    # Started as a user does on the head, `wildtrain train`: no job of `wildtrain submit` to
-    # find. Steps enough to still train while the second starts; one worker is enough.
-    overrides = [*tiny_overrides, "train.steps=24", "checkpoint.every=8", "elastic.max_workers=1"]
+def test_a_second_driver_is_refused_while_a_run_trains_and_the_resubmitted_run_falls_back_past_a_corrupt_checkpoint(
+        ray_cluster, tiny_overrides, mlflow_url, tmp_path):
+    """One run's life: started as a user does on the head (`wildtrain train`: no job of
+    `wildtrain submit` to find), a second driver of it refused in one line naming the first;
+    then resubmitted, from the newest checkpoint that verifies, in the same MLflow run."""
+    # One worker: neither promise depends on the world size, and a worker's start is most of a
+    # tiny run's CPU time. Half a second a step: it still trains while the second driver starts.
+    # Checkpoints every 4 steps; the run logs its first step, then every 2nd.
+    overrides = [*tiny_overrides, "elastic.max_workers=1", "chaos.min_step_s=0.5"]
+    cfg = load_config([*overrides, "train.steps=16"])
     log = tmp_path / "first.log"
     with log.open("w") as out:
-        first = subprocess.Popen([sys.executable, "-m", "wildtrain", "train", *overrides], stdout=out,
-                                 stderr=subprocess.STDOUT)
-    cfg = load_config(overrides)
+        first = subprocess.Popen([sys.executable, "-m", "wildtrain", "train", *overrides, "train.steps=16"],
+                                 stdout=out, stderr=subprocess.STDOUT)
     try:
         # Printed once the run is the first's: its lease taken, its MLflow run opened.
         wait_for(lambda: "MLflow run:" in log.read_text(), "first driver's MLflow run line", timeout_s=120,
                  every_s=0.1)
-        second = subprocess.run([sys.executable, "-m", "wildtrain", "train", *overrides],
+        second = subprocess.run([sys.executable, "-m", "wildtrain", "train", *overrides, "train.steps=16"],
                                 capture_output=True, text=True, timeout=120)
         assert first.poll() is None, "the first driver must still train while the second is refused"
         first.wait(timeout=480)
@@ -170,9 +142,35 @@ def test_a_second_driver_of_a_run_that_trains_is_refused_in_one_line_naming_the_
     assert re.fullmatch(rf"wildtrain: run '{cfg.run.name}' is live: pid {first.pid} on {socket.gethostname()} "
                         r"\(cluster local\) holds its lease until \d\d:\d\d:\d\d UTC .*", line), second.stderr
     assert "Traceback" not in second.stderr
-    assert first.returncode == 0 and "step 24/24" in output, output[-3000:]
+    assert first.returncode == 0 and "step 16/16" in output, output[-3000:]
     held = json.loads((Path(RunLayout.of(cfg).root) / "lease.json").read_text())
     assert held["holder"]["pid"] == first.pid and held["released_at"] is not None  # its end released it
+
+    client = MlflowClient(mlflow_url)
+    [run] = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
+                               f"attributes.run_name = '{cfg.run.name}'")
+    assert run.info.status == "FINISHED"
+    # Another seed would resume step 16 in another data order: refused before Ray starts.
+    with pytest.raises(DataError, match=r"train\.seed: 0 -> 1.*data\.allow_order_change=true"):
+        driver.run(load_config([*overrides, "train.steps=20", "train.seed=1"]))
+
+    # The newest checkpoint damaged where only its checksum can tell: same size, other bytes.
+    newest = Path(storage.join(*newest_committed(checkpoint_stores(cfg)).key))
+    assert newest.name.startswith("step_000000016-")
+    damaged = newest / "step_16" / "mp_rank_00_model_states.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    resubmitted = driver.run(load_config([*overrides, "train.steps=18"]))
+    assert resubmitted.run_id == run.info.run_id
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+    events = read_events(mlflow_url, run.info.run_id, str(tmp_path / "events"))
+    (fallback,) = [e for e in events if isinstance(e, CheckpointFallback)]
+    assert fallback.step == 16 and "sha256" in fallback.reason
+    # It continued the checkpoint of step 12 in the same MLflow run: 1, 2, 4, ..., 16 from the
+    # first submission, then its first step 13 and every 2nd to 18 (14 and 16 trained again).
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert sorted(steps) == sorted([1, *range(2, 17, 2), 13, 14, 16, 18])
 
 
 def test_min_workers_the_cluster_cannot_hold_fails_fast(ray_cluster, tiny_config):
