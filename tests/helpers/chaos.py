@@ -18,6 +18,14 @@ from wildtrain.config import Config
 # (`cluster.worker_resources.wildtrain_head=1`) stays off the nodes a test adds and removes.
 HEAD_SLOT = "wildtrain_head"
 
+# The training that runs moved between clusters (test_clusters) and resized (test_elastic)
+# must reproduce, step for step: UL2 under document masks, the objective with the most moving
+# parts (random corruption per document, reserved ids, a mask and positions from doc_ids),
+# validated every 10 steps, checkpointed every 4, and half a second a step, so that 40 steps
+# outlast a move, or a node's death, its detection and its return.
+UNINTERRUPTED = ("train.steps=40", "train.log_every=1", "checkpoint.every=4", "eval.every=10",
+                 "chaos.min_step_s=0.5", "train.objective=ul2", "model.attention=document")
+
 
 @dataclass
 class BackgroundRun:

@@ -16,7 +16,7 @@ import ray
 
 from wildtrain import services
 from tests.conftest import REPO
-from tests.helpers.chaos import HEAD_SLOT
+from tests.helpers.chaos import HEAD_SLOT, UNINTERRUPTED, BackgroundRun
 from tests.helpers.ray_clusters import start_cluster
 from wildtrain.config import load_config
 from wildtrain.data.prepare import PrepareConfig, prepare
@@ -88,6 +88,19 @@ def tiny_dataset(ray_cluster, object_store) -> str:
     prepare(PrepareConfig(input=str(REPO / "tests/assets/tiny_corpus.jsonl"), output=uri, rows_per_group=128,
                           val_fraction=VAL_FRACTION))
     return uri
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory, mlflow_url, tiny_dataset) -> BackgroundRun:
+    """UNINTERRUPTED's training, never moved nor resized: one worker on the head, off the nodes
+    tests add and remove. Started by the first test that asks for it and shared: each test
+    joins it for the losses its own run must reproduce (a run start less for each after the first)."""
+    return BackgroundRun(load_config([
+        "experiment=tiny", f"data.datasets=[{{uri: {tiny_dataset}}}]", f"run.name=uninterrupted-{os.getpid()}",
+        f"run.storage={tmp_path_factory.mktemp('uninterrupted') / 'runs'}", f"tracking.uri={mlflow_url}",
+        "tracking.experiment=integration", f"cluster.worker_resources.{HEAD_SLOT}=1", "elastic.max_workers=1",
+        *UNINTERRUPTED,
+    ]))
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from click.testing import CliRunner, Result
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO
-from tests.helpers.chaos import BackgroundRun
+from tests.helpers.chaos import UNINTERRUPTED
 from tests.helpers.waiting import wait_for
 from wildtrain import cli, lease, services, storage
 from wildtrain.config import load_config
@@ -189,22 +189,19 @@ def test_a_capped_sync_holds_its_cap(two_clusters):
 
 
 def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_same_mlflow_run(
-        two_clusters, mlflow_url, tiny_dataset, ray_cluster, tmp_path):
+        two_clusters, mlflow_url, tiny_dataset, uninterrupted):
     a, b = two_clusters.get("a"), two_clusters.get("b")
     run = f"moving-{os.getpid()}"
-    steps = 32
-    # A loss is the mean over its report's window: reported every step, windows agree.
-    # Half a second a step: the move lands mid-run however fast the machine trains, and
-    # a busy one still stops the run on a well before its last step.
-    common = [f"train.steps={steps}", "train.log_every=1", "checkpoint.every=4", "elastic.max_workers=1",
-              f"tracking.uri={mlflow_url}", "tracking.experiment=moves", "chaos.min_step_s=0.5"]
+    # `uninterrupted`'s training (reported every step, so that windows agree), never moved:
+    # the losses to match. Its half a second a step lands the move mid-run however fast the
+    # machine trains, and a busy one still stops the run on a well before its last step.
+    steps = 40
+    assert f"train.steps={steps}" in UNINTERRUPTED
+    common = [*UNINTERRUPTED, "elastic.max_workers=1", f"tracking.uri={mlflow_url}", "tracking.experiment=moves"]
     data_on = {name: f"{c.entry.storage.data}/tiny" for name, c in (("a", a), ("b", b))}
     assert data_on["a"] == tiny_dataset
     # B trains on its own copy of the data, as it would on another provider.
     wildtrain("sync", "a:data/tiny", "b:data/tiny", "--registry", str(two_clusters.path))
-    # The same training, never moved, on the session's cluster meanwhile: the losses to match.
-    reference = BackgroundRun(load_config(["experiment=tiny", f"data.datasets=[{{uri: {tiny_dataset}}}]",
-                                           f"run.name=unmoved-{run}", f"run.storage={tmp_path / 'runs'}", *common]))
     submit(a, ["experiment=tiny", f"data.datasets=[{{uri: {data_on['a']}}}]", f"run.name={run}", *common],
            working_dir=REPO)
     a_cfg = load_config(a.run_overrides() + ["experiment=tiny", f"run.name={run}"])
@@ -221,7 +218,7 @@ def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_sam
     except jobs_api.ClusterError as e:
         pytest.fail(f"{e}; its log ends:\n{''.join(logs)[-3000:]}")
     finished_s = time.monotonic() - started
-    reference_run = reference.join(600)
+    reference_run = uninterrupted.join(600)
 
     assert 4 <= done.step < steps and done.stopped_job is not None
     tracking = MlflowClient(mlflow_url)
