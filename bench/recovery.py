@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import psutil
+
 from progress import say
 from wildtrain import services
 
@@ -91,9 +93,10 @@ def prepare_tiny(uri: str) -> str:
 
 
 @contextlib.contextmanager
-def tiny_services(name: str) -> Iterator[tuple[Path, str, str]]:
-    """An object store and an MLflow server in a new folder, the tiny corpus prepared in
-    the store: the folder, the dataset's URI and MLflow's URL; the services stopped after."""
+def tiny_services(name: str, nice: int = 0) -> Iterator[tuple[Path, str, str]]:
+    """An object store and an MLflow server in a new folder, each process of theirs at `nice`,
+    the tiny corpus prepared in the store: the folder, the dataset's URI and MLflow's URL;
+    the services stopped after."""
     quiet_mlflow()
     root = Path(tempfile.mkdtemp(prefix=f"wildtrain-{name}-"))
     say(f"starting an object store and an MLflow server in {root}")
@@ -101,6 +104,9 @@ def tiny_services(name: str) -> Iterator[tuple[Path, str, str]]:
     os.environ.update(store.env())  # before any cluster starts: its workers inherit it
     port = services.free_port()
     mlflow = services.start_mlflow(root / "mlflow", port)
+    for server in (psutil.Process(store.pid), psutil.Process(mlflow.pid)) if nice else ():
+        for process in [server, *server.children(recursive=True)]:
+            process.nice(nice)
     try:
         say("preparing the tiny corpus")
         yield root, prepare_tiny(f"s3://{store.bucket}/datasets/tiny"), f"http://{services.HOST}:{port}"

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import psutil
-
 from wildtrain import services
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,11 +91,7 @@ def tiny_bench(experiment: str, num_cpus: int, services_nice: int = 0) -> Iterat
     store's and MLflow server's niceness (`wildtrain up` runs them at 0, which outranks
     training: Ray runs its workers at 15). 19 stands in for services on other machines,
     as on a real cluster: what they serve then costs the training node no CPU."""
-    with tiny_services(experiment) as (root, dataset, mlflow_url):
-        for process in psutil.process_iter(["cmdline"]) if services_nice else ():
-            if str(root) in " ".join(process.info["cmdline"] or []):  # the store's and MLflow's, by their folder
-                for member in [process, *process.children(recursive=True)]:
-                    member.nice(services_nice)
+    with tiny_services(experiment, services_nice) as (root, dataset, mlflow_url):
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus})
         ray.init(address=cluster.address)
         try:

@@ -23,7 +23,8 @@ HEAD_SLOT = "wildtrain_head"
 # parts (random corruption per document, reserved ids, a mask and positions from doc_ids),
 # validated every 10 steps, checkpointed every 4, and half a second a step, so that 40 steps
 # outlast a move, or a node's death, its detection and its return.
-UNINTERRUPTED = ("train.steps=40", "train.log_every=1", "checkpoint.every=4", "eval.every=10",
+UNINTERRUPTED_STEPS = 40
+UNINTERRUPTED = (f"train.steps={UNINTERRUPTED_STEPS}", "train.log_every=1", "checkpoint.every=4", "eval.every=10",
                  "chaos.min_step_s=0.5", "train.objective=ul2", "model.attention=document")
 
 

@@ -21,7 +21,7 @@ from click.testing import CliRunner, Result
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO
-from tests.helpers.chaos import UNINTERRUPTED
+from tests.helpers.chaos import UNINTERRUPTED, UNINTERRUPTED_STEPS
 from tests.helpers.waiting import wait_for
 from wildtrain import cli, lease, services, storage
 from wildtrain.config import load_config
@@ -195,8 +195,7 @@ def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_sam
     # `uninterrupted`'s training (reported every step, so that windows agree), never moved:
     # the losses to match. Its half a second a step lands the move mid-run however fast the
     # machine trains, and a busy one still stops the run on a well before its last step.
-    steps = 40
-    assert f"train.steps={steps}" in UNINTERRUPTED
+    steps = UNINTERRUPTED_STEPS
     common = [*UNINTERRUPTED, "elastic.max_workers=1", f"tracking.uri={mlflow_url}", "tracking.experiment=moves"]
     data_on = {name: f"{c.entry.storage.data}/tiny" for name, c in (("a", a), ("b", b))}
     assert data_on["a"] == tiny_dataset

@@ -120,17 +120,17 @@ def test_a_second_driver_is_refused_while_a_run_trains_and_the_resubmitted_run_f
     # tiny run's CPU time. Half a second a step: it still trains while the second driver starts.
     # Checkpoints every 4 steps; the run logs its first step, then every 2nd.
     overrides = [*tiny_overrides, "elastic.max_workers=1", "chaos.min_step_s=0.5"]
-    cfg = load_config([*overrides, "train.steps=16"])
+    first_run = [*overrides, "train.steps=16"]
+    train = [sys.executable, "-m", "wildtrain", "train", *first_run]
+    cfg = load_config(first_run)
     log = tmp_path / "first.log"
     with log.open("w") as out:
-        first = subprocess.Popen([sys.executable, "-m", "wildtrain", "train", *overrides, "train.steps=16"],
-                                 stdout=out, stderr=subprocess.STDOUT)
+        first = subprocess.Popen(train, stdout=out, stderr=subprocess.STDOUT)
     try:
         # Printed once the run is the first's: its lease taken, its MLflow run opened.
         wait_for(lambda: "MLflow run:" in log.read_text(), "first driver's MLflow run line", timeout_s=120,
                  every_s=0.1)
-        second = subprocess.run([sys.executable, "-m", "wildtrain", "train", *overrides, "train.steps=16"],
-                                capture_output=True, text=True, timeout=120)
+        second = subprocess.run(train, capture_output=True, text=True, timeout=120)
         assert first.poll() is None, "the first driver must still train while the second is refused"
         first.wait(timeout=480)
     finally:
