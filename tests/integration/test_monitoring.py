@@ -131,9 +131,12 @@ def test_a_rank_that_fails_alone_is_the_named_cause_and_a_stopped_rank_is_detect
     stopped with SIGSTOP: alive but silent, its peer waits in a collective until the
     watchdog fails the attempt."""
     earlier = {p.pid for p in _train_workers()}  # an earlier run's, if any is still exiting
-    # Half a second a step: the rank is stopped mid-run, before the last step's save (whose
-    # commit the watchdog waits out longer than a hang).
-    cfg = tiny_config("train.steps=16", "train.log_every=1", "checkpoint.every=5", "monitor.hang_timeout_s=15",
+    # Half a second a step: the rank is stopped mid-run, well before the last step's save
+    # (whose commit the watchdog waits out longer than a hang): the test sees step 6 through
+    # MLflow seconds late on a busy machine, and at 16 steps it once stopped the rank in the
+    # final save, where the hang watchdog rightly waits for checkpoint.timeout_s.
+    steps = 40
+    cfg = tiny_config(f"train.steps={steps}", "train.log_every=1", "checkpoint.every=5", "monitor.hang_timeout_s=15",
                       "chaos.min_step_s=0.5", "chaos.fail_rank=1", "chaos.fail_at_step=3")
     run = BackgroundRun(cfg)
     # No checkpoint before step 5: the second attempt starts from step 0, and its step 6 is
@@ -169,4 +172,4 @@ def test_a_rank_that_fails_alone_is_the_named_cause_and_a_stopped_rank_is_detect
     assert dumps, "the watchdog's stacks are attached to the run"
     text = MlflowClient(mlflow_url).download_artifacts(summary.run_id, dumps[0], str(tmp_path))
     assert "--- thread MainThread ---" in open(text).read()
-    assert summary.final_metrics["step"] == 16
+    assert summary.final_metrics["step"] == steps
