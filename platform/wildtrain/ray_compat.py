@@ -44,7 +44,7 @@ __all__ = [
     "ControllerCallback", "ReportCallback", "WorkerGroupCallback", "WorkerGroupStartupTimeoutError",
     "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError", "available_resources_per_node",
     "ControllerState", "controller_state", "counts_as_failure", "dashboard_url", "group_workers", "kv_get", "kv_put",
-    "lost_a_worker_process", "quiet_ray_data", "quiet_report_log", "refresh_train_resource_view", "reports_collected",
+    "kill_pending_actors", "lost_a_worker_process", "quiet_ray_data", "quiet_report_log", "refresh_train_resource_view", "reports_collected",
     "resize_request", "resize_to", "start_timed_out", "worker_failures", "TrainerWithoutDatasets",
 ]
 
@@ -129,6 +129,35 @@ def refresh_train_resource_view(timeout_s: float = 10) -> None:
 
     coordinator = get_or_create_autoscaling_coordinator()
     ray.get(coordinator.get_reserved_resources.remote("wildtrain-refresh", recompute=True), timeout=timeout_s)
+
+
+# The class name of Ray Train's worker actors (its `RayTrainWorker`), as the GCS lists it.
+TRAIN_WORKER_CLASS = "RayTrainWorker"
+
+
+def kill_pending_actors(class_name: str = TRAIN_WORKER_CLASS) -> int:
+    """Kill this job's actors of `class_name` (Ray Train's workers) that are still waiting to
+    be created; how many.
+
+    Ray Train's worker-group start waits for its placement group for
+    `worker_start_timeout_s`, then creates the actors and waits for them without a
+    timeout (2.60, `WorkerGroup._create_workers`): if a node of the group dies in
+    between, the actors wait for room that may never come, and the controller with them
+    (no poll, no capacity wait, no end). A killed actor fails that wait, which Ray
+    reports as a failed start and retries. Called from the controller's process, which
+    owns the actors; the GCS lists them without the dashboard's state API."""
+    from ray._private.state import actors
+    from ray._raylet import ActorID
+
+    job = ray.get_runtime_context().get_job_id()
+    core_worker = ray._private.worker.global_worker.core_worker
+    killed = 0
+    for state in ("PENDING_CREATION", "DEPENDENCIES_UNREADY"):
+        for actor in actors(job_id=ray.JobID.from_hex(job), actor_state_name=state).values():
+            if actor["ActorClassName"] == class_name:
+                core_worker.kill_actor(ActorID.from_hex(actor["ActorID"]), True)
+                killed += 1
+    return killed
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,15 @@ import json
 from itertools import groupby
 
 import pytest
+import ray
 from mlflow.tracking import MlflowClient
+from ray.exceptions import RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tests.helpers.chaos import UNINTERRUPTED, UNINTERRUPTED_STEPS as STEPS, BackgroundRun
 from tests.helpers.waiting import wait_for
-from wildtrain import driver
+from wildtrain import driver, ray_compat
 from wildtrain.data.manifest import read_manifest
 from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order
 from wildtrain.data.stream import sample_ids
@@ -124,6 +128,35 @@ def test_node_dies_and_returns_without_changing_what_is_trained(worker_nodes, el
     assert all(r.reshard_s > 0 for r in recoveries), "both size changes load a resharded checkpoint"
     regrow = next(r for r in recoveries if r.kind == "resize")
     assert regrow.steps_lost == 0, "a planned regrow checkpoints first and redoes no step"
+
+
+class WildtrainStartProbe:
+    """An actor that stands in for a Ray Train worker whose node dies between its placement
+    and its creation (named apart, so that runs of this job keep theirs)."""
+
+    def ping(self) -> int:
+        return 1
+
+
+def test_a_worker_whose_node_died_after_its_placement_is_ended_not_waited_for(ray_cluster):
+    """What `RestartPolicy` ends a stuck worker-group start with: Ray waits for such a worker
+    without a timeout, and only its kill ends the wait (a removed placement group does not)."""
+    node = ray_cluster.add_node(num_cpus=0, resources={"wildtrain_probe": 1})
+    ray_cluster.wait_for_nodes()
+    group = placement_group([{"wildtrain_probe": 1}])
+    ray.get(group.ready(), timeout=60)
+    ray_cluster.remove_node(node)
+    try:
+        probe = ray.remote(WildtrainStartProbe).options(
+            num_cpus=0, resources={"wildtrain_probe": 1},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)).remote()
+        ping = probe.ping.remote()
+        assert ray.wait([ping], timeout=2)[1], "the probe was created on a node that is gone"
+        wait_for(lambda: ray_compat.kill_pending_actors(WildtrainStartProbe.__name__), "the pending probe's kill", 30)
+        with pytest.raises(RayActorError):
+            ray.get(ping, timeout=30)
+    finally:
+        remove_placement_group(group)
 
 
 def test_a_run_left_without_nodes_stops_and_keeps_its_checkpoints(worker_nodes, elastic_config, tmp_path):

@@ -196,3 +196,18 @@ def test_the_trainer_starts_no_dataset_manager_without_datasets_and_ray_still_bu
     assert "DatasetsCallback" not in ours
     assert ours == [name for name in names(TorchTrainer(lambda: None)) if name != "DatasetsCallback"]
     assert "DatasetsCallback" in names(ray_compat.TrainerWithoutDatasets(lambda: None, datasets={"rows": [1]}))
+
+
+def test_a_stuck_worker_group_start_can_still_be_ended():
+    """`kill_pending_actors` lists actors from the GCS and kills them by id, looking for Ray
+    Train's worker class by name; the wait it ends has no timeout of its own in Ray 2.60
+    (when one comes, RestartPolicy's start watchdog can go), and the start runs every
+    callback's `on_worker_group_start` around it."""
+    from ray._raylet import ActorID, CoreWorker
+    from ray.train.v2._internal.execution.worker_group.worker import RayTrainWorker
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    assert RayTrainWorker.__name__ == ray_compat.TRAIN_WORKER_CLASS
+    assert callable(private_state.actors) and callable(ActorID.from_hex) and hasattr(CoreWorker, "kill_actor")
+    assert "ray.get([actor.get_metadata.remote() for actor in actors])" in inspect.getsource(WorkerGroup._create_workers)
+    assert "callback.on_worker_group_start" in inspect.getsource(WorkerGroup._start_impl)

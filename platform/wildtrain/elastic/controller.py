@@ -5,6 +5,7 @@ ahead of a resize, and checkpoints evaluated beside training."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -72,6 +73,11 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
       while a group runs, since growing is the workers' decision);
     - leave out the nodes a group's health check failed (`UnhealthyNodes`), for
       `NodeExclusion` to keep later groups off them;
+    - end a group's start that is still creating its workers 2 x `worker_start_timeout_s`
+      after it began (room for the placement group is waited for at most once that
+      long): a node lost between the placement and the workers' creation would hold
+      them, and the controller, forever (`ray_compat.kill_pending_actors`); Ray
+      then retries the start as after any failed one;
     - end the run when no worker group has run for `capacity_wait_s` (every node gone, say)
       instead of retrying forever (`CapacityClock` says what counts as waiting), or after
       more than `max_failures` failures that were not planned regrows (-1: no limit;
@@ -87,6 +93,7 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
         self.capacity = CapacityClock(cfg.elastic.min_workers)
         self.view = ResourceView()
         self.node_grace_s = node_grace_s
+        self.start_deadline_s = 2 * cfg.elastic.worker_start_timeout_s
         self.group_nodes: set[str] = set()
         self.record_event = record_event
 
@@ -94,6 +101,28 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
         # The first group too is sized from the coordinator's copy of the node list, which
         # may be up to 20 s old: nodes that joined just before the submission would be missed.
         self.view.refresh()
+
+    @contextlib.contextmanager
+    def on_worker_group_start(self):
+        started = threading.Event()
+        threading.Thread(target=self._end_a_stuck_start, args=(started,), name="wildtrain-start-watchdog",
+                         daemon=True).start()
+        try:
+            yield
+        finally:
+            started.set()
+
+    def _end_a_stuck_start(self, started: threading.Event) -> None:
+        if started.wait(self.start_deadline_s):
+            return
+        try:
+            killed = ray_compat.kill_pending_actors()
+        except Exception as e:  # noqa: BLE001 - the GCS is slow to answer: the start stays as it was
+            print(f"a worker group start outlasted {self.start_deadline_s:g} s; ending it failed: {e}", flush=True)
+            return
+        if killed:
+            print(f"a worker group start outlasted {self.start_deadline_s:g} s (2 x elastic.worker_start_timeout_s) "
+                  f"with {killed} worker(s) not yet created, their node lost: ended, to be retried", flush=True)
 
     def after_worker_group_start(self, worker_group) -> None:
         self.group_nodes = {w.node_id for w in ray_compat.group_workers(worker_group)}
