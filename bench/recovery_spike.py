@@ -1,27 +1,33 @@
 """Spike for issue 24: survivors of a dead peer carry on in-process; a returning peer joins
-without restarting them. No Ray, no DeepSpeed: gloo process groups built by hand.
+without restarting them. No Ray: gloo process groups built by hand; with --zero, the state
+sharded by a real DeepSpeed ZeRO engine and a dead rank's partition taken from a peer's
+host memory (bench/recovery_spike_zero.py).
 
 Two drills of the same training, one after the other: a reference (three workers, nothing
 happens) and the drill (three workers; after --kill-step one is SIGKILLed; after --join-step
 a spare asks to join). Each trains wildtrain's tiny model data-parallel on a fixed global batch
 (--global-batch rows, a function of the step only), so a smaller world gives each rank more
-rows to accumulate and the losses stay those of the reference.
+rows to accumulate and the losses stay those of the reference. `--also` adds drills: a
+survivor killed as the join's generation is published (a death during a regrow), and two
+ring neighbours killed together (with --zero, more than the mirrors cover).
 
 How the workers stay alive (their decisions are wildtrain.elastic.membership, unit-tested;
 the worker itself is bench/recovery_spike_worker.py): this script's process plays the
 rendezvous owner (the controller's role) and publishes each new generation; the workers
 re-form a gloo group per generation, abandon a step whose generation lost a member, and
-take the state from a peer at each re-form. No checkpoint is read.
+take the state from peers at each re-form: without --zero, all of it by broadcast from the
+lowest rank at the highest step; with --zero, each old partition from its owner or from the
+ring successor that mirrors it, re-cut for the new world (`membership.plan_repartition`).
+No checkpoint is read.
 
-Prints one table: death -> first step at the smaller size (detection, rendezvous, state
-sync, the step), join request -> first step at the full size, the survivors' stop during the
-join, steps redone, and the losses and final parameters against the reference.
+Prints one table per drill: death -> first step at the smaller size (detection, rendezvous,
+state sync, the step), join request -> first step at the full size, the survivors' stop
+during the join, steps redone, and the losses and final parameters against the reference.
 
 What it does not cover yet:
-- A death during a re-form (rendezvous or state broadcast): the new group's constructor waits
-  for the dead member until the collective timeout, and then needs another generation; the
-  rendezvous owner's own death (here, the bench process; in Ray, the controller).
-- Sharded state: every worker holds the whole model and optimizer (plain data parallelism).
+- The rendezvous owner's own death (here, the bench process; in Ray, the controller).
+- ZeRO-3 (parameters sharded too); mirrors sent inside the step, not beside the next one;
+  each rank receiving the whole old state at a re-form where it needs only its new slice.
 - Data: batches are a function of the step; wildtrain's stream (Ray Data) would need its
   position per step, not per worker, to hand a dead rank's rows to the survivors.
 - Worker start: workers are forked from this process, torch already imported, and the joiner
@@ -32,21 +38,17 @@ What it does not cover yet:
   and NCCL (whose abort, unlike gloo's, does end work in flight, but whose communicator init
   costs seconds at scale).
 
-How it would map to DeepSpeed ZeRO: ZeRO-1/2/3 shard the optimizer state (and at stage 3 the
-parameters) over the data-parallel ranks, so a dead rank takes the only copy of its partition
-with it: the plan_sync broadcast has no source. Each rank would mirror its partition (fp32
-master weights and two moments, 12 bytes a parameter over N ranks: 1.3 GB a step per rank
-for 7B on 64 ranks) to a neighbour's host memory on another node (Gemini's placement),
-copied after each optimizer step while the next forward and backward run. The mirrors must
-hold one step that every rank agrees on: step k counts as committed when every mirror of it
-is acknowledged (torchft's should_commit, in effect), and a death before that takes the
-survivors back to k-1 from their own host copy, one step redone instead of all since the
-checkpoint; mirroring every few steps trades bandwidth for that many. After a death the
-survivors re-partition at the new size from host memory (what our reshard does from a
-universal checkpoint). DeepSpeed builds its data-parallel groups and partitions once, at
-initialize(): a resize means a new engine over the same module (or an engine that accepts a
-new group), the part to measure next. A loss beyond the redundancy (a rank and its mirror's
-host, the whole cluster) falls back to today's restart from the checkpoint.
+How it maps to DeepSpeed ZeRO (--zero): ZeRO-1/2 shard the optimizer state over the
+data-parallel ranks, so a dead rank takes the only copy of its partition with it. Each rank
+mirrors its partition (fp32 master weights and two moments, 12 bytes a parameter over N
+ranks: 1.3 GB a step per rank for 7B on 64 ranks) to its ring successor's host memory; a
+step is committed only once every mirror of it is in place (torchft's should_commit, in
+effect), so a death costs at most the step in flight, never a committed one. DeepSpeed
+builds its groups and partitions once, at initialize(): a resize destroys the default group
+(DeepSpeed releases its cached groups with it), makes a new one, and builds a new engine
+over a fresh module at the new size, then copies the re-cut state in. A loss beyond the
+redundancy (a rank and its mirror's holder, the whole cluster) is RedundancyLost: the
+workers stop with that reason, for today's restart from the checkpoint.
 
 How it would map to Ray Train V2 (2.60): its controller restarts the whole worker group when
 any worker dies (FailurePolicy -> a new group, new processes). Keeping survivors needs the
@@ -71,7 +73,7 @@ fits); wildtrain should borrow its protocol (per-step quorum, max-step source, s
 rather than adopt the library under ZeRO.
 
 Usage: nice -n 19 env PYTHONPATH=platform .venv/bin/python bench/recovery_spike.py [--steps 60]
-       [--kill-rank 0] [--kill-step 15] [--join-step 35] [--confirm-s 0.5] [--dead-after-s 2]
+       [--zero 1] [--also death-during-join two-at-once] [--kill-rank 0] [--kill-step 15] [--join-step 35] [--confirm-s 0.5] [--dead-after-s 2]
 """
 
 from __future__ import annotations
@@ -91,7 +93,14 @@ import torch.distributed as dist
 
 from progress import say
 from recovery_spike_worker import HOST, INITIAL, SPARE, worker_main
+from recovery_spike_zero import REDUNDANCY_LOST_EXIT
 from wildtrain.elastic.membership import Membership, next_membership, stale
+
+
+EXTRA_DRILLS = {
+    "death-during-join": "as the first drill, and a survivor is killed as the join's generation is published",
+    "two-at-once": "two ring neighbours killed together: with --zero, a partition and its mirror are gone",
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -101,7 +110,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kill-rank", type=int, default=1, help="the rank killed (0 makes another worker rank 0)")
     p.add_argument("--join-step", type=int, default=35, help="the spare asks to join once this many steps are done")
     p.add_argument("--global-batch", type=int, default=6)
-    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--micro-batch", type=int, default=2, help="rows per micro-batch (--zero: 1)")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2), default=0,
+                   help="shard the state with DeepSpeed ZeRO at this stage, mirrored to a peer "
+                        "(recovery_spike_zero.py); 0: every worker holds the whole state")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -110,6 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--confirm-s", type=float, default=0.5,
                    help="after a failed collective, silent this long since: dead")
     p.add_argument("--collective-timeout-s", type=float, default=10.0)
+    p.add_argument("--also", nargs="*", default=[], choices=EXTRA_DRILLS,
+                   help="more drills after the first: " + "; ".join(f"{k}: {v}" for k, v in EXTRA_DRILLS.items()))
     p.add_argument("--out", type=Path, default=None, help="folder for the workers' logs (default: a temp dir)")
     return p.parse_args(argv)
 
@@ -120,10 +134,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def import_lazy_parts() -> None:
+def import_lazy_parts(zero: int) -> None:
     """What torch imports on first use, imported here once rather than in every worker:
-    an optimizer's first construction imports torch._dynamo (10 s on this loaded machine)."""
+    an optimizer's first construction imports torch._dynamo (10 s on this loaded machine);
+    with --zero, DeepSpeed."""
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    if zero:
+        from wildtrain.engine import import_deepspeed
+
+        import_deepspeed()
 
 
 def launch(args, name: str, port: int, out: Path) -> multiprocessing.Process:
@@ -135,26 +154,29 @@ def launch(args, name: str, port: int, out: Path) -> multiprocessing.Process:
     return proc
 
 
-def drill(args, out: Path, chaos: bool) -> dict:
-    """Run one drill as the rendezvous owner; what it did, by time.time()."""
+def drill(args, out: Path, chaos: bool, extra: str = "") -> dict:
+    """Run one drill (`extra`: one of EXTRA_DRILLS, or the first) as the rendezvous owner;
+    what it did, by time.time()."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = {name: launch(args, name, port, out) for name in INITIAL + ((SPARE,) if chaos else ())}
     store = dist.TCPStore(HOST, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     current, pending, seen_joins, errors = Membership(0, ()), [], 0, {}
-    facts = {"published": {}, "asked": {}, "killed": None, "victim": None, "out": out}
+    facts = {"published": {}, "asked": {}, "killed": None, "victim": None, "victims": set(), "killed_in_join": None,
+             "out": out}
     deadline = time.time() + 600
     try:
         while True:
             now = time.time()
             # A worker that failed on its own is a bug of this script, not a drill's death.
             running = [n for n, p in procs.items() if p.is_alive()]
-            failed = [n for n, p in procs.items() if p.exitcode not in (None, 0) and n != facts["victim"]]
+            failed = [n for n, p in procs.items() if p.exitcode not in (None, 0) and n not in facts["victims"]
+                      and not (extra == "two-at-once" and p.exitcode == REDUNDANCY_LOST_EXIT)]
             if failed:
                 raise RuntimeError(f"worker {failed[0]} exited {procs[failed[0]].exitcode}; "
                                    f"see {out / (failed[0] + '.log')}")
-            if not running:
-                return facts
+            if not running or running == [SPARE] and facts["killed"]:
+                return facts  # the spare waits for progress that stopped
             if now > deadline:
                 raise TimeoutError(f"the drill in {out} did not end within 600 s; still running: {running}")
             joins = store.add("joins", 0)
@@ -185,11 +207,22 @@ def drill(args, out: Path, chaos: bool) -> dict:
                 facts["published"][nxt.generation] = (time.time(), nxt.members)
                 pending = [p for p in pending if p not in nxt.members]
                 current = nxt
+                if extra == "death-during-join" and facts["killed"] and not facts["killed_in_join"] \
+                        and len(nxt.members) == len(INITIAL):
+                    victim = nxt.members[0]
+                    procs[victim].kill()
+                    facts["victims"].add(victim)
+                    facts["killed_in_join"] = time.time()
+                    say(f"  killed {victim} as generation {nxt.generation} (the join) was published")
             if chaos and facts["killed"] is None and progress >= args.kill_step:
                 facts["victim"] = current.members[args.kill_rank]
-                procs[facts["victim"]].kill()
+                facts["victims"] = {facts["victim"]}
+                if extra == "two-at-once":
+                    facts["victims"].add(current.members[(args.kill_rank + 1) % len(current.members)])
+                for victim in facts["victims"]:
+                    procs[victim].kill()
                 facts["killed"] = time.time()
-                say(f"  killed {facts['victim']} (rank {args.kill_rank}) after step {progress}")
+                say(f"  killed {', '.join(sorted(facts['victims']))} after step {progress}")
             time.sleep(0.01)
     finally:
         for p in procs.values():
@@ -207,12 +240,22 @@ def median_step(records: list[dict]) -> float:
     return statistics.median(b["t"] - a["t"] for a, b in zip(records, records[1:]))
 
 
+def trained_steps(logs: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """Each worker's records of the steps it trained (and logged)."""
+    return {n: [r for r in rs if "step" in r and "loss" in r] for n, rs in logs.items()}
+
+
+def steps_redone(steps: dict[str, list[dict]]) -> int:
+    """Steps a worker logged more than once: trained again after a recovery."""
+    return sum(len(rs) - len({r["step"] for r in rs}) for rs in steps.values())
+
+
 def analyse(args, facts: dict, reference: dict) -> list[tuple[str, str]]:
     """The table's rows, from the drill's and the reference's `facts` and their workers' logs."""
     logs = read_logs(facts["out"])
-    steps = {n: [r for r in rs if "step" in r and "loss" in r] for n, rs in logs.items()}
+    steps = trained_steps(logs)
     survivors = [n for n in INITIAL if n != facts["victim"]]
-    redone = sum(len(rs) - len({r["step"] for r in rs}) for n, rs in steps.items())
+    redone = steps_redone(steps)
     losses = {}
     for rs in steps.values():
         for r in rs:
@@ -248,15 +291,19 @@ def analyse(args, facts: dict, reference: dict) -> list[tuple[str, str]]:
     joiner_formed = next(r for r in logs[SPARE] if r.get("event") == "formed")
     gap = first_full - last_small
     tol = 1e-3
-    return [
+    commits = [r["commit_s"] for r in steps[survivors[0]] if "commit_s" in r]
+    mirrors = [("mirror to the ring successor + commit, median per step (s)",
+                f"{statistics.median(commits):.3f} (in the step's time)")] if commits else []
+    return mirrors + [
         ("death -> first step at size 2 (s)", f"{first_small - killed:.2f}"),
         ("  a survivor abandoned its step (s)", f"{first_abandon - killed:.2f}"),
         ("  found dead: generation of 2 published (s)", f"{t_published - killed:.2f}"),
         ("  rendezvous (gloo group built) (s)", f"{t_formed - t_published:.2f}"),
-        ("  step count + state sync (s)", f"{t_synced - t_formed:.2f}"),
+        ("  state sync (--zero: partitions gathered, engine rebuilt, mirrors committed) (s)",
+         f"{t_synced - t_formed:.2f}"),
         ("  first step at size 2 (s)", f"{first_small - t_synced:.2f}"),
         ("join request -> first step at size 3 (s)", f"{first_full - asked:.2f}"),
-        ("  state broadcast to the joiner (s)", f"{joiner_formed['synced'] - joiner_formed['formed']:.2f}"),
+        ("  state sync to the joiner (s)", f"{joiner_formed['synced'] - joiner_formed['formed']:.2f}"),
         ("survivors' stop during the join (s)", f"{gap - step_full:.2f} (gap {gap:.2f} - one step {step_full:.2f})"),
         ("median step at size 2 / 3 (s)", f"{step_small:.3f} / {step_full:.3f}"),
         ("step in flight at the death, retried at size 2", ", ".join(sorted({str(r["step"]) for r in abandoned}))),
@@ -269,23 +316,60 @@ def analyse(args, facts: dict, reference: dict) -> list[tuple[str, str]]:
     ]
 
 
+def analyse_extra(args, facts: dict, reference: dict, extra: str) -> list[tuple[str, str]]:
+    """The rows of an EXTRA_DRILLS drill."""
+    logs = read_logs(facts["out"])
+    if extra == "two-at-once":
+        lost = [r for rs in logs.values() for r in rs if r.get("event") == "redundancy_lost"]
+        steps_after = {r["step"] for rs in logs.values() for r in rs if "loss" in r and r["t"] > facts["killed"]}
+        if not lost:
+            return [("two neighbours killed -> survivors", f"trained on: {len(steps_after)} steps after the deaths")]
+        return [("two neighbours killed -> survivors stop, state lost (s)",
+                 f"{min(r['t'] for r in lost) - facts['killed']:.2f}, {len(steps_after)} steps trained after"),
+                ("  their reason", lost[0]["why"][:150])]
+    per_worker = trained_steps(logs)
+    steps = [r for rs in per_worker.values() for r in rs]
+    losses = {r["step"]: r["loss"] for r in steps}
+    ref_losses = {r["step"]: r["loss"] for r in read_logs(reference["out"])["w0"] if "loss" in r}
+    after = [r["t"] for r in steps if r["t"] > facts["killed_in_join"]]
+    params = torch.load(facts["out"] / "params.pt")
+    param_diff = (params - torch.load(reference["out"] / "params.pt")).abs().max().item()
+    loss_diff = max(abs(losses[k] - ref_losses[k]) for k in ref_losses) if sorted(losses) == sorted(ref_losses) \
+        else float("nan")
+    return [("death during the join's re-form -> next step (s)", f"{min(after) - facts['killed_in_join']:.2f}"),
+            ("steps redone", str(steps_redone(per_worker))),
+            ("generations", str(max(facts["published"]))),
+            ("max |loss - reference| / |param - reference|", f"{loss_diff:.2e} / {param_diff:.2e}")]
+
+
+def print_table(title: str, rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    print(f"\n{title:<{width}}  value\n{'-' * width}  {'-' * 30}")
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
 def main() -> None:
     args = parse_args()
     if not 0 < args.kill_step < args.join_step < args.steps:
         raise SystemExit(f"need 0 < --kill-step ({args.kill_step}) < --join-step ({args.join_step}) "
                          f"< --steps ({args.steps})")
+    if args.zero and args.global_batch % 6:
+        raise SystemExit(f"--zero trains micro-batches of one row: --global-batch ({args.global_batch}) must be "
+                         "a multiple of 6, for worlds of 2 and 3")
     root = args.out or Path(tempfile.mkdtemp(prefix="recovery-spike-"))
-    import_lazy_parts()
+    import_lazy_parts(args.zero)
     say(f"reference: 3 workers, {args.steps} steps, nothing happens (logs in {root / 'reference'})")
     reference = drill(args, root / "reference", chaos=False)
     say(f"drill: 3 workers, kill rank {args.kill_rank} after step {args.kill_step}, the spare asks after step "
         f"{args.join_step} (logs in {root / 'drill'})")
     facts = drill(args, root / "drill", chaos=True)
-    rows = analyse(args, facts, reference)
-    width = max(len(k) for k, _ in rows)
-    print(f"\n{'measure':<{width}}  value\n{'-' * width}  {'-' * 30}")
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
+    tables = [("measure", analyse(args, facts, reference))]
+    for extra in args.also:
+        say(f"drill {extra}: {EXTRA_DRILLS[extra]} (logs in {root / extra})")
+        tables.append((extra, analyse_extra(args, drill(args, root / extra, chaos=True, extra=extra), reference, extra)))
+    for title, rows in tables:
+        print_table(title, rows)
 
 
 if __name__ == "__main__":

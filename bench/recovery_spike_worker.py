@@ -68,20 +68,30 @@ class Worker:
         self.args, self.name = args, args.worker
         timeout = timedelta(seconds=60)
         self.store = dist.TCPStore(HOST, args.port, is_master=False, timeout=timeout)
-        torch.manual_seed(args.seed)
-        self.model = Transformer(ModelConfig(max_seq_len=args.seq_len))
-        self.params = list(self.model.parameters())
-        self.opt = torch.optim.AdamW(self.params, lr=args.lr, foreach=False)
-        # AdamW's state, made now rather than at its first step: a joiner needs tensors to
-        # receive into, and zeros at step 0 are what AdamW would have made.
-        for p in self.params:
-            self.opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                 "exp_avg_sq": torch.zeros_like(p)}
+        self.init_state()
         self.step = -1  # optimizer steps taken; -1: no state yet (until the first group forms)
         self.log = open(Path(args.out) / f"{self.name}.jsonl", "a", buffering=1)
         self.graveyard = []  # broken groups, never destroyed (see the module docstring)
         self.membership = Membership(0, ())
         self.pg = None
+
+    def init_state(self) -> None:
+        torch.manual_seed(self.args.seed)
+        self.model = Transformer(ModelConfig(max_seq_len=self.args.seq_len))
+        self.params = list(self.model.parameters())
+        self.opt = torch.optim.AdamW(self.params, lr=self.args.lr, foreach=False)
+        # AdamW's state, made now rather than at its first step: a joiner needs tensors to
+        # receive into, and zeros at step 0 are what AdamW would have made.
+        for p in self.params:
+            self.opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                 "exp_avg_sq": torch.zeros_like(p)}
+
+    def drop_step(self) -> None:
+        """Forget the abandoned step's gradients: it is retried from the state before it."""
+        self.opt.zero_grad(set_to_none=True)
+
+    def flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
 
     def record(self, **fields) -> None:
         self.log.write(json.dumps({"t": time.time(), **fields}) + "\n")
@@ -118,6 +128,16 @@ class Worker:
                     self.store.set(f"join/{n}", f"{self.name} {time.time()!r}")
             time.sleep(0.005)
 
+    def arrive(self, m) -> None:
+        """Wait until every member of `m` is at its rendezvous, or give it up for a newer
+        generation: a member that died after `m` was published would hold the group's
+        construction until its timeout, where this wait sees the next generation at once."""
+        self.store.set(f"arrived/{m.generation}/{self.name}", "1")
+        while not self.store.check([f"arrived/{m.generation}/{name}" for name in m.members]):
+            if self.latest().generation > m.generation:
+                raise Abandoned(f"generation {m.generation} superseded before every member arrived")
+            time.sleep(0.005)
+
     def state(self) -> list[torch.Tensor]:
         out = [p.data for p in self.params]
         for p in self.params:
@@ -130,19 +150,25 @@ class Worker:
         m = self.next_generation()
         t_published = time.time()
         rank = m.rank(self.name)
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(f"g{m.generation}/", self.store), rank, len(m.members),
-                                   timedelta(seconds=self.args.collective_timeout_s))
+        self.membership = m
+        self.arrive(m)
+        try:
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(f"g{m.generation}/", self.store), rank, len(m.members),
+                                       timedelta(seconds=self.args.collective_timeout_s))
+        except RuntimeError as e:  # a member died after arriving: one more generation
+            self.store.set(f"error/{m.generation}", repr(time.time()))
+            raise Abandoned(f"rendezvous failed: {str(e).splitlines()[0][:200]}") from e
         t_formed = time.time()
         steps = torch.zeros(len(m.members), dtype=torch.float64)
         steps[rank] = self.step
-        pg.allreduce([steps]).wait()
+        self.wait(pg.allreduce([steps]))  # a member that dies now: one more generation
         sync = plan_sync([int(s) for s in steps])
         if sync.needed:
             tensors = self.state()
             flat = torch.cat([t.reshape(-1) for t in tensors])
             opts = dist.BroadcastOptions()
             opts.rootRank = sync.source
-            pg.broadcast([flat], opts).wait()
+            self.wait(pg.broadcast([flat], opts))
             for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
                 t.copy_(piece.view_as(t))
         self.step = sync.step
@@ -167,12 +193,17 @@ class Worker:
             self.store.set(f"error/{self.membership.generation}", repr(time.time()))
             raise Abandoned(f"collective failed: {str(e).splitlines()[0][:200]}") from e
 
+    def newest_or_abandon(self) -> Membership:
+        """The newest generation, before a step; Abandoned if it drops one of our members."""
+        newest = self.latest()
+        if newest.generation > self.membership.generation and must_abandon(self.membership, newest):
+            raise Abandoned(f"generation {newest.generation} drops a member")
+        return newest
+
     def train_one(self) -> bool:
         """One optimizer step; whether the group must re-form after it."""
         m, args = self.membership, self.args
-        newest = self.latest()
-        if newest.generation > m.generation and must_abandon(m, newest):
-            raise Abandoned(f"generation {newest.generation} drops a member")
+        newest = self.newest_or_abandon()
         x, y = batch(args, self.step)
         loss_sum = 0.0
         for rows in micro_batches(args.global_batch, len(m.members), m.rank(self.name), args.micro_batch):
@@ -205,16 +236,16 @@ class Worker:
         self.ask_to_join()
         self.record(event="asked")
         while self.step < self.args.steps:
-            self.form()
             try:
+                self.form()  # --zero: a re-form can fail too (a member died during it)
                 while self.step < self.args.steps and not self.train_one():
                     pass
             except Abandoned as e:
-                self.opt.zero_grad(set_to_none=True)
+                self.drop_step()
                 self.record(event="abandoned", gen=self.membership.generation, step=self.step, why=str(e))
                 self.graveyard.append(self.pg)
         if self.membership.rank(self.name) == 0:
-            torch.save(torch.cat([p.detach().reshape(-1) for p in self.params]), Path(self.args.out) / "params.pt")
+            torch.save(self.flat_params(), Path(self.args.out) / "params.pt")
         self.record(event="done", step=self.step)
         self.log.close()
         # Skips the graveyard's destructors, which would wait out their broken collectives.
@@ -227,4 +258,8 @@ def worker_main(args, name: str, port: int, out: Path) -> None:
     os.dup2(fd, 2)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    Worker(argparse.Namespace(**{**vars(args), "worker": name, "port": port, "out": out})).run()
+    if args.zero:
+        from recovery_spike_zero import ZeroWorker as worker_class
+    else:
+        worker_class = Worker
+    worker_class(argparse.Namespace(**{**vars(args), "worker": name, "port": port, "out": out})).run()

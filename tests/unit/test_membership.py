@@ -2,10 +2,13 @@ import pytest
 
 from wildtrain.elastic.membership import (
     Membership,
+    RedundancyLost,
+    Repartition,
     StateSync,
     micro_batches,
     must_abandon,
     next_membership,
+    plan_repartition,
     plan_sync,
     stale,
 )
@@ -82,3 +85,33 @@ def test_a_smaller_world_gives_each_rank_more_accumulation():
     assert micro_batches(6, 2, 1, 2) == (range(3, 5), range(5, 6))
     with pytest.raises(ValueError, match="rank 3 of world 3"):
         micro_batches(6, 3, 3, 2)
+
+
+def held(*partitions):
+    """A rank's snapshots: ((old rank, steps), ...) of generation 1's three ranks."""
+    return {(1, 3, old_rank): steps for old_rank, steps in partitions}
+
+
+def test_a_dead_ranks_partition_comes_from_its_mirror_at_the_newest_step_all_share():
+    # Rank 1 of three died; survivors 0 and 2 (new ranks 0 and 1) hold their own partitions
+    # and mirrors of their ring predecessors' (old rank 0 holds 2's, old rank 2 holds 1's).
+    # Old rank 0 had taken step 8 when it saw the failure; the mirrors stopped at 7.
+    plan = plan_repartition([held((0, {7, 8}), (2, {7})), held((2, {6, 7}), (1, {6, 7}))])
+    assert plan == Repartition(layout=(1, 3), step=7, sources=(0, 1, 0))
+
+
+def test_a_joiner_holds_nothing_and_the_newest_whole_layout_wins():
+    after_resize = {(2, 2, 0): {9}, (2, 2, 1): {9}, (1, 3, 0): {7}}
+    plan = plan_repartition([after_resize, None, {(2, 2, 1): {9}, (2, 2, 0): {9}}])
+    assert plan == Repartition(layout=(2, 2), step=9, sources=(0, 0))
+    # The resize's own commit failed before every mirror was in place: the old layout stands.
+    plan = plan_repartition([{(2, 2, 0): {9}, (1, 3, 0): {7}, (1, 3, 2): {7}}, {(1, 3, 1): {7}}])
+    assert plan == Repartition(layout=(1, 3), step=7, sources=(0, 1, 0))
+
+
+def test_a_partition_lost_with_its_mirror_needs_a_checkpoint():
+    # Old ranks 1 and 2 died together: 1's own copy and its mirror (held by 2) are gone.
+    with pytest.raises(RedundancyLost, match=r"partitions \[1\] .* only a checkpoint"):
+        plan_repartition([held((0, {7}), (2, {7}))])
+    with pytest.raises(RedundancyLost, match="holds any partition"):
+        plan_repartition([None, None])

@@ -9,7 +9,7 @@ order, followed by the workers that asked to join.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Collection, Iterable, Mapping, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,51 @@ def micro_batches(global_batch: int, world: int, rank: int, micro_batch: int) ->
     start = rank * base + min(rank, extra)
     stop = start + base + (rank < extra)
     return tuple(range(s, min(s + micro_batch, stop)) for s in range(start, stop, micro_batch))
+
+
+# A ZeRO partition's identity: the generation whose layout cut it (a resize re-cuts every
+# partition), that layout's world size, and the rank that owned it there.
+Layout = tuple[int, int]  # (generation, world size)
+
+
+class RedundancyLost(RuntimeError):
+    """Some partition of the sharded state exists nowhere alive at any step its peers share:
+    its owner and the holder of its mirror both left. Only a checkpoint restores the run."""
+
+
+@dataclass(frozen=True)
+class Repartition:
+    layout: Layout  # the layout restored from
+    step: int  # the optimizer steps the restored state has taken
+    sources: tuple[int, ...]  # by old rank: the new rank that sends that partition
+
+
+def plan_repartition(held: Sequence[Optional[Mapping[tuple[int, int, int], Collection[int]]]]) -> Repartition:
+    """From which snapshots a new generation rebuilds ZeRO-sharded state, when each rank keeps
+    host copies of its own partition and of its ring predecessor's (the mirror) for the last
+    committed steps. `held[new_rank]` maps (layout generation, layout world, old rank) to the
+    steps held of that partition; None for a joiner, which holds nothing.
+
+    The newest layout that some step covers whole wins, at the highest such step; each
+    partition comes from the lowest new rank holding it. A step is committed (logged) only
+    once every mirror of it is in place, so the step chosen is never below a committed one:
+    a rank at most loses the step it was in when a peer died, which it had not logged."""
+    found: dict[Layout, dict[int, dict[int, int]]] = {}  # layout -> step -> old rank -> lowest new rank
+    for new_rank, partitions in enumerate(held):
+        for (generation, world, old_rank), steps in (partitions or {}).items():
+            for step in steps:
+                found.setdefault((generation, world), {}).setdefault(step, {}).setdefault(old_rank, new_rank)
+    for layout in sorted(found, reverse=True):
+        whole = [step for step, owners in found[layout].items() if len(owners) == layout[1]]
+        if whole:
+            step = max(whole)
+            owners = found[layout][step]
+            return Repartition(layout, step, tuple(owners[r] for r in range(layout[1])))
+    if not found:
+        raise RedundancyLost("no rank of the new group holds any partition of the state")
+    layout = max(found)
+    step = max(found[layout])
+    missing = sorted(set(range(layout[1])) - set(found[layout][step]))
+    raise RedundancyLost(f"partitions {missing} of generation {layout[0]}'s {layout[1]} ranks are held nowhere "
+                         f"alive at step {step} (an owner and its mirror's holder both left): only a checkpoint "
+                         "restores this run")

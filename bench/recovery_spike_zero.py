@@ -1,0 +1,257 @@
+"""The ZeRO worker of bench/recovery_spike.py (`--zero 1|2`, issue 24): the spike's workers
+with their state sharded by a real DeepSpeed ZeRO engine (wildtrain's `engine.build_engine`,
+AdamW, the LR schedule, gradient clipping), a dead rank's partition recovered from a peer's
+host memory, and the engine rebuilt in-process at every new size. No checkpoint is read.
+
+- Mirrors: after each optimizer step a rank copies its partition (fp32 master weights and
+  AdamW's two moments) to host memory and sends the copy to the next rank of the ring, which
+  keeps it; each keeps the last two steps of its own and of its predecessor's. A step is
+  committed (logged, counted) only by the all-reduce after that exchange, which no rank
+  passes before every mirror is in place: whoever dies then, its partition at the committed
+  step lives on in its successor, and no committed step is ever redone.
+- Re-form: the survivors (and joiners) of a new generation say which snapshots they hold;
+  `membership.plan_repartition` picks the newest step held whole; the holders all-gather
+  those partitions; each rank rebuilds the flat state (the concatenated partitions without
+  their padding), builds a new engine at the new world size over a fresh module, and copies
+  in its new slice, the model's weights, AdamW's step and the schedule's position. It then
+  commits the new layout's mirrors before training on.
+- The default process group is destroyed and made again per generation (on a PrefixStore of
+  its own): DeepSpeed builds its data-parallel groups and partitions once, in `initialize`,
+  from the default group, and releases its cached groups on `deepspeed.comm.destroy_process_group`.
+
+What it leaves out is the spike's list (recovery_spike.py), plus: mirrors sent synchronously
+inside the step (a platform would send them while the next forward and backward run), every
+rank receiving the whole state at a re-form (it needs only its new slice), and ZeRO-3.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import time
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from recovery_spike_worker import Abandoned, Worker, batch
+
+REDUNDANCY_LOST_EXIT = 3  # recovery_spike.py expects it where a partition and its mirror are gone
+from wildtrain.batching import BatchPlan
+from wildtrain.config import load_config
+from wildtrain.elastic.membership import RedundancyLost, micro_batches, plan_repartition
+from wildtrain.engine import build_engine, import_deepspeed
+from wildtrain.model.transformer import Transformer
+
+KEEP_STEPS = 2  # snapshots kept per partition: the committed step and the one in flight
+
+
+def config(args):
+    return load_config([f"model.max_seq_len={args.seq_len}", f"data.seq_len={args.seq_len}",
+                        f"train.steps={args.steps}", f"optim.lr={args.lr}", f"deepspeed.zero_stage={args.zero}"])
+
+
+class ZeroWorker(Worker):
+    def init_state(self) -> None:
+        self.cfg = config(self.args)
+        self.deepspeed = import_deepspeed()
+        self.engine = None
+        self.layout = None  # (generation, world) of the partitions this rank holds
+        # (layout, old rank) -> step -> that partition of each parameter group
+        self.snapshots: dict[tuple[int, int, int], dict[int, list[torch.Tensor]]] = {}
+
+    # ---- the engine's partition ----
+
+    def partition(self) -> list[torch.Tensor]:
+        """A host copy of this rank's partition of each parameter group, [3, n]: fp32 weights,
+        exp_avg, exp_avg_sq."""
+        zero = self.engine.optimizer
+        groups = []
+        for fp32 in zero.single_partition_of_fp32_groups:
+            state = zero.optimizer.state.get(fp32) or {}
+            moments = [state.get(k, torch.zeros_like(fp32)) for k in ("exp_avg", "exp_avg_sq")]
+            groups.append(torch.stack([fp32.detach(), *moments]).clone())
+        return groups
+
+    def keep(self, old_rank: int, step: int, state: list[torch.Tensor]) -> None:
+        kept = self.snapshots.setdefault((*self.layout, old_rank), {})
+        kept[step] = state
+        for old in sorted(kept)[:-KEEP_STEPS]:
+            del kept[old]
+
+    def commit(self, loss_sum: float, flag: float) -> torch.Tensor:
+        """Mirror this rank's partition to its ring successor, then the all-reduce that commits
+        the step (every mirror is in place once any rank is past it)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = self.partition()
+        self.keep(rank, self.step, mine)
+        if world > 1:
+            sent = torch.cat(mine, dim=1)
+            received = torch.empty_like(sent)
+            works = [dist.isend(sent, (rank + 1) % world), dist.irecv(received, (rank - 1) % world)]
+            for work in works:
+                self.finish(work)
+            # Every rank of a layout holds partitions of the same sizes.
+            self.keep((rank - 1) % world, self.step, list(received.split([g.shape[1] for g in mine], dim=1)))
+        totals = torch.tensor([loss_sum, flag], dtype=torch.float64)
+        self.finish(dist.all_reduce(totals, async_op=True))
+        return totals
+
+    def finish(self, work) -> None:
+        try:
+            work.wait()
+        except RuntimeError as e:
+            self.fail(e)
+
+    def fail(self, e: Exception):
+        self.store.set(f"error/{self.membership.generation}", repr(time.time()))
+        self.hang_up()
+        raise Abandoned(f"collective failed: {str(e).splitlines()[0][:200]}") from e
+
+    def hang_up(self) -> None:
+        """Shut down this process's gloo connections, so that every peer's collective with it
+        fails now. A peer blocked in a collective with this rank (not with the dead one) is
+        freed by nothing else: gloo's waits end only at their timeout or when the connection
+        closes, and torch's destroy_process_group, _abort_process_group and shutdown all leave
+        gloo's sockets open (three gloo ranks, rank 2 in a recv from rank 0, which called each:
+        rank 2 waited its 20 s timeout every time; when rank 0 exited, 0.0 s). Every TCP
+        connection of this process except those to the rendezvous store is gloo's."""
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                    continue
+                with socket.socket(fileno=os.dup(int(fd))) as sock:
+                    if sock.type == socket.SOCK_STREAM and sock.getpeername()[1] != self.args.port:
+                        sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed meanwhile, not connected (a listener), or not an inet socket
+
+    # ---- re-forming ----
+
+    def form(self) -> None:
+        t0 = time.time()
+        m = self.next_generation()
+        t_published = time.time()
+        rank, world = m.rank(self.name), len(m.members)
+        # What a launcher would set, and DeepSpeed's initialize asserts (one worker per node here).
+        os.environ.update(LOCAL_RANK="0", RANK=str(rank), WORLD_SIZE=str(world))
+        if dist.is_initialized():
+            self.engine = None
+            self.deepspeed.comm.destroy_process_group()
+            # The engine and its optimizer refer to each other: only a collection frees the old
+            # group, whose destructor closes its connections. Until then a peer blocked in a
+            # collective with this rank (not with the dead one) would wait out its timeout.
+            gc.collect()
+        self.membership = m
+        self.arrive(m)
+        try:
+            # A member that died since the generation was published fails this (after the
+            # timeout) or a collective below: either is one more generation, not the worker's end.
+            timeout = timedelta(seconds=self.args.collective_timeout_s)
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"g{m.generation}/", self.store), rank=rank,
+                                    world_size=world, timeout=timeout)
+            # DeepSpeed reduces over a clone of the world group that it makes with torch's
+            # default timeout (30 min), not the world's: a survivor blocked in a collective
+            # with a peer that saw the failure (not with the dead rank) would wait that long.
+            self.deepspeed.utils.groups._WORLD_GROUP = dist.new_group(ranks=range(world), timeout=timeout)
+            t_formed = time.time()
+            fresh = self.step == 0 and self.layout is None
+            held = [None] * world
+            dist.all_gather_object(held, None if fresh else {k: set(v) for k, v in self.snapshots.items()})
+            if all(h is None for h in held):
+                plan, full = None, None  # the first generation: every member builds from the seed
+            else:
+                plan = plan_repartition(held)
+                mine = {old: self.snapshots[(*plan.layout, old)][plan.step]
+                        for old, source in enumerate(plan.sources) if source == rank}
+                parts = [None] * world
+                dist.all_gather_object(parts, mine)
+                by_old = {old: state for sent in parts for old, state in sent.items()}
+                full = [torch.cat([by_old[old][i] for old in range(plan.layout[1])], dim=1)
+                        for i in range(len(by_old[0]))]
+            t_synced_in = time.time()
+            self.build(world, rank, plan.step if plan else 0, full)
+            self.layout = (m.generation, world)
+            self.commit(0.0, 0.0)
+            # Every rank holds the new layout's partitions and mirrors: the old layout's go.
+            self.snapshots = {k: v for k, v in self.snapshots.items() if k[:2] == self.layout}
+        except RedundancyLost as e:
+            self.record(event="redundancy_lost", why=str(e))
+            raise SystemExit(REDUNDANCY_LOST_EXIT) from e
+        except (RuntimeError, ValueError) as e:
+            if isinstance(e, Abandoned):
+                raise
+            self.fail(e)
+        self.record(event="formed", gen=m.generation, world=world, rank=rank, waited_from=t0,
+                    published_seen=t_published, formed=t_formed, synced=time.time(), gathered=t_synced_in,
+                    source=None if plan is None else list(plan.sources), sent_state=plan is not None, step=self.step)
+
+    def build(self, world: int, rank: int, step: int, full) -> None:
+        """A new engine at `world` over a fresh module, holding the state of `full` (per
+        parameter group, every partition of the old layout in order: the group's flat state
+        and the old padding) at `step`; None: the seed's."""
+        torch.manual_seed(self.args.seed)
+        model = Transformer(self.cfg.model)
+        plan = BatchPlan(world, 1, self.args.global_batch // world)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.engine = build_engine(self.cfg, plan, model, torch.device("cpu"))
+        self.step = step
+        if full is None:
+            return
+        zero = self.engine.optimizer
+        for i, fp32 in enumerate(zero.single_partition_of_fp32_groups):
+            numel = sum(p.numel() for p in zero.bit16_groups[i])
+            group = full[i][:, :numel]  # DeepSpeed pads a group's flat buffer at its end
+            padded = F.pad(group, (0, zero.bit16_groups_flat[i].numel() - numel))
+            size = zero.partition_size[i]
+            slice_ = padded[:, rank * size:(rank + 1) * size]
+            with torch.no_grad():
+                fp32.copy_(slice_[0])
+                zero.bit16_groups_flat[i][:numel].copy_(group[0])
+            zero.optimizer.state[fp32] = {"step": torch.tensor(float(step)), "exp_avg": slice_[1].clone(),
+                                          "exp_avg_sq": slice_[2].clone()}
+        schedule = self.engine.lr_scheduler
+        schedule.last_epoch = step - 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            schedule.step()  # the learning rate of `step`
+        self.engine.global_steps = step
+        self.engine.global_samples = step * self.args.global_batch
+
+    # ---- training ----
+
+    def train_one(self) -> bool:
+        m, args = self.membership, self.args
+        newest = self.newest_or_abandon()
+        x, y = batch(args, self.step)
+        loss_sum = 0.0
+        try:
+            for rows in micro_batches(args.global_batch, len(m.members), m.rank(self.name), 1):
+                loss = self.engine(x[rows.start:rows.stop], targets=y[rows.start:rows.stop])
+                self.engine.backward(loss)
+                self.engine.step()
+                loss_sum += loss.item() / args.global_batch
+        except RuntimeError as e:
+            self.fail(e)
+        self.step += 1
+        committing = time.time()
+        try:
+            totals = self.commit(loss_sum, float(newest.generation > m.generation))
+        except Abandoned:
+            self.step -= 1
+            raise
+        self.record(step=self.step - 1, loss=totals[0].item(), world=len(m.members), gen=m.generation,
+                    commit_s=time.time() - committing)
+        if m.rank(self.name) == 0:
+            self.store.set("progress", str(self.step))
+        return totals[1].item() > 0
+
+    def drop_step(self) -> None:
+        self.engine = None  # rebuilt at the re-form, from the snapshots
+
+    def flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.engine.module.parameters()])
