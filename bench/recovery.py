@@ -115,15 +115,31 @@ def tiny_services(name: str, nice: int = 0) -> Iterator[tuple[Path, str, str]]:
         services.stop_process(store.pid)
 
 
-def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path,
-                 load: "LoadSampler") -> list[dict]:
-    say(f"{name}: starting a fake cluster of a head and two one-worker nodes")
+@contextlib.contextmanager
+def fake_cluster(system_config: dict) -> Iterator[Cluster]:
+    """A head (the driver, Ray Data) and two one-worker nodes (`add_worker_node`), which this
+    process joins; all stopped after. `system_config`: the head's (node health checks)."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "_system_config": system_config})
     for _ in range(2):
-        cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
+        add_worker_node(cluster)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def add_worker_node(cluster: Cluster) -> None:
+    """A node with room for one training worker (`cluster.worker_resources` names the slot)."""
+    cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
+
+
+def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path,
+                 load: "LoadSampler") -> list[dict]:
+    say(f"{name}: starting a fake cluster of a head and two one-worker nodes")
+    with fake_cluster(system_config) as cluster:
         cfg = load_config([
             "experiment=tiny", f"run.name=recovery-{name.replace(' ', '-')}-{int(time.time())}",
             f"run.storage={root / 'runs'}", f"tracking.uri={mlflow_url}", "tracking.experiment=bench-recovery",
@@ -140,13 +156,10 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
         added_at = time.time()
         say(f"{name}: training at world size 1 after {added_at - killed_at:.1f} s; adding the node back, "
             "waiting for the run to end")
-        cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
+        add_worker_node(cluster)
         summary = run.join(1200)
         say(f"{name}: run finished; reading its events")
         events = read_events(mlflow_url, summary.run_id, tempfile.mkdtemp(dir=root))
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
     interruptions = [e for e in events if isinstance(e, Interrupted)]
     recoveries = [e for e in events if isinstance(e, Recovered)]
