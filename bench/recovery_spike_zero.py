@@ -172,7 +172,6 @@ class ZeroWorker(Worker):
                 by_old = {old: state for sent in parts for old, state in sent.items()}
                 full = [torch.cat([by_old[old][i] for old in range(plan.layout[1])], dim=1)
                         for i in range(len(by_old[0]))]
-            t_synced_in = time.time()
             self.build(world, rank, plan.step if plan else 0, full)
             self.layout = (m.generation, world)
             self.commit(0.0, 0.0)
@@ -186,7 +185,7 @@ class ZeroWorker(Worker):
                 raise
             self.fail(e)
         self.record(event="formed", gen=m.generation, world=world, rank=rank, waited_from=t0,
-                    published_seen=t_published, formed=t_formed, synced=time.time(), gathered=t_synced_in,
+                    published_seen=t_published, formed=t_formed, synced=time.time(),
                     source=None if plan is None else list(plan.sources), sent_state=plan is not None, step=self.step)
 
     def build(self, world: int, rank: int, step: int, full) -> None:

@@ -44,8 +44,8 @@ __all__ = [
     "ControllerCallback", "ReportCallback", "WorkerGroupCallback", "WorkerGroupStartupTimeoutError",
     "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError", "available_resources_per_node",
     "ControllerState", "controller_state", "counts_as_failure", "dashboard_url", "group_workers", "kv_get", "kv_put",
-    "kill_pending_actors", "lost_a_worker_process", "quiet_ray_data", "quiet_report_log", "refresh_train_resource_view", "reports_collected",
-    "resize_request", "resize_to", "start_timed_out", "worker_failures", "TrainerWithoutDatasets",
+    "kill_pending_actors", "lost_a_worker_process", "quiet_ray_data", "quiet_report_log", "refresh_train_resource_view",
+    "reports_collected", "resize_request", "resize_to", "start_timed_out", "worker_failures", "TrainerWithoutDatasets",
 ]
 
 
