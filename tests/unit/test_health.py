@@ -1,8 +1,7 @@
-import time
-
 import torch
 
 from wildtrain.events import HealthCheck
+from wildtrain.train import health
 from wildtrain.train.health import RankHealth, burst_for, judge, measure_allreduce, measure_matmul, nodes_to_exclude
 
 
@@ -45,10 +44,27 @@ def test_the_burst_is_sized_for_the_device():
     assert gpu.allreduce_bytes >= 64 << 20 > cpu.allreduce_bytes
 
 
-def test_the_matmul_burst_runs_for_its_time_budget():
-    started = time.perf_counter()
-    measure_matmul(torch.device("cpu"), budget_s=0.2)
-    assert 0.2 <= time.perf_counter() - started < 1.0
+class _Clock:
+    """Time that passes only in the drill's per-matmul sleep, so the count of matmuls the
+    burst runs is exact and no load on the machine can change it."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_the_matmul_burst_runs_for_its_time_budget_and_stops_within_one_matmul(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(health, "time", clock)
+    # Each matmul "takes" 0.25 s: one to measure the rate, then a chunk of 7 fills the 2 s.
+    flops = measure_matmul(torch.device("cpu"), extra_s=0.25, budget_s=2.0)
+    assert clock.now == 2.0
+    assert flops == 8 * 2.0 * burst_for("cpu").matmul_size ** 3 / 2.0
 
 
 def test_the_allreduce_without_a_group_is_a_group_of_one():
