@@ -43,7 +43,7 @@ REDUNDANCY_LOST_EXIT = 3  # recovery_spike.py expects it where a partition and i
 from wildtrain.batching import BatchPlan
 from wildtrain.config import load_config
 from wildtrain.elastic.membership import RedundancyLost, micro_batches, plan_repartition
-from wildtrain.engine import build_engine, import_deepspeed
+from wildtrain.engine import build_engine, clone_world_group, import_deepspeed
 from wildtrain.model.transformer import Transformer
 
 KEEP_STEPS = 2  # snapshots kept per partition: the committed step and the one in flight
@@ -153,10 +153,9 @@ class ZeroWorker(Worker):
             timeout = timedelta(seconds=self.args.collective_timeout_s)
             dist.init_process_group("gloo", store=dist.PrefixStore(f"g{m.generation}/", self.store), rank=rank,
                                     world_size=world, timeout=timeout)
-            # DeepSpeed reduces over a clone of the world group that it makes with torch's
-            # default timeout (30 min), not the world's: a survivor blocked in a collective
-            # with a peer that saw the failure (not with the dead rank) would wait that long.
-            self.deepspeed.utils.groups._WORLD_GROUP = dist.new_group(ranks=range(world), timeout=timeout)
+            # A survivor blocked in a collective with a peer that saw the failure (not with
+            # the dead rank) waits out this timeout, on DeepSpeed's reductions too.
+            clone_world_group(self.deepspeed, timeout)
             t_formed = time.time()
             fresh = self.step == 0 and self.layout is None
             held = [None] * world

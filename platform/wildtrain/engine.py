@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import math
 import sys
+from datetime import timedelta
 
 import torch
 
@@ -137,6 +138,18 @@ def _import_uncompiled(module: str) -> None:
         torch.compile = compile_
 
 
+def clone_world_group(deepspeed, timeout: timedelta) -> None:
+    """Make DeepSpeed's clone of the world group (the group ZeRO reduces gradients over when
+    there is no model parallelism) with `timeout`, before DeepSpeed makes it with torch's
+    default (30 min on gloo, 10 min on NCCL) instead of the world's: a rank hung in its step
+    would otherwise hold its peers that long, past `elastic.collective_timeout_s`. A clone
+    that exists is this world's: DeepSpeed drops it when the world is destroyed."""
+    groups = deepspeed.utils.groups
+    if groups._WORLD_GROUP is None:
+        world = torch.distributed.get_world_size()
+        groups._WORLD_GROUP = torch.distributed.new_group(ranks=list(range(world)), timeout=timeout)
+
+
 def compiles(cfg: Config, on_cuda: bool) -> bool:
     """Whether the engine compiles the model: `model.compile` where set; unset, on CUDA
     except under ZeRO-3, whose per-module hooks (gathering each layer's parameters before it
@@ -212,6 +225,8 @@ def build_engine(cfg: Config, plan: BatchPlan, model: torch.nn.Module, device: t
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_at(step, cfg.optim, cfg.train.steps) / cfg.optim.lr
     )
+    if torch.distributed.is_initialized():
+        clone_world_group(deepspeed, timedelta(seconds=cfg.elastic.collective_timeout_s))
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

@@ -163,3 +163,32 @@ print(MUON_MODULE in sys.modules, torch.compile.__module__, 'torch._inductor.com
     assert done.returncode == 0, done.stderr[-2000:]
     # Loaded, torch.compile itself again, and inductor never resolved.
     assert done.stdout.split() == ["True", "torch", "False"], done.stdout
+
+
+GRADIENT_GROUP_TIMEOUT = """
+import datetime, torch
+import torch.distributed as dist
+from wildtrain.engine import build_engine, build_model
+from wildtrain.batching import batch_plan
+from wildtrain.config import Config, ModelConfig
+
+# As Ray Train makes the world: with the run's collective timeout.
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=77))
+cfg = Config()
+cfg.model = ModelConfig(dim=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=16)
+cfg.deepspeed.zero_stage = 1
+cfg.elastic.collective_timeout_s = 77
+plan = batch_plan(2, 1, 1)
+engine = build_engine(cfg, plan, build_model(cfg, plan, torch.device("cpu")), torch.device("cpu"))
+group = engine.optimizer.dp_process_group
+print("reduces over", group.size(), "ranks with timeout", group._get_backend(torch.device("cpu")).options._timeout)
+"""
+
+
+def test_deepspeed_reduces_gradients_with_the_runs_collective_timeout_not_torchs_default():
+    env = os.environ | dict(DS_ACCELERATOR="cpu", MASTER_ADDR=services.HOST, MASTER_PORT=str(services.free_port()),
+                            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    built = subprocess.run([sys.executable, "-c", GRADIENT_GROUP_TIMEOUT], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert "reduces over 1 ranks with timeout 0:01:17" in built.stdout, built.stdout
