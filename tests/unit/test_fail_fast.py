@@ -138,3 +138,18 @@ def test_a_long_wait_for_one_rank_outlasts_the_collective_timeout_only_over_the_
         assert waiting == ["ok", "converted"], waiting
     else:  # the control: the same wait over the default group times out
         assert waiting[0] != "ok", waiting
+
+
+def test_a_failure_aborts_every_group_of_the_rank_deepspeeds_own_too(monkeypatch):
+    # gloo's abort frees no wait (its peers are freed by the failed rank's exit), so what is
+    # checked is that each group is aborted: on NCCL that is what frees its collectives.
+    aborted = []
+    monkeypatch.setattr(dist.ProcessGroup, "abort", lambda group: aborted.append(group))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        collectives.open_control_group(60)
+        gradients = dist.new_group(ranks=[0])  # as DeepSpeed's clone of the world group
+        collectives._abort_groups()
+        assert {id(g) for g in aborted} == {id(dist.group.WORLD), id(collectives._control_group()), id(gradients)}
+    finally:
+        dist.destroy_process_group()

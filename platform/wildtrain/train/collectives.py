@@ -302,9 +302,9 @@ def _rendezvous_store() -> Optional[dist.TCPStore]:
 
 
 def _abort_groups() -> None:
-    """Abort this rank's process groups from another thread: the collectives that wait in
-    them, and every later one, raise. (torch's `_abort_process_group` would also clear the
-    groups' registry under the training thread.)"""
-    for group in (_control_group(), dist.group.WORLD):
-        if group is not None:
-            group.abort()
+    """Abort every process group of this rank from another thread: the collectives that wait
+    in them, and every later one, raise. Every one, not only the world and the control group:
+    DeepSpeed reduces gradients over a group of its own. (torch's `_abort_process_group`
+    would also clear the groups' registry under the training thread.)"""
+    for group in list(dist.distributed_c10d._world.pg_map):
+        group.abort()
