@@ -226,6 +226,11 @@ class Worker:
         return buf[-1].item() > 0
 
     def run(self) -> None:
+        self.train()
+        # Skips the graveyard's destructors, which would wait out their broken collectives.
+        os._exit(0)
+
+    def train(self) -> None:
         if self.name == SPARE:
             # A replacement already started (its process start is Ray's, not measured here),
             # asking once the drill says it is schedulable.
@@ -248,8 +253,6 @@ class Worker:
             torch.save(self.flat_params(), Path(self.args.out) / "params.pt")
         self.record(event="done", step=self.step)
         self.log.close()
-        # Skips the graveyard's destructors, which would wait out their broken collectives.
-        os._exit(0)
 
 
 def worker_main(args, name: str, port: int, out: Path) -> None:

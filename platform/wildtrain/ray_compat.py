@@ -32,7 +32,9 @@ from ray.train.v2._internal.execution.callback import (
     ReportCallback,
     WorkerGroupCallback,
 )
+from ray.train.v2._internal.execution.checkpoint.report_handler import ReportCallbackHandler
 from ray.train.v2._internal.execution.controller import state as _states
+from ray.train.v2._internal.execution.worker_group.poll import WorkerStatus
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
 # Ray Train's developer callback hooks (the controller's state changes, worker-group starts,
@@ -44,8 +46,8 @@ __all__ = [
     "ControllerCallback", "ReportCallback", "WorkerGroupCallback", "WorkerGroupStartupTimeoutError",
     "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError", "available_resources_per_node",
     "ControllerState", "controller_state", "counts_as_failure", "dashboard_url", "group_workers", "kv_get", "kv_put",
-    "kill_pending_actors", "lost_a_worker_process", "quiet_ray_data", "quiet_report_log", "refresh_train_resource_view",
-    "reports_collected", "resize_request", "resize_to", "start_timed_out", "worker_failures", "TrainerWithoutDatasets",
+    "kill_pending_actors", "lost_a_worker_process", "mask_worker_deaths", "narrow_report_gates", "quiet_ray_data", "quiet_report_log", "refresh_train_resource_view",
+    "reports_collected", "resize_request", "resize_to", "start_timed_out", "worker_failures", "worker_lost", "TrainerWithoutDatasets",
 ]
 
 
@@ -222,8 +224,12 @@ def lost_a_worker_process(error: Optional[BaseException]) -> bool:
     only seeing the training function raise. Ray reports a worker whose process (or node)
     died, or that stopped answering, as a failed or timed-out health check wrapping the
     actor's error; an exception raised in the training function arrives as itself."""
-    lost = (WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError, RayActorError)
-    return any(isinstance(failure, lost) for failure in worker_failures(error).values())
+    return any(worker_lost(failure) for failure in worker_failures(error).values())
+
+
+def worker_lost(failure: BaseException) -> bool:
+    """Whether one worker's failure is the loss of its process (see `lost_a_worker_process`)."""
+    return isinstance(failure, (WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError, RayActorError))
 
 
 @dataclass(frozen=True)
@@ -238,3 +244,21 @@ def group_workers(worker_group) -> list[GroupWorker]:
     workers = [GroupWorker(w.distributed_context.world_rank, w.metadata.node_id, w.metadata.pid)
                for w in worker_group.get_workers()]
     return sorted(workers, key=lambda w: w.rank)
+
+
+def narrow_report_gates(worker_group, ranks: list[int]) -> None:
+    """Let the reports of `ranks` alone through Ray Train's two report gates, the controller's
+    consolidation of one report per rank and the workers' report barrier, as Ray 2.60 narrows
+    both for a node's preemption: the other ranks are gone and the group goes on without them.
+    Rank 0 must be among them (the barrier hands out rank 0's payload)."""
+    handler = next(c for c in worker_group._callbacks if isinstance(c, ReportCallbackHandler))
+    handler.set_required_ranks(ranks)
+    worker_group.set_required_barrier_ranks(ranks)
+
+
+def mask_worker_deaths(poll_status, ranks: set[int]) -> None:
+    """Show the controller the workers of `ranks` as ended without error in a poll's status,
+    before it decides on it: their deaths are the group's own business (it went on without
+    them), not a failure for Ray to restart the group for."""
+    for rank in ranks:
+        poll_status.worker_statuses[rank] = WorkerStatus(running=False)

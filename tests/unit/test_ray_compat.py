@@ -211,3 +211,36 @@ def test_a_stuck_worker_group_start_can_still_be_ended():
     assert callable(private_state.actors) and callable(ActorID.from_hex) and hasattr(CoreWorker, "kill_actor")
     assert "ray.get([actor.get_metadata.remote() for actor in actors])" in inspect.getsource(WorkerGroup._create_workers)
     assert "callback.on_worker_group_start" in inspect.getsource(WorkerGroup._start_impl)
+
+
+def test_a_worker_death_can_be_masked_and_the_report_gates_narrowed_where_ray_reads_them():
+    """What keeps a group going without a dead worker (bench/recovery_spike_ray.py): its
+    status masked in the poll's callbacks, before the controller decides on it; Ray's two
+    report gates (consolidation, barrier) narrowed to the survivors, as Ray narrows them for
+    a preemption."""
+    from ray.train.v2._internal.execution.checkpoint.report_handler import ReportCallbackHandler
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    died = WorkerHealthCheckFailedError("A worker health check failed.", failure=ActorDiedError())
+    assert ray_compat.worker_lost(died) and not ray_compat.worker_lost(ValueError("bad batch"))
+    status = WorkerGroupPollStatus({0: WorkerStatus(running=False), 1: WorkerStatus(running=False, error=died),
+                                    2: WorkerStatus(running=False)})
+    assert status.errors and not TrainController._is_training_succeeded(status)
+    ray_compat.mask_worker_deaths(status, {1})
+    assert not status.errors and TrainController._is_training_succeeded(status)
+    poll = inspect.getsource(WorkerGroup.poll_status)
+    assert poll.index("callback.after_worker_group_poll_status") < poll.index("return worker_group_poll_status")
+
+    class Group:  # the two parts of a WorkerGroup that narrowing touches
+        def __init__(self):
+            self._callbacks = [ReportCallbackHandler(report_callbacks=[])]
+            self.barrier = None
+
+        def set_required_barrier_ranks(self, ranks):
+            self.barrier = ranks
+
+    group = Group()
+    ray_compat.narrow_report_gates(group, [0, 2])
+    assert group._callbacks[0]._get_required_ranks() == [0, 2] and group.barrier == [0, 2]
+    assert "self._callbacks = " in inspect.getsource(WorkerGroup.__init__)
+    assert list(inspect.signature(WorkerGroup.set_required_barrier_ranks).parameters) == ["self", "ranks"]
