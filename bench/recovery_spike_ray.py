@@ -26,11 +26,22 @@ a function of the step, so the losses and final parameters must match.
 Prints: death -> first step at size 2 and its parts, steps redone, losses and parameters
 against the reference, how the Ray Train run ended and the survivors' last report.
 
-Not covered: a node's return (adding a worker to a running group needs Ray internals the
-2.60 pin has only for replica groups: `WorkerGroup.replace_replica_group`), the owner's
-death, rank 0's death, ZeRO (see bench/recovery_spike.py --zero), wildtrain's data stream.
+With --regrow-after-s, a node returns that long after the death. The group then runs with
+`ray_compat.ReplacingTorchConfig` (a backend with one replica group per worker, as Ray's
+torchft path has): the death is not masked but handed to the controller, which, once Ray
+has marked the node dead (the callback waits for that: before, the dead rank's placement
+slot still points at the dead node), replaces that worker alone on its placement group's
+slot (`_replace_bad_workers`) while the survivors train on; when the node is back the slot is
+placed there, the new worker starts, asks to join, and takes the state from the survivors.
+Prints node back -> first step at size 3, split at the join request.
 
-Usage: PYTHONPATH=platform .venv/bin/python bench/recovery_spike_ray.py [--steps 60] [--kill-step 15]
+Not covered: the owner's death, rank 0's death (Ray's report barrier hands out rank 0's
+payload), the report gates widened again once the replacement is in (its reports are not
+waited for), ZeRO (bench/recovery_spike.py --zero; its socket hang-up would cut a Ray
+worker's own connections too), wildtrain's data stream.
+
+Usage: PYTHONPATH=platform:bench .venv/bin/python bench/recovery_spike_ray.py [--steps 60] [--kill-step 15]
+       [--regrow-after-s 5 --steps 500]
 """
 
 from __future__ import annotations
@@ -57,13 +68,15 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
 
 from progress import say  # noqa: E402
-from recovery_spike import drill, free_port, parse_args, read_logs, trained_steps, steps_redone  # noqa: E402
+from recovery_spike import (drill, free_port, median_step, parse_args, read_logs, steps_redone,  # noqa: E402
+                            trained_steps)
 from recovery_spike_worker import HOST, Worker  # noqa: E402
 from wildtrain import ray_compat  # noqa: E402
 from wildtrain.elastic.membership import Membership, next_membership, stale  # noqa: E402
 
 WORKERS = 3
 SLOT = "spike_slot"
+COMPARED_STEPS = 60
 _KEPT: list = []  # each worker's spike Worker, so its broken groups are never destroyed
 
 
@@ -91,8 +104,8 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
     narrows Ray's report gates to the survivors (see the module docstring). Writes the
     reports the controller consolidates into the store, for the table."""
 
-    def __init__(self, port: int, decide_s: float) -> None:
-        self.port, self.decide_s = port, decide_s
+    def __init__(self, port: int, decide_s: float, mask: bool) -> None:
+        self.port, self.decide_s, self.mask = port, decide_s, mask
         self.worker_group = None
         self.masked: set[int] = set()
 
@@ -106,7 +119,8 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
     def after_worker_group_poll_status(self, worker_group_status) -> None:
         lost = {r for r, e in worker_group_status.errors.items() if ray_compat.worker_lost(e)}
         if not lost - self.masked:
-            ray_compat.mask_worker_deaths(worker_group_status, self.masked)
+            if self.mask:
+                ray_compat.mask_worker_deaths(worker_group_status, self.masked)
             return
         store = dist.TCPStore(HOST, self.port, is_master=False, timeout=timedelta(seconds=10))
         deadline = time.monotonic() + self.decide_s
@@ -122,10 +136,20 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
             ray_compat.narrow_report_gates(self.worker_group, survivors)
             print(f"KeepSurvivors: ranks {sorted(self.masked)} dropped by the owner; reports gated on {survivors}",
                   flush=True)
-        ray_compat.mask_worker_deaths(worker_group_status, self.masked)
+        if self.mask:
+            ray_compat.mask_worker_deaths(worker_group_status, self.masked)
+        else:
+            # Ray replaces the lost workers (`ReplacingTorchConfig`) on their placement group's
+            # slots, once Ray knows their nodes are dead: before, a slot still points at the
+            # dead node and the replacement dies with it. Their ranks come back.
+            nodes = {store.get(f"node/w{r}").decode() for r in lost}
+            while time.monotonic() < deadline + self.decide_s and any(
+                    n["Alive"] for n in ray.nodes() if n["NodeID"] in nodes):
+                time.sleep(0.1)
+            self.masked -= lost
 
 
-def owner(args, port: int, cluster: Cluster, facts: dict, stop: threading.Event) -> None:
+def owner(args, port: int, cluster: Cluster, facts: dict, stop: threading.Event, return_node: threading.Event) -> None:
     """The rendezvous owner (bench/recovery_spike.py's drill, without joins past the first
     generation), and the drill's kill: the node of --kill-rank once --kill-step steps are done."""
     store = dist.TCPStore(HOST, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
@@ -151,12 +175,17 @@ def owner(args, port: int, cluster: Cluster, facts: dict, stop: threading.Event)
                 errors[current.generation] = float(store.get(f"error/{current.generation}"))
             error_at = errors.get(current.generation)
             dead = stale(beats, now, args.dead_after_s, error_at, args.confirm_s)
-            nxt = next_membership(current, dead, [], None if error_at is None else now - error_at, args.confirm_s)
+            nxt = next_membership(current, dead, pending, None if error_at is None else now - error_at,
+                                  args.confirm_s)
         if nxt is not None:
             store.set(f"members/{nxt.generation}", ",".join(nxt.members))
             store.set("gen", str(nxt.generation))
             facts["published"][nxt.generation] = (time.time(), nxt.members)
+            pending = [p for p in pending if p not in nxt.members]
             current = nxt
+        if args.regrow_after_s and facts["killed"] and not return_node.is_set() \
+                and now - facts["killed"] >= args.regrow_after_s:
+            return_node.set()  # Ray adds nodes from the main thread only
         if facts["killed"] is None and progress >= args.kill_step:
             victim = f"w{args.kill_rank}"
             node_id = store.get(f"node/{victim}").decode()
@@ -169,29 +198,40 @@ def owner(args, port: int, cluster: Cluster, facts: dict, stop: threading.Event)
 
 def ray_drill(args, out: Path) -> dict:
     port = free_port()
-    facts = {"published": {}, "asked": {}, "killed": None, "victim": None, "out": out}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    facts = {"published": {}, "asked": {}, "killed": None, "victim": None, "returned": None, "out": out}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "_system_config": services.NODE_HEALTH_CHECKS})
     for _ in range(WORKERS):
         cluster.add_node(num_cpus=1, resources={SLOT: 1})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="WARNING")
-    stop = threading.Event()
-    owner_thread = threading.Thread(target=owner, args=(args, port, cluster, facts, stop), daemon=True)
+    stop, return_node = threading.Event(), threading.Event()
+    owner_thread = threading.Thread(target=owner, args=(args, port, cluster, facts, stop, return_node), daemon=True)
     owner_thread.start()
     try:
         config = {k: v for k, v in vars(args).items() if k not in ("also", "out")} | {"port": port, "out": str(out)}
         trainer = TorchTrainer(
             train_fn, train_loop_config=config,
             scaling_config=ScalingConfig(num_workers=WORKERS, resources_per_worker={"CPU": 0, SLOT: 1}),
-            torch_config=TorchConfig(backend="gloo"),
+            torch_config=ray_compat.ReplacingTorchConfig(backend="gloo") if args.regrow_after_s
+            else TorchConfig(backend="gloo"),
             run_config=RunConfig(name=f"spike-{int(time.time())}", storage_path=str(out / "ray"),
-                                 failure_config=FailureConfig(max_failures=0),
-                                 callbacks=[KeepSurvivors(port, args.decide_s)]))
-        try:
-            trainer.fit()
-            facts["ended"] = "FINISHED"
-        except Exception as e:  # noqa: BLE001 - the table says how it ended
-            facts["ended"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                                 failure_config=FailureConfig(max_failures=-1 if args.regrow_after_s else 0),
+                                 callbacks=[KeepSurvivors(port, args.decide_s, mask=not args.regrow_after_s)]))
+
+        def fit() -> None:
+            try:
+                trainer.fit()
+                facts["ended"] = "FINISHED"
+            except Exception as e:  # noqa: BLE001 - the table says how it ended
+                facts["ended"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+        fitting = threading.Thread(target=fit, daemon=True)
+        fitting.start()
+        while fitting.is_alive():
+            if return_node.wait(timeout=0.5) and facts["returned"] is None:
+                cluster.add_node(num_cpus=1, resources={SLOT: 1})
+                facts["returned"] = time.time()
+                say(f"  a node returned {args.regrow_after_s:g} s after the death")
     finally:
         stop.set()
         store = facts["store"]
@@ -212,8 +252,14 @@ def analyse(args, facts: dict, reference: dict) -> list[tuple[str, str]]:
     ref_losses = {r["step"]: r["loss"] for r in read_logs(reference["out"])["w0"] if "loss" in r}
     if sorted(losses) != list(range(args.steps)):
         raise RuntimeError(f"steps missing from the logs in {facts['out']}: {sorted(set(range(args.steps)) - set(losses))}")
-    loss_diff = max(abs(losses[s] - ref_losses[s]) for s in losses)
+    # Past the first resize the sums are taken in another order, and on this tiny model at this
+    # learning rate a rounding difference grows about tenfold every 30 steps: the losses are
+    # compared over the steps of a short run (test_elastic's), the weights only after one.
+    compared = range(min(args.steps, COMPARED_STEPS))
+    loss_diff = max(abs(losses[s] - ref_losses[s]) for s in compared)
     param_diff = (torch.load(facts["out"] / "params.pt") - torch.load(reference["out"] / "params.pt")).abs().max().item()
+    tol = 1e-3
+    drifted = next((s for s in sorted(losses) if abs(losses[s] - ref_losses[s]) > tol), None)
     killed = facts["killed"]
     shrink_gen = min(g for g, (t, members) in facts["published"].items() if t >= killed)
     at_two = [r for n in survivors for r in steps[n] if r["gen"] == shrink_gen]
@@ -222,7 +268,20 @@ def analyse(args, facts: dict, reference: dict) -> list[tuple[str, str]]:
     abandoned = [r for n in survivors for r in logs[n] if r.get("event") == "abandoned" and r["t"] >= killed]
     t_published = facts["published"][shrink_gen][0]
     t_formed, t_synced = max(r["formed"] for r in formed), max(r["synced"] for r in formed)
-    tol = 1e-3
+    regrow = []
+    if facts["returned"] is not None:
+        grow_gen = min(g for g, (t, members) in facts["published"].items() if g > shrink_gen and len(members) == WORKERS)
+        first_full = min(r["t"] for rs in steps.values() for r in rs if r["gen"] == grow_gen)
+        asked = [r["t"] for r in logs[facts["victim"]] if r.get("event") == "asked" and r["t"] > facts["returned"]]
+        last_small = max(r["t"] for r in at_two)
+        step_full = median_step([r for r in steps[survivors[0]] if r["gen"] == grow_gen])
+        regrow = [
+            ("node back -> first step at size 3 (s)", f"{first_full - facts['returned']:.2f}"),
+            ("  Ray placed and started the replacement worker; it asked to join (s)",
+             f"{asked[0] - facts['returned']:.2f}"),
+            ("  join request -> first step at size 3 (s)", f"{first_full - asked[0]:.2f}"),
+            ("survivors' stop during the join (s)", f"{first_full - last_small - step_full:.2f}"),
+        ]
     return [
         ("death (node removed) -> first step at size 2 (s)", f"{first_small - killed:.2f}"),
         ("  a survivor abandoned its step (s)", f"{min((r['t'] for r in abandoned), default=float('nan')) - killed:.2f}"),
@@ -230,16 +289,26 @@ def analyse(args, facts: dict, reference: dict) -> list[tuple[str, str]]:
         ("  rendezvous (gloo group built) (s)", f"{t_formed - t_published:.2f}"),
         ("  state sync (s)", f"{t_synced - t_formed:.2f}"),
         ("  first step at size 2 (s)", f"{first_small - t_synced:.2f}"),
+        *regrow,
         ("steps redone", str(steps_redone(steps))),
-        ("max |loss - reference| / |param - reference|", f"{loss_diff:.2e} / {param_diff:.2e}"),
-        ("equal to the reference", "yes" if loss_diff <= tol and param_diff <= tol else f"NO (tolerance {tol})"),
+        (f"max |loss - reference| over steps 0-{compared[-1]}", f"{loss_diff:.2e}"),
+        (f"max |param - reference| after step {args.steps - 1}", f"{param_diff:.2e}"),
+        ("first step with |loss - reference| > 1e-3", "none" if drifted is None else str(drifted)),
+        ("equal to the reference", "yes" if loss_diff <= tol and (param_diff <= tol or args.steps > COMPARED_STEPS)
+         else f"NO (tolerance {tol})"),
         ("the Ray Train run ended", facts["ended"]),
         ("the report the controller consolidated (one per rank)", json.dumps(facts["report"])),
     ]
 
 
 def main() -> None:
-    parser_args = parse_args()
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--regrow-after-s", type=float, default=0.0,
+                     help="return a node this long after the death: Ray replaces the lost worker alone "
+                          "(ray_compat.ReplacingTorchConfig) and it joins the survivors; 0: no return")
+    mine, rest = own.parse_known_args()
+    parser_args = parse_args(rest)
+    parser_args.regrow_after_s = mine.regrow_after_s
     parser_args.decide_s = 5.0
     out = parser_args.out or Path(tempfile.mkdtemp(prefix="recovery-spike-ray-"))
     say(f"reference: {WORKERS} forked workers, {parser_args.steps} steps, nothing happens (logs in {out / 'reference'})")

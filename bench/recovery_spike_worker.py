@@ -236,8 +236,10 @@ class Worker:
             # asking once the drill says it is schedulable.
             while not (self.store.check(["progress"]) and int(self.store.get("progress")) >= self.args.join_step):
                 time.sleep(0.01)
-        else:
+        elif not self.latest().generation:
             self.step = 0  # every initial worker builds the same model from the seed
+        # else: a replacement started while the others train (Ray's, in recovery_spike_ray.py):
+        # it holds no state and takes it from them, as the spare does.
         self.ask_to_join()
         self.record(event="asked")
         while self.step < self.args.steps:

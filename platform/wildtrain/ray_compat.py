@@ -18,7 +18,8 @@ from typing import Optional
 import ray
 from ray.exceptions import RayActorError
 from ray.experimental import internal_kv
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.exceptions import (
     UserExceptionWithTraceback,
@@ -34,6 +35,7 @@ from ray.train.v2._internal.execution.callback import (
 )
 from ray.train.v2._internal.execution.checkpoint.report_handler import ReportCallbackHandler
 from ray.train.v2._internal.execution.controller import state as _states
+from ray.train.v2._internal.execution.worker_group import ReplicaGroup
 from ray.train.v2._internal.execution.worker_group.poll import WorkerStatus
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
@@ -46,7 +48,7 @@ __all__ = [
     "ControllerCallback", "ReportCallback", "WorkerGroupCallback", "WorkerGroupStartupTimeoutError",
     "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError", "available_resources_per_node",
     "ControllerState", "controller_state", "counts_as_failure", "dashboard_url", "group_workers", "kv_get", "kv_put",
-    "kill_pending_actors", "lost_a_worker_process", "mask_worker_deaths", "narrow_report_gates", "quiet_ray_data", "quiet_report_log", "refresh_train_resource_view",
+    "kill_pending_actors", "lost_a_worker_process", "mask_worker_deaths", "narrow_report_gates", "ReplacingTorchConfig", "quiet_ray_data", "quiet_report_log", "refresh_train_resource_view",
     "reports_collected", "resize_request", "resize_to", "start_timed_out", "worker_failures", "worker_lost", "TrainerWithoutDatasets",
 ]
 
@@ -262,3 +264,25 @@ def mask_worker_deaths(poll_status, ranks: set[int]) -> None:
     them), not a failure for Ray to restart the group for."""
     for rank in ranks:
         poll_status.worker_statuses[rank] = WorkerStatus(running=False)
+
+
+class _ReplacingBackend(_TorchBackend):
+    """Ray Train's torch backend with one replica group per worker: a worker that fails is
+    replaced alone, on its placement group's slot, while the others run on (Ray 2.60's
+    torchft path: the controller's `_replace_bad_workers`). Each replica group gets a
+    process group of its own (of one): the group across workers is the training function's."""
+
+    has_replica_groups = True
+
+    def on_start(self, worker_group, backend_config) -> None:
+        groups = [worker_group] if isinstance(worker_group, ReplicaGroup) else worker_group.get_replica_groups()
+        for group in groups:
+            super().on_start(group, backend_config)
+
+
+class ReplacingTorchConfig(TorchConfig):
+    """A `TorchConfig` whose failed workers Ray replaces one by one (`_ReplacingBackend`)."""
+
+    @property
+    def backend_cls(self):
+        return _ReplacingBackend
