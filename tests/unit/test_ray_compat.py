@@ -244,3 +244,24 @@ def test_a_worker_death_can_be_masked_and_the_report_gates_narrowed_where_ray_re
     assert group._callbacks[0]._get_required_ranks() == [0, 2] and group.barrier == [0, 2]
     assert "self._callbacks = " in inspect.getsource(WorkerGroup.__init__)
     assert list(inspect.signature(WorkerGroup.set_required_barrier_ranks).parameters) == ["self", "ranks"]
+
+
+def test_a_backend_with_one_replica_group_per_worker_has_its_failed_workers_replaced_alone(monkeypatch):
+    """`ReplacingTorchConfig` turns on Ray 2.60's replica-group path (the controller replaces
+    a failing replica group's workers and leaves the others running) with each worker its own
+    group, and starts torch's backend once per replica group, as Ray's torchft backend does."""
+    from ray.train.torch.config import _TorchBackend
+    from ray.train.v2._internal.execution.worker_group import ReplicaGroup
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    config = ray_compat.ReplacingTorchConfig(backend="gloo")
+    assert config.backend_cls.has_replica_groups is True and config.backend == "gloo"
+    controller = inspect.getsource(TrainController)
+    assert "backend_cls.has_replica_groups" in controller and "self._replace_bad_workers(poll_status)" in controller
+    assert callable(WorkerGroup.get_replica_groups) and callable(WorkerGroup.replace_replica_group)
+
+    started = []
+    monkeypatch.setattr(_TorchBackend, "on_start", lambda self, group, cfg: started.append(group))
+    replacement = ReplicaGroup.__new__(ReplicaGroup)  # as the controller's replacement hands it
+    config.backend_cls().on_start(replacement, config)
+    assert started == [replacement]
