@@ -87,6 +87,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -154,6 +155,51 @@ def launch(args, name: str, port: int, out: Path) -> multiprocessing.Process:
     return proc
 
 
+class Rendezvous:
+    """The rendezvous owner (the controller's role): reads the workers' join requests,
+    heartbeats and failed collectives from the store and publishes each new generation
+    (`members/<g>`, then `gen`). The first generation waits for `initial` workers. Records
+    each request's and generation's time in `facts` ("asked", "published")."""
+
+    def __init__(self, args, store, initial: int, facts: dict) -> None:
+        self.args, self.store, self.initial, self.facts = args, store, initial, facts
+        self.current, self.pending, self.seen_joins, self.errors = Membership(0, ()), [], 0, {}
+
+    def turn(self, now: float) -> tuple[int, Optional[Membership]]:
+        """One look at the store: (the steps rank 0 has done, the generation published now)."""
+        store, args = self.store, self.args
+        joins = store.add("joins", 0)
+        for n in range(self.seen_joins + 1, joins + 1):
+            name, t = store.get(f"join/{n}").decode().split()
+            self.pending.append(name)
+            self.facts["asked"][name] = float(t)
+        self.seen_joins = joins
+        progress = int(store.get("progress")) if store.check(["progress"]) else 0
+        current = self.current
+        if progress >= args.steps:
+            nxt = None  # the workers stop beating as they exit: not deaths
+        elif current.generation == 0:
+            nxt = Membership(1, tuple(sorted(self.pending))) if len(set(self.pending)) == self.initial else None
+        else:
+            # A member whose heartbeat thread has not written yet counts from its request.
+            beats = {m: float(store.get(f"hb/{m}")) if store.check([f"hb/{m}"]) else self.facts["asked"][m]
+                     for m in current.members}
+            error_key = f"error/{current.generation}"
+            if current.generation not in self.errors and store.check([error_key]):
+                self.errors[current.generation] = float(store.get(error_key))
+            error_at = self.errors.get(current.generation)
+            dead = stale(beats, now, args.dead_after_s, error_at, args.confirm_s)
+            nxt = next_membership(current, dead, self.pending, None if error_at is None else now - error_at,
+                                  args.confirm_s)
+        if nxt is not None:
+            store.set(f"members/{nxt.generation}", ",".join(nxt.members))
+            store.set("gen", str(nxt.generation))
+            self.facts["published"][nxt.generation] = (time.time(), nxt.members)
+            self.pending = [p for p in self.pending if p not in nxt.members]
+            self.current = nxt
+        return progress, nxt
+
+
 def drill(args, out: Path, chaos: bool, extra: str = "") -> dict:
     """Run one drill (`extra`: one of EXTRA_DRILLS, or the first) as the rendezvous owner;
     what it did, by time.time()."""
@@ -161,9 +207,9 @@ def drill(args, out: Path, chaos: bool, extra: str = "") -> dict:
     port = free_port()
     procs = {name: launch(args, name, port, out) for name in INITIAL + ((SPARE,) if chaos else ())}
     store = dist.TCPStore(HOST, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    current, pending, seen_joins, errors = Membership(0, ()), [], 0, {}
     facts = {"published": {}, "asked": {}, "killed": None, "victim": None, "victims": set(), "killed_in_join": None,
              "out": out}
+    rendezvous = Rendezvous(args, store, len(INITIAL), facts)
     deadline = time.time() + 600
     try:
         while True:
@@ -179,34 +225,9 @@ def drill(args, out: Path, chaos: bool, extra: str = "") -> dict:
                 return facts  # the spare waits for progress that stopped
             if now > deadline:
                 raise TimeoutError(f"the drill in {out} did not end within 600 s; still running: {running}")
-            joins = store.add("joins", 0)
-            for n in range(seen_joins + 1, joins + 1):
-                name, t = store.get(f"join/{n}").decode().split()
-                pending.append(name)
-                facts["asked"][name] = float(t)
-            seen_joins = joins
-            progress = int(store.get("progress")) if store.check(["progress"]) else 0
-            if progress >= args.steps:
-                nxt = None  # the workers stop beating as they exit: not deaths
-            elif current.generation == 0:
-                nxt = Membership(1, tuple(sorted(pending))) if len(set(pending)) == len(INITIAL) else None
-            else:
-                # A member whose heartbeat thread has not written yet counts from its request.
-                beats = {m: float(store.get(f"hb/{m}")) if store.check([f"hb/{m}"]) else facts["asked"][m]
-                         for m in current.members}
-                error_key = f"error/{current.generation}"
-                if current.generation not in errors and store.check([error_key]):
-                    errors[current.generation] = float(store.get(error_key))
-                error_at = errors.get(current.generation)
-                dead = stale(beats, now, args.dead_after_s, error_at, args.confirm_s)
-                nxt = next_membership(current, dead, pending, None if error_at is None else now - error_at,
-                                      args.confirm_s)
+            progress, nxt = rendezvous.turn(now)
+            current = rendezvous.current
             if nxt is not None:
-                store.set(f"members/{nxt.generation}", ",".join(nxt.members))
-                store.set("gen", str(nxt.generation))
-                facts["published"][nxt.generation] = (time.time(), nxt.members)
-                pending = [p for p in pending if p not in nxt.members]
-                current = nxt
                 if extra == "death-during-join" and facts["killed"] and not facts["killed_in_join"] \
                         and len(nxt.members) == len(INITIAL):
                     victim = nxt.members[0]

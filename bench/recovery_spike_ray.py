@@ -68,11 +68,11 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
 
 from progress import say  # noqa: E402
-from recovery_spike import (drill, free_port, median_step, parse_args, read_logs, steps_redone,  # noqa: E402
-                            trained_steps)
+from recovery_spike import (Rendezvous, drill, free_port, median_step, parse_args, read_logs,  # noqa: E402
+                            steps_redone, trained_steps)
 from recovery_spike_worker import HOST, Worker  # noqa: E402
 from wildtrain import ray_compat  # noqa: E402
-from wildtrain.elastic.membership import Membership, next_membership, stale  # noqa: E402
+from wildtrain.elastic.membership import Membership  # noqa: E402
 
 WORKERS = 3
 SLOT = "spike_slot"
@@ -150,42 +150,15 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
 
 
 def owner(args, port: int, cluster: Cluster, facts: dict, stop: threading.Event, return_node: threading.Event) -> None:
-    """The rendezvous owner (bench/recovery_spike.py's drill, without joins past the first
-    generation), and the drill's kill: the node of --kill-rank once --kill-step steps are done."""
+    """The rendezvous owner (bench/recovery_spike.py's), and the drill: the node of
+    --kill-rank removed once --kill-step steps are done, and with --regrow-after-s, one
+    returned that long after."""
     store = dist.TCPStore(HOST, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     facts["store"] = store
-    current, pending, seen_joins, errors = Membership(0, ()), [], 0, {}
+    rendezvous = Rendezvous(args, store, WORKERS, facts)
     while not stop.is_set():
         now = time.time()
-        joins = store.add("joins", 0)
-        for n in range(seen_joins + 1, joins + 1):
-            name, t = store.get(f"join/{n}").decode().split()
-            pending.append(name)
-            facts["asked"][name] = float(t)
-        seen_joins = joins
-        progress = int(store.get("progress")) if store.check(["progress"]) else 0
-        if progress >= args.steps:
-            nxt = None
-        elif current.generation == 0:
-            nxt = Membership(1, tuple(sorted(pending))) if len(set(pending)) == WORKERS else None
-        else:
-            beats = {m: float(store.get(f"hb/{m}")) if store.check([f"hb/{m}"]) else facts["asked"][m]
-                     for m in current.members}
-            if current.generation not in errors and store.check([f"error/{current.generation}"]):
-                errors[current.generation] = float(store.get(f"error/{current.generation}"))
-            error_at = errors.get(current.generation)
-            dead = stale(beats, now, args.dead_after_s, error_at, args.confirm_s)
-            nxt = next_membership(current, dead, pending, None if error_at is None else now - error_at,
-                                  args.confirm_s)
-        if nxt is not None:
-            store.set(f"members/{nxt.generation}", ",".join(nxt.members))
-            store.set("gen", str(nxt.generation))
-            facts["published"][nxt.generation] = (time.time(), nxt.members)
-            pending = [p for p in pending if p not in nxt.members]
-            current = nxt
-        if args.regrow_after_s and facts["killed"] and not return_node.is_set() \
-                and now - facts["killed"] >= args.regrow_after_s:
-            return_node.set()  # Ray adds nodes from the main thread only
+        progress, _ = rendezvous.turn(now)
         if facts["killed"] is None and progress >= args.kill_step:
             victim = f"w{args.kill_rank}"
             node_id = store.get(f"node/{victim}").decode()
@@ -193,6 +166,8 @@ def owner(args, port: int, cluster: Cluster, facts: dict, stop: threading.Event,
             cluster.remove_node(node, allow_graceful=False)
             facts["killed"], facts["victim"] = time.time(), victim
             say(f"  removed {victim}'s node after step {progress}")
+        if args.regrow_after_s and facts["killed"] and now - facts["killed"] >= args.regrow_after_s:
+            return_node.set()  # Ray adds nodes from the main thread only
         time.sleep(0.01)
 
 
