@@ -38,7 +38,7 @@ browser:
 # and the standalone integration tests) in the other, at the lowest CPU priority, so it
 # fills the drills' waits instead of slowing their steps: Ray runs its workers at nice 15,
 # below any process a user starts. Its lines come after.
-test: $(STAMP)
+test: $(STAMP) browser
 	@log=$$(mktemp); \
 	nice -n 19 $(BIN)/python -m pytest tests/unit tests/gpu tests/integration -m "standalone or not integration" \
 		-q -ra --durations=10 -p no:cacheprovider >$$log 2>&1 & rest=$$!; \
