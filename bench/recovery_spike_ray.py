@@ -70,19 +70,13 @@ from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
 from progress import say  # noqa: E402
 from recovery_spike import (Rendezvous, drill, free_port, median_step, parse_args, read_logs,  # noqa: E402
                             steps_redone, trained_steps)
-from recovery_spike_worker import HOST, Worker  # noqa: E402
+from recovery_spike_worker import HOST, Worker, latest  # noqa: E402
 from wildtrain import ray_compat  # noqa: E402
-from wildtrain.elastic.membership import Membership  # noqa: E402
 
 WORKERS = 3
 SLOT = "spike_slot"
 COMPARED_STEPS = 60
 _KEPT: list = []  # each worker's spike Worker, so its broken groups are never destroyed
-
-
-def latest(store) -> Membership:
-    g = int(store.get("gen")) if store.check(["gen"]) else 0
-    return Membership(g, tuple(store.get(f"members/{g}").decode().split(","))) if g else Membership(0, ())
 
 
 def train_fn(config: dict) -> None:
@@ -108,13 +102,18 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
         self.port, self.decide_s, self.mask = port, decide_s, mask
         self.worker_group = None
         self.masked: set[int] = set()
+        self._store = None  # the rendezvous owner's store, once needed
+
+    def store(self):
+        if self._store is None:
+            self._store = dist.TCPStore(HOST, self.port, is_master=False, timeout=timedelta(seconds=10))
+        return self._store
 
     def after_worker_group_start(self, worker_group) -> None:
         self.worker_group = worker_group
 
     def after_report(self, training_report, metrics) -> None:
-        store = dist.TCPStore(HOST, self.port, is_master=False, timeout=timedelta(seconds=10))
-        store.set("consolidated", json.dumps(metrics))
+        self.store().set("consolidated", json.dumps(metrics))
 
     def after_worker_group_poll_status(self, worker_group_status) -> None:
         lost = {r for r, e in worker_group_status.errors.items() if ray_compat.worker_lost(e)}
@@ -122,7 +121,7 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
             if self.mask:
                 ray_compat.mask_worker_deaths(worker_group_status, self.masked)
             return
-        store = dist.TCPStore(HOST, self.port, is_master=False, timeout=timedelta(seconds=10))
+        store = self.store()
         deadline = time.monotonic() + self.decide_s
         while True:
             members = latest(store).members
@@ -174,7 +173,8 @@ def owner(args, port: int, cluster: Cluster, facts: dict, stop: threading.Event,
 def ray_drill(args, out: Path) -> dict:
     port = free_port()
     facts = {"published": {}, "asked": {}, "killed": None, "victim": None, "returned": None, "out": out}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "_system_config": services.NODE_HEALTH_CHECKS})
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 2, "_system_config": services.NODE_HEALTH_CHECKS})
     for _ in range(WORKERS):
         cluster.add_node(num_cpus=1, resources={SLOT: 1})
     cluster.wait_for_nodes()
@@ -226,13 +226,15 @@ def analyse(args, facts: dict, reference: dict) -> list[tuple[str, str]]:
             losses.setdefault(r["step"], r["loss"])
     ref_losses = {r["step"]: r["loss"] for r in read_logs(reference["out"])["w0"] if "loss" in r}
     if sorted(losses) != list(range(args.steps)):
-        raise RuntimeError(f"steps missing from the logs in {facts['out']}: {sorted(set(range(args.steps)) - set(losses))}")
+        missing = sorted(set(range(args.steps)) - set(losses))
+        raise RuntimeError(f"steps missing from the logs in {facts['out']}: {missing}")
     # Past the first resize the sums are taken in another order, and on this tiny model at this
     # learning rate a rounding difference grows about tenfold every 30 steps: the losses are
     # compared over the steps of a short run (test_elastic's), the weights only after one.
     compared = range(min(args.steps, COMPARED_STEPS))
     loss_diff = max(abs(losses[s] - ref_losses[s]) for s in compared)
-    param_diff = (torch.load(facts["out"] / "params.pt") - torch.load(reference["out"] / "params.pt")).abs().max().item()
+    params, ref_params = (torch.load(f["out"] / "params.pt") for f in (facts, reference))
+    param_diff = (params - ref_params).abs().max().item()
     tol = 1e-3
     drifted = next((s for s in sorted(losses) if abs(losses[s] - ref_losses[s]) > tol), None)
     killed = facts["killed"]
@@ -241,11 +243,13 @@ def analyse(args, facts: dict, reference: dict) -> list[tuple[str, str]]:
     first_small = min(r["t"] for r in at_two)
     formed = [r for n in survivors for r in logs[n] if r.get("event") == "formed" and r["gen"] == shrink_gen]
     abandoned = [r for n in survivors for r in logs[n] if r.get("event") == "abandoned" and r["t"] >= killed]
+    first_abandon = min((r["t"] for r in abandoned), default=float("nan"))
     t_published = facts["published"][shrink_gen][0]
     t_formed, t_synced = max(r["formed"] for r in formed), max(r["synced"] for r in formed)
     regrow = []
     if facts["returned"] is not None:
-        grow_gen = min(g for g, (t, members) in facts["published"].items() if g > shrink_gen and len(members) == WORKERS)
+        grow_gen = min(g for g, (t, members) in facts["published"].items()
+                       if g > shrink_gen and len(members) == WORKERS)
         first_full = min(r["t"] for rs in steps.values() for r in rs if r["gen"] == grow_gen)
         asked = [r["t"] for r in logs[facts["victim"]] if r.get("event") == "asked" and r["t"] > facts["returned"]]
         last_small = max(r["t"] for r in at_two)
@@ -259,7 +263,7 @@ def analyse(args, facts: dict, reference: dict) -> list[tuple[str, str]]:
         ]
     return [
         ("death (node removed) -> first step at size 2 (s)", f"{first_small - killed:.2f}"),
-        ("  a survivor abandoned its step (s)", f"{min((r['t'] for r in abandoned), default=float('nan')) - killed:.2f}"),
+        ("  a survivor abandoned its step (s)", f"{first_abandon - killed:.2f}"),
         ("  found dead: generation of 2 published (s)", f"{t_published - killed:.2f}"),
         ("  rendezvous (gloo group built) (s)", f"{t_formed - t_published:.2f}"),
         ("  state sync (s)", f"{t_synced - t_formed:.2f}"),
@@ -286,7 +290,8 @@ def main() -> None:
     parser_args.regrow_after_s = mine.regrow_after_s
     parser_args.decide_s = 5.0
     out = parser_args.out or Path(tempfile.mkdtemp(prefix="recovery-spike-ray-"))
-    say(f"reference: {WORKERS} forked workers, {parser_args.steps} steps, nothing happens (logs in {out / 'reference'})")
+    say(f"reference: {WORKERS} forked workers, {parser_args.steps} steps, nothing happens "
+        f"(logs in {out / 'reference'})")
     reference = drill(parser_args, out / "reference", chaos=False)
     say(f"drill: {WORKERS} Ray Train workers on a fake cluster; rank {parser_args.kill_rank}'s node removed after "
         f"step {parser_args.kill_step} (logs in {out / 'drill'})")

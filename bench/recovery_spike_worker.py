@@ -59,6 +59,12 @@ def batch(args, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rows[:, :-1], rows[:, 1:]
 
 
+def latest(store) -> Membership:
+    """The newest generation the rendezvous owner published in `store` (0: none yet)."""
+    g = int(store.get("gen")) if store.check(["gen"]) else 0
+    return Membership(g, tuple(store.get(f"members/{g}").decode().split(","))) if g else Membership(0, ())
+
+
 class Abandoned(Exception):
     pass
 
@@ -110,8 +116,7 @@ class Worker:
         self.store.set(f"join/{n}", f"{self.name} {time.time()!r}")
 
     def latest(self) -> Membership:
-        g = int(self.store.get("gen")) if self.store.check(["gen"]) else 0
-        return Membership(g, tuple(self.store.get(f"members/{g}").decode().split(","))) if g else Membership(0, ())
+        return latest(self.store)
 
     def next_generation(self) -> Membership:
         """Wait for a generation newer than ours that includes us."""

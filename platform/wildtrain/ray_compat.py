@@ -48,8 +48,9 @@ __all__ = [
     "ControllerCallback", "ReportCallback", "WorkerGroupCallback", "WorkerGroupStartupTimeoutError",
     "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError", "available_resources_per_node",
     "ControllerState", "controller_state", "counts_as_failure", "dashboard_url", "group_workers", "kv_get", "kv_put",
-    "kill_pending_actors", "lost_a_worker_process", "mask_worker_deaths", "narrow_report_gates", "ReplacingTorchConfig", "quiet_ray_data", "quiet_report_log", "refresh_train_resource_view",
-    "reports_collected", "resize_request", "resize_to", "start_timed_out", "worker_failures", "worker_lost", "TrainerWithoutDatasets",
+    "kill_pending_actors", "lost_a_worker_process", "mask_worker_deaths", "narrow_report_gates", "quiet_ray_data",
+    "quiet_report_log", "refresh_train_resource_view", "ReplacingTorchConfig", "reports_collected", "resize_request",
+    "resize_to", "start_timed_out", "worker_failures", "worker_lost", "TrainerWithoutDatasets",
 ]
 
 

@@ -61,6 +61,7 @@ def test_put_never_waits_on_a_hung_server(tmp_path):
     server = Server()
     server.released.clear()  # the first send hangs, as on a stopped process
     buffer = TrackingBuffer(server.send, tmp_path, capacity=100, backoff=FAST)
+
     def put_all():
         for i in range(1000):  # ten times the capacity: most spill to disk
             buffer.put({"i": i, "payload": "x" * 100})
