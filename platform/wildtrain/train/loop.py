@@ -14,7 +14,9 @@ waits until the controller polls (`elastic.poll_interval_s`). So the metrics of 
 step are kept as a closed window, and the windows go to the controller together at the
 first report step at which every rank's previous report has been collected, looked for
 once a poll's worth of steps has passed, or at every log step once a save waits for its
-step's report to commit; only the last step's report, and a regrow's, wait for their turn.
+step's report to commit; only the last step's report, a regrow's and a divergence's wait
+for their turn. Early stop (on for sweep trials) judges each window's loss at the step that
+closes it, not when the window is reported.
 """
 
 from __future__ import annotations
@@ -272,17 +274,26 @@ class Attempt:
         step_s = collectives.broadcast_object(windows[-1]["step_time_s"] if windows else None)
         return max(1, int(self.cfg.elastic.poll_interval_s / step_s)) if step_s else 1
 
-    def _judge_loss(self, loss: float, step: int) -> list[StoppedEarly]:
-        """The early-stop rule on a log step's loss (the mean over ranks, so every rank
-        decides alike): the event that ends the run, if it diverged."""
+    def _judge(self, window: Window) -> None:
+        """The early-stop rule on the watched loss of the window just closed, at its own step
+        rather than when it is reported (a report may wait a poll's worth of steps, and a
+        short trial would reach its end first): the mean over ranks, so every rank decides
+        alike. A diverged run's event goes with the report this step sends."""
         if not self.cfg.early_stop.enabled or self.diverged:
-            return []
+            return
+        watched = self.cfg.early_stop.metric
+        if watched == "loss":
+            # A collective and a device sync: every rank closes the same windows.
+            loss = collectives.mean_over_ranks(window.loss).item()
+        elif watched in window.metrics:
+            loss = window.metrics[watched]  # a validation's, already over all ranks
+        else:
+            return  # no validation at this log step
         verdict = judge_loss(loss, self.state.best_loss, self.cfg.early_stop.loss_factor)
         self.state.best_loss = verdict.best
-        if verdict.reason is None:
-            return []
-        self.diverged = True
-        return [StoppedEarly(time.time(), step, verdict.reason)]
+        if verdict.reason is not None:
+            self.diverged = True
+            self.monitor.events.append(StoppedEarly(time.time(), self.state.step, verdict.reason))
 
     def report(self, at: At, logs: bool, saving: bool, must_commit: bool) -> None:
         """Close this log step's window (`logs`), then hand the controller the windows, the saves
@@ -295,6 +306,7 @@ class Attempt:
                                                   epoch=(state.step - 1) // self.data.steps_per_epoch,
                                                   **self.validated))
             self.validated = {}
+            self._judge(self.windows[-1])
         if at.first:
             # What the controller needs to split this attempt's recovery (and start-up) time into its parts.
             self.startup = Startup(restored_step=self.restored_step, **dataclasses.asdict(self.restored.timing),
@@ -303,20 +315,19 @@ class Attempt:
                                    first_step_at=time.time())
         # Time blocked here is the report's, never the step's: its own badput in goodput.
         with self.window.timed("report_wait"):
-            # The run's end and a regrow cannot go on without their report; every other
-            # report waits for a step at which no rank's previous one is still queued.
+            # The run's end, a regrow and a divergence (which ends the run) cannot go on without
+            # their report; every other report waits for a step at which no rank's previous
+            # one is still queued.
             looking = self.reports.looks(at, saving)
-            if not must_commit and (not looking or not collectives.all_ranks(ray_compat.reports_collected())):
+            if (not must_commit and not self.diverged
+                    and (not looking or not collectives.all_ranks(ray_compat.reports_collected()))):
                 return
             windows = self.window.resolve(self.windows)
             self.windows = []
-            watched = self.cfg.early_stop.metric
-            events = [stop for metrics in windows if watched in metrics
-                      for stop in self._judge_loss(metrics[watched], metrics["step"])]
             if windows:
                 self.monitor.export(windows[-1])
             saves = checkpointing.saves_report(self.saver.drain())
-            events += self.monitor.take_events() + saves.events
+            events = self.monitor.take_events() + saves.events
             if self.startup is not None:
                 events = self.restored.events + events
             ray.train.report(WorkerReport(
