@@ -3,18 +3,19 @@ with their state sharded by a real DeepSpeed ZeRO engine (wildtrain's `engine.bu
 AdamW, the LR schedule, gradient clipping), a dead rank's partition recovered from a peer's
 host memory, and the engine rebuilt in-process at every new size. No checkpoint is read.
 
-- Mirrors: after each optimizer step a rank copies its partition (fp32 master weights and
-  AdamW's two moments) to host memory and sends the copy to the next rank of the ring, which
-  keeps it; each keeps the last two steps of its own and of its predecessor's. A step is
-  committed (logged, counted) only by the all-reduce after that exchange, which no rank
-  passes before every mirror is in place: whoever dies then, its partition at the committed
-  step lives on in its successor, and no committed step is ever redone.
+- Mirrors (wildtrain.elastic.peer_state): after each optimizer step a rank copies its
+  partition (fp32 master weights and AdamW's two moments) to host memory and sends the copy
+  to the next rank of the ring, which keeps it; each keeps the last two steps of its own and
+  of its predecessor's. A step is committed (logged, counted) only by the all-reduce after
+  that exchange, which no rank passes before every mirror is in place: whoever dies then,
+  its partition at the committed step lives on in its successor, and no committed step is
+  ever redone.
 - Re-form: the survivors (and joiners) of a new generation say which snapshots they hold;
   `membership.plan_repartition` picks the newest step held whole; the holders all-gather
-  those partitions; each rank rebuilds the flat state (the concatenated partitions without
-  their padding), builds a new engine at the new world size over a fresh module, and copies
-  in its new slice, the model's weights, AdamW's step and the schedule's position. It then
-  commits the new layout's mirrors before training on.
+  those partitions (`Mirrors.gather`); each rank builds a new engine at the new world size
+  over a fresh module and copies in its new slice, the model's weights, AdamW's step and the
+  schedule's position (`peer_state.load_state`). It then commits the new layout's mirrors
+  before training on.
 - The default process group is destroyed and made again per generation (on a PrefixStore of
   its own): DeepSpeed builds its data-parallel groups and partitions once, in `initialize`,
   from the default group, and releases its cached groups on `deepspeed.comm.destroy_process_group`.
@@ -35,18 +36,16 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from recovery_spike_worker import Abandoned, Worker, batch
 
 REDUNDANCY_LOST_EXIT = 3  # recovery_spike.py expects it where a partition and its mirror are gone
 from wildtrain.batching import BatchPlan
 from wildtrain.config import load_config
-from wildtrain.elastic.membership import RedundancyLost, micro_batches, plan_repartition
+from wildtrain.elastic.membership import RedundancyLost, micro_batches
+from wildtrain.elastic.peer_state import Mirrors, load_state
 from wildtrain.engine import build_engine, clone_world_group, import_deepspeed
 from wildtrain.model.transformer import Transformer
-
-KEEP_STEPS = 2  # snapshots kept per partition: the committed step and the one in flight
 
 
 def config(args):
@@ -59,43 +58,17 @@ class ZeroWorker(Worker):
         self.cfg = config(self.args)
         self.deepspeed = import_deepspeed()
         self.engine = None
-        self.layout = None  # (generation, world) of the partitions this rank holds
-        # (layout, old rank) -> step -> that partition of each parameter group
-        self.snapshots: dict[tuple[int, int, int], dict[int, list[torch.Tensor]]] = {}
-
-    # ---- the engine's partition ----
-
-    def partition(self) -> list[torch.Tensor]:
-        """A host copy of this rank's partition of each parameter group, [3, n]: fp32 weights,
-        exp_avg, exp_avg_sq."""
-        zero = self.engine.optimizer
-        groups = []
-        for fp32 in zero.single_partition_of_fp32_groups:
-            state = zero.optimizer.state.get(fp32) or {}
-            moments = [state.get(k, torch.zeros_like(fp32)) for k in ("exp_avg", "exp_avg_sq")]
-            groups.append(torch.stack([fp32.detach(), *moments]).clone())
-        return groups
-
-    def keep(self, old_rank: int, step: int, state: list[torch.Tensor]) -> None:
-        kept = self.snapshots.setdefault((*self.layout, old_rank), {})
-        kept[step] = state
-        for old in sorted(kept)[:-KEEP_STEPS]:
-            del kept[old]
+        self.mirrors = Mirrors(keep_steps=2)  # the committed step and the one in flight
 
     def commit(self, loss_sum: float, flag: float) -> torch.Tensor:
         """Mirror this rank's partition to its ring successor, then the all-reduce that commits
         the step (every mirror is in place once any rank is past it)."""
-        rank, world = dist.get_rank(), dist.get_world_size()
-        mine = self.partition()
-        self.keep(rank, self.step, mine)
-        if world > 1:
-            sent = torch.cat(mine, dim=1)
-            received = torch.empty_like(sent)
-            works = [dist.isend(sent, (rank + 1) % world), dist.irecv(received, (rank - 1) % world)]
-            for work in works:
-                self.finish(work)
-            # Every rank of a layout holds partitions of the same sizes.
-            self.keep((rank - 1) % world, self.step, list(received.split([g.shape[1] for g in mine], dim=1)))
+        try:
+            self.mirrors.exchange(self.engine, self.step)
+            self.mirrors.settle()
+        except RuntimeError as e:
+            self.mirrors.drop_in_flight()
+            self.fail(e)
         totals = torch.tensor([loss_sum, flag], dtype=torch.float64)
         self.finish(dist.all_reduce(totals, async_op=True))
         return totals
@@ -157,25 +130,11 @@ class ZeroWorker(Worker):
             # the dead rank) waits out this timeout, on DeepSpeed's reductions too.
             clone_world_group(self.deepspeed, timeout)
             t_formed = time.time()
-            fresh = self.step == 0 and self.layout is None
-            held = [None] * world
-            dist.all_gather_object(held, None if fresh else {k: set(v) for k, v in self.snapshots.items()})
-            if all(h is None for h in held):
-                plan, full = None, None  # the first generation: every member builds from the seed
-            else:
-                plan = plan_repartition(held)
-                mine = {old: self.snapshots[(*plan.layout, old)][plan.step]
-                        for old, source in enumerate(plan.sources) if source == rank}
-                parts = [None] * world
-                dist.all_gather_object(parts, mine)
-                by_old = {old: state for sent in parts for old, state in sent.items()}
-                full = [torch.cat([by_old[old][i] for old in range(plan.layout[1])], dim=1)
-                        for i in range(len(by_old[0]))]
-            self.build(world, rank, plan.step if plan else 0, full)
-            self.layout = (m.generation, world)
+            # The first generation: every member builds from the seed.
+            plan, full = self.mirrors.gather(fresh=self.step == 0 and self.mirrors.layout is None)
+            self.build(world, plan.step if plan else 0, full)
+            self.mirrors.use_layout(m.generation, world)
             self.commit(0.0, 0.0)
-            # Every rank holds the new layout's partitions and mirrors: the old layout's go.
-            self.snapshots = {k: v for k, v in self.snapshots.items() if k[:2] == self.layout}
         except RedundancyLost as e:
             self.record(event="redundancy_lost", why=str(e))
             raise SystemExit(REDUNDANCY_LOST_EXIT) from e
@@ -187,10 +146,9 @@ class ZeroWorker(Worker):
                     published_seen=t_published, formed=t_formed, synced=time.time(),
                     source=None if plan is None else list(plan.sources), sent_state=plan is not None, step=self.step)
 
-    def build(self, world: int, rank: int, step: int, full) -> None:
-        """A new engine at `world` over a fresh module, holding the state of `full` (per
-        parameter group, every partition of the old layout in order: the group's flat state
-        and the old padding) at `step`; None: the seed's."""
+    def build(self, world: int, step: int, full) -> None:
+        """A new engine at `world` over a fresh module, holding the state of `full` (from
+        `Mirrors.gather`) at `step`; None: the seed's."""
         torch.manual_seed(self.args.seed)
         model = Transformer(self.cfg.model)
         plan = BatchPlan(world, 1, self.args.global_batch // world)
@@ -198,27 +156,8 @@ class ZeroWorker(Worker):
             warnings.simplefilter("ignore")
             self.engine = build_engine(self.cfg, plan, model, torch.device("cpu"))
         self.step = step
-        if full is None:
-            return
-        zero = self.engine.optimizer
-        for i, fp32 in enumerate(zero.single_partition_of_fp32_groups):
-            numel = sum(p.numel() for p in zero.bit16_groups[i])
-            group = full[i][:, :numel]  # DeepSpeed pads a group's flat buffer at its end
-            padded = F.pad(group, (0, zero.bit16_groups_flat[i].numel() - numel))
-            size = zero.partition_size[i]
-            slice_ = padded[:, rank * size:(rank + 1) * size]
-            with torch.no_grad():
-                fp32.copy_(slice_[0])
-                zero.bit16_groups_flat[i][:numel].copy_(group[0])
-            zero.optimizer.state[fp32] = {"step": torch.tensor(float(step)), "exp_avg": slice_[1].clone(),
-                                          "exp_avg_sq": slice_[2].clone()}
-        schedule = self.engine.lr_scheduler
-        schedule.last_epoch = step - 1
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            schedule.step()  # the learning rate of `step`
-        self.engine.global_steps = step
-        self.engine.global_samples = step * self.args.global_batch
+        if full is not None:
+            load_state(self.engine, full, step, self.args.global_batch)
 
     # ---- training ----
 

@@ -1,0 +1,169 @@
+"""A ZeRO-1/2 engine's sharded state kept alive by its peers across a resize (issue 24).
+
+ZeRO-1 and 2 shard the fp32 master weights and AdamW's two moments over the data-parallel
+ranks, so a rank that dies takes the only copy of its partition with it. `Mirrors` keeps a
+host copy of this rank's partition after every optimizer step and sends one to the next rank
+of the ring, which keeps it (12 bytes a parameter over the world size, each way).
+
+A rank `settle`s its exchange before its next step's gradient reduction, and no rank passes
+that reduction before every rank entered it: once any rank is past it, every mirror of the
+step before is in place. So a death costs at most the step in flight, never one a rank went
+past. The last `keep_steps` snapshots of each partition are kept, and those of the layout a
+resize left until the new layout's first step is mirrored everywhere.
+
+After a resize the ranks of the new group say which snapshots they hold,
+`membership.plan_repartition` picks the newest step held whole, the holders share those
+partitions (`gather`), and `load_state` puts each new rank's slice of them into an engine
+built at the new size. No checkpoint is read; where a partition and its mirror are both gone
+(`RedundancyLost`) only a checkpoint restores the run.
+
+Every rank receives the whole state at a re-form where it needs only its new slice: simple,
+and 12 bytes a parameter per rank at each resize (not each step).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from wildtrain.elastic.membership import Layout, Repartition, plan_repartition
+
+Partition = list[torch.Tensor]  # per parameter group, [3, n]: fp32 weights, exp_avg, exp_avg_sq
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def partition(engine) -> Partition:
+    """A host copy of this rank's partition of each parameter group of a ZeRO-1/2 `engine`.
+    Before AdamW's first step its moments do not exist yet: zeros, what AdamW would make."""
+    zero = engine.optimizer
+    groups = []
+    for fp32 in zero.single_partition_of_fp32_groups:
+        state = zero.optimizer.state.get(fp32) or {}
+        moments = [state.get(name, torch.zeros_like(fp32)) for name in MOMENTS]
+        groups.append(torch.stack([fp32.detach(), *moments]).to("cpu", copy=True))
+    return groups
+
+
+class Mirrors:
+    """This rank's snapshots: its own partition and its ring predecessor's, by layout (the
+    generation and world size that cut them), old rank and step. The host copies travel over
+    `group` (a gloo group of the whole world, such as the control group, where the default
+    group is NCCL's) or the default group."""
+
+    def __init__(self, keep_steps: int = 2, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.keep_steps = keep_steps
+        self.group = group
+        self.layout: Optional[Layout] = None
+        self.snapshots: dict[tuple[int, int, int], dict[int, Partition]] = {}
+        self._in_flight: list = []
+        self._received: Optional[tuple[int, torch.Tensor, list[int]]] = None  # (step, buffer, group sizes)
+        self._exchanges_in_layout = 0
+
+    def use_layout(self, generation: int, world: int) -> None:
+        """The group was re-formed: snapshots from now on are of this layout."""
+        self.layout = (generation, world)
+        self._exchanges_in_layout = 0
+
+    def exchange(self, engine, step: int) -> None:
+        """Keep this rank's partition after optimizer step `step` and start sending it to the
+        ring successor while receiving the predecessor's (`settle` waits for both)."""
+        if self.layout is None:
+            raise RuntimeError("Mirrors.use_layout was not called: no layout to file the snapshots under")
+        self.settle()
+        generation, world = self.layout
+        if self._exchanges_in_layout:
+            # Every rank settled this layout's first exchange before the reduction this rank
+            # has since passed: the older layouts are not needed any more.
+            self.snapshots = {key: kept for key, kept in self.snapshots.items() if key[:2] == self.layout}
+        self._exchanges_in_layout += 1
+        rank = dist.get_rank(self.group)
+        mine = partition(engine)
+        self._keep(rank, step, mine)
+        if world == 1:
+            return
+        sent = torch.cat(mine, dim=1)
+        received = torch.empty_like(sent)  # every rank of a layout holds partitions of the same sizes
+        self._in_flight = [dist.isend(sent, group=self.group, group_dst=(rank + 1) % world),
+                           dist.irecv(received, group=self.group, group_src=(rank - 1) % world)]
+        self._received = (step, received, [group.shape[1] for group in mine])
+
+    def settle(self) -> None:
+        """Wait until this rank's last exchange is done (raises what the collective raised)."""
+        in_flight, self._in_flight = self._in_flight, []
+        for work in in_flight:
+            work.wait()
+        if self._received is not None:
+            step, received, sizes = self._received
+            self._received = None
+            self._keep((dist.get_rank(self.group) - 1) % self.layout[1], step, list(received.split(sizes, dim=1)))
+
+    def drop_in_flight(self) -> None:
+        """Forget an exchange a failed collective broke: what it was to receive never came."""
+        self._in_flight, self._received = [], None
+
+    def held(self) -> dict[tuple[int, int, int], set[int]]:
+        """(layout generation, layout world, old rank) -> the steps held of that partition."""
+        return {key: set(kept) for key, kept in self.snapshots.items()}
+
+    def gather(self, fresh: bool) -> tuple[Optional[Repartition], Optional[list[torch.Tensor]]]:
+        """Collectively, in a newly formed default group: which state the group continues from
+        and all of it (per parameter group, the old layout's partitions laid end to end,
+        padding included). (None, None) when every rank is `fresh` (the run's first group: each
+        builds from the seed). Raises `RedundancyLost` on every rank alike."""
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        held: list = [None] * world
+        dist.all_gather_object(held, None if fresh else self.held(), group=self.group)
+        if all(h is None for h in held):
+            return None, None
+        plan = plan_repartition(held)
+        mine = {old: self.snapshots[(*plan.layout, old)][plan.step]
+                for old, source in enumerate(plan.sources) if source == rank}
+        parts: list = [None] * world
+        dist.all_gather_object(parts, mine, group=self.group)
+        by_old = {old: state for sent in parts for old, state in sent.items()}
+        full = [torch.cat([by_old[old][group] for old in range(plan.layout[1])], dim=1)
+                for group in range(len(by_old[0]))]
+        return plan, full
+
+    def _keep(self, old_rank: int, step: int, state: Partition) -> None:
+        kept = self.snapshots.setdefault((*self.layout, old_rank), {})
+        kept[step] = state
+        for old in sorted(kept)[:-self.keep_steps]:
+            del kept[old]
+
+
+def load_state(engine, full: list[torch.Tensor], step: int, samples_per_step: int) -> None:
+    """Put this rank's slice of `full` (from `Mirrors.gather`) into a ZeRO-1/2 `engine` just
+    built at the new world size, with the model's weights, AdamW's step count and the
+    schedule's position of optimizer step `step`."""
+    zero = engine.optimizer
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    defaults = zero.optimizer.defaults
+    # AdamW keeps its step count on the parameter's device when fused or capturable.
+    on_device = defaults.get("fused") or defaults.get("capturable")
+    for group, fp32 in enumerate(zero.single_partition_of_fp32_groups):
+        numel = sum(p.numel() for p in zero.bit16_groups[group])
+        if full[group].shape[1] < numel:
+            raise ValueError(f"parameter group {group}: {full[group].shape[1]} values of state for {numel} "
+                             "parameters; the state is of another model")
+        state = full[group][:, :numel].to(fp32.device)  # each layout pads a group's flat buffer at its end
+        padded = F.pad(state, (0, zero.bit16_groups_flat[group].numel() - numel))
+        size = zero.partition_size[group]
+        mine = padded[:, rank * size:(rank + 1) * size]
+        with torch.no_grad():
+            fp32.copy_(mine[0])
+            zero.bit16_groups_flat[group][:numel].copy_(state[0])
+        count = torch.tensor(float(step), device=fp32.device if on_device else "cpu")
+        zero.optimizer.state[fp32] = {"step": count, "exp_avg": mine[1].clone(),
+                                      "exp_avg_sq": mine[2].clone()}
+    schedule = engine.lr_scheduler
+    schedule.last_epoch = step - 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "step() before optimizer.step()": no step is taken here
+        schedule.step()  # the learning rate of `step`
+    engine.global_steps = step
+    engine.global_samples = step * samples_per_step
