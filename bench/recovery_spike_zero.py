@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import time
 import warnings
 from datetime import timedelta
@@ -42,6 +41,7 @@ from recovery_spike_worker import Abandoned, Worker, batch
 REDUNDANCY_LOST_EXIT = 3  # recovery_spike.py expects it where a partition and its mirror are gone
 from wildtrain.batching import BatchPlan
 from wildtrain.config import load_config
+from wildtrain.elastic.connections import GroupConnections
 from wildtrain.elastic.membership import RedundancyLost, micro_batches
 from wildtrain.elastic.peer_state import Mirrors, load_state
 from wildtrain.engine import build_engine, clone_world_group, import_deepspeed
@@ -59,6 +59,7 @@ class ZeroWorker(Worker):
         self.deepspeed = import_deepspeed()
         self.engine = None
         self.mirrors = Mirrors(keep_steps=2)  # the committed step and the one in flight
+        self.connections = GroupConnections()  # the current generation's gloo connections
 
     def commit(self, loss_sum: float, flag: float) -> torch.Tensor:
         """Mirror this rank's partition to its ring successor, then the all-reduce that commits
@@ -81,26 +82,8 @@ class ZeroWorker(Worker):
 
     def fail(self, e: Exception):
         self.store.set(f"error/{self.membership.generation}", repr(time.time()))
-        self.hang_up()
+        self.connections.hang_up()  # frees the peers that wait on this rank (elastic.connections)
         raise Abandoned(f"collective failed: {str(e).splitlines()[0][:200]}") from e
-
-    def hang_up(self) -> None:
-        """Shut down this process's gloo connections, so that every peer's collective with it
-        fails now. A peer blocked in a collective with this rank (not with the dead one) is
-        freed by nothing else: gloo's waits end only at their timeout or when the connection
-        closes, and torch's destroy_process_group, _abort_process_group and shutdown all leave
-        gloo's sockets open (three gloo ranks, rank 2 in a recv from rank 0, which called each:
-        rank 2 waited its 20 s timeout every time; when rank 0 exited, 0.0 s). Every TCP
-        connection of this process except those to the rendezvous store is gloo's."""
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                    continue
-                with socket.socket(fileno=os.dup(int(fd))) as sock:
-                    if sock.type == socket.SOCK_STREAM and sock.getpeername()[1] != self.args.port:
-                        sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # closed meanwhile, not connected (a listener), or not an inet socket
 
     # ---- re-forming ----
 
@@ -113,26 +96,31 @@ class ZeroWorker(Worker):
         os.environ.update(LOCAL_RANK="0", RANK=str(rank), WORLD_SIZE=str(world))
         if dist.is_initialized():
             self.engine = None
-            self.deepspeed.comm.destroy_process_group()
+            if self.deepspeed.comm.comm.cdb is None:
+                dist.destroy_process_group()  # Ray Train's group: DeepSpeed has not started on it
+            else:
+                self.deepspeed.comm.destroy_process_group()
             # The engine and its optimizer refer to each other: only a collection frees the old
             # group, whose destructor closes its connections. Until then a peer blocked in a
             # collective with this rank (not with the dead one) would wait out its timeout.
             gc.collect()
         self.membership = m
+        self.connections = GroupConnections()
         self.arrive(m)
         try:
             # A member that died since the generation was published fails this (after the
             # timeout) or a collective below: either is one more generation, not the worker's end.
             timeout = timedelta(seconds=self.args.collective_timeout_s)
-            dist.init_process_group("gloo", store=dist.PrefixStore(f"g{m.generation}/", self.store), rank=rank,
-                                    world_size=world, timeout=timeout)
-            # A survivor blocked in a collective with a peer that saw the failure (not with
-            # the dead rank) waits out this timeout, on DeepSpeed's reductions too.
-            clone_world_group(self.deepspeed, timeout)
-            t_formed = time.time()
-            # The first generation: every member builds from the seed.
-            plan, full = self.mirrors.gather(fresh=self.step == 0 and self.mirrors.layout is None)
-            self.build(world, plan.step if plan else 0, full)
+            with self.connections:  # every group of this generation, DeepSpeed's included
+                dist.init_process_group("gloo", store=dist.PrefixStore(f"g{m.generation}/", self.store), rank=rank,
+                                        world_size=world, timeout=timeout)
+                # A survivor blocked in a collective that no hang-up frees waits out this
+                # timeout, on DeepSpeed's reductions too.
+                clone_world_group(self.deepspeed, timeout)
+                t_formed = time.time()
+                # The first generation: every member builds from the seed.
+                plan, full = self.mirrors.gather(fresh=self.step == 0 and self.mirrors.layout is None)
+                self.build(world, plan.step if plan else 0, full)
             self.mirrors.use_layout(m.generation, world)
             self.commit(0.0, 0.0)
         except RedundancyLost as e:
