@@ -87,7 +87,6 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -95,7 +94,7 @@ import torch.distributed as dist
 from progress import say
 from recovery_spike_worker import HOST, INITIAL, SPARE, worker_main
 from recovery_spike_zero import REDUNDANCY_LOST_EXIT
-from wildtrain.elastic.membership import Membership, next_membership, stale
+from wildtrain.elastic.rendezvous import RendezvousOwner
 
 
 EXTRA_DRILLS = {
@@ -155,49 +154,17 @@ def launch(args, name: str, port: int, out: Path) -> multiprocessing.Process:
     return proc
 
 
-class Rendezvous:
-    """The rendezvous owner (the controller's role): reads the workers' join requests,
-    heartbeats and failed collectives from the store and publishes each new generation
-    (`members/<g>`, then `gen`). The first generation waits for `initial` workers. Records
-    each request's and generation's time in `facts` ("asked", "published")."""
+def rendezvous_owner(args, store, initial: int, facts: dict) -> RendezvousOwner:
+    """The rendezvous owner (the controller's role) of a drill, its request and publication
+    times kept in `facts` ("asked", "published")."""
+    owner = RendezvousOwner(store, initial, args.dead_after_s, args.confirm_s)
+    facts["asked"], facts["published"] = owner.asked, owner.published
+    return owner
 
-    def __init__(self, args, store, initial: int, facts: dict) -> None:
-        self.args, self.store, self.initial, self.facts = args, store, initial, facts
-        self.current, self.pending, self.seen_joins, self.errors = Membership(0, ()), [], 0, {}
 
-    def turn(self, now: float) -> tuple[int, Optional[Membership]]:
-        """One look at the store: (the steps rank 0 has done, the generation published now)."""
-        store, args = self.store, self.args
-        joins = store.add("joins", 0)
-        for n in range(self.seen_joins + 1, joins + 1):
-            name, t = store.get(f"join/{n}").decode().split()
-            self.pending.append(name)
-            self.facts["asked"][name] = float(t)
-        self.seen_joins = joins
-        progress = int(store.get("progress")) if store.check(["progress"]) else 0
-        current = self.current
-        if progress >= args.steps:
-            nxt = None  # the workers stop beating as they exit: not deaths
-        elif current.generation == 0:
-            nxt = Membership(1, tuple(sorted(self.pending))) if len(set(self.pending)) == self.initial else None
-        else:
-            # A member whose heartbeat thread has not written yet counts from its request.
-            beats = {m: float(store.get(f"hb/{m}")) if store.check([f"hb/{m}"]) else self.facts["asked"][m]
-                     for m in current.members}
-            error_key = f"error/{current.generation}"
-            if current.generation not in self.errors and store.check([error_key]):
-                self.errors[current.generation] = float(store.get(error_key))
-            error_at = self.errors.get(current.generation)
-            dead = stale(beats, now, args.dead_after_s, error_at, args.confirm_s)
-            nxt = next_membership(current, dead, self.pending, None if error_at is None else now - error_at,
-                                  args.confirm_s)
-        if nxt is not None:
-            store.set(f"members/{nxt.generation}", ",".join(nxt.members))
-            store.set("gen", str(nxt.generation))
-            self.facts["published"][nxt.generation] = (time.time(), nxt.members)
-            self.pending = [p for p in self.pending if p not in nxt.members]
-            self.current = nxt
-        return progress, nxt
+def steps_done(store) -> int:
+    """The steps rank 0 has done."""
+    return int(store.get("progress")) if store.check(["progress"]) else 0
 
 
 def drill(args, out: Path, chaos: bool, extra: str = "") -> dict:
@@ -209,7 +176,7 @@ def drill(args, out: Path, chaos: bool, extra: str = "") -> dict:
     store = dist.TCPStore(HOST, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     facts = {"published": {}, "asked": {}, "killed": None, "victim": None, "victims": set(), "killed_in_join": None,
              "out": out}
-    rendezvous = Rendezvous(args, store, len(INITIAL), facts)
+    owner = rendezvous_owner(args, store, len(INITIAL), facts)
     deadline = time.time() + 600
     try:
         while True:
@@ -225,8 +192,10 @@ def drill(args, out: Path, chaos: bool, extra: str = "") -> dict:
                 return facts  # the spare waits for progress that stopped
             if now > deadline:
                 raise TimeoutError(f"the drill in {out} did not end within 600 s; still running: {running}")
-            progress, nxt = rendezvous.turn(now)
-            current = rendezvous.current
+            done = steps_done(store)
+            # At the end the workers stop beating as they exit: not deaths.
+            nxt = owner.turn(now, ending=done >= args.steps)
+            current = owner.current
             if nxt is not None:
                 if extra == "death-during-join" and facts["killed"] and not facts["killed_in_join"] \
                         and len(nxt.members) == len(INITIAL):
@@ -235,7 +204,7 @@ def drill(args, out: Path, chaos: bool, extra: str = "") -> dict:
                     facts["victims"].add(victim)
                     facts["killed_in_join"] = time.time()
                     say(f"  killed {victim} as generation {nxt.generation} (the join) was published")
-            if chaos and facts["killed"] is None and progress >= args.kill_step:
+            if chaos and facts["killed"] is None and done >= args.kill_step:
                 facts["victim"] = current.members[args.kill_rank]
                 facts["victims"] = {facts["victim"]}
                 if extra == "two-at-once":
@@ -243,7 +212,7 @@ def drill(args, out: Path, chaos: bool, extra: str = "") -> dict:
                 for victim in facts["victims"]:
                     procs[victim].kill()
                 facts["killed"] = time.time()
-                say(f"  killed {', '.join(sorted(facts['victims']))} after step {progress}")
+                say(f"  killed {', '.join(sorted(facts['victims']))} after step {done}")
             time.sleep(0.01)
     finally:
         for p in procs.values():

@@ -70,10 +70,11 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
 
 from progress import say  # noqa: E402
-from recovery_spike import (Rendezvous, drill, free_port, median_step, parse_args, read_logs,  # noqa: E402
-                            steps_redone, trained_steps)
-from recovery_spike_worker import HOST, Worker, latest  # noqa: E402
+from recovery_spike import (drill, free_port, median_step, parse_args, read_logs, rendezvous_owner,  # noqa: E402
+                            steps_done, steps_redone, trained_steps)
+from recovery_spike_worker import HOST, Worker  # noqa: E402
 from wildtrain import ray_compat  # noqa: E402
+from wildtrain.elastic.rendezvous import latest  # noqa: E402
 
 WORKERS = 3
 SLOT = "spike_slot"
@@ -160,17 +161,18 @@ def owner(args, port: int, cluster: Cluster, facts: dict, stop: threading.Event,
     returned that long after."""
     store = dist.TCPStore(HOST, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     facts["store"] = store
-    rendezvous = Rendezvous(args, store, WORKERS, facts)
+    owner = rendezvous_owner(args, store, WORKERS, facts)
     while not stop.is_set():
         now = time.time()
-        progress, _ = rendezvous.turn(now)
-        if facts["killed"] is None and progress >= args.kill_step:
+        done = steps_done(store)
+        owner.turn(now, ending=done >= args.steps)
+        if facts["killed"] is None and done >= args.kill_step:
             victim = f"w{args.kill_rank}"
             node_id = store.get(f"node/{victim}").decode()
             node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
             cluster.remove_node(node, allow_graceful=False)
             facts["killed"], facts["victim"] = time.time(), victim
-            say(f"  removed {victim}'s node after step {progress}")
+            say(f"  removed {victim}'s node after step {done}")
         if args.regrow_after_s and facts["killed"] and now - facts["killed"] >= args.regrow_after_s:
             return_node.set()  # Ray adds nodes from the main thread only
         time.sleep(0.01)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -42,6 +41,7 @@ import torch.distributed as dist
 
 from wildtrain.config import ModelConfig
 from wildtrain.elastic.membership import Membership, micro_batches, must_abandon, plan_sync
+from wildtrain.elastic.rendezvous import Heartbeat, ask_to_join, latest, report_error
 from wildtrain.model.transformer import Transformer
 
 HOST = "127.0.0.1"
@@ -59,12 +59,6 @@ def batch(args, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rows[:, :-1], rows[:, 1:]
 
 
-def latest(store) -> Membership:
-    """The newest generation the rendezvous owner published in `store` (0: none yet)."""
-    g = int(store.get("gen")) if store.check(["gen"]) else 0
-    return Membership(g, tuple(store.get(f"members/{g}").decode().split(","))) if g else Membership(0, ())
-
-
 class Abandoned(Exception):
     pass
 
@@ -80,6 +74,7 @@ class Worker:
         self.graveyard = []  # broken groups, never destroyed (see the module docstring)
         self.membership = Membership(0, ())
         self.pg = None
+        self.heartbeat = None  # from the first join request on
 
     def init_state(self) -> None:
         torch.manual_seed(self.args.seed)
@@ -102,18 +97,10 @@ class Worker:
     def record(self, **fields) -> None:
         self.log.write(json.dumps({"t": time.time(), **fields}) + "\n")
 
-    def beat(self) -> None:
-        # A client of its own: the main thread's may be in a long get.
-        store = dist.TCPStore(HOST, self.args.port, is_master=False, timeout=timedelta(seconds=60))
-        while True:
-            store.set(f"hb/{self.name}", repr(time.time()))
-            time.sleep(self.args.heartbeat_s)
-
     def ask_to_join(self) -> None:
-        threading.Thread(target=self.beat, daemon=True).start()
-        time.sleep(self.args.heartbeat_s)  # the first beat is in before the owner reads it
-        n = self.store.add("joins", 1)
-        self.store.set(f"join/{n}", f"{self.name} {time.time()!r}")
+        if self.heartbeat is None:
+            self.heartbeat = Heartbeat(HOST, self.args.port, self.name, self.args.heartbeat_s)
+        ask_to_join(self.store, self.name)
 
     def latest(self) -> Membership:
         return latest(self.store)
@@ -129,8 +116,7 @@ class Worker:
                     # Found dead while alive (a stalled heartbeat): ask again, as a joiner.
                     self.record(event="excluded", gen=newest.generation)
                     self.step, self.membership = -1, newest
-                    n = self.store.add("joins", 1)
-                    self.store.set(f"join/{n}", f"{self.name} {time.time()!r}")
+                    ask_to_join(self.store, self.name)
             time.sleep(0.005)
 
     def arrive(self, m) -> None:
@@ -161,7 +147,7 @@ class Worker:
             pg = dist.ProcessGroupGloo(dist.PrefixStore(f"g{m.generation}/", self.store), rank, len(m.members),
                                        timedelta(seconds=self.args.collective_timeout_s))
         except RuntimeError as e:  # a member died after arriving: one more generation
-            self.store.set(f"error/{m.generation}", repr(time.time()))
+            report_error(self.store, m.generation)
             raise Abandoned(f"rendezvous failed: {str(e).splitlines()[0][:200]}") from e
         t_formed = time.time()
         steps = torch.zeros(len(m.members), dtype=torch.float64)
@@ -195,7 +181,7 @@ class Worker:
         try:
             work.wait()
         except RuntimeError as e:
-            self.store.set(f"error/{self.membership.generation}", repr(time.time()))
+            report_error(self.store, self.membership.generation)
             raise Abandoned(f"collective failed: {str(e).splitlines()[0][:200]}") from e
 
     def newest_or_abandon(self) -> Membership:

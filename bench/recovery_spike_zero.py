@@ -44,6 +44,7 @@ from wildtrain.config import load_config
 from wildtrain.elastic.connections import GroupConnections
 from wildtrain.elastic.membership import RedundancyLost, micro_batches
 from wildtrain.elastic.peer_state import Mirrors, load_state
+from wildtrain.elastic.rendezvous import report_error
 from wildtrain.engine import build_engine, clone_world_group, import_deepspeed
 from wildtrain.model.transformer import Transformer
 
@@ -81,7 +82,7 @@ class ZeroWorker(Worker):
             self.fail(e)
 
     def fail(self, e: Exception):
-        self.store.set(f"error/{self.membership.generation}", repr(time.time()))
+        report_error(self.store, self.membership.generation)
         self.connections.hang_up()  # frees the peers that wait on this rank (elastic.connections)
         raise Abandoned(f"collective failed: {str(e).splitlines()[0][:200]}") from e
 

@@ -1,0 +1,123 @@
+"""The store an in-process elastic group meets at (issue 24): workers ask to join and beat
+their hearts in a TCPStore, its owner (the controller's role) reads them and publishes each
+new generation, and workers read the newest. Who is in the next generation is decided by
+`membership`; this module is the keys and the owner's loop turn.
+
+Keys: `joins` (a counter) and `join/<n>` = "<name> <time>" per request; `hb/<name>` = the
+time of a worker's last heartbeat; `error/<g>` = when a collective of generation g failed
+(it says someone left, not who); `members/<g>` = generation g's members by rank, then `gen`
+= g, so that a reader of `gen` always finds its members.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from wildtrain.elastic.membership import Membership, next_membership, stale
+
+
+def latest(store: dist.Store) -> Membership:
+    """The newest generation published in `store` (generation 0, no members: none yet)."""
+    if not store.check(["gen"]):
+        return Membership(0, ())
+    generation = int(store.get("gen"))
+    return Membership(generation, tuple(store.get(f"members/{generation}").decode().split(",")))
+
+
+def ask_to_join(store: dist.Store, name: str) -> None:
+    """Ask to be a member of the next generation (a new worker, or one found dead while alive)."""
+    n = store.add("joins", 1)
+    store.set(f"join/{n}", f"{name} {time.time()!r}")
+
+
+def beat(store: dist.Store, name: str, at: Optional[float] = None) -> None:
+    store.set(f"hb/{name}", repr(time.time() if at is None else at))
+
+
+def report_error(store: dist.Store, generation: int, at: Optional[float] = None) -> None:
+    """A collective of `generation` failed on this worker."""
+    store.set(f"error/{generation}", repr(time.time() if at is None else at))
+
+
+class Heartbeat:
+    """Beats for `name` every `every_s` from a thread, on a store client of its own (the
+    worker's may be in a long wait), until `stop` or the store is gone (its owner ended)."""
+
+    def __init__(self, host: str, port: int, name: str, every_s: float) -> None:
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+        self.name, self.every_s = name, every_s
+        self._stopped = threading.Event()
+        beat(self._store, name)  # in before the worker's join request is read
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.every_s):
+            try:
+                beat(self._store, self.name)
+            except dist.DistNetworkError:
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+
+class RendezvousOwner:
+    """Reads the join requests, heartbeats and failed collectives in `store` and publishes
+    each new generation. The first waits for `initial` workers. A member is dead when silent
+    for `dead_after_s`, or, once a collective of its generation failed, silent since then for
+    `confirm_s` (see `membership.stale`). Keeps when each worker asked (`asked`) and when each
+    generation was published (`published`: generation -> (time, members))."""
+
+    def __init__(self, store: dist.Store, initial: int, dead_after_s: float, confirm_s: float) -> None:
+        self.store, self.initial = store, initial
+        self.dead_after_s, self.confirm_s = dead_after_s, confirm_s
+        self.current = Membership(0, ())
+        self.asked: dict[str, float] = {}
+        self.published: dict[int, tuple[float, tuple[str, ...]]] = {}
+        self._pending: list[str] = []
+        self._seen_joins = 0
+        self._errors: dict[int, float] = {}
+
+    def turn(self, now: float, ending: bool = False) -> Optional[Membership]:
+        """One look at the store at time `now`: the generation published by it, if any.
+        `ending`: the run is at its end and its workers stop beating as they exit (not deaths)."""
+        store = self.store
+        joins = store.add("joins", 0)
+        for n in range(self._seen_joins + 1, joins + 1):
+            name, asked_at = store.get(f"join/{n}").decode().split()
+            self._pending.append(name)
+            self.asked[name] = float(asked_at)
+        self._seen_joins = joins
+        current = self.current
+        if ending:
+            return None
+        if current.generation == 0:
+            if len(set(self._pending)) < self.initial:
+                return None
+            nxt = Membership(1, tuple(sorted(set(self._pending))))
+        else:
+            # A member whose heartbeat has not come yet counts from its request.
+            beats = {m: float(store.get(f"hb/{m}")) if store.check([f"hb/{m}"]) else self.asked[m]
+                     for m in current.members}
+            error_key = f"error/{current.generation}"
+            if current.generation not in self._errors and store.check([error_key]):
+                self._errors[current.generation] = float(store.get(error_key))
+            error_at = self._errors.get(current.generation)
+            dead = stale(beats, now, self.dead_after_s, error_at, self.confirm_s)
+            nxt = next_membership(current, dead, self._pending, None if error_at is None else now - error_at,
+                                  self.confirm_s)
+            if nxt is None:
+                return None
+        store.set(f"members/{nxt.generation}", ",".join(nxt.members))
+        store.set("gen", str(nxt.generation))
+        self.published[nxt.generation] = (time.time(), nxt.members)
+        self._pending = [p for p in self._pending if p not in nxt.members]
+        self.current = nxt
+        return nxt

@@ -1,0 +1,81 @@
+"""The in-process group's rendezvous (`elastic.rendezvous`) over a real TCPStore: workers ask and
+beat, the owner publishes generations, readers see them. Times are given, not waited for."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from tests.helpers.waiting import wait_for
+from wildtrain import services
+from wildtrain.elastic.membership import Membership
+from wildtrain.elastic.rendezvous import Heartbeat, RendezvousOwner, ask_to_join, beat, latest, report_error
+
+DEAD_AFTER_S, CONFIRM_S = 2.0, 0.5
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore(services.HOST, services.free_port(), is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=10))
+
+
+def first_generation(store, t: float = 100.0) -> RendezvousOwner:
+    owner = RendezvousOwner(store, initial=3, dead_after_s=DEAD_AFTER_S, confirm_s=CONFIRM_S)
+    for name in ("w2", "w0"):
+        ask_to_join(store, name)
+        beat(store, name, at=t)
+    assert owner.turn(now=t) is None  # two of three
+    assert latest(store) == Membership(0, ())
+    ask_to_join(store, "w1")
+    beat(store, "w1", at=t)
+    assert owner.turn(now=t) == Membership(1, ("w0", "w1", "w2"))
+    assert latest(store) == Membership(1, ("w0", "w1", "w2")) and set(owner.asked) == {"w0", "w1", "w2"}
+    return owner
+
+
+def test_the_first_generation_waits_for_every_initial_worker_and_ranks_them_by_name(store):
+    first_generation(store)
+
+
+def test_a_silent_member_is_dropped_after_dead_after_s_and_the_survivors_keep_their_ranks(store):
+    owner = first_generation(store)
+    for name in ("w1", "w2"):
+        beat(store, name, at=101.9)
+    assert owner.turn(now=101.9) is None  # w0 silent for 1.9 s: not yet
+    assert owner.turn(now=102.1) == Membership(2, ("w1", "w2"))
+    assert latest(store) == Membership(2, ("w1", "w2")) and owner.published[2][1] == ("w1", "w2")
+
+
+def test_after_a_failed_collective_the_member_that_stopped_beating_is_dropped_within_confirm_s(store):
+    owner = first_generation(store)
+    report_error(store, 1, at=100.5)
+    for name in ("w0", "w2"):
+        beat(store, name, at=100.9)  # still beating after the error: alive
+    assert owner.turn(now=100.9) is None  # 0.4 s since the error: not confirmed
+    assert owner.turn(now=101.1) == Membership(2, ("w0", "w2"))  # long before dead_after_s
+
+
+def test_a_joiner_is_added_after_the_members(store):
+    owner = first_generation(store)
+    for name in ("w0", "w1", "w2"):
+        beat(store, name, at=100.5)
+    ask_to_join(store, "w9")
+    assert owner.turn(now=100.5) == Membership(2, ("w0", "w1", "w2", "w9"))
+
+
+def test_at_the_end_of_the_run_nothing_is_published_though_workers_go_silent(store):
+    owner = first_generation(store)
+    assert owner.turn(now=200.0, ending=True) is None
+    assert latest(store).generation == 1
+
+
+def test_a_heartbeat_beats_from_its_thread_and_the_first_beat_is_in_before_it_returns(store):
+    heartbeat = Heartbeat(services.HOST, store.port, "w5", every_s=0.01)
+    first = float(store.get("hb/w5"))  # there already: a request read now finds a beat
+    wait_for(lambda: float(store.get("hb/w5")) > first, "a second beat")
+    heartbeat.stop()
+    last = store.get("hb/w5")
+    assert store.get("hb/w5") == last  # stopped: the thread has ended, nothing writes any more
