@@ -35,9 +35,13 @@ slot (`_replace_bad_workers`) while the survivors train on; when the node is bac
 placed there, the new worker starts, asks to join, and takes the state from the survivors.
 Prints node back -> first step at size 3, split at the join request.
 
+Once the replacement is in the owner's newest generation the callback widens the report
+gates to every rank again, and its reports count (each worker reports once here, at the end;
+a platform that reports every few steps must also line the replacement's reports up with the
+survivors').
+
 Not covered: the owner's death, rank 0's death (Ray's report barrier hands out rank 0's
-payload), the report gates widened again once the replacement is in (its reports are not
-waited for), wildtrain's data stream. With --zero the workers are bench/recovery_spike.py's
+payload), wildtrain's data stream. With --zero the workers are bench/recovery_spike.py's
 ZeRO workers (a real DeepSpeed engine, partitions mirrored by wildtrain.elastic.peer_state);
 a rank that sees a failure hangs up only its groups' connections (elastic.connections), so
 the Ray worker's own stay.
@@ -109,6 +113,7 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
         self.port, self.decide_s, self.mask = port, decide_s, mask
         self.worker_group = None
         self.masked: set[int] = set()
+        self.narrowed = False  # the report gates wait for the survivors only
         self._store = None  # the rendezvous owner's store, once needed
 
     def store(self):
@@ -123,6 +128,12 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
         self.store().set("consolidated", json.dumps(metrics))
 
     def after_worker_group_poll_status(self, worker_group_status) -> None:
+        everyone = list(range(len(worker_group_status.worker_statuses)))
+        if self.narrowed and len(latest(self.store()).members) == len(everyone):
+            # The replacement joined the survivors' group: its reports count again.
+            ray_compat.narrow_report_gates(self.worker_group, everyone)
+            self.narrowed = False
+            print("KeepSurvivors: the group is whole again; reports gated on every rank", flush=True)
         lost = {r for r, e in worker_group_status.errors.items() if ray_compat.worker_lost(e)}
         if not lost - self.masked:
             if self.mask:
@@ -138,8 +149,9 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
             time.sleep(0.02)
         if dropped - self.masked:
             self.masked |= dropped
-            survivors = [r for r in range(len(worker_group_status.worker_statuses)) if r not in self.masked]
+            survivors = [r for r in everyone if r not in self.masked]
             ray_compat.narrow_report_gates(self.worker_group, survivors)
+            self.narrowed = True
             print(f"KeepSurvivors: ranks {sorted(self.masked)} dropped by the owner; reports gated on {survivors}",
                   flush=True)
         if self.mask:

@@ -3,11 +3,14 @@ rank at several world sizes, and from the middle of an epoch into the next one."
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.helpers.waiting import wait_for
 from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order
 from wildtrain.config import Config
 from wildtrain.data import stream
@@ -22,12 +25,10 @@ ROW_GROUPS = ((5, 5, 3), (6, 2))  # rows per row group, per shard: 21 rows, 5 st
 ROW_BYTES = (SEQ_LEN + 1) * 4
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Dataset:
-    """Two shards whose token rows encode (shard, row): row i of shard s is all s*1000+i."""
-    root = tmp_path_factory.mktemp("stream")
+def _write(root, row_groups: tuple[tuple[int, ...], ...]) -> Dataset:
+    """Shards whose token rows encode (shard, row): row i of shard s is all s*1000+i."""
     paths = []
-    for shard, groups in enumerate(ROW_GROUPS):
+    for shard, groups in enumerate(row_groups):
         rows = sum(groups)
         tokens = np.repeat(shard * 1000 + np.arange(rows, dtype=np.int32)[:, None], SEQ_LEN + 1, axis=1)
         documents = np.zeros_like(tokens)  # one document per row, as `prepare` writes short ones
@@ -41,7 +42,12 @@ def dataset(tmp_path_factory) -> Dataset:
                 start += size
         assert pq.ParquetFile(root / path).metadata.num_row_groups == len(groups)
         paths.append(path)
-    return Dataset(str(root), tuple(paths), Source(ROW_GROUPS))
+    return Dataset(str(root), tuple(paths), Source(row_groups))
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Dataset:
+    return _write(tmp_path_factory.mktemp("stream"), ROW_GROUPS)
 
 
 def _config() -> Config:
@@ -88,6 +94,28 @@ def test_every_rank_reads_the_rows_the_order_names(ray_cluster, dataset, monkeyp
             shard, row = expected // 1000, expected % 1000
             np.testing.assert_array_equal(rows.sample_ids, sample_ids(0, shard, row))
         assert reader.wait_s > 0
+
+
+def _executors() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("StreamingExecutor-")}
+
+
+def test_a_closed_stream_stops_reading_ahead(ray_cluster, tmp_path, monkeypatch):
+    # A read task per row group and room for one block ahead, over 800 row groups: reads go on
+    # after the first steps, held back only by what training takes.
+    monkeypatch.setattr(stream, "READ_TASK_BYTES", 1)
+    cfg = _config()
+    cfg.data.prefetch_blocks = 1
+    before = _executors()
+    reader = RankStream([_write(tmp_path, ((1,) * 400, (1,) * 400))], cfg, 0, 2, 0, doc_ids=False)
+    for _ in range(2):
+        reader.next_step()
+    reading = {t for t in _executors() - before if t.is_alive()}
+    assert reading  # the epoch's reads, through Ray Data's executor
+    # A group re-formed at another size in the same process reads through a new stream: the
+    # old one must stop now, not when it is collected.
+    reader.close()
+    wait_for(lambda: not any(t.is_alive() for t in reading), "the closed stream's executor to stop")
 
 
 def test_a_shard_that_goes_bad_mid_run_is_one_error_naming_it(ray_cluster, dataset, tmp_path):

@@ -248,6 +248,7 @@ class RankStream:
         self._pending: dict[int, dict[int, _Run]] = {}
 
     def _start_epoch(self, epoch: int, step_in_epoch: int) -> None:
+        self.close()  # the last epoch's reads, which may still run ahead
         cfg = self.cfg
         plan = plan_epoch(self.sources, cfg.train.global_batch_size, cfg.train.seed, epoch)
         segments = rank_segments(plan, self.rank, self.world_size, cfg.train.global_batch_size, step_in_epoch)
@@ -290,6 +291,15 @@ class RankStream:
             run = self._current[stream] = pending.pop(step)
         at = step - run.first_step
         return run.sample_ids[at], run.tokens[at], None if run.doc_ids is None else run.doc_ids[at]
+
+    def close(self) -> None:
+        """Stop reading: Ray Data shuts the epoch's executor down now rather than when its
+        iterator is collected (a group re-formed at another size in the same process reads
+        through a new stream, and the old one would read ahead meanwhile)."""
+        close = getattr(self._blocks, "close", None)
+        if close is not None:
+            close()
+        self._blocks = iter(())
 
     def next_step(self) -> Step:
         started = time.perf_counter()
