@@ -6,7 +6,7 @@ This runs the same workers (bench/recovery_spike_worker.py: gloo groups per gene
 step abandoned when its generation loses a member, state from the peer at the highest step)
 as the workers of a TorchTrainer on a fake cluster (a head and three one-worker nodes), and
 removes the node of rank --kill-rank mid-run. What keeps Ray Train from restarting the group
-is one worker-group callback in the controller (`KeepSurvivors`), using only what Ray 2.60
+is one worker-group callback in the controller (wildtrain's `KeepSurvivors`), using only what Ray 2.60
 already has for node preemption:
 
 - after each poll, a worker whose error is its death (its actor or node gone) is masked as a
@@ -78,7 +78,8 @@ from recovery_spike import (drill, free_port, median_step, parse_args, read_logs
                             steps_done, steps_redone, trained_steps)
 from recovery_spike_worker import HOST, Worker  # noqa: E402
 from wildtrain import ray_compat  # noqa: E402
-from wildtrain.elastic.rendezvous import latest  # noqa: E402
+from wildtrain.elastic.controller import KeepSurvivors  # noqa: E402
+from wildtrain.elastic.rendezvous import announce_node, member_name, node_of  # noqa: E402
 
 WORKERS = 3
 SLOT = "spike_slot"
@@ -90,7 +91,7 @@ def train_fn(config: dict) -> None:
     """One Ray Train worker: the spike's worker named after its rank; its last report from
     the survivors' group."""
     rank = ray.train.get_context().get_world_rank()
-    args = argparse.Namespace(**{**config, "worker": f"w{rank}", "out": Path(config["out"])})
+    args = argparse.Namespace(**{**config, "worker": member_name(rank), "out": Path(config["out"])})
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     if args.zero:
@@ -99,72 +100,17 @@ def train_fn(config: dict) -> None:
         worker_class = Worker
     worker = worker_class(args)
     _KEPT.append(worker)
-    worker.store.set(f"node/w{rank}", ray.get_runtime_context().get_node_id())
+    announce_node(worker.store, worker.name, ray.get_runtime_context().get_node_id())
     worker.train()
     ray.train.report({"step": worker.step, "world": len(worker.membership.members)})
 
 
-class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
-    """Masks the death of a worker the rendezvous owner has dropped from the group, and
-    narrows Ray's report gates to the survivors (see the module docstring). Writes the
-    reports the controller consolidates into the store, for the table."""
-
-    def __init__(self, port: int, decide_s: float, mask: bool) -> None:
-        self.port, self.decide_s, self.mask = port, decide_s, mask
-        self.worker_group = None
-        self.masked: set[int] = set()
-        self.narrowed = False  # the report gates wait for the survivors only
-        self._store = None  # the rendezvous owner's store, once needed
-
-    def store(self):
-        if self._store is None:
-            self._store = dist.TCPStore(HOST, self.port, is_master=False, timeout=timedelta(seconds=10))
-        return self._store
-
-    def after_worker_group_start(self, worker_group) -> None:
-        self.worker_group = worker_group
+class SpikeSurvivors(KeepSurvivors, ray_compat.ReportCallback):
+    """wildtrain's KeepSurvivors, and the reports the controller consolidates written into
+    the store, for the table."""
 
     def after_report(self, training_report, metrics) -> None:
         self.store().set("consolidated", json.dumps(metrics))
-
-    def after_worker_group_poll_status(self, worker_group_status) -> None:
-        everyone = list(range(len(worker_group_status.worker_statuses)))
-        if self.narrowed and len(latest(self.store()).members) == len(everyone):
-            # The replacement joined the survivors' group: its reports count again.
-            ray_compat.narrow_report_gates(self.worker_group, everyone)
-            self.narrowed = False
-            print("KeepSurvivors: the group is whole again; reports gated on every rank", flush=True)
-        lost = {r for r, e in worker_group_status.errors.items() if ray_compat.worker_lost(e)}
-        if not lost - self.masked:
-            if self.mask:
-                ray_compat.mask_worker_deaths(worker_group_status, self.masked)
-            return
-        store = self.store()
-        deadline = time.monotonic() + self.decide_s
-        while True:
-            members = latest(store).members
-            dropped = {r for r in lost if members and f"w{r}" not in members}
-            if dropped == lost or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
-        if dropped - self.masked:
-            self.masked |= dropped
-            survivors = [r for r in everyone if r not in self.masked]
-            ray_compat.narrow_report_gates(self.worker_group, survivors)
-            self.narrowed = True
-            print(f"KeepSurvivors: ranks {sorted(self.masked)} dropped by the owner; reports gated on {survivors}",
-                  flush=True)
-        if self.mask:
-            ray_compat.mask_worker_deaths(worker_group_status, self.masked)
-        else:
-            # Ray replaces the lost workers (`ReplacingTorchConfig`) on their placement group's
-            # slots, once Ray knows their nodes are dead: before, a slot still points at the
-            # dead node and the replacement dies with it. Their ranks come back.
-            nodes = {store.get(f"node/w{r}").decode() for r in lost}
-            while time.monotonic() < deadline + self.decide_s and any(
-                    n["Alive"] for n in ray.nodes() if n["NodeID"] in nodes):
-                time.sleep(0.1)
-            self.masked -= lost
 
 
 def owner(args, port: int, cluster: Cluster, facts: dict, stop: threading.Event, return_node: threading.Event) -> None:
@@ -179,8 +125,8 @@ def owner(args, port: int, cluster: Cluster, facts: dict, stop: threading.Event,
         done = steps_done(store)
         owner.turn(now, ending=done >= args.steps)
         if facts["killed"] is None and done >= args.kill_step:
-            victim = f"w{args.kill_rank}"
-            node_id = store.get(f"node/{victim}").decode()
+            victim = member_name(args.kill_rank)
+            node_id = node_of(store, victim)
             node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
             cluster.remove_node(node, allow_graceful=False)
             facts["killed"], facts["victim"] = time.time(), victim
@@ -211,7 +157,7 @@ def ray_drill(args, out: Path) -> dict:
             else TorchConfig(backend="gloo"),
             run_config=RunConfig(name=f"spike-{int(time.time())}", storage_path=str(out / "ray"),
                                  failure_config=FailureConfig(max_failures=-1 if args.regrow_after_s else 0),
-                                 callbacks=[KeepSurvivors(port, args.decide_s, mask=not args.regrow_after_s)]))
+                                 callbacks=[SpikeSurvivors(HOST, port, args.decide_s, replace=bool(args.regrow_after_s))]))
 
         def fit() -> None:
             try:
@@ -239,7 +185,7 @@ def ray_drill(args, out: Path) -> dict:
 def analyse(args, facts: dict, reference: dict) -> list[tuple[str, str]]:
     logs = read_logs(facts["out"])
     steps = trained_steps(logs)
-    survivors = [f"w{r}" for r in range(WORKERS) if f"w{r}" != facts["victim"]]
+    survivors = [member_name(r) for r in range(WORKERS) if member_name(r) != facts["victim"]]
     losses = {}
     for rs in steps.values():
         for r in rs:

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from tests.helpers.waiting import wait_for
 from wildtrain import services
 from wildtrain.elastic.membership import Membership
-from wildtrain.elastic.rendezvous import Heartbeat, RendezvousOwner, ask_to_join, beat, latest, report_error
+from wildtrain.elastic.rendezvous import (Heartbeat, RendezvousOwner, announce_node, ask_to_join, beat, latest,
+                                          member_name, node_of, report_error)
 
 DEAD_AFTER_S, CONFIRM_S = 2.0, 0.5
 
@@ -79,3 +80,10 @@ def test_a_heartbeat_beats_from_its_thread_and_the_first_beat_is_in_before_it_re
     heartbeat.stop()
     last = store.get("hb/w5")
     assert store.get("hb/w5") == last  # stopped: the thread has ended, nothing writes any more
+
+
+def test_a_worker_says_its_node_under_its_rank_s_name_which_its_replacement_takes_over(store):
+    announce_node(store, member_name(1), "node-a")
+    assert node_of(store, "w1") == "node-a"
+    announce_node(store, member_name(1), "node-b")  # the replacement, on the node that came back
+    assert node_of(store, member_name(1)) == "node-b"

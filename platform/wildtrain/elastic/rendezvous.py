@@ -4,9 +4,10 @@ new generation, and workers read the newest. Who is in the next generation is de
 `membership`; this module is the keys and the owner's loop turn.
 
 Keys: `joins` (a counter) and `join/<n>` = "<name> <time>" per request; `hb/<name>` = the
-time of a worker's last heartbeat; `error/<g>` = when a collective of generation g failed
-(it says someone left, not who); `members/<g>` = generation g's members by rank, then `gen`
-= g, so that a reader of `gen` always finds its members.
+time of a worker's last heartbeat; `node/<name>` = its Ray node; `error/<g>` = when a
+collective of generation g failed (it says someone left, not who); `members/<g>` =
+generation g's members by rank, then `gen` = g, so that a reader of `gen` always finds its
+members.
 """
 
 from __future__ import annotations
@@ -37,6 +38,21 @@ def ask_to_join(store: dist.Store, name: str) -> None:
 
 def beat(store: dist.Store, name: str, at: Optional[float] = None) -> None:
     store.set(f"hb/{name}", repr(time.time() if at is None else at))
+
+
+def member_name(rank: int) -> str:
+    """The member a Ray Train worker of `rank` is: a replacement takes the dead worker's rank,
+    and so its name."""
+    return f"w{rank}"
+
+
+def announce_node(store: dist.Store, name: str, node_id: str) -> None:
+    """Say which Ray node the worker `name` runs on (for the controller: see `KeepSurvivors`)."""
+    store.set(f"node/{name}", node_id)
+
+
+def node_of(store: dist.Store, name: str) -> str:
+    return store.get(f"node/{name}").decode()
 
 
 def report_error(store: dist.Store, generation: int, at: Optional[float] = None) -> None:
