@@ -78,7 +78,7 @@ from recovery_spike import (drill, free_port, median_step, parse_args, read_logs
                             steps_done, steps_redone, trained_steps)
 from recovery_spike_worker import HOST, Worker  # noqa: E402
 from wildtrain import ray_compat  # noqa: E402
-from wildtrain.elastic.controller import KeepSurvivors  # noqa: E402
+from wildtrain.elastic.survivors import KeepSurvivors  # noqa: E402
 from wildtrain.elastic.rendezvous import announce_node, member_name, node_of  # noqa: E402
 
 WORKERS = 3

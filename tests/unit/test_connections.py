@@ -4,16 +4,10 @@ connections the process had before the group (a Ray worker's own) keep working."
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 import threading
-from datetime import timedelta
 
-import torch.distributed as dist
-
-from tests.conftest import REPO
+from tests.helpers.ranks import start_ranks
 from wildtrain import services
 
 
@@ -37,24 +31,9 @@ def echo_server() -> int:
 
 def run_ranks() -> dict[int, list[str]]:
     """What each rank of tests/helpers/hang_up_rank.py printed, its lines and its errors."""
-    store_port = services.free_port()
-    store = dist.TCPStore(services.HOST, store_port, is_master=True, wait_for_workers=False,  # noqa: F841
-                          timeout=timedelta(seconds=60))
-    echo_port = echo_server()
-    env = os.environ | {"PYTHONPATH": f"{REPO / 'platform'}:{REPO}", "GLOO_SOCKET_IFNAME": "lo"}
-    ranks = [subprocess.Popen([sys.executable, "-m", "tests.helpers.hang_up_rank", "--store-port", str(store_port),
-                               "--echo-port", str(echo_port), "--rank", str(rank)],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(3)]
-    said = {}
-    try:
-        for rank, process in enumerate(ranks):
-            output, errors = process.communicate(timeout=120)
-            said[rank] = output.splitlines() + [f"(stderr: {errors[-2000:]})"]
-    finally:
-        for process in ranks:
-            process.kill()
-    return said
+    ranks = start_ranks("tests.helpers.hang_up_rank", 3, "--echo-port", echo_server())
+    return {rank: output.splitlines() + [f"(stderr: {errors[-2000:]})"]
+            for rank, (_, output, errors) in enumerate(ranks.outputs(timeout_s=120))}
 
 
 def test_a_rank_that_hangs_up_frees_the_survivor_waiting_on_it_and_keeps_its_own_connections():

@@ -7,42 +7,20 @@ The same training uninterrupted on one rank is the reference."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.conftest import REPO
+from tests.helpers.ranks import Ranks, start_ranks
 from tests.helpers.zero_resize import STEPS_AFTER, STEPS_BEFORE, config
-from wildtrain import services
 from wildtrain.engine import lr_at
 
 VICTIM = 1
 
 
-def run_ranks(out, world: int, victim: int = -1) -> tuple[dist.TCPStore, list[subprocess.Popen]]:
-    """The ranks of one training, started, and the store they meet at (keep it until they end)."""
-    store_port = services.free_port()
-    store = dist.TCPStore(services.HOST, store_port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
-    env = os.environ | {"PYTHONPATH": f"{REPO / 'platform'}:{REPO}", "DS_ACCELERATOR": "cpu",
-                        "GLOO_SOCKET_IFNAME": "lo"}
-    ranks = [subprocess.Popen([sys.executable, "-m", "tests.helpers.zero_resize", "--store-port", str(store_port),
-                               "--rank", str(rank), "--world", str(world), "--victim", str(victim),
-                               "--out", str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
-             for rank in range(world)]
-    return store, ranks
-
-
-def wait_all(ranks) -> None:
-    for rank, process in enumerate(ranks):
-        output, _ = process.communicate(timeout=600)
-        assert process.returncode == 0, f"rank {rank}:\n{output[-3000:]}"
+def run_ranks(out, world: int, victim: int = -1) -> Ranks:
+    return start_ranks("tests.helpers.zero_resize", world, "--world", world, "--victim", victim, "--out", out,
+                       env={"DS_ACCELERATOR": "cpu"})
 
 
 def test_survivors_rebuild_the_zero_state_of_a_dead_peer_from_its_mirror_and_train_on_as_if_nothing_happened(tmp_path):
@@ -51,8 +29,9 @@ def test_survivors_rebuild_the_zero_state_of_a_dead_peer_from_its_mirror_and_tra
     reference.mkdir()
     # Both at once: four processes on this machine's cores, rather than one after the other.
     held = [run_ranks(drill, world=3, victim=VICTIM), run_ranks(reference, world=1)]
-    for _, ranks in held:
-        wait_all(ranks)
+    for ranks in held:
+        for rank, (code, output, errors) in enumerate(ranks.outputs(timeout_s=600)):
+            assert code == 0, f"rank {rank}:\n{output[-1000:]}\n{errors[-3000:]}"
 
     # The state the survivors rebuilt is the state the three ranks held when rank 1 died, bit
     # for bit: its partition came from rank 2's mirror of it, re-cut in two.

@@ -10,7 +10,6 @@ import os
 import threading
 import time
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from typing import Callable, Optional
 
 import ray
@@ -20,7 +19,6 @@ from wildtrain.checkpoint import reshard
 from wildtrain.checkpoint.format import step_of
 from wildtrain.checkpoint.store import Store, read_manifest
 from wildtrain.config import Config
-from wildtrain.elastic import rendezvous
 from wildtrain.elastic.nodes import ResourceView, exclude_nodes, excluded_nodes, workers_that_fit
 from wildtrain.elastic.restarts import CapacityClock, FailureBudget, decide, interpret
 from wildtrain.elastic.signals import CapacityError
@@ -186,74 +184,6 @@ class NodeExclusion(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
     def on_controller_start_worker_group(self, *, scaling_config, num_workers: int) -> dict[str, str] | None:
         excluded = excluded_nodes(self.run_name)
         return {"ray.io/node-id": f"!in({','.join(sorted(excluded))})"} if excluded else None
-
-
-class KeepSurvivors(ray_compat.WorkerGroupCallback):
-    """Keeps the worker group when a worker dies and the survivors went on without it
-    in-process (issue 24), instead of letting Ray restart every worker.
-
-    After each poll whose errors include a worker's death (`ray_compat.worker_lost`), it
-    waits up to `decide_s` for the rendezvous owner (`elastic.rendezvous`, its store at
-    `host:port`) to publish a generation without that worker; past that, the error stands and
-    Ray restarts the group (the fallback). Once dropped, the report gates wait for the
-    survivors only (`narrow_report_gates`), and then either the death is masked for good
-    (`replace` off: the group goes on smaller) or it is handed on for Ray to replace that one
-    worker on its placement slot (`replace`, with `ray_compat.ReplacingTorchConfig`), once Ray
-    knows the worker's node is dead (before, the slot still points at it and the replacement
-    dies with it). The gates widen again when the owner's generation is whole."""
-
-    def __init__(self, host: str, port: int, decide_s: float, replace: bool) -> None:
-        self.host, self.port, self.decide_s, self.replace = host, port, decide_s, replace
-        self.worker_group = None
-        self.masked: set[int] = set()
-        self.narrowed = False  # the report gates wait for the survivors only
-        self._store = None  # a client of the owner's store, made in the controller once needed
-
-    def store(self):
-        if self._store is None:
-            import torch.distributed as dist
-
-            self._store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=10))
-        return self._store
-
-    def after_worker_group_start(self, worker_group) -> None:
-        self.worker_group = worker_group
-
-    def after_worker_group_poll_status(self, worker_group_status) -> None:
-        everyone = list(range(len(worker_group_status.worker_statuses)))
-        if self.narrowed and len(rendezvous.latest(self.store()).members) == len(everyone):
-            # The replacement joined the survivors' group: its reports count again.
-            ray_compat.narrow_report_gates(self.worker_group, everyone)
-            self.narrowed = False
-            print("the worker group is whole again: every rank's reports count", flush=True)
-        lost = {r for r, e in worker_group_status.errors.items() if ray_compat.worker_lost(e)}
-        if lost - self.masked:
-            self._decide(lost, everyone)
-        if not self.replace:
-            ray_compat.mask_worker_deaths(worker_group_status, self.masked)
-
-    def _decide(self, lost: set[int], everyone: list[int]) -> None:
-        store = self.store()
-        deadline = time.monotonic() + self.decide_s
-        while True:
-            members = rendezvous.latest(store).members
-            dropped = {r for r in lost if members and rendezvous.member_name(r) not in members}
-            if dropped == lost or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
-        if dropped - self.masked:
-            self.masked |= dropped
-            survivors = [r for r in everyone if r not in self.masked]
-            ray_compat.narrow_report_gates(self.worker_group, survivors)
-            self.narrowed = True
-            print(f"ranks {sorted(self.masked)} left the worker group, which goes on without them: "
-                  f"reports of ranks {survivors} count", flush=True)
-        if self.replace:
-            nodes = {rendezvous.node_of(store, rendezvous.member_name(r)) for r in lost}
-            while time.monotonic() < deadline + self.decide_s and any(
-                    n["Alive"] for n in ray.nodes() if n["NodeID"] in nodes):
-                time.sleep(0.1)
-            self.masked -= lost  # their ranks come back with the replacements
 
 
 class ReshardAhead(ray_compat.ReportCallback, ray_compat.ControllerCallback):

@@ -61,12 +61,12 @@ class Mirrors:
         self.snapshots: dict[tuple[int, int, int], dict[int, Partition]] = {}
         self._in_flight: list = []
         self._received: Optional[tuple[int, torch.Tensor, list[int]]] = None  # (step, buffer, group sizes)
-        self._exchanges_in_layout = 0
+        self._exchanged_in_layout = False
 
     def use_layout(self, generation: int, world: int) -> None:
         """The group was re-formed: snapshots from now on are of this layout."""
         self.layout = (generation, world)
-        self._exchanges_in_layout = 0
+        self._exchanged_in_layout = False
 
     def exchange(self, engine, step: int) -> None:
         """Keep this rank's partition after optimizer step `step` and start sending it to the
@@ -75,11 +75,11 @@ class Mirrors:
             raise RuntimeError("Mirrors.use_layout was not called: no layout to file the snapshots under")
         self.settle()
         generation, world = self.layout
-        if self._exchanges_in_layout:
+        if self._exchanged_in_layout:
             # Every rank settled this layout's first exchange before the reduction this rank
             # has since passed: the older layouts are not needed any more.
             self.snapshots = {key: kept for key, kept in self.snapshots.items() if key[:2] == self.layout}
-        self._exchanges_in_layout += 1
+        self._exchanged_in_layout = True
         rank = dist.get_rank(self.group)
         mine = partition(engine)
         self._keep(rank, step, mine)

@@ -133,7 +133,7 @@ class RendezvousOwner:
                 return None
         store.set(f"members/{nxt.generation}", ",".join(nxt.members))
         store.set("gen", str(nxt.generation))
-        self.published[nxt.generation] = (time.time(), nxt.members)
+        self.published[nxt.generation] = (now, nxt.members)
         self._pending = [p for p in self._pending if p not in nxt.members]
         self.current = nxt
         return nxt
