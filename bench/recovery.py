@@ -1,12 +1,17 @@
 """Recovery time on a local fake cluster: kill a node at a known step, then bring it back.
 
-Runs the tiny model on two one-worker nodes once per scenario, side by side: wildtrain's
-default config (the goal: shrink and regrow each within 10 s), Ray's own timeouts for
-reference, and tuned variants. Each scenario gets its own fake cluster (node health checks
+Runs the tiny model on two one-worker nodes once per scenario, side by side: by default
+wildtrain's default config (a resize restarts every worker from the last checkpoint) and
+the same with elastic.in_process (the survivor re-forms in its own process from its peer's
+mirror: issue 24's goal, death -> first step within 5 s, no step redone); with --only, Ray's
+own timeouts for reference and tuned variants too. The node removed is rank 1's (in-process,
+rank 0's death falls back to a restart). Each scenario gets its own fake cluster (node health checks
 are set when the head starts, as `wildtrain up` sets them). Prints one row per interruption:
 
-    detection   node killed (or added) → the controller learns of it
-    restart     → the new worker group's training function starts
+    detection   node killed (or added) → the controller learns of it (in-process: a
+                survivor's collective fails)
+    restart     → the new worker group's training function starts (in-process: the
+                survivors' new process group formed)
     restore     → checkpoint loaded (excluding resharding)
     reshard     → conversion to the universal format (world size changed)
     first step  node killed (or added) → first optimizer step at the new size
@@ -14,7 +19,7 @@ are set when the head starts, as `wildtrain up` sets them). Prints one row per i
     load        the machine's mean 1-minute load average over that recovery (on a shared
                 2-core machine, other people's work moves every column)
 
-Usage: .venv/bin/python bench/recovery.py [--steps 60] [--only "wildtrain tuned"]
+Usage: .venv/bin/python bench/recovery.py [--steps 60] [--only "wildtrain tuned" "in-process" ...]
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from tests.helpers.chaos import BackgroundRun  # noqa: E402
 from wildtrain.config import load_config  # noqa: E402
 from wildtrain.data.prepare import PrepareConfig, prepare  # noqa: E402
-from wildtrain.events import Failure, Interrupted, Recovered  # noqa: E402
+from wildtrain.events import Failure, Formed, Interrupted, Recovered  # noqa: E402
 from wildtrain.tracking.mlflow_client import quiet_mlflow  # noqa: E402
 from wildtrain.tracking.record import read_events  # noqa: E402
 
@@ -69,6 +74,8 @@ SCENARIOS = {
                    "elastic.resize_check_interval_s=5"],
         system_config=services.NODE_HEALTH_CHECKS,
     ),
+    # Issue 24: survivors kept in their processes (the regrow still restarts).
+    "in-process": dict(overrides=["elastic.in_process=true"], system_config=services.NODE_HEALTH_CHECKS),
     # Checkpoints converted to the universal format in the background as they commit, so a
     # resize loads one ready (on this CPU-only machine the conversion slows training).
     "tuned + reshard ahead": dict(
@@ -149,9 +156,10 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
         say(f"{name}: training {steps} steps at world size 2")
         run = BackgroundRun(cfg)
         run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6", 600)
-        say(f"{name}: step 6 reached; removing a node, waiting for a step at world size 1")
+        say(f"{name}: step 6 reached; removing rank 1's node, waiting for a step at world size 1")
+        victim = rank_node(cluster, run, mlflow_url, root, 1)
         killed_at = time.time()
-        cluster.remove_node(next(iter(cluster.worker_nodes)))
+        cluster.remove_node(victim)
         run.wait_until(lambda h: h and h[-1].value == 1, "a step at world size 1", 600)
         added_at = time.time()
         say(f"{name}: training at world size 1 after {added_at - killed_at:.1f} s; adding the node back, "
@@ -186,6 +194,20 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
     return rows
 
 
+def rank_node(cluster: Cluster, run: BackgroundRun, mlflow_url: str, root: Path, rank: int):
+    """The worker node of `rank`: from the newest in-process generation's `Formed` event where
+    the run has one (waited for), else any (a group Ray restarts has no rank worth keeping)."""
+    if not run.cfg.elastic.in_process:
+        return next(iter(cluster.worker_nodes))
+    deadline = time.monotonic() + 60
+    while not (formed := [e for e in read_events(mlflow_url, run.mlflow_run_id(), tempfile.mkdtemp(dir=root))
+                          if isinstance(e, Formed)]):
+        if time.monotonic() > deadline:
+            raise TimeoutError("no in-process generation recorded within 60 s")
+        time.sleep(1.0)
+    return next(node for node in cluster.worker_nodes if node.node_id == formed[-1].nodes[rank])
+
+
 class LoadSampler:
     """The machine's 1-minute load average every 2 s, in the background."""
 
@@ -210,9 +232,10 @@ def cell(value) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--only", choices=sorted(SCENARIOS), help="run this scenario alone")
+    parser.add_argument("--only", nargs="+", choices=sorted(SCENARIOS), default=["wildtrain defaults", "in-process"],
+                        help="the scenarios to run (default: the restart path's defaults and in-process)")
     args = parser.parse_args()
-    scenarios = {args.only: SCENARIOS[args.only]} if args.only else SCENARIOS
+    scenarios = {name: SCENARIOS[name] for name in args.only}
     load = LoadSampler()
     rows = []
     with tiny_services("bench-recovery") as (root, dataset, mlflow_url):

@@ -26,6 +26,7 @@ from wildtrain.checkpoint.restore import newest_committed
 from wildtrain.data.dataset import DataError, open_datasets
 from wildtrain.elastic import scaling
 from wildtrain.elastic.controller import StorageSettings, controller_callbacks
+from wildtrain.elastic.survivors import start_rendezvous, survivor_callbacks
 from wildtrain.elastic.restarts import interpret
 from wildtrain.data.pins import OrderPins, order_changes, order_pins
 from wildtrain.layout import RunLayout, checkpoint_stores
@@ -102,7 +103,9 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
     run_fs, run_path = storage.filesystem(storage.resolve(cfg.run.storage), cfg.storage)
     mlflow = MlflowCallback(cfg.tracking.uri, run_id, interpret, layout.hangs, cfg.storage,
                             layout.tracking)
-    inputs = LoopInputs(cfg, data, scaling.worker_resources(cfg), storage_view)
+    rendezvous = start_rendezvous(cfg)
+    inputs = LoopInputs(cfg, data, scaling.worker_resources(cfg), storage_view,
+                        rendezvous=(rendezvous.host, rendezvous.port) if rendezvous else None)
     trainer = ray_compat.TrainerWithoutDatasets(
         # Typed inputs rather than Ray's `train_loop_config` dict.
         functools.partial(train_loop, inputs),
@@ -117,7 +120,9 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
             failure_config=scaling.failure_config(cfg),
             # Ray hands the list to the controller as one argument: the elastic callbacks'
             # events go through the same MLflow callback, not a copy of it.
-            callbacks=[StorageSettings(storage_env), ProgressCallback(cfg.train.steps), mlflow,
+            # Survivors are kept (or not) before any other callback sees a poll's errors.
+            callbacks=[StorageSettings(storage_env), *survivor_callbacks(cfg, rendezvous),
+                       ProgressCallback(cfg.train.steps), mlflow,
                        *controller_callbacks(cfg, mlflow, evaluation)],
             # The Ray Data tasks a worker starts inherit its runtime env, not its process's.
             worker_runtime_env={"env_vars": {**scaling.worker_env(cfg), **storage_env}},
@@ -136,6 +141,9 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
             f"run {cfg.run.name!r} failed: {e}\nIts checkpoints are kept in {layout.checkpoint_uris[0]}; "
             f"run the same command again to resume."
         ) from e
+    finally:
+        if rendezvous is not None:
+            rendezvous.stop()
     _finish(cfg, run_id, "FINISHED")
     return RunSummary(
         run_id=run_id,

@@ -176,7 +176,21 @@ class Hang(Event):
     reason: str
 
 
-# The workers: health checks, stragglers, checkpoints, regrows.
+# The workers: health checks, stragglers, checkpoints, regrows, in-process generations.
+
+@_kind("formed")
+@dataclass(frozen=True)
+class Formed(Event):
+    """A generation of an in-process group (elastic.in_process) formed: rank r ran on
+    `nodes[r]`, from `step` on."""
+
+    generation: int
+    step: int
+    nodes: list[str]
+
+    def summary(self) -> str:
+        return f"generation {self.generation} of {len(self.nodes)} ranks formed at step {self.step}"
+
 
 @_kind("health")
 @dataclass(frozen=True)

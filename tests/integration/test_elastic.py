@@ -6,6 +6,7 @@ are rebuilt from (seed, step, sample id) by whichever rank reads the row."""
 from __future__ import annotations
 
 import json
+import tempfile
 from itertools import groupby
 
 import pytest
@@ -21,7 +22,7 @@ from wildtrain import driver, ray_compat
 from wildtrain.data.manifest import read_manifest
 from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order
 from wildtrain.data.stream import sample_ids
-from wildtrain.events import Failure, Recovered, Resize
+from wildtrain.events import Failure, Formed, Recovered, Resize
 from wildtrain.tracking.record import read_events
 
 pytestmark = pytest.mark.integration
@@ -128,6 +129,62 @@ def test_node_dies_and_returns_without_changing_what_is_trained(worker_nodes, el
     assert all(r.reshard_s > 0 for r in recoveries), "both size changes load a resharded checkpoint"
     regrow = next(r for r in recoveries if r.kind == "resize")
     assert regrow.steps_lost == 0, "a planned regrow checkpoints first and redoes no step"
+
+
+def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker_nodes, elastic_config, uninterrupted,
+                                                                          mlflow_url, tmp_path):
+    """elastic.in_process: rank 1's node dies; rank 0 re-forms at world size 1 in its own
+    process, from its own partition and its mirror of rank 1's, and trains on."""
+    cluster = worker_nodes
+    run = BackgroundRun(elastic_config(f"in-process-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true",
+                                       "elastic.in_process=true"))
+
+    def events() -> list:
+        run_id = run.mlflow_run_id()
+        return read_events(mlflow_url, run_id, tempfile.mkdtemp(dir=tmp_path)) if run_id else []
+
+    run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6 at world size 2", 300)
+    first = wait_for(lambda: [e for e in events() if isinstance(e, Formed)], "the first generation's ranks", 60)[0]
+    victim = next(node for node in cluster.worker_nodes if node.node_id == first.nodes[1])
+    cluster.remove_node(victim, allow_graceful=False)
+    try:
+        summary = run.join(600)
+    finally:
+        cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})  # for the tests after this one
+    reference_run = uninterrupted.join(600)
+
+    sizes = [int(size) for size, _ in groupby(m.value for m in run.reports("world_size"))]
+    assert sizes == [2, 1]
+    cfg = run.cfg
+    assert summary.final_metrics["step"] == STEPS
+    assert summary.final_metrics["tokens_seen"] == STEPS * cfg.train.global_batch_size * cfg.data.seq_len
+
+    # No step redone and none lost: each step's loss logged once, equal to the reference's.
+    client = MlflowClient(mlflow_url)
+    history = client.get_metric_history(summary.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
+    reference_losses = final_lineage(client.get_metric_history(reference_run.run_id, "loss"))
+    for m in history:
+        assert m.value == pytest.approx(reference_losses[m.step], rel=1e-3, abs=1e-3), f"step {m.step}"
+    validated = final_lineage(client.get_metric_history(summary.run_id, "val/loss"))
+    reference_validated = final_lineage(client.get_metric_history(reference_run.run_id, "val/loss"))
+    assert sorted(validated) == sorted(reference_validated)
+    for step, loss in reference_validated.items():
+        assert validated[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), f"val/loss at step {step}"
+
+    recorded = [json.loads(p.read_text()) for p in sorted((tmp_path / "runs" / cfg.run.name / "samples").glob("step_*.json"))]
+    assert [r["step"] for r in recorded] == list(range(1, STEPS + 1))
+    assert {r["world_size"] for r in recorded} == {1, 2}
+    assert [r["sample_ids"] for r in recorded] == expected_batches(cfg, STEPS)
+
+    # Recovered in-process: from the peers' state at the step the group had reached (no
+    # checkpoint read, so nothing resharded), and Ray restarted no worker (no Resize, one Failure).
+    happened = events()
+    recoveries = [e for e in happened if isinstance(e, Recovered)]
+    assert [(r.world_size_before, r.world_size_after, r.steps_lost, r.reshard_s) for r in recoveries] == [(2, 1, 0, 0.0)]
+    assert [type(e) for e in happened if isinstance(e, (Failure, Resize))] == [Failure]
+    generations = [(e.generation, e.nodes) for e in happened if isinstance(e, Formed)]
+    assert generations == [(1, first.nodes), (2, [first.nodes[0]])]
 
 
 class WildtrainStartProbe:

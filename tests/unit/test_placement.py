@@ -212,7 +212,7 @@ def recorded(device, monkeypatch, tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
         collectives.open_control_group(60)
-        recorder = _RecordingCollectives(collectives._control_group())
+        recorder = _RecordingCollectives(collectives.control_group())
         for name in ("all_reduce", "broadcast", "all_gather", "broadcast_object_list", "all_gather_object"):
             monkeypatch.setattr(dist, name, getattr(recorder, name))
         # The backend string of a group whose accelerator backend carries the stand-in device.

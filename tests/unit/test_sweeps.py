@@ -289,11 +289,11 @@ def test_the_early_stop_rules_best_loss_survives_a_restart_through_the_checkpoin
     assert TrainState.from_json('{"step": 12, "tokens_seen": 96, "world_size": 2}').best_loss == math.inf
 
 
-# Hashes computed at 7ba7460, before train.checkpoint_every, cluster.reshard_ahead and
-# cluster.capacity_wait_s moved to checkpoint.every, checkpoint.reshard_ahead and
-# elastic.capacity_wait_s. A new key or default changes every hash (it may change what a trial
-# trains); then pin anew from the commit before it.
-PINNED = {"trial": "30113d631c", "config": "26db893b72da748c"}
+# Hashes of the moved keys' old spelling, pinned anew at each new key or default (one changes
+# every hash: it may change what a trial trains): first at 7ba7460, before train.checkpoint_every,
+# cluster.reshard_ahead and cluster.capacity_wait_s moved to checkpoint.every,
+# checkpoint.reshard_ahead and elastic.capacity_wait_s; last with elastic.in_process and its keys.
+PINNED = {"trial": "bce2c7fab0", "config": "88335c23f7c25c3e"}
 MOVED_OLD = ["train.checkpoint_every=7", "cluster.reshard_ahead=false", "cluster.capacity_wait_s=33"]
 MOVED_NEW = ["checkpoint.every=7", "checkpoint.reshard_ahead=false", "elastic.capacity_wait_s=33"]
 

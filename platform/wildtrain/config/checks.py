@@ -21,6 +21,9 @@ def validate(cfg: Config) -> None:
                           "(a causal objective has no inputs to attend to bidirectionally)")
     if cfg.train.objective == "ul2" and not cfg.objective.denoisers:
         raise ConfigError("objective.denoisers: train.objective=ul2 needs at least one denoiser")
+    if cfg.elastic.in_process and cfg.deepspeed.zero_stage not in (1, 2):
+        raise ConfigError(f"elastic.in_process: survivors keep ZeRO-1 and ZeRO-2 partitions only (elastic.peer_state); "
+                          f"deepspeed.zero_stage is {cfg.deepspeed.zero_stage}")
     bad = unservable_world_sizes(
         cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.elastic.min_workers, cfg.elastic.max_workers
     )

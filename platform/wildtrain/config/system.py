@@ -85,9 +85,24 @@ class ElasticConfig:
     # that stale view (elastic.worker_start_timeout_s): about 65 s at the defaults, so 120 s
     # ends a run only when capacity is really gone, not while a smaller group starts.
     capacity_wait_s: float = 120.0
+    # Recovery in seconds (issue 24): when a worker other than rank 0 dies, the survivors
+    # re-form their process group at the smaller size in their own processes and take the
+    # dead rank's ZeRO partition from a peer's host memory, instead of Ray restarting every
+    # worker from the last checkpoint. Each rank mirrors its partition to its ring successor
+    # after every step (elastic.peer_state). Rank 0's death, two neighbours' at once and a
+    # regrow still restart from the checkpoint. Off by default until measured on GPUs.
+    in_process: bool = False
+    # In-process membership (elastic.rendezvous): how often each worker beats its heart in the
+    # driver's store, how long a silent one is taken for dead (a hung one: nothing fails), and
+    # how long one silent since a failed collective (the error comes within milliseconds of a
+    # death but does not say who died). What the drills here measured (bench/recovery_spike.py).
+    heartbeat_s: float = 0.1
+    dead_after_s: float = 10.0
+    confirm_s: float = 0.5
 
     def validate(self) -> None:
-        for key in ("min_workers", "worker_start_timeout_s", "collective_timeout_s", "capacity_wait_s"):
+        for key in ("min_workers", "worker_start_timeout_s", "collective_timeout_s", "capacity_wait_s",
+                    "heartbeat_s", "dead_after_s", "confirm_s"):
             positive(f"elastic.{key}", getattr(self, key))
         if self.max_workers < self.min_workers:
             raise ConfigError(f"elastic.max_workers: {self.max_workers} is below elastic.min_workers "

@@ -105,6 +105,13 @@ class Mirrors:
         """Forget an exchange a failed collective broke: what it was to receive never came."""
         self._in_flight, self._received = [], None
 
+    def forget_after(self, step: int) -> None:
+        """Drop the snapshots of steps after `step` (this rank's last committed one): a step
+        that some rank did not commit is not continued from, so none is logged twice."""
+        for kept in self.snapshots.values():
+            for later in [s for s in kept if s > step]:
+                del kept[later]
+
     def held(self) -> dict[tuple[int, int, int], set[int]]:
         """(layout generation, layout world, old rank) -> the steps held of that partition."""
         return {key: set(kept) for key, kept in self.snapshots.items()}

@@ -3,7 +3,7 @@ their hearts in a TCPStore, its owner (the controller's role) reads them and pub
 new generation, and workers read the newest. Who is in the next generation is decided by
 `membership`; this module is the keys and the owner's loop turn.
 
-Keys: `joins` (a counter) and `join/<n>` = "<name> <time>" per request; `hb/<name>` = the
+Keys (under a worker group's prefix, see `RendezvousServer`): `joins` (a counter) and `join/<n>` = "<name> <time>" per request; `hb/<name>` = the
 time of a worker's last heartbeat; `node/<name>` = its Ray node; `error/<g>` = when a
 collective of generation g failed (it says someone left, not who); `members/<g>` =
 generation g's members by rank, then `gen` = g, so that a reader of `gen` always finds its
@@ -62,10 +62,12 @@ def report_error(store: dist.Store, generation: int, at: Optional[float] = None)
 
 class Heartbeat:
     """Beats for `name` every `every_s` from a thread, on a store client of its own (the
-    worker's may be in a long wait), until `stop` or the store is gone (its owner ended)."""
+    worker's may be in a long wait), until `stop` or the store is gone (its owner ended).
+    `prefix`: the worker group's keys (see `RendezvousServer`)."""
 
-    def __init__(self, host: str, port: int, name: str, every_s: float) -> None:
-        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+    def __init__(self, host: str, port: int, name: str, every_s: float, prefix: str = "") -> None:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+        self._store = dist.PrefixStore(prefix, store) if prefix else store
         self.name, self.every_s = name, every_s
         self._stopped = threading.Event()
         beat(self._store, name)  # in before the worker's join request is read
@@ -137,3 +139,52 @@ class RendezvousOwner:
         self._pending = [p for p in self._pending if p not in nxt.members]
         self.current = nxt
         return nxt
+
+
+def register_group(store: dist.Store, token: str, world: int) -> None:
+    """Announce a worker group Ray started (its rank 0 does, once), of `world` workers whose
+    keys live under the prefix `token`: the server's owner starts its generations afresh."""
+    n = store.add("groups", 1)
+    store.set(f"group/{n}", f"{token} {world}")
+
+
+def current_group(store: dist.Store) -> Optional[dist.Store]:
+    """The newest registered worker group's keys (None before the first)."""
+    if not store.check(["current"]):
+        return None
+    return dist.PrefixStore(store.get("current").decode(), store)
+
+
+class RendezvousServer:
+    """The driver's side of in-process recovery: the store the run's workers meet at, on
+    `host`, and a thread that runs the newest worker group's `RendezvousOwner` every 10 ms.
+    A group Ray (re)starts registers under a token of its own (`register_group`), so its
+    generations start afresh and no key of an earlier group is read again. A worker sets
+    `ending` (under its group's prefix) at the run's last step: from then on the workers
+    stop beating as they exit, which is no death."""
+
+    def __init__(self, host: str, dead_after_s: float, confirm_s: float, turn_s: float = 0.01) -> None:
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        self.host, self.port = host, self.store.port
+        self.dead_after_s, self.confirm_s, self.turn_s = dead_after_s, confirm_s, turn_s
+        self.owner: Optional[RendezvousOwner] = None
+        self._groups = 0
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="wildtrain-rendezvous", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.turn_s):
+            groups = self.store.add("groups", 0)
+            if groups > self._groups:
+                token, world = self.store.get(f"group/{groups}").decode().split()
+                self._groups = groups
+                self.owner = RendezvousOwner(dist.PrefixStore(token, self.store), int(world), self.dead_after_s,
+                                             self.confirm_s)
+                self.store.set("current", token)
+            if self.owner is not None:
+                self.owner.turn(time.time(), ending=self.owner.store.check(["ending"]))
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -22,6 +22,7 @@ from wildtrain.checkpoint.restore import Candidate, restore
 from wildtrain.checkpoint.save_policy import SaveOutcome
 from wildtrain.checkpoint.store import CommitError, Store
 from wildtrain.config import CheckpointConfig, Config, config_hash
+from wildtrain.elastic.peer_state import Mirrors, load_state
 from wildtrain.engine import build_engine, build_model
 from wildtrain.events import CheckpointFailed, CheckpointFallback, CheckpointPartial, CheckpointSkipped, Event, ShmTooSmall
 from wildtrain.model import param_count
@@ -97,6 +98,25 @@ def build_and_restore(cfg: Config, plan: BatchPlan, world_size: int, rank: int, 
     timing = RestoreTiming(restore_s=time.perf_counter() - started - reshard_s, reshard_s=reshard_s,
                            engine_build_s=engine_build_s)
     return engine, state, Restored(restored.candidate, timing, events)
+
+
+def restore_from_peers(cfg: Config, plan: BatchPlan, world_size: int, device: torch.device, mirrors: Mirrors,
+                       states: dict[int, TrainState]):
+    """What `build_and_restore` returns, from the state the members of a re-formed group
+    kept rather than from a checkpoint (elastic.in_process): the newest step whose every
+    ZeRO partition some member holds (`Mirrors.gather`; `RedundancyLost` where none is
+    whole), with the `states` (this rank's committed steps) of that step."""
+    started = time.perf_counter()
+    repartition, full = mirrors.gather(fresh=False)
+    state = next(held[repartition.step] for held in collectives.all_gather_object(states)
+                 if repartition.step in held)
+    building = time.perf_counter()
+    engine = build_engine(cfg, plan, build_model(cfg, plan, device), device)
+    engine_build_s = time.perf_counter() - building
+    load_state(engine, full, repartition.step, plan.global_batch_size)
+    timing = RestoreTiming(restore_s=time.perf_counter() - started - engine_build_s, reshard_s=0.0,
+                           engine_build_s=engine_build_s)
+    return engine, replace(state, world_size=world_size), Restored(None, timing, [])
 
 
 def save_mode(cfg: Config, rank: int, world_size: int, nodes: list[str],

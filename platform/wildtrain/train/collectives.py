@@ -97,14 +97,15 @@ def open_control_group(timeout_s: float) -> None:
     _control_of = dist.group.WORLD
 
 
-def _control_group() -> Optional[dist.ProcessGroup]:
+def control_group() -> Optional[dist.ProcessGroup]:
+    """The control group (gloo) of the current default group, if one was opened."""
     # A control group of an earlier default group (destroyed since: a test, a bench) is gone with it.
     return _control if _control is not None and _control_of is dist.group.WORLD else None
 
 
 def _flags() -> tuple[Optional[dist.ProcessGroup], torch.device]:
     """The group and device for flags, floats and objects."""
-    control = _control_group()
+    control = control_group()
     if control is not None:
         return control, torch.device("cpu")
     return None, small_tensor_device(str(dist.get_backend()))

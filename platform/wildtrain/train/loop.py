@@ -9,6 +9,12 @@ re-enters here at its new size.
 A rank that fails ends the attempt on every rank (`collectives.failing_together`): its
 peers leave the collective they wait in instead of waiting out its timeout.
 
+With elastic.in_process a member's death does not end the worker group: the survivors drop
+their attempt, form the next generation of their membership at the smaller size
+(`elastic.in_process`) and build the next attempt from the state their peers mirrored,
+in the same processes (`train_in_process`). Each step commits only once every rank's
+ZeRO partition is mirrored on its ring successor, so no committed step is redone.
+
 A report never holds a step back: Ray Train keeps one report per worker, and a second
 waits until the controller polls (`elastic.poll_interval_s`). So the metrics of each log
 step are kept as a closed window, and the windows go to the controller together at the
@@ -45,7 +51,9 @@ from wildtrain.data.objectives import Objective
 from wildtrain.data.stream import RankStream
 from wildtrain.elastic.scaling import spare_cpus, trains_on_gpu
 from wildtrain.elastic.signals import FinalCheckpointFailed, PlannedRegrow, RunCannotContinue, UnhealthyNodes
-from wildtrain.events import RegrowPostponed, StoppedEarly
+from wildtrain.elastic.in_process import Generation, Member
+from wildtrain.elastic.membership import RedundancyLost
+from wildtrain.events import Event, Failure, Formed, Recovered, RegrowPostponed, StoppedEarly
 from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.model import flops_per_token
 from wildtrain.tracking.worker.mfu import peak_flops
@@ -56,6 +64,7 @@ from wildtrain.train.monitor import Monitor
 from wildtrain.train.samples import SampleRecorder
 from wildtrain.train.reporting import ReportCadence
 from wildtrain.train.schedule import At
+from wildtrain.train.state import TrainState
 from wildtrain.train.step import DeviceBatches, StepMetrics, Window, train_step
 from wildtrain.train.validation import Validator
 from wildtrain.train.watchdog import HangWatchdog
@@ -72,6 +81,8 @@ class LoopInputs:
     data: OpenedData
     worker_resources: dict[str, float]
     storage_view: storage.StorageView
+    # The driver's rendezvous (host, port) with elastic.in_process, else None.
+    rendezvous: Optional[tuple[str, int]] = None
 
 
 def train_loop(inputs: LoopInputs) -> None:
@@ -79,28 +90,60 @@ def train_loop(inputs: LoopInputs) -> None:
     check_storage(inputs.storage_view, cfg)
     collectives.open_control_group(control_timeout_s(cfg))
     # Raised by every rank at the same step: nobody's failure.
-    together = (PlannedRegrow, UnhealthyNodes, FinalCheckpointFailed)
-    with collectives.failing_together(ray.train.get_context().get_world_rank(), together):
-        attempt = Attempt(inputs)
+    together = (PlannedRegrow, UnhealthyNodes, FinalCheckpointFailed, RedundancyLost)
+    with collectives.failing_together(ray.train.get_context().get_world_rank(), together) as watch:
+        if inputs.rendezvous is None:
+            train(Attempt(inputs))
+        else:
+            train_in_process(inputs, watch)
+
+
+def train(attempt: "Attempt") -> None:
+    """Step `attempt` to the run's last step."""
+    cfg = attempt.cfg
+    try:
+        while attempt.state.step < cfg.train.steps:
+            at = attempt.step()
+            # Each component says whether this step is due for it, in the order they run.
+            validated = attempt.validate(at)
+            logs = attempt.reports.logs(at, validated)
+            regrow = attempt.growth.due(at, logs)
+            saving = checkpointing.due(at, cfg.checkpoint, regrow)
+            if saving:
+                regrow = attempt.save(at, regrow)
+            if attempt.reports.due(logs, saving):
+                attempt.report(at, logs, saving, checkpointing.must_commit(at, regrow))
+            if attempt.diverged:
+                break  # a diverged trial's checkpoint is worth nothing: no last save
+            if regrow:
+                raise PlannedRegrow(f"room for more than {attempt.world_size} workers; "
+                                    f"regrowing from the checkpoint of step {attempt.state.step}")
+    finally:
+        attempt.watchdog.stop()
+
+
+def train_in_process(inputs: LoopInputs, watch: collectives.PeerWatch) -> None:
+    """Train in the generations of this worker group's membership (elastic.in_process): where
+    a member is lost, drop the attempt, form the next generation and go on from the state the
+    members hold. Every other error stands, as in `train`."""
+    context, cfg = ray.train.get_context(), inputs.cfg
+    member = Member(inputs.rendezvous, context.get_world_rank(), context.get_world_size(),
+                    ray.get_runtime_context().get_node_id(), cfg.elastic,
+                    "nccl" if trains_on_gpu(cfg) else "gloo", control_timeout_s(cfg))
+    left: Optional[Leftovers] = None
+    while True:
+        attempt = None
         try:
-            while attempt.state.step < cfg.train.steps:
-                at = attempt.step()
-                # Each component says whether this step is due for it, in the order they run.
-                validated = attempt.validate(at)
-                logs = attempt.reports.logs(at, validated)
-                regrow = attempt.growth.due(at, logs)
-                saving = checkpointing.due(at, cfg.checkpoint, regrow)
-                if saving:
-                    regrow = attempt.save(at, regrow)
-                if attempt.reports.due(logs, saving):
-                    attempt.report(at, logs, saving, checkpointing.must_commit(at, regrow))
-                if attempt.diverged:
-                    break  # a diverged trial's checkpoint is worth nothing: no last save
-                if regrow:
-                    raise PlannedRegrow(f"room for more than {attempt.world_size} workers; "
-                                        f"regrowing from the checkpoint of step {attempt.state.step}")
-        finally:
-            attempt.watchdog.stop()
+            generation = member.form()
+            attempt = Attempt(inputs, InProcess(member, generation, left))
+            train(attempt)
+            member.leave()
+            return
+        except Exception as e:
+            if not member.lost_member(e, watch.failed_peer):
+                raise
+            if attempt is not None:
+                left = attempt.abandon(e, left)
 
 
 def check_storage(drivers: storage.StorageView, cfg: Config) -> None:
@@ -124,20 +167,50 @@ def control_timeout_s(cfg: Config) -> float:
 _NO_BOUND_S = 7 * 24 * 3600.0  # monitor.startup_timeout_s=0 (off): no bound of ours, but torch needs one
 
 
-class Attempt:
-    """One worker's part of one worker group: built at its world size from the newest
-    checkpoint, it trains until the run ends or the group is restarted."""
+@dataclass(frozen=True)
+class Leftovers:
+    """What an attempt dropped by an in-process re-form hands the next one: the state of its
+    last committed steps, and what its reports had not carried yet."""
 
-    def __init__(self, inputs: LoopInputs) -> None:
+    states: dict[int, TrainState]  # this rank's last committed steps
+    windows: list[dict]  # resolved metrics windows
+    events: list[Event]
+    committed: list[str]  # checkpoints committed since the last report
+    known_good: list[tuple[str, str]]
+    failure: Failure  # the interruption the next attempt recovers from
+
+
+@dataclass(frozen=True)
+class InProcess:
+    """An attempt of elastic.in_process: its member, the generation it trains in, and what the
+    attempt before it left (None: the worker group's first, which restores a checkpoint)."""
+
+    member: Member
+    generation: Generation
+    left: Optional[Leftovers]
+
+
+class Attempt:
+    """One worker's part of one worker group (or, with elastic.in_process, of one generation
+    of it): built at its world size from the newest checkpoint or from the state its peers
+    kept, it trains until the run ends or the group is restarted or re-formed."""
+
+    def __init__(self, inputs: LoopInputs, in_process: Optional[InProcess] = None) -> None:
         self.started_at = time.time()
         self.cfg = cfg = inputs.cfg
         self.data = inputs.data
+        self.in_process = in_process
+        left = in_process.left if in_process else None
         # DeepSpeed's ZeRO calls a deprecated collective once per step; the warning says nothing new.
         warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
         ray_compat.quiet_report_log()
         ray_compat.quiet_ray_data()
-        context = ray.train.get_context()
-        self.world_size, self.rank = world_size, rank = context.get_world_size(), context.get_world_rank()
+        if in_process is None:
+            context = ray.train.get_context()
+            world_size, rank = context.get_world_size(), context.get_world_rank()
+        else:
+            world_size, rank = in_process.generation.world_size, in_process.generation.rank
+        self.world_size, self.rank = world_size, rank
         self.plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
 
         torch.manual_seed(cfg.train.seed)
@@ -146,37 +219,69 @@ class Attempt:
         # From here to the first step (health check, restore, engine build) under the start-up bound.
         self.watchdog = HangWatchdog(cfg.monitor.hang_timeout_s, cfg.monitor.startup_timeout_s,
                                      RunLayout.of(cfg).hangs, rank, cfg.storage)
+        try:
+            self._build(inputs, device, left)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, inputs: LoopInputs, device: torch.device, left: Optional[Leftovers]) -> None:
+        cfg, rank, world_size = self.cfg, self.rank, self.world_size
         # The health check first: a group that is about to re-form without a node should not
-        # download and load a checkpoint before it finds out.
-        self.monitor = Monitor(cfg, rank, world_size, device)
+        # download and load a checkpoint before it finds out. Survivors re-formed in-process
+        # trained together a step ago.
+        self.monitor = Monitor(cfg, rank, world_size, device, check_health=left is None)
         if self.monitor.unhealthy_nodes:
             raise UnhealthyNodes(self.monitor.unhealthy_nodes, self.monitor.take_events())
         self.health_checked_at = time.time()
         stores = checkpoint_stores(cfg)
-        self.engine, self.state, self.restored = checkpointing.build_and_restore(cfg, self.plan, world_size, rank,
-                                                                                   stores, device)
+        if left is None:
+            self.engine, self.state, self.restored = checkpointing.build_and_restore(cfg, self.plan, world_size, rank,
+                                                                                       stores, device)
+            known_good = [self.restored.candidate.key] if self.restored.candidate else []
+        else:
+            self.engine, self.state, self.restored = checkpointing.restore_from_peers(
+                cfg, self.plan, world_size, device, self.in_process.member.mirrors, left.states)
+            known_good = left.known_good
         self.restored_at = time.time()
         self.restored_step = self.state.step
         self.state.world_size = world_size
+        self.committed_states = {self.state.step: dataclasses.replace(self.state)}
+        self.mirrors = None
+        if self.in_process is not None:
+            # This layout's first mirrors, before its first step: a death during it is
+            # recovered from them.
+            self.mirrors = self.in_process.member.mirrors
+            self.mirrors.use_layout(self.in_process.generation.number, world_size)
+            self._commit()
+            if rank == 0:
+                self.monitor.events.append(Formed(time.time(), self.in_process.generation.number, self.state.step,
+                                                  list(self.monitor.nodes)))
         background, shm_events = checkpointing.save_mode(cfg, rank, world_size, self.monitor.nodes)
         self.monitor.events += shm_events
+        self.known_good = known_good
         self.saver = AsyncSaver(
             stores, cfg.checkpoint.staging_dir, rank=rank, world_size=world_size,
             attempt=collectives.broadcast_object(new_attempt_token()),
             policy=cfg.checkpoint.policy, timeout_s=cfg.checkpoint.timeout_s, verify_upload=cfg.checkpoint.verify_upload,
             retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
-            known_good=[self.restored.candidate.key] if self.restored.candidate else [], commit_when_released=True,
+            known_good=known_good, commit_when_released=True,
             reports_collected=ray_compat.reports_collected, background=background, device=device,
         )
         self.reported_step = self.state.step  # the newest step whose report the controller has for sure
         # The data position is the step: the stream starts where the restored model stopped.
         # It reads doc_ids only for an objective or a mask that needs them.
         objective = Objective.of(cfg, inputs.data.tokenizer)
-        stream = RankStream(inputs.data.datasets, cfg, rank, world_size, from_step=self.state.step,
-                            doc_ids=not objective.plain)
+        self.stream = stream = RankStream(inputs.data.datasets, cfg, rank, world_size, from_step=self.state.step,
+                                          doc_ids=not objective.plain)
         self.samples = SampleRecorder(cfg, rank) if cfg.data.record_samples else None
         self.diverged = False
         self.windows: list[Window] = []  # closed at log steps, not yet reported
+        # Resolved and not yet reported: in-process, windows are resolved when they close (a
+        # re-form drops the ranks' losses that resolving them needs), and a dropped attempt's go on.
+        self.resolved: list[dict] = list(left.windows) if left else []
+        self.carried_events: list[Event] = list(left.events) if left else []
+        self.carried_commits: list[str] = list(left.committed) if left else []
         self.validator = Validator(cfg, inputs.data, rank, world_size, device) if inputs.data.validation else None
         self.validated: dict[str, float] = {}  # this step's validation metrics, for its window
         self.reports = ReportCadence(cfg.train.log_every)
@@ -198,6 +303,44 @@ class Attempt:
         self.growth = GrowthCheck(world_size < cfg.elastic.max_workers, rank, inputs.worker_resources,
                                   cfg.elastic.resize_check_interval_s, cfg.run.name, spare_cpus(cfg))
 
+    def _commit(self) -> None:
+        """Mirror this rank's partition at the current step on its ring successor, then pass
+        a barrier no rank leaves before every mirror is in place: from then on the step
+        survives any one rank's death (elastic.peer_state)."""
+        self.mirrors.exchange(self.engine, self.state.step)
+        self.mirrors.settle()
+        collectives.all_ranks(True)
+        self.committed_states[self.state.step] = dataclasses.replace(self.state)
+        for old in sorted(self.committed_states)[:-self.mirrors.keep_steps]:
+            del self.committed_states[old]
+
+    def close(self) -> None:
+        """Stop what this attempt started (its watchdog, and where built, its stream and its
+        saver: a save in flight is abandoned uncommitted). For a dropped attempt only: a
+        finished one leaves its saves to commit."""
+        self.watchdog.stop()
+        if hasattr(self, "stream"):
+            self.stream.close()
+        if hasattr(self, "saver"):
+            self.saver.close(timeout_s=0)
+
+    def abandon(self, error: BaseException, left: Optional[Leftovers]) -> Leftovers:
+        """Drop this attempt, which lost a member to `error`: what the next one needs of it.
+        Its interruption is `left`'s where it never stepped (the same outage)."""
+        self.close()
+        saves = checkpointing.saves_report(self.saver.drain())
+        committed = max(self.committed_states)
+        stepped = committed > self.restored_step or left is None
+        failure = (Failure(time.time(), self.world_size, committed,
+                           f"a member left the group of {self.world_size}: {str(error).splitlines()[0][:200]}",
+                           list(self.monitor.nodes))
+                   if stepped else left.failure)
+        self.mirrors.forget_after(committed)
+        return Leftovers(states=dict(self.committed_states), windows=self.resolved,
+                         events=self.carried_events + self.monitor.take_events() + saves.events,
+                         committed=self.carried_commits + list(saves.committed), known_good=self.known_good,
+                         failure=failure)
+
     def step(self) -> At:
         """One optimizer step; where it leaves the run."""
         try:
@@ -217,6 +360,8 @@ class Attempt:
             self.saver.reserve_buffers(self.engine)
         state.step += 1
         state.tokens_seen += self.tokens_per_step
+        if self.mirrors is not None:
+            self._commit()
         self.watchdog.progress(state.step)
         self.monitor.step_done(state.step, self.window)
         if self.samples is not None:
@@ -295,19 +440,39 @@ class Attempt:
             self.diverged = True
             self.monitor.events.append(StoppedEarly(time.time(), self.state.step, verdict.reason))
 
+    def _recovered(self) -> list[Event]:
+        """The interruption this re-formed attempt recovered from, and its recovery, for the
+        run's timeline (`tracking.controller.timeline`'s, for a group Ray restarts)."""
+        failure, formed_at = self.in_process.left.failure, self.in_process.generation.formed_at
+        now = time.time()
+        recovered = Recovered(now, failure.KIND, failure.world_size, self.world_size, restart_s=formed_at - failure.at,
+                              restore_s=self.restored_at - formed_at, reshard_s=0.0, recovery_s=now - failure.at,
+                              restored_step=self.restored_step,
+                              steps_lost=max(0, failure.last_step - self.restored_step))
+        if self.rank == 0:
+            print(f"re-formed in-process at world size {self.world_size} from step {self.restored_step} in "
+                  f"{recovered.recovery_s:.1f} s (rendezvous {recovered.restart_s:.1f} s, state from peers "
+                  f"{recovered.restore_s:.1f} s); {recovered.steps_lost} steps redone", flush=True)
+        return [failure, recovered]
+
     def report(self, at: At, logs: bool, saving: bool, must_commit: bool) -> None:
         """Close this log step's window (`logs`), then hand the controller the windows, the saves
         that ended and the events since the last report, once that holds no step back (see
         the module docstring); a save commits once its report is collected."""
         state = self.state
         if logs:
-            self.windows.append(self.window.close(step=state.step, tokens_seen=state.tokens_seen,
-                                                  world_size=self.world_size, lr=self.engine.get_lr()[0],
-                                                  epoch=(state.step - 1) // self.data.steps_per_epoch,
-                                                  **self.validated))
+            window = self.window.close(step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size,
+                                       lr=self.engine.get_lr()[0], epoch=(state.step - 1) // self.data.steps_per_epoch,
+                                       **self.validated)
+            if self.in_process is not None:
+                self.resolved += self.window.resolve([window])
+            else:
+                self.windows.append(window)
             self.validated = {}
-            self._judge(self.windows[-1])
-        if at.first:
+            self._judge(window)
+        if at.first and self.in_process is not None and self.in_process.left is not None:
+            self.carried_events += self._recovered()
+        elif at.first:
             # What the controller needs to split this attempt's recovery (and start-up) time into its parts.
             self.startup = Startup(restored_step=self.restored_step, **dataclasses.asdict(self.restored.timing),
                                    worker_started_at=psutil.Process().create_time(), attempt_started_at=self.started_at,
@@ -322,20 +487,20 @@ class Attempt:
             if (not must_commit and not self.diverged
                     and (not looking or not collectives.all_ranks(ray_compat.reports_collected()))):
                 return
-            windows = self.window.resolve(self.windows)
-            self.windows = []
+            windows = self.resolved + self.window.resolve(self.windows)
+            self.windows, self.resolved = [], []
             if windows:
                 self.monitor.export(windows[-1])
             saves = checkpointing.saves_report(self.saver.drain())
-            events = self.monitor.take_events() + saves.events
+            events = self.carried_events + self.monitor.take_events() + saves.events
             if self.startup is not None:
                 events = self.restored.events + events
             ray.train.report(WorkerReport(
                 step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size, windows=tuple(windows),
-                events=tuple(events), checkpoint=saves.metrics, committed_checkpoints=tuple(saves.committed),
-                startup=self.startup,
+                events=tuple(events), checkpoint=saves.metrics,
+                committed_checkpoints=tuple(self.carried_commits + list(saves.committed)), startup=self.startup,
             ).to_dict())
-            self.startup = None
+            self.startup, self.carried_events, self.carried_commits = None, [], []
             self.reports.sent(state.step, self._steps_per_poll(windows))
         # Every rank's previous report had been collected (or this one waited for its turn),
         # so reports up to it are at the controller; this one's save commits once the

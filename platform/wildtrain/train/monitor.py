@@ -20,9 +20,12 @@ class Monitor:
     out, known to every rank), stragglers (every rank's forward time gathered every
     `monitor.straggler_every` steps, judged on rank 0; not under ZeRO-3, see
     `tracking.worker.stragglers`) and the live numbers exported through
-    Ray's metrics API. Its events ride in rank 0's next report."""
+    Ray's metrics API. Its events ride in rank 0's next report. `check_health` off: the
+    group's members trained together a step ago (survivors re-formed in-process), and a
+    check would lengthen their recovery by its seconds."""
 
-    def __init__(self, cfg: Config, rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(self, cfg: Config, rank: int, world_size: int, device: torch.device,
+                 check_health: bool = True) -> None:
         from ray.util.metrics import Gauge
 
         self.cfg = cfg
@@ -35,7 +38,7 @@ class Monitor:
         self.nodes = collectives.all_gather_object(ray.get_runtime_context().get_node_id())
         self.slowed_by_chaos = cfg.chaos.slows(rank, ray.get_runtime_context().get_node_labels())
         self.busy_at_last_check = 0.0
-        self.events: list[Event] = self._preflight()
+        self.events: list[Event] = self._preflight() if check_health else []
         excluded = health.nodes_to_exclude(self.events, cfg.elastic.min_workers) if cfg.monitor.exclude_unhealthy else []
         self.unhealthy_nodes: list[str] = collectives.broadcast_object(excluded)
         tags = {"run": cfg.run.name, "rank": str(rank)}

@@ -1,0 +1,174 @@
+"""A worker's side of in-process recovery (elastic.in_process, issue 24): its membership in
+the generations of its worker group, and the process groups it forms for each.
+
+The driver runs the rendezvous (`rendezvous.RendezvousServer`); each worker Ray starts
+joins it (`Member`), beats its heart there, and trains in the process groups of the newest
+generation that includes it. When a member dies, a survivor's collective fails within
+milliseconds (the dead process's connections close): it says so in the store, hangs up
+its own connections (freeing the peers that wait on it rather than on the dead one,
+`connections`), and waits for the owner's verdict. A member silent since the failure is
+dead, and the owner publishes a generation without it: the survivors form new groups at
+the smaller size (`form`) and continue from their peers' host copies of the state
+(`peer_state`). Where no one is silent the error was this rank's or a peer's own, and it
+stands (`lost_member` says which).
+
+A generation's groups live on a prefix of their own in the store, so no key of a broken
+group is read again; its default group is made by this module, not by Ray Train, and
+DeepSpeed's groups are released with it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from wildtrain.checkpoint.format import new_attempt_token
+from wildtrain.config.system import ElasticConfig
+from wildtrain.elastic.connections import GroupConnections
+from wildtrain.elastic.membership import Membership, must_abandon
+from wildtrain.elastic.peer_state import Mirrors
+from wildtrain.elastic.rendezvous import (Heartbeat, announce_node, ask_to_join, latest, member_name, register_group,
+                                          report_error)
+from wildtrain.engine import clone_world_group, import_deepspeed
+from wildtrain.train import collectives
+
+_POLL_S = 0.005
+
+
+class Superseded(RuntimeError):
+    """A newer generation came before every member of this one arrived: form that one."""
+
+
+class LeftOut(RuntimeError):
+    """The others went on without this member, which was alive: it stalled for longer than
+    elastic.dead_after_s. Its error ends the worker group, and Ray restarts it."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    number: int
+    members: tuple[str, ...]  # by rank
+    rank: int
+    seen_at: float  # this member saw it published
+    formed_at: float  # its process groups formed
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+
+class Member:
+    """This worker's membership. Made by every worker of a group Ray started, right after Ray
+    formed its process groups (the group's token goes over them); `form` replaces those."""
+
+    def __init__(self, address: tuple[str, int], ray_rank: int, ray_world_size: int, node_id: str,
+                 cfg: ElasticConfig, backend: str, control_timeout_s: float) -> None:
+        token = f"group-{collectives.broadcast_object(new_attempt_token())}"
+        host, port = address
+        base = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+        if ray_rank == 0:
+            register_group(base, token, ray_world_size)
+        self.store = dist.PrefixStore(token, base)
+        self.cfg, self.backend, self.control_timeout_s = cfg, backend, control_timeout_s
+        self.name = member_name(ray_rank)
+        announce_node(self.store, self.name, node_id)
+        self.heartbeat = Heartbeat(host, port, self.name, cfg.heartbeat_s, prefix=token)
+        ask_to_join(self.store, self.name)
+        self.membership = Membership(0, ())
+        self.connections = GroupConnections()
+        # This rank's partitions and its ring predecessor's, kept across generations.
+        self.mirrors = Mirrors(keep_steps=2)
+
+    def form(self) -> Generation:
+        """Wait for the next generation that includes this member and form its process groups:
+        the default group (with DeepSpeed's clone of it) and the control group. Raises
+        `Superseded` where a member of it is gone before everyone arrived."""
+        m = self._next_generation()
+        seen_at = time.time()
+        self._arrive(m)
+        self._release_groups()
+        rank, world = m.rank(self.name), len(m.members)
+        # What a launcher sets and DeepSpeed reads; LOCAL_RANK (the device) stays Ray's.
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+        timeout = timedelta(seconds=self.cfg.collective_timeout_s)
+        self.connections = GroupConnections()
+        with self.connections:  # every group of this generation, DeepSpeed's included
+            dist.init_process_group(self.backend, store=dist.PrefixStore(f"g{m.generation}", self.store), rank=rank,
+                                    world_size=world, timeout=timeout)
+            clone_world_group(import_deepspeed(), timeout)
+            collectives.open_control_group(self.control_timeout_s)
+        self.membership = m
+        self.mirrors.group = collectives.control_group()
+        return Generation(m.generation, m.members, rank, seen_at, time.time())
+
+    def lost_member(self, error: BaseException, peer_failure) -> bool:
+        """After `error` in this generation's collectives: whether a member is gone (True:
+        form the next generation) rather than this rank or a peer failing on its own (the
+        error stands). `peer_failure()` says a peer's own failure (`collectives.PeerWatch`)."""
+        if isinstance(error, Superseded):
+            return True
+        if type(error) is not RuntimeError and not isinstance(error, dist.DistError):
+            return False  # not a collective's failure: wildtrain's own signals, bugs
+        if peer_failure() is not None:
+            return False
+        report_error(self.store, self.membership.generation)
+        self.connections.hang_up()  # frees the peers that wait on this rank
+        self.mirrors.drop_in_flight()
+        # A dead member is silent from the failure on; the owner publishes once it has been
+        # for elastic.confirm_s. Where none is, nobody died.
+        deadline = time.monotonic() + self.cfg.confirm_s + 10 * self.cfg.heartbeat_s + 1.0
+        while time.monotonic() < deadline:
+            newest = latest(self.store)
+            if newest.generation > self.membership.generation and must_abandon(self.membership, newest):
+                return True
+            if peer_failure() is not None:
+                return False
+            time.sleep(_POLL_S)
+        return False
+
+    def leave(self) -> None:
+        """The run is at its end: the workers stop beating as they exit, which is no death."""
+        self.store.set("ending", "1")
+        self.heartbeat.stop()
+
+    def _next_generation(self) -> Membership:
+        while True:
+            newest = latest(self.store)
+            if newest.generation > self.membership.generation:
+                if self.name in newest.members:
+                    return newest
+                if self.membership.generation:
+                    # Found dead while alive (a stall longer than elastic.dead_after_s): the
+                    # others went on; Ray restarts this worker's group at its next poll.
+                    raise LeftOut(f"{self.name} was left out of generation {newest.generation} "
+                                       f"(silent for over {self.cfg.dead_after_s:g} s)")
+            time.sleep(_POLL_S)
+
+    def _arrive(self, m: Membership) -> None:
+        """Wait until every member of `m` is at its rendezvous: a member that died after `m`
+        was published would hold the group's construction until its timeout, where this wait
+        sees the next generation at once."""
+        self.store.set(f"arrived/{m.generation}/{self.name}", "1")
+        while not self.store.check([f"arrived/{m.generation}/{name}" for name in m.members]):
+            if latest(self.store).generation > m.generation:
+                self.membership = m
+                raise Superseded(f"generation {m.generation} was superseded before every member arrived")
+            time.sleep(_POLL_S)
+
+    def _release_groups(self) -> None:
+        """Destroy the last generation's groups (Ray Train's, the first time). DeepSpeed holds
+        its own and releases them on its destroy; the engine and its optimizer refer to each
+        other, so only a collection frees the old group and closes its connections."""
+        if not dist.is_initialized():
+            return
+        deepspeed = import_deepspeed()
+        if deepspeed.comm.comm.cdb is None:
+            dist.destroy_process_group()
+        else:
+            deepspeed.comm.destroy_process_group()
+        gc.collect()
