@@ -12,7 +12,11 @@ cores, nothing else running, restart-based recovery) 8,000 steps took 1,068 s wi
 deaths landed: ETTR 86.8%; badput start-up 72.9 s (the first attempt's 29.1 of it), lost
 20.6 s (85 steps redone), data wait 20.2 s, restore 15.7 s; hence the default of 9,000.
 
-Usage: .venv/bin/python bench/ettr.py [--steps 9000] [--kill-every-min 5] [--return-after-min 1]
+With --in-process the run has elastic.in_process on and each death is rank 1's (rank 0's
+falls back to a restart): the survivor re-forms in its process, and the group regrows by a
+restart once the node is back.
+
+Usage: .venv/bin/python bench/ettr.py [--steps 9000] [--kill-every-min 5] [--return-after-min 1] [--in-process]
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from typing import Callable
 
 from progress import say
-from recovery import WORKER_SLOT, add_worker_node, fake_cluster, tiny_services
+from recovery import WORKER_SLOT, add_worker_node, fake_cluster, rank_node, tiny_services
 from startup import start_up_phases
 from tests.helpers.chaos import BackgroundRun
 from wildtrain import services
@@ -32,9 +37,10 @@ from wildtrain.tracking.record import read_events
 from wildtrain.tracking.reports.runs import report_run
 
 
-def chaos(run: BackgroundRun, cluster, submitted: float, every_s: float, back_after_s: float) -> list[tuple[str, float]]:
-    """Kill a worker node every `every_s` from `submitted`, add one back `back_after_s`
-    later, until the run ends; what was done, when."""
+def chaos(run: BackgroundRun, cluster, submitted: float, every_s: float, back_after_s: float,
+          victim: Callable[[], object]) -> list[tuple[str, float]]:
+    """Kill a worker node (`victim()`) every `every_s` from `submitted`, add one back
+    `back_after_s` later, until the run ends; what was done, when."""
     done: list[tuple[str, float]] = []
     deaths = 0
     while run.thread.is_alive():
@@ -42,7 +48,7 @@ def chaos(run: BackgroundRun, cluster, submitted: float, every_s: float, back_af
         run.thread.join(max(0.0, kill_at - time.time()))
         if not run.thread.is_alive():
             break
-        cluster.remove_node(next(iter(cluster.worker_nodes)))
+        cluster.remove_node(victim())
         deaths += 1
         done.append(("node killed", time.time()))
         say(f"killed a worker node ({deaths}) at {time.time() - submitted:.0f} s")
@@ -58,6 +64,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=9000)
     parser.add_argument("--kill-every-min", type=float, default=5.0)
     parser.add_argument("--return-after-min", type=float, default=1.0)
+    parser.add_argument("--in-process", action="store_true", help="elastic.in_process=true; rank 1's node dies")
     args = parser.parse_args()
     if not 0 < args.return_after_min < args.kill_every_min:
         raise SystemExit(f"need 0 < --return-after-min ({args.return_after_min:g}) < --kill-every-min "
@@ -67,12 +74,14 @@ def main() -> None:
             "experiment=tiny", f"data.datasets=[{{uri: {dataset}}}]", f"run.name=ettr-{int(time.time())}",
             f"run.storage={root / 'runs'}", f"tracking.uri={mlflow_url}", "tracking.experiment=bench-ettr",
             f"train.steps={args.steps}", f"cluster.worker_resources.{WORKER_SLOT}=1",
+            f"elastic.in_process={str(args.in_process).lower()}",
         ])
         say(f"training {args.steps} steps; a worker node dies every {args.kill_every_min:g} min from now and "
             f"returns {args.return_after_min:g} min later")
         submitted = time.time()
         run = BackgroundRun(cfg)
-        done = chaos(run, cluster, submitted, args.kill_every_min * 60, args.return_after_min * 60)
+        done = chaos(run, cluster, submitted, args.kill_every_min * 60, args.return_after_min * 60,
+                     lambda: rank_node(cluster, run, mlflow_url, root, 1))
         summary = run.join(0)
         ended = time.time()
         result = report_run(mlflow_url, summary.run_id)

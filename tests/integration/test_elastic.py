@@ -134,7 +134,8 @@ def test_node_dies_and_returns_without_changing_what_is_trained(worker_nodes, el
 def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker_nodes, elastic_config, uninterrupted,
                                                                           mlflow_url, tmp_path):
     """elastic.in_process: rank 1's node dies; rank 0 re-forms at world size 1 in its own
-    process, from its own partition and its mirror of rank 1's, and trains on."""
+    process, from its own partition and its mirror of rank 1's, and trains on. Once Ray has
+    placed the lost slot again (a node came back), the group regrows by a restart."""
     cluster = worker_nodes
     run = BackgroundRun(elastic_config(f"in-process-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true",
                                        "elastic.in_process=true"))
@@ -147,14 +148,13 @@ def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker
     first = wait_for(lambda: [e for e in events() if isinstance(e, Formed)], "the first generation's ranks", 60)[0]
     victim = next(node for node in cluster.worker_nodes if node.node_id == first.nodes[1])
     cluster.remove_node(victim, allow_graceful=False)
-    try:
-        summary = run.join(600)
-    finally:
-        cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})  # for the tests after this one
+    run.wait_until(lambda h: h and h[-1].value == 1, "a step at world size 1", 300)
+    cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
+    summary = run.join(600)
     reference_run = uninterrupted.join(600)
 
     sizes = [int(size) for size, _ in groupby(m.value for m in run.reports("world_size"))]
-    assert sizes == [2, 1]
+    assert sizes == [2, 1, 2]
     cfg = run.cfg
     assert summary.final_metrics["step"] == STEPS
     assert summary.final_metrics["tokens_seen"] == STEPS * cfg.train.global_batch_size * cfg.data.seq_len
@@ -177,14 +177,18 @@ def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker
     assert {r["world_size"] for r in recorded} == {1, 2}
     assert [r["sample_ids"] for r in recorded] == expected_batches(cfg, STEPS)
 
-    # Recovered in-process: from the peers' state at the step the group had reached (no
-    # checkpoint read, so nothing resharded), and Ray restarted no worker (no Resize, one Failure).
+    # The shrink recovered in-process: from the peers' state at the step the group had reached
+    # (no checkpoint read, so nothing resharded), with no worker restarted (the next
+    # generation's rank 0 is the first's); the regrow restarted the group.
     happened = events()
-    recoveries = [e for e in happened if isinstance(e, Recovered)]
-    assert [(r.world_size_before, r.world_size_after, r.steps_lost, r.reshard_s) for r in recoveries] == [(2, 1, 0, 0.0)]
-    assert [type(e) for e in happened if isinstance(e, (Failure, Resize))] == [Failure]
+    recoveries = [(e.kind, e.world_size_before, e.world_size_after, e.steps_lost) for e in happened
+                  if isinstance(e, Recovered)]
+    assert recoveries == [("failure", 2, 1, 0), ("resize", 1, 2, 0)]
+    assert next(e for e in happened if isinstance(e, Recovered)).reshard_s == 0.0
+    assert [type(e) for e in happened if isinstance(e, (Failure, Resize))] == [Failure, Resize]
     generations = [(e.generation, e.nodes) for e in happened if isinstance(e, Formed)]
-    assert generations == [(1, first.nodes), (2, [first.nodes[0]])]
+    assert generations[:2] == [(1, first.nodes), (2, [first.nodes[0]])]
+    assert [(number, len(nodes)) for number, nodes in generations[2:]] == [(1, 2)]
 
 
 class WildtrainStartProbe:

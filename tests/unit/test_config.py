@@ -153,3 +153,10 @@ def test_a_cluster_s_file_sets_whether_its_head_converts_checkpoints_ahead():
     assert gpu.checkpoint.reshard_ahead and gpu.cluster.name == "gpu" and gpu.cluster.use_gpu
     assert "checkpoint.reshard_ahead" in group_keys("cluster", "gpu") and "cluster.name" in group_keys("cluster", "gpu")
     assert group_keys("deepspeed", "zero2") == ["deepspeed.zero_stage"]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_in_process_recovery_needs_a_zero_stage_whose_partitions_the_peers_mirror(stage):
+    with pytest.raises(ConfigError, match=rf"^elastic\.in_process: .*ZeRO-1 and ZeRO-2.*zero_stage is {stage}"):
+        load_config(["elastic.in_process=true", f"deepspeed.zero_stage={stage}"])
+    load_config(["elastic.in_process=true", "deepspeed.zero_stage=2"])

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from tests.helpers.waiting import wait_for
 from wildtrain import services
 from wildtrain.elastic.membership import Membership
-from wildtrain.elastic.rendezvous import (Heartbeat, RendezvousOwner, announce_node, ask_to_join, beat, latest,
-                                          member_name, node_of, report_error)
+from wildtrain.elastic.rendezvous import (Heartbeat, RendezvousOwner, RendezvousServer, announce_node, ask_to_join, beat,
+                                          current_group, latest, member_name, node_of, register_group, report_error)
 
 DEAD_AFTER_S, CONFIRM_S = 2.0, 0.5
 
@@ -87,3 +87,24 @@ def test_a_worker_says_its_node_under_its_rank_s_name_which_its_replacement_take
     assert node_of(store, "w1") == "node-a"
     announce_node(store, member_name(1), "node-b")  # the replacement, on the node that came back
     assert node_of(store, member_name(1)) == "node-b"
+
+
+def test_the_server_starts_each_worker_group_ray_starts_afresh_and_leaves_an_earlier_group_s_keys_alone():
+    server = RendezvousServer(services.HOST, DEAD_AFTER_S, CONFIRM_S)
+    try:
+        client = dist.TCPStore(services.HOST, server.port, is_master=False, timeout=timedelta(seconds=10))
+        first = dist.PrefixStore("group-a", client)
+        ask_to_join(first, "w1")  # before its rank 0 registered the group: read all the same
+        register_group(client, "group-a", 2)
+        ask_to_join(first, "w0")
+        assert wait_for(lambda: latest(first).generation, "the first group's first generation") == 1
+        assert latest(first).members == ("w0", "w1") and latest(current_group(client)) == latest(first)
+        # Ray restarted the group: the same names, generations from 1 again.
+        second = dist.PrefixStore("group-b", client)
+        register_group(client, "group-b", 1)
+        ask_to_join(second, "w0")
+        assert wait_for(lambda: latest(second).generation, "the second group's first generation") == 1
+        assert latest(current_group(client)).members == ("w0",)
+        assert latest(first).members == ("w0", "w1")
+    finally:
+        server.stop()

@@ -49,6 +49,7 @@ from wildtrain.data.dataset import OpenedData
 from wildtrain.data.manifest import ShardCorrupt
 from wildtrain.data.objectives import Objective
 from wildtrain.data.stream import RankStream
+from wildtrain.elastic.nodes import alive_nodes, placement_nodes, slots_back
 from wildtrain.elastic.scaling import spare_cpus, trains_on_gpu
 from wildtrain.elastic.signals import FinalCheckpointFailed, PlannedRegrow, RunCannotContinue, UnhealthyNodes
 from wildtrain.elastic.in_process import Generation, Member
@@ -140,10 +141,11 @@ def train_in_process(inputs: LoopInputs, watch: collectives.PeerWatch) -> None:
             member.leave()
             return
         except Exception as e:
+            failed_at = time.time()
             if not member.lost_member(e, watch.failed_peer):
                 raise
             if attempt is not None:
-                left = attempt.abandon(e, left)
+                left = attempt.abandon(e, failed_at, left)
 
 
 def check_storage(drivers: storage.StorageView, cfg: Config) -> None:
@@ -178,6 +180,7 @@ class Leftovers:
     committed: list[str]  # checkpoints committed since the last report
     known_good: list[tuple[str, str]]
     failure: Failure  # the interruption the next attempt recovers from
+    lost_nodes: frozenset[str]  # the nodes of members lost before this attempt's generation
 
 
 @dataclass(frozen=True)
@@ -300,8 +303,12 @@ class Attempt:
         # Drills (chaos.*), off by default.
         self.slow_forward_s = cfg.chaos.slow_step_s if self.monitor.slowed_by_chaos else 0.0
         self.fails_at_step = cfg.chaos.fail_at_step if rank == cfg.chaos.fail_rank else 0
+        # A generation that lost members regrows (by a restart) once Ray placed their slots again.
+        self.lost_nodes = left.lost_nodes | (set(left.failure.nodes) - set(self.monitor.nodes)) if left else frozenset()
+        slot_back = ((lambda: slots_back(placement_nodes(), alive_nodes(), self.lost_nodes, world_size))
+                     if self.lost_nodes else None)
         self.growth = GrowthCheck(world_size < cfg.elastic.max_workers, rank, inputs.worker_resources,
-                                  cfg.elastic.resize_check_interval_s, cfg.run.name, spare_cpus(cfg))
+                                  cfg.elastic.resize_check_interval_s, cfg.run.name, spare_cpus(cfg), slot_back)
 
     def _commit(self) -> None:
         """Mirror this rank's partition at the current step on its ring successor, then pass
@@ -324,14 +331,14 @@ class Attempt:
         if hasattr(self, "saver"):
             self.saver.close(timeout_s=0)
 
-    def abandon(self, error: BaseException, left: Optional[Leftovers]) -> Leftovers:
-        """Drop this attempt, which lost a member to `error`: what the next one needs of it.
-        Its interruption is `left`'s where it never stepped (the same outage)."""
+    def abandon(self, error: BaseException, failed_at: float, left: Optional[Leftovers]) -> Leftovers:
+        """Drop this attempt, which lost a member to `error` at `failed_at`: what the next one
+        needs of it. Its interruption is `left`'s where it never stepped (the same outage)."""
         self.close()
         saves = checkpointing.saves_report(self.saver.drain())
         committed = max(self.committed_states)
         stepped = committed > self.restored_step or left is None
-        failure = (Failure(time.time(), self.world_size, committed,
+        failure = (Failure(failed_at, self.world_size, committed,
                            f"a member left the group of {self.world_size}: {str(error).splitlines()[0][:200]}",
                            list(self.monitor.nodes))
                    if stepped else left.failure)
@@ -339,7 +346,7 @@ class Attempt:
         return Leftovers(states=dict(self.committed_states), windows=self.resolved,
                          events=self.carried_events + self.monitor.take_events() + saves.events,
                          committed=self.carried_commits + list(saves.committed), known_good=self.known_good,
-                         failure=failure)
+                         failure=failure, lost_nodes=frozenset(self.lost_nodes))
 
     def step(self) -> At:
         """One optimizer step; where it leaves the run."""
