@@ -172,7 +172,8 @@ def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker
     for step, loss in reference_validated.items():
         assert validated[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), f"val/loss at step {step}"
 
-    recorded = [json.loads(p.read_text()) for p in sorted((tmp_path / "runs" / cfg.run.name / "samples").glob("step_*.json"))]
+    samples = tmp_path / "runs" / cfg.run.name / "samples"
+    recorded = [json.loads(p.read_text()) for p in sorted(samples.glob("step_*.json"))]
     assert [r["step"] for r in recorded] == list(range(1, STEPS + 1))
     assert {r["world_size"] for r in recorded} == {1, 2}
     assert [r["sample_ids"] for r in recorded] == expected_batches(cfg, STEPS)

@@ -116,12 +116,16 @@ class Member:
             return False  # not a collective's failure: wildtrain's own signals, bugs
         if peer_failure() is not None:
             return False
-        report_error(self.store, self.membership.generation)
+        generation = self.membership.generation
+        # The first rank to fail in a generation is where it began; one after it failed
+        # because of it, and waits longer for its reason where nobody died.
+        first = self.store.add(f"failed/{generation}", 1) == 1
+        report_error(self.store, generation)
         self.connections.hang_up()  # frees the peers that wait on this rank
         self.mirrors.drop_in_flight()
         # A dead member is silent from the failure on; the owner publishes once it has been
         # for elastic.confirm_s. Where none is, nobody died.
-        deadline = time.monotonic() + self.cfg.confirm_s + 10 * self.cfg.heartbeat_s + 1.0
+        deadline = time.monotonic() + self.cfg.confirm_s + 10 * self.cfg.heartbeat_s + (1.0 if first else 3.0)
         while time.monotonic() < deadline:
             newest = latest(self.store)
             if newest.generation > self.membership.generation and must_abandon(self.membership, newest):

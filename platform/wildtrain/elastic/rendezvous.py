@@ -1,13 +1,14 @@
 """The store an in-process elastic group meets at (issue 24): workers ask to join and beat
-their hearts in a TCPStore, its owner (the controller's role) reads them and publishes each
-new generation, and workers read the newest. Who is in the next generation is decided by
-`membership`; this module is the keys and the owner's loop turn.
+their hearts in a TCPStore, its owner (the driver runs it: `RendezvousServer`) reads them and
+publishes each new generation, and workers read the newest. Who is in the next generation is
+decided by `membership`; this module is the keys and the owner's loop turn.
 
-Keys (under a worker group's prefix, see `RendezvousServer`): `joins` (a counter) and `join/<n>` = "<name> <time>" per request; `hb/<name>` = the
-time of a worker's last heartbeat; `node/<name>` = its Ray node; `error/<g>` = when a
-collective of generation g failed (it says someone left, not who); `members/<g>` =
-generation g's members by rank, then `gen` = g, so that a reader of `gen` always finds its
-members.
+Keys, under the worker group's prefix: `joins` (a counter) and `join/<n>` = "<name> <time>"
+per request; `hb/<name>` = the time of a worker's last heartbeat; `node/<name>` = its Ray
+node; `error/<g>` = when a collective of generation g failed (it says someone left, not
+who); `members/<g>` = generation g's members by rank, then `gen` = g, so that a reader of
+`gen` always finds its members; `ending` = the run is at its end. Unprefixed: the groups
+registered (`groups`, `group/<n>`) and the `current` one's prefix.
 """
 
 from __future__ import annotations

@@ -49,11 +49,11 @@ from wildtrain.data.dataset import OpenedData
 from wildtrain.data.manifest import ShardCorrupt
 from wildtrain.data.objectives import Objective
 from wildtrain.data.stream import RankStream
+from wildtrain.elastic.in_process import Generation, Member
+from wildtrain.elastic.membership import RedundancyLost
 from wildtrain.elastic.nodes import alive_nodes, placement_nodes, slots_back
 from wildtrain.elastic.scaling import spare_cpus, trains_on_gpu
 from wildtrain.elastic.signals import FinalCheckpointFailed, PlannedRegrow, RunCannotContinue, UnhealthyNodes
-from wildtrain.elastic.in_process import Generation, Member
-from wildtrain.elastic.membership import RedundancyLost
 from wildtrain.events import Event, Failure, Formed, Recovered, RegrowPostponed, StoppedEarly
 from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.model import flops_per_token

@@ -1,0 +1,69 @@
+"""One rank of tests/unit/test_in_process.py: two workers that form a group as Ray would (a
+gloo group on the given store), then join the driver's rendezvous (`elastic.in_process.Member`)
+and train a step's all-reduce in its first generation. Then, by --drill:
+
+- `dies`: rank 1 exits; rank 0's next all-reduce fails, and `lost_member` must find a member
+  lost and the next generation must be rank 0 alone;
+- `fails`: rank 1 meets an error of its own; neither rank may take it for a lost member, and
+  rank 0 must end with rank 1's reason (`PeerFailed`).
+
+    python -m tests.helpers.member_rank --store-port P --rank R --rendezvous-port Q --drill dies|fails
+
+Prints what happened, a line each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from wildtrain.config.system import ElasticConfig
+from wildtrain.elastic.in_process import Member
+from wildtrain.train import collectives
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--store-port", type=int, required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--rendezvous-port", type=int, required=True)
+    parser.add_argument("--drill", choices=("dies", "fails"), required=True)
+    args = parser.parse_args()
+    store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=2)  # Ray Train's group
+    collectives.open_control_group(60)
+    cfg = ElasticConfig(collective_timeout_s=60)
+    try:
+        with collectives.failing_together(args.rank) as watch:
+            member = Member(("127.0.0.1", args.rendezvous_port), args.rank, 2, f"node-{args.rank}", cfg, "gloo", 60)
+            generation = member.form()
+            print("formed", generation.number, ",".join(generation.members), flush=True)
+            dist.all_reduce(torch.ones(1))
+            if args.rank == 1 and args.drill == "dies":
+                os._exit(0)
+            if args.rank == 1:
+                error = RuntimeError("rank 1's own error")
+                print("lost", member.lost_member(error, watch.failed_peer), flush=True)
+                raise error
+            try:
+                dist.all_reduce(torch.ones(1000))
+                print("all-reduced", flush=True)
+            except RuntimeError as e:
+                print("lost", member.lost_member(e, watch.failed_peer), flush=True)
+                if args.drill == "fails":
+                    raise
+                generation = member.form()
+                print("formed", generation.number, ",".join(generation.members), flush=True)
+                dist.all_reduce(torch.ones(1))
+                print("all-reduced", flush=True)
+    except Exception as e:  # noqa: BLE001 - what the rank ended with is the output
+        print("ended", type(e).__name__, str(e).splitlines()[0][:200], flush=True)
+    os._exit(0)  # skips the destructors of a broken group
+
+
+if __name__ == "__main__":
+    main()

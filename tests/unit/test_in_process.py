@@ -1,0 +1,42 @@
+"""A worker's membership of its group's generations (`elastic.in_process.Member`), two
+processes and the driver's rendezvous (`elastic.rendezvous.RendezvousServer`): a member that
+dies is lost and the survivor forms the next generation alone; a rank's own error is nobody's
+death, and ends both as without in-process recovery."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.ranks import start_ranks
+from wildtrain import services
+from wildtrain.elastic.rendezvous import RendezvousServer
+
+DEAD_AFTER_S, CONFIRM_S = 10.0, 0.5
+
+
+@pytest.fixture
+def rendezvous():
+    server = RendezvousServer(services.HOST, DEAD_AFTER_S, CONFIRM_S)
+    yield server
+    server.stop()
+
+
+def run_drill(rendezvous: RendezvousServer, drill: str) -> dict[int, list[str]]:
+    """What each rank of tests/helpers/member_rank.py printed, its lines (not DeepSpeed's
+    bracketed log lines) and its errors."""
+    ranks = start_ranks("tests.helpers.member_rank", 2, "--rendezvous-port", rendezvous.port, "--drill", drill)
+    return {rank: [line for line in output.splitlines() if not line.startswith("[")] + [f"(stderr: {errors[-2000:]})"]
+            for rank, (_, output, errors) in enumerate(ranks.outputs(timeout_s=120))}
+
+
+def test_a_member_that_dies_is_lost_and_the_survivor_forms_the_next_generation_alone(rendezvous):
+    said = run_drill(rendezvous, "dies")
+    assert said[1][0] == "formed 1 w0,w1", said[1]
+    assert said[0][:4] == ["formed 1 w0,w1", "lost True", "formed 2 w0", "all-reduced"], said[0]
+
+
+def test_a_rank_s_own_error_is_no_lost_member_and_ends_its_peer_with_its_reason(rendezvous):
+    said = run_drill(rendezvous, "fails")
+    assert said[1][:3] == ["formed 1 w0,w1", "lost False", "ended RuntimeError rank 1's own error"], said[1]
+    assert said[0][0] == "formed 1 w0,w1" and said[0][1] == "lost False", said[0]
+    assert said[0][2].startswith("ended PeerFailed") and "rank 1's own error" in said[0][2], said[0]
