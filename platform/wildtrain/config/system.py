@@ -70,7 +70,7 @@ class ElasticConfig:
     # How often the controller polls its workers: the delay before a dead worker is
     # noticed, and before a report reaches MLflow. Ray Train queues one report per worker
     # and a second would wait for the poll, so the loop sends the log steps' metrics
-    # together at most once a poll and never waits for it (train/loop.py). Ray's default.
+    # together at most once a poll and never waits for it (train/attempt.py). Ray's default.
     poll_interval_s: float = 2.0
     # The bound of one collective of the training step (gradients, the loss): a wait that
     # long means a peer is gone, and the attempt fails instead of hanging. Ray's own is

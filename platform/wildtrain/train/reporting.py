@@ -1,4 +1,4 @@
-"""When a worker reports (see train/loop.py's docstring for why a report may wait): which
+"""When a worker reports (see train/attempt.py's docstring for why a report may wait): which
 steps close a metrics window, and which of them look whether the previous report reached
 the controller. The same on every rank, so the ranks look at the same steps."""
 

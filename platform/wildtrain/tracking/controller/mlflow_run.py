@@ -215,7 +215,7 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
         step = report.step
         recovery = self.timeline.reported(report)
         # Each window closed at a log step since the last report, at its step and at the time
-        # the worker closed it: the report itself may come a poll later (train/loop.py).
+        # the worker closed it: the report itself may come a poll later (train/attempt.py).
         self.tracking.metric_points([(_numbers(window, TRAINING_METRICS), int(window["step"]), window["at"])
                                      for window in report.windows])
         values = dict(report.checkpoint)

@@ -1,0 +1,378 @@
+"""One worker's part of one worker group, or of one in-process generation of it (`Attempt`):
+built at its world size from the newest checkpoint or from the state its peers kept, it
+steps, validates, saves and reports for the loop in train/loop.py.
+
+A report never holds a step back: Ray Train keeps one report per worker, and a second
+waits until the controller polls (`elastic.poll_interval_s`). So the metrics of each log
+step are kept as a closed window, and the windows go to the controller together at the
+first report step at which every rank's previous report has been collected, looked for
+once a poll's worth of steps has passed, or at every log step once a save waits for its
+step's report to commit; only the last step's report, a regrow's and a divergence's wait
+for their turn. Early stop (on for sweep trials) judges each window's loss at the step that
+closes it, not when the window is reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import warnings
+from typing import TYPE_CHECKING, Optional
+
+import psutil
+import ray.train
+import ray.train.torch
+import torch
+
+from wildtrain import ray_compat, storage
+from wildtrain.batching import batch_plan
+from wildtrain.checkpoint.async_save import AsyncSaver
+from wildtrain.checkpoint.format import new_attempt_token
+from wildtrain.checkpoint.retention import RetentionPolicy
+from wildtrain.data.manifest import ShardCorrupt
+from wildtrain.data.objectives import Objective
+from wildtrain.data.stream import RankStream
+from wildtrain.elastic.nodes import alive_nodes, placement_nodes, slots_back
+from wildtrain.elastic.scaling import spare_cpus, trains_on_gpu
+from wildtrain.elastic.signals import FinalCheckpointFailed, RunCannotContinue, UnhealthyNodes
+from wildtrain.events import Event, Failure, Formed, RegrowPostponed, StoppedEarly
+from wildtrain.layout import RunLayout, checkpoint_stores
+from wildtrain.model import flops_per_token
+from wildtrain.tracking.worker.mfu import peak_flops
+from wildtrain.train import checkpointing, collectives, validation
+from wildtrain.train.divergence import judge_loss
+from wildtrain.train.generations import InProcess, Leftovers, recovered
+from wildtrain.train.growth import GrowthCheck
+from wildtrain.train.monitor import Monitor
+from wildtrain.train.samples import SampleRecorder
+from wildtrain.train.reporting import ReportCadence
+from wildtrain.train.schedule import At
+from wildtrain.train.step import DeviceBatches, StepMetrics, Window, train_step
+from wildtrain.train.validation import Validator
+from wildtrain.train.watchdog import HangWatchdog
+from wildtrain.worker_report import Startup, WorkerReport
+
+if TYPE_CHECKING:
+    from wildtrain.train.loop import LoopInputs
+
+
+class Attempt:
+    """One worker's part of one worker group (or, with elastic.in_process, of one generation
+    of it): built at its world size from the newest checkpoint or from the state its peers
+    kept, it trains until the run ends or the group is restarted or re-formed."""
+
+    def __init__(self, inputs: LoopInputs, in_process: Optional[InProcess] = None) -> None:
+        self.started_at = time.time()
+        self.cfg = cfg = inputs.cfg
+        self.data = inputs.data
+        self.in_process = in_process
+        left = in_process.left if in_process else None
+        # DeepSpeed's ZeRO calls a deprecated collective once per step; the warning says nothing new.
+        warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+        ray_compat.quiet_report_log()
+        ray_compat.quiet_ray_data()
+        if in_process is None:
+            context = ray.train.get_context()
+            world_size, rank = context.get_world_size(), context.get_world_rank()
+        else:
+            world_size, rank = in_process.generation.world_size, in_process.generation.rank
+        self.world_size, self.rank = world_size, rank
+        self.plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+
+        torch.manual_seed(cfg.train.seed)
+        # Ray Train set this worker's CUDA device; NCCL's collectives and the batches go there.
+        device = ray.train.torch.get_device() if trains_on_gpu(cfg) else torch.device("cpu")
+        # From here to the first step (health check, restore, engine build) under the start-up bound.
+        self.watchdog = HangWatchdog(cfg.monitor.hang_timeout_s, cfg.monitor.startup_timeout_s,
+                                     RunLayout.of(cfg).hangs, rank, cfg.storage)
+        try:
+            self._build(inputs, device, left)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, inputs: LoopInputs, device: torch.device, left: Optional[Leftovers]) -> None:
+        cfg, rank, world_size = self.cfg, self.rank, self.world_size
+        # The health check first: a group that is about to re-form without a node should not
+        # download and load a checkpoint before it finds out. Survivors re-formed in-process
+        # trained together a step ago.
+        self.monitor = Monitor(cfg, rank, world_size, device, check_health=left is None)
+        if self.monitor.unhealthy_nodes:
+            raise UnhealthyNodes(self.monitor.unhealthy_nodes, self.monitor.take_events())
+        self.health_checked_at = time.time()
+        stores = checkpoint_stores(cfg)
+        if left is None:
+            self.engine, self.state, self.restored = checkpointing.build_and_restore(cfg, self.plan, world_size, rank,
+                                                                                       stores, device)
+            known_good = [self.restored.candidate.key] if self.restored.candidate else []
+        else:
+            self.engine, self.state, self.restored = checkpointing.restore_from_peers(
+                cfg, self.plan, world_size, device, self.in_process.member.mirrors, left.states)
+            known_good = left.known_good
+        self.restored_at = time.time()
+        self.restored_step = self.state.step
+        self.state.world_size = world_size
+        self.committed_states = {self.state.step: dataclasses.replace(self.state)}
+        self.mirrors = None
+        if self.in_process is not None:
+            # This layout's first mirrors, before its first step: a death during it is
+            # recovered from them.
+            self.mirrors = self.in_process.member.mirrors
+            self.mirrors.use_layout(self.in_process.generation.number, world_size)
+            self._commit()
+            if rank == 0:
+                self.monitor.events.append(Formed(time.time(), self.in_process.generation.number, self.state.step,
+                                                  list(self.monitor.nodes)))
+        background, shm_events = checkpointing.save_mode(cfg, rank, world_size, self.monitor.nodes)
+        self.monitor.events += shm_events
+        self.known_good = known_good
+        self.saver = AsyncSaver(
+            stores, cfg.checkpoint.staging_dir, rank=rank, world_size=world_size,
+            attempt=collectives.broadcast_object(new_attempt_token()),
+            policy=cfg.checkpoint.policy, timeout_s=cfg.checkpoint.timeout_s, verify_upload=cfg.checkpoint.verify_upload,
+            retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
+            known_good=known_good, commit_when_released=True,
+            reports_collected=ray_compat.reports_collected, background=background, device=device,
+        )
+        self.reported_step = self.state.step  # the newest step whose report the controller has for sure
+        # The data position is the step: the stream starts where the restored model stopped.
+        # It reads doc_ids only for an objective or a mask that needs them.
+        objective = Objective.of(cfg, inputs.data.tokenizer)
+        self.stream = stream = RankStream(inputs.data.datasets, cfg, rank, world_size, from_step=self.state.step,
+                                          doc_ids=not objective.plain)
+        self.samples = SampleRecorder(cfg, rank) if cfg.data.record_samples else None
+        self.diverged = False
+        self.windows: list[Window] = []  # closed at log steps, not yet reported
+        # Resolved and not yet reported: in-process, windows are resolved when they close (a
+        # re-form drops the ranks' losses that resolving them needs), and a dropped attempt's go on.
+        self.resolved: list[dict] = list(left.windows) if left else []
+        self.carried_events: list[Event] = list(left.events) if left else []
+        self.carried_commits: list[str] = list(left.committed) if left else []
+        self.validator = Validator(cfg, inputs.data, rank, world_size, device) if inputs.data.validation else None
+        self.validated: dict[str, float] = {}  # this step's validation metrics, for its window
+        self.reports = ReportCadence(cfg.train.log_every)
+        self.startup: Optional[Startup] = None  # the attempt's start-up timings, until a report carries them
+
+        self.tokens_per_step = self.plan.global_batch_size * cfg.data.seq_len
+        peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                          cfg.cluster.peak_flops_per_device)
+        self.window = StepMetrics(self.tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len), peak, world_size,
+                                  device, data_wait=stream)
+        # Each step's rows become the objective's examples (a pure function of the step and
+        # the rows), copied to the device while the step before it trains.
+        self.batches = DeviceBatches((stream.next_step() for _ in range(cfg.train.steps - self.state.step)), device,
+                                     tokens=lambda step: objective.rows(step.step, step.sample_ids, step.tokens,
+                                                                        step.doc_ids))
+        # Drills (chaos.*), off by default.
+        self.slow_forward_s = cfg.chaos.slow_step_s if self.monitor.slowed_by_chaos else 0.0
+        self.fails_at_step = cfg.chaos.fail_at_step if rank == cfg.chaos.fail_rank else 0
+        # A generation that lost members regrows (by a restart) once Ray placed their slots again.
+        self.lost_nodes = left.lost_nodes | (set(left.failure.nodes) - set(self.monitor.nodes)) if left else frozenset()
+        slot_back = ((lambda: slots_back(placement_nodes(), alive_nodes(), self.lost_nodes, world_size))
+                     if self.lost_nodes else None)
+        self.growth = GrowthCheck(world_size < cfg.elastic.max_workers, rank, inputs.worker_resources,
+                                  cfg.elastic.resize_check_interval_s, cfg.run.name, spare_cpus(cfg), slot_back)
+
+    def _commit(self) -> None:
+        """Mirror this rank's partition at the current step on its ring successor, then pass
+        a barrier no rank leaves before every mirror is in place: from then on the step
+        survives any one rank's death (elastic.peer_state)."""
+        self.mirrors.exchange(self.engine, self.state.step)
+        self.mirrors.settle()
+        collectives.all_ranks(True)
+        self.committed_states[self.state.step] = dataclasses.replace(self.state)
+        for old in sorted(self.committed_states)[:-self.mirrors.keep_steps]:
+            del self.committed_states[old]
+
+    def close(self) -> None:
+        """Stop what this attempt started (its watchdog, and where built, its stream and its
+        saver: a save in flight is abandoned uncommitted). For a dropped attempt only: a
+        finished one leaves its saves to commit."""
+        self.watchdog.stop()
+        if hasattr(self, "stream"):
+            self.stream.close()
+        if hasattr(self, "saver"):
+            self.saver.close(timeout_s=0)
+
+    def abandon(self, error: BaseException, failed_at: float, left: Optional[Leftovers]) -> Leftovers:
+        """Drop this attempt, which lost a member to `error` at `failed_at`: what the next one
+        needs of it. Its interruption is `left`'s where it never stepped (the same outage)."""
+        self.close()
+        saves = checkpointing.saves_report(self.saver.drain())
+        committed = max(self.committed_states)
+        stepped = committed > self.restored_step or left is None
+        failure = (Failure(failed_at, self.world_size, committed,
+                           f"a member left the group of {self.world_size}: {str(error).splitlines()[0][:200]}",
+                           list(self.monitor.nodes))
+                   if stepped else left.failure)
+        self.mirrors.forget_after(committed)
+        return Leftovers(states=dict(self.committed_states), windows=self.resolved,
+                         events=self.carried_events + self.monitor.take_events() + saves.events,
+                         committed=self.carried_commits + list(saves.committed), known_good=self.known_good,
+                         failure=failure, lost_nodes=frozenset(self.lost_nodes))
+
+    def step(self) -> At:
+        """One optimizer step; where it leaves the run."""
+        try:
+            rows, batch = next(self.batches)
+        except ShardCorrupt as e:
+            raise RunCannotContinue(f"{e}; to train on without it, resubmit with data.skip_bad_shards=true "
+                                    "and data.allow_order_change=true (the rows of later steps change)") from None
+        if self.state.step + 1 == self.fails_at_step:
+            self._fail_once()
+        started = time.perf_counter()
+        train_step(self.engine, self.plan, rows, self.window, self.slow_forward_s)
+        time.sleep(max(0.0, self.cfg.chaos.min_step_s - (time.perf_counter() - started)))
+        state = self.state
+        if state.step == self.restored_step:
+            # The optimizer's state exists from the first step on: the first save's host
+            # buffers can be allocated now, in the background (a collective).
+            self.saver.reserve_buffers(self.engine)
+        state.step += 1
+        state.tokens_seen += self.tokens_per_step
+        if self.mirrors is not None:
+            self._commit()
+        self.watchdog.progress(state.step)
+        self.monitor.step_done(state.step, self.window)
+        if self.samples is not None:
+            self.samples.record(state.step, batch.sample_ids)
+        return At.of(state.step, self.restored_step, self.cfg.train.steps)
+
+    def validate(self, at: At) -> bool:
+        """Score the validation set if the run has one and `at` is due for it
+        (train/validation.py); its time is the window's `eval`, its metrics ride in the
+        window closed at this step. Whether it did."""
+        if self.validator is None or not validation.due(at, self.cfg.eval):
+            return False
+        with self.window.timed("eval"):
+            self.validated = self.validator.evaluate(self.engine)
+        return True
+
+    def _fail_once(self) -> None:
+        """The chaos.fail_rank drill: this rank raises mid-step, the first time the run gets here."""
+        marker = RunLayout.of(self.cfg).chaos_failed
+        if storage.read_text(marker, self.cfg.storage) is None:
+            storage.write_text(marker, f"rank {self.rank}, step {self.fails_at_step}", self.cfg.storage)
+            raise RuntimeError(f"chaos drill: rank {self.rank} fails in step {self.fails_at_step} (chaos.fail_rank)")
+
+    def save(self, at: At, regrow: bool) -> bool:
+        """Save this step's checkpoint; whether the regrow is still on. A regrow whose checkpoint
+        did not commit is called off; a last step whose checkpoint did not commit ends the run."""
+        cfg, state = self.cfg, self.state
+        # Every optimizer step applied exactly once across restarts, or nothing is saved.
+        if self.engine.global_steps != state.step:
+            raise RuntimeError(f"DeepSpeed counted {self.engine.global_steps} optimizer steps where the run is at {state.step}")
+        must_commit = checkpointing.must_commit(at, regrow)
+        # A save that must commit waits on storage up to checkpoint.timeout_s, longer than a hang.
+        commit_wait = (self.watchdog.waiting(f"the commit of step {state.step}", up_to_s=cfg.checkpoint.timeout_s)
+                       if must_commit else contextlib.nullcontext())
+        with self.window.timed("checkpoint_stall"), commit_wait:
+            # The last save is retried; a regrow's is not: training on at this size is no loss.
+            committed = checkpointing.save(self.saver, self.engine, cfg, state, self.world_size,
+                                           must_commit=must_commit, retry=at.last)
+        if regrow and not committed:
+            # Regrowing now would restart from an older checkpoint and redo steps, and a
+            # regrow is no failure, so storage trouble plus free room would loop.
+            self.monitor.events.append(RegrowPostponed(
+                time.time(), state.step, f"the checkpoint of step {state.step} did not commit; training on at this size"))
+            return False
+        if at.last and not committed:
+            restored = self.restored.candidate
+            newest = self.saver.last_commit or (storage.join(*restored.key) if restored else None)
+            raise FinalCheckpointFailed(state.step, collectives.broadcast_object(newest) or "none")
+        return regrow
+
+    def _steps_per_poll(self, windows: list[dict]) -> int:
+        """About how many steps pass before the controller polls again and has taken the
+        report just sent: until then no rank looks whether it has (a collective a log step
+        for nothing). From rank 0's step time, so every rank counts alike."""
+        step_s = collectives.broadcast_object(windows[-1]["step_time_s"] if windows else None)
+        return max(1, int(self.cfg.elastic.poll_interval_s / step_s)) if step_s else 1
+
+    def _judge(self, window: Window, resolved_loss: Optional[float]) -> None:
+        """The early-stop rule on the watched loss of the window just closed, at its own step
+        rather than when it is reported (a report may wait a poll's worth of steps, and a
+        short trial would reach its end first): the mean over ranks, so every rank decides
+        alike. A diverged run's event goes with the report this step sends."""
+        if not self.cfg.early_stop.enabled or self.diverged:
+            return
+        watched = self.cfg.early_stop.metric
+        if watched == "loss":
+            # A collective and a device sync (unless the window is resolved already): every
+            # rank closes the same windows.
+            loss = collectives.mean_over_ranks(window.loss).item() if resolved_loss is None else resolved_loss
+        elif watched in window.metrics:
+            loss = window.metrics[watched]  # a validation's, already over all ranks
+        else:
+            return  # no validation at this log step
+        verdict = judge_loss(loss, self.state.best_loss, self.cfg.early_stop.loss_factor)
+        self.state.best_loss = verdict.best
+        if verdict.reason is not None:
+            self.diverged = True
+            self.monitor.events.append(StoppedEarly(time.time(), self.state.step, verdict.reason))
+
+    def _recovered(self) -> list[Event]:
+        """The interruption this re-formed attempt recovered from, and its recovery."""
+        failure = self.in_process.left.failure
+        done = recovered(failure, self.in_process.generation.formed_at, self.restored_at, self.restored_step,
+                         self.world_size)
+        if self.rank == 0:
+            print(f"re-formed in-process at world size {self.world_size} from step {self.restored_step} in "
+                  f"{done.recovery_s:.1f} s (rendezvous {done.restart_s:.1f} s, state from peers "
+                  f"{done.restore_s:.1f} s); {done.steps_lost} steps redone", flush=True)
+        return [failure, done]
+
+    def report(self, at: At, logs: bool, saving: bool, must_commit: bool) -> None:
+        """Close this log step's window (`logs`), then hand the controller the windows, the saves
+        that ended and the events since the last report, once that holds no step back (see
+        the module docstring); a save commits once its report is collected."""
+        state = self.state
+        if logs:
+            window = self.window.close(step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size,
+                                       lr=self.engine.get_lr()[0], epoch=(state.step - 1) // self.data.steps_per_epoch,
+                                       **self.validated)
+            if self.in_process is not None:
+                self.resolved += self.window.resolve([window])
+            else:
+                self.windows.append(window)
+            self.validated = {}
+            self._judge(window, self.resolved[-1]["loss"] if self.in_process is not None else None)
+        if at.first and self.in_process is not None and self.in_process.left is not None:
+            self.carried_events += self._recovered()
+        elif at.first:
+            # What the controller needs to split this attempt's recovery (and start-up) time into its parts.
+            self.startup = Startup(restored_step=self.restored_step, **dataclasses.asdict(self.restored.timing),
+                                   worker_started_at=psutil.Process().create_time(), attempt_started_at=self.started_at,
+                                   health_checked_at=self.health_checked_at, restored_at=self.restored_at,
+                                   first_step_at=time.time())
+        # Time blocked here is the report's, never the step's: its own badput in goodput.
+        with self.window.timed("report_wait"):
+            # The run's end, a regrow and a divergence (which ends the run) cannot go on without
+            # their report; every other report waits for a step at which no rank's previous
+            # one is still queued.
+            looking = self.reports.looks(at, saving)
+            if (not must_commit and not self.diverged
+                    and (not looking or not collectives.all_ranks(ray_compat.reports_collected()))):
+                return
+            windows = self.resolved + self.window.resolve(self.windows)
+            self.windows, self.resolved = [], []
+            if windows:
+                self.monitor.export(windows[-1])
+            saves = checkpointing.saves_report(self.saver.drain())
+            events = self.carried_events + self.monitor.take_events() + saves.events
+            if self.startup is not None:
+                events = self.restored.events + events
+            ray.train.report(WorkerReport(
+                step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size, windows=tuple(windows),
+                events=tuple(events), checkpoint=saves.metrics,
+                committed_checkpoints=tuple(self.carried_commits + list(saves.committed)), startup=self.startup,
+            ).to_dict())
+            self.startup, self.carried_events, self.carried_commits = None, [], []
+            self.reports.sent(state.step, self._steps_per_poll(windows))
+        # Every rank's previous report had been collected (or this one waited for its turn),
+        # so reports up to it are at the controller; this one's save commits once the
+        # controller polls (`reports_collected`).
+        self.saver.release(self.reported_step)
+        self.saver.reported(state.step)
+        self.reported_step = state.step
