@@ -1,11 +1,17 @@
 """A metrics window closes on the host alone (no collective, no device sync) and windows are
 resolved together when a report goes out: each keeps its own steps, loss and timings."""
 
+import datetime
+import multiprocessing
+import os
+import socket
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from wildtrain.train import collectives
 from wildtrain.train.step import StepMetrics
 
 
@@ -41,3 +47,37 @@ def test_flush_is_a_window_closed_and_resolved_at_once():
     assert metrics["loss"] == 4.0 and metrics["step"] == 2
     assert metrics["tokens_per_s"] == pytest.approx(200 / (2 * metrics["step_time_s"]))
     assert window.busy_s == pytest.approx(metrics["time/forward_s"] * 2)
+
+
+def _settling_rank(rank: int, port: int, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    collectives.open_control_group(60)
+    window = StepMetrics(tokens_per_step=100, flops_per_token=1.0, peak=None, world_size=2, device=torch.device("cpu"))
+    _steps(window, [1.0 + rank, 3.0 + rank])  # rank 0: mean 2, rank 1: mean 3
+    window.settle()
+    if rank == 1:
+        os._exit(0)  # a member dies right after the step committed
+    # The peer is gone: closing, judging and resolving the committed window needs no collective.
+    closed = window.close(step=2)
+    results.put((closed.settled, closed.loss.item(), window.resolve([closed])[0]["loss"]))
+
+
+def test_a_settled_window_resolves_to_the_loss_over_ranks_without_its_peers():
+    """elastic.in_process: a step commits with its window's loss settled over the ranks, so a
+    member that dies after the commit takes no logged loss with it."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [ctx.Process(target=_settling_rank, args=(rank, port, results), daemon=True) for rank in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        settled, loss, resolved = results.get(timeout=60)
+    finally:
+        for p in ranks:
+            p.kill()
+            p.join()
+    assert settled and loss == resolved == 2.5

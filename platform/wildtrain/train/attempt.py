@@ -116,11 +116,8 @@ class Attempt:
         self.committed_states = {self.state.step: dataclasses.replace(self.state)}
         self.mirrors = None
         if self.in_process is not None:
-            # This layout's first mirrors, before its first step: a death during it is
-            # recovered from them.
             self.mirrors = self.in_process.member.mirrors
             self.mirrors.use_layout(self.in_process.generation.number, world_size)
-            self._commit()
             if rank == 0:
                 self.monitor.events.append(Formed(time.time(), self.in_process.generation.number, self.state.step,
                                                   list(self.monitor.nodes)))
@@ -144,8 +141,7 @@ class Attempt:
         self.samples = SampleRecorder(cfg, rank) if cfg.data.record_samples else None
         self.diverged = False
         self.windows: list[Window] = []  # closed at log steps, not yet reported
-        # Resolved and not yet reported: in-process, windows are resolved when they close (a
-        # re-form drops the ranks' losses that resolving them needs), and a dropped attempt's go on.
+        # Resolved and not yet reported: the windows an attempt dropped by a re-form left.
         self.resolved: list[dict] = list(left.windows) if left else []
         self.carried_events: list[Event] = list(left.events) if left else []
         self.carried_commits: list[str] = list(left.committed) if left else []
@@ -173,17 +169,29 @@ class Attempt:
                      if self.lost_nodes else None)
         self.growth = GrowthCheck(world_size < cfg.elastic.max_workers, rank, inputs.worker_resources,
                                   cfg.elastic.resize_check_interval_s, cfg.run.name, spare_cpus(cfg), slot_back)
+        # This layout's first mirrors, before its first step: a death during it is recovered from them.
+        self.commit()
 
-    def _commit(self) -> None:
-        """Mirror this rank's partition at the current step on its ring successor, then pass
-        a barrier no rank leaves before every mirror is in place: from then on the step
-        survives any one rank's death (elastic.peer_state)."""
+    def commit(self) -> None:
+        """In-process (elastic.in_process), commit the step just done: mirror this rank's
+        partition on its ring successor and settle the open window's loss over the ranks, a
+        collective no rank leaves before every mirror is in place. From then on the step and
+        its loss survive any one rank's death (elastic.peer_state). The loop commits a step
+        once its validation and save are done: what a death drops with an uncommitted step
+        (its window, its validation, its save) is done again with it."""
+        if self.mirrors is None:
+            return
         self.mirrors.exchange(self.engine, self.state.step)
         self.mirrors.settle()
-        collectives.all_ranks(True)
+        self.window.settle()
         self.committed_states[self.state.step] = dataclasses.replace(self.state)
         for old in sorted(self.committed_states)[:-self.mirrors.keep_steps]:
             del self.committed_states[old]
+
+    def re_formed_at_the_end(self) -> bool:
+        """Whether this attempt was re-formed in-process after the run's last step committed
+        (a member died in that step's report): the report is all that is left of the run."""
+        return self.in_process is not None and self.in_process.left is not None and self.state.step == self.cfg.train.steps
 
     def close(self) -> None:
         """Stop what this attempt started (its watchdog, and where built, its stream and its
@@ -202,12 +210,14 @@ class Attempt:
         saves = checkpointing.saves_report(self.saver.drain())
         committed = max(self.committed_states)
         stepped = committed > self.restored_step or left is None
-        failure = (Failure(failed_at, self.world_size, committed,
+        # A step trained but not committed yet is trained again: lost, in the failure's accounting.
+        failure = (Failure(failed_at, self.world_size, self.state.step,
                            f"a member left the group of {self.world_size}: {str(error).splitlines()[0][:200]}",
                            list(self.monitor.nodes))
                    if stepped else left.failure)
         self.mirrors.forget_after(committed)
-        return Leftovers(states=dict(self.committed_states), windows=self.resolved,
+        # The windows closed since the last report are of committed steps, their losses settled.
+        return Leftovers(states=dict(self.committed_states), windows=self.resolved + self.window.resolve(self.windows),
                          events=self.carried_events + self.monitor.take_events() + saves.events,
                          committed=self.carried_commits + list(saves.committed), known_good=self.known_good,
                          failure=failure, lost_nodes=frozenset(self.lost_nodes))
@@ -231,8 +241,6 @@ class Attempt:
             self.saver.reserve_buffers(self.engine)
         state.step += 1
         state.tokens_seen += self.tokens_per_step
-        if self.mirrors is not None:
-            self._commit()
         self.watchdog.progress(state.step)
         self.monitor.step_done(state.step, self.window)
         if self.samples is not None:
@@ -290,7 +298,7 @@ class Attempt:
         step_s = collectives.broadcast_object(windows[-1]["step_time_s"] if windows else None)
         return max(1, int(self.cfg.elastic.poll_interval_s / step_s)) if step_s else 1
 
-    def _judge(self, window: Window, resolved_loss: Optional[float]) -> None:
+    def _judge(self, window: Window) -> None:
         """The early-stop rule on the watched loss of the window just closed, at its own step
         rather than when it is reported (a report may wait a poll's worth of steps, and a
         short trial would reach its end first): the mean over ranks, so every rank decides
@@ -299,9 +307,9 @@ class Attempt:
             return
         watched = self.cfg.early_stop.metric
         if watched == "loss":
-            # A collective and a device sync (unless the window is resolved already): every
-            # rank closes the same windows.
-            loss = collectives.mean_over_ranks(window.loss).item() if resolved_loss is None else resolved_loss
+            # A collective and a device sync (unless the window's loss is settled): every rank
+            # closes the same windows.
+            loss = window.loss.item() if window.settled else collectives.mean_over_ranks(window.loss).item()
         elif watched in window.metrics:
             loss = window.metrics[watched]  # a validation's, already over all ranks
         else:
@@ -332,12 +340,9 @@ class Attempt:
             window = self.window.close(step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size,
                                        lr=self.engine.get_lr()[0], epoch=(state.step - 1) // self.data.steps_per_epoch,
                                        **self.validated)
-            if self.in_process is not None:
-                self.resolved += self.window.resolve([window])
-            else:
-                self.windows.append(window)
+            self.windows.append(window)
             self.validated = {}
-            self._judge(window, self.resolved[-1]["loss"] if self.in_process is not None else None)
+            self._judge(window)
         if at.first and self.in_process is not None and self.in_process.left is not None:
             self.carried_events += self._recovered()
         elif at.first:

@@ -12,8 +12,9 @@ peers leave the collective they wait in instead of waiting out its timeout.
 With elastic.in_process a member's death does not end the worker group: the survivors drop
 their attempt, form the next generation of their membership at the smaller size
 (`elastic.in_process`) and build the next attempt from the state their peers mirrored,
-in the same processes (`train_in_process`). Each step commits only once every rank's
-ZeRO partition is mirrored on its ring successor, so no committed step is redone.
+in the same processes (`train_in_process`). Each step commits once its validation and save
+are done and every rank's ZeRO partition is mirrored on its ring successor: no committed
+step is redone, and a step a death cut short is done again whole.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from wildtrain.elastic.signals import FinalCheckpointFailed, PlannedRegrow, RunC
 from wildtrain.train import checkpointing, collectives
 from wildtrain.train.attempt import Attempt
 from wildtrain.train.generations import InProcess, Leftovers
+from wildtrain.train.schedule import At
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ def train(attempt: Attempt) -> None:
     """Step `attempt` to the run's last step."""
     cfg = attempt.cfg
     try:
+        if attempt.re_formed_at_the_end():
+            # The last step committed, and a member died before its report went: it goes now.
+            attempt.report(At(cfg.train.steps, first=True, last=True), logs=False, saving=False, must_commit=True)
         while attempt.state.step < cfg.train.steps:
             at = attempt.step()
             # Each component says whether this step is due for it, in the order they run.
@@ -76,6 +81,7 @@ def train(attempt: Attempt) -> None:
             saving = checkpointing.due(at, cfg.checkpoint, regrow)
             if saving:
                 regrow = attempt.save(at, regrow)
+            attempt.commit()
             if attempt.reports.due(logs, saving):
                 attempt.report(at, logs, saving, checkpointing.must_commit(at, regrow))
             if attempt.diverged:

@@ -115,13 +115,15 @@ class Window:
     """A closed metrics window of one rank: the steps since the previous one, with what is
     known on the host. Its loss (this rank's, on the device) is averaged over the ranks and,
     on CUDA, its device timings are read only when it is resolved (`StepMetrics.resolve`),
-    so closing one costs neither a collective nor a device sync."""
+    so closing one costs neither a collective nor a device sync. A window closed after
+    `StepMetrics.settle` holds the loss over the ranks already (`settled`)."""
 
     metrics: dict  # per step, besides `loss` and the device-timed phases: see `StepMetrics.resolve`
     loss: torch.Tensor
     phase_s: dict[str, float]
     pending: list[tuple[str, "torch.cuda.Event", "torch.cuda.Event"]]
     steps: int
+    settled: bool = False
 
 
 class StepMetrics:
@@ -154,6 +156,7 @@ class StepMetrics:
 
     def _reset(self) -> None:
         self.loss_sum: Optional[torch.Tensor] = None
+        self.settled_loss: Optional[float] = None  # the open window's loss over ranks, as of `settle`
         self.micro_steps = 0
         self.optimizer_steps = 0
         self.phase_s = dict.fromkeys(self.PHASES, 0.0)
@@ -204,13 +207,25 @@ class StepMetrics:
     def end_step(self) -> None:
         self.optimizer_steps += 1
 
+    def settle(self) -> None:
+        """Average the open window's loss over the ranks now (a collective on the control
+        group: every rank calls it at the same step). In-process (elastic.in_process) each
+        step commits with it: a window closed after the commit resolves without a
+        collective, so a member's death cannot drop the losses of steps that survive it."""
+        mine = (self.loss_sum / max(1, self.micro_steps)).item() if self.loss_sum is not None else float("nan")
+        losses = collectives.all_gather_floats(mine)
+        self.settled_loss = sum(losses) / len(losses)
+
     def close(self, **extra) -> Window:
         """End the window here (no collective, no device sync) and start the next; `extra`
         values (step, lr, ...) ride in its metrics."""
         elapsed = time.perf_counter() - self.started
         steps = max(1, self.optimizer_steps)
         tokens_per_s = steps * self.tokens_per_step / elapsed
-        loss = self.loss_sum / max(1, self.micro_steps) if self.loss_sum is not None else torch.tensor(float("nan"))
+        if self.settled_loss is not None:
+            loss = torch.tensor(self.settled_loss)
+        else:
+            loss = self.loss_sum / max(1, self.micro_steps) if self.loss_sum is not None else torch.tensor(float("nan"))
         metrics = extra | {
             "at": time.time(),
             "step_time_s": elapsed / steps,
@@ -220,22 +235,25 @@ class StepMetrics:
         }
         if self.peak is not None:
             metrics["mfu"] = mfu(self.flops_per_token, tokens_per_s, self.peak, self.world_size)
-        window = Window(metrics, loss.detach(), self.phase_s, self._pending, steps)
+        window = Window(metrics, loss.detach(), self.phase_s, self._pending, steps, settled=self.settled_loss is not None)
         self._reset()
         return window
 
     def resolve(self, windows: Sequence[Window]) -> list[dict]:
-        """The metrics of closed `windows`, oldest first: one collective for all their
-        losses (every rank resolves the same windows at the same step) and one wait for
-        the device."""
+        """The metrics of closed `windows`, oldest first: one collective for the losses of
+        those not settled (every rank resolves the same windows at the same step) and one
+        wait for the device."""
         if not windows:
             return []
-        losses = collectives.mean_over_ranks(torch.stack([w.loss.to(windows[-1].loss.device) for w in windows]))
+        unsettled = [w.loss for w in windows if not w.settled]
+        means = iter(collectives.mean_over_ranks(torch.stack([loss.to(unsettled[-1].device) for loss in unsettled]))
+                     .cpu().tolist() if unsettled else [])
         pending = [p for w in windows for p in w.pending]
         if pending:
             pending[-1][2].synchronize()
         resolved = []
-        for window, loss in zip(windows, losses.cpu().tolist()):
+        for window in windows:
+            loss = window.loss.item() if window.settled else next(means)
             phase_s = dict(window.phase_s)
             for phase, start, end in window.pending:
                 phase_s[phase] += start.elapsed_time(end) / 1000
