@@ -17,7 +17,7 @@ is rank 1's, since rank 0's falls back to a restart; the survivor re-forms in it
 and the group regrows by a restart once the node is back).
 
 Usage: .venv/bin/python bench/ettr.py [--steps 15000] [--kill-every-min 5] [--return-after-min 1]
-       [--modes restart in-process]
+       [--modes restart in-process] [--ray-metrics on|off]
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def chaos_run(args, in_process: bool) -> dict[str, str]:
     """One run under the chaos schedule, on services and a fake cluster of its own: its
     measures, by name."""
     with (tiny_services("bench-ettr") as (root, dataset, mlflow_url),
-          fake_cluster(services.NODE_HEALTH_CHECKS) as cluster):
+          fake_cluster(services.NODE_HEALTH_CHECKS | RAY_METRICS[args.ray_metrics]) as cluster):
         cfg = load_config([
             "experiment=tiny", f"data.datasets=[{{uri: {dataset}}}]", f"run.name=ettr-{int(time.time())}",
             f"run.storage={root / 'runs'}", f"tracking.uri={mlflow_url}", "tracking.experiment=bench-ettr",
@@ -106,6 +106,9 @@ def chaos_run(args, in_process: bool) -> dict[str, str]:
 
 
 MODES = {False: "restart", True: "in-process"}
+# Ray's metrics off: the head's dashboard agent then ingests no sample per placement try of a
+# lost worker's bundle (bench/pg_storm.py).
+RAY_METRICS = {"on": {}, "off": {"enable_metrics_collection": False}}
 
 
 def main() -> None:
@@ -115,6 +118,8 @@ def main() -> None:
     parser.add_argument("--return-after-min", type=float, default=1.0)
     parser.add_argument("--modes", nargs="+", choices=sorted(MODES.values()), default=list(MODES.values()),
                         help="restart: every resize restarts the group; in-process: elastic.in_process=true")
+    parser.add_argument("--ray-metrics", choices=sorted(RAY_METRICS), default="on",
+                        help="Ray's metrics collection on the fake cluster (on: Ray's default)")
     args = parser.parse_args()
     if not 0 < args.return_after_min < args.kill_every_min:
         raise SystemExit(f"need 0 < --return-after-min ({args.return_after_min:g}) < --kill-every-min "

@@ -59,9 +59,7 @@ def build_and_restore(cfg: Config, plan: BatchPlan, world_size: int, rank: int, 
 
     def new_engine(load_universal: bool = False):
         nonlocal engine_build_s
-        building = time.perf_counter()
-        engine = build_engine(cfg, plan, build_model(cfg, plan, device), device, load_universal=load_universal)
-        engine_build_s = time.perf_counter() - building
+        engine, engine_build_s = timed_engine(cfg, plan, device, load_universal)
         return engine
 
     def universal_copy(store: Store, candidate: Candidate):
@@ -110,13 +108,19 @@ def restore_from_peers(cfg: Config, plan: BatchPlan, world_size: int, device: to
     repartition, full = mirrors.gather(fresh=False)
     state = next(held[repartition.step] for held in collectives.all_gather_object(states)
                  if repartition.step in held)
-    building = time.perf_counter()
-    engine = build_engine(cfg, plan, build_model(cfg, plan, device), device)
-    engine_build_s = time.perf_counter() - building
+    engine, engine_build_s = timed_engine(cfg, plan, device)
     load_state(engine, full, repartition.step, plan.global_batch_size)
     timing = RestoreTiming(restore_s=time.perf_counter() - started - engine_build_s, reshard_s=0.0,
                            engine_build_s=engine_build_s)
     return engine, replace(state, world_size=world_size), Restored(None, timing, [])
+
+
+def timed_engine(cfg: Config, plan: BatchPlan, device: torch.device, load_universal: bool = False):
+    """A new engine for `plan` (its model built on `device`), and the seconds its build took:
+    a restore's timing counts them apart."""
+    building = time.perf_counter()
+    engine = build_engine(cfg, plan, build_model(cfg, plan, device), device, load_universal=load_universal)
+    return engine, time.perf_counter() - building
 
 
 def save_mode(cfg: Config, rank: int, world_size: int, nodes: list[str],
