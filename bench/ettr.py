@@ -17,7 +17,7 @@ is rank 1's, since rank 0's falls back to a restart; the survivor re-forms in it
 and the group regrows by a restart once the node is back).
 
 Usage: .venv/bin/python bench/ettr.py [--steps 15000] [--kill-every-min 5] [--return-after-min 1]
-       [--modes restart in-process] [--ray-metrics on|off]
+       [--modes restart in-process] [--ray-metrics on off]
 """
 
 from __future__ import annotations
@@ -61,11 +61,11 @@ def chaos(run: BackgroundRun, cluster, submitted: float, every_s: float, back_af
     return done
 
 
-def chaos_run(args, in_process: bool) -> dict[str, str]:
+def chaos_run(args, in_process: bool, ray_metrics: str) -> dict[str, str]:
     """One run under the chaos schedule, on services and a fake cluster of its own: its
     measures, by name."""
     with (tiny_services("bench-ettr") as (root, dataset, mlflow_url),
-          fake_cluster(services.NODE_HEALTH_CHECKS | RAY_METRICS[args.ray_metrics]) as cluster):
+          fake_cluster(services.NODE_HEALTH_CHECKS | RAY_METRICS[ray_metrics]) as cluster):
         cfg = load_config([
             "experiment=tiny", f"data.datasets=[{{uri: {dataset}}}]", f"run.name=ettr-{int(time.time())}",
             f"run.storage={root / 'runs'}", f"tracking.uri={mlflow_url}", "tracking.experiment=bench-ettr",
@@ -118,13 +118,15 @@ def main() -> None:
     parser.add_argument("--return-after-min", type=float, default=1.0)
     parser.add_argument("--modes", nargs="+", choices=sorted(MODES.values()), default=list(MODES.values()),
                         help="restart: every resize restarts the group; in-process: elastic.in_process=true")
-    parser.add_argument("--ray-metrics", choices=sorted(RAY_METRICS), default="on",
-                        help="Ray's metrics collection on the fake cluster (on: Ray's default)")
+    parser.add_argument("--ray-metrics", nargs="+", choices=sorted(RAY_METRICS), default=["on"],
+                        help="Ray's metrics collection on the fake cluster (on: Ray's default); each mode runs with each")
     args = parser.parse_args()
     if not 0 < args.return_after_min < args.kill_every_min:
         raise SystemExit(f"need 0 < --return-after-min ({args.return_after_min:g}) < --kill-every-min "
                          f"({args.kill_every_min:g}): the next death comes after the return")
-    columns = {mode: chaos_run(args, in_process=mode == "in-process") for mode in args.modes}
+    columns = {f"{mode} (Ray metrics {metrics})" if len(args.ray_metrics) > 1 else mode:
+               chaos_run(args, in_process=mode == "in-process", ray_metrics=metrics)
+               for mode in args.modes for metrics in args.ray_metrics}
     names = list(dict.fromkeys(name for measures in columns.values() for name in measures))
     print("\n| measure | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns))
     for name in names:
