@@ -106,9 +106,7 @@ def chaos_run(args, in_process: bool, ray_metrics: str) -> dict[str, str]:
 
 
 MODES = {False: "restart", True: "in-process"}
-# Ray's metrics off: the head's dashboard agent then ingests no sample per placement try of a
-# lost worker's bundle (bench/pg_storm.py).
-RAY_METRICS = {"on": {}, "off": {"enable_metrics_collection": False}}
+RAY_METRICS = {"on": {}, "off": services.RAY_METRICS_OFF}  # services.RAY_METRICS_OFF says why
 
 
 def main() -> None:

@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--phase-s", type=float, default=15.0, help="seconds each phase is measured")
     args = parser.parse_args()
     rows = run("Ray metrics on (default)", {}, args.phase_s)
-    rows += run("Ray metrics off", {"enable_metrics_collection": False}, args.phase_s)
+    rows += run("Ray metrics off", services.RAY_METRICS_OFF, args.phase_s)
     print(f"\n| cluster | phase | GCS CPU (cores) | head dashboard agent CPU (cores) | GCS placement tries/s |")
     print("|---|---|---|---|---|")
     for label, phase, m in rows:

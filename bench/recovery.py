@@ -76,11 +76,9 @@ SCENARIOS = {
     ),
     # Issue 24: survivors kept in their processes (the regrow still restarts).
     "in-process": dict(overrides=["elastic.in_process=true"], system_config=services.NODE_HEALTH_CHECKS),
-    # The same without Ray's metrics: while the lost worker's bundle cannot be placed, the GCS
-    # retries it without pause and records a histogram sample per try, which the head's
-    # dashboard agent ingests one by one (bench/pg_storm.py).
+    # The same without Ray's metrics (services.RAY_METRICS_OFF says why).
     "in-process, ray metrics off": dict(overrides=["elastic.in_process=true"],
-                                        system_config=services.NODE_HEALTH_CHECKS | {"enable_metrics_collection": False}),
+                                        system_config=services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF),
     # Checkpoints converted to the universal format in the background as they commit, so a
     # resize loads one ready (on this CPU-only machine the conversion slows training).
     "tuned + reshard ahead": dict(

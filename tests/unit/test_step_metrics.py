@@ -4,13 +4,13 @@ resolved together when a report goes out: each keeps its own steps, loss and tim
 import datetime
 import multiprocessing
 import os
-import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from wildtrain.services import free_port
 from wildtrain.train import collectives
 from wildtrain.train.step import StepMetrics
 
@@ -68,9 +68,7 @@ def test_a_settled_window_resolves_to_the_loss_over_ranks_without_its_peers():
     member that dies after the commit takes no logged loss with it."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ranks = [ctx.Process(target=_settling_rank, args=(rank, port, results), daemon=True) for rank in (0, 1)]
     for p in ranks:
         p.start()

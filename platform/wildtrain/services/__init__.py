@@ -22,7 +22,7 @@ from wildtrain.services.ray_client import (
     choose_ray_address, dashboard_text, is_loopback, prepare_ray_client, ray_address, token_command, uses_token_auth,
 )
 from wildtrain.services.ray_head import (
-    LOOPBACK_ONLY_ENV, NODE_HEALTH_CHECKS, TRAINER_RESOURCE, RayPorts, local_gpus, ray_cli, ray_head_command,
+    LOOPBACK_ONLY_ENV, NODE_HEALTH_CHECKS, RAY_METRICS_OFF, TRAINER_RESOURCE, RayPorts, local_gpus, ray_cli, ray_head_command,
     ray_head_processes, start_ray_head, stop_ray_head, token_auth_env,
 )
 from wildtrain.services.state import (
@@ -30,7 +30,7 @@ from wildtrain.services.state import (
 )
 
 __all__ = [
-    "DEFAULT_STATE_DIR", "HOST", "LOOPBACK_ONLY_ENV", "MLFLOW_SERVER_ENV", "NODE_HEALTH_CHECKS", "TRAINER_RESOURCE",
+    "DEFAULT_STATE_DIR", "HOST", "LOOPBACK_ONLY_ENV", "MLFLOW_SERVER_ENV", "NODE_HEALTH_CHECKS", "RAY_METRICS_OFF", "TRAINER_RESOURCE",
     "ObjectStore", "RayPorts", "ServiceError", "Services", "choose_ray_address", "dashboard_text", "down",
     "free_port", "is_healthy", "is_loopback", "local_gpus", "prepare_ray_client", "private_dir", "ray_address",
     "ray_cli", "ray_head_command", "ray_head_processes", "read_services", "recorded_address", "start_mlflow",

@@ -25,6 +25,12 @@ NODE_HEALTH_CHECKS = {
     "health_check_failure_threshold": 2,
 }
 
+# Ray's metrics off (not wildtrain's default: it takes them from every user of a cluster).
+# With elastic.in_process, while a dead worker's placement bundle waits for a node, Ray's GCS
+# retries it without pause and records a metric sample per try, which the head's dashboard
+# agent ingests one by one (bench/pg_storm.py); without metrics the agent stays idle.
+RAY_METRICS_OFF = {"enable_metrics_collection": False}
+
 # `ray start` turns a loopback --node-ip-address into the machine's address, and with it the
 # dashboard agent, runtime-env agent, metrics and client server listen beyond 127.0.0.1 and the
 # GCS and raylet on every interface. Ray keeps a loopback node address only where it believes
