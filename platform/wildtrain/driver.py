@@ -104,6 +104,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
     mlflow = MlflowCallback(cfg.tracking.uri, run_id, interpret, layout.hangs, cfg.storage,
                             layout.tracking)
     rendezvous = start_rendezvous(cfg)
+    worker_env = {**scaling.worker_env(cfg), **storage_env}
     inputs = LoopInputs(cfg, data, scaling.worker_resources(cfg), storage_view,
                         rendezvous=(rendezvous.host, rendezvous.port) if rendezvous else None)
     trainer = ray_compat.TrainerWithoutDatasets(
@@ -121,11 +122,11 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
             # Ray hands the list to the controller as one argument: the elastic callbacks'
             # events go through the same MLflow callback, not a copy of it.
             # Survivors are kept (or not) before any other callback sees a poll's errors.
-            callbacks=[StorageSettings(storage_env), *survivor_callbacks(cfg, rendezvous),
+            callbacks=[StorageSettings(storage_env), *survivor_callbacks(cfg, rendezvous, inputs, worker_env),
                        ProgressCallback(cfg.train.steps), mlflow,
                        *controller_callbacks(cfg, mlflow, evaluation)],
             # The Ray Data tasks a worker starts inherit its runtime env, not its process's.
-            worker_runtime_env={"env_vars": {**scaling.worker_env(cfg), **storage_env}},
+            worker_runtime_env={"env_vars": worker_env},
             # Ray Train's per-report INFO lines would drown the progress lines.
             logging_config=LoggingConfig(log_level="WARNING"),
         ),

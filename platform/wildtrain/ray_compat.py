@@ -19,6 +19,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.experimental import internal_kv
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.util.placement_group import PlacementGroup
 from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.exceptions import (
@@ -50,7 +51,7 @@ __all__ = [
     "ControllerState", "controller_state", "counts_as_failure", "dashboard_url", "group_workers", "kv_get", "kv_put",
     "kill_pending_actors", "lost_a_worker_process", "mask_worker_deaths", "narrow_report_gates", "quiet_ray_data",
     "quiet_report_log", "refresh_train_resource_view", "ReplacingTorchConfig", "reports_collected", "resize_request",
-    "resize_to", "start_timed_out", "worker_failures", "worker_lost", "TrainerWithoutDatasets",
+    "resize_to", "start_timed_out", "worker_failures", "worker_lost", "worker_slot", "TrainerWithoutDatasets",
 ]
 
 
@@ -247,6 +248,13 @@ def group_workers(worker_group) -> list[GroupWorker]:
     workers = [GroupWorker(w.distributed_context.world_rank, w.metadata.node_id, w.metadata.pid)
                for w in worker_group.get_workers()]
     return sorted(workers, key=lambda w: w.rank)
+
+
+def worker_slot(worker_group, rank: int) -> tuple[PlacementGroup, int]:
+    """The placement group of a started group and the bundle in it that Ray placed the worker
+    of `rank` on: Ray places a bundle whose node died again once a node has room."""
+    worker = next(w for w in worker_group.get_workers() if w.distributed_context.world_rank == rank)
+    return worker_group._worker_group_state.placement_group_handle.placement_group, worker.placement_group_bundle_index
 
 
 def narrow_report_gates(worker_group, ranks: list[int]) -> None:

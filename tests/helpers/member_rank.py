@@ -39,7 +39,7 @@ def main() -> None:
     cfg = ElasticConfig(collective_timeout_s=60)
     try:
         with collectives.failing_together(args.rank) as watch:
-            member = Member(("127.0.0.1", args.rendezvous_port), args.rank, 2, f"node-{args.rank}", cfg, "gloo", 60)
+            member = Member.of_ray_worker(("127.0.0.1", args.rendezvous_port), args.rank, 2, f"node-{args.rank}", cfg, "gloo", 60)
             generation = member.form()
             print("formed", generation.number, ",".join(generation.members), flush=True)
             dist.all_reduce(torch.ones(1))

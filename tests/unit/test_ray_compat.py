@@ -20,6 +20,8 @@ from ray.train.v2._internal.execution.controller import state as controller_stat
 from ray.train.v2._internal.execution.controller.controller import TrainController
 from ray.train.v2._internal.execution.scaling_policy.scaling_policy import ResizeDecision
 from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
+from ray.train.v2._internal.execution.worker_group.placement_group_handle import PlacementGroupHandle
+from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState
 from ray.train.v2._internal.execution.worker_group.worker import Worker
 from ray.train.torch import TorchTrainer
 from ray.train.v2.api.exceptions import ControllerError
@@ -143,9 +145,11 @@ def test_no_module_but_ray_compat_reads_rays_controller_states_or_errors():
     assert found == [], "read these through ray_compat"
 
 
-def test_workers_carry_what_group_workers_reads():
+def test_workers_carry_what_group_workers_and_worker_slot_read():
     fields = {f.name for f in dataclasses.fields(Worker)}
-    assert {"distributed_context", "metadata"} <= fields
+    assert {"distributed_context", "metadata", "placement_group_bundle_index"} <= fields
+    assert "placement_group_handle" in {f.name for f in dataclasses.fields(WorkerGroupState)}
+    assert isinstance(inspect.getattr_static(PlacementGroupHandle, "placement_group"), property)
 
 
 def test_every_hook_our_callbacks_define_is_one_ray_calls_with_those_parameters():

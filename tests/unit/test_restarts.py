@@ -7,7 +7,7 @@ from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
 from wildtrain.events import HealthCheck, NodeExcluded
 from wildtrain.ray_compat import ControllerState, UserExceptionWithTraceback, WorkerGroupStartupTimeoutError
-from wildtrain.elastic.nodes import room_for_another_worker, slots_back, workers_that_fit
+from wildtrain.elastic.nodes import room_for_another_worker, workers_that_fit
 from wildtrain.elastic.restarts import (
     CapacityClock, FailureBudget, Restart, Transition, classify_restart, decide, interpret,
 )
@@ -105,18 +105,6 @@ def test_room_to_grow_leaves_the_data_reads_their_cpus():
     free["b"]["CPU"] = 1.0
     assert room_for_another_worker(free, per_worker, excluded=set(), keep_free_cpus=1.0)
     assert not room_for_another_worker(free, per_worker, excluded={"a"}, keep_free_cpus=1.0), "no worker slot elsewhere"
-
-
-def test_a_lost_member_s_slot_is_back_once_ray_placed_it_on_a_live_node_it_was_not_lost_on():
-    # Two members on a and b; b died and the generation goes on with one member.
-    assert not slots_back(["a", "b"], alive={"a", "b"}, lost={"b"}, members=1), \
-        "Ray has not found b dead yet: its bundle still points there"
-    assert not slots_back(["a", "b"], alive={"a"}, lost={"b"}, members=1), "the bundle waits for a node"
-    assert slots_back(["a", "c"], alive={"a", "c"}, lost={"b"}, members=1), "placed again on the returned node"
-    assert not slots_back(["a", "c"], alive={"a"}, lost={"b"}, members=1), "that node died too"
-    # Eight members a node: one of two nodes lost, its eight bundles placed again on d.
-    assert slots_back(["a"] * 8 + ["d"] * 8, alive={"a", "d"}, lost={"b"}, members=8)
-    assert not slots_back(["a"] * 8 + ["b"] * 8, alive={"a", "b"}, lost={"b"}, members=8)
 
 
 RUNNING = ControllerState("RUNNING")

@@ -63,19 +63,24 @@ class Generation:
 
 
 class Member:
-    """This worker's membership. Made by every worker of a group Ray started, right after Ray
-    formed its process groups (the group's token goes over them); `form` replaces those."""
+    """This worker's membership in a worker group's generations. A worker Ray started is one
+    from the start (`of_ray_worker`); a worker the controller started on a lost member's
+    placement slot asks to join the group's running generation (`joining`). `form` makes
+    each generation's process groups, replacing Ray's."""
 
-    def __init__(self, address: tuple[str, int], ray_rank: int, ray_world_size: int, node_id: str,
-                 cfg: ElasticConfig, backend: str, control_timeout_s: float) -> None:
-        token = f"group-{collectives.broadcast_object(new_attempt_token())}"
+    def __init__(self, address: tuple[str, int], token: str, name: str, group_size: int, node_id: str,
+                 cfg: ElasticConfig, backend: str, control_timeout_s: float, registers: bool = False,
+                 joined: bool = False) -> None:
         host, port = address
         base = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
-        if ray_rank == 0:
-            register_group(base, token, ray_world_size)
+        if registers:
+            register_group(base, token, group_size)
         self.store = dist.PrefixStore(token, base)
         self.cfg, self.backend, self.control_timeout_s = cfg, backend, control_timeout_s
-        self.name = member_name(ray_rank)
+        self.name, self.token = name, token
+        self.joined = joined  # started by the controller, not by Ray Train (`joining`)
+        # The members Ray placed the group for: a generation with fewer waits for joiners.
+        self.group_size = group_size
         announce_node(self.store, self.name, node_id)
         self.heartbeat = Heartbeat(host, port, self.name, cfg.heartbeat_s, prefix=token)
         ask_to_join(self.store, self.name)
@@ -83,6 +88,28 @@ class Member:
         self.connections = GroupConnections()
         # This rank's partitions and its ring predecessor's, kept across generations.
         self.mirrors = Mirrors(keep_steps=2)
+
+    @classmethod
+    def of_ray_worker(cls, address: tuple[str, int], ray_rank: int, ray_world_size: int, node_id: str,
+                      cfg: ElasticConfig, backend: str, control_timeout_s: float) -> "Member":
+        """Made by every worker of a group Ray started, right after Ray formed its process
+        groups (the group's token goes over them); its rank 0 registers the group."""
+        token = f"group-{collectives.broadcast_object(new_attempt_token())}"
+        return cls(address, token, member_name(ray_rank), ray_world_size, node_id, cfg, backend, control_timeout_s,
+                   registers=ray_rank == 0)
+
+    @classmethod
+    def joining(cls, address: tuple[str, int], token: str, name: str, group_size: int, node_id: str,
+                cfg: ElasticConfig, backend: str, control_timeout_s: float) -> "Member":
+        """A worker started on a lost member's slot of the group registered under `token`: it
+        asks to join, and the members take it in at their next log step (`joiners_waiting`)."""
+        return cls(address, token, name, group_size, node_id, cfg, backend, control_timeout_s, joined=True)
+
+    def joiners_waiting(self) -> bool:
+        """Whether the owner published a generation that adds members to this one (and drops
+        none: a drop fails this generation's collectives by itself)."""
+        newest = latest(self.store)
+        return newest.generation > self.membership.generation and not must_abandon(self.membership, newest)
 
     def form(self) -> Generation:
         """Wait for the next generation that includes this member and form its process groups:

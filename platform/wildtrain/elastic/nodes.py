@@ -54,31 +54,6 @@ def room_for_another_worker(free: dict[str, dict[str, float]], per_worker: dict[
     return workers_that_fit(free, per_worker, excluded) > 0 and spare_cpus >= keep_free_cpus
 
 
-def slots_back(bundle_nodes: list[str], alive: set[str], lost: set[str], members: int) -> bool:
-    """Whether the worker group's placement holds more slots than its in-process generation
-    has members (elastic.in_process): Ray places a dead node's bundle again once a node has
-    room, and takes that room from the free resources a regrow would look for. A slot counts
-    on a live node other than those members were lost on (which Ray may not have found dead
-    yet: a returned machine joins as a new node)."""
-    return sum(1 for node in bundle_nodes if node in alive and node not in lost) > members
-
-
-def placement_nodes() -> list[str]:
-    """The nodes of the bundles of this worker's placement group (its worker group's)."""
-    import ray
-
-    group = ray.util.get_current_placement_group()
-    if group is None:
-        return []
-    return list(ray.util.placement_group_table(group).get("bundles_to_node_id", {}).values())
-
-
-def alive_nodes() -> set[str]:
-    import ray
-
-    return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
-
-
 def refresh_resource_view() -> None:
     """Make Ray Train's view of the cluster's nodes current.
 

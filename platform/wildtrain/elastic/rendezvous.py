@@ -149,11 +149,15 @@ def register_group(store: dist.Store, token: str, world: int) -> None:
     store.set(f"group/{n}", f"{token} {world}")
 
 
+def current_token(store: dist.Store) -> Optional[str]:
+    """The prefix of the newest registered worker group's keys (None before the first)."""
+    return store.get("current").decode() if store.check(["current"]) else None
+
+
 def current_group(store: dist.Store) -> Optional[dist.Store]:
     """The newest registered worker group's keys (None before the first)."""
-    if not store.check(["current"]):
-        return None
-    return dist.PrefixStore(store.get("current").decode(), store)
+    token = current_token(store)
+    return None if token is None else dist.PrefixStore(token, store)
 
 
 class RendezvousServer:

@@ -24,6 +24,13 @@ class PlannedRegrow(RuntimeError):
     lose the steps since the last checkpoint.) Not counted against elastic.max_failures."""
 
 
+class MembersJoining(RuntimeError):
+    """Raised by every member of an in-process group (elastic.in_process) at the same log
+    step, once workers started on lost members' placement slots asked to join: the members
+    hand their state over to the next generation, which includes the joiners. No restart,
+    and no failure."""
+
+
 class RunCannotContinue(RuntimeError):
     """Raised by a worker when restarting the group cannot help (a shard that went bad, a
     final checkpoint that cannot commit): the controller ends the run with this message

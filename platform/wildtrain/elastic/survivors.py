@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from wildtrain import ray_compat
 from wildtrain.config import Config
 from wildtrain.elastic import rendezvous
+
+if TYPE_CHECKING:
+    from wildtrain.train.loop import LoopInputs
 
 
 def start_rendezvous(cfg: Config) -> Optional[rendezvous.RendezvousServer]:
@@ -23,13 +27,73 @@ def start_rendezvous(cfg: Config) -> Optional[rendezvous.RendezvousServer]:
     return rendezvous.RendezvousServer(ray.util.get_node_ip_address(), cfg.elastic.dead_after_s, cfg.elastic.confirm_s)
 
 
-def survivor_callbacks(cfg: Config, server: Optional[rendezvous.RendezvousServer]) -> list:
-    """The controller callbacks that keep a group's survivors (none without a rendezvous).
-    The survivors' verdict comes elastic.confirm_s after their collectives fail; past that
-    and 5 s more, the group is restarted as without in-process recovery."""
+def survivor_callbacks(cfg: Config, server: Optional[rendezvous.RendezvousServer], inputs: LoopInputs,
+                       env_vars: dict[str, str]) -> list:
+    """The controller callbacks that keep a group's survivors (none without a rendezvous),
+    and start a joiner (`Joiners`, with the workers' `inputs` and `env_vars`) on each lost
+    member's placement slot. The survivors' verdict comes elastic.confirm_s after their
+    collectives fail; past that and 5 s more, the group is restarted as without in-process
+    recovery."""
     if server is None:
         return []
-    return [KeepSurvivors(server.host, server.port, decide_s=cfg.elastic.confirm_s + 5.0, replace=False)]
+    return [KeepSurvivors(server.host, server.port, decide_s=cfg.elastic.confirm_s + 5.0, replace=False,
+                          joiners=Joiners(inputs, env_vars))]
+
+
+@ray.remote(max_restarts=0)
+class Joiner:
+    """A worker of the group that Ray Train did not start: it trains as a member of the
+    group's in-process generations on a lost member's placement slot (`join_in_process`)."""
+
+    def run(self, inputs: LoopInputs, token: str, name: str, group_size: int) -> None:
+        from wildtrain.train.loop import join_in_process  # the worker's side, imported where it runs
+
+        join_in_process(inputs, token, name, group_size)
+
+
+class Joiners:
+    """The joiners the controller started, one per lost member's placement slot. Each asks for
+    one worker's resources on its slot, so Ray starts it once it has placed that bundle again
+    (a node came back or was added): until then it waits, and costs nothing."""
+
+    def __init__(self, inputs: LoopInputs, env_vars: dict[str, str]) -> None:
+        self.inputs, self.env_vars = inputs, env_vars
+        self.started = 0
+        self.running: dict[int, tuple[object, ray.ObjectRef]] = {}  # Ray rank of the lost member -> (actor, run)
+
+    def start(self, worker_group, rank: int, token: str, group_size: int) -> None:
+        group, bundle = ray_compat.worker_slot(worker_group, rank)
+        resources = dict(self.inputs.worker_resources)
+        self.started += 1
+        actor = Joiner.options(
+            num_cpus=resources.pop("CPU", 0), num_gpus=resources.pop("GPU", 0), resources=resources,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
+            runtime_env={"env_vars": self.env_vars}, name=None,
+        ).remote()
+        name = f"{rendezvous.member_name(rank)}.{self.started}"
+        self.running[rank] = (actor, actor.run.remote(self.inputs, token, name, group_size))
+
+    def ended(self) -> dict[int, Optional[BaseException]]:
+        """The joiners whose run ended since the last look, by the lost member's rank: None
+        where it returned (the run's end), else its error."""
+        ended = {}
+        for rank, (actor, run) in list(self.running.items()):
+            done, _ = ray.wait([run], timeout=0)
+            if not done:
+                continue
+            del self.running[rank]
+            try:
+                ray.get(run)
+                ended[rank] = None
+            except Exception as e:  # noqa: BLE001 - the controller decides what it means
+                ended[rank] = e
+            ray.kill(actor)
+        return ended
+
+    def stop(self) -> None:
+        for actor, _ in self.running.values():
+            ray.kill(actor)
+        self.running = {}
 
 
 class KeepSurvivors(ray_compat.WorkerGroupCallback):
@@ -40,17 +104,25 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
     waits up to `decide_s` for the rendezvous owner (`elastic.rendezvous`, its store at
     `host:port`) to publish a generation of the current worker group without that worker;
     past that, the error stands and Ray restarts the group (the fallback). So does rank 0's
-    death: Ray's report barrier hands every rank rank 0's payload. Once dropped, the report gates wait for the
-    survivors only (`narrow_report_gates`), and then either the death is masked for good
-    (`replace` off: the group goes on smaller) or it is handed on for Ray to replace that one
-    worker on its placement slot (`replace`, with `ray_compat.ReplacingTorchConfig`), once Ray
-    knows the worker's node is dead (before, the slot still points at it and the replacement
-    dies with it). The gates widen again when the owner's generation is whole."""
+    death: Ray's report barrier hands every rank rank 0's payload. Once dropped, the report
+    gates wait for the survivors only (`narrow_report_gates`), and then either
 
-    def __init__(self, host: str, port: int, decide_s: float, replace: bool) -> None:
+    - the death is masked for good (`replace` off: the group goes on smaller), and a `Joiner`
+      waits for the worker's placement slot (`joiners`): once Ray has placed it again, the
+      joiner asks to join and the survivors take it in at their next log step, in-process. It
+      is no Ray Train worker and never reports (its generation's rank 0 reports every rank's
+      metrics), so the gates stay narrowed; or
+    - it is handed on for Ray to replace that one worker on its placement slot (`replace`,
+      with `ray_compat.ReplacingTorchConfig`; bench/recovery_spike_ray.py), once Ray knows the
+      worker's node is dead (before, the slot still points at it and the replacement dies with
+      it). The gates widen again when the owner's generation is whole."""
+
+    def __init__(self, host: str, port: int, decide_s: float, replace: bool, joiners: Optional[Joiners] = None) -> None:
         self.host, self.port, self.decide_s, self.replace = host, port, decide_s, replace
+        self.joiners = joiners
         self.worker_group = None
         self.masked: set[int] = set()
+        self.join_failed: set[int] = set()  # ranks whose joiner raised: their deaths stand
         self.narrowed = False  # the report gates wait for the survivors only
         self._store = None  # a client of the owner's store, made in the controller once needed
 
@@ -66,18 +138,24 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
     def after_worker_group_start(self, worker_group) -> None:
         # A new group: every rank is in it, and its reports gate again on every rank (Ray's own).
         self.worker_group = worker_group
-        self.masked = set()
+        self.masked, self.join_failed = set(), set()
         self.narrowed = False
+
+    def before_worker_group_shutdown(self, worker_group) -> None:
+        if self.joiners is not None:
+            self.joiners.stop()  # Ray removes the group's placement group, and with it theirs
 
     def after_worker_group_poll_status(self, worker_group_status) -> None:
         everyone = list(range(len(worker_group_status.worker_statuses)))
-        if self.narrowed and len(rendezvous.latest(self.store()).members) == len(everyone):
+        if self.joiners is not None:
+            self._look_after_joiners()
+        if self.replace and self.narrowed and len(rendezvous.latest(self.store()).members) == len(everyone):
             # The replacement joined the survivors' group: its reports count again.
             ray_compat.narrow_report_gates(self.worker_group, everyone)
             self.narrowed = False
             print("the worker group is whole again: every rank's reports count", flush=True)
         lost = {r for r, e in worker_group_status.errors.items() if ray_compat.worker_lost(e)}
-        if lost - self.masked and 0 not in lost:
+        if lost - self.masked and 0 not in lost and not lost & self.join_failed:
             self._decide(lost, everyone)
         if not self.replace:
             ray_compat.mask_worker_deaths(worker_group_status, self.masked)
@@ -98,9 +176,33 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
             self.narrowed = True
             print(f"ranks {sorted(self.masked)} left the worker group, which goes on without them: "
                   f"reports of ranks {survivors} count", flush=True)
+            if self.joiners is not None:
+                for rank in sorted(dropped):
+                    self._start_joiner(rank)
         if self.replace:
             nodes = {rendezvous.node_of(store, rendezvous.member_name(r)) for r in lost}
             while time.monotonic() < deadline + self.decide_s and any(
                     n["Alive"] for n in ray.nodes() if n["NodeID"] in nodes):
                 time.sleep(0.1)
             self.masked -= lost  # their ranks come back with the replacements
+
+    def _start_joiner(self, rank: int) -> None:
+        self.store()  # connects
+        self.joiners.start(self.worker_group, rank, rendezvous.current_token(self._store),
+                           len(self.worker_group.get_workers()))
+
+    def _look_after_joiners(self) -> None:
+        """A joiner that died (its node, most likely) is started again on its slot; one whose
+        training raised ends the group's masking of that rank, so Ray restarts the group at
+        full size from the checkpoint (the fallback) rather than starting the same failure again."""
+        for rank, error in self.joiners.ended().items():
+            if error is None or rank not in self.masked:
+                continue
+            if ray_compat.worker_lost(error):
+                print(f"the worker that joined on rank {rank}'s slot died; another waits for that slot", flush=True)
+                self._start_joiner(rank)
+            else:
+                print(f"the worker that joined on rank {rank}'s slot failed; the group restarts instead: "
+                      f"{(str(error).strip().splitlines() or [''])[-1][:300]}", flush=True)
+                self.masked.discard(rank)
+                self.join_failed.add(rank)

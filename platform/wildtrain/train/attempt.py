@@ -33,10 +33,9 @@ from wildtrain.checkpoint.retention import RetentionPolicy
 from wildtrain.data.manifest import ShardCorrupt
 from wildtrain.data.objectives import Objective
 from wildtrain.data.stream import RankStream
-from wildtrain.elastic.nodes import alive_nodes, placement_nodes, slots_back
 from wildtrain.elastic.scaling import spare_cpus, trains_on_gpu
 from wildtrain.elastic.signals import FinalCheckpointFailed, RunCannotContinue, UnhealthyNodes
-from wildtrain.events import Event, Failure, Formed, RegrowPostponed, StoppedEarly
+from wildtrain.events import Event, Failure, Formed, Interrupted, RegrowPostponed, Resize, StoppedEarly
 from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.model import flops_per_token
 from wildtrain.tracking.worker.mfu import peak_flops
@@ -68,6 +67,8 @@ class Attempt:
         self.data = inputs.data
         self.in_process = in_process
         left = in_process.left if in_process else None
+        # A joiner is no Ray Train worker: its generation's rank 0 reports for the group.
+        self.reports_to_ray = in_process is None or not in_process.member.joined
         # DeepSpeed's ZeRO calls a deprecated collective once per step; the warning says nothing new.
         warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
         ray_compat.quiet_report_log()
@@ -81,8 +82,11 @@ class Attempt:
         self.plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
 
         torch.manual_seed(cfg.train.seed)
-        # Ray Train set this worker's CUDA device; NCCL's collectives and the batches go there.
-        device = ray.train.torch.get_device() if trains_on_gpu(cfg) else torch.device("cpu")
+        # Ray Train set this worker's CUDA device (a joiner's slot holds one GPU); NCCL's
+        # collectives and the batches go there.
+        device = torch.device("cpu")
+        if trains_on_gpu(cfg):
+            device = ray.train.torch.get_device() if self.reports_to_ray else torch.device("cuda", 0)
         # From here to the first step (health check, restore, engine build) under the start-up bound.
         self.watchdog = HangWatchdog(cfg.monitor.hang_timeout_s, cfg.monitor.startup_timeout_s,
                                      RunLayout.of(cfg).hangs, rank, cfg.storage)
@@ -109,7 +113,7 @@ class Attempt:
         else:
             self.engine, self.state, self.restored = checkpointing.restore_from_peers(
                 cfg, self.plan, world_size, device, self.in_process.member.mirrors, left.states)
-            known_good = left.known_good
+            known_good = collectives.broadcast_object(left.known_good)  # a joiner knows none
         self.restored_at = time.time()
         self.restored_step = self.state.step
         self.state.world_size = world_size
@@ -124,13 +128,14 @@ class Attempt:
         background, shm_events = checkpointing.save_mode(cfg, rank, world_size, self.monitor.nodes)
         self.monitor.events += shm_events
         self.known_good = known_good
+        self.reports_collected = ray_compat.reports_collected if self.reports_to_ray else lambda: True
         self.saver = AsyncSaver(
             stores, cfg.checkpoint.staging_dir, rank=rank, world_size=world_size,
             attempt=collectives.broadcast_object(new_attempt_token()),
             policy=cfg.checkpoint.policy, timeout_s=cfg.checkpoint.timeout_s, verify_upload=cfg.checkpoint.verify_upload,
             retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
             known_good=known_good, commit_when_released=True,
-            reports_collected=ray_compat.reports_collected, background=background, device=device,
+            reports_collected=self.reports_collected, background=background, device=device,
         )
         self.reported_step = self.state.step  # the newest step whose report the controller has for sure
         # The data position is the step: the stream starts where the restored model stopped.
@@ -163,12 +168,13 @@ class Attempt:
         # Drills (chaos.*), off by default.
         self.slow_forward_s = cfg.chaos.slow_step_s if self.monitor.slowed_by_chaos else 0.0
         self.fails_at_step = cfg.chaos.fail_at_step if rank == cfg.chaos.fail_rank else 0
-        # A generation that lost members regrows (by a restart) once Ray placed their slots again.
-        self.lost_nodes = left.lost_nodes | (set(left.failure.nodes) - set(self.monitor.nodes)) if left else frozenset()
-        slot_back = ((lambda: slots_back(placement_nodes(), alive_nodes(), self.lost_nodes, world_size))
-                     if self.lost_nodes else None)
+        # A generation that lost members grows back by the workers the controller starts on
+        # their placement slots once Ray placed those again (`elastic.survivors`).
+        member = self.in_process.member if self.in_process else None
         self.growth = GrowthCheck(world_size < cfg.elastic.max_workers, rank, inputs.worker_resources,
-                                  cfg.elastic.resize_check_interval_s, cfg.run.name, spare_cpus(cfg), slot_back)
+                                  cfg.elastic.resize_check_interval_s, cfg.run.name, spare_cpus(cfg),
+                                  joiners=member.joiners_waiting if member else None,
+                                  awaiting_joiners=member is not None and world_size < member.group_size)
         # This layout's first mirrors, before its first step: a death during it is recovered from them.
         self.commit()
 
@@ -206,21 +212,29 @@ class Attempt:
     def abandon(self, error: BaseException, failed_at: float, left: Optional[Leftovers]) -> Leftovers:
         """Drop this attempt, which lost a member to `error` at `failed_at`: what the next one
         needs of it. Its interruption is `left`'s where it never stepped (the same outage)."""
-        self.close()
-        saves = checkpointing.saves_report(self.saver.drain())
-        committed = max(self.committed_states)
-        stepped = committed > self.restored_step or left is None
+        stepped = max(self.committed_states) > self.restored_step or left is None or left.interruption is None
         # A step trained but not committed yet is trained again: lost, in the failure's accounting.
         failure = (Failure(failed_at, self.world_size, self.state.step,
                            f"a member left the group of {self.world_size}: {str(error).splitlines()[0][:200]}",
                            list(self.monitor.nodes))
-                   if stepped else left.failure)
-        self.mirrors.forget_after(committed)
+                   if stepped else left.interruption)
+        return self._leftovers(failure)
+
+    def hand_over(self) -> Leftovers:
+        """Drop this attempt at a committed step for the next generation, which workers joined
+        (`MembersJoining`): what it needs of this one."""
+        return self._leftovers(Resize(time.time(), self.world_size, self.state.step,
+                                      f"workers joined the group of {self.world_size}", list(self.monitor.nodes)))
+
+    def _leftovers(self, interruption: Interrupted) -> Leftovers:
+        self.close()
+        saves = checkpointing.saves_report(self.saver.drain())
+        self.mirrors.forget_after(max(self.committed_states))
         # The windows closed since the last report are of committed steps, their losses settled.
         return Leftovers(states=dict(self.committed_states), windows=self.resolved + self.window.resolve(self.windows),
                          events=self.carried_events + self.monitor.take_events() + saves.events,
                          committed=self.carried_commits + list(saves.committed), known_good=self.known_good,
-                         failure=failure, lost_nodes=frozenset(self.lost_nodes))
+                         interruption=interruption)
 
     def step(self) -> At:
         """One optimizer step; where it leaves the run."""
@@ -322,14 +336,14 @@ class Attempt:
 
     def _recovered(self) -> list[Event]:
         """The interruption this re-formed attempt recovered from, and its recovery."""
-        failure = self.in_process.left.failure
-        done = recovered(failure, self.in_process.generation.formed_at, self.restored_at, self.restored_step,
+        interruption = self.in_process.left.interruption
+        done = recovered(interruption, self.in_process.generation.formed_at, self.restored_at, self.restored_step,
                          self.world_size)
         if self.rank == 0:
             print(f"re-formed in-process at world size {self.world_size} from step {self.restored_step} in "
                   f"{done.recovery_s:.1f} s (rendezvous {done.restart_s:.1f} s, state from peers "
                   f"{done.restore_s:.1f} s); {done.steps_lost} steps redone", flush=True)
-        return [failure, done]
+        return [interruption, done]
 
     def report(self, at: At, logs: bool, saving: bool, must_commit: bool) -> None:
         """Close this log step's window (`logs`), then hand the controller the windows, the saves
@@ -344,7 +358,8 @@ class Attempt:
             self.validated = {}
             self._judge(window)
         if at.first and self.in_process is not None and self.in_process.left is not None:
-            self.carried_events += self._recovered()
+            if self.in_process.left.interruption is not None:
+                self.carried_events += self._recovered()
         elif at.first:
             # What the controller needs to split this attempt's recovery (and start-up) time into its parts.
             self.startup = Startup(restored_step=self.restored_step, **dataclasses.asdict(self.restored.timing),
@@ -358,7 +373,7 @@ class Attempt:
             # one is still queued.
             looking = self.reports.looks(at, saving)
             if (not must_commit and not self.diverged
-                    and (not looking or not collectives.all_ranks(ray_compat.reports_collected()))):
+                    and (not looking or not collectives.all_ranks(self.reports_collected()))):
                 return
             windows = self.resolved + self.window.resolve(self.windows)
             self.windows, self.resolved = [], []
@@ -368,11 +383,12 @@ class Attempt:
             events = self.carried_events + self.monitor.take_events() + saves.events
             if self.startup is not None:
                 events = self.restored.events + events
-            ray.train.report(WorkerReport(
-                step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size, windows=tuple(windows),
-                events=tuple(events), checkpoint=saves.metrics,
-                committed_checkpoints=tuple(self.carried_commits + list(saves.committed)), startup=self.startup,
-            ).to_dict())
+            if self.reports_to_ray:  # a joiner's windows are rank 0's too; its events are not sent
+                ray.train.report(WorkerReport(
+                    step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size, windows=tuple(windows),
+                    events=tuple(events), checkpoint=saves.metrics,
+                    committed_checkpoints=tuple(self.carried_commits + list(saves.committed)), startup=self.startup,
+                ).to_dict())
             self.startup, self.carried_events, self.carried_commits = None, [], []
             self.reports.sent(state.step, self._steps_per_poll(windows))
         # Every rank's previous report had been collected (or this one waited for its turn),

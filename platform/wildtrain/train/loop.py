@@ -19,9 +19,10 @@ step is redone, and a step a death cut short is done again whole.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import ray.train
 
@@ -31,10 +32,12 @@ from wildtrain.data.dataset import OpenedData
 from wildtrain.elastic.in_process import Member
 from wildtrain.elastic.membership import RedundancyLost
 from wildtrain.elastic.scaling import trains_on_gpu
-from wildtrain.elastic.signals import FinalCheckpointFailed, PlannedRegrow, RunCannotContinue, UnhealthyNodes
+from wildtrain.elastic.signals import (FinalCheckpointFailed, MembersJoining, PlannedRegrow, RunCannotContinue,
+                                      UnhealthyNodes)
 from wildtrain.train import checkpointing, collectives
 from wildtrain.train.attempt import Attempt
 from wildtrain.train.generations import InProcess, Leftovers
+from wildtrain.train.growth import Growth
 from wildtrain.train.schedule import At
 
 
@@ -57,7 +60,7 @@ def train_loop(inputs: LoopInputs) -> None:
     check_storage(inputs.storage_view, cfg)
     collectives.open_control_group(control_timeout_s(cfg))
     # Raised by every rank at the same step: nobody's failure.
-    together = (PlannedRegrow, UnhealthyNodes, FinalCheckpointFailed, RedundancyLost)
+    together = (PlannedRegrow, UnhealthyNodes, FinalCheckpointFailed, RedundancyLost, MembersJoining)
     with collectives.failing_together(ray.train.get_context().get_world_rank(), together) as watch:
         if inputs.rendezvous is None:
             train(Attempt(inputs))
@@ -77,7 +80,8 @@ def train(attempt: Attempt) -> None:
             # Each component says whether this step is due for it, in the order they run.
             validated = attempt.validate(at)
             logs = attempt.reports.logs(at, validated)
-            regrow = attempt.growth.due(at, logs)
+            growth = attempt.growth.due(at, logs)
+            regrow = growth is Growth.RESTART
             saving = checkpointing.due(at, cfg.checkpoint, regrow)
             if saving:
                 regrow = attempt.save(at, regrow)
@@ -89,19 +93,43 @@ def train(attempt: Attempt) -> None:
             if regrow:
                 raise PlannedRegrow(f"room for more than {attempt.world_size} workers; "
                                     f"regrowing from the checkpoint of step {attempt.state.step}")
+            if growth is Growth.JOIN:
+                raise MembersJoining(f"workers ask to join the group of {attempt.world_size} after step "
+                                     f"{attempt.state.step}")
     finally:
         attempt.watchdog.stop()
 
 
 def train_in_process(inputs: LoopInputs, watch: collectives.PeerWatch) -> None:
-    """Train in the generations of this worker group's membership (elastic.in_process): where
-    a member is lost, drop the attempt, form the next generation and go on from the state the
-    members hold. Every other error stands, as in `train`."""
+    """Train in the generations of this worker group's membership (elastic.in_process)."""
     context, cfg = ray.train.get_context(), inputs.cfg
-    member = Member(inputs.rendezvous, context.get_world_rank(), context.get_world_size(),
-                    ray.get_runtime_context().get_node_id(), cfg.elastic,
-                    "nccl" if trains_on_gpu(cfg) else "gloo", control_timeout_s(cfg))
-    left: Optional[Leftovers] = None
+    member = Member.of_ray_worker(inputs.rendezvous, context.get_world_rank(), context.get_world_size(),
+                                  ray.get_runtime_context().get_node_id(), cfg.elastic, backend(cfg),
+                                  control_timeout_s(cfg))
+    train_generations(inputs, member, None, watch.failed_peer)
+
+
+def join_in_process(inputs: LoopInputs, token: str, name: str, group_size: int) -> None:
+    """A worker the controller started on a lost member's placement slot (`elastic.survivors`):
+    it joins the group registered under `token` as `name` and trains in its generations from
+    the state the members hold. No Ray Train worker: its generation's rank 0 reports."""
+    cfg = inputs.cfg
+    check_storage(inputs.storage_view, cfg)
+    os.environ.setdefault("LOCAL_RANK", "0")  # its slot's one device; DeepSpeed reads it
+    member = Member.joining(inputs.rendezvous, token, name, group_size, ray.get_runtime_context().get_node_id(),
+                            cfg.elastic, backend(cfg), control_timeout_s(cfg))
+    try:
+        train_generations(inputs, member, Leftovers.joiner(), lambda: None)
+    finally:
+        member.heartbeat.stop()  # ended or failed: either way no member any more
+
+
+def train_generations(inputs: LoopInputs, member: Member, left: Optional[Leftovers],
+                      peer_failure: Callable[[], Optional[str]]) -> None:
+    """Train `member` in the generations of its worker group's membership: where a member is
+    lost, drop the attempt, form the next generation and go on from the state the members
+    hold; where workers join, hand the state over to the generation that includes them.
+    Every other error stands, as in `train`."""
     while True:
         attempt = None
         try:
@@ -110,12 +138,18 @@ def train_in_process(inputs: LoopInputs, watch: collectives.PeerWatch) -> None:
             train(attempt)
             member.leave()
             return
+        except MembersJoining:
+            left = attempt.hand_over()
         except Exception as e:
             failed_at = time.time()
-            if not member.lost_member(e, watch.failed_peer):
+            if not member.lost_member(e, peer_failure):
                 raise
             if attempt is not None:
                 left = attempt.abandon(e, failed_at, left)
+
+
+def backend(cfg: Config) -> str:
+    return "nccl" if trains_on_gpu(cfg) else "gloo"
 
 
 def check_storage(drivers: storage.StorageView, cfg: Config) -> None:
