@@ -9,11 +9,14 @@ rank 0's death falls back to a restart). Each scenario gets its own fake cluster
 are set when the head starts, as `wildtrain up` sets them). Prints one row per interruption:
 
     detection   node killed (or added) → the controller learns of it (in-process: a
-                survivor's collective fails)
+                survivor's collective fails; at a regrow, the survivors hand their state
+                over: Ray placed the lost slot on the node, the worker started there asked
+                to join, and the survivors reached a log step)
     restart     → the new worker group's training function starts (in-process: the
                 survivors' new process group formed)
     restore     → checkpoint loaded (excluding resharding)
     reshard     → conversion to the universal format (world size changed)
+    stopped     → first optimizer step at the new size: the time no worker trained
     first step  node killed (or added) → first optimizer step at the new size
     steps lost  steps done before the interruption that the restored checkpoint lacked
     load        the machine's mean 1-minute load average over that recovery (on a shared
@@ -74,7 +77,7 @@ SCENARIOS = {
                    "elastic.resize_check_interval_s=5"],
         system_config=services.NODE_HEALTH_CHECKS,
     ),
-    # Issue 24: survivors kept in their processes (the regrow still restarts).
+    # Issue 24: survivors kept in their processes; a returning node's worker joins them.
     "in-process": dict(overrides=["elastic.in_process=true"], system_config=services.NODE_HEALTH_CHECKS),
     # The same without Ray's metrics (services.RAY_METRICS_OFF says why).
     "in-process, ray metrics off": dict(overrides=["elastic.in_process=true"],
@@ -185,13 +188,15 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
             "restart": recovery.restart_s,
             "restore": recovery.restore_s,
             "reshard": recovery.reshard_s,
+            "stopped": recovery.recovery_s,
             "first step": first_step,
             "steps lost": recovery.steps_lost,
             "load": f"{load.mean(cause_at, cause_at + first_step):.1f}",
         })
     if len(rows) < 2:
         rows.append({"scenario": name, "event": "regrow: none before the run's last step",
-                     **{c: "-" for c in ("detection", "restart", "restore", "reshard", "first step", "steps lost", "load")}})
+                     **{c: "-" for c in ("detection", "restart", "restore", "reshard", "stopped", "first step", "steps lost",
+                                "load")}})
     for row in rows:
         say(f"{name}: {row['event']}: first step after {cell(row['first step'])}")
     return rows
@@ -246,7 +251,7 @@ def main() -> None:
             overrides = [f"data.datasets=[{{uri: {dataset}}}]", *scenario["overrides"]]
             rows += run_scenario(name, overrides, scenario["system_config"], mlflow_url, args.steps, root, load)
 
-    columns = ["scenario", "event", "detection", "restart", "restore", "reshard", "first step", "steps lost", "load"]
+    columns = ["scenario", "event", "detection", "restart", "restore", "reshard", "stopped", "first step", "steps lost", "load"]
     print("\n| " + " | ".join(columns) + " |")
     print("|" + "|".join("---" for _ in columns) + "|")
     for row in rows:

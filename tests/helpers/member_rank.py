@@ -5,9 +5,12 @@ and train a step's all-reduce in its first generation. Then, by --drill:
 - `dies`: rank 1 exits; rank 0's next all-reduce fails, and `lost_member` must find a member
   lost and the next generation must be rank 0 alone;
 - `fails`: rank 1 meets an error of its own; neither rank may take it for a lost member, and
-  rank 0 must end with rank 1's reason (`PeerFailed`).
+  rank 0 must end with rank 1's reason (`PeerFailed`);
+- `joins`: as `dies`, then a third process (--rank 2, not in Ray's group: a worker the
+  controller started on the lost slot) joins once rank 0 trains alone, and both form the
+  third generation and all-reduce in it.
 
-    python -m tests.helpers.member_rank --store-port P --rank R --rendezvous-port Q --drill dies|fails
+    python -m tests.helpers.member_rank --store-port P --rank R --rendezvous-port Q --drill dies|fails|joins
 
 Prints what happened, a line each.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -23,6 +27,7 @@ import torch.distributed as dist
 
 from wildtrain.config.system import ElasticConfig
 from wildtrain.elastic.in_process import Member
+from wildtrain.elastic.rendezvous import current_group, current_token, latest
 from wildtrain.train import collectives
 
 
@@ -31,19 +36,22 @@ def main() -> None:
     parser.add_argument("--store-port", type=int, required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--rendezvous-port", type=int, required=True)
-    parser.add_argument("--drill", choices=("dies", "fails"), required=True)
+    parser.add_argument("--drill", choices=("dies", "fails", "joins"), required=True)
     args = parser.parse_args()
+    cfg = ElasticConfig(collective_timeout_s=60)
+    address = ("127.0.0.1", args.rendezvous_port)
+    if args.rank == 2:
+        join(address, cfg)
     store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=2)  # Ray Train's group
     collectives.open_control_group(60)
-    cfg = ElasticConfig(collective_timeout_s=60)
     try:
         with collectives.failing_together(args.rank) as watch:
-            member = Member.of_ray_worker(("127.0.0.1", args.rendezvous_port), args.rank, 2, f"node-{args.rank}", cfg, "gloo", 60)
+            member = Member.of_ray_worker(address, args.rank, 2, f"node-{args.rank}", cfg, "gloo", 60)
             generation = member.form()
             print("formed", generation.number, ",".join(generation.members), flush=True)
             dist.all_reduce(torch.ones(1))
-            if args.rank == 1 and args.drill == "dies":
+            if args.rank == 1 and args.drill in ("dies", "joins"):
                 os._exit(0)
             if args.rank == 1:
                 error = RuntimeError("rank 1's own error")
@@ -60,9 +68,40 @@ def main() -> None:
                 print("formed", generation.number, ",".join(generation.members), flush=True)
                 dist.all_reduce(torch.ones(1))
                 print("all-reduced", flush=True)
+                if args.drill == "joins":
+                    wait_until(member.joiners_waiting)
+                    print("joiners waiting", flush=True)
+                    generation = member.form()
+                    print("formed", generation.number, ",".join(generation.members), flush=True)
+                    all_reduce_ones()
     except Exception as e:  # noqa: BLE001 - what the rank ended with is the output
         print("ended", type(e).__name__, str(e).splitlines()[0][:200], flush=True)
     os._exit(0)  # skips the destructors of a broken group
+
+
+def join(address: tuple[str, int], cfg: ElasticConfig) -> None:
+    """The `joins` drill's third process: once rank 0 trains alone (generation 2), join its group."""
+    rendezvous = dist.TCPStore(*address, is_master=False, timeout=timedelta(seconds=60))
+    wait_until(lambda: current_group(rendezvous) is not None and latest(current_group(rendezvous)).generation >= 2)
+    member = Member.joining(address, current_token(rendezvous), "w1.1", 2, "node-2", cfg, "gloo", 60)
+    generation = member.form()
+    print("formed", generation.number, ",".join(generation.members), flush=True)
+    all_reduce_ones()
+    os._exit(0)
+
+
+def all_reduce_ones() -> None:
+    ones = torch.ones(1)
+    dist.all_reduce(ones)
+    print("all-reduced", int(ones.item()), flush=True)
+
+
+def wait_until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:g} s for {condition}")
+        time.sleep(0.01)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """A worker's membership of its group's generations (`elastic.in_process.Member`), two
 processes and the driver's rendezvous (`elastic.rendezvous.RendezvousServer`): a member that
-dies is lost and the survivor forms the next generation alone; a rank's own error is nobody's
-death, and ends both as without in-process recovery."""
+dies is lost and the survivor forms the next generation alone; a worker started later joins
+it; a rank's own error is nobody's death, and ends both as without in-process recovery."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ def rendezvous():
     server.stop()
 
 
-def run_drill(rendezvous: RendezvousServer, drill: str) -> dict[int, list[str]]:
+def run_drill(rendezvous: RendezvousServer, drill: str, processes: int = 2) -> dict[int, list[str]]:
     """What each rank of tests/helpers/member_rank.py printed, its lines (not DeepSpeed's
     bracketed log lines) and its errors."""
-    ranks = start_ranks("tests.helpers.member_rank", 2, "--rendezvous-port", rendezvous.port, "--drill", drill)
+    ranks = start_ranks("tests.helpers.member_rank", processes, "--rendezvous-port", rendezvous.port, "--drill", drill)
     return {rank: [line for line in output.splitlines() if not line.startswith("[")] + [f"(stderr: {errors[-2000:]})"]
             for rank, (_, output, errors) in enumerate(ranks.outputs(timeout_s=120))}
 
@@ -40,3 +40,10 @@ def test_a_rank_s_own_error_is_no_lost_member_and_ends_its_peer_with_its_reason(
     assert said[1][:3] == ["formed 1 w0,w1", "lost False", "ended RuntimeError rank 1's own error"], said[1]
     assert said[0][0] == "formed 1 w0,w1" and said[0][1] == "lost False", said[0]
     assert said[0][2].startswith("ended PeerFailed") and "rank 1's own error" in said[0][2], said[0]
+
+
+def test_a_worker_that_asks_to_join_is_taken_in_by_the_survivor_at_its_next_look(rendezvous):
+    said = run_drill(rendezvous, "joins", processes=3)
+    assert said[0][:7] == ["formed 1 w0,w1", "lost True", "formed 2 w0", "all-reduced", "joiners waiting",
+                           "formed 3 w0,w1.1", "all-reduced 2"], (said[0], said[2])
+    assert said[2][:2] == ["formed 3 w0,w1.1", "all-reduced 2"], said[2]

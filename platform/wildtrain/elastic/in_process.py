@@ -199,7 +199,11 @@ class Member:
             return
         deepspeed = import_deepspeed()
         if deepspeed.comm.comm.cdb is None:
+            # No engine was built in this process yet, but DeepSpeed's clone of the world
+            # (`clone_world_group`) was: dropped too, or the next generation's ranks would
+            # create different numbers of groups (a joiner makes the clone) and wait forever.
             dist.destroy_process_group()
+            deepspeed.utils.groups._release_process_group_references()
         else:
             deepspeed.comm.destroy_process_group()
         gc.collect()
