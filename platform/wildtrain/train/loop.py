@@ -14,7 +14,9 @@ their attempt, form the next generation of their membership at the smaller size
 (`elastic.in_process`) and build the next attempt from the state their peers mirrored,
 in the same processes (`train_in_process`). Each step commits once its validation and save
 are done and every rank's ZeRO partition is mirrored on its ring successor: no committed
-step is redone, and a step a death cut short is done again whole.
+step is redone, and a step a death cut short is done again whole. A worker the controller
+starts on a lost member's placement slot joins the members (`join_in_process`): they hand
+their state over at their next log step to the generation that includes it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import ray.train
+import torch
 
 from wildtrain import storage
 from wildtrain.config import Config
@@ -115,7 +118,10 @@ def join_in_process(inputs: LoopInputs, token: str, name: str, group_size: int) 
     the state the members hold. No Ray Train worker: its generation's rank 0 reports."""
     cfg = inputs.cfg
     check_storage(inputs.storage_view, cfg)
-    os.environ.setdefault("LOCAL_RANK", "0")  # its slot's one device; DeepSpeed reads it
+    # Ray shows the actor its slot's one GPU as device 0, where Ray Train sets a worker's device itself.
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed reads it
+    if trains_on_gpu(cfg):
+        torch.cuda.set_device(0)
     member = Member.joining(inputs.rendezvous, token, name, group_size, ray.get_runtime_context().get_node_id(),
                             cfg.elastic, backend(cfg), control_timeout_s(cfg))
     try:
