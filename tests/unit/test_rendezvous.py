@@ -67,6 +67,32 @@ def test_a_joiner_is_added_after_the_members(store):
     assert owner.turn(now=100.5) == Membership(2, ("w0", "w1", "w2", "w9"))
 
 
+def test_a_member_lost_before_the_others_took_a_joiner_in_is_dropped_within_confirm_s(store):
+    # Generation 2 adds w9; w0 and w2 still train in generation 1 (their next log step takes
+    # it in) when w1 dies there: their failed collective is generation 1's.
+    owner = first_generation(store)
+    for name in ("w0", "w1", "w2"):
+        beat(store, name, at=100.5)
+    ask_to_join(store, "w9")
+    assert owner.turn(now=100.5) == Membership(2, ("w0", "w1", "w2", "w9"))
+    report_error(store, 1, at=100.6)
+    for name in ("w0", "w2", "w9"):
+        beat(store, name, at=101.0)
+    assert owner.turn(now=101.0) is None  # 0.4 s since the error: not confirmed
+    assert owner.turn(now=101.2) == Membership(3, ("w0", "w2", "w9"))  # long before dead_after_s
+
+
+def test_an_error_of_a_generation_before_a_shrink_is_not_counted_again(store):
+    owner = first_generation(store)
+    report_error(store, 1, at=100.5)
+    for name in ("w0", "w2"):
+        beat(store, name, at=101.1)
+    assert owner.turn(now=101.1) == Membership(2, ("w0", "w2"))
+    for name in ("w0", "w2"):
+        beat(store, name, at=102.0)
+    assert owner.turn(now=102.0) is None, "generation 1's error was generation 2's cause, not a new failure"
+
+
 def test_at_the_end_of_the_run_nothing_is_published_though_workers_go_silent(store):
     owner = first_generation(store)
     assert owner.turn(now=200.0, ending=True) is None

@@ -125,10 +125,7 @@ class RendezvousOwner:
             # A member whose heartbeat has not come yet counts from its request.
             beats = {m: float(store.get(f"hb/{m}")) if store.check([f"hb/{m}"]) else self.asked[m]
                      for m in current.members}
-            error_key = f"error/{current.generation}"
-            if current.generation not in self._errors and store.check([error_key]):
-                self._errors[current.generation] = float(store.get(error_key))
-            error_at = self._errors.get(current.generation)
+            error_at = self._error_at(current)
             dead = stale(beats, now, self.dead_after_s, error_at, self.confirm_s)
             nxt = next_membership(current, dead, self._pending, None if error_at is None else now - error_at,
                                   self.confirm_s)
@@ -140,6 +137,19 @@ class RendezvousOwner:
         self._pending = [p for p in self._pending if p not in nxt.members]
         self.current = nxt
         return nxt
+
+    def _error_at(self, current: Membership) -> Optional[float]:
+        """When a collective failed that the members of `current` may still be in: one of
+        `current`'s, or, where `current` only added joiners to the generation before it, one
+        of that generation's, whose members train on in it until their next log step."""
+        before = self.published.get(current.generation - 1)
+        grew = before is not None and set(before[1]) < set(current.members)
+        generations = (current.generation, current.generation - 1) if grew else (current.generation,)
+        for generation in generations:
+            key = f"error/{generation}"
+            if generation not in self._errors and self.store.check([key]):
+                self._errors[generation] = float(self.store.get(key))
+        return min((self._errors[g] for g in generations if g in self._errors), default=None)
 
 
 def register_group(store: dist.Store, token: str, world: int) -> None:
