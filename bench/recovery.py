@@ -195,8 +195,8 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
         })
     if len(rows) < 2:
         rows.append({"scenario": name, "event": "regrow: none before the run's last step",
-                     **{c: "-" for c in ("detection", "restart", "restore", "reshard", "stopped", "first step", "steps lost",
-                                "load")}})
+                     **{c: "-" for c in ("detection", "restart", "restore", "reshard", "stopped", "first step",
+                                         "steps lost", "load")}})
     for row in rows:
         say(f"{name}: {row['event']}: first step after {cell(row['first step'])}")
     return rows
@@ -251,7 +251,8 @@ def main() -> None:
             overrides = [f"data.datasets=[{{uri: {dataset}}}]", *scenario["overrides"]]
             rows += run_scenario(name, overrides, scenario["system_config"], mlflow_url, args.steps, root, load)
 
-    columns = ["scenario", "event", "detection", "restart", "restore", "reshard", "stopped", "first step", "steps lost", "load"]
+    columns = ["scenario", "event", "detection", "restart", "restore", "reshard", "stopped", "first step", "steps lost",
+               "load"]
     print("\n| " + " | ".join(columns) + " |")
     print("|" + "|".join("---" for _ in columns) + "|")
     for row in rows:

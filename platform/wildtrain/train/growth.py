@@ -28,7 +28,8 @@ class GrowthCheck:
     node brings is Ray's to place that slot on, and a restart would take it first."""
 
     def __init__(self, below_max: bool, rank: int, per_worker: dict, interval_s: float, run_name: str,
-                 data_cpus: float, joiners: Optional[Callable[[], bool]] = None, awaiting_joiners: bool = False) -> None:
+                 data_cpus: float, joiners: Optional[Callable[[], bool]] = None,
+                 awaiting_joiners: bool = False) -> None:
         self.below_max = below_max
         self.rank = rank
         self.per_worker = per_worker
