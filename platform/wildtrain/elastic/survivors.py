@@ -1,6 +1,8 @@
 """The controller's side of in-process recovery (issue 24): a worker group that keeps its
-survivors when a worker dies, instead of Ray Train restarting every worker. The workers'
-side is `elastic.rendezvous`, `elastic.peer_state` and `elastic.connections`."""
+survivors when a worker dies, instead of Ray Train restarting every worker, and a worker
+started on the dead one's placement slot that joins them once Ray places that slot again.
+The workers' side is `elastic.in_process`, `elastic.rendezvous`, `elastic.peer_state` and
+`elastic.connections`."""
 
 from __future__ import annotations
 
