@@ -111,7 +111,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
         # Typed inputs rather than Ray's `train_loop_config` dict.
         functools.partial(train_loop, inputs),
         scaling_config=scaling.scaling_config(cfg),
-        torch_config=TorchConfig(backend="nccl" if scaling.trains_on_gpu(cfg) else "gloo",
+        torch_config=TorchConfig(backend=scaling.backend(cfg),
                                  timeout_s=int(cfg.elastic.collective_timeout_s)),
         run_config=RunConfig(
             name=cfg.run.name,

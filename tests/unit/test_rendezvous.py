@@ -59,22 +59,24 @@ def test_after_a_failed_collective_the_member_that_stopped_beating_is_dropped_wi
     assert owner.turn(now=101.1) == Membership(2, ("w0", "w2"))  # long before dead_after_s
 
 
-def test_a_joiner_is_added_after_the_members(store):
+def joined(store) -> RendezvousOwner:
+    """The first generation's owner once w9 asked to join at 100.5 and generation 2 took it in."""
     owner = first_generation(store)
     for name in ("w0", "w1", "w2"):
         beat(store, name, at=100.5)
     ask_to_join(store, "w9")
     assert owner.turn(now=100.5) == Membership(2, ("w0", "w1", "w2", "w9"))
+    return owner
+
+
+def test_a_joiner_is_added_after_the_members(store):
+    joined(store)
 
 
 def test_a_member_lost_before_the_others_took_a_joiner_in_is_dropped_within_confirm_s(store):
     # Generation 2 adds w9; w0 and w2 still train in generation 1 (their next log step takes
     # it in) when w1 dies there: their failed collective is generation 1's.
-    owner = first_generation(store)
-    for name in ("w0", "w1", "w2"):
-        beat(store, name, at=100.5)
-    ask_to_join(store, "w9")
-    assert owner.turn(now=100.5) == Membership(2, ("w0", "w1", "w2", "w9"))
+    owner = joined(store)
     report_error(store, 1, at=100.6)
     for name in ("w0", "w2", "w9"):
         beat(store, name, at=101.0)

@@ -77,7 +77,7 @@ class Member:
             register_group(base, token, group_size)
         self.store = dist.PrefixStore(token, base)
         self.cfg, self.backend, self.control_timeout_s = cfg, backend, control_timeout_s
-        self.name, self.token = name, token
+        self.name = name
         self.joined = joined  # started by the controller, not by Ray Train (`joining`)
         # The members Ray placed the group for: a generation with fewer waits for joiners.
         self.group_size = group_size

@@ -98,6 +98,11 @@ def controller_env(cfg: Config) -> None:
     os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
 
 
+def backend(cfg: Config) -> str:
+    """The process groups' backend of the training workers."""
+    return "nccl" if trains_on_gpu(cfg) else "gloo"
+
+
 def worker_env(cfg: Config) -> dict[str, str]:
     return {} if trains_on_gpu(cfg) else {"DS_ACCELERATOR": "cpu"}
 

@@ -70,7 +70,7 @@ class Joiners:
         actor = Joiner.options(
             num_cpus=resources.pop("CPU", 0), num_gpus=resources.pop("GPU", 0), resources=resources,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
-            runtime_env={"env_vars": self.env_vars}, name=None,
+            runtime_env={"env_vars": self.env_vars},
         ).remote()
         name = f"{rendezvous.member_name(rank)}.{self.started}"
         self.running[rank] = (actor, actor.run.remote(self.inputs, token, name, group_size))
@@ -126,16 +126,20 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
         self.masked: set[int] = set()
         self.join_failed: set[int] = set()  # ranks whose joiner raised: their deaths stand
         self.narrowed = False  # the report gates wait for the survivors only
-        self._store = None  # a client of the owner's store, made in the controller once needed
+        self._store = None  # `_client`
 
     def store(self):
         """The current worker group's keys in the owner's store (a Ray restart registers a
         new group: `rendezvous.register_group`)."""
+        return rendezvous.current_group(self._client()) or self._client()
+
+    def _client(self):
+        """A client of the owner's store, made in the controller once needed."""
         if self._store is None:
             import torch.distributed as dist
 
             self._store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=10))
-        return rendezvous.current_group(self._store) or self._store
+        return self._store
 
     def after_worker_group_start(self, worker_group) -> None:
         # A new group: every rank is in it, and its reports gate again on every rank (Ray's own).
@@ -189,8 +193,7 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
             self.masked -= lost  # their ranks come back with the replacements
 
     def _start_joiner(self, rank: int) -> None:
-        self.store()  # connects
-        self.joiners.start(self.worker_group, rank, rendezvous.current_token(self._store),
+        self.joiners.start(self.worker_group, rank, rendezvous.current_token(self._client()),
                            len(self.worker_group.get_workers()))
 
     def _look_after_joiners(self) -> None:

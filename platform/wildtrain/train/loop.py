@@ -34,7 +34,7 @@ from wildtrain.config import Config
 from wildtrain.data.dataset import OpenedData
 from wildtrain.elastic.in_process import Member
 from wildtrain.elastic.membership import RedundancyLost
-from wildtrain.elastic.scaling import trains_on_gpu
+from wildtrain.elastic.scaling import backend, trains_on_gpu
 from wildtrain.elastic.signals import (FinalCheckpointFailed, MembersJoining, PlannedRegrow, RunCannotContinue,
                                       UnhealthyNodes)
 from wildtrain.train import checkpointing, collectives
@@ -152,10 +152,6 @@ def train_generations(inputs: LoopInputs, member: Member, left: Optional[Leftove
                 raise
             if attempt is not None:
                 left = attempt.abandon(e, failed_at, left)
-
-
-def backend(cfg: Config) -> str:
-    return "nccl" if trains_on_gpu(cfg) else "gloo"
 
 
 def check_storage(drivers: storage.StorageView, cfg: Config) -> None:
