@@ -60,7 +60,7 @@ from wildtrain.checkpoint.store import Store  # noqa: E402
 from wildtrain.config import Config, load_config  # noqa: E402
 from wildtrain.engine import build_engine, build_model, import_deepspeed, lr_at  # noqa: E402
 from wildtrain.model import Transformer, flops_per_token, param_count  # noqa: E402
-from wildtrain.tracking.worker.mfu import Peak, mfu, peak_flops  # noqa: E402
+from wildtrain.tracking.worker.mfu import Peak, device_peak, mfu  # noqa: E402
 from wildtrain.train.step import DeviceBatches, StepMetrics, train_step  # noqa: E402
 
 DEVICE = torch.device("cuda", 0) if ON_CUDA else torch.device("cpu")
@@ -222,7 +222,7 @@ def main() -> int:
     if ON_CUDA:
         torch.cuda.set_device(DEVICE)
     deepspeed.init_distributed(dist_backend="nccl" if ON_CUDA else "gloo", verbose=False)
-    peak = peak_flops(torch.cuda.get_device_name(DEVICE) if ON_CUDA else "cpu")
+    peak = device_peak(DEVICE)
     if peak is None:
         sys.exit(f"no peak FLOP/s known for {torch.cuda.get_device_name(DEVICE)}: add it to tracking/worker/mfu.py")
     presets = (ARGS.presets or ("125m,1.3b" if ON_CUDA else "tiny")).split(",")

@@ -131,3 +131,54 @@ def test_a_shard_that_goes_bad_mid_run_is_one_error_naming_it(ray_cluster, datas
     with pytest.raises(ShardCorrupt, match=rf"^shard {copy}/shard-00001.parquet: row group \d unreadable"):
         for _ in range(5):  # one epoch reads every shard
             reader.next_step()
+
+
+def _starts() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("rank-stream-start")}
+
+
+def test_a_started_stream_reads_before_its_first_step_is_asked_for(ray_cluster, tmp_path, monkeypatch):
+    # A re-formed group starts its stream before it builds its engine: the same rows, read meanwhile.
+    monkeypatch.setattr(stream, "READ_TASK_BYTES", 1)
+    cfg = _config()
+    cfg.data.prefetch_blocks = 1  # the reads stay held back, and their executor alive, until training takes rows
+    data = _write(tmp_path, ((1,) * 400, (1,) * 400))
+    before = _executors()
+    started = RankStream([data], cfg, 1, 2, 3, doc_ids=False)
+    started.start()
+    wait_for(lambda: any(t.is_alive() for t in _executors() - before), "the started stream's reads")
+    plain = RankStream([data], cfg, 1, 2, 3, doc_ids=False)
+    for _ in range(4):
+        expected, got = plain.next_step(), started.next_step()
+        assert got.step == expected.step
+        np.testing.assert_array_equal(got.sample_ids, expected.sample_ids)
+        np.testing.assert_array_equal(got.tokens, expected.tokens)
+    plain.close()
+    started.close()
+
+
+def test_a_stream_closed_while_it_starts_stops_reading(ray_cluster, tmp_path, monkeypatch):
+    # An attempt dropped while it builds (a member lost mid re-form) closes a stream whose start still reads.
+    monkeypatch.setattr(stream, "READ_TASK_BYTES", 1)
+    cfg = _config()
+    cfg.data.prefetch_blocks = 1
+    before, starts_before = _executors(), _starts()
+    reader = RankStream([_write(tmp_path, ((1,) * 400, (1,) * 400))], cfg, 0, 2, 0, doc_ids=False)
+    reader.start()
+    reader.close()
+    wait_for(lambda: not any(t.is_alive() for t in _starts() - starts_before), "the start to end")
+    wait_for(lambda: not any(t.is_alive() for t in _executors() - before), "the closed stream's executor to stop")
+
+
+def test_a_started_stream_raises_its_reading_error_at_the_first_step(ray_cluster, dataset, tmp_path):
+    from wildtrain.data.manifest import ShardCorrupt
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in dataset.shard_paths:
+        (broken / path).write_bytes(b"not parquet")
+    reader = RankStream([Dataset(str(broken), dataset.shard_paths, dataset.source)], _config(), 0, 1, 0,
+                        doc_ids=False)
+    reader.start()
+    with pytest.raises(ShardCorrupt, match=rf"^shard {broken}/shard-0000\d.parquet"):
+        reader.next_step()

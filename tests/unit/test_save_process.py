@@ -14,6 +14,7 @@ import torch
 from tests.helpers.faulty_fs import HangingHandler
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
 from wildtrain.checkpoint.restore import restore
+from wildtrain.checkpoint.save_process import SaveProcess
 from wildtrain.checkpoint.store import Store
 
 WAIT_S = 60  # a bound for events that should come soon (a child imports torch); never waited out in a passing run
@@ -86,3 +87,52 @@ def test_a_store_call_that_never_returns_fails_the_save_and_the_next_one_works(t
     finally:
         assert saver.close(WAIT_S)
     assert restore([store], str(tmp_path / "local"), rank=0, world_size=1).manifest.step == 20
+
+
+def test_a_saver_closed_idle_hands_its_child_to_the_next_saver_which_saves_with_its_own_settings(tmp_path):
+    # An in-process re-form's attempt saves through the child of the attempt before it: no new imports.
+    first = AsyncSaver([str(tmp_path / "first")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p1")
+    assert save(first, 10, 1.0).status == "saved"
+    child = first._process.process
+    process = first.close_keeping_process(WAIT_S)
+    assert process is not None and process.process is child and child.is_alive()
+    second = AsyncSaver([str(tmp_path / "second")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p2",
+                        process=process)
+    try:
+        assert save(second, 20, 2.0).status == "saved"
+        assert second._process.process is child
+    finally:
+        assert second.close(WAIT_S)
+    assert not psutil.pid_exists(child.pid) or psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE
+    # Each save went to its own saver's store: the settings travel with the job, not with the child.
+    for store, step in (("first", 10), ("second", 20)):
+        assert restore([str(tmp_path / store)], str(tmp_path / f"local-{store}"), rank=0, world_size=1).manifest.step == step
+
+
+def test_a_saver_closed_mid_save_hands_over_not_its_child_and_a_dead_one_given_is_replaced(tmp_path):
+    marker = tmp_path / "hang"
+    marker.touch()
+    store = Store(pafs.PyFileSystem(HangingHandler(pafs.LocalFileSystem(), str(marker))), str(tmp_path / "store"),
+                  str(tmp_path / "store"))
+    saver = AsyncSaver([store], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p1")
+    assert saver.save_state(meta(10), {"state.pt": {"w": torch.zeros(8)}}).action == "start"
+    child = saver._process.process
+    # The save in flight is abandoned with its child; what is handed over, if anything, is a new one.
+    handed = saver.close_keeping_process(0)
+    child.join(WAIT_S)
+    assert not child.is_alive()
+    assert handed is None or handed.process is not child
+    if handed is not None:
+        handed.stop(WAIT_S)
+    [abandoned] = saver.drain()
+    assert abandoned.status in ("failed", "skipped")
+
+    given = SaveProcess()
+    given.kill()
+    marker.unlink()
+    after = AsyncSaver([store], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p2", process=given)
+    try:
+        assert after._process is not given
+        assert save(after, 20, 2.0).status == "saved"
+    finally:
+        assert after.close(WAIT_S)

@@ -129,7 +129,8 @@ class AsyncSaver:
                  retention: Optional[RetentionPolicy] = None, known_good: Iterable[tuple[str, str]] = (),
                  disk_free: Callable[[str], Optional[int]] = _disk_free, commit_when_released: bool = False,
                  reports_collected: Callable[[], bool] = lambda: False, background: Background = "process",
-                 nice: int = 0, device: torch.device = torch.device("cpu")) -> None:
+                 nice: int = 0, device: torch.device = torch.device("cpu"),
+                 process: Optional[SaveProcess] = None) -> None:
         if policy not in ("skip", "queue"):
             raise ValueError(f"checkpoint save policy {policy!r}: expected 'skip' or 'queue'")
         if background not in ("process", "thread"):
@@ -154,8 +155,14 @@ class AsyncSaver:
         self._settings = SaveSettings(tuple(self.stores), rank, world_size, timeout_s, verify_upload, retention,
                                       disk_free)
         # Spawned now, not with the first save: its imports take seconds, and a save still in
-        # flight when the next falls due makes that one skipped.
-        self._process: Optional[SaveProcess] = SaveProcess(self._settings, nice) if background == "process" else None
+        # flight when the next falls due makes that one skipped. Or handed over by the saver
+        # before (`close_keeping_process`), or spawned ahead by the caller: no imports at all.
+        if process is not None and (background != "process" or not process.alive()):
+            process.stop(0)
+            process = None
+        self._process: Optional[SaveProcess] = None
+        if background == "process":
+            self._process = process or SaveProcess(nice)
         # A child reads the host copies where the capture put them: in shared memory.
         on_cuda = device.type == "cuda"
         self._buffers = HostBuffers(pin=on_cuda, share=background == "process")
@@ -284,6 +291,22 @@ class AsyncSaver:
         """Finish the saves in flight and queued, then stop the writer thread and the save
         process. A save still running after `timeout_s` is killed with its process (its
         outcome: failed); in a thread it is left to end on its own."""
+        finished = self._close(timeout_s)
+        if self._process is not None:
+            self._process.stop(timeout_s)
+        return finished
+
+    def close_keeping_process(self, timeout_s: Optional[float] = None) -> Optional[SaveProcess]:
+        """`close`, handing the save process over to a next saver where it is idle and alive
+        (None where a save had to be killed with it, or the saves ran in a thread)."""
+        self._close(timeout_s)
+        process, self._process = self._process, None
+        if process is not None and not process.alive():
+            process.stop(0)  # its pipes
+            return None
+        return process
+
+    def _close(self, timeout_s: Optional[float]) -> bool:
         finished = self.flush(timeout_s)
         self._closing.set()
         with self._cond:
@@ -294,8 +317,6 @@ class AsyncSaver:
         if not finished and self._process is not None:
             self._process.interrupt()
         self._thread.join()  # at once: the process is idle, or dead and its save recorded
-        if self._process is not None:
-            self._process.stop(timeout_s)
         return finished
 
     def _admit(self, meta: CheckpointMeta, blocked_elsewhere: bool, policy: Optional[Policy]) -> Admission:
@@ -390,9 +411,9 @@ class AsyncSaver:
             return run_save(self._settings, work, _Link(self, job))
         started = time.perf_counter()
         try:
-            return self._process.run(work, _Link(self, job), self.timeout_s)
+            return self._process.run(self._settings, work, _Link(self, job), self.timeout_s)
         except SaveProcessLost as e:
-            self._process = SaveProcess(self._settings, self.nice)  # ready before the next save
+            self._process = SaveProcess(self.nice)  # ready before the next save
             outcome = SaveOutcome(job.meta.step, job.name, "failed", f"step {job.meta.step}: {e}", e.failure,
                                   job.stall_s, time.perf_counter() - started)
             return SaveResult(outcome, None, work.good, None)

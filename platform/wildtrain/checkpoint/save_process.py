@@ -3,7 +3,9 @@ torch.distributed.checkpoint's process-based async checkpointing: why, and what 
 in `async_save`'s docstring.
 
 One child per saver, spawned (not forked: the trainer has CUDA, NCCL and Ray threads) with the
-saver and reused for every save; one that is lost is replaced at once. A job's host copies are in
+saver and reused for every save; one that is lost is replaced at once. A saver closed idle
+can hand its child to the next (an in-process re-form's, which saves at another rank and
+world size): each job carries the saver's settings, so a child serves any saver. A job's host copies are in
 shared memory (`HostBuffers(share=True)`), so sending a job sends their handles, not their
 bytes, and the child reads the very buffers the capture filled. The stores travel to the
 child pickled over the pipe, S3 keys included (pyarrow pickles them): never on a command
@@ -47,30 +49,34 @@ class SaveProcessLost(Exception):
 class SaveProcess:
     """The parent's end: hands one job at a time to the child and relays what it says."""
 
-    def __init__(self, settings: SaveSettings, nice: int) -> None:
+    def __init__(self, nice: int = 0) -> None:
         ctx = torch.multiprocessing.get_context("spawn")
         self._conn, child_end = ctx.Pipe()
         lifeline, self._lifeline = ctx.Pipe(duplex=False)  # the child's end reads EOF once the parent is gone
-        self.process = ctx.Process(target=_serve, args=(child_end, lifeline, settings, os.getpid(), nice),
-                                   name=f"wildtrain-checkpoint-rank{settings.rank}", daemon=True)
+        self.nice = nice
+        self.process = ctx.Process(target=_serve, args=(child_end, lifeline, os.getpid(), nice),
+                                   name="wildtrain-checkpoint", daemon=True)
         self.process.start()
         # Only the child holds its ends now, so the parent reads EOF as soon as the child dies.
         child_end.close()
         lifeline.close()
 
-    def run(self, job: SaveJob, link, timeout_s: float) -> SaveResult:
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def run(self, settings: SaveSettings, job: SaveJob, link, timeout_s: float) -> SaveResult:
         """The job's result; `SaveProcessLost` (with the child gone) if the child died or
         stayed in one call past its deadline and `min(KILL_GRACE_S, timeout_s)`."""
         try:
-            return self._relay(job, link, timeout_s)
+            return self._relay(settings, job, link, timeout_s)
         except SaveProcessLost:
             raise
         except Exception as e:  # the pipe would be out of step with the child's work
             self.kill()
             raise SaveProcessLost(f"relaying the save process's messages: {describe(e)}", "error") from e
 
-    def _relay(self, job: SaveJob, link, timeout_s: float) -> SaveResult:
-        self._conn.send(job)
+    def _relay(self, settings: SaveSettings, job: SaveJob, link, timeout_s: float) -> SaveResult:
+        self._conn.send((settings, job))
         bound = time.monotonic() + STARTUP_S + timeout_s
         doing = "starting the save process"
         while True:
@@ -138,7 +144,7 @@ class _ToParent:
         return self._never.wait(seconds)
 
 
-def _serve(conn, lifeline, settings: SaveSettings, parent_pid: int, nice: int) -> None:
+def _serve(conn, lifeline, parent_pid: int, nice: int) -> None:
     os.nice(nice)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the process group is the parent's to handle
     torch.set_num_threads(1)  # torch.save and hashing need no intra-op threads; training needs the cores
@@ -146,13 +152,14 @@ def _serve(conn, lifeline, settings: SaveSettings, parent_pid: int, nice: int) -
     link = _ToParent(conn)
     while True:
         try:
-            job = conn.recv()
+            work = conn.recv()
         except EOFError:
             return
-        if job is None:
+        if work is None:
             return
+        settings, job = work
         result = run_save(settings, job, link)
-        del job  # unmaps the host buffers until the next job sends them again
+        del job, work  # unmaps the host buffers until the next job sends them again
         conn.send(("done", result))
 
 

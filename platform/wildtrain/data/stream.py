@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Iterator, Optional
@@ -228,7 +228,8 @@ class RankStream:
     """Rank `rank` of `world_size`'s rows for every step from `from_step` on.
 
     `next_step()` returns global_batch/world_size rows (with their doc_ids if `doc_ids`) and
-    adds the time it waited for them to `wait_s`."""
+    adds the time it waited for them to `wait_s`. Reading begins with the first `next_step()`,
+    or before it with `start()`."""
 
     def __init__(self, datasets: list[Dataset], cfg: Config, rank: int, world_size: int, from_step: int, *,
                  doc_ids: bool) -> None:
@@ -246,9 +247,29 @@ class RankStream:
         self._blocks: Iterator[dict] = iter(())
         self._current: dict[int, _Run] = {}
         self._pending: dict[int, dict[int, _Run]] = {}
+        self._starting: Optional[Future] = None
+
+    def start(self) -> None:
+        """Begin reading the first step's rows in the background, while the caller does other
+        work (builds its engine): Ray Data takes a second or two to start an epoch's reads,
+        which the first `next_step()` would otherwise wait for."""
+        epoch, step_in_epoch = split_step(self.step, self.steps_per_epoch)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="rank-stream-start")
+        self._starting = pool.submit(self._first_block, epoch, step_in_epoch)
+        pool.shutdown(wait=False)  # its thread ends with the reading
+
+    def _first_block(self, epoch: int, step_in_epoch: int) -> None:
+        self._start_epoch(epoch, step_in_epoch)
+        self._next_block()
+
+    def _started(self) -> None:
+        """Wait for `start`'s reading, if any; its error is the stream's."""
+        starting, self._starting = self._starting, None
+        if starting is not None:
+            starting.result()
 
     def _start_epoch(self, epoch: int, step_in_epoch: int) -> None:
-        self.close()  # the last epoch's reads, which may still run ahead
+        self._close_blocks()  # the last epoch's reads, which may still run ahead
         cfg = self.cfg
         plan = plan_epoch(self.sources, cfg.train.global_batch_size, cfg.train.seed, epoch)
         segments = rank_segments(plan, self.rank, self.world_size, cfg.train.global_batch_size, step_in_epoch)
@@ -295,7 +316,15 @@ class RankStream:
     def close(self) -> None:
         """Stop reading: Ray Data shuts the epoch's executor down now rather than when its
         iterator is collected (a group re-formed at another size in the same process reads
-        through a new stream, and the old one would read ahead meanwhile)."""
+        through a new stream, and the old one would read ahead meanwhile). A `start` still
+        reading is not waited for: its reads stop once its first block is in."""
+        starting, self._starting = self._starting, None
+        if starting is not None:
+            starting.add_done_callback(lambda _: self._close_blocks())
+        else:
+            self._close_blocks()
+
+    def _close_blocks(self) -> None:
         close = getattr(self._blocks, "close", None)
         if close is not None:
             close()
@@ -303,6 +332,7 @@ class RankStream:
 
     def next_step(self) -> Step:
         started = time.perf_counter()
+        self._started()
         epoch, step_in_epoch = split_step(self.step, self.steps_per_epoch)
         if epoch != self._epoch:
             self._start_epoch(epoch, step_in_epoch)

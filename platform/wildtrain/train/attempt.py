@@ -30,6 +30,7 @@ from wildtrain.batching import batch_plan
 from wildtrain.checkpoint.async_save import AsyncSaver
 from wildtrain.checkpoint.format import new_attempt_token
 from wildtrain.checkpoint.retention import RetentionPolicy
+from wildtrain.checkpoint.save_process import SaveProcess
 from wildtrain.data.manifest import ShardCorrupt
 from wildtrain.data.objectives import Objective
 from wildtrain.data.stream import RankStream
@@ -38,7 +39,7 @@ from wildtrain.elastic.signals import FinalCheckpointFailed, RunCannotContinue, 
 from wildtrain.events import Event, Failure, Formed, Interrupted, RegrowPostponed, Resize, StoppedEarly
 from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.model import flops_per_token
-from wildtrain.tracking.worker.mfu import peak_flops
+from wildtrain.tracking.worker.mfu import device_peak
 from wildtrain.train import checkpointing, collectives, validation
 from wildtrain.train.divergence import judge_loss
 from wildtrain.train.generations import InProcess, Leftovers, recovered
@@ -106,13 +107,19 @@ class Attempt:
             raise UnhealthyNodes(self.monitor.unhealthy_nodes, self.monitor.take_events())
         self.health_checked_at = time.time()
         stores = checkpoint_stores(cfg)
+        # The data position is the step: the stream starts where the restored model stopped.
+        # It reads doc_ids only for an objective or a mask that needs them.
+        objective = Objective.of(cfg, inputs.data.tokenizer)
         if left is None:
             self.engine, self.state, self.restored = checkpointing.build_and_restore(cfg, self.plan, world_size, rank,
                                                                                        stores, device)
+            self.stream = self._open_stream(inputs, objective, self.state.step)
             known_good = [self.restored.candidate.key] if self.restored.candidate else []
         else:
-            self.engine, self.state, self.restored = checkpointing.restore_from_peers(
-                cfg, self.plan, world_size, device, self.in_process.member.mirrors, left.states)
+            held = checkpointing.gather_from_peers(self.in_process.member.mirrors, left.states, world_size)
+            # The step is known before the engine is built: the first step's rows are read meanwhile.
+            self.stream = self._open_stream(inputs, objective, held.state.step)
+            self.engine, self.state, self.restored = checkpointing.restore_from_peers(cfg, self.plan, device, held)
             known_good = collectives.broadcast_object(left.known_good)  # a joiner knows none
         self.restored_at = time.time()
         self.restored_step = self.state.step
@@ -136,13 +143,9 @@ class Attempt:
             retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
             known_good=known_good, commit_when_released=True,
             reports_collected=self.reports_collected, background=background, device=device,
+            process=left.save_process if left else None,
         )
         self.reported_step = self.state.step  # the newest step whose report the controller has for sure
-        # The data position is the step: the stream starts where the restored model stopped.
-        # It reads doc_ids only for an objective or a mask that needs them.
-        objective = Objective.of(cfg, inputs.data.tokenizer)
-        self.stream = stream = RankStream(inputs.data.datasets, cfg, rank, world_size, from_step=self.state.step,
-                                          doc_ids=not objective.plain)
         self.samples = SampleRecorder(cfg, rank) if cfg.data.record_samples else None
         self.diverged = False
         self.windows: list[Window] = []  # closed at log steps, not yet reported
@@ -156,13 +159,12 @@ class Attempt:
         self.startup: Optional[Startup] = None  # the attempt's start-up timings, until a report carries them
 
         self.tokens_per_step = self.plan.global_batch_size * cfg.data.seq_len
-        peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                          cfg.cluster.peak_flops_per_device)
+        peak = device_peak(device, cfg.cluster.peak_flops_per_device)
         self.window = StepMetrics(self.tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len), peak, world_size,
-                                  device, data_wait=stream)
+                                  device, data_wait=self.stream)
         # Each step's rows become the objective's examples (a pure function of the step and
         # the rows), copied to the device while the step before it trains.
-        self.batches = DeviceBatches((stream.next_step() for _ in range(cfg.train.steps - self.state.step)), device,
+        self.batches = DeviceBatches((self.stream.next_step() for _ in range(cfg.train.steps - self.state.step)), device,
                                      tokens=lambda step: objective.rows(step.step, step.sample_ids, step.tokens,
                                                                         step.doc_ids))
         # Drills (chaos.*), off by default.
@@ -177,6 +179,13 @@ class Attempt:
                                   awaiting_joiners=member is not None and world_size < member.group_size)
         # This layout's first mirrors, before its first step: a death during it is recovered from them.
         self.commit()
+
+    def _open_stream(self, inputs: LoopInputs, objective: Objective, from_step: int) -> RankStream:
+        """This rank's rows from `from_step` on, read from now on in the background."""
+        stream = RankStream(inputs.data.datasets, self.cfg, self.rank, self.world_size, from_step=from_step,
+                            doc_ids=not objective.plain)
+        stream.start()
+        return stream
 
     def commit(self) -> None:
         """In-process (elastic.in_process), commit the step just done: mirror this rank's
@@ -199,15 +208,20 @@ class Attempt:
         (a member died in that step's report): the report is all that is left of the run."""
         return self.in_process is not None and self.in_process.left is not None and self.state.step == self.cfg.train.steps
 
-    def close(self) -> None:
+    def close(self, keep_save_process: bool = False) -> Optional[SaveProcess]:
         """Stop what this attempt started (its watchdog, and where built, its stream and its
         saver: a save in flight is abandoned uncommitted). For a dropped attempt only: a
-        finished one leaves its saves to commit."""
+        finished one leaves its saves to commit. With `keep_save_process`, the saver's
+        process, where idle, is not stopped but returned, for the next attempt."""
         self.watchdog.stop()
         if hasattr(self, "stream"):
             self.stream.close()
-        if hasattr(self, "saver"):
-            self.saver.close(timeout_s=0)
+        if not hasattr(self, "saver"):
+            return None
+        if keep_save_process:
+            return self.saver.close_keeping_process(timeout_s=0)
+        self.saver.close(timeout_s=0)
+        return None
 
     def abandon(self, error: BaseException, failed_at: float, left: Optional[Leftovers]) -> Leftovers:
         """Drop this attempt, which lost a member to `error` at `failed_at`: what the next one
@@ -227,14 +241,14 @@ class Attempt:
                                       f"workers joined the group of {self.world_size}", list(self.monitor.nodes)))
 
     def _leftovers(self, interruption: Interrupted) -> Leftovers:
-        self.close()
+        save_process = self.close(keep_save_process=True)
         saves = checkpointing.saves_report(self.saver.drain())
         self.mirrors.forget_after(max(self.committed_states))
         # The windows closed since the last report are of committed steps, their losses settled.
         return Leftovers(states=dict(self.committed_states), windows=self.resolved + self.window.resolve(self.windows),
                          events=self.carried_events + self.monitor.take_events() + saves.events,
                          committed=self.carried_commits + list(saves.committed), known_good=self.known_good,
-                         interruption=interruption)
+                         interruption=interruption, save_process=save_process)
 
     def step(self) -> At:
         """One optimizer step; where it leaves the run."""

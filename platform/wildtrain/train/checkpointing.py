@@ -98,21 +98,36 @@ def build_and_restore(cfg: Config, plan: BatchPlan, world_size: int, rank: int, 
     return engine, state, Restored(restored.candidate, timing, events)
 
 
-def restore_from_peers(cfg: Config, plan: BatchPlan, world_size: int, device: torch.device, mirrors: Mirrors,
-                       states: dict[int, TrainState]):
-    """What `build_and_restore` returns, from the state the members of a re-formed group
-    kept rather than from a checkpoint (elastic.in_process): the newest step whose every
-    ZeRO partition some member holds (`Mirrors.gather`; `RedundancyLost` where none is
-    whole), with the `states` (this rank's committed steps) of that step."""
+@dataclass(frozen=True)
+class HeldByPeers:
+    """The state the members of a re-formed group kept (elastic.in_process): the train state
+    of the newest step whose every ZeRO partition some member holds, and all of those
+    partitions (`Mirrors.gather`)."""
+
+    state: TrainState
+    full: list[torch.Tensor]
+    gather_s: float
+
+
+def gather_from_peers(mirrors: Mirrors, states: dict[int, TrainState], world_size: int) -> HeldByPeers:
+    """Collectively, what the group continues from (`Mirrors.gather`; `RedundancyLost` where no
+    step is whole); `states`: this rank's committed steps (a joiner has none)."""
     started = time.perf_counter()
     repartition, full = mirrors.gather(fresh=False)
     state = next(held[repartition.step] for held in collectives.all_gather_object(states)
                  if repartition.step in held)
+    return HeldByPeers(replace(state, world_size=world_size), full, time.perf_counter() - started)
+
+
+def restore_from_peers(cfg: Config, plan: BatchPlan, device: torch.device, held: HeldByPeers):
+    """What `build_and_restore` returns, from the state the members of a re-formed group
+    kept (`gather_from_peers`) rather than from a checkpoint."""
+    started = time.perf_counter()
     engine, engine_build_s = timed_engine(cfg, plan, device)
-    load_state(engine, full, repartition.step, plan.global_batch_size)
-    timing = RestoreTiming(restore_s=time.perf_counter() - started - engine_build_s, reshard_s=0.0,
+    load_state(engine, held.full, held.state.step, plan.global_batch_size)
+    timing = RestoreTiming(restore_s=held.gather_s + time.perf_counter() - started - engine_build_s, reshard_s=0.0,
                            engine_build_s=engine_build_s)
-    return engine, replace(state, world_size=world_size), Restored(None, timing, [])
+    return engine, held.state, Restored(None, timing, [])
 
 
 def timed_engine(cfg: Config, plan: BatchPlan, device: torch.device, load_universal: bool = False):

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from wildtrain.checkpoint.save_process import SaveProcess
 from wildtrain.elastic.in_process import Generation, Member
 from wildtrain.events import Event, Interrupted, Recovered
 from wildtrain.train.state import TrainState
@@ -15,7 +16,8 @@ from wildtrain.train.state import TrainState
 @dataclass(frozen=True)
 class Leftovers:
     """What an attempt dropped by an in-process re-form hands the next one: the state of its
-    last committed steps, and what its reports had not carried yet. A joiner's is empty."""
+    last committed steps, what its reports had not carried yet, and its save process (idle,
+    its imports done). A joiner's holds only a save process, spawned before it asked to join."""
 
     states: dict[int, TrainState]  # this rank's last committed steps
     windows: list[dict]  # resolved metrics windows
@@ -25,10 +27,12 @@ class Leftovers:
     # The interruption the next attempt recovers from: a member's loss (`Failure`) or the
     # joiners' arrival (`Resize`); None for a joiner, whose members record it.
     interruption: Optional[Interrupted]
+    save_process: Optional[SaveProcess] = None
 
     @classmethod
-    def joiner(cls) -> "Leftovers":
-        return cls(states={}, windows=[], events=[], committed=[], known_good=[], interruption=None)
+    def joiner(cls, save_process: Optional[SaveProcess]) -> "Leftovers":
+        return cls(states={}, windows=[], events=[], committed=[], known_good=[], interruption=None,
+                   save_process=save_process)
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,7 @@ def join_in_process(inputs: LoopInputs, token: str, name: str, group_size: int) 
     member = Member.joining(inputs.rendezvous, token, name, group_size, ray.get_runtime_context().get_node_id(),
                             cfg.elastic, backend(cfg), control_timeout_s(cfg))
     try:
-        train_generations(inputs, member, Leftovers.joiner(), lambda: None)
+        train_generations(inputs, member, Leftovers.joiner(None), lambda: None)
     finally:
         member.heartbeat.stop()  # ended or failed: either way no member any more
 

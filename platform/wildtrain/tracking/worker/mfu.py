@@ -61,6 +61,11 @@ def peak_flops(device_name: str, override: Optional[float] = None) -> Optional[P
     return measure_cpu_peak() if words == ["CPU"] else None
 
 
+def device_peak(device: torch.device, override: Optional[float] = None) -> Optional[Peak]:
+    """`peak_flops` of the training device `device` (its name, or "cpu")."""
+    return peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", override)
+
+
 @functools.cache
 def measure_cpu_peak(size: int = 512, seconds: float = 0.2) -> Peak:
     """The best fp32 rate of `size`² matmuls over `seconds`, with this process's threads;
