@@ -182,3 +182,20 @@ def test_a_started_stream_raises_its_reading_error_at_the_first_step(ray_cluster
     reader.start()
     with pytest.raises(ShardCorrupt, match=rf"^shard {broken}/shard-0000\d.parquet"):
         reader.next_step()
+
+
+def test_a_warm_up_read_leaves_nothing_reading(ray_cluster, tmp_path, monkeypatch):
+    # A joiner reads once before it asks to join; reads left running would compete with its training.
+    monkeypatch.setattr(stream, "READ_TASK_BYTES", 1)
+    cfg = _config()
+    cfg.data.prefetch_blocks = 1
+    before = _executors()
+    data = _write(tmp_path, ((1,) * 400, (1,) * 400))
+    stream.warm_up([data], cfg)
+    wait_for(lambda: not any(t.is_alive() for t in _executors() - before), "the warm-up's executor to stop")
+    # It did read: a shard gone bad fails it.
+    (tmp_path / data.shard_paths[0]).write_bytes(b"not parquet")
+    from wildtrain.data.manifest import ShardCorrupt
+
+    with pytest.raises(ShardCorrupt):
+        stream.warm_up([data], cfg)
