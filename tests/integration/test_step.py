@@ -61,6 +61,7 @@ def _collectives(rank: int) -> dict:
         "all_ranks": [c.all_ranks(True), c.all_ranks(rank == 0)],
         "any_rank": [c.any_rank(rank == 1), c.any_rank(False)],
         "broadcast_flag": c.broadcast_flag(rank == 0),
+        "broadcast_int": c.broadcast_int(2 if rank == 0 else 0),
         "broadcast_object": c.broadcast_object({"from": rank}),
         "all_gather_object": c.all_gather_object(f"rank{rank}"),
         "all_gather_floats": [c.all_gather_floats(float(rank)), c.all_gather_floats([rank, 10.0 + rank])],
@@ -157,6 +158,7 @@ def test_every_collective_of_the_helper_at_world_size_2(results):
         assert got["all_ranks"] == [True, False]
         assert got["any_rank"] == [True, False]
         assert got["broadcast_flag"] is True
+        assert got["broadcast_int"] == 2
         assert got["broadcast_object"] == {"from": 0}
         assert got["all_gather_object"] == ["rank0", "rank1"]
         assert got["all_gather_floats"] == [[0.0, 1.0], [[0.0, 10.0], [1.0, 11.0]]]

@@ -119,6 +119,7 @@ def test_without_a_process_group_each_collective_is_that_of_a_group_of_one():
     assert collectives.all_ranks(True) and not collectives.all_ranks(False)
     assert collectives.any_rank(True) and not collectives.any_rank(False)
     assert collectives.broadcast_flag(True) is True
+    assert collectives.broadcast_int(7) == 7
     assert collectives.broadcast_object({"a": 1}) == {"a": 1}
     assert collectives.all_gather_object("x") == ["x"]
     assert collectives.all_gather_floats(1.5) == [1.5]

@@ -132,12 +132,17 @@ def any_rank(yes: bool) -> bool:
 
 def broadcast_flag(value: bool, src: int = 0) -> bool:
     """Rank `src`'s `value`, on every rank."""
+    return bool(broadcast_int(int(value), src))
+
+
+def broadcast_int(value: int, src: int = 0) -> int:
+    """Rank `src`'s `value`, on every rank: one small tensor, not a pickled object."""
     if not _active():
-        return bool(value)
+        return int(value)
     group, device = _flags()
-    flag = torch.tensor([int(value)], device=device)
-    dist.broadcast(flag, src=src, group=group)
-    return bool(flag.item())
+    box = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.broadcast(box, src=src, group=group)
+    return int(box.item())
 
 
 def broadcast_object(value: T, src: int = 0) -> T:

@@ -45,7 +45,7 @@ class GrowthCheck:
         synchronizes the ranks anyway, and never at the run's last."""
         if not logs or at.last or not self.below_max:
             return Growth.NONE
-        return Growth(collectives.broadcast_object(self._look().value if self.rank == 0 else None))
+        return Growth(collectives.broadcast_int(self._look().value if self.rank == 0 else 0))
 
     def _look(self) -> Growth:
         if self.joiners is not None and self.joiners():
