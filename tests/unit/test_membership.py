@@ -2,6 +2,7 @@ import pytest
 
 from wildtrain.elastic.membership import (
     Membership,
+    NoMembersLeft,
     RedundancyLost,
     Repartition,
     StateSync,
@@ -37,7 +38,7 @@ def test_nothing_changed_keeps_the_generation_until_a_failed_collective_has_aged
 
 def test_a_dead_joiner_is_not_admitted_and_no_one_left_is_an_error():
     assert next_membership(THREE, dead={"w3"}, joiners=["w3"]) is None
-    with pytest.raises(RuntimeError, match="generation 4: every member"):
+    with pytest.raises(NoMembersLeft, match="generation 4: every member"):
         next_membership(THREE, dead=set(THREE.members), joiners=[])
 
 

@@ -136,3 +136,23 @@ def test_the_server_starts_each_worker_group_ray_starts_afresh_and_leaves_an_ear
         assert latest(first).members == ("w0", "w1")
     finally:
         server.stop()
+
+
+def test_a_group_whose_every_member_died_leaves_the_server_serving_the_next_group():
+    # Ray kills the last member for its restart (or its node dies): that group cannot re-form,
+    # and the restarted group's workers must still get their first generation.
+    server = RendezvousServer(services.HOST, DEAD_AFTER_S, CONFIRM_S)
+    try:
+        client = dist.TCPStore(services.HOST, server.port, is_master=False, timeout=timedelta(seconds=10))
+        first = dist.PrefixStore("group-a", client)
+        register_group(client, "group-a", 1)
+        ask_to_join(first, "w0")
+        beat(first, "w0")
+        assert wait_for(lambda: latest(first).generation, "the first group's first generation") == 1
+        wait_for(lambda: server.owner is None, "the server to give up the group whose last member went silent")
+        second = dist.PrefixStore("group-b", client)
+        register_group(client, "group-b", 1)
+        ask_to_join(second, "w0")
+        assert wait_for(lambda: latest(second).generation, "the restarted group's first generation") == 1
+    finally:
+        server.stop()

@@ -32,6 +32,11 @@ def stale(beats: Mapping[str, float], now: float, dead_after_s: float, error_at:
                      if now - beat > dead_after_s or (after_error and beat < error_at))
 
 
+class NoMembersLeft(RuntimeError):
+    """Every member of a generation is dead and none asked to join: only a checkpoint can
+    restore the run (Ray restarts the worker group)."""
+
+
 def next_membership(current: Membership, dead: Iterable[str], joiners: Sequence[str],
                     errored_for_s: Optional[float] = None, confirm_s: float = 0.0) -> Optional[Membership]:
     """The next generation, or None while the current one should stand.
@@ -50,7 +55,7 @@ def next_membership(current: Membership, dead: Iterable[str], joiners: Sequence[
         if errored_for_s is None or errored_for_s < confirm_s:
             return None
     if not members:
-        raise RuntimeError(f"generation {current.generation}: every member ({', '.join(current.members)}) is dead "
+        raise NoMembersLeft(f"generation {current.generation}: every member ({', '.join(current.members)}) is dead "
                            "and none asked to join; only a checkpoint can restore this run")
     return Membership(current.generation + 1, members)
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from wildtrain.elastic.membership import Membership, next_membership, stale
+from wildtrain.elastic.membership import Membership, NoMembersLeft, next_membership, stale
 
 
 def latest(store: dist.Store) -> Membership:
@@ -198,7 +198,13 @@ class RendezvousServer:
                                              self.confirm_s)
                 self.store.set("current", token)
             if self.owner is not None:
-                self.owner.turn(time.time(), ending=self.owner.store.check(["ending"]))
+                try:
+                    self.owner.turn(time.time(), ending=self.owner.store.check(["ending"]))
+                except NoMembersLeft as e:
+                    # The group is gone (its workers killed for Ray's restart, or their nodes):
+                    # the restarted group registers anew, and this thread must be there for it.
+                    print(f"in-process rendezvous: {e}", flush=True)
+                    self.owner = None
 
     def stop(self) -> None:
         self._stopped.set()
