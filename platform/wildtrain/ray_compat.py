@@ -51,7 +51,8 @@ __all__ = [
     "ControllerState", "controller_state", "counts_as_failure", "dashboard_url", "group_workers", "kv_get", "kv_put",
     "kill_pending_actors", "lost_a_worker_process", "mask_worker_deaths", "narrow_report_gates", "quiet_ray_data",
     "quiet_report_log", "refresh_train_resource_view", "ReplacingTorchConfig", "reports_collected", "resize_request",
-    "resize_to", "start_timed_out", "worker_failures", "worker_lost", "worker_slot", "TrainerWithoutDatasets",
+    "resize_to", "show_worker_errors", "start_timed_out", "worker_failures", "worker_lost", "worker_slot",
+    "TrainerWithoutDatasets",
 ]
 
 
@@ -273,6 +274,14 @@ def mask_worker_deaths(poll_status, ranks: set[int]) -> None:
     them), not a failure for Ray to restart the group for."""
     for rank in ranks:
         poll_status.worker_statuses[rank] = WorkerStatus(running=False)
+
+
+def show_worker_errors(poll_status, errors: dict[int, Exception]) -> None:
+    """Show the controller `errors` in place of those of the same failed ranks in a poll's
+    status, before it decides on it: where the error it would record says less."""
+    for rank, error in errors.items():
+        if poll_status.worker_statuses[rank].error is not None:
+            poll_status.worker_statuses[rank] = WorkerStatus(running=False, error=error)
 
 
 class _ReplacingBackend(_TorchBackend):

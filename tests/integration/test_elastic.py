@@ -194,6 +194,57 @@ def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker
     assert generations == [(1, first.nodes), (2, [first.nodes[0]]), (3, [first.nodes[0], returned.node_id])]
 
 
+def test_a_joiner_that_fails_falls_back_to_a_restart_from_the_checkpoint(worker_nodes, elastic_config, uninterrupted,
+                                                                        mlflow_url, tmp_path):
+    """elastic.in_process: the worker that joins on the returned node raises in its first step
+    (chaos.fail_joiner, as on a broken node). The controller does not start the same failure
+    again on that slot: Ray restarts the group at full size from the newest checkpoint, and the
+    run ends as an uninterrupted one would."""
+    cluster = worker_nodes
+    run = BackgroundRun(elastic_config(f"joiner-fails-{tmp_path.name}", ON_WORKER_NODES, "elastic.in_process=true",
+                                       "chaos.fail_joiner=true"))
+
+    def events() -> list:
+        run_id = run.mlflow_run_id()
+        return read_events(mlflow_url, run_id, tempfile.mkdtemp(dir=tmp_path)) if run_id else []
+
+    run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6 at world size 2", 300)
+    first = wait_for(lambda: [e for e in events() if isinstance(e, Formed)], "the first generation's ranks", 60)[0]
+    victim = next(node for node in cluster.worker_nodes if node.node_id == first.nodes[1])
+    cluster.remove_node(victim, allow_graceful=False)
+    run.wait_until(lambda h: h and h[-1].value == 1, "a step at world size 1", 300)
+    returned = cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
+    summary = run.join(600)
+    reference_run = uninterrupted.join(600)
+
+    cfg = run.cfg
+    assert summary.final_metrics["step"] == STEPS
+    assert summary.final_metrics["tokens_seen"] == STEPS * cfg.train.global_batch_size * cfg.data.seq_len
+    assert (tmp_path / "runs" / cfg.run.name / "chaos_failed").exists(), "the joiner's drill fired"
+    client = MlflowClient(mlflow_url)
+    losses = final_lineage(client.get_metric_history(summary.run_id, "loss"))
+    reference_losses = final_lineage(client.get_metric_history(reference_run.run_id, "loss"))
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step, loss in reference_losses.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), f"step {step}"
+
+    # The shrink recovered in-process; the joiner's failure ended that group, recorded with the
+    # joiner's own error, and the group Ray restarted (a new one, at both nodes) restored a
+    # committed checkpoint (a save in flight at the join's hand-over is abandoned: the steps
+    # redone can be more than checkpoint.every).
+    happened = events()
+    failures = [e for e in happened if isinstance(e, Failure)]
+    assert len(failures) == 2
+    assert "joined on rank 1's slot failed" in failures[1].cause and "chaos.fail_joiner" in failures[1].cause
+    recoveries = [(e.kind, e.world_size_before, e.world_size_after) for e in happened if isinstance(e, Recovered)]
+    assert recoveries == [("failure", 2, 1), ("failure", 1, 2)]
+    assert next(e for e in reversed(happened) if isinstance(e, Recovered)).restored_step % cfg.checkpoint.every == 0
+    generations = [(e.generation, e.nodes) for e in happened if isinstance(e, Formed)]
+    assert generations[:2] == [(1, first.nodes), (2, [first.nodes[0]])]
+    restarted, nodes = generations[-1]
+    assert restarted == 1 and sorted(nodes) == sorted([first.nodes[0], returned.node_id])  # Ray ranks them anew
+
+
 class WildtrainStartProbe:
     """An actor that stands in for a Ray Train worker whose node dies between its placement
     and its creation (named apart, so that runs of this job keep theirs)."""

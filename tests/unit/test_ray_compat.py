@@ -232,6 +232,11 @@ def test_a_worker_death_can_be_masked_and_the_report_gates_narrowed_where_ray_re
     assert status.errors and not TrainController._is_training_succeeded(status)
     ray_compat.mask_worker_deaths(status, {1})
     assert not status.errors and TrainController._is_training_succeeded(status)
+    # A rank whose joiner failed: its death stands, shown with the joiner's error (running ranks keep theirs).
+    status.worker_statuses[1] = WorkerStatus(running=False, error=died)
+    joiner_failed = RuntimeError("the worker that joined on rank 1's slot failed")
+    ray_compat.show_worker_errors(status, {1: joiner_failed, 0: RuntimeError("not failed")})
+    assert status.errors == {1: joiner_failed} and not TrainController._is_training_succeeded(status)
     poll = inspect.getsource(WorkerGroup.poll_status)
     assert poll.index("callback.after_worker_group_poll_status") < poll.index("return worker_group_poll_status")
 

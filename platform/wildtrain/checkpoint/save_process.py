@@ -5,9 +5,9 @@ in `async_save`'s docstring.
 One child per saver, spawned (not forked: the trainer has CUDA, NCCL and Ray threads) with the
 saver and reused for every save; one that is lost is replaced at once. A saver closed idle
 can hand its child to the next (an in-process re-form's, which saves at another rank and
-world size): each job carries the saver's settings, so a child serves any saver. A job's host copies are in
-shared memory (`HostBuffers(share=True)`), so sending a job sends their handles, not their
-bytes, and the child reads the very buffers the capture filled. The stores travel to the
+world size): each job carries the saver's settings, so a child serves any saver. A job's
+host copies are in shared memory (`HostBuffers(share=True)`), so sending a job sends their
+handles, not their bytes, and the child reads the very buffers the capture filled. The stores travel to the
 child pickled over the pipe, S3 keys included (pyarrow pickles them): never on a command
 line, in the environment of another process, or in a message.
 
@@ -53,7 +53,6 @@ class SaveProcess:
         ctx = torch.multiprocessing.get_context("spawn")
         self._conn, child_end = ctx.Pipe()
         lifeline, self._lifeline = ctx.Pipe(duplex=False)  # the child's end reads EOF once the parent is gone
-        self.nice = nice
         self.process = ctx.Process(target=_serve, args=(child_end, lifeline, os.getpid(), nice),
                                    name="wildtrain-checkpoint", daemon=True)
         self.process.start()

@@ -220,6 +220,9 @@ class ChaosConfig:
     # per run (it leaves a marker in the run's folder), so the restarted group passes it.
     fail_rank: int = -1
     fail_at_step: int = 0
+    # A worker that joins an in-process group (elastic.in_process) raises in its first step
+    # there, once per run (the same marker), as a joiner on a broken node would.
+    fail_joiner: bool = False
 
     def slows(self, rank: int, node_labels: dict[str, str]) -> bool:
         return rank == self.slow_rank or (self.slow_node_label is not None and self.slow_node_label in node_labels)

@@ -195,15 +195,19 @@ class Member:
         """Destroy the last generation's groups (Ray Train's, the first time). DeepSpeed holds
         its own and releases them on its destroy; the engine and its optimizer refer to each
         other, so only a collection frees the old group and closes its connections."""
-        if not dist.is_initialized():
-            return
-        deepspeed = import_deepspeed()
-        if deepspeed.comm.comm.cdb is None:
-            # No engine was built in this process yet, but DeepSpeed's clone of the world
-            # (`clone_world_group`) was: dropped too, or the next generation's ranks would
-            # create different numbers of groups (a joiner makes the clone) and wait forever.
-            dist.destroy_process_group()
-            deepspeed.utils.groups._release_process_group_references()
-        else:
-            deepspeed.comm.destroy_process_group()
-        gc.collect()
+        if dist.is_initialized():
+            deepspeed = import_deepspeed()
+            if deepspeed.comm.comm.cdb is None:
+                # No engine was built in this process yet, but DeepSpeed's clone of the world
+                # (`clone_world_group`) was: dropped too, or the next generation's ranks would
+                # create different numbers of groups (a joiner makes the clone) and wait forever.
+                dist.destroy_process_group()
+                deepspeed.utils.groups._release_process_group_references()
+            else:
+                deepspeed.comm.destroy_process_group()
+            gc.collect()
+        if self.membership.generation == 0:
+            # What is alive before the first generation (the imports, Ray's worker, the run's
+            # inputs) lives as long as the process: frozen out of the collector's sight, the
+            # collection at each later re-form takes 1 ms here instead of 0.2-0.9 s.
+            gc.freeze()

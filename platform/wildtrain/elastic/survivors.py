@@ -124,7 +124,8 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
         self.joiners = joiners
         self.worker_group = None
         self.masked: set[int] = set()
-        self.join_failed: set[int] = set()  # ranks whose joiner raised: their deaths stand
+        # Ranks whose joiner raised, with its error: their deaths stand, shown as that error.
+        self.join_failed: dict[int, Exception] = {}
         self.narrowed = False  # the report gates wait for the survivors only
         self._store = None  # `_client`
 
@@ -144,7 +145,7 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
     def after_worker_group_start(self, worker_group) -> None:
         # A new group: every rank is in it, and its reports gate again on every rank (Ray's own).
         self.worker_group = worker_group
-        self.masked, self.join_failed = set(), set()
+        self.masked, self.join_failed = set(), {}
         self.narrowed = False
 
     def before_worker_group_shutdown(self, worker_group) -> None:
@@ -161,10 +162,11 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
             self.narrowed = False
             print("the worker group is whole again: every rank's reports count", flush=True)
         lost = {r for r, e in worker_group_status.errors.items() if ray_compat.worker_lost(e)}
-        if lost - self.masked and 0 not in lost and not lost & self.join_failed:
+        if lost - self.masked and 0 not in lost and not lost & self.join_failed.keys():
             self._decide(lost, everyone)
         if not self.replace:
             ray_compat.mask_worker_deaths(worker_group_status, self.masked)
+        ray_compat.show_worker_errors(worker_group_status, self.join_failed)
 
     def _decide(self, lost: set[int], everyone: list[int]) -> None:
         store = self.store()
@@ -207,7 +209,8 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
                 print(f"the worker that joined on rank {rank}'s slot died; another waits for that slot", flush=True)
                 self._start_joiner(rank)
             else:
-                print(f"the worker that joined on rank {rank}'s slot failed; the group restarts instead: "
-                      f"{(str(error).strip().splitlines() or [''])[-1][:300]}", flush=True)
+                failed = RuntimeError(f"the worker that joined on rank {rank}'s slot failed, so the group "
+                                      f"restarts instead: {(str(error).strip().splitlines() or [''])[-1][:300]}")
+                print(failed, flush=True)
                 self.masked.discard(rank)
-                self.join_failed.add(rank)
+                self.join_failed[rank] = failed

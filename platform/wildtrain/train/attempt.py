@@ -170,6 +170,9 @@ class Attempt:
         # Drills (chaos.*), off by default.
         self.slow_forward_s = cfg.chaos.slow_step_s if self.monitor.slowed_by_chaos else 0.0
         self.fails_at_step = cfg.chaos.fail_at_step if rank == cfg.chaos.fail_rank else 0
+        self.fail_drill = "chaos.fail_rank"
+        if cfg.chaos.fail_joiner and not self.reports_to_ray:  # a joiner: its first step here
+            self.fails_at_step, self.fail_drill = self.state.step + 1, "chaos.fail_joiner"
         # A generation that lost members grows back by the workers the controller starts on
         # their placement slots once Ray placed those again (`elastic.survivors`).
         member = self.in_process.member if self.in_process else None
@@ -286,11 +289,12 @@ class Attempt:
         return True
 
     def _fail_once(self) -> None:
-        """The chaos.fail_rank drill: this rank raises mid-step, the first time the run gets here."""
+        """The chaos.fail_rank (or fail_joiner) drill: this rank raises mid-step, the first time
+        the run gets here."""
         marker = RunLayout.of(self.cfg).chaos_failed
         if storage.read_text(marker, self.cfg.storage) is None:
             storage.write_text(marker, f"rank {self.rank}, step {self.fails_at_step}", self.cfg.storage)
-            raise RuntimeError(f"chaos drill: rank {self.rank} fails in step {self.fails_at_step} (chaos.fail_rank)")
+            raise RuntimeError(f"chaos drill: rank {self.rank} fails in step {self.fails_at_step} ({self.fail_drill})")
 
     def save(self, at: At, regrow: bool) -> bool:
         """Save this step's checkpoint; whether the regrow is still on. A regrow whose checkpoint

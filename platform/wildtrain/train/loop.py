@@ -21,7 +21,6 @@ their state over at their next log step to the generation that includes it.
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from dataclasses import dataclass
@@ -157,11 +156,6 @@ def train_generations(inputs: LoopInputs, member: Member, left: Optional[Leftove
     lost, drop the attempt, form the next generation and go on from the state the members
     hold; where workers join, hand the state over to the generation that includes them.
     Every other error stands, as in `train`."""
-    # What is alive by now (the imports, Ray's worker, the run's inputs) lives as long as the
-    # process: frozen out of the collector's sight, the full collection that frees the last
-    # generation's groups at each re-form (`Member.form`) takes 1 ms here instead of 0.2-0.9 s.
-    gc.collect()
-    gc.freeze()
     while True:
         attempt = None
         try:
