@@ -5,6 +5,7 @@ are rebuilt from (seed, step, sample id) by whichever rank reads the row."""
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from itertools import groupby
@@ -131,6 +132,24 @@ def test_node_dies_and_returns_without_changing_what_is_trained(worker_nodes, el
     assert regrow.steps_lost == 0, "a planned regrow checkpoints first and redoes no step"
 
 
+def run_events(run: BackgroundRun, mlflow_url: str, tmp_path) -> list:
+    """The events `run` has recorded in MLflow so far."""
+    run_id = run.mlflow_run_id()
+    return read_events(mlflow_url, run_id, tempfile.mkdtemp(dir=tmp_path)) if run_id else []
+
+
+def lose_rank_1_and_return_a_node(cluster, run: BackgroundRun, events):
+    """Remove rank 1's node of an in-process run past step 3, and add a worker node back once
+    the run trains at world size 1: the first generation's `Formed` and the node added. Early:
+    the joiner has the rest of the run's 20 s to start and join, on a loaded 2-core machine."""
+    run.wait_until(lambda h: any(m.step >= 3 for m in h), "step 3 at world size 2", 300)
+    first = wait_for(lambda: [e for e in events() if isinstance(e, Formed)], "the first generation's ranks", 60)[0]
+    victim = next(node for node in cluster.worker_nodes if node.node_id == first.nodes[1])
+    cluster.remove_node(victim, allow_graceful=False)
+    run.wait_until(lambda h: h and h[-1].value == 1, "a step at world size 1", 300)
+    return first, cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
+
+
 def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker_nodes, elastic_config, uninterrupted,
                                                                           mlflow_url, tmp_path):
     """elastic.in_process: rank 1's node dies; rank 0 re-forms at world size 1 in its own
@@ -140,17 +159,8 @@ def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker
     cluster = worker_nodes
     run = BackgroundRun(elastic_config(f"in-process-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true",
                                        "elastic.in_process=true"))
-
-    def events() -> list:
-        run_id = run.mlflow_run_id()
-        return read_events(mlflow_url, run_id, tempfile.mkdtemp(dir=tmp_path)) if run_id else []
-
-    run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6 at world size 2", 300)
-    first = wait_for(lambda: [e for e in events() if isinstance(e, Formed)], "the first generation's ranks", 60)[0]
-    victim = next(node for node in cluster.worker_nodes if node.node_id == first.nodes[1])
-    cluster.remove_node(victim, allow_graceful=False)
-    run.wait_until(lambda h: h and h[-1].value == 1, "a step at world size 1", 300)
-    returned = cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
+    events = functools.partial(run_events, run, mlflow_url, tmp_path)
+    first, returned = lose_rank_1_and_return_a_node(cluster, run, events)
     summary = run.join(600)
     reference_run = uninterrupted.join(600)
 
@@ -203,17 +213,8 @@ def test_a_joiner_that_fails_falls_back_to_a_restart_from_the_checkpoint(worker_
     cluster = worker_nodes
     run = BackgroundRun(elastic_config(f"joiner-fails-{tmp_path.name}", ON_WORKER_NODES, "elastic.in_process=true",
                                        "chaos.fail_joiner=true"))
-
-    def events() -> list:
-        run_id = run.mlflow_run_id()
-        return read_events(mlflow_url, run_id, tempfile.mkdtemp(dir=tmp_path)) if run_id else []
-
-    run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6 at world size 2", 300)
-    first = wait_for(lambda: [e for e in events() if isinstance(e, Formed)], "the first generation's ranks", 60)[0]
-    victim = next(node for node in cluster.worker_nodes if node.node_id == first.nodes[1])
-    cluster.remove_node(victim, allow_graceful=False)
-    run.wait_until(lambda h: h and h[-1].value == 1, "a step at world size 1", 300)
-    returned = cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
+    events = functools.partial(run_events, run, mlflow_url, tmp_path)
+    first, returned = lose_rank_1_and_return_a_node(cluster, run, events)
     summary = run.join(600)
     reference_run = uninterrupted.join(600)
 

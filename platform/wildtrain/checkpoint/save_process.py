@@ -53,6 +53,7 @@ class SaveProcess:
         ctx = torch.multiprocessing.get_context("spawn")
         self._conn, child_end = ctx.Pipe()
         lifeline, self._lifeline = ctx.Pipe(duplex=False)  # the child's end reads EOF once the parent is gone
+        self.interrupted = False
         self.process = ctx.Process(target=_serve, args=(child_end, lifeline, os.getpid(), nice),
                                    name="wildtrain-checkpoint", daemon=True)
         self.process.start()
@@ -61,7 +62,7 @@ class SaveProcess:
         lifeline.close()
 
     def alive(self) -> bool:
-        return self.process.is_alive()
+        return self.process.is_alive() and not self.interrupted
 
     def run(self, settings: SaveSettings, job: SaveJob, link, timeout_s: float) -> SaveResult:
         """The job's result; `SaveProcessLost` (with the child gone) if the child died or
@@ -110,6 +111,7 @@ class SaveProcess:
 
     def interrupt(self) -> None:
         """Kill the child from another thread: `run`, if it is waiting, sees it die."""
+        self.interrupted = True  # it may still look alive for a moment
         if self.process.is_alive():
             self.process.kill()
 
