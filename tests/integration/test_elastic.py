@@ -211,8 +211,9 @@ def test_a_joiner_that_fails_falls_back_to_a_restart_from_the_checkpoint(worker_
     again on that slot: Ray restarts the group at full size from the newest checkpoint, and the
     run ends as an uninterrupted one would."""
     cluster = worker_nodes
+    # A second a step (the pace changes no loss): the joiner must join before the run's end to fail.
     run = BackgroundRun(elastic_config(f"joiner-fails-{tmp_path.name}", ON_WORKER_NODES, "elastic.in_process=true",
-                                       "chaos.fail_joiner=true"))
+                                       "chaos.fail_joiner=true", "chaos.min_step_s=1.0"))
     events = functools.partial(run_events, run, mlflow_url, tmp_path)
     first, returned = lose_rank_1_and_return_a_node(cluster, run, events)
     summary = run.join(600)
