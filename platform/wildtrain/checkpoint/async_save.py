@@ -14,37 +14,21 @@ rank's part is in). A writer thread of the saver hands each save to the child an
 what the child asks (whether a step's report was collected) and tells (what it is doing,
 its deadline).
 
-Why a process: in a thread, the background half takes the GIL (torch.save's pickling, the
-Python loops of hashing and copying) in turns with training, and once the cores are
-oversubscribed each hand-back waits for the scheduler. Measured with
-bench/save_interference.py on this 2-core CPU machine, one training thread, ratio = step
-time during a save / without (goal: at most 1.10):
-- shared with other jobs (load average 15-30; 11M parameters + AdamW, 0.13 GB per save):
-  thread 2.84x (2.24 s per save), child process 0.94x (0.60 s), child at niceness 10 1.01x
-  (9.8 s);
-- quiet (load average under 2): 0.13 GB per save, thread 0.96x, process 0.97x, niceness 10
-  1.01x; 60M parameters (`--dim 768 --layers 8`, about 0.7 GB per save), thread 1.07x,
-  process 1.10x, niceness 10 1.03x.
-So with a core to spare the mode matters little; under contention the thread is what
-slows training. The child keeps training's priority unless `nice` says otherwise: a
-niced save can take many times longer on a busy machine, and while it is in flight later
-saves are skipped. On a GPU node, whose host cores mostly idle, it should cost less still.
-What the process costs: the host buffers are in shared memory (on CUDA, also page-locked
-in place with cudaHostRegister, as torch.distributed.checkpoint's staging does), reused
-across saves, so the child reads them where the capture put them; one child per saver,
-spawned with the saver (a few seconds of imports, off the training thread); scripts
-that make a saver need the `if __name__ == "__main__":` guard of any spawned process.
+Why a process: in a thread, the background half takes the GIL (pickling, the Python loops of
+hashing and copying) in turns with training: on 2 busy CPU cores steps ran 2.84x as long
+during a save in a thread, 0.94x in a process (bench/save_interference.py; the README's
+Checkpoints section has the rest). The child keeps training's priority unless `nice` says
+otherwise: a niced save took many times longer there, and later saves were skipped meanwhile.
+The host buffers are in shared memory (on CUDA also page-locked in place with
+cudaHostRegister, as torch.distributed.checkpoint's staging does) and reused, so the child
+reads them where the capture put them; one child per saver, spawned with it or handed over
+from the last one (its imports take seconds); scripts that make a saver need the spawn's
+`if __name__ == "__main__":` guard.
 
-Why not run DeepSpeed's own save to a fast local folder synchronously and only upload in the
-background? Because serializing and writing is most of a save's cost. Measured with
-bench/checkpoint_stall.py (the 125m preset, 134M parameters, ZeRO-1, one rank, this 2-core
-CPU machine shared with other jobs, 2.14 GB per save): DeepSpeed's save to local disk
-stalled training 4.2-5.7 s, the whole synchronous save with upload, verification and commit
-12-14 s, the capture 0.14 s with reused buffers (1.1 s the first time, when they are
-allocated). On CUDA the gap is wider: the capture is a device-to-pinned-host copy (0.29 s
-for 15.7 GB on one H200, see DESIGN.md) against 18.5 s for `torch.save` of the same state.
-The price is host memory: the buffers stay allocated, one copy of this rank's checkpoint
-(two while a queued save waits).
+Why not DeepSpeed's own save to a fast local folder, uploaded in the background? Serializing
+is most of a save's cost: 4.2-5.7 s of stall against 0.14 s for the capture (the 125m preset,
+2.14 GB per save, bench/checkpoint_stall.py); on one H200, 18.5 s against 0.29 s for 15.7 GB
+(DESIGN.md). The price is host memory: one copy of this rank's part, two while one is queued.
 
 Storage problems never raise into training: every save ends as one `SaveOutcome` (see
 `save_policy`, which also decides what becomes of a save due while one is in flight), and
@@ -140,18 +124,14 @@ class AsyncSaver:
         self.stores: list[Store] = [as_store(s) for s in stores]
         self.staging = Path(staging_dir)
         self.rank = rank
-        self.world_size = world_size
         self.attempt = attempt
         self.policy = policy
         self.timeout_s = timeout_s
-        self.verify_upload = verify_upload
-        self.retention = retention
         # (store URI, checkpoint name) pairs known to be good, which retention never deletes
         # all of: restored from, or uploaded and verified by this saver.
         self._good: set[tuple[str, str]] = set(known_good)
         self._disk_free = disk_free
-        self.background = background
-        self.nice = nice  # the child's niceness: it yields the cores to training
+        self.background, self.nice = background, nice  # nice: the child's niceness
         self._settings = SaveSettings(tuple(self.stores), rank, world_size, timeout_s, verify_upload, retention,
                                       disk_free)
         # Spawned now, not with the first save: its imports take seconds, and a save still in

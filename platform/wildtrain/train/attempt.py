@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Optional
 
 import psutil
 import ray.train
-import ray.train.torch
 import torch
 
 from wildtrain import ray_compat, storage
@@ -34,15 +33,15 @@ from wildtrain.checkpoint.save_process import SaveProcess
 from wildtrain.data.manifest import ShardCorrupt
 from wildtrain.data.objectives import Objective
 from wildtrain.data.stream import RankStream
-from wildtrain.elastic.scaling import spare_cpus, trains_on_gpu
+from wildtrain.elastic.scaling import spare_cpus
 from wildtrain.elastic.signals import FinalCheckpointFailed, RunCannotContinue, UnhealthyNodes
-from wildtrain.events import Event, Failure, Formed, Interrupted, RegrowPostponed, Resize, StoppedEarly
+from wildtrain.events import Event, Formed, Interrupted, RegrowPostponed, Resize, StoppedEarly
 from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.model import flops_per_token
 from wildtrain.tracking.worker.mfu import device_peak
 from wildtrain.train import checkpointing, collectives, validation
 from wildtrain.train.divergence import judge_loss
-from wildtrain.train.generations import InProcess, Leftovers, recovered
+from wildtrain.train.generations import InProcess, Leftovers, PeerCommits, Unreported
 from wildtrain.train.growth import GrowthCheck
 from wildtrain.train.monitor import Monitor
 from wildtrain.train.samples import SampleRecorder
@@ -62,7 +61,7 @@ class Attempt:
     of it): built at its world size from the newest checkpoint or from the state its peers
     kept, it trains until the run ends or the group is restarted or re-formed."""
 
-    def __init__(self, inputs: LoopInputs, in_process: Optional[InProcess] = None) -> None:
+    def __init__(self, inputs: LoopInputs, device: torch.device, in_process: Optional[InProcess] = None) -> None:
         self.started_at = time.time()
         self.cfg = cfg = inputs.cfg
         self.data = inputs.data
@@ -83,11 +82,6 @@ class Attempt:
         self.plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
 
         torch.manual_seed(cfg.train.seed)
-        # Ray Train set this worker's CUDA device (a joiner's slot holds one GPU); NCCL's
-        # collectives and the batches go there.
-        device = torch.device("cpu")
-        if trains_on_gpu(cfg):
-            device = ray.train.torch.get_device() if self.reports_to_ray else torch.device("cuda", 0)
         # From here to the first step (health check, restore, engine build) under the start-up bound.
         self.watchdog = HangWatchdog(cfg.monitor.hang_timeout_s, cfg.monitor.startup_timeout_s,
                                      RunLayout.of(cfg).hangs, rank, cfg.storage)
@@ -124,11 +118,8 @@ class Attempt:
         self.restored_at = time.time()
         self.restored_step = self.state.step
         self.state.world_size = world_size
-        self.committed_states = {self.state.step: dataclasses.replace(self.state)}
-        self.mirrors = None
+        self.commits = PeerCommits(self.in_process, self.state) if self.in_process else None
         if self.in_process is not None:
-            self.mirrors = self.in_process.member.mirrors
-            self.mirrors.use_layout(self.in_process.generation.number, world_size)
             if rank == 0:
                 self.monitor.events.append(Formed(time.time(), self.in_process.generation.number, self.state.step,
                                                   list(self.monitor.nodes)))
@@ -170,9 +161,8 @@ class Attempt:
         # Drills (chaos.*), off by default.
         self.slow_forward_s = cfg.chaos.slow_step_s if self.monitor.slowed_by_chaos else 0.0
         self.fails_at_step = cfg.chaos.fail_at_step if rank == cfg.chaos.fail_rank else 0
-        self.fail_drill = "chaos.fail_rank"
         if cfg.chaos.fail_joiner and not self.reports_to_ray:  # a joiner: its first step here
-            self.fails_at_step, self.fail_drill = self.state.step + 1, "chaos.fail_joiner"
+            self.fails_at_step = self.state.step + 1
         # A generation that lost members grows back by the workers the controller starts on
         # their placement slots once Ray placed those again (`elastic.survivors`).
         member = self.in_process.member if self.in_process else None
@@ -191,20 +181,9 @@ class Attempt:
         return stream
 
     def commit(self) -> None:
-        """In-process (elastic.in_process), commit the step just done: mirror this rank's
-        partition on its ring successor and settle the open window's loss over the ranks, a
-        collective no rank leaves before every mirror is in place. From then on the step and
-        its loss survive any one rank's death (elastic.peer_state). The loop commits a step
-        once its validation and save are done: what a death drops with an uncommitted step
-        (its window, its validation, its save) is done again with it."""
-        if self.mirrors is None:
-            return
-        self.mirrors.exchange(self.engine, self.state.step)
-        self.mirrors.settle()
-        self.window.settle()
-        self.committed_states[self.state.step] = dataclasses.replace(self.state)
-        for old in sorted(self.committed_states)[:-self.mirrors.keep_steps]:
-            del self.committed_states[old]
+        """In-process (elastic.in_process), commit the step just done (`PeerCommits`)."""
+        if self.commits is not None:
+            self.commits.commit(self.engine, self.state, self.window)
 
     def re_formed_at_the_end(self) -> bool:
         """Whether this attempt was re-formed in-process after the run's last step committed
@@ -227,15 +206,9 @@ class Attempt:
         return None
 
     def abandon(self, error: BaseException, failed_at: float, left: Optional[Leftovers]) -> Leftovers:
-        """Drop this attempt, which lost a member to `error` at `failed_at`: what the next one
-        needs of it. Its interruption is `left`'s where it never stepped (the same outage)."""
-        stepped = max(self.committed_states) > self.restored_step or left is None or left.interruption is None
-        # A step trained but not committed yet is trained again: lost, in the failure's accounting.
-        failure = (Failure(failed_at, self.world_size, self.state.step,
-                           f"a member left the group of {self.world_size}: {str(error).splitlines()[0][:200]}",
-                           list(self.monitor.nodes))
-                   if stepped else left.interruption)
-        return self._leftovers(failure)
+        """Drop this attempt, which lost a member to `error` at `failed_at`: what the next one needs of it."""
+        return self._leftovers(self.commits.failure(error, failed_at, self.state, self.world_size,
+                                                    list(self.monitor.nodes), left))
 
     def hand_over(self) -> Leftovers:
         """Drop this attempt at a committed step for the next generation, which workers joined
@@ -245,13 +218,17 @@ class Attempt:
 
     def _leftovers(self, interruption: Interrupted) -> Leftovers:
         save_process = self.close(keep_save_process=True)
-        saves = checkpointing.saves_report(self.saver.drain())
-        self.mirrors.forget_after(max(self.committed_states))
         # The windows closed since the last report are of committed steps, their losses settled.
-        return Leftovers(states=dict(self.committed_states), windows=self.resolved + self.window.resolve(self.windows),
-                         events=self.carried_events + self.monitor.take_events() + saves.events,
-                         committed=self.carried_commits + list(saves.committed), known_good=self.known_good,
-                         interruption=interruption, save_process=save_process)
+        return self.commits.leftovers(interruption, self._take_unreported(), self.known_good, save_process)
+
+    def _take_unreported(self) -> Unreported:
+        """What the reports have not carried yet, taken: for this report or the next generation."""
+        saves = checkpointing.saves_report(self.saver.drain())
+        unreported = Unreported(self.resolved + self.window.resolve(self.windows),
+                                self.carried_events + self.monitor.take_events() + saves.events,
+                                self.carried_commits + list(saves.committed), saves.metrics)
+        self.windows, self.resolved, self.carried_events, self.carried_commits = [], [], [], []
+        return unreported
 
     def step(self) -> At:
         """One optimizer step; where it leaves the run."""
@@ -294,7 +271,8 @@ class Attempt:
         marker = RunLayout.of(self.cfg).chaos_failed
         if storage.read_text(marker, self.cfg.storage) is None:
             storage.write_text(marker, f"rank {self.rank}, step {self.fails_at_step}", self.cfg.storage)
-            raise RuntimeError(f"chaos drill: rank {self.rank} fails in step {self.fails_at_step} ({self.fail_drill})")
+            drill = "chaos.fail_joiner" if self.cfg.chaos.fail_joiner and not self.reports_to_ray else "chaos.fail_rank"
+            raise RuntimeError(f"chaos drill: rank {self.rank} fails in step {self.fails_at_step} ({drill})")
 
     def save(self, at: At, regrow: bool) -> bool:
         """Save this step's checkpoint; whether the regrow is still on. A regrow whose checkpoint
@@ -352,17 +330,6 @@ class Attempt:
             self.diverged = True
             self.monitor.events.append(StoppedEarly(time.time(), self.state.step, verdict.reason))
 
-    def _recovered(self) -> list[Event]:
-        """The interruption this re-formed attempt recovered from, and its recovery."""
-        interruption = self.in_process.left.interruption
-        done = recovered(interruption, self.in_process.generation.formed_at, self.restored_at, self.restored_step,
-                         self.world_size)
-        if self.rank == 0:
-            print(f"re-formed in-process at world size {self.world_size} from step {self.restored_step} in "
-                  f"{done.recovery_s:.1f} s (rendezvous {done.restart_s:.1f} s, state from peers "
-                  f"{done.restore_s:.1f} s); {done.steps_lost} steps redone", flush=True)
-        return [interruption, done]
-
     def report(self, at: At, logs: bool, saving: bool, must_commit: bool) -> None:
         """Close this log step's window (`logs`), then hand the controller the windows, the saves
         that ended and the events since the last report, once that holds no step back (see
@@ -377,7 +344,7 @@ class Attempt:
             self._judge(window)
         if at.first and self.in_process is not None and self.in_process.left is not None:
             if self.in_process.left.interruption is not None:
-                self.carried_events += self._recovered()
+                self.carried_events += self.in_process.recovered(self.restored_at, self.restored_step)
         elif at.first:
             # What the controller needs to split this attempt's recovery (and start-up) time into its parts.
             self.startup = Startup(restored_step=self.restored_step, **dataclasses.asdict(self.restored.timing),
@@ -393,21 +360,19 @@ class Attempt:
             if (not must_commit and not self.diverged
                     and (not looking or not collectives.all_ranks(self.reports_collected()))):
                 return
-            windows = self.resolved + self.window.resolve(self.windows)
-            self.windows, self.resolved = [], []
+            unreported = self._take_unreported()
+            windows, events = unreported.windows, unreported.events
             if windows:
                 self.monitor.export(windows[-1])
-            saves = checkpointing.saves_report(self.saver.drain())
-            events = self.carried_events + self.monitor.take_events() + saves.events
             if self.startup is not None:
                 events = self.restored.events + events
             if self.reports_to_ray:  # a joiner's windows are rank 0's too; its events are not sent
                 ray.train.report(WorkerReport(
                     step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size, windows=tuple(windows),
-                    events=tuple(events), checkpoint=saves.metrics,
-                    committed_checkpoints=tuple(self.carried_commits + list(saves.committed)), startup=self.startup,
+                    events=tuple(events), checkpoint=unreported.checkpoint_metrics,
+                    committed_checkpoints=tuple(unreported.committed), startup=self.startup,
                 ).to_dict())
-            self.startup, self.carried_events, self.carried_commits = None, [], []
+            self.startup = None
             self.reports.sent(state.step, self._steps_per_poll(windows))
         # Every rank's previous report had been collected (or this one waited for its turn),
         # so reports up to it are at the controller; this one's save commits once the

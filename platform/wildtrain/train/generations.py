@@ -1,16 +1,19 @@
 """What an in-process attempt (elastic.in_process) is given: its member and generation, and
-what the attempt dropped before it left (`Leftovers`); and the recovery it records."""
+what the attempt dropped before it left (`Leftovers`); the steps it commits (`PeerCommits`);
+and the recovery it records."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 from wildtrain.checkpoint.save_process import SaveProcess
 from wildtrain.elastic.in_process import Generation, Member
-from wildtrain.events import Event, Interrupted, Recovered
+from wildtrain.events import Event, Failure, Interrupted, Recovered
 from wildtrain.train.state import TrainState
+from wildtrain.train.step import StepMetrics
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,17 @@ class Leftovers:
 
 
 @dataclass(frozen=True)
+class Unreported:
+    """What an attempt's reports have not carried yet: its resolved metrics windows, its
+    events and the checkpoints committed since (with the checkpoint metrics of those saves)."""
+
+    windows: list[dict]
+    events: list[Event]
+    committed: list[str]
+    checkpoint_metrics: dict
+
+
+@dataclass(frozen=True)
 class InProcess:
     """An attempt of elastic.in_process: its member, the generation it trains in, and what the
     attempt before it left (None: the worker group's first, which restores a checkpoint; a
@@ -44,6 +58,58 @@ class InProcess:
     member: Member
     generation: Generation
     left: Optional[Leftovers]
+
+    def recovered(self, restored_at: float, restored_step: int) -> list[Event]:
+        """The interruption this re-formed attempt recovered from, and its recovery, at its first step."""
+        interruption = self.left.interruption
+        done = recovered(interruption, self.generation.formed_at, restored_at, restored_step,
+                         self.generation.world_size)
+        if self.generation.rank == 0:
+            print(f"re-formed in-process at world size {done.world_size_after} from step {restored_step} in "
+                  f"{done.recovery_s:.1f} s (rendezvous {done.restart_s:.1f} s, state from peers "
+                  f"{done.restore_s:.1f} s); {done.steps_lost} steps redone", flush=True)
+        return [interruption, done]
+
+
+class PeerCommits:
+    """The steps an in-process attempt committed: a step commits once its validation and save
+    are done and this rank's ZeRO partition is mirrored on its ring successor (elastic.peer_state);
+    from then on the step and its loss survive any one rank's death. What a death drops with
+    an uncommitted step (its window, its validation, its save) is done again with it."""
+
+    def __init__(self, in_process: InProcess, state: TrainState) -> None:
+        self.mirrors = in_process.member.mirrors
+        self.mirrors.use_layout(in_process.generation.number, in_process.generation.world_size)
+        self.restored_step = state.step
+        self.states = {state.step: dataclasses.replace(state)}
+
+    def commit(self, engine, state: TrainState, window: StepMetrics) -> None:
+        """Commit the step just done: mirror the partition and settle the open window's loss over
+        the ranks, a collective no rank leaves before every mirror is in place."""
+        self.mirrors.exchange(engine, state.step)
+        self.mirrors.settle()
+        window.settle()
+        self.states[state.step] = dataclasses.replace(state)
+        for old in sorted(self.states)[:-self.mirrors.keep_steps]:
+            del self.states[old]
+
+    def failure(self, error: BaseException, failed_at: float, state: TrainState, world_size: int, nodes: list[str],
+                left: Optional[Leftovers]) -> Interrupted:
+        """The interruption of an attempt that lost a member to `error` at `failed_at`: `left`'s
+        where it never stepped (the same outage). A step trained but not committed yet is
+        trained again: lost, in the failure's accounting."""
+        if max(self.states) > self.restored_step or left is None or left.interruption is None:
+            return Failure(failed_at, world_size, state.step,
+                           f"a member left the group of {world_size}: {str(error).splitlines()[0][:200]}", nodes)
+        return left.interruption
+
+    def leftovers(self, interruption: Interrupted, unreported: Unreported, known_good: list[tuple[str, str]],
+                  save_process: Optional[SaveProcess]) -> Leftovers:
+        """What the next generation needs of this attempt, dropped at its last committed step."""
+        self.mirrors.forget_after(max(self.states))
+        return Leftovers(states=dict(self.states), windows=unreported.windows, events=unreported.events,
+                         committed=unreported.committed, known_good=known_good, interruption=interruption,
+                         save_process=save_process)
 
 
 def recovered(interruption: Interrupted, formed_at: float, restored_at: float, restored_step: int, world_size: int,

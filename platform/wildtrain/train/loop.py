@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import ray.train
+import ray.train.torch
 import torch
 
 from wildtrain import storage
@@ -68,11 +69,13 @@ def train_loop(inputs: LoopInputs) -> None:
     collectives.open_control_group(control_timeout_s(cfg))
     # Raised by every rank at the same step: nobody's failure.
     together = (PlannedRegrow, UnhealthyNodes, FinalCheckpointFailed, RedundancyLost, MembersJoining)
+    # Ray Train set this worker's CUDA device: NCCL's collectives and the batches go there.
+    device = ray.train.torch.get_device() if trains_on_gpu(cfg) else torch.device("cpu")
     with collectives.failing_together(ray.train.get_context().get_world_rank(), together) as watch:
         if inputs.rendezvous is None:
-            train(Attempt(inputs))
+            train(Attempt(inputs, device))
         else:
-            train_in_process(inputs, watch)
+            train_in_process(inputs, device, watch)
 
 
 def train(attempt: Attempt) -> None:
@@ -107,13 +110,13 @@ def train(attempt: Attempt) -> None:
         attempt.watchdog.stop()
 
 
-def train_in_process(inputs: LoopInputs, watch: collectives.PeerWatch) -> None:
+def train_in_process(inputs: LoopInputs, device: torch.device, watch: collectives.PeerWatch) -> None:
     """Train in the generations of this worker group's membership (elastic.in_process)."""
     context, cfg = ray.train.get_context(), inputs.cfg
     member = Member.of_ray_worker(inputs.rendezvous, context.get_world_rank(), context.get_world_size(),
                                   ray.get_runtime_context().get_node_id(), cfg.elastic, backend(cfg),
                                   control_timeout_s(cfg))
-    train_generations(inputs, member, None, watch.failed_peer)
+    train_generations(inputs, device, member, None, watch.failed_peer)
 
 
 def join_in_process(inputs: LoopInputs, token: str, name: str, group_size: int) -> None:
@@ -132,7 +135,7 @@ def join_in_process(inputs: LoopInputs, token: str, name: str, group_size: int) 
     member = Member.joining(inputs.rendezvous, token, name, group_size, ray.get_runtime_context().get_node_id(),
                             cfg.elastic, backend(cfg), control_timeout_s(cfg))
     try:
-        train_generations(inputs, member, left, lambda: None)
+        train_generations(inputs, device, member, left, lambda: None)
     finally:
         member.heartbeat.stop()  # ended or failed: either way no member any more
 
@@ -150,7 +153,7 @@ def ready_to_join(inputs: LoopInputs, device: torch.device) -> Leftovers:
     return Leftovers.joiner(save_process)
 
 
-def train_generations(inputs: LoopInputs, member: Member, left: Optional[Leftovers],
+def train_generations(inputs: LoopInputs, device: torch.device, member: Member, left: Optional[Leftovers],
                       peer_failure: Callable[[], Optional[str]]) -> None:
     """Train `member` in the generations of its worker group's membership: where a member is
     lost, drop the attempt, form the next generation and go on from the state the members
@@ -160,7 +163,7 @@ def train_generations(inputs: LoopInputs, member: Member, left: Optional[Leftove
         attempt = None
         try:
             generation = member.form()
-            attempt = Attempt(inputs, InProcess(member, generation, left))
+            attempt = Attempt(inputs, device, InProcess(member, generation, left))
             train(attempt)
             member.leave()
             return
