@@ -23,7 +23,7 @@ from wildtrain import driver, ray_compat
 from wildtrain.data.manifest import read_manifest
 from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order
 from wildtrain.data.stream import sample_ids
-from wildtrain.events import Failure, Formed, Recovered, Resize
+from wildtrain.events import CheckpointFailed, Failure, Formed, Recovered, Resize
 from wildtrain.tracking.record import read_events
 
 pytestmark = pytest.mark.integration
@@ -202,6 +202,9 @@ def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker
     assert [type(e) for e in happened if isinstance(e, (Failure, Resize))] == [Failure, Resize]
     generations = [(e.generation, e.nodes) for e in happened if isinstance(e, Formed)]
     assert generations == [(1, first.nodes), (2, [first.nodes[0]]), (3, [first.nodes[0], returned.node_id])]
+    # Every member of the last generation is in the joined one: a save in flight at the hand-over commits.
+    join = next(e for e in happened if isinstance(e, Resize))
+    assert not [e for e in happened if isinstance(e, CheckpointFailed) and e.at >= join.at]
 
 
 def test_a_joiner_that_fails_falls_back_to_a_restart_from_the_checkpoint(worker_nodes, elastic_config, uninterrupted,
@@ -232,8 +235,8 @@ def test_a_joiner_that_fails_falls_back_to_a_restart_from_the_checkpoint(worker_
 
     # The shrink recovered in-process; the joiner's failure ended that group, recorded with the
     # joiner's own error, and the group Ray restarted (a new one, at both nodes) restored a
-    # committed checkpoint (a save in flight at the join's hand-over is abandoned: the steps
-    # redone can be more than checkpoint.every).
+    # committed checkpoint (a save still in flight when the joiner failed dies with the group:
+    # the steps redone can be more than checkpoint.every).
     happened = events()
     failures = [e for e in happened if isinstance(e, Failure)]
     assert len(failures) == 2

@@ -360,3 +360,24 @@ def test_a_save_commits_as_soon_as_the_controller_has_its_report(store, make_sav
     collected.set()  # no later report needed: the controller took this one
     assert saver.flush(WAIT_S)
     assert committed_steps(store) == [4]
+
+
+def test_a_save_in_flight_at_a_regroup_commits_as_its_group_s_and_the_next_as_the_new_one_s(tmp_path, store, faults,
+                                                                                             make_saver):
+    # In-process, workers joined: the group re-forms at a larger size while the alone rank's save uploads.
+    faults.gate = threading.Event()
+    saver = make_saver(rank=0, world_size=1, attempt="a1")
+    saver.save_state(meta(4), {"state.pt": state(4.0)})
+    assert faults.write_blocked.wait(WAIT_S)
+    saver.regroup(rank=0, world_size=2, attempt="a2", reports_collected=lambda: False)
+    faults.gate.set()
+    assert saver.flush(WAIT_S), "the old group's save waits for no rank of the new group"
+    assert [(o.step, o.name, o.status) for o in saver.drain()] == [(4, checkpoint_name(4, "a1"), "saved")]
+
+    joiner = make_saver(rank=1, world_size=2, attempt="a2")
+    saver.save_state(meta(8, world_size=2), {"shared.pt": state(8.0)})
+    assert not saver.flush(1.0), "the next save is the new group's: rank 0 waits for rank 1's part"
+    joiner.save_state(meta(8, world_size=2), {"zero_pp_rank_1_mp_rank_00_x.pt": state(8.0)})
+    assert saver.flush(WAIT_S)
+    assert [(o.step, o.name, o.status) for o in saver.drain()] == [(8, checkpoint_name(8, "a2"), "saved")]
+    assert committed_steps(store) == [4, 8]

@@ -1,44 +1,37 @@
 """Asynchronous, verified checkpoints: training waits only while the state is copied to host memory.
 
-A save has two halves.
-
-Capture, on the training thread (`AsyncSaver.save_engine`, `save_state`): DeepSpeed's
-`save_checkpoint` runs as usual (it is a collective, builds every state dict and names every
-file) but with the engine's checkpoint writer swapped for one that copies each tensor into a
-host buffer instead of serializing it (see `host_copy`, which owns the buffers). The small
-files DeepSpeed writes itself and the client state go straight to the rank's staging folder.
-
-Background, in the saver's child process (`save_process`; `save_work` is the work itself:
-staging write, upload to each store, verification, and on rank 0 the commit once every
-rank's part is in). A writer thread of the saver hands each save to the child and relays
-what the child asks (whether a step's report was collected) and tells (what it is doing,
-its deadline).
+A save has two halves. The capture, on the training thread (`AsyncSaver.save_engine`,
+`save_state`): DeepSpeed's `save_checkpoint` runs as usual (a collective that builds every
+state dict and names every file) with the engine's checkpoint writer swapped for one that
+copies each tensor into a host buffer (`host_copy` owns them); DeepSpeed's small files and
+the client state go straight to the rank's staging folder. The background half, in the
+saver's child process (`save_process`; `save_work` is the work: staging write, upload to
+each store, verification, and on rank 0 the commit once every rank's part is in): a writer
+thread hands each save to the child and relays what it asks (whether a step's report was
+collected) and tells (what it is doing, its deadline).
 
 Why a process: in a thread, the background half takes the GIL (pickling, the Python loops of
 hashing and copying) in turns with training: on 2 busy CPU cores steps ran 2.84x as long
 during a save in a thread, 0.94x in a process (bench/save_interference.py; the README's
 Checkpoints section has the rest). The child keeps training's priority unless `nice` says
 otherwise: a niced save took many times longer there, and later saves were skipped meanwhile.
-The host buffers are in shared memory (on CUDA also page-locked in place with
-cudaHostRegister, as torch.distributed.checkpoint's staging does) and reused, so the child
-reads them where the capture put them; one child per saver, spawned with it or handed over
-from the last one (its imports take seconds); scripts that make a saver need the spawn's
-`if __name__ == "__main__":` guard.
+The host buffers are in shared memory (on CUDA also page-locked, as torch's DCP staging does)
+and reused; one child per saver, spawned with it or handed over from the last one (its
+imports take seconds); scripts that make a saver need the spawn's `__main__` guard.
 
 Why not DeepSpeed's own save to a fast local folder, uploaded in the background? Serializing
 is most of a save's cost: 4.2-5.7 s of stall against 0.14 s for the capture (the 125m preset,
 2.14 GB per save, bench/checkpoint_stall.py); on one H200, 18.5 s against 0.29 s for 15.7 GB
 (DESIGN.md). The price is host memory: one copy of this rank's part, two while one is queued.
 
-Storage problems never raise into training: every save ends as one `SaveOutcome` (see
-`save_policy`, which also decides what becomes of a save due while one is in flight), and
-the next save is the retry. A storage call that never returns is bounded by killing the
-child (`save_process.KILL_GRACE_S` past its deadline) and spawning a new one; in a thread
-(`background="thread"`) it cannot be, and later saves are skipped (or queued) meanwhile.
-"""
+Storage problems never raise into training: every save ends as one `SaveOutcome` (`save_policy`
+also decides what becomes of a save due while one is in flight); the next save is the retry.
+A storage call that never returns is bounded by killing the child (`save_process.KILL_GRACE_S`
+past its deadline); in a thread it cannot be, and later saves are skipped (or queued) meanwhile."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import threading
@@ -72,6 +65,9 @@ class _Job:
     meta: CheckpointMeta
     name: str
     folder: Path
+    # The saver's when the job was made: a regroup changes those of later jobs.
+    settings: SaveSettings
+    host: HostBuffers
     pending: list[tuple[str, Any]] = field(default_factory=list)  # (path in folder, host copy)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     stall_s: float = 0.0
@@ -91,8 +87,8 @@ class _Link:
     def doing(self, what: str) -> None:
         self._job.doing = what
 
-    def deadline(self, at: float) -> None:
-        pass  # a thread cannot be stopped; its own checks between chunks are all there is
+    def deadline(self, at: float) -> None:  # a thread cannot be stopped: its checks between chunks are all
+        pass
 
     def report_collected(self, step: int) -> bool:
         return self._saver._report_collected(step)
@@ -123,10 +119,7 @@ class AsyncSaver:
             raise ValueError("AsyncSaver needs at least one store")
         self.stores: list[Store] = [as_store(s) for s in stores]
         self.staging = Path(staging_dir)
-        self.rank = rank
-        self.attempt = attempt
-        self.policy = policy
-        self.timeout_s = timeout_s
+        self.rank, self.attempt, self.policy, self.timeout_s = rank, attempt, policy, timeout_s
         # (store URI, checkpoint name) pairs known to be good, which retention never deletes
         # all of: restored from, or uploaded and verified by this saver.
         self._good: set[tuple[str, str]] = set(known_good)
@@ -191,24 +184,15 @@ class AsyncSaver:
         """Capture this rank's part of a DeepSpeed checkpoint (a collective: every rank calls
         it, with the same `blocked_elsewhere`) and hand it to the writer thread. The local
         folder has the layout of `wildtrain.checkpoint.save`."""
-        started = time.perf_counter()
-        admission = self._admit(meta, blocked_elsewhere, policy)
-        if admission.action == "skip":
-            return admission
-        job = self._new_job(meta)
-        original = engine.checkpoint_engine
-        engine.checkpoint_engine = CapturingWriter(original, lambda path, state: self._capture(job, path, state))
-        try:
-            with copying(self._copy_stream):
+        def capture(job: _Job) -> None:
+            original = engine.checkpoint_engine
+            engine.checkpoint_engine = CapturingWriter(original, lambda path, state: self._capture(job, path, state))
+            try:
                 checkpoint.save(engine, str(job.folder), meta.tag, client_state, self.rank)
-        except BaseException:
-            self._discard(job)
-            raise
-        finally:
-            engine.checkpoint_engine = original
-        job.stall_s = time.perf_counter() - started
-        self._enqueue(job)
-        return admission
+            finally:
+                engine.checkpoint_engine = original
+
+        return self._save(meta, blocked_elsewhere, policy, capture)
 
     def reserve_buffers(self, engine) -> None:
         """Allocate the host buffers of this rank's part of `engine`'s checkpoints in the
@@ -219,36 +203,27 @@ class AsyncSaver:
                    policy: Optional[Policy] = None) -> Admission:
         """Capture `files` (path in the checkpoint folder → a nested container of tensors for
         `torch.save`, or `bytes` written as they are) and hand them to the writer thread."""
-        started = time.perf_counter()
-        admission = self._admit(meta, blocked_elsewhere, policy)
-        if admission.action == "skip":
-            return admission
-        job = self._new_job(meta)
-        try:
-            with copying(self._copy_stream):
-                for path, obj in files.items():
-                    self._capture(job, str(job.folder / path), obj)
-        except BaseException:
-            self._discard(job)
-            raise
-        job.stall_s = time.perf_counter() - started
-        self._enqueue(job)
-        return admission
+        def capture(job: _Job) -> None:
+            for path, obj in files.items():
+                self._capture(job, str(job.folder / path), obj)
+
+        return self._save(meta, blocked_elsewhere, policy, capture)
 
     def release(self, step: int) -> None:
-        """Let saves of steps up to `step` commit. The training loop calls it once the
-        controller has collected its reports up to `step`: a checkpoint committed before its
-        step's metrics reached the controller could be restored after a crash with those
-        metrics lost for good."""
+        """Let saves of steps up to `step` commit, their reports collected: a checkpoint committed before its
+        step's metrics reached the controller could be restored after a crash with them lost for good."""
         with self._cond:
             self._released = max(self._released, step)
             self._cond.notify_all()
 
     def reported(self, step: int) -> None:
-        """The report of `step` was handed to Ray: saves up to `step` may commit as soon as
-        `reports_collected()` says the controller has it, whenever the next report comes."""
+        """The report of `step` was handed to Ray, which takes one only once the controller
+        collected the one before: saves up to the step of that one may commit, and saves up to
+        `step` as soon as `reports_collected()` says the controller has this one too."""
         with self._cond:
+            self._released = max(self._released, self._reported)
             self._reported = max(self._reported, step)
+            self._cond.notify_all()
 
     def committed(self, step: int) -> bool:
         """Whether a save of `step` ended committed in at least one store, among the outcomes
@@ -286,6 +261,16 @@ class AsyncSaver:
             return None
         return process
 
+    def regroup(self, *, rank: int, world_size: int, attempt: str, reports_collected: Callable[[], bool]) -> None:
+        """Save as `rank` of `world_size` in `attempt` from the next save on: the worker group
+        re-formed in-process with workers that joined (elastic.in_process). A save in flight
+        or queued ends as its own group's: every rank of that group is still in."""
+        with self._cond:
+            self.rank, self.attempt, self._reports_collected = rank, attempt, reports_collected
+            self._settings = dataclasses.replace(self._settings, rank=rank, world_size=world_size)
+            self._buffers = self._buffers.emptied()  # the new layout's tensors fit none of the old
+            self._tries = (-1, 0)
+
     def _close(self, timeout_s: Optional[float]) -> bool:
         finished = self.flush(timeout_s)
         self._closing.set()
@@ -299,11 +284,23 @@ class AsyncSaver:
         self._thread.join()  # at once: the process is idle, or dead and its save recorded
         return finished
 
-    def _admit(self, meta: CheckpointMeta, blocked_elsewhere: bool, policy: Optional[Policy]) -> Admission:
+    def _save(self, meta: CheckpointMeta, blocked_elsewhere: bool, policy: Optional[Policy],
+              capture: Callable[[_Job], None]) -> Admission:
+        started = time.perf_counter()
         admission = self.admission(blocked_elsewhere=blocked_elsewhere, policy=policy)
         if admission.action == "skip":
             self._record(SaveOutcome(meta.step, checkpoint_name(meta.step, self.attempt), "skipped", admission.reason,
                                      "disk_full" if admission.disk_full else "", disk_full=admission.disk_full))
+            return admission
+        job = self._new_job(meta)
+        try:
+            with copying(self._copy_stream):
+                capture(job)
+        except BaseException:
+            self._discard(job)
+            raise
+        job.stall_s = time.perf_counter() - started
+        self._enqueue(job)
         return admission
 
     def _new_job(self, meta: CheckpointMeta) -> _Job:
@@ -316,11 +313,11 @@ class AsyncSaver:
         folder = self.staging / f"{name}.rank{self.rank}"
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        return _Job(meta, name, folder)
+        return _Job(meta, name, folder, self._settings, self._buffers)
 
     def _capture(self, job: _Job, path: str, state: Any) -> None:
         key = buffer_key(job.folder, job.meta.tag, path)
-        host = state if isinstance(state, bytes) else to_host(state, key, self._buffers, job.buffers, self._copy_stream)
+        host = state if isinstance(state, bytes) else to_host(state, key, job.host, job.buffers, self._copy_stream)
         job.pending.append((Path(path).relative_to(job.folder).as_posix(), host))
 
     def _enqueue(self, job: _Job) -> None:
@@ -334,7 +331,7 @@ class AsyncSaver:
             self._discard(superseded)
 
     def _discard(self, job: _Job) -> None:
-        self._buffers.give_back(job.buffers)
+        job.host.give_back(job.buffers)
         shutil.rmtree(job.folder, ignore_errors=True)
 
     def _record(self, outcome: SaveOutcome) -> None:
@@ -388,10 +385,10 @@ class AsyncSaver:
         work = SaveJob(job.meta, job.name, job.folder, tuple(job.pending), job.pending_bytes(), job.stall_s,
                        frozenset(self._good))
         if self.background == "thread":
-            return run_save(self._settings, work, _Link(self, job))
+            return run_save(job.settings, work, _Link(self, job))
         started = time.perf_counter()
         try:
-            return self._process.run(self._settings, work, _Link(self, job), self.timeout_s)
+            return self._process.run(job.settings, work, _Link(self, job), self.timeout_s)
         except SaveProcessLost as e:
             self._process = SaveProcess(self.nice)  # ready before the next save
             outcome = SaveOutcome(job.meta.step, job.name, "failed", f"step {job.meta.step}: {e}", e.failure,

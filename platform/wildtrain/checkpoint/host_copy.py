@@ -36,6 +36,10 @@ class HostBuffers:
         self._reserving: Optional[threading.Thread] = None
         self.allocated = 0  # buffers allocated so far: reused ones are the point
 
+    def emptied(self) -> HostBuffers:
+        """Buffers like these, none allocated yet: for another layout of the state."""
+        return HostBuffers(self._pin, self._share)
+
     def reserve(self, specs: Mapping[str, tuple[torch.Size, torch.dtype]]) -> None:
         """Allocate (and pin) a spare for each (key, shape, dtype) in a background thread:
         page-locking a rank's whole state takes seconds (about 18 GB for the 1.3b preset

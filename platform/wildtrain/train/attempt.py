@@ -35,7 +35,7 @@ from wildtrain.data.objectives import Objective
 from wildtrain.data.stream import RankStream
 from wildtrain.elastic.scaling import spare_cpus
 from wildtrain.elastic.signals import FinalCheckpointFailed, RunCannotContinue, UnhealthyNodes
-from wildtrain.events import Event, Formed, Interrupted, RegrowPostponed, Resize, StoppedEarly
+from wildtrain.events import Event, Formed, RegrowPostponed, Resize, StoppedEarly
 from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.model import flops_per_token
 from wildtrain.tracking.worker.mfu import device_peak
@@ -127,16 +127,23 @@ class Attempt:
         self.monitor.events += shm_events
         self.known_good = known_good
         self.reports_collected = ray_compat.reports_collected if self.reports_to_ray else lambda: True
-        self.saver = AsyncSaver(
-            stores, cfg.checkpoint.staging_dir, rank=rank, world_size=world_size,
-            attempt=collectives.broadcast_object(new_attempt_token()),
-            policy=cfg.checkpoint.policy, timeout_s=cfg.checkpoint.timeout_s, verify_upload=cfg.checkpoint.verify_upload,
-            retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
-            known_good=known_good, commit_when_released=True,
-            reports_collected=self.reports_collected, background=background, device=device,
-            process=left.save_process if left else None,
-        )
-        self.reported_step = self.state.step  # the newest step whose report the controller has for sure
+        token = collectives.broadcast_object(new_attempt_token())
+        handed = left.saver if left else None
+        if handed is not None and handed.background == background:
+            # A hand-over to joiners: the save in flight, if any, commits as the last generation's.
+            handed.regroup(rank=rank, world_size=world_size, attempt=token, reports_collected=self.reports_collected)
+            self.saver = handed
+        else:
+            process = handed.close_keeping_process(timeout_s=0) if handed else left.save_process if left else None
+            self.saver = AsyncSaver(
+                stores, cfg.checkpoint.staging_dir, rank=rank, world_size=world_size, attempt=token,
+                policy=cfg.checkpoint.policy, timeout_s=cfg.checkpoint.timeout_s,
+                verify_upload=cfg.checkpoint.verify_upload,
+                retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
+                known_good=known_good, commit_when_released=True,
+                reports_collected=self.reports_collected, background=background, device=device,
+                process=process,
+            )
         self.samples = SampleRecorder(cfg, rank) if cfg.data.record_samples else None
         self.diverged = False
         self.windows: list[Window] = []  # closed at log steps, not yet reported
@@ -195,9 +202,7 @@ class Attempt:
         saver: a save in flight is abandoned uncommitted). For a dropped attempt only: a
         finished one leaves its saves to commit. With `keep_save_process`, the saver's
         process, where idle, is not stopped but returned, for the next attempt."""
-        self.watchdog.stop()
-        if hasattr(self, "stream"):
-            self.stream.close()
+        self._stop_reading()
         if not hasattr(self, "saver"):
             return None
         if keep_save_process:
@@ -205,21 +210,26 @@ class Attempt:
         self.saver.close(timeout_s=0)
         return None
 
+    def _stop_reading(self) -> None:
+        self.watchdog.stop()
+        if hasattr(self, "stream"):
+            self.stream.close()
+
     def abandon(self, error: BaseException, failed_at: float, left: Optional[Leftovers]) -> Leftovers:
-        """Drop this attempt, which lost a member to `error` at `failed_at`: what the next one needs of it."""
-        return self._leftovers(self.commits.failure(error, failed_at, self.state, self.world_size,
-                                                    list(self.monitor.nodes), left))
+        """Drop this attempt, which lost a member to `error` at `failed_at`: what the next one
+        needs of it. A save in flight is abandoned (the lost member's part may never come)."""
+        save_process = self.close(keep_save_process=True)
+        failure = self.commits.failure(error, failed_at, self.state, self.world_size, list(self.monitor.nodes), left)
+        return self.commits.leftovers(failure, self._take_unreported(), self.known_good, save_process=save_process)
 
     def hand_over(self) -> Leftovers:
         """Drop this attempt at a committed step for the next generation, which workers joined
-        (`MembersJoining`): what it needs of this one."""
-        return self._leftovers(Resize(time.time(), self.world_size, self.state.step,
-                                      f"workers joined the group of {self.world_size}", list(self.monitor.nodes)))
-
-    def _leftovers(self, interruption: Interrupted) -> Leftovers:
-        save_process = self.close(keep_save_process=True)
-        # The windows closed since the last report are of committed steps, their losses settled.
-        return self.commits.leftovers(interruption, self._take_unreported(), self.known_good, save_process)
+        (`MembersJoining`): what it needs of this one, its saver too (every member of this
+        generation is in the next, so a save in flight still commits)."""
+        self._stop_reading()
+        resize = Resize(time.time(), self.world_size, self.state.step, f"workers joined the group of {self.world_size}",
+                        list(self.monitor.nodes))
+        return self.commits.leftovers(resize, self._take_unreported(), self.known_good, saver=self.saver)
 
     def _take_unreported(self) -> Unreported:
         """What the reports have not carried yet, taken: for this report or the next generation."""
@@ -374,9 +384,6 @@ class Attempt:
                 ).to_dict())
             self.startup = None
             self.reports.sent(state.step, self._steps_per_poll(windows))
-        # Every rank's previous report had been collected (or this one waited for its turn),
-        # so reports up to it are at the controller; this one's save commits once the
-        # controller polls (`reports_collected`).
-        self.saver.release(self.reported_step)
+        # Every rank's previous report had been collected (or this one waited for its turn);
+        # this one's save commits once the controller polls (`reports_collected`).
         self.saver.reported(state.step)
-        self.reported_step = state.step

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from wildtrain.checkpoint.async_save import AsyncSaver
 from wildtrain.checkpoint.save_process import SaveProcess
 from wildtrain.elastic.in_process import Generation, Member
 from wildtrain.events import Event, Failure, Interrupted, Recovered
@@ -19,8 +20,9 @@ from wildtrain.train.step import StepMetrics
 @dataclass(frozen=True)
 class Leftovers:
     """What an attempt dropped by an in-process re-form hands the next one: the state of its
-    last committed steps, what its reports had not carried yet, and its save process (idle,
-    its imports done). A joiner's holds only a save process, spawned before it asked to join."""
+    last committed steps, what its reports had not carried yet, and its saver (at a hand-over
+    to joiners: a save in flight still commits) or else its save process (idle, its imports
+    done). A joiner's holds only a save process, spawned before it asked to join."""
 
     states: dict[int, TrainState]  # this rank's last committed steps
     windows: list[dict]  # resolved metrics windows
@@ -31,6 +33,14 @@ class Leftovers:
     # joiners' arrival (`Resize`); None for a joiner, whose members record it.
     interruption: Optional[Interrupted]
     save_process: Optional[SaveProcess] = None
+    saver: Optional[AsyncSaver] = None
+
+    def without_saves_in_flight(self) -> Leftovers:
+        """These, where a member was lost before the next attempt took them: a save in flight
+        is abandoned (the lost member's part may never come), its process kept where idle."""
+        if self.saver is None:
+            return self
+        return dataclasses.replace(self, saver=None, save_process=self.saver.close_keeping_process(timeout_s=0))
 
     @classmethod
     def joiner(cls, save_process: Optional[SaveProcess]) -> "Leftovers":
@@ -104,12 +114,12 @@ class PeerCommits:
         return left.interruption
 
     def leftovers(self, interruption: Interrupted, unreported: Unreported, known_good: list[tuple[str, str]],
-                  save_process: Optional[SaveProcess]) -> Leftovers:
+                  save_process: Optional[SaveProcess] = None, saver: Optional[AsyncSaver] = None) -> Leftovers:
         """What the next generation needs of this attempt, dropped at its last committed step."""
         self.mirrors.forget_after(max(self.states))
         return Leftovers(states=dict(self.states), windows=unreported.windows, events=unreported.events,
                          committed=unreported.committed, known_good=known_good, interruption=interruption,
-                         save_process=save_process)
+                         save_process=save_process, saver=saver)
 
 
 def recovered(interruption: Interrupted, formed_at: float, restored_at: float, restored_step: int, world_size: int,

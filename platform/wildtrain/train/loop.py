@@ -175,6 +175,8 @@ def train_generations(inputs: LoopInputs, device: torch.device, member: Member, 
                 raise
             if attempt is not None:
                 left = attempt.abandon(e, failed_at, left)
+            elif left is not None:
+                left = left.without_saves_in_flight()
 
 
 def check_storage(drivers: storage.StorageView, cfg: Config) -> None:
