@@ -8,9 +8,12 @@ and train a step's all-reduce in its first generation. Then, by --drill:
   rank 0 must end with rank 1's reason (`PeerFailed`);
 - `joins`: as `dies`, then a third process (--rank 2, not in Ray's group: a worker the
   controller started on the lost slot) joins once rank 0 trains alone, and both form the
-  third generation and all-reduce in it.
+  third generation and all-reduce in it;
+- `ghost`: as `joins`, but the third process dies once it arrived at the third generation's
+  rendezvous, before its groups form: rank 0 must give that generation up and form the next
+  alone, rather than wait out the groups' timeout (60 s here) for it.
 
-    python -m tests.helpers.member_rank --store-port P --rank R --rendezvous-port Q --drill dies|fails|joins
+    python -m tests.helpers.member_rank --store-port P --rank R --rendezvous-port Q --drill dies|fails|joins|ghost
 
 Prints what happened, a line each.
 """
@@ -26,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from wildtrain.config.system import ElasticConfig
-from wildtrain.elastic.in_process import Member
+from wildtrain.elastic.in_process import Member, Superseded
 from wildtrain.elastic.rendezvous import current_group, current_token, latest
 from wildtrain.train import collectives
 
@@ -36,12 +39,12 @@ def main() -> None:
     parser.add_argument("--store-port", type=int, required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--rendezvous-port", type=int, required=True)
-    parser.add_argument("--drill", choices=("dies", "fails", "joins"), required=True)
+    parser.add_argument("--drill", choices=("dies", "fails", "joins", "ghost"), required=True)
     args = parser.parse_args()
     cfg = ElasticConfig(collective_timeout_s=60)
     address = ("127.0.0.1", args.rendezvous_port)
     if args.rank == 2:
-        join(address, cfg)
+        join(address, cfg, ghost=args.drill == "ghost")
     store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=2)  # Ray Train's group
     collectives.open_control_group(60)
@@ -51,7 +54,7 @@ def main() -> None:
             generation = member.form()
             print("formed", generation.number, ",".join(generation.members), flush=True)
             dist.all_reduce(torch.ones(1))
-            if args.rank == 1 and args.drill in ("dies", "joins"):
+            if args.rank == 1 and args.drill in ("dies", "joins", "ghost"):
                 os._exit(0)
             if args.rank == 1:
                 error = RuntimeError("rank 1's own error")
@@ -68,10 +71,14 @@ def main() -> None:
                 print("formed", generation.number, ",".join(generation.members), flush=True)
                 dist.all_reduce(torch.ones(1))
                 print("all-reduced", flush=True)
-                if args.drill == "joins":
+                if args.drill in ("joins", "ghost"):
                     wait_until(member.joiners_waiting)
                     print("joiners waiting", flush=True)
-                    generation = member.form()
+                    try:
+                        generation = member.form()
+                    except Superseded as e:
+                        print("superseded", e.__cause__ is not None, flush=True)
+                        generation = member.form()
                     print("formed", generation.number, ",".join(generation.members), flush=True)
                     all_reduce_ones()
     except Exception as e:  # noqa: BLE001 - what the rank ended with is the output
@@ -79,11 +86,17 @@ def main() -> None:
     os._exit(0)  # skips the destructors of a broken group
 
 
-def join(address: tuple[str, int], cfg: ElasticConfig) -> None:
-    """The `joins` drill's third process: once rank 0 trains alone (generation 2), join its group."""
+def join(address: tuple[str, int], cfg: ElasticConfig, ghost: bool) -> None:
+    """The `joins` and `ghost` drills' third process: once rank 0 trains alone (generation 2),
+    join its group; a ghost dies where its groups would form."""
     rendezvous = dist.TCPStore(*address, is_master=False, timeout=timedelta(seconds=60))
     wait_until(lambda: current_group(rendezvous) is not None and latest(current_group(rendezvous)).generation >= 2)
     member = Member.joining(address, current_token(rendezvous), "w1.1", 2, "node-2", cfg, "gloo", 60)
+    if ghost:
+        generation = member._next_generation()  # what `form` does up to its groups
+        member._arrive(generation)
+        print("arrived", generation.generation, flush=True)
+        os._exit(0)
     generation = member.form()
     print("formed", generation.number, ",".join(generation.members), flush=True)
     all_reduce_ones()

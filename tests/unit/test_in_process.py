@@ -1,7 +1,8 @@
 """A worker's membership of its group's generations (`elastic.in_process.Member`), two
 processes and the driver's rendezvous (`elastic.rendezvous.RendezvousServer`): a member that
 dies is lost and the survivor forms the next generation alone; a worker started later joins
-it; a rank's own error is nobody's death, and ends both as without in-process recovery."""
+it; a rank's own error is nobody's death, and ends both as without in-process recovery; a
+joiner that dies while the groups form is given up for the next generation."""
 
 from __future__ import annotations
 
@@ -47,3 +48,12 @@ def test_a_worker_that_asks_to_join_is_taken_in_by_the_survivor_at_its_next_look
     assert said[0][:7] == ["formed 1 w0,w1", "lost True", "formed 2 w0", "all-reduced", "joiners waiting",
                            "formed 3 w0,w1.1", "all-reduced 2"], (said[0], said[2])
     assert said[2][:2] == ["formed 3 w0,w1.1", "all-reduced 2"], said[2]
+
+
+def test_a_joiner_that_dies_after_it_arrived_is_given_up_while_the_groups_form(rendezvous):
+    # Without the formation's watch, rank 0 waited in the groups' rendezvous for the groups'
+    # timeout (60 s here, 300 s by default) and then failed.
+    said = run_drill(rendezvous, "ghost", processes=3)
+    assert said[2][0] == "arrived 3", said[2]
+    assert said[0][:8] == ["formed 1 w0,w1", "lost True", "formed 2 w0", "all-reduced", "joiners waiting",
+                           "superseded True", "formed 4 w0", "all-reduced 1"], (said[0], said[2])

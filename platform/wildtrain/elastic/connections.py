@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Optional
 
 
 def socket_inodes() -> dict[int, int]:
@@ -39,6 +40,7 @@ class GroupConnections:
 
     def __init__(self) -> None:
         self.inodes: frozenset[int] = frozenset()
+        self._before: Optional[set[int]] = None  # while inside `with`
 
     def __enter__(self) -> "GroupConnections":
         self._before = set(socket_inodes())
@@ -46,13 +48,14 @@ class GroupConnections:
 
     def __exit__(self, *exc) -> None:
         self.inodes = frozenset(set(socket_inodes()) - self._before)
+        self._before = None
 
     def hang_up(self) -> int:
-        """Shut down (both ways) the recorded connections that are still open: every peer's
-        wait on this rank fails now. How many were shut."""
+        """Shut down (both ways) the recorded connections that are still open (inside `with`:
+        those opened so far): every peer's wait on this rank fails now. How many were shut."""
         shut = 0
         for inode, fd in socket_inodes().items():
-            if inode not in self.inodes:
+            if inode not in self.inodes and (self._before is None or inode in self._before):
                 continue
             try:
                 with socket.socket(fileno=os.dup(fd)) as sock:

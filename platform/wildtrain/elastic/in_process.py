@@ -19,11 +19,14 @@ DeepSpeed's groups are released with it.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Iterator
 
 import torch.distributed as dist
 
@@ -38,6 +41,7 @@ from wildtrain.engine import clone_world_group, import_deepspeed
 from wildtrain.train import collectives
 
 _POLL_S = 0.005
+_WATCH_S = 0.05  # a formation's look for a newer generation: it takes milliseconds where none comes
 
 
 class Superseded(RuntimeError):
@@ -71,6 +75,7 @@ class Member:
     def __init__(self, address: tuple[str, int], token: str, name: str, group_size: int, node_id: str,
                  cfg: ElasticConfig, backend: str, control_timeout_s: float, registers: bool = False,
                  joined: bool = False) -> None:
+        self.address, self.token = address, token
         host, port = address
         base = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
         if registers:
@@ -124,14 +129,44 @@ class Member:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
         timeout = timedelta(seconds=self.cfg.collective_timeout_s)
         self.connections = GroupConnections()
-        with self.connections:  # every group of this generation, DeepSpeed's included
-            dist.init_process_group(self.backend, store=dist.PrefixStore(f"g{m.generation}", self.store), rank=rank,
-                                    world_size=world, timeout=timeout)
+        with self.connections, self._given_up_if_superseded(m):  # every group of this generation, DeepSpeed's too
+            # A store connection of the groups' own: hung up with theirs (`_given_up_if_superseded`).
+            store = dist.TCPStore(*self.address, is_master=False, timeout=timedelta(seconds=60))
+            dist.init_process_group(self.backend, store=dist.PrefixStore(f"{self.token}/g{m.generation}", store),
+                                    rank=rank, world_size=world, timeout=timeout)
             clone_world_group(import_deepspeed(), timeout)
             collectives.open_control_group(self.control_timeout_s)
         self.membership = m
         self.mirrors.group = collectives.control_group()
         return Generation(m.generation, m.members, rank, seen_at, time.time())
+
+    @contextlib.contextmanager
+    def _given_up_if_superseded(self, m: Membership) -> Iterator[None]:
+        """While `m`'s groups form, give them up for the next generation if one comes that drops
+        a member of `m`: a member that died after it arrived would hold every other in the
+        groups' connection waits until the collective timeout (seen: 300 s, then a restart
+        from the checkpoint). Its connections hung up, the formation fails at once: `Superseded`."""
+        formed, superseded = threading.Event(), threading.Event()
+
+        def watch() -> None:
+            with contextlib.suppress(dist.DistError):  # the driver's store is gone: the run ends
+                while not formed.wait(_WATCH_S):
+                    if must_abandon(m, latest(self.store)):
+                        superseded.set()
+                        self.connections.hang_up()
+                        return
+
+        watcher = threading.Thread(target=watch, name=f"wildtrain-form-{m.generation}", daemon=True)
+        watcher.start()
+        try:
+            yield
+        except Exception as e:
+            if superseded.is_set():
+                raise Superseded(f"generation {m.generation} lost a member while its groups formed: {e}") from e
+            raise
+        finally:
+            formed.set()
+            watcher.join()
 
     def lost_member(self, error: BaseException, peer_failure) -> bool:
         """After `error` in this generation's collectives: whether a member is gone (True:
