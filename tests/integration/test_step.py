@@ -142,6 +142,9 @@ def _run(rank: int, world_size: int, port: int, root: str) -> None:
                          "partitioned": partitioned, "validated": validated}
         del engine
     torch.save(result, Path(root, f"rank{rank}.pt"))
+    # torch's teardown of the gloo groups at exit aborts a rank now and then (seen once in 16
+    # runs: mp.spawn's ProcessExitedException), as in test_save_mode: what counts is written.
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
