@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from tests.helpers.waiting import wait_for
 from wildtrain import services
+from wildtrain.elastic.survivors import KeepSurvivors
 from wildtrain.elastic.membership import Membership
 from wildtrain.elastic.rendezvous import (Heartbeat, RendezvousOwner, RendezvousServer, announce_node, ask_to_join, beat,
                                           current_group, latest, member_name, node_of, register_group, report_error)
@@ -155,4 +156,31 @@ def test_a_group_whose_every_member_died_leaves_the_server_serving_the_next_grou
         ask_to_join(second, "w0")
         assert wait_for(lambda: latest(second).generation, "the restarted group's first generation") == 1
     finally:
+        server.stop()
+
+
+def test_ray_s_word_that_a_member_died_has_the_owner_drop_it_within_confirm_s_where_no_collective_failed():
+    # A death while a generation's groups form fails no collective: only the heartbeat's silence
+    # (elastic.dead_after_s, 60 s here) would drop it, unless the controller passes Ray's word on.
+    server = RendezvousServer(services.HOST, dead_after_s=60.0, confirm_s=CONFIRM_S)
+    alive = None
+    try:
+        client = dist.TCPStore(services.HOST, server.port, is_master=False, timeout=timedelta(seconds=10))
+        group = dist.PrefixStore("group-a", client)
+        register_group(client, "group-a", 2)
+        alive = Heartbeat(services.HOST, server.port, "w0", every_s=0.1, prefix="group-a")
+        ask_to_join(group, "w0")
+        ask_to_join(group, "w1")
+        beat(group, "w1")
+        assert wait_for(lambda: latest(group).generation, "the first generation") == 1
+        controller = KeepSurvivors(services.HOST, server.port, decide_s=1.0, replace=False)
+        controller.say_members_died(["w1.1"])  # a joiner that never was a member: nothing to say
+        assert not group.check(["error/1"])
+        controller.say_members_died(["w1"])
+        newest = wait_for(lambda: latest(group).generation == 2 and latest(group), "w1 dropped", timeout_s=5.0,
+                          every_s=0.05)
+        assert newest.members == ("w0",)
+    finally:
+        if alive is not None:
+            alive.stop()
         server.stop()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -62,6 +62,7 @@ class Joiners:
         self.inputs, self.env_vars = inputs, env_vars
         self.started = 0
         self.running: dict[int, tuple[object, ray.ObjectRef]] = {}  # Ray rank of the lost member -> (actor, run)
+        self.names: dict[int, str] = {}  # Ray rank of the lost member -> its newest joiner's member name
 
     def start(self, worker_group, rank: int, token: str, group_size: int) -> None:
         group, bundle = ray_compat.worker_slot(worker_group, rank)
@@ -72,7 +73,7 @@ class Joiners:
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
             runtime_env={"env_vars": self.env_vars},
         ).remote()
-        name = f"{rendezvous.member_name(rank)}.{self.started}"
+        name = self.names[rank] = f"{rendezvous.member_name(rank)}.{self.started}"
         self.running[rank] = (actor, actor.run.remote(self.inputs, token, name, group_size))
 
     def ended(self) -> dict[int, Optional[BaseException]]:
@@ -162,11 +163,24 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
             self.narrowed = False
             print("the worker group is whole again: every rank's reports count", flush=True)
         lost = {r for r, e in worker_group_status.errors.items() if ray_compat.worker_lost(e)}
+        if lost - self.masked:
+            self.say_members_died(rendezvous.member_name(r) for r in lost - self.masked)
         if lost - self.masked and 0 not in lost and not lost & self.join_failed.keys():
             self._decide(lost, everyone)
         if not self.replace:
             ray_compat.mask_worker_deaths(worker_group_status, self.masked)
         ray_compat.show_worker_errors(worker_group_status, self.join_failed)
+
+    def say_members_died(self, names: Iterable[str]) -> None:
+        """Ray says the workers `names` died: where the newest generation still counts one of
+        them, tell the owner that a member left (`rendezvous.report_error`), so that it drops
+        the silent ones after elastic.confirm_s rather than elastic.dead_after_s. Where no
+        collective fails to say so (a death while a generation's groups form), only the
+        heartbeats' silence would: 10 s by default."""
+        store = self.store()
+        newest = rendezvous.latest(store)
+        if set(names) & set(newest.members):
+            rendezvous.report_error(store, newest.generation)
 
     def _decide(self, lost: set[int], everyone: list[int]) -> None:
         store = self.store()
@@ -207,6 +221,7 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
                 continue
             if ray_compat.worker_lost(error):
                 print(f"the worker that joined on rank {rank}'s slot died; another waits for that slot", flush=True)
+                self.say_members_died([self.joiners.names[rank]])
                 self._start_joiner(rank)
             else:
                 failed = RuntimeError(f"the worker that joined on rank {rank}'s slot failed, so the group "
