@@ -10,7 +10,9 @@ its own connections (freeing the peers that wait on it rather than on the dead o
 dead, and the owner publishes a generation without it: the survivors form new groups at
 the smaller size (`form`) and continue from their peers' host copies of the state
 (`peer_state`). Where no one is silent the error was this rank's or a peer's own, and it
-stands (`lost_member` says which).
+stands (`lost_member` says which). A member lost while a generation's groups form fails
+no collective: the others give that generation up once the owner publishes one without it
+(`Member.form`), which the controller hastens with Ray's word of the death (`survivors`).
 
 A generation's groups live on a prefix of their own in the store, so no key of a broken
 group is read again; its default group is made by this module, not by Ray Train, and
@@ -119,7 +121,8 @@ class Member:
     def form(self) -> Generation:
         """Wait for the next generation that includes this member and form its process groups:
         the default group (with DeepSpeed's clone of it) and the control group. Raises
-        `Superseded` where a member of it is gone before everyone arrived."""
+        `Superseded` where a member of it is gone before everyone arrived, or while the groups
+        form (`_given_up_if_superseded`)."""
         m = self._next_generation()
         seen_at = time.time()
         self._arrive(m)
