@@ -159,6 +159,19 @@ def clone_world_group(deepspeed, timeout: timedelta) -> None:
         groups._WORLD_GROUP = torch.distributed.new_group(ranks=list(range(world)), timeout=timeout)
 
 
+def destroy_process_groups(deepspeed) -> None:
+    """Destroy the world group and every group DeepSpeed made of it, its clone of the world
+    (`clone_world_group`) among them, for a world formed anew in the same process."""
+    if deepspeed.comm.comm.cdb is None:
+        # No engine was built in this process yet, but the clone was: dropped too, or the next
+        # world's ranks would create different numbers of groups (a joiner makes the clone)
+        # and wait for each other forever.
+        torch.distributed.destroy_process_group()
+        deepspeed.utils.groups._release_process_group_references()
+    else:
+        deepspeed.comm.destroy_process_group()
+
+
 def compiles(cfg: Config, on_cuda: bool) -> bool:
     """Whether the engine compiles the model: `model.compile` where set; unset, on CUDA
     except under ZeRO-3, whose per-module hooks (gathering each layer's parameters before it

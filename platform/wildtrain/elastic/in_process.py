@@ -39,7 +39,7 @@ from wildtrain.elastic.membership import Membership, must_abandon
 from wildtrain.elastic.peer_state import Mirrors
 from wildtrain.elastic.rendezvous import (Heartbeat, announce_node, ask_to_join, latest, member_name, register_group,
                                           report_error)
-from wildtrain.engine import clone_world_group, import_deepspeed
+from wildtrain.engine import clone_world_group, destroy_process_groups, import_deepspeed
 from wildtrain.train import collectives
 
 _POLL_S = 0.005
@@ -234,15 +234,7 @@ class Member:
         its own and releases them on its destroy; the engine and its optimizer refer to each
         other, so only a collection frees the old group and closes its connections."""
         if dist.is_initialized():
-            deepspeed = import_deepspeed()
-            if deepspeed.comm.comm.cdb is None:
-                # No engine was built in this process yet, but DeepSpeed's clone of the world
-                # (`clone_world_group`) was: dropped too, or the next generation's ranks would
-                # create different numbers of groups (a joiner makes the clone) and wait forever.
-                dist.destroy_process_group()
-                deepspeed.utils.groups._release_process_group_references()
-            else:
-                deepspeed.comm.destroy_process_group()
+            destroy_process_groups(import_deepspeed())
             gc.collect()
         if self.membership.generation == 0:
             # What is alive before the first generation (the imports, Ray's worker, the run's

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, NamedTuple, Optional
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -53,6 +53,17 @@ class Joiner:
         join_in_process(inputs, token, name, group_size)
 
 
+class _Running(NamedTuple):
+    actor: object
+    run: ray.ObjectRef
+    name: str  # its member name
+
+
+class Ended(NamedTuple):
+    name: str  # the joiner's member name
+    error: Optional[BaseException]  # None where its run returned (the run's end)
+
+
 class Joiners:
     """The joiners the controller started, one per lost member's placement slot. Each asks for
     one worker's resources on its slot, so Ray starts it once it has placed that bundle again
@@ -61,8 +72,7 @@ class Joiners:
     def __init__(self, inputs: LoopInputs, env_vars: dict[str, str]) -> None:
         self.inputs, self.env_vars = inputs, env_vars
         self.started = 0
-        self.running: dict[int, tuple[object, ray.ObjectRef]] = {}  # Ray rank of the lost member -> (actor, run)
-        self.names: dict[int, str] = {}  # Ray rank of the lost member -> its newest joiner's member name
+        self.running: dict[int, _Running] = {}  # by the Ray rank of the lost member
 
     def start(self, worker_group, rank: int, token: str, group_size: int) -> None:
         group, bundle = ray_compat.worker_slot(worker_group, rank)
@@ -73,29 +83,28 @@ class Joiners:
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
             runtime_env={"env_vars": self.env_vars},
         ).remote()
-        name = self.names[rank] = f"{rendezvous.member_name(rank)}.{self.started}"
-        self.running[rank] = (actor, actor.run.remote(self.inputs, token, name, group_size))
+        name = f"{rendezvous.member_name(rank)}.{self.started}"
+        self.running[rank] = _Running(actor, actor.run.remote(self.inputs, token, name, group_size), name)
 
-    def ended(self) -> dict[int, Optional[BaseException]]:
-        """The joiners whose run ended since the last look, by the lost member's rank: None
-        where it returned (the run's end), else its error."""
+    def ended(self) -> dict[int, Ended]:
+        """The joiners whose run ended since the last look, by the lost member's rank."""
         ended = {}
-        for rank, (actor, run) in list(self.running.items()):
+        for rank, (actor, run, name) in list(self.running.items()):
             done, _ = ray.wait([run], timeout=0)
             if not done:
                 continue
             del self.running[rank]
             try:
                 ray.get(run)
-                ended[rank] = None
+                ended[rank] = Ended(name, None)
             except Exception as e:  # noqa: BLE001 - the controller decides what it means
-                ended[rank] = e
+                ended[rank] = Ended(name, e)
             ray.kill(actor)
         return ended
 
     def stop(self) -> None:
-        for actor, _ in self.running.values():
-            ray.kill(actor)
+        for running in self.running.values():
+            ray.kill(running.actor)
         self.running = {}
 
 
@@ -216,12 +225,12 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
         """A joiner that died (its node, most likely) is started again on its slot; one whose
         training raised ends the group's masking of that rank, so Ray restarts the group at
         full size from the checkpoint (the fallback) rather than starting the same failure again."""
-        for rank, error in self.joiners.ended().items():
+        for rank, (name, error) in self.joiners.ended().items():
             if error is None or rank not in self.masked:
                 continue
             if ray_compat.worker_lost(error):
                 print(f"the worker that joined on rank {rank}'s slot died; another waits for that slot", flush=True)
-                self.say_members_died([self.joiners.names[rank]])
+                self.say_members_died([name])
                 self._start_joiner(rank)
             else:
                 failed = RuntimeError(f"the worker that joined on rank {rank}'s slot failed, so the group "

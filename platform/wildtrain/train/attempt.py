@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import time
 import warnings
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import psutil
 import ray.train
@@ -119,31 +119,15 @@ class Attempt:
         self.restored_step = self.state.step
         self.state.world_size = world_size
         self.commits = PeerCommits(self.in_process, self.state) if self.in_process else None
-        if self.in_process is not None:
-            if rank == 0:
-                self.monitor.events.append(Formed(time.time(), self.in_process.generation.number, self.state.step,
-                                                  list(self.monitor.nodes)))
+        if self.in_process is not None and rank == 0:
+            self.monitor.events.append(Formed(time.time(), self.in_process.generation.number, self.state.step,
+                                              list(self.monitor.nodes)))
         background, shm_events = checkpointing.save_mode(cfg, rank, world_size, self.monitor.nodes)
         self.monitor.events += shm_events
         self.known_good = known_good
         self.reports_collected = ray_compat.reports_collected if self.reports_to_ray else lambda: True
         token = collectives.broadcast_object(new_attempt_token())
-        handed = left.saver if left else None
-        if handed is not None and handed.background == background:
-            # A hand-over to joiners: the save in flight, if any, commits as the last generation's.
-            handed.regroup(rank=rank, world_size=world_size, attempt=token, reports_collected=self.reports_collected)
-            self.saver = handed
-        else:
-            process = handed.close_keeping_process(timeout_s=0) if handed else left.save_process if left else None
-            self.saver = AsyncSaver(
-                stores, cfg.checkpoint.staging_dir, rank=rank, world_size=world_size, attempt=token,
-                policy=cfg.checkpoint.policy, timeout_s=cfg.checkpoint.timeout_s,
-                verify_upload=cfg.checkpoint.verify_upload,
-                retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
-                known_good=known_good, commit_when_released=True,
-                reports_collected=self.reports_collected, background=background, device=device,
-                process=process,
-            )
+        self.saver = self._saver(left.saving if left else None, stores, background, device, token)
         self.samples = SampleRecorder(cfg, rank) if cfg.data.record_samples else None
         self.diverged = False
         self.windows: list[Window] = []  # closed at log steps, not yet reported
@@ -179,6 +163,27 @@ class Attempt:
                                   awaiting_joiners=member is not None and world_size < member.group_size)
         # This layout's first mirrors, before its first step: a death during it is recovered from them.
         self.commit()
+
+    def _saver(self, handed: Union[AsyncSaver, SaveProcess, None], stores, background: str, device: torch.device,
+               token: str) -> AsyncSaver:
+        """This attempt's saver: at a hand-over to joiners the last generation's, regrouped (its
+        save in flight, if any, commits as that generation's); else a new one, in the idle save
+        process the last attempt left where there is one."""
+        if isinstance(handed, AsyncSaver) and handed.background == background:
+            handed.regroup(rank=self.rank, world_size=self.world_size, attempt=token,
+                           reports_collected=self.reports_collected)
+            return handed
+        if isinstance(handed, AsyncSaver):
+            handed = handed.close_keeping_process(timeout_s=0)
+        cfg = self.cfg
+        return AsyncSaver(
+            stores, cfg.checkpoint.staging_dir, rank=self.rank, world_size=self.world_size, attempt=token,
+            policy=cfg.checkpoint.policy, timeout_s=cfg.checkpoint.timeout_s,
+            verify_upload=cfg.checkpoint.verify_upload,
+            retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
+            known_good=self.known_good, commit_when_released=True,
+            reports_collected=self.reports_collected, background=background, device=device, process=handed,
+        )
 
     def _open_stream(self, inputs: LoopInputs, objective: Objective, from_step: int) -> RankStream:
         """This rank's rows from `from_step` on, read from now on in the background."""
@@ -220,7 +225,7 @@ class Attempt:
         needs of it. A save in flight is abandoned (the lost member's part may never come)."""
         save_process = self.close(keep_save_process=True)
         failure = self.commits.failure(error, failed_at, self.state, self.world_size, list(self.monitor.nodes), left)
-        return self.commits.leftovers(failure, self._take_unreported(), self.known_good, save_process=save_process)
+        return self.commits.leftovers(failure, self._take_unreported(), self.known_good, saving=save_process)
 
     def hand_over(self) -> Leftovers:
         """Drop this attempt at a committed step for the next generation, which workers joined
@@ -229,7 +234,7 @@ class Attempt:
         self._stop_reading()
         resize = Resize(time.time(), self.world_size, self.state.step, f"workers joined the group of {self.world_size}",
                         list(self.monitor.nodes))
-        return self.commits.leftovers(resize, self._take_unreported(), self.known_good, saver=self.saver)
+        return self.commits.leftovers(resize, self._take_unreported(), self.known_good, saving=self.saver)
 
     def _take_unreported(self) -> Unreported:
         """What the reports have not carried yet, taken: for this report or the next generation."""

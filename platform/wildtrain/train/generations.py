@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from wildtrain.checkpoint.async_save import AsyncSaver
 from wildtrain.checkpoint.save_process import SaveProcess
@@ -20,9 +20,9 @@ from wildtrain.train.step import StepMetrics
 @dataclass(frozen=True)
 class Leftovers:
     """What an attempt dropped by an in-process re-form hands the next one: the state of its
-    last committed steps, what its reports had not carried yet, and its saver (at a hand-over
-    to joiners: a save in flight still commits) or else its save process (idle, its imports
-    done). A joiner's holds only a save process, spawned before it asked to join."""
+    last committed steps, what its reports had not carried yet, and how it saved: its saver
+    at a hand-over to joiners (a save in flight still commits), else its save process (idle,
+    its imports done). A joiner's holds only a save process, spawned before it asked to join."""
 
     states: dict[int, TrainState]  # this rank's last committed steps
     windows: list[dict]  # resolved metrics windows
@@ -32,20 +32,19 @@ class Leftovers:
     # The interruption the next attempt recovers from: a member's loss (`Failure`) or the
     # joiners' arrival (`Resize`); None for a joiner, whose members record it.
     interruption: Optional[Interrupted]
-    save_process: Optional[SaveProcess] = None
-    saver: Optional[AsyncSaver] = None
+    saving: Union[AsyncSaver, SaveProcess, None] = None
 
     def without_saves_in_flight(self) -> Leftovers:
         """These, where a member was lost before the next attempt took them: a save in flight
         is abandoned (the lost member's part may never come), its process kept where idle."""
-        if self.saver is None:
+        if not isinstance(self.saving, AsyncSaver):
             return self
-        return dataclasses.replace(self, saver=None, save_process=self.saver.close_keeping_process(timeout_s=0))
+        return dataclasses.replace(self, saving=self.saving.close_keeping_process(timeout_s=0))
 
     @classmethod
     def joiner(cls, save_process: Optional[SaveProcess]) -> "Leftovers":
         return cls(states={}, windows=[], events=[], committed=[], known_good=[], interruption=None,
-                   save_process=save_process)
+                   saving=save_process)
 
 
 @dataclass(frozen=True)
@@ -114,12 +113,12 @@ class PeerCommits:
         return left.interruption
 
     def leftovers(self, interruption: Interrupted, unreported: Unreported, known_good: list[tuple[str, str]],
-                  save_process: Optional[SaveProcess] = None, saver: Optional[AsyncSaver] = None) -> Leftovers:
+                  saving: Union[AsyncSaver, SaveProcess, None]) -> Leftovers:
         """What the next generation needs of this attempt, dropped at its last committed step."""
         self.mirrors.forget_after(max(self.states))
         return Leftovers(states=dict(self.states), windows=unreported.windows, events=unreported.events,
                          committed=unreported.committed, known_good=known_good, interruption=interruption,
-                         save_process=save_process, saver=saver)
+                         saving=saving)
 
 
 def recovered(interruption: Interrupted, formed_at: float, restored_at: float, restored_step: int, world_size: int,
