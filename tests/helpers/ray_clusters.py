@@ -3,10 +3,12 @@ the machine (`wildtrain up`'s head, another test run's): every port it listens o
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
+from ray._common.utils import get_default_ray_temp_dir
 from ray.cluster_utils import Cluster
 
 from wildtrain import services
@@ -27,6 +29,9 @@ def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: 
     gcs_port = services.free_port()
     setenv("RAY_ADDRESS", f"{services.HOST}:{gcs_port}")
     temp_dir = tempfile.mkdtemp(prefix="wildtrain-test-ray-")
+    # `Cluster` also writes its address into Ray's default temporary folder, which only a head
+    # started there creates: on a machine where Ray never ran, it fails without this.
+    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
