@@ -3,6 +3,7 @@ often the controller repeats a state, the capacity clock that ends a stranded ru
 recovering one, refreshes of the resource view that fail, and the node grace only for lost
 processes. The controller's states are Ray's own, as its controller makes them; time is fake."""
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -102,6 +103,28 @@ def test_one_failure_counts_once_however_often_the_controller_repeats_its_state(
     p.after_controller_state_update(state("SCHEDULING", workers=1), state("RUNNING"))
     with pytest.raises(RuntimeError, match=r"^elastic.max_failures: 2 failures, more than the 1 allowed"):
         p.after_controller_state_update(state("RUNNING"), state("RESTARTING", worker_exception()))
+
+
+@pytest.fixture
+def pending_kills(monkeypatch) -> threading.Event:
+    """Set once the start watchdog kills the workers still waiting to be created."""
+    killed = threading.Event()
+
+    def kill_pending_actors() -> int:
+        killed.set()
+        return 2
+
+    monkeypatch.setattr(controller.ray_compat, "kill_pending_actors", kill_pending_actors)
+    return killed
+
+
+def test_a_slow_worker_group_start_goes_on_and_one_that_lost_a_node_is_ended(nodes, pending_kills):
+    p = policy("elastic.worker_start_timeout_s=0.05")  # the watchdog looks from 0.1 s on
+    with p.on_worker_group_start():
+        # Every node alive: a start that is only slow (workers' processes, a runtime env) goes on.
+        assert not pending_kills.wait(0.5)
+        nodes.table["b"] = False
+        assert pending_kills.wait(5), "a node alive at the start died: its pending workers are ended"
 
 
 def test_the_failure_budget_counts_an_error_once_and_planned_restarts_never():

@@ -19,7 +19,7 @@ from wildtrain.checkpoint import reshard
 from wildtrain.checkpoint.format import step_of
 from wildtrain.checkpoint.store import Store, read_manifest
 from wildtrain.config import Config
-from wildtrain.elastic.nodes import ResourceView, exclude_nodes, excluded_nodes, workers_that_fit
+from wildtrain.elastic.nodes import ResourceView, alive_nodes, exclude_nodes, excluded_nodes, workers_that_fit
 from wildtrain.elastic.restarts import CapacityClock, FailureBudget, decide, interpret
 from wildtrain.elastic.signals import CapacityError
 from wildtrain.events import EvalFailed, EvalSkipped, Event, Waiting
@@ -75,9 +75,10 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
       `NodeExclusion` to keep later groups off them;
     - end a group's start that is still creating its workers 2 x `worker_start_timeout_s`
       after it began (room for the placement group is waited for at most once that
-      long): a node lost between the placement and the workers' creation would hold
-      them, and the controller, forever (`ray_compat.kill_pending_actors`); Ray
-      then retries the start as after any failed one;
+      long) once a node alive at its start is dead: a node lost between the placement
+      and the workers' creation would hold them, and the controller, forever
+      (`ray_compat.kill_pending_actors`); Ray then retries the start as after any failed
+      one. A start that is only slow goes on;
     - end the run when no worker group has run for `capacity_wait_s` (every node gone, say)
       instead of retrying forever (`CapacityClock` says what counts as waiting), or after
       more than `max_failures` failures that were not planned regrows (-1: no limit;
@@ -113,16 +114,27 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
             started.set()
 
     def _end_a_stuck_start(self, started: threading.Event) -> None:
+        """Past the deadline, end the start once a node alive when it began is dead: its
+        workers would wait for that node forever. A start that is only slow (workers'
+        processes starting on a loaded node, a runtime env being built) is left to finish."""
+        try:
+            alive_at_start = alive_nodes()
+        except Exception:  # noqa: BLE001 - the GCS is slow to answer: every node counts as lost
+            alive_at_start = set()
         if started.wait(self.start_deadline_s):
             return
-        try:
-            killed = ray_compat.kill_pending_actors()
-        except Exception as e:  # noqa: BLE001 - the GCS is slow to answer: the start stays as it was
-            print(f"a worker group start outlasted {self.start_deadline_s:g} s; ending it failed: {e}", flush=True)
-            return
-        if killed:
-            print(f"a worker group start outlasted {self.start_deadline_s:g} s (2 x elastic.worker_start_timeout_s) "
-                  f"with {killed} worker(s) not yet created, their node lost: ended, to be retried", flush=True)
+        while True:
+            try:
+                lost = not alive_at_start or bool(alive_at_start - alive_nodes())
+                killed = ray_compat.kill_pending_actors() if lost else 0
+            except Exception as e:  # noqa: BLE001 - the GCS is slow to answer: look again
+                print(f"a worker group start outlasted {self.start_deadline_s:g} s; ending it failed: {e}", flush=True)
+                lost, killed = False, 0
+            if killed:
+                print(f"a worker group start outlasted {self.start_deadline_s:g} s (2 x elastic.worker_start_timeout_s) "
+                      f"with {killed} worker(s) not yet created, a node lost: ended, to be retried", flush=True)
+            if lost or started.wait(1.0):
+                return
 
     def after_worker_group_start(self, worker_group) -> None:
         self.group_nodes = {w.node_id for w in ray_compat.group_workers(worker_group)}
@@ -156,7 +168,7 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
         deadline = time.monotonic() + self.node_grace_s
         while time.monotonic() < deadline:
             try:
-                alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+                alive = alive_nodes()
             except Exception:  # the GCS is slow to answer: the restart's own retries take over
                 return
             if not self.group_nodes <= alive:

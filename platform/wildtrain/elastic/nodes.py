@@ -7,6 +7,8 @@ import json
 import time
 from typing import Callable
 
+import ray
+
 from wildtrain import ray_compat
 
 
@@ -52,6 +54,11 @@ def room_for_another_worker(free: dict[str, dict[str, float]], per_worker: dict[
     them would wait on its data forever."""
     spare_cpus = sum(resources.get("CPU", 0.0) for resources in free.values()) - per_worker.get("CPU", 0.0)
     return workers_that_fit(free, per_worker, excluded) > 0 and spare_cpus >= keep_free_cpus
+
+
+def alive_nodes() -> set[str]:
+    """The ids of the nodes Ray counts alive."""
+    return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
 
 
 def refresh_resource_view() -> None:
