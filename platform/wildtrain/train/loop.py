@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import psutil
 import ray.train
 import ray.train.torch
 import torch
@@ -132,6 +134,8 @@ def join_in_process(inputs: LoopInputs, token: str, name: str, group_size: int) 
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
     left = ready_to_join(inputs, device)
+    print(f"{name} asks to join, {time.time() - psutil.Process().create_time():.1f} s after its process started",
+          flush=True)
     member = Member.joining(inputs.rendezvous, token, name, group_size, ray.get_runtime_context().get_node_id(),
                             cfg.elastic, backend(cfg), control_timeout_s(cfg))
     try:
@@ -144,11 +148,15 @@ def ready_to_join(inputs: LoopInputs, device: torch.device) -> Leftovers:
     """What a process's first attempt does for the first time, and slowly (1-2 s each here,
     against milliseconds after), done by a joiner before it asks to join, where the members
     would otherwise wait for it: the first engine build's imports, its save process's start,
-    Ray Data's first read, and the device's peak FLOP/s (measured on a CPU)."""
+    Ray Data's first read, and the device's peak FLOP/s (measured on a CPU). The save process
+    imports in a process of its own, and the first read mostly waits for Ray's read tasks:
+    both run beside the imports."""
     cfg = inputs.cfg
-    import_ahead()
     save_process = SaveProcess() if cfg.checkpoint.background == "process" else None
-    stream.warm_up(inputs.data.datasets, cfg)
+    with ThreadPoolExecutor(1, thread_name_prefix="wildtrain-first-read") as pool:
+        first_read = pool.submit(stream.warm_up, inputs.data.datasets, cfg)
+        import_ahead()
+        first_read.result()
     device_peak(device, cfg.cluster.peak_flops_per_device)
     return Leftovers.joiner(save_process)
 
