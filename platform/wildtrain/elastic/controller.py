@@ -118,18 +118,21 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
         workers would wait for that node forever. A start that is only slow (workers'
         processes starting on a loaded node, a runtime env being built) is left to finish."""
         try:
-            alive_at_start = alive_nodes()
-        except Exception:  # noqa: BLE001 - the GCS is slow to answer: every node counts as lost
-            alive_at_start = set()
+            alive_at_start: Optional[set[str]] = alive_nodes()
+        except Exception:  # noqa: BLE001 - the GCS is slow to answer: past the deadline, end the start
+            alive_at_start = None
         if started.wait(self.start_deadline_s):
             return
+        said_failed = False
         while True:
             try:
-                lost = not alive_at_start or bool(alive_at_start - alive_nodes())
+                lost = alive_at_start is None or bool(alive_at_start - alive_nodes())
                 killed = ray_compat.kill_pending_actors() if lost else 0
             except Exception as e:  # noqa: BLE001 - the GCS is slow to answer: look again
-                print(f"a worker group start outlasted {self.start_deadline_s:g} s; ending it failed: {e}", flush=True)
-                lost, killed = False, 0
+                if not said_failed:
+                    print(f"a worker group start outlasted {self.start_deadline_s:g} s; ending it failed: {e}",
+                          flush=True)
+                said_failed, lost, killed = True, False, 0
             if killed:
                 print(f"a worker group start outlasted {self.start_deadline_s:g} s (2 x elastic.worker_start_timeout_s) "
                       f"with {killed} worker(s) not yet created, a node lost: ended, to be retried", flush=True)
