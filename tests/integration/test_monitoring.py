@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.helpers.chaos import BackgroundRun
 from wildtrain import driver
-from wildtrain.events import Failure, Hang, HealthCheck, NodeExcluded, Recovered, Straggler
+from wildtrain.events import Failure, Hang, HealthCheck, NodeExcluded, Recovered, Started, Straggler
 from wildtrain.tracking.record import mlflow_key, read_events
 
 pytestmark = pytest.mark.integration
@@ -37,7 +37,10 @@ def _ray_gauges(metrics_port: int, name: str, run: str) -> dict[str, float]:
 
 
 def test_a_slow_rank_is_flagged_as_a_straggler(ray_cluster, tiny_config, mlflow_url, tmp_path):
-    cfg = tiny_config("train.steps=12", "chaos.slow_rank=1", "chaos.slow_step_s=0.15", "monitor.straggler_every=2",
+    # Of two ranks the median is their mean, so a sleep of s on top of a forward pass of f is
+    # flagged at factor 1.5 only while s > 2f: half a second, where a loaded machine's tiny
+    # forward took over the 75 ms that 0.15 s allowed.
+    cfg = tiny_config("train.steps=12", "chaos.slow_rank=1", "chaos.slow_step_s=0.5", "monitor.straggler_every=2",
                       "monitor.straggler_patience=2", "monitor.straggler_factor=1.5")
     run = BackgroundRun(cfg)
     # While it trains, every worker's live numbers reach Ray's metrics endpoint (and so the
@@ -116,9 +119,13 @@ def _of_this_cluster(process: psutil.Process) -> bool:
         return False
 
 
-# What the restart after one rank's failure may take here: the old group's end plus a new
-# group's start on this machine (4-9 s measured, more under load).
-RESTART_WITHIN_S = 25.0
+# A restart skips what the run's first start did before its group (the driver's checks, Ray
+# Train's controller) and adds the old group's end: bounded by the run's own first start plus
+# this, not by a fixed time, as on a loaded machine both take 3-4x longer (a 28 s restart
+# failed a fixed 25 s bound; 13 s against a 32 s first start measured on such a day). That
+# the failure left no peer waiting for a timeout is pinned apart: the run's first hang is
+# the stopped rank's.
+TEARDOWN_WITHIN_S = 10.0
 
 
 def test_a_rank_that_fails_alone_is_the_named_cause_and_a_stopped_rank_is_detected_as_a_hang(
@@ -158,10 +165,14 @@ def test_a_rank_that_fails_alone_is_the_named_cause_and_a_stopped_rank_is_detect
     assert failures[0].cause.startswith("rank 1: chaos drill: rank 1 fails in step 3"), failures[0].cause
     recoveries = [e for e in events if isinstance(e, Recovered)]
     assert len(recoveries) == 2, events  # after the failure, and after the hang
+    [started] = [e for e in events if isinstance(e, Started)]
+    first_attempt_at = min(m.value for m in MlflowClient(mlflow_url).get_metric_history(
+        summary.run_id, mlflow_key("startup/attempt_started_at")))
+    first_start_s = first_attempt_at - started.at
     print(f"rank 1 failed after step {failures[0].last_step}: the next group started "
-          f"{recoveries[0].restart_s:.1f} s later (old group torn down and new workers started), "
-          f"recovered in {recoveries[0].recovery_s:.1f} s")
-    assert recoveries[0].restart_s < RESTART_WITHIN_S
+          f"{recoveries[0].restart_s:.1f} s later (old group torn down and new workers started; the run's first "
+          f"start took {first_start_s:.1f} s), recovered in {recoveries[0].recovery_s:.1f} s")
+    assert recoveries[0].restart_s < first_start_s + TEARDOWN_WITHIN_S
 
     hangs = [e for e in events if isinstance(e, Hang)]
     assert hangs and "no optimizer step for" in hangs[0].reason
