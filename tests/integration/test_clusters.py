@@ -193,10 +193,12 @@ def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_sam
     a, b = two_clusters.get("a"), two_clusters.get("b")
     run = f"moving-{os.getpid()}"
     # `uninterrupted`'s training (reported every step, so that windows agree), never moved:
-    # the losses to match. Its half a second a step lands the move mid-run however fast the
-    # machine trains, and a busy one still stops the run on a well before its last step.
+    # the losses to match. Paced at a second a step (the pace changes no loss), so the move
+    # lands mid-run however fast the machine trains: at `uninterrupted`'s half second a
+    # loaded machine's move (its commit wait, the job's stop) outlasted the run on a.
     steps = UNINTERRUPTED_STEPS
-    common = [*UNINTERRUPTED, "elastic.max_workers=1", f"tracking.uri={mlflow_url}", "tracking.experiment=moves"]
+    common = [*UNINTERRUPTED, "chaos.min_step_s=1.0", "elastic.max_workers=1", f"tracking.uri={mlflow_url}",
+              "tracking.experiment=moves"]
     data_on = {name: f"{c.entry.storage.data}/tiny" for name, c in (("a", a), ("b", b))}
     assert data_on["a"] == tiny_dataset
     # B trains on its own copy of the data, as it would on another provider.
