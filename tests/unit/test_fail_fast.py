@@ -102,17 +102,28 @@ def test_peer_failed_says_whose_error_stopped_the_rank():
     assert "rank 3 stopped because another rank failed: rank 0: boom" in str(PeerFailed(3, "rank 0: boom"))
 
 
+# The default group's timeout is short, as elastic.collective_timeout_s makes it in a run;
+# rank 0 takes longer than that before it answers, as when it converts a checkpoint to the
+# universal format while the others wait for the result.
+SHORT_TIMEOUT_S = 5
+
+
 def _long_wait(rank: int, port: int, over: str, results) -> None:
-    # The default group's timeout is short, as elastic.collective_timeout_s makes it in a
-    # run; rank 0 takes longer than that before it answers, as when it converts a checkpoint
-    # to the universal format while the others wait for the result.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=2))
-    if over == "control":
-        collectives.open_control_group(60)
+    try:
+        # The rendezvous waits long: on a loaded machine a spawned rank comes up seconds after
+        # its peer (a 2 s store timeout failed there before any collective ran). Both leave
+        # the store's start together, so the group's own start fits its short timeout.
+        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=SHORT_TIMEOUT_S))
+        if over == "control":
+            collectives.open_control_group(60)
+    except BaseException as e:  # noqa: BLE001
+        results.put((rank, "not started", f"{type(e).__name__}: {str(e)[:200]}"))
+        return
     try:
         if rank == 0:
-            time.sleep(4)
+            time.sleep(2 * SHORT_TIMEOUT_S)
         results.put((rank, "ok", collectives.broadcast_object("converted" if rank == 0 else None)))
     except BaseException as e:  # noqa: BLE001
         results.put((rank, type(e).__name__, str(e)[:200]))
@@ -128,16 +139,17 @@ def test_a_long_wait_for_one_rank_outlasts_the_collective_timeout_only_over_the_
     for p in ranks:
         p.start()
     try:
-        outcomes = dict((rank, rest) for rank, *rest in (results.get(timeout=60) for _ in ranks))
+        outcomes = dict((rank, rest) for rank, *rest in (results.get(timeout=180) for _ in ranks))
     finally:
         for p in ranks:
             p.kill()
             p.join()
+    assert all(kind != "not started" for kind, _ in outcomes.values()), outcomes
     waiting = outcomes[1]
     if outlasts:
         assert waiting == ["ok", "converted"], waiting
     else:  # the control: the same wait over the default group times out
-        assert waiting[0] != "ok", waiting
+        assert waiting[0] == "RuntimeError" and "Timed out waiting" in waiting[1], waiting
 
 
 def test_a_failure_aborts_every_group_of_the_rank_deepspeeds_own_too(monkeypatch):
