@@ -48,7 +48,8 @@ __all__ = [
     "UserExceptionWithTraceback",
     "ControllerCallback", "ReportCallback", "WorkerGroupCallback", "WorkerGroupStartupTimeoutError",
     "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError", "available_resources_per_node",
-    "ControllerState", "controller_state", "counts_as_failure", "dashboard_url", "group_workers", "kv_get", "kv_put",
+    "ControllerState", "controller_state", "counts_as_failure", "dashboard_url", "default_temp_dir", "group_workers",
+    "kv_get", "kv_put",
     "kill_pending_actors", "lost_a_worker_process", "mask_worker_deaths", "narrow_report_gates", "quiet_ray_data",
     "quiet_report_log", "refresh_train_resource_view", "ReplacingTorchConfig", "reports_collected", "resize_request",
     "resize_to", "show_worker_errors", "start_timed_out", "worker_failures", "worker_lost", "worker_slot",
@@ -110,6 +111,14 @@ class TrainerWithoutDatasets(TorchTrainer):
 def dashboard_url() -> Optional[str]:
     """The dashboard of the cluster this process joined, if it has one."""
     return ray._private.worker.get_dashboard_url() or None
+
+
+def default_temp_dir() -> str:
+    """Ray's default temporary folder, where `ray.cluster_utils.Cluster` records its address
+    whatever temporary folder its head was given."""
+    from ray._common.utils import get_default_ray_temp_dir
+
+    return get_default_ray_temp_dir()
 
 
 def kv_get(key: str, namespace: str) -> Optional[bytes]:

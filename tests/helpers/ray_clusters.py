@@ -8,10 +8,9 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
-from ray._common.utils import get_default_ray_temp_dir
 from ray.cluster_utils import Cluster
 
-from wildtrain import services
+from wildtrain import ray_compat, services
 
 
 def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: Optional[dict] = None) -> Cluster:
@@ -31,7 +30,7 @@ def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: 
     temp_dir = tempfile.mkdtemp(prefix="wildtrain-test-ray-")
     # `Cluster` also writes its address into Ray's default temporary folder, which only a head
     # started there creates: on a machine where Ray never ran, it fails without this.
-    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
+    os.makedirs(ray_compat.default_temp_dir(), exist_ok=True)
     cluster = Cluster(
         initialize_head=True,
         head_node_args={

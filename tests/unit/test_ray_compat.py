@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ray.exceptions import ActorDiedError
 
+from ray._common import utils as ray_common_utils
 from ray._private import state as private_state
 from ray._private import worker as private_worker
 from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as coordinator
@@ -50,6 +51,7 @@ def test_the_private_functions_used_still_exist():
     assert callable(private_state.available_resources_per_node)
     assert callable(internal_kv._internal_kv_get) and callable(internal_kv._internal_kv_put)
     assert callable(coordinator.get_or_create_autoscaling_coordinator)
+    assert callable(ray_common_utils.get_default_ray_temp_dir)
 
 
 def test_the_controller_hooks_keep_their_names_and_signatures():
