@@ -15,7 +15,11 @@ Prints one row per interruption the run recorded (its `Failure` or `Resize`, and
 `Recovered`: the sizes, the members' stop, the steps redone), then whether the run trained
 every step exactly once at the tokens of an uninterrupted run.
 
+`--join-batch-s 0` is the reference for the two returns: each joiner taken in as it asks,
+where by default one that asked waits for another getting ready (`elastic.join_batch_s`).
+
 Usage: PYTHONPATH=platform:bench .venv/bin/python bench/recovery_joins.py [--steps 500] [--apart 3]
+       [--join-batch-s S]
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--apart", type=float, default=3.0, help="seconds between the two nodes' returns")
+    parser.add_argument("--join-batch-s", type=float, default=None, help="elastic.join_batch_s (default: the config's)")
     args = parser.parse_args()
     load = LoadSampler()
     caught = Rendezvous()
@@ -110,6 +115,7 @@ def main() -> None:
                 f"tracking.uri={mlflow_url}", "tracking.experiment=bench-recovery", f"data.datasets=[{{uri: {dataset}}}]",
                 f"train.steps={args.steps}", "train.global_batch_size=24", "train.log_every=1", "checkpoint.every=4",
                 "elastic.max_workers=3", "elastic.in_process=true", f"cluster.worker_resources.{recovery.WORKER_SLOT}=1",
+                *([] if args.join_batch_s is None else [f"elastic.join_batch_s={args.join_batch_s}"]),
             ])
             say(f"training {args.steps} steps at world size 3")
             run = BackgroundRun(cfg)

@@ -92,6 +92,7 @@ def join(address: tuple[str, int], cfg: ElasticConfig, ghost: bool) -> None:
     rendezvous = dist.TCPStore(*address, is_master=False, timeout=timedelta(seconds=60))
     wait_until(lambda: current_group(rendezvous) is not None and latest(current_group(rendezvous)).generation >= 2)
     member = Member.joining(address, current_token(rendezvous), "w1.1", 2, "node-2", cfg, "gloo", 60)
+    member.ask()
     if ghost:
         generation = member._next_generation()  # what `form` does up to its groups
         member._arrive(generation)

@@ -76,6 +76,11 @@ def test_min_workers_above_max_workers_is_rejected():
         load_config(["elastic.min_workers=3", "elastic.max_workers=2"])
 
 
+def test_a_negative_join_batch_is_rejected_naming_the_key():
+    with pytest.raises(ConfigError, match=r"^elastic.join_batch_s: must be 0 \(each joiner as it asks\) or positive"):
+        load_config(["elastic.join_batch_s=-1"])
+
+
 def test_seq_len_longer_than_the_model_is_rejected():
     with pytest.raises(ConfigError, match="^data.seq_len"):
         load_config(["data.seq_len=4096"])

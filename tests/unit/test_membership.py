@@ -6,6 +6,7 @@ from wildtrain.elastic.membership import (
     RedundancyLost,
     Repartition,
     StateSync,
+    joiners_due,
     micro_batches,
     must_abandon,
     next_membership,
@@ -40,6 +41,14 @@ def test_a_dead_joiner_is_not_admitted_and_no_one_left_is_an_error():
     assert next_membership(THREE, dead={"w3"}, joiners=["w3"]) is None
     with pytest.raises(NoMembersLeft, match="generation 4: every member"):
         next_membership(THREE, dead=set(THREE.members), joiners=[])
+
+
+def test_joiners_wait_for_one_getting_ready_for_at_most_the_batch_time_from_the_first_request():
+    assert joiners_due([10.0], getting_ready=0, now=10.0, batch_s=10.0), "nobody else coming: at once"
+    assert not joiners_due([10.0, 12.0], getting_ready=1, now=19.9, batch_s=10.0)
+    assert joiners_due([12.0, 10.0], getting_ready=1, now=20.0, batch_s=10.0)
+    assert joiners_due([10.0], getting_ready=1, now=10.0, batch_s=0.0), "0: each as it asks"
+    assert not joiners_due([], getting_ready=0, now=10.0, batch_s=10.0), "nobody asked"
 
 
 def test_stale_heartbeats():

@@ -12,8 +12,9 @@ from tests.helpers.waiting import wait_for
 from wildtrain import services
 from wildtrain.elastic.survivors import KeepSurvivors
 from wildtrain.elastic.membership import Membership
-from wildtrain.elastic.rendezvous import (Heartbeat, RendezvousOwner, RendezvousServer, announce_node, ask_to_join, beat,
-                                          current_group, latest, member_name, node_of, register_group, report_error)
+from wildtrain.elastic.rendezvous import (Heartbeat, RendezvousOwner, RendezvousServer, announce_node, announce_start,
+                                          ask_to_join, beat, current_group, latest, member_name, node_of, register_group,
+                                          report_error)
 
 DEAD_AFTER_S, CONFIRM_S = 2.0, 0.5
 
@@ -24,8 +25,8 @@ def store():
                          timeout=timedelta(seconds=10))
 
 
-def first_generation(store, t: float = 100.0) -> RendezvousOwner:
-    owner = RendezvousOwner(store, initial=3, dead_after_s=DEAD_AFTER_S, confirm_s=CONFIRM_S)
+def first_generation(store, t: float = 100.0, join_batch_s: float = 0.0) -> RendezvousOwner:
+    owner = RendezvousOwner(store, initial=3, dead_after_s=DEAD_AFTER_S, confirm_s=CONFIRM_S, join_batch_s=join_batch_s)
     for name in ("w2", "w0"):
         ask_to_join(store, name)
         beat(store, name, at=t)
@@ -94,6 +95,57 @@ def test_an_error_of_a_generation_before_a_shrink_is_not_counted_again(store):
     for name in ("w0", "w2"):
         beat(store, name, at=102.0)
     assert owner.turn(now=102.0) is None, "generation 1's error was generation 2's cause, not a new failure"
+
+
+JOIN_BATCH_S = 10.0
+
+
+def beats(store, t: float, *names: str) -> None:
+    for name in names:
+        beat(store, name, at=t)
+
+
+def two_joiners_starting(store) -> RendezvousOwner:
+    """Generation 1's owner once w3 and w4 started on returned nodes at 100.0 and w3 asked at 100.5."""
+    owner = first_generation(store, join_batch_s=JOIN_BATCH_S)
+    for name in ("w3", "w4"):
+        announce_start(store, name, at=100.0)
+    beats(store, 100.5, "w0", "w1", "w2", "w3", "w4")
+    ask_to_join(store, "w3", at=100.5)
+    assert owner.turn(now=100.5) is None, "w4 is getting ready: w3 waits for it"
+    return owner
+
+
+def test_a_joiner_waits_for_one_getting_ready_and_both_join_in_one_generation(store):
+    owner = two_joiners_starting(store)
+    beats(store, 106.0, "w0", "w1", "w2", "w3", "w4")
+    assert owner.turn(now=106.0) is None
+    ask_to_join(store, "w4", at=106.0)
+    assert owner.turn(now=106.0) == Membership(2, ("w0", "w1", "w2", "w3", "w4"))
+
+
+def test_a_joiner_waits_no_longer_than_join_batch_s_after_it_asked(store):
+    owner = two_joiners_starting(store)
+    beats(store, 110.4, "w0", "w1", "w2", "w3", "w4")
+    assert owner.turn(now=110.4) is None
+    beats(store, 110.5, "w0", "w1", "w2", "w3", "w4")
+    assert owner.turn(now=110.5) == Membership(2, ("w0", "w1", "w2", "w3"))
+    ask_to_join(store, "w4", at=111.0)
+    assert owner.turn(now=111.0) == Membership(3, ("w0", "w1", "w2", "w3", "w4")), "the late one joins on its own"
+
+
+def test_a_joiner_does_not_wait_for_one_that_went_silent_while_getting_ready(store):
+    owner = two_joiners_starting(store)  # w4's last beat at 100.5: its node lost again
+    beats(store, 102.4, "w0", "w1", "w2", "w3")
+    assert owner.turn(now=102.4) is None
+    beats(store, 102.6, "w0", "w1", "w2", "w3")
+    assert owner.turn(now=102.6) == Membership(2, ("w0", "w1", "w2", "w3")), "silent for over dead_after_s"
+
+
+def test_a_death_while_a_joiner_waits_takes_it_in_with_the_re_form(store):
+    owner = two_joiners_starting(store)
+    beats(store, 102.6, "w0", "w2", "w3", "w4")  # w1 silent since 100.5
+    assert owner.turn(now=102.6) == Membership(2, ("w0", "w2", "w3")), "the members stop anyway"
 
 
 def test_at_the_end_of_the_run_nothing_is_published_though_workers_go_silent(store):

@@ -99,11 +99,20 @@ class ElasticConfig:
     heartbeat_s: float = 0.1
     dead_after_s: float = 10.0
     confirm_s: float = 0.5
+    # Joiners that come seconds apart join in one re-form: one that asked waits while another
+    # is still getting ready (its process started on a returned node, its imports and first
+    # read under way), for up to this long after it asked. The members train on meanwhile;
+    # each re-form stops all of them (~1 s here), a wait only idles the waiting joiner. A
+    # joiner took 8-14 s from its process's start to its request on this 2-core machine
+    # (bench/joiner_ready.py), so two nodes back within ~10 s of each other share one re-form.
+    # 0: take each joiner in as it asks.
+    join_batch_s: float = 10.0
 
     def validate(self) -> None:
         for key in ("min_workers", "worker_start_timeout_s", "collective_timeout_s", "capacity_wait_s",
                     "heartbeat_s", "dead_after_s", "confirm_s"):
             positive(f"elastic.{key}", getattr(self, key))
+        zero_or_positive("elastic.join_batch_s", self.join_batch_s, "each joiner as it asks")
         if self.max_workers < self.min_workers:
             raise ConfigError(f"elastic.max_workers: {self.max_workers} is below elastic.min_workers "
                               f"({self.min_workers})")

@@ -37,8 +37,8 @@ from wildtrain.config.system import ElasticConfig
 from wildtrain.elastic.connections import GroupConnections
 from wildtrain.elastic.membership import Membership, must_abandon
 from wildtrain.elastic.peer_state import Mirrors
-from wildtrain.elastic.rendezvous import (Heartbeat, announce_node, ask_to_join, latest, member_name, register_group,
-                                          report_error)
+from wildtrain.elastic.rendezvous import (Heartbeat, announce_node, announce_start, ask_to_join, latest, member_name,
+                                          register_group, report_error)
 from wildtrain.engine import clone_world_group, destroy_process_groups, import_deepspeed
 from wildtrain.train import collectives
 
@@ -90,7 +90,10 @@ class Member:
         self.group_size = group_size
         announce_node(self.store, self.name, node_id)
         self.heartbeat = Heartbeat(host, port, self.name, cfg.heartbeat_s, prefix=token)
-        ask_to_join(self.store, self.name)
+        if joined:
+            announce_start(self.store, self.name)  # it asks once ready (`ask`)
+        else:
+            self.ask()
         self.membership = Membership(0, ())
         self.connections = GroupConnections()
         # This rank's partitions and its ring predecessor's, kept across generations.
@@ -108,9 +111,14 @@ class Member:
     @classmethod
     def joining(cls, address: tuple[str, int], token: str, name: str, group_size: int, node_id: str,
                 cfg: ElasticConfig, backend: str, control_timeout_s: float) -> "Member":
-        """A worker started on a lost member's slot of the group registered under `token`: it
-        asks to join, and the members take it in at their next log step (`joiners_waiting`)."""
+        """A worker started on a lost member's slot of the group registered under `token`,
+        made as soon as its process runs: it says it is getting ready, so that a joiner that
+        asks meanwhile waits to join with it. It asks itself (`ask`) once ready, and the members
+        take it in at their next log step (`joiners_waiting`)."""
         return cls(address, token, name, group_size, node_id, cfg, backend, control_timeout_s, joined=True)
+
+    def ask(self) -> None:
+        ask_to_join(self.store, self.name)
 
     def joiners_waiting(self) -> bool:
         """Whether the owner published a generation that adds members to this one (and drops

@@ -60,6 +60,14 @@ def next_membership(current: Membership, dead: Iterable[str], joiners: Sequence[
     return Membership(current.generation + 1, members)
 
 
+def joiners_due(asked_at: Collection[float], getting_ready: int, now: float, batch_s: float) -> bool:
+    """Whether workers that asked to join (at the times `asked_at`) are taken in now, rather
+    than held for `getting_ready` others whose processes started but have not asked yet, so
+    that the members stop once for all of them. A hold lasts at most `batch_s` after the first
+    request: a joiner that never gets ready (its node lost again) delays the others no more."""
+    return bool(asked_at) and (getting_ready == 0 or now - min(asked_at) >= batch_s)
+
+
 def must_abandon(current: Membership, newer: Membership) -> bool:
     """Whether a collective in flight in `current` can never finish: a member left. A newer
     generation that only adds joiners lets the step finish first (the group re-forms at its

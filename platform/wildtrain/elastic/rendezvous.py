@@ -4,7 +4,8 @@ publishes each new generation, and workers read the newest. Who is in the next g
 decided by `membership`; this module is the keys and the owner's loop turn.
 
 Keys, under the worker group's prefix: `joins` (a counter) and `join/<n>` = "<name> <time>"
-per request; `hb/<name>` = the time of a worker's last heartbeat; `node/<name>` = its Ray
+per request; `starts` and `start/<n>` alike, per joiner whose process started (it asks once
+it is ready); `hb/<name>` = the time of a worker's last heartbeat; `node/<name>` = its Ray
 node; `error/<g>` = when a collective of generation g failed (it says someone left, not
 who); `members/<g>` = generation g's members by rank, then `gen` = g, so that a reader of
 `gen` always finds its members; `ending` = the run is at its end. Unprefixed: the groups
@@ -20,7 +21,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from wildtrain.elastic.membership import Membership, NoMembersLeft, next_membership, stale
+from wildtrain.elastic.membership import Membership, NoMembersLeft, joiners_due, next_membership, stale
 
 
 def latest(store: dist.Store) -> Membership:
@@ -31,10 +32,20 @@ def latest(store: dist.Store) -> Membership:
     return Membership(generation, tuple(store.get(f"members/{generation}").decode().split(",")))
 
 
-def ask_to_join(store: dist.Store, name: str) -> None:
+def ask_to_join(store: dist.Store, name: str, at: Optional[float] = None) -> None:
     """Ask to be a member of the next generation (a new worker, or one found dead while alive)."""
-    n = store.add("joins", 1)
-    store.set(f"join/{n}", f"{name} {time.time()!r}")
+    _add_entry(store, "join", name, at)
+
+
+def announce_start(store: dist.Store, name: str, at: Optional[float] = None) -> None:
+    """Say that the joiner `name` is getting ready to ask: a joiner that asked before it is
+    held for it (`RendezvousOwner`), so that both join in one re-form."""
+    _add_entry(store, "start", name, at)
+
+
+def _add_entry(store: dist.Store, kind: str, name: str, at: Optional[float]) -> None:
+    n = store.add(f"{kind}s", 1)
+    store.set(f"{kind}/{n}", f"{name} {time.time() if at is None else at!r}")
 
 
 def beat(store: dist.Store, name: str, at: Optional[float] = None) -> None:
@@ -91,29 +102,34 @@ class RendezvousOwner:
     """Reads the join requests, heartbeats and failed collectives in `store` and publishes
     each new generation. The first waits for `initial` workers. A member is dead when silent
     for `dead_after_s`, or, once a collective of its generation failed, silent since then for
-    `confirm_s` (see `membership.stale`). Keeps when each worker asked (`asked`) and when each
-    generation was published (`published`: generation -> (time, members))."""
+    `confirm_s` (see `membership.stale`). Joiners that asked wait for one still getting ready
+    (it announced its start, beats, and has not asked) for up to `join_batch_s`, unless the
+    members re-form anyway (`membership.joiners_due`). Keeps when each worker asked (`asked`)
+    and when each generation was published (`published`: generation -> (time, members))."""
 
-    def __init__(self, store: dist.Store, initial: int, dead_after_s: float, confirm_s: float) -> None:
+    def __init__(self, store: dist.Store, initial: int, dead_after_s: float, confirm_s: float,
+                 join_batch_s: float = 0.0) -> None:
         self.store, self.initial = store, initial
-        self.dead_after_s, self.confirm_s = dead_after_s, confirm_s
+        self.dead_after_s, self.confirm_s, self.join_batch_s = dead_after_s, confirm_s, join_batch_s
         self.current = Membership(0, ())
         self.asked: dict[str, float] = {}
+        self._asked_seen: dict[str, float] = {}  # on this clock: a hold's length is the owner's
+        self.started: dict[str, float] = {}  # joiners that announced their start, when
         self.published: dict[int, tuple[float, tuple[str, ...]]] = {}
         self._pending: list[str] = []
-        self._seen_joins = 0
+        self._seen = {"join": 0, "start": 0}
         self._errors: dict[int, float] = {}
 
     def turn(self, now: float, ending: bool = False) -> Optional[Membership]:
         """One look at the store at time `now`: the generation published by it, if any.
         `ending`: the run is at its end and its workers stop beating as they exit (not deaths)."""
         store = self.store
-        joins = store.add("joins", 0)
-        for n in range(self._seen_joins + 1, joins + 1):
-            name, asked_at = store.get(f"join/{n}").decode().split()
+        for name, at in self._new_entries("start"):
+            self.started[name] = at
+        for name, at in self._new_entries("join"):
             self._pending.append(name)
-            self.asked[name] = float(asked_at)
-        self._seen_joins = joins
+            self.asked[name] = at
+            self._asked_seen[name] = now
         current = self.current
         if ending:
             return None
@@ -127,7 +143,12 @@ class RendezvousOwner:
                      for m in current.members}
             error_at = self._error_at(current)
             dead = stale(beats, now, self.dead_after_s, error_at, self.confirm_s)
-            nxt = next_membership(current, dead, self._pending, None if error_at is None else now - error_at,
+            joiners = self._pending
+            if not dead and error_at is None:  # no re-form but the joiners': they may wait for more
+                waiting = [self._asked_seen[j] for j in joiners if j not in current.members]
+                if waiting and not joiners_due(waiting, len(self._getting_ready(now)), now, self.join_batch_s):
+                    joiners = []
+            nxt = next_membership(current, dead, joiners, None if error_at is None else now - error_at,
                                   self.confirm_s)
             if nxt is None:
                 return None
@@ -137,6 +158,21 @@ class RendezvousOwner:
         self._pending = [p for p in self._pending if p not in nxt.members]
         self.current = nxt
         return nxt
+
+    def _new_entries(self, kind: str) -> list[tuple[str, float]]:
+        """The `ask_to_join` (kind "join") or `announce_start` ("start") entries since the last look."""
+        last, self._seen[kind] = self._seen[kind], self.store.add(f"{kind}s", 0)
+        entries = []
+        for n in range(last + 1, self._seen[kind] + 1):
+            name, at = self.store.get(f"{kind}/{n}").decode().split()
+            entries.append((name, float(at)))
+        return entries
+
+    def _getting_ready(self, now: float) -> list[str]:
+        """The joiners that started and have not asked yet, still beating."""
+        return [name for name, started_at in self.started.items() if name not in self.asked
+                and now - (float(self.store.get(f"hb/{name}")) if self.store.check([f"hb/{name}"]) else started_at)
+                <= self.dead_after_s]
 
     def _error_at(self, current: Membership) -> Optional[float]:
         """When a collective failed that the members of `current` may still be in: one of
@@ -178,10 +214,11 @@ class RendezvousServer:
     `ending` (under its group's prefix) at the run's last step: from then on the workers
     stop beating as they exit, which is no death."""
 
-    def __init__(self, host: str, dead_after_s: float, confirm_s: float, turn_s: float = 0.01) -> None:
+    def __init__(self, host: str, dead_after_s: float, confirm_s: float, join_batch_s: float = 0.0,
+                 turn_s: float = 0.01) -> None:
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         self.host, self.port = host, self.store.port
-        self.dead_after_s, self.confirm_s, self.turn_s = dead_after_s, confirm_s, turn_s
+        self.dead_after_s, self.confirm_s, self.join_batch_s, self.turn_s = dead_after_s, confirm_s, join_batch_s, turn_s
         self.owner: Optional[RendezvousOwner] = None
         self._groups = 0
         self._stopped = threading.Event()
@@ -195,7 +232,7 @@ class RendezvousServer:
                 token, world = self.store.get(f"group/{groups}").decode().split()
                 self._groups = groups
                 self.owner = RendezvousOwner(dist.PrefixStore(token, self.store), int(world), self.dead_after_s,
-                                             self.confirm_s)
+                                             self.confirm_s, self.join_batch_s)
                 self.store.set("current", token)
             if self.owner is not None:
                 try:

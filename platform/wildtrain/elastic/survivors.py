@@ -26,7 +26,8 @@ def start_rendezvous(cfg: Config) -> Optional[rendezvous.RendezvousServer]:
     address: the workers reach the driver as they reach the Ray head."""
     if not cfg.elastic.in_process:
         return None
-    return rendezvous.RendezvousServer(ray.util.get_node_ip_address(), cfg.elastic.dead_after_s, cfg.elastic.confirm_s)
+    return rendezvous.RendezvousServer(ray.util.get_node_ip_address(), cfg.elastic.dead_after_s, cfg.elastic.confirm_s,
+                                       cfg.elastic.join_batch_s)
 
 
 def survivor_callbacks(cfg: Config, server: Optional[rendezvous.RendezvousServer], inputs: LoopInputs,

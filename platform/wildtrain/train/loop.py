@@ -133,12 +133,13 @@ def join_in_process(inputs: LoopInputs, token: str, name: str, group_size: int) 
     if trains_on_gpu(cfg):
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
-    left = ready_to_join(inputs, device)
-    print(f"{name} asks to join, {time.time() - psutil.Process().create_time():.1f} s after its process started",
-          flush=True)
     member = Member.joining(inputs.rendezvous, token, name, group_size, ray.get_runtime_context().get_node_id(),
                             cfg.elastic, backend(cfg), control_timeout_s(cfg))
     try:
+        left = ready_to_join(inputs, device)
+        print(f"{name} asks to join, {time.time() - psutil.Process().create_time():.1f} s after its process started",
+              flush=True)
+        member.ask()
         train_generations(inputs, device, member, left, lambda: None)
     finally:
         member.heartbeat.stop()  # ended or failed: either way no member any more
