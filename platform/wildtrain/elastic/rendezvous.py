@@ -139,8 +139,7 @@ class RendezvousOwner:
             nxt = Membership(1, tuple(sorted(set(self._pending))))
         else:
             # A member whose heartbeat has not come yet counts from its request.
-            beats = {m: float(store.get(f"hb/{m}")) if store.check([f"hb/{m}"]) else self.asked[m]
-                     for m in current.members}
+            beats = {m: self._last_beat(m, self.asked[m]) for m in current.members}
             error_at = self._error_at(current)
             dead = stale(beats, now, self.dead_after_s, error_at, self.confirm_s)
             joiners = self._pending
@@ -170,9 +169,13 @@ class RendezvousOwner:
 
     def _getting_ready(self, now: float) -> list[str]:
         """The joiners that started and have not asked yet, still beating."""
-        return [name for name, started_at in self.started.items() if name not in self.asked
-                and now - (float(self.store.get(f"hb/{name}")) if self.store.check([f"hb/{name}"]) else started_at)
-                <= self.dead_after_s]
+        return [name for name, started_at in self.started.items()
+                if name not in self.asked and now - self._last_beat(name, started_at) <= self.dead_after_s]
+
+    def _last_beat(self, name: str, before_any: float) -> float:
+        """When `name` last beat; `before_any` where no beat has come yet."""
+        key = f"hb/{name}"
+        return float(self.store.get(key)) if self.store.check([key]) else before_any
 
     def _error_at(self, current: Membership) -> Optional[float]:
         """When a collective failed that the members of `current` may still be in: one of
