@@ -30,6 +30,12 @@ def test_a_death_and_a_return_together_make_one_generation():
     assert next_membership(THREE, dead={"w1"}, joiners=["w3", "w4"]) == Membership(5, ("w0", "w2", "w3", "w4"))
 
 
+def test_joiners_beyond_the_capacity_wait_and_one_takes_a_dead_members_place():
+    assert next_membership(THREE, dead=(), joiners=["spare.1"], capacity=3) is None, "the group is whole"
+    replaced = next_membership(THREE, dead={"w1"}, joiners=["spare.1", "spare.2"], capacity=3)
+    assert replaced == Membership(5, ("w0", "w2", "spare.1")), "the first to ask; the other waits on"
+
+
 def test_nothing_changed_keeps_the_generation_until_a_failed_collective_has_aged():
     assert next_membership(THREE, dead=(), joiners=["w2"]) is None
     assert next_membership(THREE, dead=(), joiners=[], errored_for_s=0.4, confirm_s=0.5) is None

@@ -236,3 +236,37 @@ def test_ray_s_word_that_a_member_died_has_the_owner_drop_it_within_confirm_s_wh
         if alive is not None:
             alive.stop()
         server.stop()
+
+
+def whole_group_with_a_spare(store) -> RendezvousOwner:
+    """A group of three, whole (capacity 3), beside spare.1, which started on spare capacity
+    and asked at 100.0 with the group's workers: it waits, and the members see one spare."""
+    owner = RendezvousOwner(store, initial=3, dead_after_s=DEAD_AFTER_S, confirm_s=CONFIRM_S, capacity=3)
+    announce_start(store, "spare.1", at=100.0)
+    beats(store, 100.0, "spare.1")
+    for name in ("w2", "w0", "w1"):
+        ask_to_join(store, name, at=100.0)
+        beat(store, name, at=100.0)
+    ask_to_join(store, "spare.1", at=100.0)
+    assert owner.turn(now=100.0) == Membership(1, ("w0", "w1", "w2")), "a joiner is never in the first generation"
+    beats(store, 103.0, "w0", "w1", "w2", "spare.1")
+    assert owner.turn(now=103.0) is None, "the group is whole: the spare waits"
+    assert store.get("spares") == b"1"
+    return owner
+
+
+def test_a_spare_takes_a_dead_members_place_in_the_re_form_that_drops_it(store):
+    owner = whole_group_with_a_spare(store)
+    report_error(store, 1, at=103.5)
+    beats(store, 104.1, "w0", "w2", "spare.1")  # w1 silent since 103.0
+    assert owner.turn(now=104.1) == Membership(2, ("w0", "w2", "spare.1"))
+    assert store.get("spares") == b"0"
+
+
+def test_a_spare_whose_node_died_takes_no_place(store):
+    owner = whole_group_with_a_spare(store)  # spare.1's last beat at 103.0
+    report_error(store, 1, at=105.5)
+    beats(store, 106.1, "w0", "w2")
+    assert store.get("spares") == b"1"
+    assert owner.turn(now=106.1) == Membership(2, ("w0", "w2")), "silent for over dead_after_s: not taken in"
+    assert store.get("spares") == b"0"

@@ -38,11 +38,13 @@ class NoMembersLeft(RuntimeError):
 
 
 def next_membership(current: Membership, dead: Iterable[str], joiners: Sequence[str],
-                    errored_for_s: Optional[float] = None, confirm_s: float = 0.0) -> Optional[Membership]:
+                    errored_for_s: Optional[float] = None, confirm_s: float = 0.0,
+                    capacity: Optional[int] = None) -> Optional[Membership]:
     """The next generation, or None while the current one should stand.
 
     Survivors keep their order, so rank 0 stays rank 0 while it lives; joiners (in the order
-    they asked) follow. A collective that failed `errored_for_s` ago without anyone found dead
+    they asked) follow, as many as `capacity` members leaves room for: the others wait as
+    spares, ready, and take the place of the next member lost. A collective that failed `errored_for_s` ago without anyone found dead
     re-forms the same members, but only after `confirm_s`, the time `stale` takes to find a
     dead member after a failed collective: re-forming earlier could include a member that is
     dead but not yet found, and the new group's rendezvous would wait for it until it timed
@@ -50,6 +52,8 @@ def next_membership(current: Membership, dead: Iterable[str], joiners: Sequence[
     dead = set(dead)
     survivors = tuple(m for m in current.members if m not in dead)
     joining = tuple(dict.fromkeys(j for j in joiners if j not in current.members and j not in dead))
+    if capacity is not None:
+        joining = joining[:max(0, capacity - len(survivors))]
     members = survivors + joining
     if members == current.members:
         if errored_for_s is None or errored_for_s < confirm_s:

@@ -8,7 +8,8 @@ per request; `starts` and `start/<n>` alike, per joiner whose process started (i
 it is ready); `hb/<name>` = the time of a worker's last heartbeat; `node/<name>` = its Ray
 node; `error/<g>` = when a collective of generation g failed (it says someone left, not
 who); `members/<g>` = generation g's members by rank, then `gen` = g, so that a reader of
-`gen` always finds its members; `ending` = the run is at its end. Unprefixed: the groups
+`gen` always finds its members; `spares` = how many joiners wait ready for a member's place
+(the generation is whole); `ending` = the run is at its end. Unprefixed: the groups
 registered (`groups`, `group/<n>`) and the `current` one's prefix.
 """
 
@@ -100,16 +101,18 @@ class Heartbeat:
 
 class RendezvousOwner:
     """Reads the join requests, heartbeats and failed collectives in `store` and publishes
-    each new generation. The first waits for `initial` workers. A member is dead when silent
-    for `dead_after_s`, or, once a collective of its generation failed, silent since then for
-    `confirm_s` (see `membership.stale`). Joiners that asked wait for one still getting ready
+    each new generation. The first waits for `initial` workers (Ray Train's; no joiner), and
+    none has more than `capacity`: joiners beyond it wait, ready, as spares that take the
+    place of the next member lost, in the re-form that drops it (elastic.spares). A member is
+    dead when silent for `dead_after_s`, or, once a collective of its generation failed,
+    silent since then for `confirm_s` (see `membership.stale`). Joiners that asked wait for one still getting ready
     (it announced its start, beats, and has not asked) for up to `join_batch_s`, unless the
     members re-form anyway (`membership.joiners_due`). Keeps when each worker asked (`asked`)
     and when each generation was published (`published`: generation -> (time, members))."""
 
     def __init__(self, store: dist.Store, initial: int, dead_after_s: float, confirm_s: float,
-                 join_batch_s: float = 0.0) -> None:
-        self.store, self.initial = store, initial
+                 join_batch_s: float = 0.0, capacity: Optional[int] = None) -> None:
+        self.store, self.initial, self.capacity = store, initial, capacity
         self.dead_after_s, self.confirm_s, self.join_batch_s = dead_after_s, confirm_s, join_batch_s
         self.current = Membership(0, ())
         self.asked: dict[str, float] = {}
@@ -119,6 +122,7 @@ class RendezvousOwner:
         self._pending: list[str] = []
         self._seen = {"join": 0, "start": 0}
         self._errors: dict[int, float] = {}
+        self._spares = 0  # last published
 
     def turn(self, now: float, ending: bool = False) -> Optional[Membership]:
         """One look at the store at time `now`: the generation published by it, if any.
@@ -134,29 +138,44 @@ class RendezvousOwner:
         if ending:
             return None
         if current.generation == 0:
-            if len(set(self._pending)) < self.initial:
+            workers = {p for p in self._pending if p not in self.started}
+            if len(workers) < self.initial:
                 return None
-            nxt = Membership(1, tuple(sorted(set(self._pending))))
+            nxt = Membership(1, tuple(sorted(workers)))
         else:
             # A member whose heartbeat has not come yet counts from its request.
             beats = {m: self._last_beat(m, self.asked[m]) for m in current.members}
             error_at = self._error_at(current)
             dead = stale(beats, now, self.dead_after_s, error_at, self.confirm_s)
-            joiners = self._pending
+            joiners = self._ready(now)
             if not dead and error_at is None:  # no re-form but the joiners': they may wait for more
                 waiting = [self._asked_seen[j] for j in joiners if j not in current.members]
                 if waiting and not joiners_due(waiting, len(self._getting_ready(now)), now, self.join_batch_s):
                     joiners = []
             nxt = next_membership(current, dead, joiners, None if error_at is None else now - error_at,
-                                  self.confirm_s)
+                                  self.confirm_s, capacity=self.capacity)
             if nxt is None:
+                self._publish_spares(now)
                 return None
         store.set(f"members/{nxt.generation}", ",".join(nxt.members))
         store.set("gen", str(nxt.generation))
         self.published[nxt.generation] = (now, nxt.members)
         self._pending = [p for p in self._pending if p not in nxt.members]
         self.current = nxt
+        self._publish_spares(now)
         return nxt
+
+    def _ready(self, now: float) -> list[str]:
+        """The joiners that asked and still beat: one whose node died since (a spare's, most
+        likely) would cost the members a re-form to find it gone."""
+        return [j for j in self._pending if now - self._last_beat(j, self.asked[j]) <= self.dead_after_s]
+
+    def _publish_spares(self, now: float) -> None:
+        """Say how many joiners wait ready for a member's place (the `spares` metric)."""
+        waiting = len(set(self._ready(now)) - set(self.current.members))
+        if waiting != self._spares:
+            self.store.set("spares", str(waiting))
+            self._spares = waiting
 
     def _new_entries(self, kind: str) -> list[tuple[str, float]]:
         """The `ask_to_join` (kind "join") or `announce_start` ("start") entries since the last look."""
@@ -234,8 +253,9 @@ class RendezvousServer:
             if groups > self._groups:
                 token, world = self.store.get(f"group/{groups}").decode().split()
                 self._groups = groups
+                # Ray placed the group for `world` workers: joiners take lost members' places only.
                 self.owner = RendezvousOwner(dist.PrefixStore(token, self.store), int(world), self.dead_after_s,
-                                             self.confirm_s, self.join_batch_s)
+                                             self.confirm_s, self.join_batch_s, capacity=int(world))
                 self.store.set("current", token)
             if self.owner is not None:
                 try:
