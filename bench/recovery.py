@@ -4,8 +4,10 @@ Runs the tiny model on two one-worker nodes once per scenario, side by side: by 
 wildtrain's default config (a resize restarts every worker from the last checkpoint) and
 the same with elastic.in_process (the survivor re-forms in its own process from its peer's
 mirror: issue 24's goal, death -> first step within 5 s, no step redone); with --only, Ray's
-own timeouts for reference and tuned variants too. The node removed is rank 1's (in-process,
-rank 0's death falls back to a restart). Each scenario gets its own fake cluster (node health checks
+own timeouts for reference and tuned variants too, and "in-process + spare" (elastic.spares=1
+on a third node: the spare takes the dead member's place, and the returned node's worker
+waits ready as the next spare). The node removed is rank 1's (in-process, rank 0's death
+falls back to a restart). Each scenario gets its own fake cluster (node health checks
 are set when the head starts, as `wildtrain up` sets them). Prints one row per interruption:
 
     detection   node killed (or added) → the controller learns of it (in-process: a
@@ -79,6 +81,11 @@ SCENARIOS = {
     ),
     # Issue 24: survivors kept in their processes; a returning node's worker joins them.
     "in-process": dict(overrides=["elastic.in_process=true"], system_config=services.NODE_HEALTH_CHECKS),
+    # In-process, and a spare kept ready on a third node (elastic.spares): the group keeps its
+    # size through the death, and the returned node's worker waits as the next spare. Paced so
+    # that the return's worker gets ready before the run's end.
+    "in-process + spare": dict(overrides=["elastic.in_process=true", "elastic.spares=1", "chaos.min_step_s=0.2"],
+                               system_config=services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF, spares=1),
     # The same without Ray's metrics (services.RAY_METRICS_OFF says why).
     "in-process, ray metrics off": dict(overrides=["elastic.in_process=true"],
                                         system_config=services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF),
@@ -129,11 +136,11 @@ def tiny_services(name: str, nice: int = 0) -> Iterator[tuple[Path, str, str]]:
 
 
 @contextlib.contextmanager
-def fake_cluster(system_config: dict) -> Iterator[Cluster]:
-    """A head (the driver, Ray Data) and two one-worker nodes (`add_worker_node`), which this
-    process joins; all stopped after. `system_config`: the head's (node health checks)."""
+def fake_cluster(system_config: dict, worker_nodes: int = 2) -> Iterator[Cluster]:
+    """A head (the driver, Ray Data) and `worker_nodes` one-worker nodes (`add_worker_node`),
+    which this process joins; all stopped after. `system_config`: the head's (node health checks)."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "_system_config": system_config})
-    for _ in range(2):
+    for _ in range(worker_nodes):
         add_worker_node(cluster)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
@@ -150,15 +157,12 @@ def add_worker_node(cluster: Cluster) -> None:
 
 
 def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path,
-                 load: "LoadSampler") -> list[dict]:
+                 load: "LoadSampler", spares: int = 0) -> list[dict]:
+    if spares:
+        return run_spare_scenario(name, overrides, system_config, mlflow_url, steps, root, load)
     say(f"{name}: starting a fake cluster of a head and two one-worker nodes")
     with fake_cluster(system_config) as cluster:
-        cfg = load_config([
-            "experiment=tiny", f"run.name=recovery-{name.replace(' ', '-')}-{int(time.time())}",
-            f"run.storage={root / 'runs'}", f"tracking.uri={mlflow_url}", "tracking.experiment=bench-recovery",
-            f"train.steps={steps}", "train.log_every=1", "checkpoint.every=4",
-            f"cluster.worker_resources.{WORKER_SLOT}=1", *overrides,
-        ])
+        cfg = run_config(name, overrides, mlflow_url, steps, root)
         say(f"{name}: training {steps} steps at world size 2")
         run = BackgroundRun(cfg)
         run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6", 600)
@@ -202,17 +206,80 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
     return rows
 
 
+def run_spare_scenario(name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path,
+                       load: "LoadSampler") -> list[dict]:
+    """A group of two beside a third node's spare (elastic.spares=1): rank 1's node removed once
+    the spare is ready, and added back once the spare took its place. Rows: the death (the
+    group re-formed at the same size) and the return (its worker ready as the next spare; no
+    member stopped for it)."""
+    say(f"{name}: starting a fake cluster of a head and three one-worker nodes")
+    with fake_cluster(system_config, worker_nodes=3) as cluster:
+        cfg = run_config(name, overrides, mlflow_url, steps, root)
+        say(f"{name}: training {steps} steps at world size 2, waiting for the spare to be ready")
+        run = BackgroundRun(cfg)
+        run.wait_until(lambda h: h and h[-1].value == 1, "a spare ready", 600, key="system/spares")
+        victim = rank_node(cluster, run, mlflow_url, root, 1)
+        killed_at = time.time()
+        cluster.remove_node(victim)
+        formed = wait_for_events(run, mlflow_url, root, lambda events: len(formed_of(events)) >= 2, "the re-form")
+        added_at = time.time()
+        say(f"{name}: re-formed at world size {len(formed_of(formed)[-1].nodes)} after {added_at - killed_at:.1f} s; "
+            "adding the node back, waiting for its worker to be ready as the next spare")
+        add_worker_node(cluster)
+        ready = run.wait_until(lambda h: any(m.value == 1 and m.timestamp / 1000 > added_at for m in h),
+                               "the returned node's worker ready as a spare", 600, key="system/spares")
+        ready_at = next(m.timestamp / 1000 for m in ready if m.value == 1 and m.timestamp / 1000 > added_at)
+        summary = run.join(1200)
+        events = read_events(mlflow_url, summary.run_id, tempfile.mkdtemp(dir=root))
+    interruptions = [e for e in events if isinstance(e, Interrupted)]
+    recoveries = [e for e in events if isinstance(e, Recovered)]
+    interruption, recovery = interruptions[0], recoveries[0]
+    first_step = recovery.recovery_s + interruption.at - killed_at
+    rows = [{
+        "scenario": name, "event": f"spare takes the place {recovery.world_size_before}→{recovery.world_size_after}",
+        "detection": interruption.at - killed_at, "restart": recovery.restart_s, "restore": recovery.restore_s,
+        "reshard": recovery.reshard_s, "stopped": recovery.recovery_s, "first step": first_step,
+        "steps lost": recovery.steps_lost, "load": f"{load.mean(killed_at, killed_at + first_step):.1f}",
+    }, {
+        "scenario": name, "event": f"return: ready as the next spare {ready_at - added_at:.1f} s after add_node",
+        "detection": "-", "restart": "-", "restore": "-", "reshard": "-",
+        "stopped": 0.0 if len(interruptions) == 1 else f"{len(interruptions) - 1} more re-forms",
+        "first step": "-", "steps lost": "-", "load": f"{load.mean(added_at, ready_at):.1f}",
+    }]
+    for row in rows:
+        say(f"{name}: {row['event']}: stopped {cell(row['stopped'])}")
+    return rows
+
+
+def run_config(name: str, overrides: list[str], mlflow_url: str, steps: int, root: Path):
+    return load_config([
+        "experiment=tiny", f"run.name=recovery-{name.replace(' ', '-').replace('+', 'and')}-{int(time.time())}",
+        f"run.storage={root / 'runs'}", f"tracking.uri={mlflow_url}", "tracking.experiment=bench-recovery",
+        f"train.steps={steps}", "train.log_every=1", "checkpoint.every=4",
+        f"cluster.worker_resources.{WORKER_SLOT}=1", *overrides,
+    ])
+
+
+def formed_of(events: list) -> list[Formed]:
+    return [e for e in events if isinstance(e, Formed)]
+
+
+def wait_for_events(run: BackgroundRun, mlflow_url: str, root: Path, condition, what: str, timeout_s: float = 300):
+    """The run's events once `condition(events)` holds (they come with rank 0's reports)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition(events := read_events(mlflow_url, run.mlflow_run_id(), tempfile.mkdtemp(dir=root))):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout_s:g} s")
+        time.sleep(0.5)
+    return events
+
+
 def rank_node(cluster: Cluster, run: BackgroundRun, mlflow_url: str, root: Path, rank: int):
     """The worker node of `rank`: from the newest in-process generation's `Formed` event where
     the run has one (waited for), else any (a group Ray restarts has no rank worth keeping)."""
     if not run.cfg.elastic.in_process:
         return next(iter(cluster.worker_nodes))
-    deadline = time.monotonic() + 60
-    while not (formed := [e for e in read_events(mlflow_url, run.mlflow_run_id(), tempfile.mkdtemp(dir=root))
-                          if isinstance(e, Formed)]):
-        if time.monotonic() > deadline:
-            raise TimeoutError("no in-process generation recorded within 60 s")
-        time.sleep(1.0)
+    formed = formed_of(wait_for_events(run, mlflow_url, root, formed_of, "in-process generation", 60))
     return next(node for node in cluster.worker_nodes if node.node_id == formed[-1].nodes[rank])
 
 
@@ -249,7 +316,8 @@ def main() -> None:
     with tiny_services("bench-recovery") as (root, dataset, mlflow_url):
         for name, scenario in scenarios.items():
             overrides = [f"data.datasets=[{{uri: {dataset}}}]", *scenario["overrides"]]
-            rows += run_scenario(name, overrides, scenario["system_config"], mlflow_url, args.steps, root, load)
+            rows += run_scenario(name, overrides, scenario["system_config"], mlflow_url, args.steps, root, load,
+                                 scenario.get("spares", 0))
 
     columns = ["scenario", "event", "detection", "restart", "restore", "reshard", "stopped", "first step", "steps lost",
                "load"]

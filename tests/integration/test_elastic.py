@@ -214,6 +214,45 @@ def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker
     assert not [e for e in happened if isinstance(e, CheckpointFailed) and e.at >= join.at]
 
 
+def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(worker_nodes, elastic_config, uninterrupted,
+                                                                        mlflow_url, tmp_path):
+    """elastic.spares=1: beside a group of two, a third node holds a spare, started and ready.
+    Rank 1's node dies: the spare takes its place in the re-form that drops it, and the group
+    trains on at world size 2 from the peers' state, no step redone, the losses of an
+    uninterrupted run."""
+    cluster = worker_nodes
+    third = cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
+    cluster.wait_for_nodes()
+    run = BackgroundRun(elastic_config(f"spare-{tmp_path.name}", ON_WORKER_NODES, "elastic.in_process=true",
+                                       "elastic.spares=1", JOIN_PACE))
+    events = functools.partial(run_events, run, mlflow_url, tmp_path)
+    run.wait_until(lambda h: h and h[-1].value == 1, "a spare waiting, ready", 300, key="system/spares")
+    first = wait_for(lambda: [e for e in events() if isinstance(e, Formed)], "the first generation's ranks", 60)[0]
+    spare_node = next(n.node_id for n in cluster.worker_nodes if n.node_id not in first.nodes)
+    cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == first.nodes[1]), allow_graceful=False)
+    summary = run.join(600)
+    reference_run = uninterrupted.join(600)
+
+    cfg = run.cfg
+    assert summary.final_metrics["step"] == STEPS
+    assert summary.final_metrics["tokens_seen"] == STEPS * cfg.train.global_batch_size * cfg.data.seq_len
+    assert {m.value for m in run.reports("world_size")} == {2}, "the group never trained smaller"
+    client = MlflowClient(mlflow_url)
+    history = client.get_metric_history(summary.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1)), "no step redone, none lost"
+    reference_losses = final_lineage(client.get_metric_history(reference_run.run_id, "loss"))
+    for m in history:
+        assert m.value == pytest.approx(reference_losses[m.step], rel=1e-3, abs=1e-3), f"step {m.step}"
+
+    happened = events()
+    recoveries = [(e.kind, e.world_size_before, e.world_size_after) for e in happened if isinstance(e, Recovered)]
+    assert recoveries == [("failure", 2, 2)]
+    assert all(e.reshard_s == 0.0 and e.steps_lost <= 1 for e in happened if isinstance(e, Recovered))
+    generations = [(e.generation, e.nodes) for e in happened if isinstance(e, Formed)]
+    assert generations == [(1, first.nodes), (2, [first.nodes[0], spare_node])]
+    assert third.node_id in first.nodes + [spare_node]
+
+
 def test_a_joiner_that_fails_falls_back_to_a_restart_from_the_checkpoint(worker_nodes, elastic_config, uninterrupted,
                                                                         mlflow_url, tmp_path):
     """elastic.in_process: the worker that joins on the returned node raises in its first step

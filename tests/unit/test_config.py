@@ -81,6 +81,12 @@ def test_a_negative_join_batch_is_rejected_naming_the_key():
         load_config(["elastic.join_batch_s=-1"])
 
 
+def test_spares_without_in_process_recovery_are_rejected_naming_the_key():
+    with pytest.raises(ConfigError, match=r"^elastic.spares: 1 spares need elastic.in_process=true"):
+        load_config(["elastic.spares=1"])
+    assert load_config(["elastic.spares=1", "elastic.in_process=true"]).elastic.spares == 1
+
+
 def test_seq_len_longer_than_the_model_is_rejected():
     with pytest.raises(ConfigError, match="^data.seq_len"):
         load_config(["data.seq_len=4096"])

@@ -107,12 +107,22 @@ class ElasticConfig:
     # (bench/joiner_ready.py), so two nodes back within ~10 s of each other share one re-form.
     # 0: take each joiner in as it asks.
     join_batch_s: float = 10.0
+    # Workers kept started and ready beside a group of elastic.max_workers (elastic.in_process):
+    # each on spare capacity (a node the group does not use), its imports done and its data
+    # read, waiting. A member's death re-forms the group with a spare in its place, at the
+    # same size, where a worker started on a returned node takes 14-38 s to be ready here
+    # (bench/recovery.py); a returned node's worker becomes the next spare. 0: none.
+    spares: int = 0
 
     def validate(self) -> None:
         for key in ("min_workers", "worker_start_timeout_s", "collective_timeout_s", "capacity_wait_s",
                     "heartbeat_s", "dead_after_s", "confirm_s"):
             positive(f"elastic.{key}", getattr(self, key))
         zero_or_positive("elastic.join_batch_s", self.join_batch_s, "each joiner as it asks")
+        zero_or_positive("elastic.spares", self.spares, "none")
+        if self.spares and not self.in_process:
+            raise ConfigError(f"elastic.spares: {self.spares} spares need elastic.in_process=true (a spare joins "
+                              "the members in their processes; a restarted group starts every worker anew)")
         if self.max_workers < self.min_workers:
             raise ConfigError(f"elastic.max_workers: {self.max_workers} is below elastic.min_workers "
                               f"({self.min_workers})")

@@ -126,6 +126,10 @@ class Member:
         newest = latest(self.store)
         return newest.generation > self.membership.generation and not must_abandon(self.membership, newest)
 
+    def spares_waiting(self) -> int:
+        """How many joiners wait ready to take a lost member's place (elastic.spares)."""
+        return int(self.store.get("spares")) if self.store.check(["spares"]) else 0
+
     def form(self) -> Generation:
         """Wait for the next generation that includes this member and form its process groups:
         the default group (with DeepSpeed's clone of it) and the control group. Raises

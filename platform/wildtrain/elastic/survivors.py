@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Iterable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Optional
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -16,6 +16,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from wildtrain import ray_compat
 from wildtrain.config import Config
 from wildtrain.elastic import rendezvous
+from wildtrain.elastic.nodes import excluded_nodes, has_room_for_another_worker
+from wildtrain.elastic.scaling import spare_cpus
 
 if TYPE_CHECKING:
     from wildtrain.train.loop import LoopInputs
@@ -34,13 +36,18 @@ def survivor_callbacks(cfg: Config, server: Optional[rendezvous.RendezvousServer
                        env_vars: dict[str, str]) -> list:
     """The controller callbacks that keep a group's survivors (none without a rendezvous),
     and start a joiner (`Joiners`, with the workers' `inputs` and `env_vars`) on each lost
-    member's placement slot. The survivors' verdict comes elastic.confirm_s after their
-    collectives fail; past that and 5 s more, the group is restarted as without in-process
-    recovery."""
+    member's placement slot, and elastic.spares more on spare capacity. The survivors' verdict
+    comes elastic.confirm_s after their collectives fail; past that and 5 s more, the group
+    is restarted as without in-process recovery."""
     if server is None:
         return []
+
+    def room_for_a_spare() -> bool:
+        return has_room_for_another_worker(inputs.worker_resources, excluded_nodes(cfg.run.name), spare_cpus(cfg))
+
     return [KeepSurvivors(server.host, server.port, decide_s=cfg.elastic.confirm_s + 5.0, replace=False,
-                          joiners=Joiners(inputs, env_vars))]
+                          joiners=Joiners(inputs, env_vars), spares=cfg.elastic.spares,
+                          full_size=cfg.elastic.max_workers, room_for_a_spare=room_for_a_spare)]
 
 
 @ray.remote(max_restarts=0)
@@ -66,47 +73,72 @@ class Ended(NamedTuple):
 
 
 class Joiners:
-    """The joiners the controller started, one per lost member's placement slot. Each asks for
-    one worker's resources on its slot, so Ray starts it once it has placed that bundle again
-    (a node came back or was added): until then it waits, and costs nothing."""
+    """The joiners the controller started: one per lost member's placement slot, and the spares.
+    A slot's joiner asks for one worker's resources on that slot, so Ray starts it once it has
+    placed that bundle again (a node came back or was added): until then it waits, and costs
+    nothing. A spare asks for them anywhere (`start_spare`)."""
 
     def __init__(self, inputs: LoopInputs, env_vars: dict[str, str]) -> None:
         self.inputs, self.env_vars = inputs, env_vars
         self.started = 0
         self.running: dict[int, _Running] = {}  # by the Ray rank of the lost member
+        self.spares: dict[str, _Running] = {}  # by member name
 
     def start(self, worker_group, rank: int, token: str, group_size: int) -> None:
         group, bundle = ray_compat.worker_slot(worker_group, rank)
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
+        self.running[rank] = self._start(f"{rendezvous.member_name(rank)}.{self.started + 1}", token, group_size,
+                                         strategy)
+
+    def start_spare(self, token: str, group_size: int) -> str:
+        """Start a spare: a joiner on no slot of the group's, placed by Ray where a worker's
+        resources are free. Once ready it waits at the rendezvous for a member's place."""
+        name = f"spare.{self.started + 1}"
+        self.spares[name] = self._start(name, token, group_size, "DEFAULT")
+        return name
+
+    def _start(self, name: str, token: str, group_size: int, strategy) -> _Running:
         resources = dict(self.inputs.worker_resources)
         self.started += 1
         actor = Joiner.options(
             num_cpus=resources.pop("CPU", 0), num_gpus=resources.pop("GPU", 0), resources=resources,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
-            runtime_env={"env_vars": self.env_vars},
+            scheduling_strategy=strategy, runtime_env={"env_vars": self.env_vars},
         ).remote()
-        name = f"{rendezvous.member_name(rank)}.{self.started}"
-        self.running[rank] = _Running(actor, actor.run.remote(self.inputs, token, name, group_size), name)
+        return _Running(actor, actor.run.remote(self.inputs, token, name, group_size), name)
 
     def ended(self) -> dict[int, Ended]:
-        """The joiners whose run ended since the last look, by the lost member's rank."""
-        ended = {}
-        for rank, (actor, run, name) in list(self.running.items()):
-            done, _ = ray.wait([run], timeout=0)
-            if not done:
-                continue
-            del self.running[rank]
-            try:
-                ray.get(run)
-                ended[rank] = Ended(name, None)
-            except Exception as e:  # noqa: BLE001 - the controller decides what it means
-                ended[rank] = Ended(name, e)
-            ray.kill(actor)
-        return ended
+        """The slots' joiners whose run ended since the last look, by the lost member's rank."""
+        return _take_ended(self.running)
+
+    def spares_ended(self) -> list[Ended]:
+        """The spares whose run ended since the last look (joined or not)."""
+        return list(_take_ended(self.spares).values())
+
+    def outside(self, members: tuple[str, ...]) -> int:
+        """How many joiners, slots' and spares, run (or wait to be placed) outside `members`."""
+        return sum(1 for running in [*self.running.values(), *self.spares.values()] if running.name not in members)
 
     def stop(self) -> None:
-        for running in self.running.values():
+        for running in [*self.running.values(), *self.spares.values()]:
             ray.kill(running.actor)
-        self.running = {}
+        self.running, self.spares = {}, {}
+
+
+def _take_ended(running: dict) -> dict:
+    """The entries of `running` whose run ended, taken out of it, with how it ended."""
+    ended = {}
+    for key, (actor, run, name) in list(running.items()):
+        done, _ = ray.wait([run], timeout=0)
+        if not done:
+            continue
+        del running[key]
+        try:
+            ray.get(run)
+            ended[key] = Ended(name, None)
+        except Exception as e:  # noqa: BLE001 - the controller decides what it means
+            ended[key] = Ended(name, e)
+        ray.kill(actor)
+    return ended
 
 
 class KeepSurvivors(ray_compat.WorkerGroupCallback):
@@ -124,15 +156,23 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
       waits for the worker's placement slot (`joiners`): once Ray has placed it again, the
       joiner asks to join and the survivors take it in at their next log step, in-process. It
       is no Ray Train worker and never reports (its generation's rank 0 reports every rank's
-      metrics), so the gates stay narrowed; or
+      metrics), so the gates stay narrowed. With `spares`, a group of `full_size` workers keeps
+      that many joiners more started and ready, where `room_for_a_spare()` says the cluster
+      has a worker's resources free beside what the data reads need: the owner puts one in
+      the dead member's place in the re-form that drops it, and the joiner on the dead
+      member's slot, once its node is back, waits as the next spare; or
     - it is handed on for Ray to replace that one worker on its placement slot (`replace`,
       with `ray_compat.ReplacingTorchConfig`; bench/recovery_spike_ray.py), once Ray knows the
       worker's node is dead (before, the slot still points at it and the replacement dies with
       it). The gates widen again when the owner's generation is whole."""
 
-    def __init__(self, host: str, port: int, decide_s: float, replace: bool, joiners: Optional[Joiners] = None) -> None:
+    def __init__(self, host: str, port: int, decide_s: float, replace: bool, joiners: Optional[Joiners] = None,
+                 spares: int = 0, full_size: int = 0, room_for_a_spare: Callable[[], bool] = lambda: False) -> None:
         self.host, self.port, self.decide_s, self.replace = host, port, decide_s, replace
         self.joiners = joiners
+        self.spares, self.full_size, self.room_for_a_spare = spares, full_size, room_for_a_spare
+        self.spare_failed: Optional[str] = None  # a spare raised: no more are started (one line said)
+        self._token_before: Optional[str] = None  # the newest group's at this group's start
         self.worker_group = None
         self.masked: set[int] = set()
         # Ranks whose joiner raised, with its error: their deaths stand, shown as that error.
@@ -158,6 +198,8 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
         self.worker_group = worker_group
         self.masked, self.join_failed = set(), {}
         self.narrowed = False
+        if self.spares:
+            self._token_before = rendezvous.current_token(self._client())
 
     def before_worker_group_shutdown(self, worker_group) -> None:
         if self.joiners is not None:
@@ -167,6 +209,7 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
         everyone = list(range(len(worker_group_status.worker_statuses)))
         if self.joiners is not None:
             self._look_after_joiners()
+            self._keep_spares()
         if self.replace and self.narrowed and len(rendezvous.latest(self.store()).members) == len(everyone):
             # The replacement joined the survivors' group: its reports count again.
             ray_compat.narrow_report_gates(self.worker_group, everyone)
@@ -221,6 +264,35 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
     def _start_joiner(self, rank: int) -> None:
         self.joiners.start(self.worker_group, rank, rendezvous.current_token(self._client()),
                            len(self.worker_group.get_workers()))
+
+    def _keep_spares(self) -> None:
+        """Start a spare where fewer than `spares` joiners run outside the group's members (one
+        per poll), once this group has registered at the rendezvous at its full size. A lost
+        member's slot's joiner counts: once its node is back it waits as a spare, and a spare
+        started meanwhile would take that node's room first. A spare lost with its node is
+        said dead (it may have been a member) and started again; one that raised ends the
+        spares."""
+        for name, error in self.joiners.spares_ended():
+            if error is None:
+                continue
+            if ray_compat.worker_lost(error):
+                print(f"the spare {name} died with its node; another is started where there is room", flush=True)
+                self.say_members_died([name])
+            elif self.spare_failed is None:
+                self.spare_failed = (str(error).strip().splitlines() or [""])[-1][:300]
+                print(f"the spare {name} failed, so no spare is started again in this run: {self.spare_failed}",
+                      flush=True)
+        if self.spare_failed is not None or len(self.worker_group.get_workers()) < self.full_size:
+            return
+        token = rendezvous.current_token(self._client())
+        if token is None or token == self._token_before:
+            return  # the group has not registered yet
+        if self.joiners.outside(rendezvous.latest(self.store()).members) >= self.spares:
+            return
+        if not self.room_for_a_spare():
+            return
+        name = self.joiners.start_spare(token, len(self.worker_group.get_workers()))
+        print(f"started the spare {name}: it joins in the place of the next member lost", flush=True)
 
     def _look_after_joiners(self) -> None:
         """A joiner that died (its node, most likely) is started again on its slot; one whose

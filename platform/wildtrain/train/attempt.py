@@ -316,6 +316,12 @@ class Attempt:
             raise FinalCheckpointFailed(state.step, collectives.broadcast_object(newest) or "none")
         return regrow
 
+    def _membership_metrics(self) -> dict[str, int]:
+        """In-process (elastic.in_process): the joiners waiting ready to take a lost member's place."""
+        if self.in_process is None or self.rank != 0:
+            return {}
+        return {"spares": self.in_process.member.spares_waiting()}
+
     def _steps_per_poll(self, windows: list[dict]) -> int:
         """About how many steps pass before the controller polls again and has taken the
         report just sent: until then no rank looks whether it has (a collective a log step
@@ -353,7 +359,7 @@ class Attempt:
         if logs:
             window = self.window.close(step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size,
                                        lr=self.engine.get_lr()[0], epoch=(state.step - 1) // self.data.steps_per_epoch,
-                                       **self.validated)
+                                       **self._membership_metrics(), **self.validated)
             self.windows.append(window)
             self.validated = {}
             self._judge(window)

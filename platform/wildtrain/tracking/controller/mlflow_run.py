@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # the driver hands the controller's reading of its states in:
 TRAINING_METRICS = (
     "step", "loss", "lr", "tokens_seen", "tokens_per_s", "step_time_s", "world_size", "epoch", "mfu",
     "time/data_wait_s", "time/forward_s", "time/backward_s", "time/optimizer_s", "time/checkpoint_stall_s",
-    "time/report_wait_s", "time/eval_s", "memory/peak_gb",
+    "time/report_wait_s", "time/eval_s", "memory/peak_gb", "spares",
 )
 
 # In the controller, a request to a stopped server fails after this long, once: the
