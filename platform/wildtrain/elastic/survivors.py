@@ -272,6 +272,8 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
         started meanwhile would take that node's room first. A spare lost with its node is
         said dead (it may have been a member) and started again; one that raised ends the
         spares."""
+        if not self.spares:
+            return
         for name, error in self.joiners.spares_ended():
             if error is None:
                 continue
