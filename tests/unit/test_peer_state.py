@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from tests.helpers import mirror_gather
 from tests.helpers.ranks import Ranks, start_ranks
 from tests.helpers.zero_resize import STEPS_AFTER, STEPS_BEFORE, config
 from wildtrain.engine import lr_at
@@ -63,3 +64,20 @@ def test_survivors_rebuild_the_zero_state_of_a_dead_peer_from_its_mirror_and_tra
         # allows that, where wrong moments or a wrong step count would be off by about lr.
         params = torch.load(drill / f"params{survivor}.pt")
         torch.testing.assert_close(params, torch.load(reference / "params0.pt"), rtol=1e-5, atol=1e-5)
+
+
+def test_a_rank_that_holds_nothing_receives_the_whole_state_from_the_partitions_sources(tmp_path):
+    # Three members mirror their partitions, member 0 dies, and the two others gather with a
+    # joiner (a spare in the dead member's place): old partitions 0 and 1 come from new rank 0
+    # (old 1: its own, and its mirror of old 0), partition 2 from new rank 1.
+    ranks = start_ranks("tests.helpers.mirror_gather", mirror_gather.OLD_WORLD + 1, "--out", tmp_path)
+    for rank, (code, output, errors) in enumerate(ranks.outputs(timeout_s=300)):
+        assert code == 0, f"rank {rank}:\n{output[-1000:]}\n{errors[-3000:]}"
+    expected = [torch.cat([mirror_gather.partition_values(old, group) for old in range(mirror_gather.OLD_WORLD)], dim=1)
+                for group in range(len(mirror_gather.GROUP_SIZES))]
+    for rank in range(3):
+        gathered = torch.load(tmp_path / f"gathered{rank}.pt")
+        assert gathered["sources"] == (0, 0, 1) and gathered["step"] == mirror_gather.STEP
+        assert len(gathered["full"]) == len(expected)
+        for got, want in zip(gathered["full"], expected):
+            assert torch.equal(got, want)

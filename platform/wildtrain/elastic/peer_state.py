@@ -120,21 +120,39 @@ class Mirrors:
         """Collectively, in a newly formed default group: which state the group continues from
         and all of it (per parameter group, the old layout's partitions laid end to end,
         padding included). (None, None) when every rank is `fresh` (the run's first group: each
-        builds from the seed). Raises `RedundancyLost` on every rank alike."""
+        builds from the seed). Raises `RedundancyLost` on every rank alike.
+
+        Only what the ranks hold is pickled; each partition then goes out as one tensor from
+        its source (no pickling, and no rank sends more than its own partitions: a gather of
+        objects pads every rank's share to the largest and pickles the state through
+        `torch.save`, 0.14-0.76 s for the tiny model's 6 MB on two loaded cores here)."""
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        held: list = [None] * world
-        dist.all_gather_object(held, None if fresh else self.held(), group=self.group)
-        if all(h is None for h in held):
+        offers: list = [None] * world
+        dist.all_gather_object(offers, None if fresh else (self.held(), self._cuts()), group=self.group)
+        if all(offer is None for offer in offers):
             return None, None
-        plan = plan_repartition(held)
-        mine = {old: self.snapshots[(*plan.layout, old)][plan.step]
-                for old, source in enumerate(plan.sources) if source == rank}
-        parts: list = [None] * world
-        dist.all_gather_object(parts, mine, group=self.group)
-        by_old = {old: state for sent in parts for old, state in sent.items()}
-        full = [torch.cat([by_old[old][group] for old in range(plan.layout[1])], dim=1)
-                for group in range(len(by_old[0]))]
+        plan = plan_repartition([offer and offer[0] for offer in offers])
+        sizes, dtype = next(offer[1][plan.layout] for offer in offers if offer and plan.layout in offer[1])
+        by_old = []
+        for old, source in enumerate(plan.sources):
+            if source == rank:
+                sent = torch.cat(self.snapshots[(*plan.layout, old)][plan.step], dim=1)
+            else:
+                sent = torch.empty(1 + len(MOMENTS), sum(sizes), dtype=dtype)
+            dist.broadcast(sent, group=self.group, group_src=source)
+            by_old.append(sent.split(sizes, dim=1))
+        full = [torch.cat([parts[group] for parts in by_old], dim=1) for group in range(len(sizes))]
         return plan, full
+
+    def _cuts(self) -> dict[Layout, tuple[list[int], torch.dtype]]:
+        """Per layout held: its partitions' sizes per parameter group (alike on every rank of
+        a layout) and their dtype, so that a rank holding none of it can receive them."""
+        cuts = {}
+        for key, kept in self.snapshots.items():
+            if kept:
+                groups = next(iter(kept.values()))
+                cuts[key[:2]] = ([group.shape[1] for group in groups], groups[0].dtype)
+        return cuts
 
     def _keep(self, old_rank: int, step: int, state: Partition) -> None:
         kept = self.snapshots.setdefault((*self.layout, old_rank), {})

@@ -1,0 +1,70 @@
+"""One process of tests/unit/test_peer_state.py's gather drill: three members of generation 1
+mirror their partitions, member 0 dies, and the two others form generation 2 with a joiner
+that holds nothing (a spare taking its place); every rank of generation 2 gathers the state.
+
+    python -m tests.helpers.mirror_gather --store-port P --rank R --out DIR
+
+Ranks 0-2 are generation 1's members, rank 3 the joiner. Each rank of generation 2 writes
+`gathered<new rank>.pt`: the plan's sources and step, and the whole state it received.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from tests.helpers.zero_resize import join
+from wildtrain.elastic.peer_state import Mirrors
+
+OLD_WORLD, JOINER, DEAD, STEP = 3, 3, 0, 5
+GROUP_SIZES = (5, 3)  # two parameter groups, partitioned alike on every rank
+
+
+def partition_values(old_rank: int, group: int) -> torch.Tensor:
+    """Old rank `old_rank`'s [3, n] state of parameter group `group` (weights and AdamW's two
+    moments), distinct everywhere."""
+    n = GROUP_SIZES[group]
+    return torch.arange(3 * n, dtype=torch.float32).reshape(3, n) + 1000 * old_rank + 100 * group
+
+
+def engine_of(old_rank: int) -> SimpleNamespace:
+    """What `peer_state.partition` reads of a ZeRO-1/2 engine, holding `partition_values`."""
+    fp32 = [partition_values(old_rank, group)[0].clone() for group in range(len(GROUP_SIZES))]
+    state = {p: {"exp_avg": partition_values(old_rank, g)[1], "exp_avg_sq": partition_values(old_rank, g)[2]}
+             for g, p in enumerate(fp32)}
+    return SimpleNamespace(optimizer=SimpleNamespace(single_partition_of_fp32_groups=fp32,
+                                                     optimizer=SimpleNamespace(state=state)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--store-port", type=int, required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=60))
+    mirrors = Mirrors()
+    if args.rank != JOINER:
+        join(store, 1, args.rank, OLD_WORLD)
+        mirrors.use_layout(1, OLD_WORLD)
+        mirrors.exchange(engine_of(args.rank), STEP)
+        mirrors.settle()
+        dist.barrier()  # every mirror in place: then member 0 dies
+        if args.rank == DEAD:
+            os._exit(0)
+        dist.destroy_process_group()
+    members = [r for r in range(OLD_WORLD) if r != DEAD] + [JOINER]
+    rank = members.index(args.rank)
+    join(store, 2, rank, len(members))
+    plan, full = mirrors.gather(fresh=False)
+    torch.save({"sources": plan.sources, "step": plan.step, "full": full}, args.out / f"gathered{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
