@@ -1,5 +1,6 @@
-"""The save process: one child per saver, reused, gone with the saver or its parent, and
-killed (then replaced) when a storage call in it never returns."""
+"""The save process: one child per saver (spawned with it, or when told where deferred),
+reused, gone with the saver or its parent, and killed (then replaced) when a storage call in
+it never returns."""
 
 import os
 import signal
@@ -117,13 +118,12 @@ def test_a_saver_closed_mid_save_hands_over_not_its_child_and_a_dead_one_given_i
     saver = AsyncSaver([store], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p1")
     assert saver.save_state(meta(10), {"state.pt": {"w": torch.zeros(8)}}).action == "start"
     child = saver._process.process
-    # The save in flight is abandoned with its child; what is handed over, if anything, is a new one.
+    # The save in flight is abandoned with its child, and a saver that is closing spawns no
+    # other: the next saver starts its own (an in-process re-form's after its first step).
     handed = saver.close_keeping_process(0)
     child.join(WAIT_S)
     assert not child.is_alive()
-    assert handed is None or handed.process is not child
-    if handed is not None:
-        handed.stop(WAIT_S)
+    assert handed is None and saver._process is None
     [abandoned] = saver.drain()
     assert abandoned.status in ("failed", "skipped")
 
@@ -136,3 +136,25 @@ def test_a_saver_closed_mid_save_hands_over_not_its_child_and_a_dead_one_given_i
         assert save(after, 20, 2.0).status == "saved"
     finally:
         assert after.close(WAIT_S)
+
+
+def test_a_deferred_child_starts_once_when_told_or_with_the_first_save(tmp_path):
+    told = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p1",
+                      defer_process=True)
+    try:
+        assert told._process is None
+        told.start_process()
+        child = told._process.process
+        told.start_process()
+        assert told._process.process is child and child.is_alive()
+        assert save(told, 10, 1.0).status == "saved"
+        assert told._process.process is child
+    finally:
+        assert told.close(WAIT_S)
+    untold = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p2",
+                        defer_process=True)
+    try:
+        assert save(untold, 20, 2.0).status == "saved"
+    finally:
+        assert untold.close(WAIT_S)
+    assert restore([str(tmp_path / "store")], str(tmp_path / "local"), rank=0, world_size=1).manifest.step == 20

@@ -110,7 +110,7 @@ class AsyncSaver:
                  disk_free: Callable[[str], Optional[int]] = _disk_free, commit_when_released: bool = False,
                  reports_collected: Callable[[], bool] = lambda: False, background: Background = "process",
                  nice: int = 0, device: torch.device = torch.device("cpu"),
-                 process: Optional[SaveProcess] = None) -> None:
+                 process: Optional[SaveProcess] = None, defer_process: bool = False) -> None:
         if policy not in ("skip", "queue"):
             raise ValueError(f"checkpoint save policy {policy!r}: expected 'skip' or 'queue'")
         if background not in ("process", "thread"):
@@ -130,12 +130,15 @@ class AsyncSaver:
         # Spawned now, not with the first save: its imports take seconds, and a save still in
         # flight when the next falls due makes that one skipped. Or handed over by the saver
         # before (`close_keeping_process`), or spawned ahead by the caller: no imports at all.
+        # With `defer_process`, only at `start_process`: an in-process re-form starts it after
+        # its first step, where its imports (~3 CPU-seconds here) slow no rank that others wait for.
         if process is not None and (background != "process" or not process.alive()):
             process.stop(0)
             process = None
-        self._process: Optional[SaveProcess] = None
-        if background == "process":
-            self._process = process or SaveProcess(nice)
+        self._process: Optional[SaveProcess] = process
+        self._cond = threading.Condition()
+        if not defer_process:
+            self.start_process()
         # A child reads the host copies where the capture put them: in shared memory.
         on_cuda = device.type == "cuda"
         self._buffers = HostBuffers(pin=on_cuda, share=background == "process")
@@ -143,7 +146,6 @@ class AsyncSaver:
         # for nothing else (a step's kernels queued behind the save, another stream's work).
         self._copy_stream = torch.cuda.Stream(device) if on_cuda else None
         self._last_bytes = 0
-        self._cond = threading.Condition()
         self._running: Optional[_Job] = None
         self._queued: Optional[_Job] = None
         self._outcomes: list[SaveOutcome] = []
@@ -193,6 +195,12 @@ class AsyncSaver:
                 engine.checkpoint_engine = original
 
         return self._save(meta, blocked_elsewhere, policy, capture)
+
+    def start_process(self) -> None:
+        """Spawn the save process where the saves run in one and this saver has none yet."""
+        with self._cond:
+            if self.background == "process" and self._process is None:
+                self._process = SaveProcess(self.nice)
 
     def reserve_buffers(self, engine) -> None:
         """Allocate the host buffers of this rank's part of `engine`'s checkpoints in the
@@ -387,10 +395,13 @@ class AsyncSaver:
         if self.background == "thread":
             return run_save(job.settings, work, _Link(self, job))
         started = time.perf_counter()
+        self.start_process()  # where deferred and not started yet
         try:
             return self._process.run(job.settings, work, _Link(self, job), self.timeout_s)
         except SaveProcessLost as e:
-            self._process = SaveProcess(self.nice)  # ready before the next save
+            with self._cond:
+                # Ready before the next save; a saver that is closing has none (see `defer_process`).
+                self._process = None if self._closing.is_set() else SaveProcess(self.nice)
             outcome = SaveOutcome(job.meta.step, job.name, "failed", f"step {job.meta.step}: {e}", e.failure,
                                   job.stall_s, time.perf_counter() - started)
             return SaveResult(outcome, None, work.good, None)

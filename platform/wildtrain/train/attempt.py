@@ -183,6 +183,9 @@ class Attempt:
             retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
             known_good=self.known_good, commit_when_released=True,
             reports_collected=self.reports_collected, background=background, device=device, process=handed,
+            # A re-form whose save process was killed with the save it had in flight starts the
+            # next one after its first step: every rank waits for that step (`step`).
+            defer_process=self.in_process is not None and self.in_process.left is not None,
         )
 
     def _open_stream(self, inputs: LoopInputs, objective: Objective, from_step: int) -> RankStream:
@@ -261,6 +264,7 @@ class Attempt:
         if state.step == self.restored_step:
             # The optimizer's state exists from the first step on: the first save's host
             # buffers can be allocated now, in the background (a collective).
+            self.saver.start_process()
             self.saver.reserve_buffers(self.engine)
         state.step += 1
         state.tokens_seen += self.tokens_per_step
