@@ -104,6 +104,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
     mlflow = MlflowCallback(cfg.tracking.uri, run_id, interpret, layout.hangs, cfg.storage,
                             layout.tracking)
     rendezvous = start_rendezvous(cfg)
+    ray_compat.keep_ray_data_stats_here()  # not on a worker's node, which may die
     worker_env = {**scaling.worker_env(cfg), **storage_env}
     inputs = LoopInputs(cfg, data, scaling.worker_resources(cfg), storage_view,
                         rendezvous=(rendezvous.host, rendezvous.port) if rendezvous else None)

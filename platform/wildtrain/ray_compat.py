@@ -50,7 +50,7 @@ __all__ = [
     "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError", "available_resources_per_node",
     "ControllerState", "controller_state", "counts_as_failure", "dashboard_url", "default_temp_dir", "group_workers",
     "kv_get", "kv_put",
-    "kill_pending_actors", "lost_a_worker_process", "mask_worker_deaths", "narrow_report_gates", "quiet_ray_data",
+    "keep_ray_data_stats_here", "kill_pending_actors", "lost_a_worker_process", "mask_worker_deaths", "narrow_report_gates", "quiet_ray_data",
     "quiet_report_log", "refresh_train_resource_view", "ReplacingTorchConfig", "reports_collected", "resize_request",
     "resize_to", "show_worker_errors", "start_timed_out", "worker_failures", "worker_lost", "worker_slot",
     "TrainerWithoutDatasets",
@@ -95,6 +95,17 @@ def quiet_ray_data() -> None:
         if handler.name == "console":
             handler.setLevel(logging.WARNING)
             handler.addFilter(_PROGRESS_BARS_OFF_NOTICE)  # once: addFilter skips a filter it has
+
+
+def keep_ray_data_stats_here() -> None:
+    """Start Ray Data's stats actor (one per cluster, detached) on this process's node unless
+    one is alive. Ray Data pins it to the node of the first process that reads, a training
+    worker's; when that node dies, the survivors' next streams start a new one on their own
+    node, a worker process's start (3 CPU-seconds on this 2-core machine) in the middle of
+    their re-form. The driver's node lives as long as the run."""
+    from ray.data._internal.stats import get_or_create_stats_actor  # Ray Data's import only where used
+
+    get_or_create_stats_actor()
 
 
 class TrainerWithoutDatasets(TorchTrainer):

@@ -16,6 +16,7 @@ from mlflow.tracking import MlflowClient
 from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.state import list_actors
 
 from tests.helpers.chaos import UNINTERRUPTED, UNINTERRUPTED_STEPS as STEPS, BackgroundRun
 from tests.helpers.waiting import wait_for
@@ -251,6 +252,10 @@ def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(worker_n
     generations = [(e.generation, e.nodes) for e in happened if isinstance(e, Formed)]
     assert generations == [(1, first.nodes), (2, [first.nodes[0], spare_node])]
     assert third.node_id in first.nodes + [spare_node]
+    # Ray Data's stats actor is the driver's (the head's), not lost with a worker's node and
+    # started again beside the survivors as they re-form.
+    [stats] = list_actors(filters=[("class_name", "=", "_StatsActor"), ("state", "=", "ALIVE")])
+    assert stats.node_id == cluster.head_node.node_id
 
 
 def test_a_joiner_that_fails_falls_back_to_a_restart_from_the_checkpoint(worker_nodes, elastic_config, uninterrupted,

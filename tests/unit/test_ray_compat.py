@@ -204,6 +204,15 @@ def test_the_trainer_starts_no_dataset_manager_without_datasets_and_ray_still_bu
     assert "DatasetsCallback" in names(ray_compat.TrainerWithoutDatasets(lambda: None, datasets={"rows": [1]}))
 
 
+def test_ray_data_still_pins_its_stats_actor_to_the_node_of_the_process_that_asks_first():
+    """`keep_ray_data_stats_here` relies on it: the driver asks first, so it lives on the driver's node."""
+    from ray.data._internal.stats import get_or_create_stats_actor
+
+    source = inspect.getsource(get_or_create_stats_actor)
+    assert "get_if_exists=True" in source and 'lifetime="detached"' in source
+    assert "ray.get_runtime_context().get_node_id()" in source
+
+
 def test_a_stuck_worker_group_start_can_still_be_ended():
     """`kill_pending_actors` lists actors from the GCS and kills them by id, looking for Ray
     Train's worker class by name; the wait it ends has no timeout of its own in Ray 2.60
