@@ -127,11 +127,9 @@ class AsyncSaver:
         self.background, self.nice = background, nice  # nice: the child's niceness
         self._settings = SaveSettings(tuple(self.stores), rank, world_size, timeout_s, verify_upload, retention,
                                       disk_free)
-        # Spawned now, not with the first save: its imports take seconds, and a save still in
-        # flight when the next falls due makes that one skipped. Or handed over by the saver
-        # before (`close_keeping_process`), or spawned ahead by the caller: no imports at all.
-        # With `defer_process`, only at `start_process`: an in-process re-form starts it after
-        # its first step, where its imports (~3 CPU-seconds here) slow no rank that others wait for.
+        # Spawned now, not with the first save (its imports take seconds, and a save still in
+        # flight when the next falls due makes that one skipped), or handed over (`close_keeping_process`,
+        # or by the caller). With `defer_process` at `start_process`: a re-form's, after its first step.
         if process is not None and (background != "process" or not process.alive()):
             process.stop(0)
             process = None
@@ -395,12 +393,11 @@ class AsyncSaver:
         if self.background == "thread":
             return run_save(job.settings, work, _Link(self, job))
         started = time.perf_counter()
-        self.start_process()  # where deferred and not started yet
+        self.start_process()  # where deferred
         try:
             return self._process.run(job.settings, work, _Link(self, job), self.timeout_s)
         except SaveProcessLost as e:
-            with self._cond:
-                # Ready before the next save; a saver that is closing has none (see `defer_process`).
+            with self._cond:  # ready before the next save; a closing saver has none
                 self._process = None if self._closing.is_set() else SaveProcess(self.nice)
             outcome = SaveOutcome(job.meta.step, job.name, "failed", f"step {job.meta.step}: {e}", e.failure,
                                   job.stall_s, time.perf_counter() - started)

@@ -122,10 +122,9 @@ class Mirrors:
         padding included). (None, None) when every rank is `fresh` (the run's first group: each
         builds from the seed). Raises `RedundancyLost` on every rank alike.
 
-        Only what the ranks hold is pickled; each partition then goes out as one tensor from
-        its source (no pickling, and no rank sends more than its own partitions: a gather of
-        objects pads every rank's share to the largest and pickles the state through
-        `torch.save`, 0.14-0.76 s for the tiny model's 6 MB on two loaded cores here)."""
+        Only what the ranks hold is pickled; each partition goes out as one tensor from its
+        holder. A gather of the partitions as objects pads every share to the largest and
+        pickles it through `torch.save`: 4-5x slower (bench/peer_gather.py)."""
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         offers: list = [None] * world
         dist.all_gather_object(offers, None if fresh else (self.held(), self._cuts()), group=self.group)

@@ -183,8 +183,7 @@ class Attempt:
             retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
             known_good=self.known_good, commit_when_released=True,
             reports_collected=self.reports_collected, background=background, device=device, process=handed,
-            # A re-form whose save process was killed with the save it had in flight starts the
-            # next one after its first step: every rank waits for that step (`step`).
+            # A re-form's new save process starts after its first step, which every rank waits for.
             defer_process=self.in_process is not None and self.in_process.left is not None,
         )
 
