@@ -13,10 +13,19 @@ from ray.cluster_utils import Cluster
 from wildtrain import ray_compat, services
 
 
-def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: Optional[dict] = None) -> Cluster:
+def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: Optional[dict] = None,
+                  metrics: bool = False) -> Cluster:
     """A head of `num_cpus` logical CPUs (and `resources`) with its dashboard and jobs API.
     Its processes inherit this process's environment as it is when called, after what is
-    set here through `setenv` (os.environ's, or a test's monkeypatch)."""
+    set here through `setenv` (os.environ's, or a test's monkeypatch).
+
+    Ray's metrics are off unless `metrics`, as the README has a cluster that runs
+    elastic.in_process: each node the drills remove leaves a placement bundle that Ray's GCS
+    retries without pause, recording a sample per try that the head's dashboard agent then
+    ingests one by one (services.RAY_METRICS_OFF): 18% of this 2-core machine's CPU through
+    the drills' first 19 minutes, the elastic tests'. With `metrics`, workers'
+    `ray.util.metrics` reach the head's Prometheus endpoint (`head_node.metrics_export_port`)
+    within a second."""
     # The autoscaler's and the dashboard's own metrics ports are fixed numbers unless set in
     # the environment the cluster's processes inherit; `wildtrain up`'s head may hold them.
     # (Ray picks the agents' other ports, the raylet's and the workers' free by itself.)
@@ -28,6 +37,11 @@ def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: 
     gcs_port = services.free_port()
     setenv("RAY_ADDRESS", f"{services.HOST}:{gcs_port}")
     temp_dir = tempfile.mkdtemp(prefix="wildtrain-test-ray-")
+    # With metrics, the Prometheus endpoint that workers' `ray.util.metrics` reach (the
+    # dashboard's source), refreshed every second rather than every 10.
+    metrics_args = ({"metrics_export_port": services.free_port(),
+                     "_system_config": services.NODE_HEALTH_CHECKS | {"metrics_report_interval_ms": 1000}}
+                    if metrics else {"_system_config": services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF})
     # `Cluster` also writes its address into Ray's default temporary folder, which only a head
     # started there creates: on a machine where Ray never ran, it fails without this.
     os.makedirs(ray_compat.default_temp_dir(), exist_ok=True)
@@ -43,10 +57,7 @@ def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: 
             "dashboard_port": services.free_port(),
             # Ray's default agent port (52365) is taken while `wildtrain up`'s head runs.
             "dashboard_agent_listen_port": services.free_port(),
-            # The Prometheus endpoint that workers' `ray.util.metrics` reach (the dashboard's
-            # source), refreshed every second rather than every 10.
-            "metrics_export_port": services.free_port(),
-            "_system_config": {**services.NODE_HEALTH_CHECKS, "metrics_report_interval_ms": 1000},
+            **metrics_args,
         },
     )
     # Ray's job supervisor gives a job's driver the address recorded in its cluster's temporary

@@ -7,10 +7,7 @@ last two in one run)."""
 from __future__ import annotations
 
 import os
-import re
 import signal
-import time
-import urllib.request
 
 import psutil
 import pytest
@@ -24,34 +21,13 @@ from wildtrain.tracking.record import mlflow_key, read_events
 pytestmark = pytest.mark.integration
 
 
-def _ray_gauges(metrics_port: int, name: str, run: str) -> dict[str, float]:
-    """rank → value of the gauge `name` of the run, as Ray's Prometheus endpoint shows it now."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    values = {}
-    for labels, value in re.findall(rf"^ray_{name}\{{(.*?)\}} (\S+)$", text, re.MULTILINE):
-        tags = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-        if tags.get("run") == run:
-            values[tags["rank"]] = float(value)
-    return values
-
-
 def test_a_slow_rank_is_flagged_as_a_straggler(ray_cluster, tiny_config, mlflow_url, tmp_path):
     # Of two ranks the median is their mean, so a sleep of s on top of a forward pass of f is
     # flagged at factor 1.5 only while s > 2f: half a second, where a loaded machine's tiny
     # forward took over the 75 ms that 0.15 s allowed.
     cfg = tiny_config("train.steps=12", "chaos.slow_rank=1", "chaos.slow_step_s=0.5", "monitor.straggler_every=2",
                       "monitor.straggler_patience=2", "monitor.straggler_factor=1.5")
-    run = BackgroundRun(cfg)
-    # While it trains, every worker's live numbers reach Ray's metrics endpoint (and so the
-    # dashboard); a worker's series goes a few seconds after the worker does.
-    port = ray_cluster.head_node.metrics_export_port
-    deadline = time.monotonic() + 300
-    while len(losses := _ray_gauges(port, "wildtrain_loss", cfg.run.name)) < 2 and run.thread.is_alive():
-        assert time.monotonic() < deadline, "no wildtrain_loss gauges on Ray's metrics endpoint"
-        time.sleep(0.5)
-    assert set(losses) == {"0", "1"} and all(0 < loss < 10 for loss in losses.values())
-    summary = run.join(600)
+    summary = driver.run(cfg)
     events = [e for e in read_events(mlflow_url, summary.run_id, str(tmp_path)) if isinstance(e, Straggler)]
     assert events, "rank 1 slept in every forward pass"
     assert {e.rank for e in events} == {1}

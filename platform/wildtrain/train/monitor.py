@@ -26,8 +26,6 @@ class Monitor:
 
     def __init__(self, cfg: Config, rank: int, world_size: int, device: torch.device,
                  check_health: bool = True) -> None:
-        from ray.util.metrics import Gauge
-
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
@@ -41,12 +39,7 @@ class Monitor:
         self.events: list[Event] = self._preflight() if check_health else []
         excluded = health.nodes_to_exclude(self.events, cfg.elastic.min_workers) if cfg.monitor.exclude_unhealthy else []
         self.unhealthy_nodes: list[str] = collectives.broadcast_object(excluded)
-        tags = {"run": cfg.run.name, "rank": str(rank)}
-        self.gauges = {
-            key: Gauge(f"wildtrain_{key.replace('/', '_')}", description=f"wildtrain {key} of the newest report",
-                       tag_keys=tuple(tags)).set_default_tags(tags)
-            for key in ("loss", "tokens_per_s", "step_time_s", "mfu", "time/data_wait_s")
-        }
+        self.live = LiveGauges(cfg.run.name, rank)
 
     def _preflight(self) -> list[HealthCheck]:
         """The new group's health check (train/health.py); its results, on rank 0."""
@@ -73,10 +66,30 @@ class Monitor:
                                          f"rank {slow.rank} on node {node} {slow.factor:.1f}x slower than the median"))
 
     def export(self, metrics: dict) -> None:
-        for key, gauge in self.gauges.items():
-            if key in metrics:
-                gauge.set(metrics[key])
+        self.live.set(metrics)
 
     def take_events(self) -> list[Event]:
         events, self.events = self.events, []
         return events
+
+
+class LiveGauges:
+    """A worker's live numbers on Ray's metrics endpoint (and so its dashboard), one series
+    per run and rank: `ray_wildtrain_loss{run=..., rank=...}` and the like."""
+
+    KEYS = ("loss", "tokens_per_s", "step_time_s", "mfu", "time/data_wait_s")
+
+    def __init__(self, run: str, rank: int) -> None:
+        from ray.util.metrics import Gauge
+
+        tags = {"run": run, "rank": str(rank)}
+        self.gauges = {
+            key: Gauge(f"wildtrain_{key.replace('/', '_')}", description=f"wildtrain {key} of the newest report",
+                       tag_keys=tuple(tags)).set_default_tags(tags)
+            for key in self.KEYS
+        }
+
+    def set(self, metrics: dict) -> None:
+        for key, gauge in self.gauges.items():
+            if key in metrics:
+                gauge.set(metrics[key])
