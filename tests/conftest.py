@@ -1,4 +1,5 @@
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,9 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 # Every Ray cluster a test starts uses token authentication, as `wildtrain up` does. Ray
 # reads the mode once, when it is imported, so it is set before any test module imports it.
-os.environ.update(services.token_auth_env())
+# A GPU machine running tests/gpu (bench/gpu_all.sh) has no Ray, and no `ray` to make a token.
+if shutil.which(services.ray_cli()):
+    os.environ.update(services.token_auth_env())
 
 
 def pytest_configure(config):

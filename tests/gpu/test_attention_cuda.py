@@ -64,7 +64,7 @@ def test_masks_in_the_compiled_engine_forward_match_the_dense_path(cuda_group, k
     doc_ids, prefix = batch()
     tokens = torch.randint(0, cfg.model.vocab_size, (B, T), device="cuda")
     with torch.no_grad():
-        got = engine(tokens, doc_ids=doc_ids, prefix=prefix).float().cpu()  # the BlockMask built in the graph
+        got = engine(tokens, doc_ids=doc_ids, prefix=prefix).float().cpu()  # the BlockMask built in the forward
     weights = {name: value.float().cpu() for name, value in engine.module.state_dict().items()}
     dense = {}
     for attention in (kind, "causal"):  # the same bf16 weights, in fp32 on the CPU with dense masks

@@ -23,6 +23,7 @@ def test_buffers_for_a_save_process_are_shared_and_pinned():
 
 def test_a_cuda_capture_reaches_the_store_through_the_save_process(tmp_path):
     weights = torch.randn(256, 256, device="cuda")
+    captured = weights.cpu()  # (weights + 1) - 1 is not weights in floating point
     saver = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="g2",
                        device=weights.device)
     try:
@@ -34,7 +35,7 @@ def test_a_cuda_capture_reaches_the_store_through_the_save_process(tmp_path):
     finally:
         saver.close(120)
     restored = restore([str(tmp_path / "store")], str(tmp_path / "local"), rank=0, world_size=1)
-    assert torch.equal(torch.load(f"{restored.folder}/state.pt")["w"], (weights - 1.0).cpu())
+    assert torch.equal(torch.load(f"{restored.folder}/state.pt")["w"], captured)
 
 
 def test_a_capture_copies_what_the_training_stream_wrote_not_what_was_there_before():

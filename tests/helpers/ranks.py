@@ -1,4 +1,4 @@
-"""The ranks of a gloo group as processes of their own, for the tests of in-process
+"""The ranks of a process group as processes of their own, for the tests of in-process
 recovery (issue 24): each runs a `tests.helpers` module with `--store-port` and `--rank`,
 and they meet at a TCPStore this process holds."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from tests.conftest import REPO
 from wildtrain import services
+from wildtrain.elastic.rendezvous import RendezvousServer
 
 
 @dataclass
@@ -22,12 +24,18 @@ class Ranks:
     processes: list[subprocess.Popen]
 
     def outputs(self, timeout_s: float) -> list[tuple[int, str, str]]:
-        """Each rank's (exit code, stdout, stderr), once it ended; any still running after
-        `timeout_s` is killed and the wait raises."""
+        """Each rank's (exit code, stdout, stderr), once it ended; one still running
+        `timeout_s` after this call is killed, and its stderr says so after what it wrote."""
+        deadline = time.monotonic() + timeout_s
         ended = []
         try:
             for process in self.processes:
-                output, errors = process.communicate(timeout=timeout_s)
+                try:
+                    output, errors = process.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    output, errors = process.communicate()
+                    errors += f"\n(killed: still running {timeout_s:g} s after the ranks were awaited)"
                 ended.append((process.returncode, output, errors))
             return ended
         finally:
@@ -39,9 +47,31 @@ def start_ranks(module: str, world: int, *args: str, env: dict[str, str] | None 
     """`world` processes of `python -m module --store-port P --rank R *args`."""
     port = services.free_port()
     store = dist.TCPStore(services.HOST, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    env = os.environ | {"PYTHONPATH": f"{REPO / 'platform'}:{REPO}", "GLOO_SOCKET_IFNAME": "lo"} | (env or {})
+    # The caller's own path stays after the checkout's: where the packages come from
+    # elsewhere (a GPU machine's carried wheels, bench/gpu_all.sh).
+    paths = [str(REPO / "platform"), str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(paths), "GLOO_SOCKET_IFNAME": "lo"} | (env or {})
     processes = [subprocess.Popen([sys.executable, "-m", module, "--store-port", str(port), "--rank", str(rank),
                                    *map(str, args)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
                  for rank in range(world)]
     return Ranks(store, processes)
+
+
+def member_drill(rendezvous: RendezvousServer, drill: str, processes: int = 2, *args: str,
+                 env: dict[str, str] | None = None, timeout_s: float = 120.0
+                 ) -> tuple[dict[int, list[str]], dict[int, float]]:
+    """What each rank of tests/helpers/member_rank.py printed, its lines (not DeepSpeed's
+    bracketed log lines) and its errors; and how long each rank's failed all-reduce waited."""
+    # A rank still running a while before the wait ends prints where it is (member_rank's
+    # --stacks-after-s), which a kill would lose.
+    ranks = start_ranks("tests.helpers.member_rank", processes, "--rendezvous-port", rendezvous.port, "--drill", drill,
+                        "--stacks-after-s", timeout_s - 15, *args, env=env)
+    said, waited = {}, {}
+    for rank, (_, output, errors) in enumerate(ranks.outputs(timeout_s)):
+        lines = [line for line in output.splitlines() if not line.startswith("[")]
+        waits = [line for line in lines if line.startswith("waited ")]
+        if waits:
+            waited[rank] = float(waits[0].split()[1])
+        said[rank] = [line for line in lines if line not in waits] + [f"(stderr: {errors[-2000:]})"]
+    return said, waited

@@ -49,7 +49,9 @@ def test_the_resolved_config_is_what_scaling_and_the_workers_get():
     on_gpus, _ = resolve_device(cfg, {"CPU": 16.0, "GPU": 2.0})
     assert on_gpus.cluster.use_gpu is True and cfg.cluster.use_gpu is None, "a copy, not an edit"
     assert scaling.worker_resources(on_gpus) == {"CPU": 1, "GPU": 1}
-    assert scaling.worker_env(on_gpus) == {}
+    assert scaling.worker_env(on_gpus) == {}, "Ray Train's NCCL error handling: a failed group ends the process"
+    on_gpus.elastic.in_process = True
+    assert scaling.worker_env(on_gpus) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}, "survivors outlive their groups"
     assert scaling.scaling_config(on_gpus).use_gpu
 
     on_cpu, choice = resolve_device(cfg, {"CPU": 16.0})

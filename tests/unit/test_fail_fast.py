@@ -161,7 +161,7 @@ def test_a_failure_aborts_every_group_of_the_rank_deepspeeds_own_too(monkeypatch
     try:
         collectives.open_control_group(60)
         gradients = dist.new_group(ranks=[0])  # as DeepSpeed's clone of the world group
-        collectives._abort_groups()
+        collectives.abort_groups()
         assert {id(g) for g in aborted} == {id(dist.group.WORLD), id(collectives.control_group()), id(gradients)}
     finally:
         dist.destroy_process_group()

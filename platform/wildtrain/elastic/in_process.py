@@ -14,6 +14,16 @@ stands (`lost_member` says which). A member lost while a generation's groups for
 no collective: the others give that generation up once the owner publishes one without it
 (`Member.form`), which the controller hastens with Ray's word of the death (`survivors`).
 
+A survivor need not see the death itself: NCCL's kernels wait on a dead or hung peer for
+the collective timeout (over NVLink nothing fails at all), and a gloo wait on a hung one
+too. So from the moment its groups form until the next generation's, a member watches for
+a generation that drops one of its members and then frees its own waits: its connections
+hung up (gloo), its groups aborted (NCCL's kernels end). The owner publishes that
+generation once the dead member has been silent for `elastic.confirm_s` after a failure,
+or for `elastic.dead_after_s` with none. A GPU worker must survive its own groups'
+failure, where Ray Train's default (`TORCH_NCCL_ASYNC_ERROR_HANDLING=1`) ends its process
+at an NCCL error or timeout: `SURVIVOR_ENV`.
+
 A generation's groups live on a prefix of their own in the store, so no key of a broken
 group is read again; its default group is made by this module, not by Ray Train, and
 DeepSpeed's groups are released with it.
@@ -44,6 +54,14 @@ from wildtrain.train import collectives
 
 _POLL_S = 0.005
 _WATCH_S = 0.05  # a formation's look for a newer generation: it takes milliseconds where none comes
+# A loss watch's wait for the next generation: woken by it, and c10d warns each time a wait
+# runs out, so it runs out rarely.
+_LOSS_WATCH_SLICE = timedelta(days=7)
+
+# What an in-process GPU worker's environment sets before Ray Train forms its group (Ray
+# sets 1 only where it is unset): an NCCL error or timeout aborts the communicators and
+# fails the collectives, where 1 (and torch's default, 3) end the process.
+SURVIVOR_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 class Superseded(RuntimeError):
@@ -79,7 +97,7 @@ class Member:
                  joined: bool = False) -> None:
         self.address, self.token = address, token
         host, port = address
-        base = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+        self._base = base = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
         if registers:
             register_group(base, token, group_size)
         self.store = dist.PrefixStore(token, base)
@@ -98,6 +116,12 @@ class Member:
         self.connections = GroupConnections()
         # This rank's partitions and its ring predecessor's, kept across generations.
         self.mirrors = Mirrors(keep_steps=2)
+        # The current generation's loss watch (`_watch_for_loss`), and what it shares with
+        # the training thread: whether it freed the groups' waits, and the lock under which
+        # either frees or releases them.
+        self._watching = threading.Event()
+        self._freed = False
+        self._groups_lock = threading.Lock()
 
     @classmethod
     def of_ray_worker(cls, address: tuple[str, int], ray_rank: int, ray_world_size: int, node_id: str,
@@ -138,7 +162,7 @@ class Member:
         m = self._next_generation()
         seen_at = time.time()
         self._arrive(m)
-        self._release_groups()
+        self._release_groups(m)
         rank, world = m.rank(self.name), len(m.members)
         # What a launcher sets and DeepSpeed reads; LOCAL_RANK (the device) stays Ray's.
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
@@ -153,7 +177,43 @@ class Member:
             collectives.open_control_group(self.control_timeout_s)
         self.membership = m
         self.mirrors.group = collectives.control_group()
+        self._watch_for_loss(m)
         return Generation(m.generation, m.members, rank, seen_at, time.time())
+
+    def _watch_for_loss(self, m: Membership) -> None:
+        """Until the next `form` (or `leave`): once the owner publishes a generation that drops
+        a member of `m`, free every wait of this rank in `m`'s groups (the module docstring
+        says why); the training thread's collective then fails, and `lost_member` finds the
+        member lost. On a connection of its own: a wait holds its connection."""
+        watching, connections = threading.Event(), self.connections
+        watching.set()
+        self._watching, self._freed = watching, False
+        store = dist.PrefixStore(self.token, self._base.clone())
+
+        def watch() -> None:
+            n = m.generation + 1
+            with contextlib.suppress(dist.DistError):  # the driver's store is gone: the run ends
+                while watching.is_set():
+                    try:
+                        store.wait([f"members/{n}"], _LOSS_WATCH_SLICE)
+                    except dist.DistStoreError:
+                        continue
+                    newer = Membership(n, tuple(store.get(f"members/{n}").decode().split(",")))
+                    if must_abandon(m, newer):
+                        with self._groups_lock:
+                            if watching.is_set():
+                                self._free_waits(connections)
+                        return
+                    n += 1
+
+        threading.Thread(target=watch, name=f"wildtrain-loss-watch-{m.generation}", daemon=True).start()
+
+    def _free_waits(self, connections: GroupConnections) -> None:
+        """End every wait of this rank in its groups (under `_groups_lock`): gloo's end when
+        their connections close, NCCL's when their communicators abort."""
+        connections.hang_up()
+        collectives.abort_groups()
+        self._freed = True
 
     @contextlib.contextmanager
     def _given_up_if_superseded(self, m: Membership) -> Iterator[None]:
@@ -214,6 +274,7 @@ class Member:
 
     def leave(self) -> None:
         """The run is at its end: the workers stop beating as they exit, which is no death."""
+        self._watching.clear()
         self.store.set("ending", "1")
         self.heartbeat.stop()
 
@@ -241,10 +302,17 @@ class Member:
                 raise Superseded(f"generation {m.generation} was superseded before every member arrived")
             time.sleep(_POLL_S)
 
-    def _release_groups(self) -> None:
-        """Destroy the last generation's groups (Ray Train's, the first time). DeepSpeed holds
-        its own and releases them on its destroy; the engine and its optimizer refer to each
-        other, so only a collection frees the old group and closes its connections."""
+    def _release_groups(self, m: Membership) -> None:
+        """Destroy the last generation's groups (Ray Train's, the first time) on the way to
+        `m`. Where `m` dropped a member, their waits are freed first, if the loss watch has
+        not: an NCCL kernel may still wait for the lost member, and a destroy would wait
+        with it. DeepSpeed holds its own groups and releases them on its destroy; the engine
+        and its optimizer refer to each other, so only a collection frees the old group and
+        closes its connections."""
+        with self._groups_lock:
+            self._watching.clear()
+            if dist.is_initialized() and not self._freed and must_abandon(self.membership, m):
+                self._free_waits(self.connections)
         if dist.is_initialized():
             destroy_process_groups(import_deepspeed())
             gc.collect()

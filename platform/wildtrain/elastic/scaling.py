@@ -13,6 +13,7 @@ import ray
 from ray.train import FailureConfig, ScalingConfig
 
 from wildtrain.config import Config, ConfigError
+from wildtrain.elastic.in_process import SURVIVOR_ENV
 from wildtrain.elastic.signals import CapacityError
 
 
@@ -104,7 +105,9 @@ def backend(cfg: Config) -> str:
 
 
 def worker_env(cfg: Config) -> dict[str, str]:
-    return {} if trains_on_gpu(cfg) else {"DS_ACCELERATOR": "cpu"}
+    if not trains_on_gpu(cfg):
+        return {"DS_ACCELERATOR": "cpu"}
+    return dict(SURVIVOR_ENV) if cfg.elastic.in_process else {}
 
 
 def worker_resources(cfg: Config) -> dict[str, float]:

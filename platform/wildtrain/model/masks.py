@@ -74,6 +74,11 @@ def dense(mod: MaskMod, batch: int, length: int, device: torch.device) -> torch.
     return mod(b, h, q, kv).expand(batch, length, length)[:, None]
 
 
+# Outside the compiled model's graph: built inside it (torch 2.11, H200), the block mask's
+# kernels gave a document-masked forward 0.9 off its dense path and a prefix-LM one a CUDA
+# error (cudaErrorInvalidAddressSpace) that poisoned the process; built eagerly, as
+# tests/gpu/test_attention_cuda.py's FlexAttention-against-SDPA check builds it, both agreed.
+@torch.compiler.disable
 def build(kind: str, window: Optional[int], doc_ids: Optional[torch.Tensor], prefix: Optional[torch.Tensor],
           batch: int, length: int, device: torch.device) -> Mask:
     """What `Attention` runs for one batch: None (plain causal, SDPA's flash path), a

@@ -245,7 +245,7 @@ class PeerWatch:
         global _control, _control_of
         _control = _control_of = None
         # Aborts every group and drops torch's references to them, which the watchers'
-        # `_abort_groups` must not do under a training thread that may be using them.
+        # `abort_groups` must not do under a training thread that may be using them.
         dist.distributed_c10d._abort_process_group()
 
     def failed_peer(self) -> Optional[str]:
@@ -273,7 +273,7 @@ class PeerWatch:
             if self._stopped.is_set():
                 return
             self.peer_failure = reason
-            _abort_groups()
+            abort_groups()
             return
 
 
@@ -307,7 +307,7 @@ def _rendezvous_store() -> Optional[dist.TCPStore]:
     return store if isinstance(store, dist.TCPStore) else None
 
 
-def _abort_groups() -> None:
+def abort_groups() -> None:
     """Abort every process group of this rank from another thread: the collectives that wait
     in them, and every later one, raise. Every one, not only the world and the control group:
     DeepSpeed reduces gradients over a group of its own. (torch's `_abort_process_group`
