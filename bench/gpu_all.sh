@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Every GPU check of the project in one call of under 9 minutes, on a machine with torch,
+# Every GPU check of the project in one call of under 10 minutes, on a machine with torch,
 # numpy and pyarrow but no package registry, no Ray and no network: installs the wheels of
-# bench/device_carry.sh, runs tests/gpu, bench/gpu_smoke.py and bench/mfu.py, each bounded by
-# `timeout`, and ends with one table: each part's status, seconds and key figures.
+# bench/device_carry.sh, runs tests/gpu (the in-process recovery drills on NCCL apart, last
+# of the tests: a drill that hangs must not take the others' time), bench/gpu_smoke.py and
+# bench/mfu.py, each bounded by `timeout`, and ends with one table: each part's status,
+# seconds and key figures.
 #
 #   bash bench/gpu_all.sh [--device cuda|cpu] [--carry DIR] [--logs DIR]
 #
@@ -11,7 +13,7 @@
 # --logs keeps each part's full output there (default: a temporary folder).
 # PYTHON (default python3) runs everything; SITE (default /tmp/site) receives the wheels.
 # The parts' arguments and seconds can be overridden: PYTEST_ARGS, SMOKE_ARGS, MFU_ARGS,
-# PYTEST_S, SMOKE_S, MFU_S.
+# PYTEST_S, IN_PROCESS_S, SMOKE_S, MFU_S.
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -35,19 +37,21 @@ mkdir -p "$LOGS"
 
 # tests/gpu_smoke_restores... runs gpu_smoke.py on a toy; the smoke part runs it for real.
 PYTEST_ARGS=${PYTEST_ARGS:---deselect tests/gpu/test_step_cuda.py::test_gpu_smoke_restores_the_async_checkpoint_exactly}
+IN_PROCESS=tests/gpu/test_in_process_nccl.py
 if [ "$DEVICE" = cuda ]; then
-    # Sized on compile times, tens of seconds per model compiled, and 540 s in all with the
-    # install: tests/gpu compiles several small graphs; the smoke compiles the 125m model once
-    # (ZeRO-1; a restored engine is compared before it steps); mfu compiles the 1.3b model
-    # twice, the size of the MFU goal (DESIGN.md), and writes its ~16 GB state twice for
-    # the checkpoint stall (torch.save of it to local disk: ~18 s).
+    # Sized on the first H200 run (2026-12-04), 590 s in all with the install: tests/gpu
+    # took 100 s without the drills; the drills take seconds each, 45 s at most
+    # (test_in_process_nccl.py); the smoke, which compiles the 125m model once (ZeRO-1; a
+    # restored engine is compared before it steps), 59 s; mfu compiles the 1.3b model
+    # twice (the size of the MFU goal, DESIGN.md), 98 s to its throughputs, and then
+    # writes its ~16 GB state twice for the checkpoint stall (torch.save to local disk).
     SMOKE_ARGS=${SMOKE_ARGS:---preset 125m --seq-len 1024 --steps 10}
     MFU_ARGS=${MFU_ARGS:---presets 1.3b --steps 10 --warmup 3}
-    PYTEST_S=${PYTEST_S:-230} SMOKE_S=${SMOKE_S:-90} MFU_S=${MFU_S:-190}
+    PYTEST_S=${PYTEST_S:-140} IN_PROCESS_S=${IN_PROCESS_S:-150} SMOKE_S=${SMOKE_S:-90} MFU_S=${MFU_S:-180}
 else
     SMOKE_ARGS=${SMOKE_ARGS:---steps 3}
     MFU_ARGS=${MFU_ARGS:---steps 3}
-    PYTEST_S=${PYTEST_S:-120} SMOKE_S=${SMOKE_S:-180} MFU_S=${MFU_S:-180}
+    PYTEST_S=${PYTEST_S:-120} IN_PROCESS_S=${IN_PROCESS_S:-60} SMOKE_S=${SMOKE_S:-180} MFU_S=${MFU_S:-180}
 fi
 
 # name seconds command...: runs one part under `timeout`, its output shown and kept in
@@ -77,7 +81,10 @@ export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 if grep -q "^install	ok" "$LOGS/parts.tsv"; then
     # shellcheck disable=SC2086 # the *_ARGS are word lists
     run_part pytest "$PYTEST_S" "$PYTHON" -m pytest tests/gpu -q -ra -p pytest_timeout -p no:cacheprovider \
-        --durations=10 $PYTEST_ARGS
+        --durations=10 --deselect "$IN_PROCESS" $PYTEST_ARGS
+    # -rA: each drill prints how long the survivor's failed all-reduce waited.
+    run_part in_process "$IN_PROCESS_S" "$PYTHON" -m pytest "$IN_PROCESS" -q -rA -p pytest_timeout \
+        -p no:cacheprovider
     # shellcheck disable=SC2086
     run_part smoke "$SMOKE_S" "$PYTHON" bench/gpu_smoke.py --device "$DEVICE" $SMOKE_ARGS
     # shellcheck disable=SC2086
@@ -110,10 +117,11 @@ def rows_after(text, first_column):
 def figures(name, text):
     if name == "install":
         return f"{len(list(carry.glob('*.whl')))} wheels from {carry} into {site}"
-    if name == "pytest":
+    if name in ("pytest", "in_process"):
         summary = [line.strip("= ") for line in text.splitlines()
                    if re.search(r"\d+ (passed|failed|skipped|error)", line)]
-        return summary[-1] if summary else ""
+        waited = re.findall(r"^(\w+): the failed all-reduce waited \{0: ([\d.]+)\}", text, re.M)
+        return "; ".join(summary[-1:] + [f"{drill} waited {s} s" for drill, s in waited])
     if name == "smoke":
         return "; ".join(f"ZeRO-{r[0]}: {r[5]} tokens/s, stall {r[6]} s, restore {r[8]} s, {r[9]}"
                          for r in rows_after(text, "zero"))
@@ -133,5 +141,5 @@ for name, status, seconds in parts:
     log = logs / f"{name}.log"
     print(f"{name:<8} {status:<11} {seconds:>7}  {figures(name, log.read_text() if log.exists() else '')}")
 print(f"\nlogs: {logs}")
-sys.exit(0 if len(parts) == 4 and all(status == "ok" for _, status, _ in parts) else 1)
+sys.exit(0 if len(parts) == 5 and all(status == "ok" for _, status, _ in parts) else 1)
 EOF

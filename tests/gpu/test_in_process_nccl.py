@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.ranks import member_drill
+from tests.helpers.ranks import check_said, member_drill
 from wildtrain import services
 from wildtrain.elastic.in_process import SURVIVOR_ENV
 from wildtrain.elastic.rendezvous import RendezvousServer
@@ -17,7 +17,13 @@ from wildtrain.elastic.rendezvous import RendezvousServer
 pytestmark = pytest.mark.gpu
 
 DEAD_AFTER_S, CONFIRM_S = 10.0, 0.5
-ENV = SURVIVOR_ENV | {"NCCL_SOCKET_IFNAME": "lo"}
+# Several ranks on one device is no setting NCCL supports before 2.30's experimental
+# NCCL_MULTI_RANK_GPU_ENABLE (its guide: "may lead to hangs"); NCCL_HOSTID, undocumented,
+# makes each rank a host of its own that talks over sockets. On the first H200 run (gVisor)
+# the first drill did not finish: cuMem's file-descriptor exchange is off here, where NCCL
+# issues 2350 and 2379 saw it hang under gVisor, and no InfiniBand loopback is tried.
+ENV = SURVIVOR_ENV | {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "NCCL_CUMEM_ENABLE": "0",
+                      "NCCL_MULTI_RANK_GPU_ENABLE": "1"}
 
 
 @pytest.fixture
@@ -28,26 +34,23 @@ def rendezvous():
 
 
 def drill(rendezvous: RendezvousServer, name: str, processes: int = 2):
-    said, waited = member_drill(rendezvous, name, processes, "--device", "cuda", env=ENV, timeout_s=90)
+    said, waited = member_drill(rendezvous, name, processes, "--device", "cuda", env=ENV, timeout_s=45)
     print(f"{name}: the failed all-reduce waited {waited} s")  # for the GPU run's record (-rA)
     return said, waited
 
 
 def test_a_member_that_dies_is_lost_and_the_survivor_forms_an_nccl_group_alone(rendezvous):
     said, waited = drill(rendezvous, "dies")
-    assert said[1][:2] == ["formed 1 w0,w1", "all-reduced 2"], said[1]
-    assert said[0][:5] == ["formed 1 w0,w1", "all-reduced 2", "lost True", "formed 2 w0", "all-reduced 1"], said[0]
+    check_said(said, "dies")
     assert waited[0] < DEAD_AFTER_S, "the death was seen, not waited out"
 
 
 def test_a_hung_member_s_nccl_wait_is_freed_once_it_is_found_silent(rendezvous):
     said, waited = drill(rendezvous, "hangs")
-    assert said[0][:5] == ["formed 1 w0,w1", "all-reduced 2", "lost True", "formed 2 w0", "all-reduced 1"], said[0]
+    check_said(said, "hangs")
     assert DEAD_AFTER_S <= waited[0] < DEAD_AFTER_S + 10, waited
 
 
 def test_a_joiner_on_the_gpu_forms_the_next_nccl_group_with_the_survivor(rendezvous):
     said, _ = drill(rendezvous, "joins", processes=3)
-    assert said[0][:8] == ["formed 1 w0,w1", "all-reduced 2", "lost True", "formed 2 w0", "all-reduced 1",
-                           "joiners waiting", "formed 3 w0,w1.1", "all-reduced 2"], (said[0], said[2])
-    assert said[2][:2] == ["formed 3 w0,w1.1", "all-reduced 2"], said[2]
+    check_said(said, "joins")

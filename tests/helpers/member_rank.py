@@ -44,6 +44,19 @@ from wildtrain.elastic.rendezvous import current_group, current_token, latest
 from wildtrain.train import collectives
 
 
+_FIRST = ["formed 1 w0,w1", "all-reduced 2"]
+_ALONE = _FIRST + ["lost True", "formed 2 w0", "all-reduced 1"]
+# What a drill's ranks print first, in order, where it goes as it must (rank -> lines).
+SAYS = {
+    "dies": {0: _ALONE, 1: _FIRST},
+    "fails": {0: _FIRST + ["lost False"], 1: _FIRST + ["lost False", "ended RuntimeError rank 1's own error"]},
+    "joins": {0: _ALONE + ["joiners waiting", "formed 3 w0,w1.1", "all-reduced 2"],
+              2: ["formed 3 w0,w1.1", "all-reduced 2"]},
+    "ghost": {0: _ALONE + ["joiners waiting", "superseded True", "formed 4 w0", "all-reduced 1"], 2: ["arrived 3"]},
+    "hangs": {0: _ALONE},
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--store-port", type=int, required=True)

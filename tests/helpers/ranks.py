@@ -75,3 +75,11 @@ def member_drill(rendezvous: RendezvousServer, drill: str, processes: int = 2, *
             waited[rank] = float(waits[0].split()[1])
         said[rank] = [line for line in lines if line not in waits] + [f"(stderr: {errors[-2000:]})"]
     return said, waited
+
+
+def check_said(said: dict[int, list[str]], drill: str) -> None:
+    """Each rank began with what `member_rank.SAYS` has it say in `drill`."""
+    from tests.helpers.member_rank import SAYS
+
+    for rank, lines in SAYS[drill].items():
+        assert said[rank][:len(lines)] == lines, (rank, said)
