@@ -274,7 +274,8 @@ class Member:
 
     def leave(self) -> None:
         """The run is at its end: the workers stop beating as they exit, which is no death."""
-        self._watching.clear()
+        with self._groups_lock:
+            self._watching.clear()
         self.store.set("ending", "1")
         self.heartbeat.stop()
 
