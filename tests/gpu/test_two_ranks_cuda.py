@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -16,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.ranks import checkout_env
 
 pytestmark = pytest.mark.gpu
 
@@ -52,7 +53,7 @@ def runs(tmp_path_factory) -> dict:
         command = [sys.executable, str(WORKER), str(rank), str(world), str(port), str(out / f"{name}.json"),
                    "--stages", stages]
         jobs[name] = (subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                       env=_env()), log)
+                                       env=checkout_env()), log)
     failed, deadline = [], time.monotonic() + 300
     for name, (process, log) in jobs.items():
         try:
@@ -65,12 +66,6 @@ def runs(tmp_path_factory) -> dict:
             failed.append(f"{name} exited {process.returncode}:\n{(out / f'{name}.log').read_text()[-4000:]}")
     assert not failed, "\n".join(failed)
     return {name: json.loads((out / f"{name}.json").read_text()) for name in jobs}
-
-
-def _env() -> dict:
-    """This environment, with the checkout's package first: the workers run as scripts."""
-    paths = [str(REPO / "platform")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return os.environ | {"PYTHONPATH": os.pathsep.join(paths)}
 
 
 def test_every_collective_reaches_both_ranks(runs):

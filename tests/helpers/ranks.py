@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from tests.conftest import REPO
+from tests.helpers.member_rank import SAYS
 from wildtrain import services
 from wildtrain.elastic.rendezvous import RendezvousServer
 
@@ -43,14 +44,19 @@ class Ranks:
                 process.kill()
 
 
+def checkout_env() -> dict[str, str]:
+    """This environment for a process of the checkout's code run as a script or module: the
+    checkout first on its path, the caller's own path after it (where the packages come
+    from elsewhere: a GPU machine's carried wheels, bench/gpu_all.sh)."""
+    paths = [str(REPO / "platform"), str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.environ | {"PYTHONPATH": os.pathsep.join(paths)}
+
+
 def start_ranks(module: str, world: int, *args: str, env: dict[str, str] | None = None) -> Ranks:
     """`world` processes of `python -m module --store-port P --rank R *args`."""
     port = services.free_port()
     store = dist.TCPStore(services.HOST, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    # The caller's own path stays after the checkout's: where the packages come from
-    # elsewhere (a GPU machine's carried wheels, bench/gpu_all.sh).
-    paths = [str(REPO / "platform"), str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(paths), "GLOO_SOCKET_IFNAME": "lo"} | (env or {})
+    env = checkout_env() | {"GLOO_SOCKET_IFNAME": "lo"} | (env or {})
     processes = [subprocess.Popen([sys.executable, "-m", module, "--store-port", str(port), "--rank", str(rank),
                                    *map(str, args)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
@@ -79,7 +85,5 @@ def member_drill(rendezvous: RendezvousServer, drill: str, processes: int = 2, *
 
 def check_said(said: dict[int, list[str]], drill: str) -> None:
     """Each rank began with what `member_rank.SAYS` has it say in `drill`."""
-    from tests.helpers.member_rank import SAYS
-
     for rank, lines in SAYS[drill].items():
         assert said[rank][:len(lines)] == lines, (rank, said)
