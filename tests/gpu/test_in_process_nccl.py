@@ -7,8 +7,11 @@ The same drills on gloo are tests/unit/test_in_process.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from tests.helpers.member_rank import SAYS
 from tests.helpers.ranks import check_said, member_drill
 from wildtrain import services
 from wildtrain.elastic.in_process import SURVIVOR_ENV
@@ -23,7 +26,10 @@ DEAD_AFTER_S, CONFIRM_S = 10.0, 0.5
 # the first drill did not finish: cuMem's file-descriptor exchange is off here, where NCCL
 # issues 2350 and 2379 saw it hang under gVisor, and no InfiniBand loopback is tried.
 ENV = SURVIVOR_ENV | {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "NCCL_CUMEM_ENABLE": "0",
-                      "NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+                      "NCCL_MULTI_RANK_GPU_ENABLE": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "3"}
+# A survivor steps again this long after it re-formed: past the 3 s after which a heartbeat
+# monitor that took the peer's death for a hang would end it (SURVIVOR_ENV says why one could).
+LINGER_S = 10
 
 
 @pytest.fixture
@@ -33,25 +39,55 @@ def rendezvous():
     server.stop()
 
 
-def drill(rendezvous: RendezvousServer, name: str, processes: int = 2):
-    said, waited = member_drill(rendezvous, name, processes, "--device", "cuda", env=ENV, timeout_s=45)
-    print(f"{name}: the failed all-reduce waited {waited} s")  # for the GPU run's record (-rA)
-    return said, waited
+def nccl_drill(rendezvous: RendezvousServer, name: str, logs: Path, processes: int = 2, timeout_s: float = 60,
+               *args: str):
+    """member_drill on the GPU; NCCL's own account of it printed after it (NCCL_DEBUG=INFO:
+    the transport it chose, its errors, where it stopped), for the GPU run's record (-rA)."""
+    logs.mkdir()
+    said, times = member_drill(rendezvous, name, processes, "--device", "cuda", *args, timeout_s=timeout_s,
+                               env=ENV | {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_FILE": str(logs / "rank.%p.log")})
+    print(f"{name}: rank 0's failed all-reduce {times[0]}")
+    for log in sorted(logs.iterdir()):
+        print(f"--- {log.name}\n{log.read_text()[-3000:]}")
+    return said, times
 
 
-def test_a_member_that_dies_is_lost_and_the_survivor_forms_an_nccl_group_alone(rendezvous):
-    said, waited = drill(rendezvous, "dies")
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> dict[int, list[str]]:
+    """What two ranks of one NCCL group on the GPU said after one all-reduce (the `pair` drill)."""
+    server = RendezvousServer(services.HOST, DEAD_AFTER_S, CONFIRM_S)
+    try:
+        return nccl_drill(server, "pair", tmp_path_factory.mktemp("pair") / "nccl", timeout_s=30)[0]
+    finally:
+        server.stop()
+
+
+def drill(rendezvous: RendezvousServer, pair: dict[int, list[str]], tmp_path: Path, name: str, processes: int = 2,
+          *args: str):
+    if pair[0][:1] != SAYS["pair"][0]:
+        pytest.skip("two NCCL ranks on the GPU did not all-reduce (test_two_nccl_ranks_share_the_gpu)")
+    return nccl_drill(rendezvous, name, tmp_path / "nccl", processes, 60, *args)
+
+
+def test_two_nccl_ranks_share_the_gpu(pair):
+    check_said(pair, "pair")
+
+
+def test_a_member_that_dies_is_lost_and_the_survivor_forms_an_nccl_group_alone(rendezvous, pair, tmp_path):
+    said, times = drill(rendezvous, pair, tmp_path, "dies", 2, "--linger-s", LINGER_S)
     check_said(said, "dies")
-    assert waited[0] < DEAD_AFTER_S, "the death was seen, not waited out"
+    assert times[0]["waited"] < DEAD_AFTER_S, "the death was seen, not waited out"
+    assert said[0][len(SAYS["dies"][0])] == "all-reduced 1", ("the survivor stepped again later", said[0])
 
 
-def test_a_hung_member_s_nccl_wait_is_freed_once_it_is_found_silent(rendezvous):
-    said, waited = drill(rendezvous, "hangs")
+def test_a_hung_member_s_nccl_wait_is_freed_once_it_is_found_silent(rendezvous, pair, tmp_path):
+    said, times = drill(rendezvous, pair, tmp_path, "hangs", 2, "--linger-s", LINGER_S)
     check_said(said, "hangs")
+    assert said[0][len(SAYS["hangs"][0])] == "all-reduced 1", ("the survivor stepped again later", said[0])
     # Silent from its last beat, up to a beat before it stopped.
-    assert DEAD_AFTER_S - 0.5 <= waited[0] < DEAD_AFTER_S + 10, waited
+    assert DEAD_AFTER_S - 0.5 <= times[0]["waited"] < DEAD_AFTER_S + 10, times
 
 
-def test_a_joiner_on_the_gpu_forms_the_next_nccl_group_with_the_survivor(rendezvous):
-    said, _ = drill(rendezvous, "joins", processes=3)
+def test_a_joiner_on_the_gpu_forms_the_next_nccl_group_with_the_survivor(rendezvous, pair, tmp_path):
+    said, _ = drill(rendezvous, pair, tmp_path, "joins", processes=3)
     check_said(said, "joins")

@@ -13,7 +13,9 @@ and train a step's all-reduce in its first generation. Then, by --drill:
   rendezvous, before its groups form: rank 0 must give that generation up and form the next
   alone, rather than wait out the groups' timeout (60 s here) for it;
 - `hangs`: rank 1 stops (SIGSTOP) instead of exiting: nothing fails, and rank 0's all-reduce
-  must be freed once the owner finds rank 1 silent, not at the collective's timeout (60 s).
+  must be freed once the owner finds rank 1 silent, not at the collective's timeout (60 s);
+- `pair`: no membership, only Ray's group and a step's all-reduce in it: what every other
+  drill needs of the backend and the device (two NCCL ranks on one GPU, for `--device cuda`).
 
 Each all-reduce is a step's: a sum over the default group on the training device, then the
 commit over the control group that a step takes (`collectives`). `--device cuda` trains on
@@ -21,7 +23,7 @@ NCCL, as a GPU worker does: ranks sharing the test machine's one GPU, each its o
 host (`NCCL_HOSTID`: NCCL refuses two ranks of one host on one device).
 
     python -m tests.helpers.member_rank --store-port P --rank R --rendezvous-port Q \
-        --drill dies|fails|joins|ghost|hangs [--device cpu|cuda]
+        --drill dies|fails|joins|ghost|hangs|pair [--device cpu|cuda]
 
 Prints what happened, a line each.
 """
@@ -54,6 +56,7 @@ SAYS = {
               2: ["formed 3 w0,w1.1", "all-reduced 2"]},
     "ghost": {0: _ALONE + ["joiners waiting", "superseded True", "formed 4 w0", "all-reduced 1"], 2: ["arrived 3"]},
     "hangs": {0: _ALONE},
+    "pair": {0: ["all-reduced 2"], 1: ["all-reduced 2"]},
 }
 
 
@@ -62,8 +65,10 @@ def main() -> None:
     parser.add_argument("--store-port", type=int, required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--rendezvous-port", type=int, required=True)
-    parser.add_argument("--drill", choices=("dies", "fails", "joins", "ghost", "hangs"), required=True)
+    parser.add_argument("--drill", choices=tuple(SAYS), required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--linger-s", type=float, default=0.0,
+                        help="dies, hangs: the survivor steps alone once more this long after its first step alone")
     parser.add_argument("--stacks-after-s", type=float, default=100.0,
                         help="still running this long: print every thread's stack to stderr and exit")
     args = parser.parse_args()
@@ -80,6 +85,9 @@ def main() -> None:
     store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group(backend, store=store, rank=args.rank, world_size=2)  # Ray Train's group
     collectives.open_control_group(60)
+    if args.drill == "pair":
+        all_reduce_ones(device)
+        os._exit(0)
     try:
         with collectives.failing_together(args.rank) as watch:
             member = Member.of_ray_worker(address, args.rank, 2, f"node-{args.rank}", cfg, backend, 60)
@@ -106,8 +114,12 @@ def main() -> None:
                 generation = member.form()
                 print("formed", generation.number, ",".join(generation.members), flush=True)
                 all_reduce_ones(device)
+                print(f"stepped {time.monotonic() - started:.1f} s after the failed all-reduce began", flush=True)
                 if args.drill == "hangs":
                     os.kill(int(store.get("hung")), signal.SIGKILL)
+                if args.linger_s and args.drill in ("dies", "hangs"):
+                    time.sleep(args.linger_s)  # alive after what its old groups' threads do meanwhile
+                    all_reduce_ones(device)
                 if args.drill in ("joins", "ghost"):
                     wait_until(member.joiners_waiting)
                     print("joiners waiting", flush=True)

@@ -66,21 +66,22 @@ def start_ranks(module: str, world: int, *args: str, env: dict[str, str] | None 
 
 def member_drill(rendezvous: RendezvousServer, drill: str, processes: int = 2, *args: str,
                  env: dict[str, str] | None = None, timeout_s: float = 120.0
-                 ) -> tuple[dict[int, list[str]], dict[int, float]]:
+                 ) -> tuple[dict[int, list[str]], dict[int, dict[str, float]]]:
     """What each rank of tests/helpers/member_rank.py printed, its lines (not DeepSpeed's
-    bracketed log lines) and its errors; and how long each rank's failed all-reduce waited."""
+    bracketed log lines) and its errors; and its timings, apart (`waited 0.5 s` is
+    {"waited": 0.5}): how long its failed all-reduce waited, and when it stepped alone."""
     # A rank still running a while before the wait ends prints where it is (member_rank's
     # --stacks-after-s), which a kill would lose.
     ranks = start_ranks("tests.helpers.member_rank", processes, "--rendezvous-port", rendezvous.port, "--drill", drill,
                         "--stacks-after-s", timeout_s - 15, *args, env=env)
-    said, waited = {}, {}
+    said, times = {}, {}
+    # Enough of stderr for a rank's stacks, every thread's, printed as it was given up.
     for rank, (_, output, errors) in enumerate(ranks.outputs(timeout_s)):
         lines = [line for line in output.splitlines() if not line.startswith("[")]
-        waits = [line for line in lines if line.startswith("waited ")]
-        if waits:
-            waited[rank] = float(waits[0].split()[1])
-        said[rank] = [line for line in lines if line not in waits] + [f"(stderr: {errors[-2000:]})"]
-    return said, waited
+        timed = [line for line in lines if line.startswith(("waited ", "stepped "))]
+        times[rank] = {line.split()[0]: float(line.split()[1]) for line in timed}
+        said[rank] = [line for line in lines if line not in timed] + [f"(stderr: {errors[-8000:]})"]
+    return said, times
 
 
 def check_said(said: dict[int, list[str]], drill: str) -> None:

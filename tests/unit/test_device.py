@@ -51,7 +51,9 @@ def test_the_resolved_config_is_what_scaling_and_the_workers_get():
     assert scaling.worker_resources(on_gpus) == {"CPU": 1, "GPU": 1}
     assert scaling.worker_env(on_gpus) == {}, "Ray Train's NCCL error handling: a failed group ends the process"
     on_gpus.elastic.in_process = True
-    assert scaling.worker_env(on_gpus) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}, "survivors outlive their groups"
+    survivor = scaling.worker_env(on_gpus)
+    assert survivor["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2", "survivors outlive their groups"
+    assert survivor["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0", "and torch's dump after their groups' errors"
     assert scaling.scaling_config(on_gpus).use_gpu
 
     on_cpu, choice = resolve_device(cfg, {"CPU": 16.0})

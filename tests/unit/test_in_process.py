@@ -42,10 +42,10 @@ def test_a_worker_that_asks_to_join_is_taken_in_by_the_survivor_at_its_next_look
 def test_a_hung_member_frees_the_survivor_s_wait_once_it_is_found_silent(rendezvous):
     # Nothing fails when a member hangs: without the loss watch, rank 0 waited in its
     # all-reduce for the collective's timeout (60 s here, 300 s by default).
-    said, waited = member_drill(rendezvous, "hangs")
+    said, times = member_drill(rendezvous, "hangs")
     check_said(said, "hangs")
     # Silent from its last beat, up to a beat before it stopped.
-    assert DEAD_AFTER_S - 0.5 <= waited[0] < DEAD_AFTER_S + 10, waited
+    assert DEAD_AFTER_S - 0.5 <= times[0]["waited"] < DEAD_AFTER_S + 10, times
 
 
 def test_a_joiner_that_dies_after_it_arrived_is_given_up_while_the_groups_form(rendezvous):
