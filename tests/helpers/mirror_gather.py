@@ -38,7 +38,9 @@ def engine_of(old_rank: int) -> SimpleNamespace:
     fp32 = [partition_values(old_rank, group)[0].clone() for group in range(len(GROUP_SIZES))]
     state = {p: {"exp_avg": partition_values(old_rank, g)[1], "exp_avg_sq": partition_values(old_rank, g)[2]}
              for g, p in enumerate(fp32)}
-    return SimpleNamespace(optimizer=SimpleNamespace(single_partition_of_fp32_groups=fp32,
+    weights = [torch.zeros(OLD_WORLD * n) for n in GROUP_SIZES]  # every rank's, flat
+    return SimpleNamespace(optimizer=SimpleNamespace(single_partition_of_fp32_groups=fp32, bit16_groups_flat=weights,
+                                                     bit16_groups=[[flat] for flat in weights],
                                                      optimizer=SimpleNamespace(state=state)))
 
 

@@ -2,7 +2,7 @@
 that loses a peer and goes on at the smaller size from its peers' host copies
 (wildtrain.elastic.peer_state), or, with --world 1, the uninterrupted reference.
 
-    python -m tests.helpers.zero_resize --store-port P --rank R --world 3 --victim 1 --out DIR
+    python -m tests.helpers.zero_resize --store-port P --rank R --world 3 --victim 1 --out DIR [--bf16]
 
 Trains STEPS_BEFORE steps at --world (mirroring after each), then the victim exits; the
 others re-form a group without it, rebuild their engines from the mirrors and train
@@ -10,6 +10,10 @@ STEPS_AFTER more. Writes, per rank, `old<rank>.pt` (its partition at the death),
 `new<new rank>.pt` (its partition once rebuilt, the learning rate and DeepSpeed's step count
 then) and `losses<rank>.json` / `params<rank>.pt` (every step's loss over the group and
 the final weights). With --world 1 it trains all the steps and writes the last two.
+
+--bf16 trains in the precision the engine has on GPUs (bf16 weights, gradients summed in
+fp32: `engine.deepspeed_config`), in which DeepSpeed's optimizer at ZeRO-1 is its
+BF16_Optimizer rather than the ZeRO one: an in-process GPU run's partitions are that one's.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from wildtrain.batching import BatchPlan
 from wildtrain.config import Config, ModelConfig
 from wildtrain.elastic.membership import micro_batches
 from wildtrain.elastic.peer_state import Mirrors, load_state, partition
+from wildtrain import engine as engines
 from wildtrain.engine import build_engine, import_deepspeed
 from wildtrain.model.transformer import Transformer
 
@@ -50,6 +55,13 @@ def config(zero_stage: int) -> Config:
 def batch(step: int) -> torch.Tensor:
     """The global batch of `step`, the same whoever draws it."""
     return torch.randint(0, 64, (GLOBAL_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(SEED + step))
+
+
+def train_in_gpu_precision() -> None:
+    """The engine's DeepSpeed config from here on is the one it has on GPUs, on the CPU."""
+    on_device = engines.deepspeed_config
+    engines.deepspeed_config = lambda cfg, plan, on_cuda, load_universal=False: on_device(cfg, plan, True,
+                                                                                          load_universal)
 
 
 def engine_at(cfg: Config, world: int):
@@ -91,8 +103,11 @@ def main() -> None:
     parser.add_argument("--victim", type=int, default=-1)
     parser.add_argument("--zero", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--bf16", action="store_true", help="the engine's precision on GPUs")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.bf16:
+        train_in_gpu_precision()
     cfg = config(args.zero)
     store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=60))
     join(store, 1, args.rank, args.world)

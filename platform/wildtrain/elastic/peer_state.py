@@ -24,6 +24,7 @@ and 12 bytes a parameter per rank at each resize (not each step).
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -36,15 +37,36 @@ Partition = list[torch.Tensor]  # per parameter group, [3, n]: fp32 weights, exp
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+@dataclass(frozen=True)
+class PartitionedGroup:
+    """One parameter group of a ZeRO-1/2 optimizer, as this rank holds it."""
+
+    fp32: torch.Tensor  # this rank's partition of the fp32 master weights: AdamW's parameter
+    flat: torch.Tensor  # every rank's low-precision weights of the group, flat, padded at the end
+    numel: int  # the group's parameters, padding excluded
+
+
+def partitioned_groups(engine) -> list[PartitionedGroup]:
+    """The parameter groups of a ZeRO-1/2 `engine`'s optimizer. At stage 1 in bf16 with fp32
+    gradient accumulation (the precision on GPUs, `engine.deepspeed_config`) DeepSpeed's
+    optimizer is its BF16_Optimizer, not the ZeRO one, and names them otherwise."""
+    zero = engine.optimizer
+    if hasattr(zero, "single_partition_of_fp32_groups"):
+        fp32s, flats, params = zero.single_partition_of_fp32_groups, zero.bit16_groups_flat, zero.bit16_groups
+    else:
+        fp32s, flats, params = zero.fp32_groups_flat_partition, zero.bf16_groups_flat, zero.bf16_groups
+    return [PartitionedGroup(fp32, flat, sum(p.numel() for p in group))
+            for fp32, flat, group in zip(fp32s, flats, params, strict=True)]
+
+
 def partition(engine) -> Partition:
     """A host copy of this rank's partition of each parameter group of a ZeRO-1/2 `engine`.
     Before AdamW's first step its moments do not exist yet: zeros, what AdamW would make."""
-    zero = engine.optimizer
+    state = engine.optimizer.optimizer.state
     groups = []
-    for fp32 in zero.single_partition_of_fp32_groups:
-        state = zero.optimizer.state.get(fp32) or {}
-        moments = [state.get(name, torch.zeros_like(fp32)) for name in MOMENTS]
-        groups.append(torch.stack([fp32.detach(), *moments]).to("cpu", copy=True))
+    for group in partitioned_groups(engine):
+        moments = [(state.get(group.fp32) or {}).get(name, torch.zeros_like(group.fp32)) for name in MOMENTS]
+        groups.append(torch.stack([group.fp32.detach(), *moments]).to("cpu", copy=True))
     return groups
 
 
@@ -164,26 +186,24 @@ def load_state(engine, full: list[torch.Tensor], step: int, samples_per_step: in
     """Put this rank's slice of `full` (from `Mirrors.gather`) into a ZeRO-1/2 `engine` just
     built at the new world size, with the model's weights, AdamW's step count and the
     schedule's position of optimizer step `step`."""
-    zero = engine.optimizer
+    adamw = engine.optimizer.optimizer
     rank = dist.get_rank() if dist.is_initialized() else 0
-    defaults = zero.optimizer.defaults
     # AdamW keeps its step count on the parameter's device when fused or capturable.
-    on_device = defaults.get("fused") or defaults.get("capturable")
-    for group, fp32 in enumerate(zero.single_partition_of_fp32_groups):
-        numel = sum(p.numel() for p in zero.bit16_groups[group])
-        if full[group].shape[1] < numel:
-            raise ValueError(f"parameter group {group}: {full[group].shape[1]} values of state for {numel} "
+    on_device = adamw.defaults.get("fused") or adamw.defaults.get("capturable")
+    for index, group in enumerate(partitioned_groups(engine)):
+        if full[index].shape[1] < group.numel:
+            raise ValueError(f"parameter group {index}: {full[index].shape[1]} values of state for {group.numel} "
                              "parameters; the state is of another model")
-        state = full[group][:, :numel].to(fp32.device)  # each layout pads a group's flat buffer at its end
-        padded = F.pad(state, (0, zero.bit16_groups_flat[group].numel() - numel))
-        size = zero.partition_size[group]
+        fp32 = group.fp32
+        state = full[index][:, :group.numel].to(fp32.device)  # each layout pads a group's flat buffer at its end
+        padded = F.pad(state, (0, group.flat.numel() - group.numel))
+        size = fp32.numel()
         mine = padded[:, rank * size:(rank + 1) * size]
         with torch.no_grad():
             fp32.copy_(mine[0])
-            zero.bit16_groups_flat[group][:numel].copy_(state[0])
+            group.flat[:group.numel].copy_(state[0])
         count = torch.tensor(float(step), device=fp32.device if on_device else "cpu")
-        zero.optimizer.state[fp32] = {"step": count, "exp_avg": mine[1].clone(),
-                                      "exp_avg_sq": mine[2].clone()}
+        adamw.state[fp32] = {"step": count, "exp_avg": mine[1].clone(), "exp_avg_sq": mine[2].clone()}
     schedule = engine.lr_scheduler
     schedule.last_epoch = step - 1
     with warnings.catch_warnings():
