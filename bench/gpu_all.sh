@@ -45,14 +45,14 @@ for part in $PARTS; do
 done
 if [ "$DEVICE" = cuda ]; then
     # Sized on the first H200 runs (2026-12-04): tests/gpu took 100-117 s without the
-    # drills; the drills (test_in_process_nccl.py) 60 s each at most, after a 30 s check
+    # drills and test_peer_state_cuda.py (not run yet: four ranks' starts, 6 steps); the drills (test_in_process_nccl.py) 60 s each at most, after a 30 s check
     # that two NCCL ranks all-reduce at all (8 s); the smoke, which compiles the 125m model once (ZeRO-1; a
     # restored engine is compared before it steps), 59 s; mfu compiles the 1.3b model
     # twice (the size of the MFU goal, DESIGN.md), 98 s to its throughputs, and then
     # writes its ~16 GB state twice for the checkpoint stall (torch.save to local disk).
     SMOKE_ARGS=${SMOKE_ARGS:---preset 125m --seq-len 1024 --steps 10}
     MFU_ARGS=${MFU_ARGS:---presets 1.3b --steps 10 --warmup 3}
-    PYTEST_S=${PYTEST_S:-140} IN_PROCESS_S=${IN_PROCESS_S:-240} SMOKE_S=${SMOKE_S:-90} MFU_S=${MFU_S:-180}
+    PYTEST_S=${PYTEST_S:-180} IN_PROCESS_S=${IN_PROCESS_S:-240} SMOKE_S=${SMOKE_S:-90} MFU_S=${MFU_S:-180}
 else
     SMOKE_ARGS=${SMOKE_ARGS:---steps 3}
     MFU_ARGS=${MFU_ARGS:---steps 3}

@@ -12,21 +12,14 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.member_rank import SAYS
-from tests.helpers.ranks import check_said, member_drill
+from tests.helpers.ranks import NCCL_ON_ONE_GPU, check_said, member_drill
 from wildtrain import services
-from wildtrain.elastic.in_process import SURVIVOR_ENV
 from wildtrain.elastic.rendezvous import RendezvousServer
 
 pytestmark = pytest.mark.gpu
 
 DEAD_AFTER_S, CONFIRM_S = 10.0, 0.5
-# Several ranks on one device is no setting NCCL supports before 2.30's experimental
-# NCCL_MULTI_RANK_GPU_ENABLE (its guide: "may lead to hangs"); NCCL_HOSTID, undocumented,
-# makes each rank a host of its own that talks over sockets. On the first H200 run (gVisor)
-# the first drill did not finish: cuMem's file-descriptor exchange is off here, where NCCL
-# issues 2350 and 2379 saw it hang under gVisor, and no InfiniBand loopback is tried.
-ENV = SURVIVOR_ENV | {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "NCCL_CUMEM_ENABLE": "0",
-                      "NCCL_MULTI_RANK_GPU_ENABLE": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "3"}
+ENV = NCCL_ON_ONE_GPU | {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "3"}
 # A survivor steps again this long after it re-formed: past the 3 s after which a heartbeat
 # monitor that took the peer's death for a hang would end it (SURVIVOR_ENV says why one could).
 LINGER_S = 10

@@ -16,7 +16,18 @@ import torch.distributed as dist
 from tests.conftest import REPO
 from tests.helpers.member_rank import SAYS
 from wildtrain import services
+from wildtrain.elastic.in_process import SURVIVOR_ENV
 from wildtrain.elastic.rendezvous import RendezvousServer
+
+# The environment of ranks that share a machine's one GPU over NCCL (each sets NCCL_HOSTID to
+# a host of its own), as an in-process GPU worker (SURVIVOR_ENV). Several ranks on one
+# device is no setting NCCL supports before 2.30's experimental NCCL_MULTI_RANK_GPU_ENABLE
+# (its guide: "may lead to hangs"); NCCL_HOSTID, undocumented, makes each rank a host of its
+# own that talks over sockets (what NCCL chose on the H200, NCCL 2.28.9: NET/Socket).
+# cuMem's file-descriptor exchange is off, where NCCL issues 2350 and 2379 saw it hang under
+# gVisor (which that machine runs), and no InfiniBand loopback is tried.
+NCCL_ON_ONE_GPU = SURVIVOR_ENV | {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "NCCL_CUMEM_ENABLE": "0",
+                                  "NCCL_MULTI_RANK_GPU_ENABLE": "1"}
 
 
 @dataclass
