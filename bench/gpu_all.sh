@@ -151,11 +151,11 @@ def figures(name, text):
 
 
 parts = [line.split("\t") for line in (logs / "parts.tsv").read_text().splitlines()]
-print(f"\n{'part':<8} {'status':<11} {'seconds':>7}  figures")
+print(f"\n{'part':<10} {'status':<11} {'seconds':>7}  figures")
 print("-" * 80)
 for name, status, seconds in parts:
     log = logs / f"{name}.log"
-    print(f"{name:<8} {status:<11} {seconds:>7}  {figures(name, log.read_text() if log.exists() else '')}")
+    print(f"{name:<10} {status:<11} {seconds:>7}  {figures(name, log.read_text() if log.exists() else '')}")
 print(f"\nlogs: {logs}")
 sys.exit(0 if [name for name, _, _ in parts] == expected and all(status == "ok" for _, status, _ in parts) else 1)
 EOF
