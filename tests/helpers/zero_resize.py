@@ -16,8 +16,8 @@ the final weights). With --world 1 it trains all the steps and writes the last t
 fp32: `engine.deepspeed_config`), in which DeepSpeed's optimizer at ZeRO-1 is its
 BF16_Optimizer rather than the ZeRO one: an in-process GPU run's partitions are that one's.
 --device cuda trains on the GPU, in that precision, over NCCL (the ranks share the machine's
-one GPU, each an NCCL host of its own, as tests/helpers/member_rank.py's), the mirrors over a
-gloo group beside it, as an in-process GPU worker's go over its control group.
+one GPU, each an NCCL host of its own, as tests/helpers/member_rank.py's). Either way the
+mirrors go over a gloo group beside the default one, as a worker's go over its control group.
 `check_drill` is what the tests check of a drill and its reference.
 """
 
@@ -30,7 +30,6 @@ import os
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
@@ -101,13 +100,13 @@ def train(engine, step: int, device: torch.device) -> float:
 
 
 def join(store, generation: int, rank: int, world: int, device: torch.device = torch.device("cpu")
-         ) -> Optional[dist.ProcessGroup]:
-    """Form generation `generation`'s default group; the group the mirrors go over: the
-    default one on gloo, a gloo group beside NCCL's."""
+         ) -> dist.ProcessGroup:
+    """Form generation `generation`'s default group (NCCL's on CUDA); the group the mirrors
+    go over: a gloo group beside it, as a worker's control group."""
     os.environ.update(LOCAL_RANK="0", RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore(f"g{generation}/", store),
                             rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    return dist.new_group(backend="gloo") if device.type == "cuda" else None
+    return dist.new_group(backend="gloo")
 
 
 def main() -> None:
