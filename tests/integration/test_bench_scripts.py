@@ -99,9 +99,9 @@ def test_the_carry_and_gpu_all_run_where_only_torch_is_installed(gpu_all_cpu):
     assert size and int(size.group(1)) > 10 and float(size.group(2)) < 64, gpu_all_cpu["carry"]
     output = gpu_all_cpu["output"]
     assert gpu_all_cpu["returncode"] == 0, output[-6000:]
-    table = {line.split()[0]: line.split() for line in output.split("part     status")[-1].splitlines()[2:]
+    table = {line.split()[0]: line.split() for line in re.split(r"part +status", output)[-1].splitlines()[2:]
              if line.strip() and not line.startswith("logs:")}
-    assert list(table) == ["install", "pytest", "in_process", "smoke", "mfu"], output[-3000:]
+    assert list(table) == ["install", "pytest", "in_process", "smoke", "mfu", "reform"], output[-3000:]
     assert all(row[1] == "ok" for row in table.values())
     assert "skipped" in " ".join(table["pytest"]), "tests/gpu is collected and skipped without CUDA"
     assert "skipped" in " ".join(table["in_process"]), "so are the in-process drills on NCCL"
@@ -139,6 +139,15 @@ def test_mfu_compares_our_engine_with_plain_pytorch(gpu_all_cpu):
     assert [r[:2] for r in rows] == [["tiny", "wildtrain"], ["tiny", "plain"]]
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
     assert "checkpoint stall, tiny full state" in output and "device-to-host copy of the same bytes" in output
+
+
+def test_a_rebuilt_engine_reuses_the_compiled_code_of_the_first(gpu_all_cpu):
+    # What an in-process re-form's first step relies on: its new engine is not compiled anew.
+    output = (gpu_all_cpu["logs"] / "reform.log").read_text()
+    header, rows = _table(output, "engine")
+    assert "frames compiled" in header
+    assert [r[0] for r in rows] == ["0", "1", "2"]
+    assert int(rows[0][3]) > 0 and [int(r[3]) for r in rows[1:]] == [0, 0], output[-2000:]
 
 
 def test_attention_times_every_mask_and_trains_every_objective():
