@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Every GPU check of the project in one call of under 10 minutes, on a machine with torch,
+# Every GPU check of the project, in parts (PARTS: all of them take two calls of the GPU
+# machine's 10 minutes each, the README's Tests section says which), on a machine with torch,
 # numpy and pyarrow but no package registry, no Ray and no network: installs the wheels of
-# bench/device_carry.sh, runs tests/gpu (the in-process recovery drills on NCCL apart, last
-# of the tests: a drill that hangs must not take the others' time), bench/gpu_smoke.py and
+# bench/device_carry.sh, runs tests/gpu (the in-process recovery drills on NCCL in a part of
+# their own: a drill that hangs must not take the others' time), bench/gpu_smoke.py,
 # bench/mfu.py and bench/reform_compile.py, each bounded by `timeout`, and ends with one
 # table: each part's status, seconds and key figures.
 #
@@ -46,9 +47,10 @@ for part in $PARTS; do
 done
 if [ "$DEVICE" = cuda ]; then
     # Sized on the first H200 runs (2026-12-04): tests/gpu took 100-117 s without the
-    # drills and test_peer_state_cuda.py (not run yet: four ranks' starts, 6 steps); the drills (test_in_process_nccl.py) 60 s each at most, after a 30 s check
-    # that two NCCL ranks all-reduce at all (8 s); the smoke, which compiles the 125m model once (ZeRO-1; a
-    # restored engine is compared before it steps), 59 s; mfu compiles the 1.3b model
+    # drills and test_peer_state_cuda.py (not run yet: four ranks' starts, 6 steps); the
+    # drills (test_in_process_nccl.py) 60 s each at most, after a 30 s check that two NCCL
+    # ranks all-reduce at all (8 s), 87 s in all; the smoke, which compiles the 125m model
+    # once (ZeRO-1; a restored engine is compared before it steps), 59 s; mfu compiles the 1.3b model
     # twice (the size of the MFU goal, DESIGN.md), 98 s to its throughputs, and then
     # writes its ~16 GB state twice for the checkpoint stall (torch.save to local disk);
     # reform compiles the 125m model once (not run on a GPU yet).

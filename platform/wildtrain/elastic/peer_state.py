@@ -43,7 +43,12 @@ class PartitionedGroup:
 
     fp32: torch.Tensor  # this rank's partition of the fp32 master weights: AdamW's parameter
     flat: torch.Tensor  # every rank's low-precision weights of the group, flat, padded at the end
-    numel: int  # the group's parameters, padding excluded
+    params: list[torch.Tensor]  # the group's low-precision parameters (views into `flat`)
+
+    @property
+    def numel(self) -> int:
+        """The group's values, padding excluded."""
+        return sum(p.numel() for p in self.params)
 
 
 def partitioned_groups(engine) -> list[PartitionedGroup]:
@@ -55,8 +60,7 @@ def partitioned_groups(engine) -> list[PartitionedGroup]:
         fp32s, flats, params = zero.single_partition_of_fp32_groups, zero.bit16_groups_flat, zero.bit16_groups
     else:
         fp32s, flats, params = zero.fp32_groups_flat_partition, zero.bf16_groups_flat, zero.bf16_groups
-    return [PartitionedGroup(fp32, flat, sum(p.numel() for p in group))
-            for fp32, flat, group in zip(fp32s, flats, params, strict=True)]
+    return [PartitionedGroup(fp32, flat, group) for fp32, flat, group in zip(fp32s, flats, params, strict=True)]
 
 
 def partition(engine) -> Partition:
@@ -191,17 +195,17 @@ def load_state(engine, full: list[torch.Tensor], step: int, samples_per_step: in
     # AdamW keeps its step count on the parameter's device when fused or capturable.
     on_device = adamw.defaults.get("fused") or adamw.defaults.get("capturable")
     for index, group in enumerate(partitioned_groups(engine)):
-        if full[index].shape[1] < group.numel:
-            raise ValueError(f"parameter group {index}: {full[index].shape[1]} values of state for {group.numel} "
+        fp32, numel = group.fp32, group.numel
+        if full[index].shape[1] < numel:
+            raise ValueError(f"parameter group {index}: {full[index].shape[1]} values of state for {numel} "
                              "parameters; the state is of another model")
-        fp32 = group.fp32
-        state = full[index][:, :group.numel].to(fp32.device)  # each layout pads a group's flat buffer at its end
-        padded = F.pad(state, (0, group.flat.numel() - group.numel))
+        state = full[index][:, :numel].to(fp32.device)  # each layout pads a group's flat buffer at its end
+        padded = F.pad(state, (0, group.flat.numel() - numel))
         size = fp32.numel()
         mine = padded[:, rank * size:(rank + 1) * size]
         with torch.no_grad():
             fp32.copy_(mine[0])
-            group.flat[:group.numel].copy_(state[0])
+            group.flat[:numel].copy_(state[0])
         count = torch.tensor(float(step), device=fp32.device if on_device else "cpu")
         adamw.state[fp32] = {"step": count, "exp_avg": mine[1].clone(), "exp_avg_sq": mine[2].clone()}
     schedule = engine.lr_scheduler
