@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.ranks import start_ranks
+from wildtrain import engine as engines
 from wildtrain.batching import BatchPlan
 from wildtrain.config import Config, ModelConfig
 from wildtrain.elastic.membership import micro_batches
-from wildtrain import engine as engines
 from wildtrain.elastic.peer_state import Mirrors, load_state, partition
 from wildtrain.engine import build_engine, import_deepspeed, lr_at
 from wildtrain.model.transformer import Transformer
