@@ -1,11 +1,14 @@
-"""One process of tests/unit/test_peer_state.py's gather drill: three members of generation 1
-mirror their partitions, member 0 dies, and the two others form generation 2 with a joiner
-that holds nothing (a spare taking its place); every rank of generation 2 gathers the state.
+"""One process of tests/unit/test_peer_state.py's gather drill: the members of generation 1,
+on the nodes `--nodes` names (one per rank), mirror their partitions; the members `--dead`
+names die (a node's death takes all of its ranks), and the others form generation 2 with a
+joiner that holds nothing (a spare taking a place); every rank of generation 2 gathers the
+state.
 
-    python -m tests.helpers.mirror_gather --store-port P --rank R --out DIR
+    python -m tests.helpers.mirror_gather --store-port P --rank R --nodes a,b,c --dead 0 --out DIR
 
-Ranks 0-2 are generation 1's members, rank 3 the joiner. Each rank of generation 2 writes
-`gathered<new rank>.pt`: the plan's sources and step, and the whole state it received.
+Ranks 0 to len(nodes) - 1 are generation 1's members, the last rank the joiner. Each rank of
+generation 2 writes `gathered<new rank>.pt`: the plan's sources and step, and the whole state
+it received, or `lost<new rank>.txt`: why it cannot be (`RedundancyLost`).
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.zero_resize import join
+from wildtrain.elastic.membership import RedundancyLost
 from wildtrain.elastic.peer_state import Mirrors
 
-OLD_WORLD, JOINER, DEAD, STEP = 3, 3, 0, 5
+STEP = 5
 GROUP_SIZES = (5, 3)  # two parameter groups, partitioned alike on every rank
 
 
@@ -33,12 +37,12 @@ def partition_values(old_rank: int, group: int) -> torch.Tensor:
     return torch.arange(3 * n, dtype=torch.float32).reshape(3, n) + 1000 * old_rank + 100 * group
 
 
-def engine_of(old_rank: int) -> SimpleNamespace:
+def engine_of(old_rank: int, world: int) -> SimpleNamespace:
     """What `peer_state.partition` reads of a ZeRO-1/2 engine, holding `partition_values`."""
     fp32 = [partition_values(old_rank, group)[0].clone() for group in range(len(GROUP_SIZES))]
     state = {p: {"exp_avg": partition_values(old_rank, g)[1], "exp_avg_sq": partition_values(old_rank, g)[2]}
              for g, p in enumerate(fp32)}
-    weights = [torch.zeros(OLD_WORLD * n) for n in GROUP_SIZES]  # every rank's, flat
+    weights = [torch.zeros(world * n) for n in GROUP_SIZES]  # every rank's, flat
     return SimpleNamespace(optimizer=SimpleNamespace(single_partition_of_fp32_groups=fp32, bit16_groups_flat=weights,
                                                      bit16_groups=[[flat] for flat in weights],
                                                      optimizer=SimpleNamespace(state=state)))
@@ -48,24 +52,31 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--store-port", type=int, required=True)
     parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--nodes", type=lambda text: text.split(","), required=True)
+    parser.add_argument("--dead", type=lambda text: [int(rank) for rank in text.split(",")], required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    old_world = len(args.nodes)
     store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=60))
     mirrors = Mirrors()
-    if args.rank != JOINER:
-        join(store, 1, args.rank, OLD_WORLD)
-        mirrors.use_layout(1, OLD_WORLD)
-        mirrors.exchange(engine_of(args.rank), STEP)
+    if args.rank < old_world:
+        join(store, 1, args.rank, old_world)
+        mirrors.use_layout(1, old_world, args.nodes)
+        mirrors.exchange(engine_of(args.rank, old_world), STEP)
         mirrors.settle()
-        dist.barrier()  # every mirror in place: then member 0 dies
-        if args.rank == DEAD:
+        dist.barrier()  # every mirror in place: then the dead die
+        if args.rank in args.dead:
             os._exit(0)
         dist.destroy_process_group()
-    members = [r for r in range(OLD_WORLD) if r != DEAD] + [JOINER]
+    members = [r for r in range(old_world) if r not in args.dead] + [old_world]
     rank = members.index(args.rank)
     join(store, 2, rank, len(members))
-    plan, full = mirrors.gather(fresh=False)
-    torch.save({"sources": plan.sources, "step": plan.step, "full": full}, args.out / f"gathered{rank}.pt")
+    try:
+        plan, full = mirrors.gather(fresh=False)
+    except RedundancyLost as lost:
+        (args.out / f"lost{rank}.txt").write_text(str(lost))
+    else:
+        torch.save({"sources": plan.sources, "step": plan.step, "full": full}, args.out / f"gathered{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -1,3 +1,6 @@
+import itertools
+from collections import Counter
+
 import pytest
 
 from wildtrain.elastic.membership import (
@@ -8,6 +11,7 @@ from wildtrain.elastic.membership import (
     StateSync,
     joiners_due,
     micro_batches,
+    mirror_ring,
     must_abandon,
     next_membership,
     plan_repartition,
@@ -131,3 +135,29 @@ def test_a_partition_lost_with_its_mirror_needs_a_checkpoint():
         plan_repartition([held((0, {7}), (2, {7}))])
     with pytest.raises(RedundancyLost, match="holds any partition"):
         plan_repartition([None, None])
+
+
+def test_a_ring_keeps_each_partitions_mirror_off_its_node():
+    # Ranks each on a node of their own keep their order; GPU nodes of several workers (Ray
+    # Train numbers a node's workers one after the other) interleave.
+    assert mirror_ring(["a", "b", "c", "d"]) == (0, 1, 2, 3)
+    assert mirror_ring(["a", "a", "b", "b"]) == (0, 2, 1, 3)
+    assert mirror_ring(["a"] * 4 + ["b"] * 4) == (0, 4, 1, 5, 2, 6, 3, 7)
+    # After a node of four lost two ranks, and where one node holds most ranks: as few
+    # neighbours on one node as can be.
+    assert mirror_ring(["a", "a", "b", "b", "b", "b"]) == (2, 0, 3, 1, 4, 5)
+
+
+def shared_neighbours(nodes, ring) -> int:
+    return sum(nodes[ring[i]] == nodes[ring[(i + 1) % len(ring)]] for i in range(len(ring)))
+
+
+def test_a_ring_shares_a_node_between_neighbours_only_where_one_node_holds_more_than_half():
+    # Every way to put up to 7 ranks on up to 4 nodes.
+    for world in range(1, 8):
+        for nodes in itertools.product("abcd", repeat=world):
+            ring = mirror_ring(nodes)
+            assert sorted(ring) == list(range(world)), nodes
+            largest, n_nodes = max(Counter(nodes).values()), len(set(nodes))
+            fewest = world if n_nodes == 1 else max(0, 2 * largest - world)
+            assert shared_neighbours(nodes, ring) == fewest, (nodes, ring)

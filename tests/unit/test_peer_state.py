@@ -22,18 +22,47 @@ def test_survivors_rebuild_the_zero_state_of_a_dead_peer_from_its_mirror_and_tra
     check_drill(drill, reference, bf16=bool(precision))
 
 
-def test_a_rank_that_holds_nothing_receives_the_whole_state_from_the_partitions_sources(tmp_path):
-    # Three members mirror their partitions, member 0 dies, and the two others gather with a
-    # joiner (a spare in the dead member's place): old partitions 0 and 1 come from new rank 0
-    # (old 1: its own, and its mirror of old 0), partition 2 from new rank 1.
-    ranks = start_ranks("tests.helpers.mirror_gather", mirror_gather.OLD_WORLD + 1, "--out", tmp_path)
+def gather_drill(out, nodes: str, dead: str) -> list:
+    """tests/helpers/mirror_gather.py's drill: what each rank of generation 2 gathered (a
+    dict) or why it could not (a str)."""
+    ranks = start_ranks("tests.helpers.mirror_gather", len(nodes.split(",")) + 1, "--nodes", nodes, "--dead", dead,
+                        "--out", out)
+    results = []
     for rank, (code, output, errors) in enumerate(ranks.outputs(timeout_s=300)):
         assert code == 0, f"rank {rank}:\n{output[-1000:]}\n{errors[-3000:]}"
-    expected = [torch.cat([mirror_gather.partition_values(old, group) for old in range(mirror_gather.OLD_WORLD)], dim=1)
-                for group in range(len(mirror_gather.GROUP_SIZES))]
-    for rank in range(3):
-        gathered = torch.load(tmp_path / f"gathered{rank}.pt")
-        assert gathered["sources"] == (0, 0, 1) and gathered["step"] == mirror_gather.STEP
-        assert len(gathered["full"]) == len(expected)
-        for got, want in zip(gathered["full"], expected):
+    for rank in range(len(nodes.split(",")) + 1 - len(dead.split(","))):
+        lost = out / f"lost{rank}.txt"
+        results.append(lost.read_text() if lost.exists() else torch.load(out / f"gathered{rank}.pt"))
+    return results
+
+
+def the_state_of(world: int) -> list[torch.Tensor]:
+    return [torch.cat([mirror_gather.partition_values(old, group) for old in range(world)], dim=1)
+            for group in range(len(mirror_gather.GROUP_SIZES))]
+
+
+@pytest.mark.parametrize("nodes, dead, sources", [
+    # Member 0 of three dies; the two others gather with a joiner (a spare in its place): old
+    # partitions 0 and 1 come from new rank 0 (old 1: its own, and its mirror of old 0),
+    # partition 2 from new rank 1.
+    ("a,b,c", "0", (0, 0, 1)),
+    # Two nodes of two workers each, and one node dies, taking two ranks: each partition was
+    # mirrored on the other node (membership.mirror_ring: 0 -> 2 -> 1 -> 3 -> 0), so old 2's
+    # comes from old 1 (new rank 1) and old 3's from old 0 (new rank 0).
+    ("a,a,b,b", "2,3", (0, 1, 1, 0)),
+], ids=["one of three", "a node of two workers"])
+def test_a_rank_that_holds_nothing_receives_the_whole_state_from_the_partitions_sources(tmp_path, nodes, dead,
+                                                                                     sources):
+    world = len(nodes.split(","))
+    for gathered in gather_drill(tmp_path, nodes, dead):
+        assert gathered["sources"] == sources and gathered["step"] == mirror_gather.STEP
+        assert len(gathered["full"]) == len(mirror_gather.GROUP_SIZES)
+        for got, want in zip(gathered["full"], the_state_of(world)):
             assert torch.equal(got, want)
+
+
+def test_ring_neighbours_lost_together_take_a_partition_with_its_mirror(tmp_path):
+    # The same deaths with each rank on a node of its own: ranks 2 and 3 are ring neighbours,
+    # so old 2's partition and its mirror (on old 3) are both gone, and every rank says so.
+    for lost in gather_drill(tmp_path, "a,b,c,d", "2,3"):
+        assert "partitions [2] of generation 1's 4 ranks are held nowhere alive" in lost

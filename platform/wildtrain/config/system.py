@@ -88,9 +88,11 @@ class ElasticConfig:
     # Recovery in seconds (issue 24): when a worker other than rank 0 dies, the survivors
     # re-form their process group at the smaller size in their own processes and take the
     # dead rank's ZeRO partition from a peer's host memory, instead of Ray restarting every
-    # worker from the last checkpoint. Each rank mirrors its partition to its ring successor
-    # after every step (elastic.peer_state). Rank 0's death, two neighbours' at once and a
-    # regrow still restart from the checkpoint. Off by default until measured on GPUs.
+    # worker from the last checkpoint; a returning node's worker joins them. Each rank mirrors
+    # its partition after every step to its successor on a ring that keeps the mirror off the
+    # rank's node where the nodes allow (elastic.peer_state, membership.mirror_ring). Rank 0's
+    # death and a partition lost with its mirror still restart from the checkpoint. Off by
+    # default: the README's elastic section says why.
     in_process: bool = False
     # In-process membership (elastic.rendezvous): how often each worker beats its heart in the
     # driver's store, how long a silent one is taken for dead (a hung one: nothing fails), and

@@ -125,6 +125,31 @@ def micro_batches(global_batch: int, world: int, rank: int, micro_batch: int) ->
 Layout = tuple[int, int]  # (generation, world size)
 
 
+def mirror_ring(nodes: Sequence[str]) -> tuple[int, ...]:
+    """The ranks of a layout in the order in which each mirrors its ZeRO partition to the next
+    (the last to the first), given each rank's node: a partition and its mirror on different
+    nodes wherever the nodes allow it, so that a node's death, which takes all of its ranks at
+    once, takes no partition together with its mirror. On GPU nodes of several workers, ranks
+    in their own order would mirror to a rank of the same node.
+
+    Each place takes a rank of the node with the most ranks left, other than the last place's
+    (ties: the first place's node, to use it up before the ring closes on it, then the lowest
+    rank): no two neighbours share a node unless one node holds more than half the ranks, and
+    then as few as can. Ranks each on a node of their own keep their order."""
+    left: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        left.setdefault(node, []).append(rank)
+    ring: list[int] = []
+    previous: Optional[str] = None
+    first: Optional[str] = None
+    while len(ring) < len(nodes):
+        candidates = [node for node, ranks in left.items() if ranks and node != previous] or [previous]
+        previous = max(candidates, key=lambda node: (len(left[node]), node == first, -left[node][0]))
+        first = previous if first is None else first
+        ring.append(left[previous].pop(0))
+    return tuple(ring)
+
+
 class RedundancyLost(RuntimeError):
     """Some partition of the sharded state exists nowhere alive at any step its peers share:
     its owner and the holder of its mirror both left. Only a checkpoint restores the run."""

@@ -3,7 +3,8 @@
 ZeRO-1 and 2 shard the fp32 master weights and AdamW's two moments over the data-parallel
 ranks, so a rank that dies takes the only copy of its partition with it. `Mirrors` keeps a
 host copy of this rank's partition after every optimizer step and sends one to the next rank
-of the ring, which keeps it (12 bytes a parameter over the world size, each way).
+of a ring that puts it on another node wherever the nodes allow (`membership.mirror_ring`),
+which keeps it (12 bytes a parameter over the world size, each way).
 
 A rank `settle`s its exchange before its next step's gradient reduction, and no rank passes
 that reduction before every rank entered it: once any rank is past it, every mirror of the
@@ -25,13 +26,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from wildtrain.elastic.membership import Layout, Repartition, plan_repartition
+from wildtrain.elastic.membership import Layout, Repartition, mirror_ring, plan_repartition
 
 Partition = list[torch.Tensor]  # per parameter group, [3, n]: fp32 weights, exp_avg, exp_avg_sq
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -84,14 +85,20 @@ class Mirrors:
         self.keep_steps = keep_steps
         self.group = group
         self.layout: Optional[Layout] = None
+        self._ring: tuple[int, ...] = ()
         self.snapshots: dict[tuple[int, int, int], dict[int, Partition]] = {}
         self._in_flight: list = []
         self._received: Optional[tuple[int, torch.Tensor, list[int]]] = None  # (step, buffer, group sizes)
         self._exchanged_in_layout = False
 
-    def use_layout(self, generation: int, world: int) -> None:
-        """The group was re-formed: snapshots from now on are of this layout."""
+    def use_layout(self, generation: int, world: int, nodes: Optional[Sequence[str]] = None) -> None:
+        """The group was re-formed: snapshots from now on are of this layout, whose ranks run on
+        `nodes` (by rank; None: each on a node of its own)."""
+        nodes = [str(rank) for rank in range(world)] if nodes is None else list(nodes)
+        if len(nodes) != world:
+            raise ValueError(f"a layout of {world} ranks on {len(nodes)} nodes ({nodes}): one node per rank")
         self.layout = (generation, world)
+        self._ring = mirror_ring(nodes)
         self._exchanged_in_layout = False
 
     def exchange(self, engine, step: int) -> None:
@@ -113,8 +120,8 @@ class Mirrors:
             return
         sent = torch.cat(mine, dim=1)
         received = torch.empty_like(sent)  # every rank of a layout holds partitions of the same sizes
-        self._in_flight = [dist.isend(sent, group=self.group, group_dst=(rank + 1) % world),
-                           dist.irecv(received, group=self.group, group_src=(rank - 1) % world)]
+        self._in_flight = [dist.isend(sent, group=self.group, group_dst=self._neighbour(rank, 1)),
+                           dist.irecv(received, group=self.group, group_src=self._neighbour(rank, -1))]
         self._received = (step, received, [group.shape[1] for group in mine])
 
     def settle(self) -> None:
@@ -125,7 +132,11 @@ class Mirrors:
         if self._received is not None:
             step, received, sizes = self._received
             self._received = None
-            self._keep((dist.get_rank(self.group) - 1) % self.layout[1], step, list(received.split(sizes, dim=1)))
+            self._keep(self._neighbour(dist.get_rank(self.group), -1), step, list(received.split(sizes, dim=1)))
+
+    def _neighbour(self, rank: int, offset: int) -> int:
+        """The rank `offset` places after `rank` on the layout's ring (-1: its predecessor)."""
+        return self._ring[(self._ring.index(rank) + offset) % len(self._ring)]
 
     def drop_in_flight(self) -> None:
         """Forget an exchange a failed collective broke: what it was to receive never came."""

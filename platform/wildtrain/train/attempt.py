@@ -118,7 +118,7 @@ class Attempt:
         self.restored_at = time.time()
         self.restored_step = self.state.step
         self.state.world_size = world_size
-        self.commits = PeerCommits(self.in_process, self.state) if self.in_process else None
+        self.commits = PeerCommits(self.in_process, self.state, self.monitor.nodes) if self.in_process else None
         if self.in_process is not None and rank == 0:
             self.monitor.events.append(Formed(time.time(), self.in_process.generation.number, self.state.step,
                                               list(self.monitor.nodes)))

@@ -86,9 +86,9 @@ class PeerCommits:
     from then on the step and its loss survive any one rank's death. What a death drops with
     an uncommitted step (its window, its validation, its save) is done again with it."""
 
-    def __init__(self, in_process: InProcess, state: TrainState) -> None:
+    def __init__(self, in_process: InProcess, state: TrainState, nodes: list[str]) -> None:
         self.mirrors = in_process.member.mirrors
-        self.mirrors.use_layout(in_process.generation.number, in_process.generation.world_size)
+        self.mirrors.use_layout(in_process.generation.number, in_process.generation.world_size, nodes)
         self.restored_step = state.step
         self.states = {state.step: dataclasses.replace(state)}
 
