@@ -10,7 +10,11 @@ per try that the head's dashboard agent ingests one by one, long after the retri
 This script makes that happen on a fake cluster (a placement group of two bundles, one
 bundle's node removed, a node added back after a while) and prints, per phase, the CPU the GCS
 and the head's dashboard agent use and how often the GCS tried to place the group. One
-cluster with Ray's metrics on (the default), one with `enable_metrics_collection` off.
+cluster with Ray's metrics on (the default), one with `enable_metrics_collection` off, and one
+whose group is STRICT_SPREAD (`cluster.placement_strategy`): there the lost bundle fits no
+node left (each holds a bundle of the group already), and the GCS files it as infeasible, to
+be tried again when a node registers, not at once (`OnPlacementGroupCreationFailed` in Ray's
+`gcs_placement_group_manager.cc`: only a bundle that could fit somewhere is retried at once).
 
     PYTHONPATH=platform .venv/bin/python bench/pg_storm.py [--phase-s 15]
 """
@@ -61,7 +65,7 @@ def measure(cluster: Cluster, seconds: float) -> dict[str, float]:
     return cpu | {"tries_per_s": (gcs_tries(cluster) - tries0) / seconds}
 
 
-def run(label: str, system_config: dict, phase_s: float) -> list[tuple]:
+def run(label: str, system_config: dict, phase_s: float, strategy: str = "SPREAD") -> list[tuple]:
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 2, "_system_config": services.NODE_HEALTH_CHECKS | STATS | system_config})
     rows = []
@@ -69,7 +73,7 @@ def run(label: str, system_config: dict, phase_s: float) -> list[tuple]:
         nodes = [cluster.add_node(num_cpus=1, resources={SLOT: 1}) for _ in range(2)]
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="ERROR")
-        group = placement_group([{SLOT: 1}, {SLOT: 1}], strategy="SPREAD")
+        group = placement_group([{SLOT: 1}, {SLOT: 1}], strategy=strategy)
         ray.get(group.ready(), timeout=60)
         rows.append((label, "both bundles placed", measure(cluster, phase_s)))
         cluster.remove_node(nodes[1], allow_graceful=False)
@@ -92,6 +96,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = run("Ray metrics on (default)", {}, args.phase_s)
     rows += run("Ray metrics off", services.RAY_METRICS_OFF, args.phase_s)
+    rows += run("Ray metrics on, STRICT_SPREAD group", {}, args.phase_s, strategy="STRICT_SPREAD")
     print(f"\n| cluster | phase | GCS CPU (cores) | head dashboard agent CPU (cores) | GCS placement tries/s |")
     print("|---|---|---|---|---|")
     for label, phase, m in rows:

@@ -55,6 +55,9 @@ def test_the_resolved_config_is_what_scaling_and_the_workers_get():
     assert survivor["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2", "survivors outlive their groups"
     assert survivor["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0", "and torch's dump after their groups' errors"
     assert scaling.scaling_config(on_gpus).use_gpu
+    assert scaling.scaling_config(on_gpus).placement_strategy == "PACK", "Ray's default"
+    on_gpus.cluster.placement_strategy = "STRICT_SPREAD"
+    assert scaling.scaling_config(on_gpus).placement_strategy == "STRICT_SPREAD"
 
     on_cpu, choice = resolve_device(cfg, {"CPU": 16.0})
     assert not trains_on_gpu(on_cpu) and choice.note is None

@@ -11,6 +11,7 @@ from wildtrain.config.errors import ConfigError, one_of, positive, zero_or_posit
 
 SAVE_POLICIES = ("skip", "queue")
 SAVE_BACKGROUNDS = ("process", "thread")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD")
 
 
 @dataclass
@@ -146,12 +147,20 @@ class ClusterConfig:
     # Custom Ray resources each worker also needs, to keep workers on the nodes that
     # offer them (e.g. {"trainer": 1} on GPU nodes, not on a CPU-only head).
     worker_resources: dict[str, float] = field(default_factory=dict)
+    # How Ray places the worker group's bundles (Ray Train's ScalingConfig.placement_strategy):
+    # PACK (Ray's default) fills a node before the next; STRICT_SPREAD puts each worker on a
+    # node of its own, and a group larger than the nodes cannot start. With elastic.in_process
+    # on nodes of one worker each, STRICT_SPREAD spares the head the GCS's retries of a lost
+    # worker's bundle: where it fits no node left, Ray waits for a node to register instead of
+    # retrying without pause while the group runs smaller (bench/pg_storm.py).
+    placement_strategy: str = "PACK"
     # Peak FLOP/s of one device for MFU; None: looked up by device name (measured on CPU).
     peak_flops_per_device: Optional[float] = None
 
     def validate(self) -> None:
         # A worker that holds nothing would fit any node any number of times.
         positive("cluster.cpus_per_worker", self.cpus_per_worker)
+        one_of("cluster.placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
 
 
 @dataclass

@@ -80,6 +80,7 @@ def scaling_config(cfg: Config) -> ScalingConfig:
         num_workers=(cfg.elastic.min_workers, cfg.elastic.max_workers),
         use_gpu=trains_on_gpu(cfg),
         resources_per_worker=worker_resources(cfg),
+        placement_strategy=cfg.cluster.placement_strategy,
         # Growing is the workers' decision (see PlannedRegrow), not Ray's resize check.
         elastic_resize_monitor_interval_s=365 * 24 * 3600.0,
     )
