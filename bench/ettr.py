@@ -14,10 +14,10 @@ the default of 15,000 for a 20-minute run with three deaths.
 Runs both modes side by side by default, one after the other on fresh services and clusters:
 "restart" (every resize restarts the group) and "in-process" (elastic.in_process: each death
 is rank 1's, since rank 0's falls back to a restart; the survivor re-forms in its process,
-and the group regrows by a restart once the node is back).
+and a worker started on the returned node joins it).
 
 Usage: .venv/bin/python bench/ettr.py [--steps 15000] [--kill-every-min 5] [--return-after-min 1]
-       [--modes restart in-process] [--ray-metrics on off]
+       [--modes restart in-process] [--ray-metrics on off] [--placement PACK STRICT_SPREAD]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from startup import start_up_phases
 from tests.helpers.chaos import BackgroundRun
 from wildtrain import services
 from wildtrain.config import load_config
+from wildtrain.config.system import PLACEMENT_STRATEGIES
 from wildtrain.events import Failure, Recovered, Resize
 from wildtrain.tracking.record import read_events
 from wildtrain.tracking.reports.goodput import BADPUT_CAUSES
@@ -61,7 +62,7 @@ def chaos(run: BackgroundRun, cluster, submitted: float, every_s: float, back_af
     return done
 
 
-def chaos_run(args, in_process: bool, ray_metrics: str) -> dict[str, str]:
+def chaos_run(args, in_process: bool, ray_metrics: str, placement: str) -> dict[str, str]:
     """One run under the chaos schedule, on services and a fake cluster of its own: its
     measures, by name."""
     with (tiny_services("bench-ettr") as (root, dataset, mlflow_url),
@@ -70,7 +71,7 @@ def chaos_run(args, in_process: bool, ray_metrics: str) -> dict[str, str]:
             "experiment=tiny", f"data.datasets=[{{uri: {dataset}}}]", f"run.name=ettr-{int(time.time())}",
             f"run.storage={root / 'runs'}", f"tracking.uri={mlflow_url}", "tracking.experiment=bench-ettr",
             f"train.steps={args.steps}", f"cluster.worker_resources.{WORKER_SLOT}=1",
-            f"elastic.in_process={str(in_process).lower()}",
+            f"elastic.in_process={str(in_process).lower()}", f"cluster.placement_strategy={placement}",
         ])
         say(f"{MODES[in_process]}: training {args.steps} steps; a worker node dies every {args.kill_every_min:g} min "
             f"from now and returns {args.return_after_min:g} min later")
@@ -109,6 +110,13 @@ MODES = {False: "restart", True: "in-process"}
 RAY_METRICS = {"on": {}, "off": services.RAY_METRICS_OFF}  # services.RAY_METRICS_OFF says why
 
 
+def column_name(args, mode: str, metrics: str, placement: str) -> str:
+    """A run's column: its mode, and what else was varied or differs from Ray's defaults."""
+    also = ([f"Ray metrics {metrics}"] if len(args.ray_metrics) > 1 or metrics != "on" else []) + \
+           ([placement] if len(args.placement) > 1 or placement != "PACK" else [])
+    return f"{mode} ({', '.join(also)})" if also else mode
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=15000)
@@ -118,13 +126,15 @@ def main() -> None:
                         help="restart: every resize restarts the group; in-process: elastic.in_process=true")
     parser.add_argument("--ray-metrics", nargs="+", choices=sorted(RAY_METRICS), default=["on"],
                         help="Ray's metrics collection on the fake cluster (on: Ray's default); each mode runs with each")
+    parser.add_argument("--placement", nargs="+", choices=PLACEMENT_STRATEGIES, default=["PACK"],
+                        help="cluster.placement_strategy (PACK: Ray's default); each mode runs with each")
     args = parser.parse_args()
     if not 0 < args.return_after_min < args.kill_every_min:
         raise SystemExit(f"need 0 < --return-after-min ({args.return_after_min:g}) < --kill-every-min "
                          f"({args.kill_every_min:g}): the next death comes after the return")
-    columns = {f"{mode} (Ray metrics {metrics})" if len(args.ray_metrics) > 1 else mode:
-               chaos_run(args, in_process=mode == "in-process", ray_metrics=metrics)
-               for mode in args.modes for metrics in args.ray_metrics}
+    columns = {column_name(args, mode, metrics, placement):
+               chaos_run(args, in_process=mode == "in-process", ray_metrics=metrics, placement=placement)
+               for mode in args.modes for metrics in args.ray_metrics for placement in args.placement}
     names = list(dict.fromkeys(name for measures in columns.values() for name in measures))
     print("\n| measure | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns))
     for name in names:
