@@ -25,15 +25,12 @@ def test_survivors_rebuild_the_zero_state_of_a_dead_peer_from_its_mirror_and_tra
 def gather_drill(out, nodes: str, dead: str) -> list:
     """tests/helpers/mirror_gather.py's drill: what each rank of generation 2 gathered (a
     dict) or why it could not (a str)."""
-    ranks = start_ranks("tests.helpers.mirror_gather", len(nodes.split(",")) + 1, "--nodes", nodes, "--dead", dead,
-                        "--out", out)
-    results = []
+    processes = len(nodes.split(",")) + 1  # the members and the joiner
+    ranks = start_ranks("tests.helpers.mirror_gather", processes, "--nodes", nodes, "--dead", dead, "--out", out)
     for rank, (code, output, errors) in enumerate(ranks.outputs(timeout_s=300)):
         assert code == 0, f"rank {rank}:\n{output[-1000:]}\n{errors[-3000:]}"
-    for rank in range(len(nodes.split(",")) + 1 - len(dead.split(","))):
-        lost = out / f"lost{rank}.txt"
-        results.append(lost.read_text() if lost.exists() else torch.load(out / f"gathered{rank}.pt"))
-    return results
+    lost = [out / f"lost{rank}.txt" for rank in range(processes - len(dead.split(",")))]
+    return [why.read_text() if why.exists() else torch.load(out / f"gathered{rank}.pt") for rank, why in enumerate(lost)]
 
 
 def the_state_of(world: int) -> list[torch.Tensor]:
