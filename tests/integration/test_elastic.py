@@ -139,14 +139,18 @@ def run_events(run: BackgroundRun, mlflow_url: str, tmp_path) -> list:
     return read_events(mlflow_url, run_id, tempfile.mkdtemp(dir=tmp_path)) if run_id else []
 
 
-# The in-process drills' pace, which changes no loss: a joiner must join before the run's end.
-JOIN_PACE = "chaos.min_step_s=2.5"
+# The in-process drills' pace, which changes no loss: a joiner must join before the run's
+# end. Only the steps short of a member are paced: those before the death and after the join
+# keep UNINTERRUPTED's.
+JOIN_PACE = "chaos.short_step_s=2.5"
+# A spare must be started and ready before the death, and the run still going after it.
+SPARE_PACE = "chaos.min_step_s=2.5"
 
 
 def lose_rank_1_and_return_a_node(cluster, run: BackgroundRun, events):
     """Remove rank 1's node of an in-process run past step 3, and add a worker node back once
     the run trains at world size 1: the first generation's `Formed` and the node added. The
-    callers pace their steps (`JOIN_PACE`): the joiner must start and join before the run
+    callers pace the steps at world size 1 (`JOIN_PACE`): the joiner must start and join before the run
     ends, on a loaded 2-core machine (seen: 48 s from its process's start to its request,
     beside the reference run, on a day this machine imported slowly; the node was removed
     at step 19)."""
@@ -225,7 +229,7 @@ def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(worker_n
     third = cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
     cluster.wait_for_nodes()
     run = BackgroundRun(elastic_config(f"spare-{tmp_path.name}", ON_WORKER_NODES, "elastic.in_process=true",
-                                       "elastic.spares=1", JOIN_PACE))
+                                       "elastic.spares=1", SPARE_PACE))
     events = functools.partial(run_events, run, mlflow_url, tmp_path)
     run.wait_until(lambda h: h and h[-1].value == 1, "a spare waiting, ready", 300, key="system/spares")
     first = wait_for(lambda: [e for e in events() if isinstance(e, Formed)], "the first generation's ranks", 60)[0]

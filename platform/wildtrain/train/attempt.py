@@ -157,10 +157,12 @@ class Attempt:
         # A generation that lost members grows back by the workers the controller starts on
         # their placement slots once Ray placed those again (`elastic.survivors`).
         member = self.in_process.member if self.in_process else None
+        short_of_members = member is not None and world_size < member.group_size
+        self.min_step_s = max(cfg.chaos.min_step_s, cfg.chaos.short_step_s if short_of_members else 0.0)
         self.growth = GrowthCheck(world_size < cfg.elastic.max_workers, rank, inputs.worker_resources,
                                   cfg.elastic.resize_check_interval_s, cfg.run.name, spare_cpus(cfg),
                                   joiners=member.joiners_waiting if member else None,
-                                  awaiting_joiners=member is not None and world_size < member.group_size)
+                                  awaiting_joiners=short_of_members)
         # This layout's first mirrors, before its first step: a death during it is recovered from them.
         self.commit()
 
@@ -258,7 +260,7 @@ class Attempt:
             self._fail_once()
         started = time.perf_counter()
         train_step(self.engine, self.plan, rows, self.window, self.slow_forward_s)
-        time.sleep(max(0.0, self.cfg.chaos.min_step_s - (time.perf_counter() - started)))
+        time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - started)))
         state = self.state
         if state.step == self.restored_step:
             # The optimizer's state exists from the first step on: the first save's host
