@@ -193,17 +193,18 @@ def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_sam
     a, b = two_clusters.get("a"), two_clusters.get("b")
     run = f"moving-{os.getpid()}"
     # `uninterrupted`'s training (reported every step, so that windows agree), never moved:
-    # the losses to match. Paced at a second a step (the pace changes no loss), so the move
-    # lands mid-run however fast the machine trains: at `uninterrupted`'s half second a
-    # loaded machine's move (its commit wait, the job's stop) outlasted the run on a.
+    # the losses to match. Paced on a at a second a step (the pace changes no loss), so the
+    # move lands mid-run however fast the machine trains: at `uninterrupted`'s half second a
+    # loaded machine's move (its commit wait, the job's stop) outlasted the run on a. B,
+    # which only has to finish, keeps the half second.
     steps = UNINTERRUPTED_STEPS
-    common = [*UNINTERRUPTED, "chaos.min_step_s=1.0", "elastic.max_workers=1", f"tracking.uri={mlflow_url}",
-              "tracking.experiment=moves"]
+    common = [*UNINTERRUPTED, "elastic.max_workers=1", f"tracking.uri={mlflow_url}", "tracking.experiment=moves"]
     data_on = {name: f"{c.entry.storage.data}/tiny" for name, c in (("a", a), ("b", b))}
     assert data_on["a"] == tiny_dataset
     # B trains on its own copy of the data, as it would on another provider.
     wildtrain("sync", "a:data/tiny", "b:data/tiny", "--registry", str(two_clusters.path))
-    submit(a, ["experiment=tiny", f"data.datasets=[{{uri: {data_on['a']}}}]", f"run.name={run}", *common],
+    submit(a, ["experiment=tiny", f"data.datasets=[{{uri: {data_on['a']}}}]", f"run.name={run}", *common,
+               "chaos.min_step_s=1.0"],
            working_dir=REPO)
     a_cfg = load_config(a.run_overrides() + ["experiment=tiny", f"run.name={run}"])
     wait_for(lambda: newest_step(a_cfg), f"the first checkpoint of {run} on a", 300)
