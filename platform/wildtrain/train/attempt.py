@@ -41,6 +41,7 @@ from wildtrain.model import flops_per_token
 from wildtrain.tracking.worker.mfu import device_peak
 from wildtrain.train import checkpointing, collectives, validation
 from wildtrain.train.divergence import judge_loss
+from wildtrain.train.drills import Drills
 from wildtrain.train.generations import InProcess, Leftovers, PeerCommits, Unreported
 from wildtrain.train.growth import GrowthCheck
 from wildtrain.train.monitor import Monitor
@@ -149,16 +150,13 @@ class Attempt:
         self.batches = DeviceBatches((self.stream.next_step() for _ in range(cfg.train.steps - self.state.step)), device,
                                      tokens=lambda step: objective.rows(step.step, step.sample_ids, step.tokens,
                                                                         step.doc_ids))
-        # Drills (chaos.*), off by default.
-        self.slow_forward_s = cfg.chaos.slow_step_s if self.monitor.slowed_by_chaos else 0.0
-        self.fails_at_step = cfg.chaos.fail_at_step if rank == cfg.chaos.fail_rank else 0
-        if cfg.chaos.fail_joiner and not self.reports_to_ray:  # a joiner: its first step here
-            self.fails_at_step = self.state.step + 1
-        # A generation that lost members grows back by the workers the controller starts on
-        # their placement slots once Ray placed those again (`elastic.survivors`).
         member = self.in_process.member if self.in_process else None
         short_of_members = member is not None and world_size < member.group_size
-        self.min_step_s = max(cfg.chaos.min_step_s, cfg.chaos.short_step_s if short_of_members else 0.0)
+        # Drills (chaos.*), off by default.
+        self.drills = Drills(cfg, rank, self.state.step, joiner=not self.reports_to_ray,
+                             slowed=self.monitor.slowed_by_chaos, short_of_members=short_of_members)
+        # A generation that lost members grows back by the workers the controller starts on
+        # their placement slots once Ray placed those again (`elastic.survivors`).
         self.growth = GrowthCheck(world_size < cfg.elastic.max_workers, rank, inputs.worker_resources,
                                   cfg.elastic.resize_check_interval_s, cfg.run.name, spare_cpus(cfg),
                                   joiners=member.joiners_waiting if member else None,
@@ -256,11 +254,10 @@ class Attempt:
         except ShardCorrupt as e:
             raise RunCannotContinue(f"{e}; to train on without it, resubmit with data.skip_bad_shards=true "
                                     "and data.allow_order_change=true (the rows of later steps change)") from None
-        if self.state.step + 1 == self.fails_at_step:
-            self._fail_once()
+        self.drills.before_step(self.state.step + 1)
         started = time.perf_counter()
-        train_step(self.engine, self.plan, rows, self.window, self.slow_forward_s)
-        time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - started)))
+        train_step(self.engine, self.plan, rows, self.window, self.drills.slow_forward_s)
+        self.drills.pace(started)
         state = self.state
         if state.step == self.restored_step:
             # The optimizer's state exists from the first step on: the first save's host
@@ -284,15 +281,6 @@ class Attempt:
         with self.window.timed("eval"):
             self.validated = self.validator.evaluate(self.engine)
         return True
-
-    def _fail_once(self) -> None:
-        """The chaos.fail_rank (or fail_joiner) drill: this rank raises mid-step, the first time
-        the run gets here."""
-        marker = RunLayout.of(self.cfg).chaos_failed
-        if storage.read_text(marker, self.cfg.storage) is None:
-            storage.write_text(marker, f"rank {self.rank}, step {self.fails_at_step}", self.cfg.storage)
-            drill = "chaos.fail_joiner" if self.cfg.chaos.fail_joiner and not self.reports_to_ray else "chaos.fail_rank"
-            raise RuntimeError(f"chaos drill: rank {self.rank} fails in step {self.fails_at_step} ({drill})")
 
     def save(self, at: At, regrow: bool) -> bool:
         """Save this step's checkpoint; whether the regrow is still on. A regrow whose checkpoint

@@ -1,0 +1,42 @@
+"""The chaos.* drills an attempt runs (off by default): a slow rank, a rank or a joiner that
+fails once per run, and a least time per step for drills that act mid-run."""
+
+from __future__ import annotations
+
+import time
+
+from wildtrain import storage
+from wildtrain.config import Config
+from wildtrain.layout import RunLayout
+
+
+class Drills:
+    """This rank's drills in one attempt. `joiner`: the rank joined an in-process group (its
+    attempts' first steps are where chaos.fail_joiner fails); `slowed`: the monitor found the
+    rank slowed by chaos.slow_*; `short_of_members`: an in-process generation smaller than
+    its group was formed."""
+
+    def __init__(self, cfg: Config, rank: int, restored_step: int, *, joiner: bool, slowed: bool,
+                 short_of_members: bool) -> None:
+        chaos = cfg.chaos
+        self.cfg, self.rank, self.joiner = cfg, rank, joiner and chaos.fail_joiner
+        self.slow_forward_s = chaos.slow_step_s if slowed else 0.0
+        self.fails_at_step = chaos.fail_at_step if rank == chaos.fail_rank else 0
+        if self.joiner:
+            self.fails_at_step = restored_step + 1  # its first step here
+        self.min_step_s = max(chaos.min_step_s, chaos.short_step_s if short_of_members else 0.0)
+
+    def before_step(self, step: int) -> None:
+        """Raise mid-step where this rank's drill fails `step`, the first time the run gets
+        there (a marker in the run's folder): the restarted group passes it."""
+        if step != self.fails_at_step:
+            return
+        marker = RunLayout.of(self.cfg).chaos_failed
+        if storage.read_text(marker, self.cfg.storage) is None:
+            storage.write_text(marker, f"rank {self.rank}, step {step}", self.cfg.storage)
+            drill = "chaos.fail_joiner" if self.joiner else "chaos.fail_rank"
+            raise RuntimeError(f"chaos drill: rank {self.rank} fails in step {step} ({drill})")
+
+    def pace(self, started: float) -> None:
+        """Make the step begun at `started` (perf_counter) last at least the drill's pace."""
+        time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - started)))
