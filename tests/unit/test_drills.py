@@ -10,17 +10,33 @@ from wildtrain.config import load_config
 from wildtrain.train.drills import Drills
 
 
-def drills(tmp_path, *overrides, rank=0, restored_step=0, joiner=False, short_of_members=False) -> Drills:
+def drills(tmp_path, *overrides, rank=0, restored_step=0, joiner=False, short_of_members=False,
+           spares_waiting=None) -> Drills:
     cfg = load_config(["experiment=tiny", f"run.storage={tmp_path}", "run.name=drills", *overrides])
-    return Drills(cfg, rank, restored_step, joiner=joiner, slowed=False, short_of_members=short_of_members)
+    return Drills(cfg, rank, restored_step, joiner=joiner, slowed=False, short_of_members=short_of_members,
+                  spares_waiting=spares_waiting)
+
+
+PACES = ("chaos.min_step_s=0.5", "chaos.short_step_s=2.5")
 
 
 @pytest.mark.parametrize("short, expected", [(False, 0.5), (True, 2.5)])
 def test_a_step_short_of_members_keeps_the_short_pace_and_any_other_the_whole_runs(tmp_path, short, expected):
-    paced = drills(tmp_path, "chaos.min_step_s=0.5", "chaos.short_step_s=2.5", short_of_members=short)
-    assert paced.min_step_s == expected
+    assert drills(tmp_path, *PACES, short_of_members=short).step_s() == expected
     # The longer of the two wins: a short pace below the run's own changes nothing.
-    assert drills(tmp_path, "chaos.min_step_s=0.5", "chaos.short_step_s=0.1", short_of_members=True).min_step_s == 0.5
+    assert drills(tmp_path, "chaos.min_step_s=0.5", "chaos.short_step_s=0.1", short_of_members=True).step_s() == 0.5
+
+
+def test_a_group_short_of_its_spares_keeps_the_short_pace_until_they_are_ready(tmp_path):
+    ready = [0]
+    paced = drills(tmp_path, *PACES, "elastic.in_process=true", "elastic.spares=1", spares_waiting=lambda: ready[0])
+    assert paced.step_s() == 2.5
+    ready[0] = 1
+    assert paced.step_s() == 0.5
+    ready[0] = 0  # the spare took a lost member's place: the next one is awaited
+    assert paced.step_s() == 2.5
+    # Without spares asked for, none is awaited.
+    assert drills(tmp_path, *PACES, "elastic.in_process=true", spares_waiting=lambda: 0).step_s() == 0.5
 
 
 def test_pace_sleeps_only_what_the_step_has_not_taken(tmp_path):

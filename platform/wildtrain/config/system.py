@@ -246,9 +246,9 @@ class ChaosConfig:
     # drills that act mid-run, which a faster machine would otherwise run past.
     min_step_s: float = 0.0
     # While an in-process group (elastic.in_process) trains short of the members it was
-    # formed with, every step takes at least this long: a drill's joiner, however slowly
-    # this machine starts it, then joins before the run ends, and the steps before the
-    # death and after the join keep their own pace.
+    # formed with, or of its spares (elastic.spares), every step takes at least this long:
+    # a drill's joiner or spare, however slowly this machine starts it, is then in before
+    # the run ends, and the steps once it is keep their own pace.
     short_step_s: float = 0.0
     # This rank (-1: none) raises in the middle of step `fail_at_step` while its peers go on
     # into the step's collectives, as a CUDA OOM or a corrupt shard on one rank does; once

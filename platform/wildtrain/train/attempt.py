@@ -154,7 +154,8 @@ class Attempt:
         short_of_members = member is not None and world_size < member.group_size
         # Drills (chaos.*), off by default.
         self.drills = Drills(cfg, rank, self.state.step, joiner=not self.reports_to_ray,
-                             slowed=self.monitor.slowed_by_chaos, short_of_members=short_of_members)
+                             slowed=self.monitor.slowed_by_chaos, short_of_members=short_of_members,
+                             spares_waiting=member.spares_waiting if member else None)
         # A generation that lost members grows back by the workers the controller starts on
         # their placement slots once Ray placed those again (`elastic.survivors`).
         self.growth = GrowthCheck(world_size < cfg.elastic.max_workers, rank, inputs.worker_resources,

@@ -4,6 +4,7 @@ fails once per run, and a least time per step for drills that act mid-run."""
 from __future__ import annotations
 
 import time
+from typing import Callable, Optional
 
 from wildtrain import storage
 from wildtrain.config import Config
@@ -14,17 +15,25 @@ class Drills:
     """This rank's drills in one attempt. `joiner`: the rank joined an in-process group (its
     attempts' first steps are where chaos.fail_joiner fails); `slowed`: the monitor found the
     rank slowed by chaos.slow_*; `short_of_members`: an in-process generation smaller than
-    its group was formed."""
+    its group was formed; `spares_waiting`: an in-process group's count of ready spares."""
 
     def __init__(self, cfg: Config, rank: int, restored_step: int, *, joiner: bool, slowed: bool,
-                 short_of_members: bool) -> None:
+                 short_of_members: bool, spares_waiting: Optional[Callable[[], int]] = None) -> None:
         chaos = cfg.chaos
         self.cfg, self.rank, self.joiner = cfg, rank, joiner and chaos.fail_joiner
         self.slow_forward_s = chaos.slow_step_s if slowed else 0.0
         self.fails_at_step = chaos.fail_at_step if rank == chaos.fail_rank else 0
         if self.joiner:
             self.fails_at_step = restored_step + 1  # its first step here
-        self.min_step_s = max(chaos.min_step_s, chaos.short_step_s if short_of_members else 0.0)
+        self.short_of_members, self.spares_waiting = short_of_members, spares_waiting
+
+    def step_s(self) -> float:
+        """The least time of the next step: chaos.short_step_s while the group trains short of a
+        member or of a spare (elastic.spares), else chaos.min_step_s."""
+        chaos = self.cfg.chaos
+        short = chaos.short_step_s > 0 and (self.short_of_members or (
+            self.spares_waiting is not None and self.spares_waiting() < self.cfg.elastic.spares))
+        return max(chaos.min_step_s, chaos.short_step_s) if short else chaos.min_step_s
 
     def before_step(self, step: int) -> None:
         """Raise mid-step where this rank's drill fails `step`, the first time the run gets
@@ -39,4 +48,4 @@ class Drills:
 
     def pace(self, started: float) -> None:
         """Make the step begun at `started` (perf_counter) last at least the drill's pace."""
-        time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - started)))
+        time.sleep(max(0.0, self.step_s() - (time.perf_counter() - started)))
