@@ -195,8 +195,8 @@ def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_sam
     # `uninterrupted`'s training (reported every step, so that windows agree), never moved:
     # the losses to match. Paced on a at a second a step (the pace changes no loss), so the
     # move lands mid-run however fast the machine trains: at `uninterrupted`'s half second a
-    # loaded machine's move (its commit wait, the job's stop) outlasted the run on a. B,
-    # which only has to finish, keeps the half second.
+    # loaded machine's move (its commit wait, the job's stop) outlasted the run on a. B only
+    # has to finish: unpaced.
     steps = UNINTERRUPTED_STEPS
     common = [*UNINTERRUPTED, "elastic.max_workers=1", f"tracking.uri={mlflow_url}", "tracking.experiment=moves"]
     data_on = {name: f"{c.entry.storage.data}/tiny" for name, c in (("a", a), ("b", b))}
@@ -210,8 +210,8 @@ def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_sam
     wait_for(lambda: newest_step(a_cfg), f"the first checkpoint of {run} on a", 300)
 
     started = time.monotonic()
-    done = move(run, a, b, ["experiment=tiny", f"data.datasets=[{{uri: {data_on['b']}}}]", *common],
-                working_dir=REPO, poll_s=0.2)
+    done = move(run, a, b, ["experiment=tiny", f"data.datasets=[{{uri: {data_on['b']}}}]", *common,
+                            "chaos.min_step_s=0"], working_dir=REPO, poll_s=0.2)
     moved_s = time.monotonic() - started
     client = jobs_api.client(b)
     logs = []
