@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.helpers import mirror_gather
 from tests.helpers.ranks import start_ranks
 from tests.helpers.zero_resize import check_drill, run_drill
+from wildtrain.elastic.peer_state import Mirrors
 
 # fp32: DeepSpeed's ZeRO-1 optimizer; bf16, the engine's precision on GPUs: its BF16_Optimizer.
 @pytest.mark.parametrize("precision", [(), ("--bf16",)], ids=["fp32", "bf16"])
@@ -63,3 +65,29 @@ def test_ring_neighbours_lost_together_take_a_partition_with_its_mirror(tmp_path
     # so old 2's partition and its mirror (on old 3) are both gone, and every rank says so.
     for lost in gather_drill(tmp_path, "a,b,c,d", "2,3"):
         assert "partitions [2] of generation 1's 4 ranks are held nowhere alive" in lost
+
+
+def test_each_step_s_copy_reuses_the_buffer_of_a_snapshot_dropped_and_keeps_its_own_values():
+    """A rank's copies go into the buffers of the snapshots dropped as old (keep_steps=2: three
+    buffers in turn), and no reuse overwrites a snapshot still kept."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        engine = mirror_gather.engine_of(0, 1)
+        mirrors = Mirrors(keep_steps=2)
+        mirrors.use_layout(1, 1)
+        buffers = []
+        for step in range(1, 7):
+            for fp32 in engine.optimizer.single_partition_of_fp32_groups:
+                fp32.fill_(step)  # the optimizer step moved the weights
+            mirrors.exchange(engine, step)
+            mirrors.settle()
+            buffers.append(mirrors.snapshots[(1, 1, 0)][step][0].data_ptr())
+    finally:
+        dist.destroy_process_group()
+    assert buffers[3:] == buffers[:3] and len(set(buffers)) == 3
+    kept = mirrors.snapshots[(1, 1, 0)]
+    assert sorted(kept) == [5, 6]
+    for step, groups in kept.items():
+        for group, values in enumerate(groups):
+            assert (values[0] == step).all()
+            assert torch.equal(values[1:], mirror_gather.partition_values(0, group)[1:]), "AdamW's moments"

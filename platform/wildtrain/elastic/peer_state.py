@@ -4,7 +4,9 @@ ZeRO-1 and 2 shard the fp32 master weights and AdamW's two moments over the data
 ranks, so a rank that dies takes the only copy of its partition with it. `Mirrors` keeps a
 host copy of this rank's partition after every optimizer step and sends one to the next rank
 of a ring that puts it on another node wherever the nodes allow (`membership.mirror_ring`),
-which keeps it (12 bytes a parameter over the world size, each way).
+which keeps it (12 bytes a parameter over the world size, each way). The copies go into
+buffers that the snapshots dropped as old leave: one copy a value, and no fresh memory a step
+(bench/mirror_cost.py).
 
 A rank `settle`s its exchange before its next step's gradient reduction, and no rank passes
 that reduction before every rank entered it: once any rank is past it, every mirror of the
@@ -64,15 +66,34 @@ def partitioned_groups(engine) -> list[PartitionedGroup]:
     return [PartitionedGroup(fp32, flat, group) for fp32, flat, group in zip(fp32s, flats, params, strict=True)]
 
 
-def partition(engine) -> Partition:
-    """A host copy of this rank's partition of each parameter group of a ZeRO-1/2 `engine`.
+def host_copy(engine, into: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[int]]:
+    """A host copy of this rank's partition of a ZeRO-1/2 `engine`'s parameter groups, laid end
+    to end in one [3, n] buffer (fp32 weights, exp_avg, exp_avg_sq), and each group's n. Written
+    into `into` where it has that shape (a buffer reused step after step: one copy a value and
+    no fresh memory to fault in), else into a new buffer, pinned where the state is on a GPU.
     Before AdamW's first step its moments do not exist yet: zeros, what AdamW would make."""
     state = engine.optimizer.optimizer.state
-    groups = []
-    for group in partitioned_groups(engine):
-        moments = [(state.get(group.fp32) or {}).get(name, torch.zeros_like(group.fp32)) for name in MOMENTS]
-        groups.append(torch.stack([group.fp32.detach(), *moments]).to("cpu", copy=True))
-    return groups
+    groups = partitioned_groups(engine)
+    sizes = [group.fp32.numel() for group in groups]
+    first = groups[0].fp32
+    shape = (1 + len(MOMENTS), sum(sizes))
+    if into is None or into.shape != shape or into.dtype != first.dtype:
+        into = torch.empty(shape, dtype=first.dtype, pin_memory=first.is_cuda)
+    for group, part in zip(groups, into.split(sizes, dim=1)):
+        part[0].copy_(group.fp32.detach())
+        moments = state.get(group.fp32) or {}
+        for row, name in enumerate(MOMENTS, start=1):
+            if name in moments:
+                part[row].copy_(moments[name])
+            else:
+                part[row].zero_()
+    return into, sizes
+
+
+def partition(engine) -> Partition:
+    """This rank's partition of each parameter group of a ZeRO-1/2 `engine`, on the host."""
+    copy, sizes = host_copy(engine)
+    return list(copy.split(sizes, dim=1))
 
 
 class Mirrors:
@@ -87,6 +108,10 @@ class Mirrors:
         self.layout: Optional[Layout] = None
         self._ring: tuple[int, ...] = ()
         self.snapshots: dict[tuple[int, int, int], dict[int, Partition]] = {}
+        # The buffer each snapshot's groups are views of, by (layout, old rank, step); those of
+        # snapshots dropped as old are reused for the next steps' copies.
+        self._buffers: dict[tuple[int, int, int, int], torch.Tensor] = {}
+        self._free: list[torch.Tensor] = []
         self._in_flight: list = []
         self._received: Optional[tuple[int, torch.Tensor, list[int]]] = None  # (step, buffer, group sizes)
         self._exchanged_in_layout = False
@@ -98,6 +123,7 @@ class Mirrors:
         if len(nodes) != world:
             raise ValueError(f"a layout of {world} ranks on {len(nodes)} nodes ({nodes}): one node per rank")
         self.layout = (generation, world)
+        self._free = []  # cut for the last layout
         self._ring = mirror_ring(nodes)
         self._exchanged_in_layout = False
 
@@ -112,17 +138,19 @@ class Mirrors:
             # Every rank settled this layout's first exchange before the reduction this rank
             # has since passed: the older layouts are not needed any more.
             self.snapshots = {key: kept for key, kept in self.snapshots.items() if key[:2] == self.layout}
+            self._buffers = {key: buffer for key, buffer in self._buffers.items() if key[:2] == self.layout}
         self._exchanged_in_layout = True
         rank = dist.get_rank(self.group)
-        mine = partition(engine)
-        self._keep(rank, step, mine)
+        sent, sizes = host_copy(engine, self._free.pop() if self._free else None)
+        self._keep(rank, step, sent, sizes)
         if world == 1:
             return
-        sent = torch.cat(mine, dim=1)
-        received = torch.empty_like(sent)  # every rank of a layout holds partitions of the same sizes
+        # Every rank of a layout holds partitions of the same sizes: so do its free buffers.
+        fits = self._free and self._free[-1].shape == sent.shape and self._free[-1].dtype == sent.dtype
+        received = self._free.pop() if fits else torch.empty_like(sent)
         self._in_flight = [dist.isend(sent, group=self.group, group_dst=self._neighbour(rank, 1)),
                            dist.irecv(received, group=self.group, group_src=self._neighbour(rank, -1))]
-        self._received = (step, received, [group.shape[1] for group in mine])
+        self._received = (step, received, sizes)
 
     def settle(self) -> None:
         """Wait until this rank's last exchange is done (raises what the collective raised)."""
@@ -132,7 +160,7 @@ class Mirrors:
         if self._received is not None:
             step, received, sizes = self._received
             self._received = None
-            self._keep(self._neighbour(dist.get_rank(self.group), -1), step, list(received.split(sizes, dim=1)))
+            self._keep(self._neighbour(dist.get_rank(self.group), -1), step, received, sizes)
 
     def _neighbour(self, rank: int, offset: int) -> int:
         """The rank `offset` places after `rank` on the layout's ring (-1: its predecessor)."""
@@ -145,9 +173,10 @@ class Mirrors:
     def forget_after(self, step: int) -> None:
         """Drop the snapshots of steps after `step` (this rank's last committed one): a step
         that some rank did not commit is not continued from, so none is logged twice."""
-        for kept in self.snapshots.values():
+        for key, kept in self.snapshots.items():
             for later in [s for s in kept if s > step]:
                 del kept[later]
+                self._buffers.pop((*key, later), None)
 
     def held(self) -> dict[tuple[int, int, int], set[int]]:
         """(layout generation, layout world, old rank) -> the steps held of that partition."""
@@ -190,11 +219,17 @@ class Mirrors:
                 cuts[key[:2]] = ([group.shape[1] for group in groups], groups[0].dtype)
         return cuts
 
-    def _keep(self, old_rank: int, step: int, state: Partition) -> None:
-        kept = self.snapshots.setdefault((*self.layout, old_rank), {})
-        kept[step] = state
+    def _keep(self, old_rank: int, step: int, buffer: torch.Tensor, sizes: list[int]) -> None:
+        key = (*self.layout, old_rank)
+        kept = self.snapshots.setdefault(key, {})
+        kept[step] = list(buffer.split(sizes, dim=1))
+        self._buffers[(*key, step)] = buffer
         for old in sorted(kept)[:-self.keep_steps]:
             del kept[old]
+            # Settled long ago (an exchange settles the last one first): nothing reads or sends it.
+            dropped = self._buffers.pop((*key, old), None)
+            if dropped is not None:
+                self._free.append(dropped)
 
 
 def load_state(engine, full: list[torch.Tensor], step: int, samples_per_step: int) -> None:

@@ -1,0 +1,106 @@
+"""What elastic.in_process costs a step when nothing fails: each step's commit
+(`generations.PeerCommits.commit`: the rank's ZeRO partition copied to host memory and sent
+to its ring successor, `elastic.peer_state.Mirrors`, then the all-reduce of the step's loss
+that no rank leaves before every mirror is in place) against the same steps without it, as
+the restart path trains. Side by side in one run: two gloo ranks, each a real DeepSpeed
+ZeRO-1 engine (wildtrain's `build_engine`), blocks of steps with and without the commit in
+turn; every step timed on both ranks from a barrier, the slower rank's time kept.
+
+Usage: PYTHONPATH=platform:bench .venv/bin/python bench/mirror_cost.py [--shapes 128x2 512x8] [--steps 6] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from wildtrain.batching import BatchPlan
+from wildtrain.config import load_config
+from wildtrain.elastic.peer_state import Mirrors
+from wildtrain.engine import build_engine, clone_world_group, import_deepspeed
+from wildtrain.model.transformer import Transformer
+
+WORLD, SEQ_LEN = 2, 128
+VARIANTS = ("restart path: no commit", "in-process: mirrored commit")
+
+
+def engine_of(dim: int, layers: int):
+    cfg = load_config(["experiment=tiny", f"model.dim={dim}", f"model.n_layers={layers}", f"model.max_seq_len={SEQ_LEN}",
+                       f"data.seq_len={SEQ_LEN}", "deepspeed.zero_stage=1"])
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = build_engine(cfg, BatchPlan(WORLD, 1, 1), model, torch.device("cpu"))
+    return engine, cfg.model.vocab_size, sum(p.numel() for p in model.parameters())
+
+
+def rank_main(rank: int, store_path: str, args, results) -> None:
+    torch.set_num_threads(1)  # two ranks on two cores
+    os.environ.update(LOCAL_RANK="0", RANK=str(rank), WORLD_SIZE=str(WORLD))  # DeepSpeed asserts them
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=600))
+    deepspeed = import_deepspeed()
+    clone_world_group(deepspeed, timedelta(seconds=600))
+    for shape in args.shapes:
+        dim, layers = (int(v) for v in shape.split("x"))
+        engine, vocab, params = engine_of(dim, layers)
+        mirrors = Mirrors()
+        mirrors.use_layout(1, WORLD)
+        step = 0
+        for round_ in range(args.rounds + 1):  # the first round warms up, not counted
+            for variant in VARIANTS:
+                for _ in range(args.steps):
+                    generator = torch.Generator().manual_seed(step * WORLD + rank)
+                    tokens = torch.randint(vocab, (1, SEQ_LEN + 1), generator=generator)
+                    dist.barrier()
+                    started = time.perf_counter()
+                    loss = engine(tokens[:, :-1], targets=tokens[:, 1:])
+                    engine.backward(loss)
+                    engine.step()
+                    step += 1
+                    if variant == VARIANTS[1]:
+                        mirrors.exchange(engine, step)
+                        mirrors.settle()
+                        dist.all_reduce(loss.detach().reshape(1))
+                    took = torch.tensor([time.perf_counter() - started])
+                    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                    if rank == 0 and round_:
+                        results.append((shape, params, variant, took.item()))
+        del engine
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["128x2", "512x8"], help="model dim x layers")
+    parser.add_argument("--steps", type=int, default=6, help="steps per block")
+    parser.add_argument("--rounds", type=int, default=3, help="blocks of each variant counted, in turn")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+        results = manager.list()
+        mp.spawn(rank_main, args=(os.path.join(tmp, "store"), args, results), nprocs=WORLD)
+        rows = list(results)
+    print(f"\n| model (dim x layers) | parameters | mirrored a step, per rank | {VARIANTS[0]} | {VARIANTS[1]} | ratio |")
+    print("|---|---|---|---|---|---|")
+    for shape in args.shapes:
+        params = next(p for s, p, _, _ in rows if s == shape)
+        medians = [statistics.median(t for s, _, v, t in rows if s == shape and v == variant) for variant in VARIANTS]
+        print(f"| {shape} | {params / 1e6:.2f} M | {12 * params / WORLD / 2**20:,.1f} MiB | {medians[0]:.3f} s | "
+              f"{medians[1]:.3f} s | {medians[1] / medians[0]:.2f}x |")
+    print(f"\nmedian step time (the slower rank's, from a barrier), {WORLD} gloo ranks of one thread each, ZeRO-1, "
+          f"sequences of {SEQ_LEN} tokens, one per rank; {args.rounds} blocks of {args.steps} steps per variant in "
+          "turn, after a round of each not counted")
+
+
+if __name__ == "__main__":
+    main()
