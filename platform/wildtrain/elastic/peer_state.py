@@ -70,7 +70,8 @@ def host_copy(engine, into: Optional[torch.Tensor] = None) -> tuple[torch.Tensor
     """A host copy of this rank's partition of a ZeRO-1/2 `engine`'s parameter groups, laid end
     to end in one [3, n] buffer (fp32 weights, exp_avg, exp_avg_sq), and each group's n. Written
     into `into` where it has that shape (a buffer reused step after step: one copy a value and
-    no fresh memory to fault in), else into a new buffer, pinned where the state is on a GPU.
+    no fresh memory to fault in), else into a new buffer (pageable, as before: pinning 3-5
+    partitions a rank on a GPU host is untried).
     Before AdamW's first step its moments do not exist yet: zeros, what AdamW would make."""
     state = engine.optimizer.optimizer.state
     groups = partitioned_groups(engine)
@@ -78,7 +79,7 @@ def host_copy(engine, into: Optional[torch.Tensor] = None) -> tuple[torch.Tensor
     first = groups[0].fp32
     shape = (1 + len(MOMENTS), sum(sizes))
     if into is None or into.shape != shape or into.dtype != first.dtype:
-        into = torch.empty(shape, dtype=first.dtype, pin_memory=first.is_cuda)
+        into = torch.empty(shape, dtype=first.dtype)
     for group, part in zip(groups, into.split(sizes, dim=1)):
         part[0].copy_(group.fp32.detach())
         moments = state.get(group.fp32) or {}

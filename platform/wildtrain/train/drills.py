@@ -20,10 +20,11 @@ class Drills:
     def __init__(self, cfg: Config, rank: int, restored_step: int, *, joiner: bool, slowed: bool,
                  short_of_members: bool, spares_waiting: Optional[Callable[[], int]] = None) -> None:
         chaos = cfg.chaos
-        self.cfg, self.rank, self.joiner = cfg, rank, joiner and chaos.fail_joiner
+        self.cfg, self.rank = cfg, rank
+        self.fails_as_joiner = joiner and chaos.fail_joiner
         self.slow_forward_s = chaos.slow_step_s if slowed else 0.0
         self.fails_at_step = chaos.fail_at_step if rank == chaos.fail_rank else 0
-        if self.joiner:
+        if self.fails_as_joiner:
             self.fails_at_step = restored_step + 1  # its first step here
         self.short_of_members, self.spares_waiting = short_of_members, spares_waiting
 
@@ -43,7 +44,7 @@ class Drills:
         marker = RunLayout.of(self.cfg).chaos_failed
         if storage.read_text(marker, self.cfg.storage) is None:
             storage.write_text(marker, f"rank {self.rank}, step {step}", self.cfg.storage)
-            drill = "chaos.fail_joiner" if self.joiner else "chaos.fail_rank"
+            drill = "chaos.fail_joiner" if self.fails_as_joiner else "chaos.fail_rank"
             raise RuntimeError(f"chaos drill: rank {self.rank} fails in step {step} ({drill})")
 
     def pace(self, started: float) -> None:
