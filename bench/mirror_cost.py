@@ -1,12 +1,20 @@
 """What elastic.in_process costs a step when nothing fails: each step's commit
 (`generations.PeerCommits.commit`: the rank's ZeRO partition copied to host memory and sent
-to its ring successor, `elastic.peer_state.Mirrors`, then the all-reduce of the step's loss
-that no rank leaves before every mirror is in place) against the same steps without it, as
-the restart path trains. Side by side in one run: two gloo ranks, each a real DeepSpeed
-ZeRO-1 engine (wildtrain's `build_engine`), blocks of steps with and without the commit in
-turn; every step timed on both ranks from a barrier, the slower rank's time kept.
+to its ring successor, `elastic.peer_state.Mirrors`, then the all-reduce of the step's loss)
+against the same steps without it, as the restart path trains. The commit as it was, waiting
+for the step's own exchange before that all-reduce, and as it is, waiting only for the
+step before's (the exchange goes on beside the next step). Side by side in one run: two
+gloo ranks, each a real DeepSpeed ZeRO-1 engine (wildtrain's `build_engine`), blocks of
+steps of each variant in turn; every step timed on both ranks from a barrier, the slower
+rank's time kept.
+
+On this CPU the exchange's transfer competes with the step for the same two cores, so it
+costs the step about as much beside it as after it; `--idle-step-s S` sleeps S seconds in
+place of each training step, the host idle as beside a GPU's step, to see what the overlap
+saves there.
 
 Usage: PYTHONPATH=platform:bench .venv/bin/python bench/mirror_cost.py [--shapes 128x2 512x8] [--steps 6] [--rounds 3]
+       [--idle-step-s S]
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ from wildtrain.engine import build_engine, clone_world_group, import_deepspeed
 from wildtrain.model.transformer import Transformer
 
 WORLD, SEQ_LEN = 2, 128
-VARIANTS = ("restart path: no commit", "in-process: mirrored commit")
+VARIANTS = ("restart path: no commit", "in-process: commit waits for its step's mirrors",
+            "in-process: commit waits for the step before's")
 
 
 def engine_of(dim: int, layers: int):
@@ -54,23 +63,31 @@ def rank_main(rank: int, store_path: str, args, results) -> None:
     for shape in args.shapes:
         dim, layers = (int(v) for v in shape.split("x"))
         engine, vocab, params = engine_of(dim, layers)
-        mirrors = Mirrors()
+        # A group of their own, as in-process members form one: the step's collectives never
+        # queue behind an exchange's bytes on a connection.
+        mirrors = Mirrors(keep_steps=3, group=dist.new_group(backend="gloo"))
         mirrors.use_layout(1, WORLD)
         step = 0
         for round_ in range(args.rounds + 1):  # the first round warms up, not counted
             for variant in VARIANTS:
+                mirrors.settle()  # a block starts with no exchange on its way
                 for _ in range(args.steps):
                     generator = torch.Generator().manual_seed(step * WORLD + rank)
                     tokens = torch.randint(vocab, (1, SEQ_LEN + 1), generator=generator)
                     dist.barrier()
                     started = time.perf_counter()
-                    loss = engine(tokens[:, :-1], targets=tokens[:, 1:])
-                    engine.backward(loss)
-                    engine.step()
+                    if args.idle_step_s:
+                        time.sleep(args.idle_step_s)  # the host idle through the step, as beside a GPU's
+                        loss = torch.zeros(())
+                    else:
+                        loss = engine(tokens[:, :-1], targets=tokens[:, 1:])
+                        engine.backward(loss)
+                        engine.step()
                     step += 1
-                    if variant == VARIANTS[1]:
-                        mirrors.exchange(engine, step)
-                        mirrors.settle()
+                    if variant != VARIANTS[0]:
+                        mirrors.exchange(engine, step)  # waits for the last exchange first
+                        if variant == VARIANTS[1]:
+                            mirrors.settle()
                         dist.all_reduce(loss.detach().reshape(1))
                     took = torch.tensor([time.perf_counter() - started])
                     dist.all_reduce(took, op=dist.ReduceOp.MAX)
@@ -85,21 +102,25 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["128x2", "512x8"], help="model dim x layers")
     parser.add_argument("--steps", type=int, default=6, help="steps per block")
     parser.add_argument("--rounds", type=int, default=3, help="blocks of each variant counted, in turn")
+    parser.add_argument("--idle-step-s", type=float, default=0.0,
+                        help="instead of training, sleep this long a step: the host idle, as it is while a GPU "
+                             "trains (the state copied and sent is still the engine's)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.list()
         mp.spawn(rank_main, args=(os.path.join(tmp, "store"), args, results), nprocs=WORLD)
         rows = list(results)
-    print(f"\n| model (dim x layers) | parameters | mirrored a step, per rank | {VARIANTS[0]} | {VARIANTS[1]} | ratio |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n| model (dim x layers) | parameters | mirrored a step, per rank | {' | '.join(VARIANTS)} |")
+    print("|---|---|---|" + "---|" * len(VARIANTS))
     for shape in args.shapes:
         params = next(p for s, p, _, _ in rows if s == shape)
         medians = [statistics.median(t for s, _, v, t in rows if s == shape and v == variant) for variant in VARIANTS]
-        print(f"| {shape} | {params / 1e6:.2f} M | {12 * params / WORLD / 2**20:,.1f} MiB | {medians[0]:.3f} s | "
-              f"{medians[1]:.3f} s | {medians[1] / medians[0]:.2f}x |")
+        cells = [f"{medians[0]:.3f} s"] + [f"{m:.3f} s ({m / medians[0]:.2f}x)" for m in medians[1:]]
+        print(f"| {shape} | {params / 1e6:.2f} M | {12 * params / WORLD / 2**20:,.1f} MiB | {' | '.join(cells)} |")
+    trains = (f"each step a {args.idle_step_s:g} s sleep (the host idle)" if args.idle_step_s
+              else f"sequences of {SEQ_LEN} tokens, one per rank")
     print(f"\nmedian step time (the slower rank's, from a barrier), {WORLD} gloo ranks of one thread each, ZeRO-1, "
-          f"sequences of {SEQ_LEN} tokens, one per rank; {args.rounds} blocks of {args.steps} steps per variant in "
-          "turn, after a round of each not counted")
+          f"{trains}; {args.rounds} blocks of {args.steps} steps per variant in turn, after a round of each not counted")
 
 
 if __name__ == "__main__":

@@ -123,8 +123,10 @@ class Member:
             self.ask()
         self.membership = Membership(0, ())
         self.connections = GroupConnections()
-        # This rank's partitions and its ring predecessor's, kept across generations.
-        self.mirrors = Mirrors(keep_steps=2)
+        # This rank's partitions and its ring predecessor's, kept across generations: of the step
+        # being mirrored, of the step just done and of the committed one, since a death during
+        # an exchange may leave only the committed step whole (`generations.PeerCommits`).
+        self.mirrors = Mirrors(keep_steps=3)
         # The current generation's loss watch (`_watch_for_loss`), and what it shares with
         # the training thread: whether it freed the groups' waits, and the lock under which
         # either frees or releases them.
@@ -165,7 +167,7 @@ class Member:
 
     def form(self) -> Generation:
         """Wait for the next generation that includes this member and form its process groups:
-        the default group (with DeepSpeed's clone of it) and the control group. Raises
+        the default group (with DeepSpeed's clone of it), the control group and the mirrors'. Raises
         `Superseded` where a member of it is gone before everyone arrived, or while the groups
         form (`_given_up_if_superseded`)."""
         m = self._next_generation()
@@ -184,8 +186,10 @@ class Member:
                                     rank=rank, world_size=world, timeout=timeout)
             clone_world_group(import_deepspeed(), timeout)
             collectives.open_control_group(self.control_timeout_s)
+            # The mirrors' exchange goes on beside the next step (`generations.PeerCommits`): on
+            # connections of its own, so that no collective of the step queues behind its bytes.
+            self.mirrors.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.control_timeout_s))
         self.membership = m
-        self.mirrors.group = collectives.control_group()
         self._watch_for_loss(m)
         return Generation(m.generation, m.members, rank, seen_at, time.time())
 
@@ -323,6 +327,7 @@ class Member:
             self._watching.clear()
             if dist.is_initialized() and not self._freed and must_abandon(self.membership, m):
                 self._free_waits(self.connections)
+        self.mirrors.group = None  # the last generation's: nothing may keep it, and its connections, alive
         if dist.is_initialized():
             destroy_process_groups(import_deepspeed())
             gc.collect()

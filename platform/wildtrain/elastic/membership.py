@@ -171,7 +171,8 @@ def plan_repartition(held: Sequence[Optional[Mapping[tuple[int, int, int], Colle
     The newest layout that some step covers whole wins, at the highest such step; each
     partition comes from the lowest new rank holding it. A step is committed (logged) only
     once every mirror of it is in place, so the step chosen is never below a committed one:
-    a rank at most loses the step it was in when a peer died, which it had not logged."""
+    a rank at most loses the step it was in when a peer died and, where that step's mirrors
+    were still on their way, the step before it (`generations.PeerCommits`); it logged neither."""
     found: dict[Layout, dict[int, dict[int, int]]] = {}  # layout -> step -> old rank -> lowest new rank
     for new_rank, partitions in enumerate(held):
         for (generation, world, old_rank), steps in (partitions or {}).items():

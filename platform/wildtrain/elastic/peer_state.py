@@ -8,11 +8,11 @@ which keeps it (12 bytes a parameter over the world size, each way). The copies 
 buffers that the snapshots dropped as old leave: one copy a value, and no fresh memory a step
 (bench/mirror_cost.py).
 
-A rank `settle`s its exchange before its next step's gradient reduction, and no rank passes
-that reduction before every rank entered it: once any rank is past it, every mirror of the
-step before is in place. So a death costs at most the step in flight, never one a rank went
-past. The last `keep_steps` snapshots of each partition are kept, and those of the layout a
-resize left until the new layout's first step is mirrored everywhere.
+A step's exchange goes on beside the next step, over a gloo group of its own (no collective
+of the step waits behind its bytes), and the next exchange waits for it first
+(`generations.PeerCommits` says when a step is committed). The last `keep_steps` snapshots
+of each partition are kept, and those of the layout a resize left until the new layout's
+first exchange is settled everywhere.
 
 After a resize the ranks of the new group say which snapshots they hold,
 `membership.plan_repartition` picks the newest step held whole, the holders share those
@@ -27,6 +27,7 @@ and 12 bytes a parameter per rank at each resize (not each step).
 from __future__ import annotations
 
 import warnings
+from datetime import timedelta
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -35,6 +36,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from wildtrain.elastic.membership import Layout, Repartition, mirror_ring, plan_repartition
+
+# How long a failed rank waits, at most, for a mirror in flight to turn out received.
+_CAME_WITHIN_S = 0.1
 
 Partition = list[torch.Tensor]  # per parameter group, [3, n]: fp32 weights, exp_avg, exp_avg_sq
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -155,9 +159,9 @@ class Mirrors:
 
     def settle(self) -> None:
         """Wait until this rank's last exchange is done (raises what the collective raised)."""
-        in_flight, self._in_flight = self._in_flight, []
-        for work in in_flight:
-            work.wait()
+        for work in self._in_flight:
+            work.wait()  # what raises here stays in flight, for `drop_in_flight`
+        self._in_flight = []
         if self._received is not None:
             step, received, sizes = self._received
             self._received = None
@@ -168,8 +172,20 @@ class Mirrors:
         return self._ring[(self._ring.index(rank) + offset) % len(self._ring)]
 
     def drop_in_flight(self) -> None:
-        """Forget an exchange a failed collective broke: what it was to receive never came."""
+        """Forget the exchange in flight when a collective failed, keeping what it received in
+        full: a predecessor's mirror that came before the failure (the exchange goes on beside
+        the next step) is as good as one settled, and may be the only copy of its partition."""
+        in_flight, received = self._in_flight, self._received
         self._in_flight, self._received = [], None
+        if received is None or not in_flight:
+            return
+        try:
+            # gloo counts a receive done only once waited for: one whose bytes came returns at once.
+            in_flight[-1].wait(timedelta(seconds=_CAME_WITHIN_S))
+        except (RuntimeError, dist.DistError):
+            return
+        step, buffer, sizes = received
+        self._keep(self._neighbour(dist.get_rank(self.group), -1), step, buffer, sizes)
 
     def forget_after(self, step: int) -> None:
         """Drop the snapshots of steps after `step` (this rank's last committed one): a step

@@ -133,7 +133,8 @@ class Attempt:
         self.diverged = False
         self.windows: list[Window] = []  # closed at log steps, not yet reported
         # Resolved and not yet reported: the windows an attempt dropped by a re-form left.
-        self.resolved: list[dict] = list(left.windows) if left else []
+        # A window of a step that was not committed everywhere goes again with that step.
+        self.resolved: list[dict] = [w for w in left.windows if w["step"] <= self.restored_step] if left else []
         self.carried_events: list[Event] = list(left.events) if left else []
         self.carried_commits: list[str] = list(left.committed) if left else []
         self.validator = Validator(cfg, inputs.data, rank, world_size, device) if inputs.data.validation else None
@@ -163,7 +164,7 @@ class Attempt:
                                   joiners=member.joiners_waiting if member else None,
                                   awaiting_joiners=short_of_members)
         # This layout's first mirrors, before its first step: a death during it is recovered from them.
-        self.commit()
+        self.commit(flush=True)
 
     def _saver(self, handed: Union[AsyncSaver, SaveProcess, None], stores, background: str, device: torch.device,
                token: str) -> AsyncSaver:
@@ -195,10 +196,11 @@ class Attempt:
         stream.start()
         return stream
 
-    def commit(self) -> None:
-        """In-process (elastic.in_process), commit the step just done (`PeerCommits`)."""
+    def commit(self, flush: bool) -> None:
+        """In-process (elastic.in_process), start mirroring the step just done and commit the
+        one before it; with `flush`, this one too (`PeerCommits`)."""
         if self.commits is not None:
-            self.commits.commit(self.engine, self.state, self.window)
+            self.commits.commit(self.engine, self.state, self.window, flush)
 
     def re_formed_at_the_end(self) -> bool:
         """Whether this attempt was re-formed in-process after the run's last step committed
@@ -239,13 +241,16 @@ class Attempt:
                         list(self.monitor.nodes))
         return self.commits.leftovers(resize, self._take_unreported(), self.known_good, saving=self.saver)
 
-    def _take_unreported(self) -> Unreported:
-        """What the reports have not carried yet, taken: for this report or the next generation."""
+    def _take_unreported(self, through: Optional[int] = None) -> Unreported:
+        """What the reports have not carried yet, taken: for this report or the next generation.
+        The windows closed after step `through` stay for a later report."""
+        windows = [w for w in self.windows if through is None or w.metrics["step"] <= through]
         saves = checkpointing.saves_report(self.saver.drain())
-        unreported = Unreported(self.resolved + self.window.resolve(self.windows),
+        unreported = Unreported(self.resolved + self.window.resolve(windows),
                                 self.carried_events + self.monitor.take_events() + saves.events,
                                 self.carried_commits + list(saves.committed), saves.metrics)
-        self.windows, self.resolved, self.carried_events, self.carried_commits = [], [], [], []
+        self.windows = self.windows[len(windows):]
+        self.resolved, self.carried_events, self.carried_commits = [], [], []
         return unreported
 
     def step(self) -> At:
@@ -375,7 +380,12 @@ class Attempt:
             if (not must_commit and not self.diverged
                     and (not looking or not collectives.all_ranks(self.reports_collected()))):
                 return
-            unreported = self._take_unreported()
+            # In-process, a report carries the steps committed (`PeerCommits`): one that did not
+            # commit everywhere may be trained again. A divergence ends the run with this one.
+            if self.commits is not None and self.diverged:
+                self.commits.flush()
+            reported = self.commits.states[self.commits.committed] if self.commits is not None else state
+            unreported = self._take_unreported(reported.step)
             windows, events = unreported.windows, unreported.events
             if windows:
                 self.monitor.export(windows[-1])
@@ -383,7 +393,7 @@ class Attempt:
                 events = self.restored.events + events
             if self.reports_to_ray:  # a joiner's windows are rank 0's too; its events are not sent
                 ray.train.report(WorkerReport(
-                    step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size, windows=tuple(windows),
+                    step=reported.step, tokens_seen=reported.tokens_seen, world_size=self.world_size, windows=tuple(windows),
                     events=tuple(events), checkpoint=unreported.checkpoint_metrics,
                     committed_checkpoints=tuple(unreported.committed), startup=self.startup,
                 ).to_dict())
@@ -391,4 +401,4 @@ class Attempt:
             self.reports.sent(state.step, self._steps_per_poll(windows))
         # Every rank's previous report had been collected (or this one waited for its turn);
         # this one's save commits once the controller polls (`reports_collected`).
-        self.saver.reported(state.step)
+        self.saver.reported(reported.step)

@@ -13,6 +13,7 @@ from wildtrain.checkpoint.async_save import AsyncSaver
 from wildtrain.checkpoint.save_process import SaveProcess
 from wildtrain.elastic.in_process import Generation, Member
 from wildtrain.events import Event, Failure, Interrupted, Recovered
+from wildtrain.train import collectives
 from wildtrain.train.state import TrainState
 from wildtrain.train.step import StepMetrics
 
@@ -81,26 +82,47 @@ class InProcess:
 
 
 class PeerCommits:
-    """The steps an in-process attempt committed: a step commits once its validation and save
-    are done and this rank's ZeRO partition is mirrored on its ring successor (elastic.peer_state);
-    from then on the step and its loss survive any one rank's death. What a death drops with
-    an uncommitted step (its window, its validation, its save) is done again with it."""
+    """The steps an in-process attempt committed. A step's ZeRO partitions are mirrored on the
+    ring successors (elastic.peer_state) while the next step trains: its commit starts sending
+    this rank's partition, and the next step's commit waits for that exchange and then settles
+    its window's loss over the ranks, a collective no rank enters before its exchange is done.
+    Once it returns, every mirror of the step before is in place, and that step and its loss
+    survive any one rank's death (`committed`). A death costs at most the step in flight and
+    the one whose mirrors were still on their way: what it drops with them (their windows,
+    validation, save) is done again with them, and the windows closed since the last
+    committed step wait in `Attempt.report` until their step commits. A step that saves (its
+    report lets its save commit), ends the run or takes joiners in commits at once
+    (`commit(flush=True)`), and a divergence's report commits the last step (`flush`)."""
 
     def __init__(self, in_process: InProcess, state: TrainState, nodes: list[str]) -> None:
         self.mirrors = in_process.member.mirrors
         self.mirrors.use_layout(in_process.generation.number, in_process.generation.world_size, nodes)
         self.restored_step = state.step
         self.states = {state.step: dataclasses.replace(state)}
+        self.committed = state.step  # every mirror of it is in place on every rank
+        self._pending: Optional[int] = None  # the step whose exchange is on its way, if any
 
-    def commit(self, engine, state: TrainState, window: StepMetrics) -> None:
-        """Commit the step just done: mirror the partition and settle the open window's loss over
-        the ranks, a collective no rank leaves before every mirror is in place."""
-        self.mirrors.exchange(engine, state.step)
-        self.mirrors.settle()
+    def commit(self, engine, state: TrainState, window: StepMetrics, flush: bool = False) -> None:
+        """Start mirroring the step just done, and commit the one before it (with `flush`, this
+        one too): the collective that settles the open window's loss goes only once this
+        rank's exchange before it is done."""
+        self.mirrors.exchange(engine, state.step)  # waits for the last step's exchange first
+        if flush:
+            self.mirrors.settle()
         window.settle()
+        self.committed = state.step if flush else (self._pending if self._pending is not None else self.committed)
+        self._pending = None if flush else state.step
         self.states[state.step] = dataclasses.replace(state)
         for old in sorted(self.states)[:-self.mirrors.keep_steps]:
             del self.states[old]
+
+    def flush(self) -> None:
+        """Commit the last step now (a collective: every rank flushes at the same step)."""
+        if self._pending is None:
+            return
+        self.mirrors.settle()
+        collectives.all_ranks(True)  # no rank leaves before every rank's exchange is done
+        self.committed, self._pending = self._pending, None
 
     def failure(self, error: BaseException, failed_at: float, state: TrainState, world_size: int, nodes: list[str],
                 left: Optional[Leftovers]) -> Interrupted:

@@ -12,9 +12,10 @@ peers leave the collective they wait in instead of waiting out its timeout.
 With elastic.in_process a member's death does not end the worker group: the survivors drop
 their attempt, form the next generation of their membership at the smaller size
 (`elastic.in_process`) and build the next attempt from the state their peers mirrored,
-in the same processes (`train_in_process`). Each step commits once its validation and save
-are done and every rank's ZeRO partition is mirrored on its ring successor: no committed
-step is redone, and a step a death cut short is done again whole. A worker the controller
+in the same processes (`train_in_process`). Each step's ZeRO partitions are mirrored on the
+ring successors while the next step trains, and a step commits once every mirror of it is in
+place (with the next step's commit, or at once where it saves): no committed step is redone,
+and a step a death cut short is done again whole. A worker the controller
 starts on a lost member's placement slot joins the members (`join_in_process`): they hand
 their state over at their next log step to the generation that includes it.
 """
@@ -97,7 +98,9 @@ def train(attempt: Attempt) -> None:
             saving = checkpointing.due(at, cfg.checkpoint, regrow)
             if saving:
                 regrow = attempt.save(at, regrow)
-            attempt.commit()
+            # A step saved (whose report lets its save commit) or joined at commits now; every
+            # other step with the next one.
+            attempt.commit(flush=saving or growth is Growth.JOIN)
             if attempt.reports.due(logs, saving):
                 attempt.report(at, logs, saving, checkpointing.must_commit(at, regrow))
             if attempt.diverged:
