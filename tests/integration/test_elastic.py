@@ -236,8 +236,10 @@ def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(worker_n
     cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == first.nodes[1]), allow_graceful=False)
     run.wait_until(lambda h: h and h[-1].value == 0, "the spare taken in", 300, key="system/spares")
     returned = cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
-    summary = run.join(600)
-    cluster.remove_node(returned)  # the module's other tests find two worker nodes
+    try:
+        summary = run.join(600)
+    finally:
+        cluster.remove_node(returned)  # the module's other tests find two worker nodes, even where this one failed
     reference_run = uninterrupted.join(600)
 
     cfg = run.cfg
