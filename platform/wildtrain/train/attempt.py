@@ -380,12 +380,13 @@ class Attempt:
             if (not must_commit and not self.diverged
                     and (not looking or not collectives.all_ranks(self.reports_collected()))):
                 return
-            # In-process, a report carries the steps committed (`PeerCommits`): one that did not
-            # commit everywhere may be trained again. A divergence ends the run with this one.
+            # In-process, a report carries the windows of committed steps (`PeerCommits`): a step
+            # that did not commit everywhere may be trained again. A divergence ends the run
+            # with this report.
             if self.commits is not None and self.diverged:
                 self.commits.flush()
-            reported = self.commits.states[self.commits.committed] if self.commits is not None else state
-            unreported = self._take_unreported(reported.step)
+            committed = self.commits.committed if self.commits is not None else state.step
+            unreported = self._take_unreported(committed)
             windows, events = unreported.windows, unreported.events
             if windows:
                 self.monitor.export(windows[-1])
@@ -393,7 +394,7 @@ class Attempt:
                 events = self.restored.events + events
             if self.reports_to_ray:  # a joiner's windows are rank 0's too; its events are not sent
                 ray.train.report(WorkerReport(
-                    step=reported.step, tokens_seen=reported.tokens_seen, world_size=self.world_size, windows=tuple(windows),
+                    step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size, windows=tuple(windows),
                     events=tuple(events), checkpoint=unreported.checkpoint_metrics,
                     committed_checkpoints=tuple(unreported.committed), startup=self.startup,
                 ).to_dict())
@@ -401,4 +402,4 @@ class Attempt:
             self.reports.sent(state.step, self._steps_per_poll(windows))
         # Every rank's previous report had been collected (or this one waited for its turn);
         # this one's save commits once the controller polls (`reports_collected`).
-        self.saver.reported(reported.step)
+        self.saver.reported(committed)
