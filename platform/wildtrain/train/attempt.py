@@ -132,8 +132,8 @@ class Attempt:
         self.samples = SampleRecorder(cfg, rank) if cfg.data.record_samples else None
         self.diverged = False
         self.windows: list[Window] = []  # closed at log steps, not yet reported
-        # Resolved and not yet reported: the windows an attempt dropped by a re-form left.
-        # A window of a step that was not committed everywhere goes again with that step.
+        # Resolved and not yet reported: the windows an attempt dropped by a re-form left, but
+        # for those of steps it trains again.
         self.resolved: list[dict] = [w for w in left.windows if w["step"] <= self.restored_step] if left else []
         self.carried_events: list[Event] = list(left.events) if left else []
         self.carried_commits: list[str] = list(left.committed) if left else []
@@ -197,8 +197,7 @@ class Attempt:
         return stream
 
     def commit(self, flush: bool) -> None:
-        """In-process (elastic.in_process), start mirroring the step just done and commit the
-        one before it; with `flush`, this one too (`PeerCommits`)."""
+        """In-process (elastic.in_process), commit the step before this one, or with `flush` this one."""
         if self.commits is not None:
             self.commits.commit(self.engine, self.state, self.window, flush)
 
@@ -242,15 +241,13 @@ class Attempt:
         return self.commits.leftovers(resize, self._take_unreported(), self.known_good, saving=self.saver)
 
     def _take_unreported(self, through: Optional[int] = None) -> Unreported:
-        """What the reports have not carried yet, taken: for this report or the next generation.
-        The windows closed after step `through` stay for a later report."""
+        """What the reports have not carried yet (the windows up to step `through`), taken."""
         windows = [w for w in self.windows if through is None or w.metrics["step"] <= through]
         saves = checkpointing.saves_report(self.saver.drain())
         unreported = Unreported(self.resolved + self.window.resolve(windows),
                                 self.carried_events + self.monitor.take_events() + saves.events,
                                 self.carried_commits + list(saves.committed), saves.metrics)
-        self.windows = self.windows[len(windows):]
-        self.resolved, self.carried_events, self.carried_commits = [], [], []
+        self.windows, self.resolved, self.carried_events, self.carried_commits = self.windows[len(windows):], [], [], []
         return unreported
 
     def step(self) -> At:
@@ -380,9 +377,7 @@ class Attempt:
             if (not must_commit and not self.diverged
                     and (not looking or not collectives.all_ranks(self.reports_collected()))):
                 return
-            # In-process, a report carries the windows of committed steps (`PeerCommits`): a step
-            # that did not commit everywhere may be trained again. A divergence ends the run
-            # with this report.
+            # In-process, only committed steps' windows go: another may be trained again (`PeerCommits`).
             if self.commits is not None and self.diverged:
                 self.commits.flush()
             committed = self.commits.committed if self.commits is not None else state.step
