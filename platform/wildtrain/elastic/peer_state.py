@@ -27,8 +27,8 @@ and 12 bytes a parameter per rank at each resize (not each step).
 from __future__ import annotations
 
 import warnings
-from datetime import timedelta
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch
@@ -163,9 +163,12 @@ class Mirrors:
             work.wait()  # what raises here stays in flight, for `drop_in_flight`
         self._in_flight = []
         if self._received is not None:
-            step, received, sizes = self._received
-            self._received = None
-            self._keep(self._neighbour(dist.get_rank(self.group), -1), step, received, sizes)
+            self._keep_received()
+
+    def _keep_received(self) -> None:
+        step, received, sizes = self._received
+        self._received = None
+        self._keep(self._neighbour(dist.get_rank(self.group), -1), step, received, sizes)
 
     def _neighbour(self, rank: int, offset: int) -> int:
         """The rank `offset` places after `rank` on the layout's ring (-1: its predecessor)."""
@@ -175,21 +178,21 @@ class Mirrors:
         """Forget the exchange in flight when a collective failed, keeping what it received in
         full: a predecessor's mirror that came before the failure (the exchange goes on beside
         the next step) is as good as one settled, and may be the only copy of its partition."""
-        in_flight, received = self._in_flight, self._received
-        self._in_flight, self._received = [], None
-        if received is None or not in_flight:
-            return
+        in_flight, self._in_flight = self._in_flight, []
         try:
-            # gloo counts a receive done only once waited for: one whose bytes came returns at once.
-            in_flight[-1].wait(timedelta(seconds=_CAME_WITHIN_S))
+            if self._received is not None and in_flight:
+                # gloo counts a receive done only once waited for: one whose bytes came returns at once.
+                in_flight[-1].wait(timedelta(seconds=_CAME_WITHIN_S))
+                self._keep_received()
         except (RuntimeError, dist.DistError):
-            return
-        step, buffer, sizes = received
-        self._keep(self._neighbour(dist.get_rank(self.group), -1), step, buffer, sizes)
+            pass  # it never came
+        finally:
+            self._received = None
 
     def forget_after(self, step: int) -> None:
-        """Drop the snapshots of steps after `step` (this rank's last committed one): a step
-        that some rank did not commit is not continued from, so none is logged twice."""
+        """Drop the snapshots of steps after `step` (the last whose commit returned here): a step
+        whose commit some rank did not finish is not continued from (its window may be closed
+        nowhere), and a window of a step after the one continued from is dropped with it."""
         for key, kept in self.snapshots.items():
             for later in [s for s in kept if s > step]:
                 del kept[later]
