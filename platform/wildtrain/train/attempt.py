@@ -346,6 +346,8 @@ class Attempt:
         if verdict.reason is not None:
             self.diverged = True
             self.monitor.events.append(StoppedEarly(time.time(), self.state.step, verdict.reason))
+            if self.commits is not None:
+                self.commits.flush()  # the run ends at this step: its report carries it committed
 
     def report(self, at: At, logs: bool, saving: bool, must_commit: bool) -> None:
         """Close this log step's window (`logs`), then hand the controller the windows, the saves
@@ -378,8 +380,6 @@ class Attempt:
                     and (not looking or not collectives.all_ranks(self.reports_collected()))):
                 return
             # In-process, only committed steps' windows go: another may be trained again (`PeerCommits`).
-            if self.commits is not None and self.diverged:
-                self.commits.flush()
             committed = self.commits.committed if self.commits is not None else state.step
             unreported = self._take_unreported(committed)
             windows, events = unreported.windows, unreported.events

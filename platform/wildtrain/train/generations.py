@@ -110,7 +110,9 @@ class PeerCommits:
         if flush:
             self.mirrors.settle()
         window.settle()
-        self.committed = state.step if flush else (self._pending if self._pending is not None else self.committed)
+        settled = state.step if flush else self._pending
+        if settled is not None:
+            self.committed = settled
         self._pending = None if flush else state.step
         self.states[state.step] = dataclasses.replace(state)
         for old in sorted(self.states)[:-self.mirrors.keep_steps]:
