@@ -1,8 +1,8 @@
-"""Bad ranks on a real run: one made slow is flagged as a straggler; a node made slow fails the
-pre-flight health check and is left out, and the group re-forms without it; one rank
-stopped with SIGSTOP makes the others' hang watchdogs dump their stacks and fail the
-attempt, which restarts; one rank that raises ends the attempt on every rank at once (the
-last two in one run)."""
+"""Bad ranks on a real run: a node made slow fails the pre-flight health check and is left
+out, and the group re-forms without it; in another run, one rank made slow is flagged as a
+straggler, one that raises ends the attempt on every rank at once, and one stopped with
+SIGSTOP makes the others' hang watchdogs dump their stacks and fail the attempt, which
+restarts."""
 
 from __future__ import annotations
 
@@ -19,24 +19,6 @@ from wildtrain.events import Failure, Hang, HealthCheck, NodeExcluded, Recovered
 from wildtrain.tracking.record import mlflow_key, read_events
 
 pytestmark = pytest.mark.integration
-
-
-def test_a_slow_rank_is_flagged_as_a_straggler(ray_cluster, tiny_config, mlflow_url, tmp_path):
-    # Of two ranks the median is their mean, so a sleep of s on top of a forward pass of f is
-    # flagged at factor 1.5 only while s > 2f: half a second, where a loaded machine's tiny
-    # forward took over the 75 ms that 0.15 s allowed.
-    cfg = tiny_config("train.steps=12", "chaos.slow_rank=1", "chaos.slow_step_s=0.5", "monitor.straggler_every=2",
-                      "monitor.straggler_patience=2", "monitor.straggler_factor=1.5")
-    summary = driver.run(cfg)
-    events = [e for e in read_events(mlflow_url, summary.run_id, str(tmp_path)) if isinstance(e, Straggler)]
-    assert events, "rank 1 slept in every forward pass"
-    assert {e.rank for e in events} == {1}
-    assert events[0].factor > 1.5 and events[0].node
-    # The same drill slows its pre-flight matmul check: it fails, its peer passes.
-    checks = [e for e in read_events(mlflow_url, summary.run_id, str(tmp_path / "again")) if isinstance(e, HealthCheck)]
-    matmul = {e.rank: e.passed for e in checks if e.check == "matmul"}
-    assert matmul == {0: True, 1: False}
-    assert any(e.check == "allreduce" for e in checks)
 
 
 # Only the added nodes offer it, so the training workers run there, one per node.
@@ -104,9 +86,10 @@ def _of_this_cluster(process: psutil.Process) -> bool:
 TEARDOWN_WITHIN_S = 10.0
 
 
-def test_a_rank_that_fails_alone_is_the_named_cause_and_a_stopped_rank_is_detected_as_a_hang(
+def test_a_slow_rank_is_flagged_a_failing_one_named_as_the_cause_and_a_stopped_one_detected_as_a_hang(
         ray_cluster, tiny_config, mlflow_url, tmp_path):
-    """Two drills staged in one run (a run's start costs more than either): rank 1 raises in
+    """Three drills staged in one run (a run's start costs more than any of them): rank 1 is
+    slow in every forward pass and flagged as a straggler in every attempt. It raises in
     step 3 while rank 0 goes on into the step's gradient all-reduce and waits there for it,
     as after a CUDA OOM on one rank (on gloo, Ray's teardown of the group frees rank 0's wait;
     on NCCL it blocks, and the fail-fast's abort, tested in tests/unit/test_fail_fast.py, is
@@ -114,13 +97,19 @@ def test_a_rank_that_fails_alone_is_the_named_cause_and_a_stopped_rank_is_detect
     stopped with SIGSTOP: alive but silent, its peer waits in a collective until the
     watchdog fails the attempt."""
     earlier = {p.pid for p in _train_workers()}  # an earlier run's, if any is still exiting
-    # Half a second a step: the rank is stopped mid-run, well before the last step's save
-    # (whose commit the watchdog waits out longer than a hang): the test sees step 6 through
-    # MLflow seconds late on a busy machine, and at 16 steps it once stopped the rank in the
-    # final save, where the hang watchdog rightly waits for checkpoint.timeout_s.
-    steps = 40
-    cfg = tiny_config(f"train.steps={steps}", "train.log_every=1", "checkpoint.every=5", "monitor.hang_timeout_s=15",
-                      "chaos.min_step_s=0.5", "chaos.fail_rank=1", "chaos.fail_at_step=3")
+    # Over half a second a step (rank 1's slow forward): the rank is stopped mid-run, well
+    # before the last step's save (whose commit the watchdog waits out longer than a hang):
+    # the test sees step 6 through MLflow seconds late on a busy machine, and at 16 steps of
+    # half a second it once stopped the rank in the final save, where the hang watchdog
+    # rightly waits for checkpoint.timeout_s.
+    steps = 30
+    # Of two ranks the median is their mean, so a sleep of s on top of a forward pass of f is
+    # flagged at factor 1.5 only while s > 2f: half a second, where a loaded machine's tiny
+    # forward took over the 75 ms that 0.15 s allowed.
+    cfg = tiny_config(f"train.steps={steps}", "train.log_every=1", "checkpoint.every=5", "monitor.hang_timeout_s=10",
+                      "chaos.min_step_s=0.5", "chaos.fail_rank=1", "chaos.fail_at_step=3",
+                      "chaos.slow_rank=1", "chaos.slow_step_s=0.5", "monitor.straggler_every=2",
+                      "monitor.straggler_patience=2", "monitor.straggler_factor=1.5")
     run = BackgroundRun(cfg)
     # No checkpoint before step 5: the second attempt starts from step 0, and its step 6 is
     # the first step 6 logged.
@@ -137,6 +126,15 @@ def test_a_rank_that_fails_alone_is_the_named_cause_and_a_stopped_rank_is_detect
             os.kill(stopped.pid, signal.SIGCONT)
 
     events = read_events(mlflow_url, summary.run_id, str(tmp_path))
+    stragglers = [e for e in events if isinstance(e, Straggler)]
+    assert stragglers, "rank 1 slept in every forward pass"
+    assert {e.rank for e in stragglers} == {1}
+    assert stragglers[0].factor > 1.5 and stragglers[0].node
+    # The same drill slows its pre-flight matmul check: it fails, its peer passes.
+    checks = [e for e in events if isinstance(e, HealthCheck)]
+    assert {e.rank: e.passed for e in checks if e.check == "matmul"} == {0: True, 1: False}
+    assert any(e.check == "allreduce" for e in checks)
+
     failures = [e for e in events if isinstance(e, Failure)]
     assert failures[0].cause.startswith("rank 1: chaos drill: rank 1 fails in step 3"), failures[0].cause
     recoveries = [e for e in events if isinstance(e, Recovered)]

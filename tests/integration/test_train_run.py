@@ -23,7 +23,6 @@ from wildtrain import driver, services, storage
 from wildtrain.checkpoint import STATE_FILE, reshard
 from wildtrain.checkpoint.restore import list_candidates, newest_committed
 from wildtrain.config import load_config
-from wildtrain.checkpoint.store import Store
 from wildtrain.data.dataset import DataError
 from wildtrain.elastic.signals import CapacityError
 from wildtrain.events import CheckpointFallback
@@ -35,9 +34,11 @@ pytestmark = pytest.mark.integration
 
 def test_a_two_worker_run_sent_with_ray_job_submit_trains_tracks_and_checkpoints_into_the_object_store(
         ray_cluster, object_store, tiny_overrides, mlflow_url, tmp_path):
-    # The cluster path, as the README shows it.
+    """The cluster path, as the README shows it; with checkpoint.reshard_ahead, whose universal
+    copy a one-worker run of the same run then restores through (a run's start costs more
+    than either promise's checks)."""
     runs = f"s3://{object_store.bucket}/runs-{tmp_path.name}"
-    overrides = [*tiny_overrides, f"run.storage={runs}", "eval.every=4"]
+    overrides = [*tiny_overrides, f"run.storage={runs}", "eval.every=4", "checkpoint.reshard_ahead=true"]
     cfg = load_config(overrides)
     dashboard = f"http://{ray_cluster.webui_url}"
     submission_id = f"wildtrain-test-{uuid.uuid4().hex[:8]}"
@@ -109,6 +110,22 @@ def test_a_two_worker_run_sent_with_ray_job_submit_trains_tracks_and_checkpoints
             STATE_FILE, "latest"} <= listed
     with fs.open_input_stream(f"{checkpoint}/{STATE_FILE}") as f:
         assert json.loads(f.read())["step"] == 8
+
+    # The controller converted a committed checkpoint in the background and committed the copy.
+    [store] = checkpoint_stores(cfg)
+    copies = [c for c in (reshard.find_universal(store, n) for n in committed_names(store)) if c]
+    assert copies, "no universal copy committed beside a checkpoint"
+    _, copy = copies[0]
+    assert copy.tag.endswith("_universal") and copy.world_size == 2
+    paths = {f.path for f in copy.files}
+    assert STATE_FILE in paths and f"{copy.tag}/zero/optimizer_state.pt" in paths
+    assert not any("zero_pp_rank_" in p for p in paths), "the copy holds no per-rank partition"
+    # At one worker the run restores its newest checkpoint through a universal copy.
+    resumed = driver.run(load_config([*overrides, "elastic.min_workers=1", "elastic.max_workers=1", "train.steps=10"]))
+    assert reshard.find_universal(store, newest.rsplit("/", 1)[-1]) is not None
+    steps = [m.step for m in client.get_metric_history(resumed.run_id, "loss")]
+    assert 9 in steps and 10 in steps and max(steps) == 10
+    assert {m.value for m in client.get_metric_history(resumed.run_id, "world_size")} == {1.0, 2.0}
 
 
 def test_a_second_driver_is_refused_while_a_run_trains_and_the_resubmitted_run_falls_back_past_a_corrupt_checkpoint(
@@ -182,31 +199,6 @@ def test_min_workers_the_cluster_cannot_hold_fails_fast(ray_cluster, tiny_config
     cfg = tiny_config("elastic.min_workers=8", "elastic.max_workers=8", "elastic.capacity_wait_s=2")
     with pytest.raises(CapacityError, match=r"^elastic.min_workers: 8 workers need 9 CPU .* offered only 3 CPU for 2 s"):
         driver.run(cfg)
-
-
-def test_reshard_ahead_commits_a_universal_copy_beside_a_checkpoint_in_the_object_store(
-        ray_cluster, object_store, tiny_config, mlflow_url, tmp_path):
-    store_uri = f"s3://{object_store.bucket}/reshard-{tmp_path.name}"
-    first = driver.run(tiny_config(f"checkpoint.store={store_uri}", "checkpoint.reshard_ahead=true"))
-    store = Store.from_uri(store_uri)
-    name = first.checkpoint.rsplit("/", 1)[-1]
-    # The controller converted a committed checkpoint in the background and committed the copy.
-    copies = [c for c in (reshard.find_universal(store, n) for n in committed_names(store)) if c]
-    assert copies, "no universal copy committed beside a checkpoint"
-    copy_name, copy = copies[0]
-    assert copy.tag.endswith("_universal") and copy.world_size == 2
-    paths = {f.path for f in copy.files}
-    assert STATE_FILE in paths and f"{copy.tag}/zero/optimizer_state.pt" in paths
-    assert not any("zero_pp_rank_" in p for p in paths), "the copy holds no per-rank partition"
-
-    # At one worker the run restores its newest checkpoint through a universal copy.
-    second = driver.run(tiny_config(f"checkpoint.store={store_uri}", "elastic.min_workers=1",
-                                    "elastic.max_workers=1", "train.steps=10"))
-    assert reshard.find_universal(store, name) is not None
-    steps = [m.step for m in MlflowClient(mlflow_url).get_metric_history(second.run_id, "loss")]
-    assert 9 in steps and 10 in steps and max(steps) == 10
-    world_sizes = {m.value for m in MlflowClient(mlflow_url).get_metric_history(second.run_id, "world_size")}
-    assert world_sizes == {1.0, 2.0}
 
 
 def committed_names(store) -> list[str]:
