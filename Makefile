@@ -36,8 +36,8 @@ browser:
 # cluster, object store and MLflow server, which time what they stage) in one, alone: two
 # of them at once on two cores failed on load. The rest (unit, GPU: skipped without CUDA,
 # and the standalone integration tests) in the other, at the lowest CPU priority, so it
-# fills the drills' waits instead of slowing their steps: Ray runs its workers at nice 15,
-# below any process a user starts. Its lines come after.
+# fills the drills' waits instead of slowing their steps: the drills' Ray cluster runs its
+# workers at nice 10 (tests/helpers/ray_clusters.py), well above it. Its lines come after.
 test: $(STAMP) browser
 	@log=$$(mktemp); \
 	nice -n 19 $(BIN)/python -m pytest tests/unit tests/gpu tests/integration -m "standalone or not integration" \
