@@ -344,13 +344,13 @@ def test_a_run_left_without_nodes_stops_and_keeps_its_checkpoints(worker_nodes, 
     cluster = worker_nodes
     # Unlimited failures: attempts to restart on the vanishing nodes fail too, and this test
     # is about the capacity wait, not elastic.max_failures.
-    run = BackgroundRun(elastic_config(f"stranded-{tmp_path.name}", ON_WORKER_NODES, "elastic.capacity_wait_s=15",
+    run = BackgroundRun(elastic_config(f"stranded-{tmp_path.name}", ON_WORKER_NODES, "elastic.capacity_wait_s=8",
                                        "elastic.max_failures=-1"))
     checkpoints = tmp_path / "runs" / run.cfg.run.name / "checkpoints"
     wait_for(lambda: list(checkpoints.glob("step_000000004-*/manifest.json")), "commit of step 4", 300)
     for node in list(cluster.worker_nodes):
         cluster.remove_node(node)
-    with pytest.raises(driver.RunFailed, match=r"(?s)elastic.capacity_wait_s: no worker group could run for 15 s.*run the same command again to resume"):
+    with pytest.raises(driver.RunFailed, match=r"(?s)elastic.capacity_wait_s: no worker group could run for 8 s.*run the same command again to resume"):
         run.join(240)
     saved = sorted((tmp_path / "runs" / run.cfg.run.name / "checkpoints").glob("step_000000004-*/manifest.json"))
     assert saved, "the committed checkpoint of step 4 is still there to resume from"
