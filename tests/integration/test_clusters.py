@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO
 from tests.helpers.chaos import UNINTERRUPTED, UNINTERRUPTED_STEPS
+from tests.helpers.ray_clusters import WORKER_NICENESS
 from tests.helpers.waiting import wait_for
 from wildtrain import cli, lease, services, storage
 from wildtrain.config import load_config
@@ -50,7 +51,8 @@ def two_clusters(tmp_path_factory, object_store, mlflow_url):
     # The heads need nothing of each other: each starts (and stops) while the other does.
     with ThreadPoolExecutor(len(tokens)) as pool:
         starting = [pool.submit(services.start_ray_head, ports[name], 2, temp_dirs[name],
-                                {"RAY_AUTH_TOKEN": tokens[name], **object_store.env()}) for name in tokens]
+                                {"RAY_AUTH_TOKEN": tokens[name], **object_store.env(), **WORKER_NICENESS})
+                    for name in tokens]
         try:
             for future in starting:
                 future.result()
