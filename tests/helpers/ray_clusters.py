@@ -52,7 +52,6 @@ def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: 
     metrics_args = ({"metrics_export_port": services.free_port(),
                      "_system_config": services.NODE_HEALTH_CHECKS | {"metrics_report_interval_ms": 1000}}
                     if metrics else {"_system_config": services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF})
-
     # `Cluster` also writes its address into Ray's default temporary folder, which only a head
     # started there creates: on a machine where Ray never ran, it fails without this.
     os.makedirs(ray_compat.default_temp_dir(), exist_ok=True)
