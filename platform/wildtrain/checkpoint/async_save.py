@@ -19,15 +19,13 @@ The host buffers are in shared memory (on CUDA also page-locked, as torch's DCP 
 and reused; one child per saver, spawned with it or handed over from the last one (its
 imports take seconds); scripts that make a saver need the spawn's `__main__` guard.
 
-Why not DeepSpeed's own save to a fast local folder, uploaded in the background? Serializing
-is most of a save's cost: 4.2-5.7 s of stall against 0.14 s for the capture (the 125m preset,
-2.14 GB per save, bench/checkpoint_stall.py); on one H200, 18.5 s against 0.29 s for 15.7 GB
-(DESIGN.md). The price is host memory: one copy of this rank's part, two while one is queued.
-
-Storage problems never raise into training: every save ends as one `SaveOutcome` (`save_policy`
-also decides what becomes of a save due while one is in flight); the next save is the retry.
-A storage call that never returns is bounded by killing the child (`save_process.KILL_GRACE_S`
-past its deadline); in a thread it cannot be, and later saves are skipped (or queued) meanwhile."""
+Not DeepSpeed's own save to a local folder, uploaded after: serializing is most of a save
+(stall 4.2-5.7 s against 0.14 s for the capture, 125m, bench/checkpoint_stall.py; on one H200
+18.5 s against 0.29 s for 15.7 GB, DESIGN.md). The price is host memory: one copy of this
+rank's part, two while one is queued. Storage problems never raise into training: every save
+ends as one `SaveOutcome` (`save_policy` also decides a save due while one is in flight); the
+next save is the retry. A storage call that never returns is bounded by killing the child
+(`save_process.KILL_GRACE_S` past its deadline); a thread's is not: later saves skip or queue."""
 
 from __future__ import annotations
 
@@ -65,8 +63,7 @@ class _Job:
     meta: CheckpointMeta
     name: str
     folder: Path
-    # The saver's when the job was made: a regroup changes those of later jobs.
-    settings: SaveSettings
+    settings: SaveSettings  # the saver's when the job was made: a regroup changes later jobs'
     host: HostBuffers
     pending: list[tuple[str, Any]] = field(default_factory=list)  # (path in folder, host copy)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -154,8 +151,7 @@ class AsyncSaver:
         self._released = -1 if commit_when_released else math.inf
         self._reported = -1
         self._tries = (-1, 0)  # (step, captures of it so far)
-        # Rank 0: where the newest checkpoint this saver committed is (store URI/name), to be
-        # named when the run cannot go on without a newer one.
+        # Rank 0: the newest checkpoint it committed (store URI/name), named where a run must stop.
         self.last_commit: Optional[str] = None
         self._reports_collected = reports_collected
         self._thread = threading.Thread(target=self._work, name=f"wildtrain-checkpoint-rank{rank}", daemon=True)
