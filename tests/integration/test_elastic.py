@@ -9,6 +9,7 @@ import functools
 import json
 import tempfile
 from itertools import groupby
+from pathlib import Path
 
 import pytest
 import ray
@@ -21,6 +22,8 @@ from ray.util.state import list_actors
 from tests.helpers.chaos import UNINTERRUPTED, UNINTERRUPTED_STEPS as STEPS, BackgroundRun
 from tests.helpers.waiting import wait_for
 from wildtrain import driver, ray_compat
+from wildtrain.elastic import rendezvous, survivors
+from wildtrain.layout import RunLayout
 from wildtrain.data.manifest import read_manifest
 from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order
 from wildtrain.data.stream import sample_ids
@@ -139,31 +142,59 @@ def run_events(run: BackgroundRun, mlflow_url: str, tmp_path) -> list:
     return read_events(mlflow_url, run_id, tempfile.mkdtemp(dir=tmp_path)) if run_id else []
 
 
+@pytest.fixture
+def rendezvous_servers(monkeypatch) -> list:
+    """The rendezvous servers of the test's in-process runs, as their drivers start them:
+    where a group's members and their nodes are known the moment they meet."""
+    servers = []
+
+    def start(cfg):
+        server = survivors.start_rendezvous(cfg)
+        if server is not None:
+            servers.append(server)
+        return server
+
+    monkeypatch.setattr(driver, "start_rendezvous", start)
+    return servers
+
+
+def trained_at(samples: Path, world_size: int) -> bool:
+    """The newest step in a run's samples folder (data.record_samples) ran at `world_size`."""
+    newest = max(samples.glob("step_*.json"), default=None)
+    try:
+        return newest is not None and json.loads(newest.read_text())["world_size"] == world_size
+    except ValueError:  # a file being written
+        return False
+
+
 # The in-process drills' pace, which changes no loss: a joiner must join, or a spare be
 # ready, before the run's end. Only the steps short of a member or a spare are paced: the
-# others keep UNINTERRUPTED's. At 2.5 s a CI run failed: MLflow showed the test step 3 and
-# the first generation's nodes so late that rank 1's node went at step 32, and the six
-# steps left at world size 1 (15 s) ended the run before the joiner was ready.
+# others keep UNINTERRUPTED's.
 JOIN_PACE = "chaos.short_step_s=4"
 
 
-def lose_rank_1_and_return_a_node(cluster, run: BackgroundRun, events):
+def lose_rank_1_and_return_a_node(cluster, run: BackgroundRun, servers: list) -> tuple[list[str], object]:
     """Remove rank 1's node of an in-process run past step 3, and add a worker node back once
-    the run trains at world size 1: the first generation's `Formed` and the node added. The
-    callers pace the steps at world size 1 (`JOIN_PACE`): the joiner must start and join before the run
-    ends, on a loaded 2-core machine (seen: 48 s from its process's start to its request,
-    beside the reference run, on a day this machine imported slowly; the node was removed
-    at step 19)."""
-    run.wait_until(lambda h: any(m.step >= 3 for m in h), "step 3 at world size 2", 300)
-    first = wait_for(lambda: [e for e in events() if isinstance(e, Formed)], "the first generation's ranks", 60)[0]
-    victim = next(node for node in cluster.worker_nodes if node.node_id == first.nodes[1])
-    cluster.remove_node(victim, allow_graceful=False)
-    run.wait_until(lambda h: h and h[-1].value == 1, "a step at world size 1", 300)
+    the run trains at world size 1; the first generation's nodes, by rank, and the node added.
+    It reads the run where the run writes as it goes, its samples folder (data.record_samples)
+    and its driver's rendezvous (`rendezvous_servers`), not MLflow: under a CI's load MLflow
+    showed step 3 and the first generation's `Formed` so late that the node went at step 32
+    of 40, and the joiner was not ready before the run ended. The callers pace the steps at
+    world size 1 (`JOIN_PACE`): the joiner must start and join before the run ends, on a
+    loaded 2-core machine (seen: 48 s from its process's start to its request, beside the
+    reference run, on a day this machine imported slowly; the node was removed at step 19)."""
+    samples = Path(RunLayout.of(run.cfg).sample_file(3))
+    wait_for(samples.exists, "step 3 at world size 2", 300)
+    [server] = servers
+    group = rendezvous.current_group(server.store)
+    first = [rendezvous.node_of(group, rendezvous.member_name(rank)) for rank in range(2)]
+    cluster.remove_node(next(node for node in cluster.worker_nodes if node.node_id == first[1]), allow_graceful=False)
+    wait_for(lambda: trained_at(samples.parent, 1), "a step at world size 1", 300)
     return first, cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
 
 
 def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker_nodes, elastic_config, uninterrupted,
-                                                                          mlflow_url, tmp_path):
+                                                                          rendezvous_servers, mlflow_url, tmp_path):
     """elastic.in_process: rank 1's node dies; rank 0 re-forms at world size 1 in its own
     process, from its own partition and its mirror of rank 1's, and trains on. Once Ray has
     placed the lost slot again (a node came back), a worker started there joins rank 0
@@ -172,7 +203,7 @@ def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker
     run = BackgroundRun(elastic_config(f"in-process-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true",
                                        "elastic.in_process=true", JOIN_PACE))
     events = functools.partial(run_events, run, mlflow_url, tmp_path)
-    first, returned = lose_rank_1_and_return_a_node(cluster, run, events)
+    first, returned = lose_rank_1_and_return_a_node(cluster, run, rendezvous_servers)
     summary = run.join(600)
     reference_run = uninterrupted.join(600)
 
@@ -213,14 +244,14 @@ def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker
     assert all(e.reshard_s == 0.0 for e in happened if isinstance(e, Recovered))
     assert [type(e) for e in happened if isinstance(e, (Failure, Resize))] == [Failure, Resize]
     generations = [(e.generation, e.nodes) for e in happened if isinstance(e, Formed)]
-    assert generations == [(1, first.nodes), (2, [first.nodes[0]]), (3, [first.nodes[0], returned.node_id])]
+    assert generations == [(1, first), (2, [first[0]]), (3, [first[0], returned.node_id])]
     # Every member of the last generation is in the joined one: a save in flight at the hand-over commits.
     join = next(e for e in happened if isinstance(e, Resize))
     assert not [e for e in happened if isinstance(e, CheckpointFailed) and e.at >= join.at]
 
 
 def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(worker_nodes, elastic_config, uninterrupted,
-                                                                        mlflow_url, tmp_path):
+                                                                        rendezvous_servers, mlflow_url, tmp_path):
     """elastic.spares=1: beside a group of two, a third node holds a spare, started and ready.
     Rank 1's node dies: the spare takes its place in the re-form that drops it, and the group
     trains on at world size 2 from the peers' state, no step redone, the losses of an
@@ -232,10 +263,13 @@ def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(worker_n
     run = BackgroundRun(elastic_config(f"spare-{tmp_path.name}", ON_WORKER_NODES, "elastic.in_process=true",
                                        "elastic.spares=1", JOIN_PACE))
     events = functools.partial(run_events, run, mlflow_url, tmp_path)
+    # MLflow's view, as the assertions below read it: the gauge is logged at log steps, and
+    # a spare taken in before one showed it would never show as ready.
     run.wait_until(lambda h: h and h[-1].value == 1, "a spare waiting, ready", 300, key="system/spares")
-    first = wait_for(lambda: [e for e in events() if isinstance(e, Formed)], "the first generation's ranks", 60)[0]
-    spare_node = next(n.node_id for n in cluster.worker_nodes if n.node_id not in first.nodes)
-    cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == first.nodes[1]), allow_graceful=False)
+    group = rendezvous.current_group(rendezvous_servers[0].store)
+    first = [rendezvous.node_of(group, rendezvous.member_name(rank)) for rank in range(2)]
+    spare_node = next(n.node_id for n in cluster.worker_nodes if n.node_id not in first)
+    cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == first[1]), allow_graceful=False)
     run.wait_until(lambda h: h and h[-1].value == 0, "the spare taken in", 300, key="system/spares")
     returned = cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
     try:
@@ -262,8 +296,8 @@ def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(worker_n
     assert recoveries == [("failure", 2, 2)]
     assert all(e.reshard_s == 0.0 and e.steps_lost <= 1 for e in happened if isinstance(e, Recovered))
     generations = [(e.generation, e.nodes) for e in happened if isinstance(e, Formed)]
-    assert generations == [(1, first.nodes), (2, [first.nodes[0], spare_node])]
-    assert third.node_id in first.nodes + [spare_node]
+    assert generations == [(1, first), (2, [first[0], spare_node])]
+    assert third.node_id in first + [spare_node]
     # Ray Data's stats actor is the driver's (the head's), not lost with a worker's node and
     # started again beside the survivors as they re-form.
     [stats] = list_actors(filters=[("class_name", "=", "_StatsActor"), ("state", "=", "ALIVE")])
@@ -271,16 +305,16 @@ def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(worker_n
 
 
 def test_a_joiner_that_fails_falls_back_to_a_restart_from_the_checkpoint(worker_nodes, elastic_config, uninterrupted,
-                                                                        mlflow_url, tmp_path):
+                                                                        rendezvous_servers, mlflow_url, tmp_path):
     """elastic.in_process: the worker that joins on the returned node raises in its first step
     (chaos.fail_joiner, as on a broken node). The controller does not start the same failure
     again on that slot: Ray restarts the group at full size from the newest checkpoint, and the
     run ends as an uninterrupted one would."""
     cluster = worker_nodes
-    run = BackgroundRun(elastic_config(f"joiner-fails-{tmp_path.name}", ON_WORKER_NODES, "elastic.in_process=true",
-                                       "chaos.fail_joiner=true", JOIN_PACE))
+    run = BackgroundRun(elastic_config(f"joiner-fails-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true",
+                                       "elastic.in_process=true", "chaos.fail_joiner=true", JOIN_PACE))
     events = functools.partial(run_events, run, mlflow_url, tmp_path)
-    first, returned = lose_rank_1_and_return_a_node(cluster, run, events)
+    first, returned = lose_rank_1_and_return_a_node(cluster, run, rendezvous_servers)
     summary = run.join(600)
     reference_run = uninterrupted.join(600)
 
@@ -307,9 +341,9 @@ def test_a_joiner_that_fails_falls_back_to_a_restart_from_the_checkpoint(worker_
     assert recoveries == [("failure", 2, 1), ("failure", 1, 2)]
     assert next(e for e in reversed(happened) if isinstance(e, Recovered)).restored_step % cfg.checkpoint.every == 0
     generations = [(e.generation, e.nodes) for e in happened if isinstance(e, Formed)]
-    assert generations[:2] == [(1, first.nodes), (2, [first.nodes[0]])]
+    assert generations[:2] == [(1, first), (2, [first[0]])]
     restarted, nodes = generations[-1]
-    assert restarted == 1 and sorted(nodes) == sorted([first.nodes[0], returned.node_id])  # Ray ranks them anew
+    assert restarted == 1 and sorted(nodes) == sorted([first[0], returned.node_id])  # Ray ranks them anew
 
 
 class WildtrainStartProbe:
