@@ -16,9 +16,9 @@ from wildtrain import ray_compat, services
 # Ray starts its workers at nice 15; `make test` runs the tests beside the drills at 19,
 # which then took 30% of a core the drills' workers waited for (weights 15 against 36), and
 # the drills ran 18% longer than alone. At 10 they take 88% of it, and Ray's own daemons
-# (nice 0) still come first, as their health checks need. For the environment of a head's
-# processes (Ray reads its settings from RAY_<name>).
-WORKER_NICENESS = {"RAY_worker_niceness": "10"}
+# (nice 0) still come first, as their health checks need. Ray's `worker_niceness` setting:
+# a head's system config, or RAY_worker_niceness in a head's environment.
+WORKER_NICENESS = 10
 
 
 def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: Optional[dict] = None,
@@ -44,14 +44,13 @@ def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: 
     # theirs; beside `wildtrain up`'s head they removed this cluster's placement groups.
     gcs_port = services.free_port()
     setenv("RAY_ADDRESS", f"{services.HOST}:{gcs_port}")
-    for name, value in WORKER_NICENESS.items():
-        setenv(name, value)
     temp_dir = tempfile.mkdtemp(prefix="wildtrain-test-ray-")
     # With metrics, the Prometheus endpoint that workers' `ray.util.metrics` reach (the
     # dashboard's source), refreshed every second rather than every 10.
+    system_config = services.NODE_HEALTH_CHECKS | {"worker_niceness": WORKER_NICENESS}
     metrics_args = ({"metrics_export_port": services.free_port(),
-                     "_system_config": services.NODE_HEALTH_CHECKS | {"metrics_report_interval_ms": 1000}}
-                    if metrics else {"_system_config": services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF})
+                     "_system_config": system_config | {"metrics_report_interval_ms": 1000}}
+                    if metrics else {"_system_config": system_config | services.RAY_METRICS_OFF})
     # `Cluster` also writes its address into Ray's default temporary folder, which only a head
     # started there creates: on a machine where Ray never ran, it fails without this.
     os.makedirs(ray_compat.default_temp_dir(), exist_ok=True)
