@@ -37,7 +37,9 @@ browser:
 # of them at once on two cores failed on load. The rest (unit, GPU: skipped without CUDA,
 # and the standalone integration tests) in the other, at the lowest CPU priority, so it
 # fills the drills' waits instead of slowing their steps: the drills' Ray cluster runs its
-# workers at nice 10 (tests/helpers/ray_clusters.py), well above it. Its lines come after.
+# workers at nice 10 (tests/helpers/ray_clusters.py), well above it, and the drills that start
+# the most processes run last, when it has mostly finished (tests/integration/conftest.py).
+# Its lines come after.
 test: $(STAMP) browser
 	@log=$$(mktemp); \
 	nice -n 19 $(BIN)/python -m pytest tests/unit tests/gpu tests/integration -m "standalone or not integration" \

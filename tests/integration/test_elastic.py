@@ -22,12 +22,12 @@ from ray.util.state import list_actors
 from tests.helpers.chaos import UNINTERRUPTED, UNINTERRUPTED_STEPS as STEPS, BackgroundRun
 from tests.helpers.waiting import wait_for
 from wildtrain import driver, ray_compat
-from wildtrain.elastic import rendezvous, survivors
-from wildtrain.layout import RunLayout
 from wildtrain.data.manifest import read_manifest
 from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order
 from wildtrain.data.stream import sample_ids
+from wildtrain.elastic import rendezvous, survivors
 from wildtrain.events import CheckpointFailed, Failure, Formed, Recovered, Resize
+from wildtrain.layout import RunLayout
 from wildtrain.tracking.record import read_events
 
 pytestmark = pytest.mark.integration
