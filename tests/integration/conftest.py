@@ -53,10 +53,10 @@ def pytest_sessionfinish(session) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
-# `make test` runs the drills beside the rest of the suite (at nice 19) for the first ~15 of
-# their ~20 minutes. Each drill's time there against alone (a CI here and a run alone): those
-# whose time goes to starting many processes at once, two Ray clusters (the move, 1.6x) or
-# spares and joiners on fake nodes (1.5x), ran longest; those that wait on the clock
+# `make test` runs the drills beside the rest of the suite (at nice 19), which ends 12-15
+# minutes in, before them. Each drill's time there against alone (a CI here, a run alone):
+# those whose time goes to starting many processes at once, two Ray clusters (the move, 1.6x)
+# or spares and joiners on fake nodes (1.5x), ran longest; those that wait on the clock
 # (outages, sweeps, a second driver: 1.0-1.1x) hardly longer. So those modules go last, where
 # the machine is mostly theirs; the others keep pytest's order.
 RUN_LAST = ("test_elastic.py", "test_clusters.py")
