@@ -51,7 +51,8 @@ def two_clusters(tmp_path_factory, object_store, mlflow_url):
     # The heads need nothing of each other: each starts (and stops) while the other does.
     with ThreadPoolExecutor(len(tokens)) as pool:
         starting = [pool.submit(services.start_ray_head, ports[name], 2, temp_dirs[name],
-                                {"RAY_AUTH_TOKEN": tokens[name], **object_store.env(), "RAY_worker_niceness": str(WORKER_NICENESS)})
+                                {"RAY_AUTH_TOKEN": tokens[name], **object_store.env(),
+                                 "RAY_worker_niceness": str(WORKER_NICENESS)})
                     for name in tokens]
         try:
             for future in starting:

@@ -158,6 +158,14 @@ def rendezvous_servers(monkeypatch) -> list:
     return servers
 
 
+def first_generation_nodes(servers: list) -> list[str]:
+    """The nodes of a two-worker in-process group's members, by rank, as they told the
+    driver's rendezvous when they met."""
+    [server] = servers
+    group = rendezvous.current_group(server.store)
+    return [rendezvous.node_of(group, rendezvous.member_name(rank)) for rank in range(2)]
+
+
 def trained_at(samples: Path, world_size: int) -> bool:
     """The newest step in a run's samples folder (data.record_samples) ran at `world_size`."""
     newest = max(samples.glob("step_*.json"), default=None)
@@ -185,9 +193,7 @@ def lose_rank_1_and_return_a_node(cluster, run: BackgroundRun, servers: list) ->
     reference run, on a day this machine imported slowly; the node was removed at step 19)."""
     samples = Path(RunLayout.of(run.cfg).sample_file(3))
     wait_for(samples.exists, "step 3 at world size 2", 300)
-    [server] = servers
-    group = rendezvous.current_group(server.store)
-    first = [rendezvous.node_of(group, rendezvous.member_name(rank)) for rank in range(2)]
+    first = first_generation_nodes(servers)
     cluster.remove_node(next(node for node in cluster.worker_nodes if node.node_id == first[1]), allow_graceful=False)
     wait_for(lambda: trained_at(samples.parent, 1), "a step at world size 1", 300)
     return first, cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
@@ -266,8 +272,7 @@ def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(worker_n
     # MLflow's view, as the assertions below read it: the gauge is logged at log steps, and
     # a spare taken in before one showed it would never show as ready.
     run.wait_until(lambda h: h and h[-1].value == 1, "a spare waiting, ready", 300, key="system/spares")
-    group = rendezvous.current_group(rendezvous_servers[0].store)
-    first = [rendezvous.node_of(group, rendezvous.member_name(rank)) for rank in range(2)]
+    first = first_generation_nodes(rendezvous_servers)
     spare_node = next(n.node_id for n in cluster.worker_nodes if n.node_id not in first)
     cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == first[1]), allow_graceful=False)
     run.wait_until(lambda h: h and h[-1].value == 0, "the spare taken in", 300, key="system/spares")
