@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import mirror_gather
+from tests.helpers import mirror_gather, mirror_send
 from tests.helpers.ranks import start_ranks
 from tests.helpers.zero_resize import check_drill, run_drill
 from wildtrain.elastic.peer_state import Mirrors
@@ -91,3 +91,11 @@ def test_each_step_s_copy_reuses_the_buffer_of_a_snapshot_dropped_and_keeps_its_
         for group, values in enumerate(groups):
             assert (values[0] == step).all()
             assert torch.equal(values[1:], mirror_gather.partition_values(0, group)[1:]), "AdamW's moments"
+
+
+def test_a_mirror_is_sent_once_its_copy_from_the_device_has_landed():
+    # On a GPU `Mirrors.exchange` returns with the copy queued; the send is posted only once it is done.
+    [(code0, out0, err0), (code1, out1, err1)] = start_ranks("tests.helpers.mirror_send", 2).outputs(60)
+    assert code0 == 0 and code1 == 0, err0 + err1
+    assert "posted before the copy landed: False" in out0
+    assert f"received: [{mirror_send.FILLED}]" in out1, "the send went out with the copy's bytes, not the buffer's old ones"

@@ -6,7 +6,10 @@ host copy of this rank's partition after every optimizer step and sends one to t
 of a ring that puts it on another node wherever the nodes allow (`membership.mirror_ring`),
 which keeps it (12 bytes a parameter over the world size, each way). The copies go into
 buffers that the snapshots dropped as old leave: one copy a value, and no fresh memory a step
-(bench/mirror_cost.py).
+(bench/mirror_cost.py). On a GPU the copy from the device queues on a stream of its own into
+pinned memory, beside the next step's forward and backward; the next optimizer step, which
+changes what it reads, waits for it on the device, and the send waits for it on the host
+(`exchange`).
 
 A step's exchange goes on beside the next step, over a gloo group of its own (no collective
 of the step waits behind its bytes), and the next exchange waits for it first
@@ -26,7 +29,11 @@ and 12 bytes a parameter per rank at each resize (not each step).
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional, Sequence
@@ -37,8 +44,10 @@ import torch.nn.functional as F
 
 from wildtrain.elastic.membership import Layout, Repartition, mirror_ring, plan_repartition
 
-# How long a failed rank waits, at most, for a mirror in flight to turn out received.
+# How long a failed rank waits, at most, for a mirror in flight to turn out received, and
+# for its own last copy from the device (a partition of GBs at a pinned copy's ~25 GB/s).
 _CAME_WITHIN_S = 0.1
+_COPIED_WITHIN_S = 2.0
 
 Partition = list[torch.Tensor]  # per parameter group, [3, n]: fp32 weights, exp_avg, exp_avg_sq
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -70,12 +79,16 @@ def partitioned_groups(engine) -> list[PartitionedGroup]:
     return [PartitionedGroup(fp32, flat, group) for fp32, flat, group in zip(fp32s, flats, params, strict=True)]
 
 
-def host_copy(engine, into: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[int]]:
+def host_copy(engine, into: Optional[torch.Tensor] = None, stream: Optional["torch.cuda.Stream"] = None
+              ) -> tuple[torch.Tensor, list[int]]:
     """A host copy of this rank's partition of a ZeRO-1/2 `engine`'s parameter groups, laid end
     to end in one [3, n] buffer (fp32 weights, exp_avg, exp_avg_sq), and each group's n. Written
     into `into` where it has that shape (a buffer reused step after step: one copy a value and
-    no fresh memory to fault in), else into a new buffer (pageable, as before: pinning 3-5
-    partitions a rank on a GPU host is untried).
+    no fresh memory to fault in), else into a new buffer: pinned with a `stream`, pageable
+    without one.
+    With `stream` (the partition on a GPU) the copies queue there, after the work queued on
+    the training stream so far, and the caller waits for them (`Mirrors.exchange`); without
+    one they are done when this returns.
     Before AdamW's first step its moments do not exist yet: zeros, what AdamW would make."""
     state = engine.optimizer.optimizer.state
     groups = partitioned_groups(engine)
@@ -83,16 +96,61 @@ def host_copy(engine, into: Optional[torch.Tensor] = None) -> tuple[torch.Tensor
     first = groups[0].fp32
     shape = (1 + len(MOMENTS), sum(sizes))
     if into is None or into.shape != shape or into.dtype != first.dtype:
-        into = torch.empty(shape, dtype=first.dtype)
-    for group, part in zip(groups, into.split(sizes, dim=1)):
-        part[0].copy_(group.fp32.detach())
-        moments = state.get(group.fp32) or {}
-        for row, name in enumerate(MOMENTS, start=1):
-            if name in moments:
-                part[row].copy_(moments[name])
-            else:
-                part[row].zero_()
+        into = host_buffer(shape, first.dtype, pinned=stream is not None)
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(first.device))
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for group, part in zip(groups, into.split(sizes, dim=1)):
+            moments = state.get(group.fp32) or {}
+            for row, value in enumerate([group.fp32.detach(), *(moments.get(name) for name in MOMENTS)]):
+                if value is None:
+                    part[row].zero_()
+                    continue
+                part[row].copy_(value, non_blocking=stream is not None)
+                if stream is not None:
+                    value.record_stream(stream)  # its memory stays AdamW's until the copy is done
     return into, sizes
+
+
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """An uninitialised host buffer; `pinned` where the device's copies go into it, and
+    pageable where the host cannot pin that much more (the copy is synchronous then, as it
+    would be into any pageable buffer, and nothing else changes)."""
+    if pinned:
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError as error:  # cudaHostAlloc: out of page-locked memory
+            warnings.warn(f"wildtrain: a mirror's host buffer could not be pinned ({error}); pageable instead",
+                          stacklevel=2)
+    return torch.empty(shape, dtype=dtype)
+
+
+class _SendWhenCopied:
+    """A send of a host buffer that a device-to-host copy is still filling: posted from a
+    thread once the copy's event is done, so that the training thread queues the next step
+    meanwhile. Waited for as the send's `Work` is."""
+
+    def __init__(self, copied: "torch.cuda.Event", send) -> None:
+        self.copied = copied
+        self._work = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(send,), name="wildtrain-mirror-send", daemon=True)
+        self._thread.start()
+
+    def _run(self, send) -> None:
+        try:
+            self.copied.synchronize()
+            self._work = send()
+        except BaseException as error:  # a group hung up after a failure: raised by `wait`
+            self._error = error
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        self._thread.join(None if timeout is None else timeout.total_seconds())
+        if self._thread.is_alive():
+            raise RuntimeError("a mirror's copy from the device is still going on")
+        if self._error is not None:
+            raise self._error
+        return self._work.wait() if timeout is None else self._work.wait(timeout)
 
 
 def partition(engine) -> Partition:
@@ -114,12 +172,18 @@ class Mirrors:
         self._ring: tuple[int, ...] = ()
         self.snapshots: dict[tuple[int, int, int], dict[int, Partition]] = {}
         # The buffer each snapshot's groups are views of, by (layout, old rank, step); those of
-        # snapshots dropped as old are reused for the next steps' copies.
+        # snapshots dropped as old are reused for the next steps' copies: this rank's own
+        # (pinned on a GPU) for its own, the predecessor's for the next received.
         self._buffers: dict[tuple[int, int, int, int], torch.Tensor] = {}
-        self._free: list[torch.Tensor] = []
+        self._free: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # own: buffers
         self._in_flight: list = []
         self._received: Optional[tuple[int, torch.Tensor, list[int]]] = None  # (step, buffer, group sizes)
         self._exchanged_in_layout = False
+        # On a GPU: the stream the copies from the device go on, the optimizer whose steps wait
+        # for them, and the last copy, maybe not done yet (its snapshot's key and step, and its event).
+        self._stream: Optional["torch.cuda.Stream"] = None
+        self._hooked: Optional[weakref.ref] = None
+        self._copying: Optional[tuple[tuple[int, int, int], int, "torch.cuda.Event"]] = None
 
     def use_layout(self, generation: int, world: int, nodes: Optional[Sequence[str]] = None) -> None:
         """The group was re-formed: snapshots from now on are of this layout, whose ranks run on
@@ -128,13 +192,15 @@ class Mirrors:
         if len(nodes) != world:
             raise ValueError(f"a layout of {world} ranks on {len(nodes)} nodes ({nodes}): one node per rank")
         self.layout = (generation, world)
-        self._free = []  # cut for the last layout
+        self._free = {True: [], False: []}  # cut for the last layout
         self._ring = mirror_ring(nodes)
         self._exchanged_in_layout = False
 
     def exchange(self, engine, step: int) -> None:
         """Keep this rank's partition after optimizer step `step` and start sending it to the
-        ring successor while receiving the predecessor's (`settle` waits for both)."""
+        ring successor while receiving the predecessor's (`settle` waits for both). On a GPU
+        the copy from the device is queued, not done: the send goes once it is (a thread
+        waits for it), and the next optimizer step waits for it on the device."""
         if self.layout is None:
             raise RuntimeError("Mirrors.use_layout was not called: no layout to file the snapshots under")
         self.settle()
@@ -146,29 +212,77 @@ class Mirrors:
             self._buffers = {key: buffer for key, buffer in self._buffers.items() if key[:2] == self.layout}
         self._exchanged_in_layout = True
         rank = dist.get_rank(self.group)
-        sent, sizes = host_copy(engine, self._free.pop() if self._free else None)
-        self._keep(rank, step, sent, sizes)
+        stream = self._copy_stream(engine)
+        sent, sizes = host_copy(engine, self._free[True].pop() if self._free[True] else None, stream)
+        self._keep(rank, step, sent, sizes, own=True)
+        copied = None
+        if stream is not None:
+            copied = torch.cuda.Event()
+            copied.record(stream)
+            self._copying = ((*self.layout, rank), step, copied)
         if world == 1:
             return
         # Every rank of a layout holds partitions of the same sizes: so do its free buffers.
-        fits = self._free and self._free[-1].shape == sent.shape and self._free[-1].dtype == sent.dtype
-        received = self._free.pop() if fits else torch.empty_like(sent)
-        self._in_flight = [dist.isend(sent, group=self.group, group_dst=self._neighbour(rank, 1)),
+        free = self._free[False]
+        fits = free and free[-1].shape == sent.shape and free[-1].dtype == sent.dtype
+        received = free.pop() if fits else torch.empty(sent.shape, dtype=sent.dtype)
+
+        def send():
+            return dist.isend(sent, group=self.group, group_dst=self._neighbour(rank, 1))
+
+        self._in_flight = [send() if copied is None else _SendWhenCopied(copied, send),
                            dist.irecv(received, group=self.group, group_src=self._neighbour(rank, -1))]
         self._received = (step, received, sizes)
+
+    def _copy_stream(self, engine) -> Optional["torch.cuda.Stream"]:
+        """The stream for copies of `engine`'s partition from its GPU (None on the CPU), with
+        `engine`'s optimizer made to wait for the last of them before it steps."""
+        device = partitioned_groups(engine)[0].fp32.device
+        if device.type != "cuda":
+            return None
+        adamw = engine.optimizer.optimizer
+        if self._hooked is None or self._hooked() is not adamw:  # a new engine: each re-form builds one
+            adamw.register_step_pre_hook(self._before_optimizer_step)
+            self._hooked = weakref.ref(adamw)
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """AdamW is about to change the values the last copy from the device reads: the
+        device waits for that copy first (the host does not)."""
+        if self._copying is not None:
+            torch.cuda.current_stream(self._stream.device).wait_event(self._copying[2])
+
+    def _copy_done(self, within_s: Optional[float] = None) -> None:
+        """Wait for the last copy from the device; with `within_s`, that long at most, after
+        which its snapshot is dropped: the copy may still be filling it (a device stuck in a
+        collective with a dead peer), and an older step is held whole."""
+        if self._copying is None:
+            return
+        (key, step, copied), self._copying = self._copying, None
+        deadline = None if within_s is None else time.monotonic() + within_s
+        while deadline is not None and not copied.query():
+            if time.monotonic() > deadline:
+                self.snapshots.get(key, {}).pop(step, None)
+                self._buffers.pop((*key, step), None)  # not free: the device may write it still
+                return
+            time.sleep(0.001)
+        copied.synchronize()
 
     def settle(self) -> None:
         """Wait until this rank's last exchange is done (raises what the collective raised)."""
         for work in self._in_flight:
             work.wait()  # what raises here stays in flight, for `drop_in_flight`
         self._in_flight = []
+        self._copy_done()
         if self._received is not None:
             self._keep_received()
 
     def _keep_received(self) -> None:
         step, received, sizes = self._received
         self._received = None
-        self._keep(self._neighbour(dist.get_rank(self.group), -1), step, received, sizes)
+        self._keep(self._neighbour(dist.get_rank(self.group), -1), step, received, sizes, own=False)
 
     def _neighbour(self, rank: int, offset: int) -> int:
         """The rank `offset` places after `rank` on the layout's ring (-1: its predecessor)."""
@@ -179,6 +293,7 @@ class Mirrors:
         full: a predecessor's mirror that came before the failure (the exchange goes on beside
         the next step) is as good as one settled, and may be the only copy of its partition."""
         in_flight, self._in_flight = self._in_flight, []
+        self._copy_done(within_s=_COPIED_WITHIN_S)
         try:
             if self._received is not None and in_flight:
                 # gloo counts a receive done only once waited for: one whose bytes came returns at once.
@@ -239,7 +354,7 @@ class Mirrors:
                 cuts[key[:2]] = ([group.shape[1] for group in groups], groups[0].dtype)
         return cuts
 
-    def _keep(self, old_rank: int, step: int, buffer: torch.Tensor, sizes: list[int]) -> None:
+    def _keep(self, old_rank: int, step: int, buffer: torch.Tensor, sizes: list[int], own: bool) -> None:
         key = (*self.layout, old_rank)
         kept = self.snapshots.setdefault(key, {})
         kept[step] = list(buffer.split(sizes, dim=1))
@@ -249,7 +364,7 @@ class Mirrors:
             # Settled long ago (an exchange settles the last one first): nothing reads or sends it.
             dropped = self._buffers.pop((*key, old), None)
             if dropped is not None:
-                self._free.append(dropped)
+                self._free[own].append(dropped)
 
 
 def load_state(engine, full: list[torch.Tensor], step: int, samples_per_step: int) -> None:
