@@ -4,8 +4,8 @@
 # numpy and pyarrow but no package registry, no Ray and no network: installs the wheels of
 # bench/device_carry.sh, runs tests/gpu (the in-process recovery drills on NCCL in a part of
 # their own: a drill that hangs must not take the others' time), bench/gpu_smoke.py,
-# bench/mfu.py and bench/reform_compile.py, each bounded by `timeout`, and ends with one
-# table: each part's status, seconds and key figures.
+# bench/mfu.py, bench/reform_compile.py and bench/mirror_cost.py, each bounded by `timeout`,
+# and ends with one table: each part's status, seconds and key figures.
 #
 #   bash bench/gpu_all.sh [--device cuda|cpu] [--carry DIR] [--logs DIR]
 #
@@ -14,9 +14,9 @@
 # --logs keeps each part's full output there (default: a temporary folder).
 # PYTHON (default python3) runs everything; SITE (default /tmp/site) receives the wheels.
 # The parts' arguments and seconds can be overridden: PYTEST_ARGS, SMOKE_ARGS, MFU_ARGS,
-# REFORM_ARGS, PYTEST_S, IN_PROCESS_S, SMOKE_S, MFU_S, REFORM_S; PARTS names the parts to run
-# after the install, in their order (default: pytest in_process smoke mfu reform), for a call
-# that has less time than all.
+# REFORM_ARGS, MIRROR_ARGS, PYTEST_S, IN_PROCESS_S, SMOKE_S, MFU_S, REFORM_S, MIRROR_S; PARTS
+# names the parts to run after the install, in their order (default: pytest in_process smoke
+# mfu reform mirror), for a call that has less time than all.
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -41,9 +41,9 @@ mkdir -p "$LOGS"
 # tests/gpu_smoke_restores... runs gpu_smoke.py on a toy; the smoke part runs it for real.
 PYTEST_ARGS=${PYTEST_ARGS:---deselect tests/gpu/test_step_cuda.py::test_gpu_smoke_restores_the_async_checkpoint_exactly}
 IN_PROCESS=tests/gpu/test_in_process_nccl.py
-PARTS=${PARTS:-pytest in_process smoke mfu reform}
+PARTS=${PARTS:-pytest in_process smoke mfu reform mirror}
 for part in $PARTS; do
-    case $part in pytest|in_process|smoke|mfu|reform) ;; *) echo "gpu_all.sh: no part $part in PARTS" >&2; exit 2 ;; esac
+    case $part in pytest|in_process|smoke|mfu|reform|mirror) ;; *) echo "gpu_all.sh: no part $part in PARTS" >&2; exit 2 ;; esac
 done
 if [ "$DEVICE" = cuda ]; then
     # Sized on the first H200 runs (2026-12-04): tests/gpu took 100-117 s without the
@@ -53,18 +53,22 @@ if [ "$DEVICE" = cuda ]; then
     # once (ZeRO-1; a restored engine is compared before it steps), 59 s; mfu compiles the 1.3b model
     # twice (the size of the MFU goal, DESIGN.md), 98 s to its throughputs, and then
     # writes its ~16 GB state twice for the checkpoint stall (torch.save to local disk);
-    # reform compiles the 125m model once (not run on a GPU yet).
+    # reform compiles the 125m model once (not run on a GPU yet); mirror trains two ranks of a
+    # 0.2 B model on the GPU, 16k tokens a rank a step, 2.4 GB of partitions copied from the
+    # device a step (not run on a GPU yet).
     SMOKE_ARGS=${SMOKE_ARGS:---preset 125m --seq-len 1024 --steps 10}
     MFU_ARGS=${MFU_ARGS:---presets 1.3b --steps 10 --warmup 3}
     REFORM_ARGS=${REFORM_ARGS:---preset 125m --seq-len 1024}
+    MIRROR_ARGS=${MIRROR_ARGS:---shapes 1024x16 --batch 128 --steps 4 --rounds 2}
     PYTEST_S=${PYTEST_S:-180} IN_PROCESS_S=${IN_PROCESS_S:-240} SMOKE_S=${SMOKE_S:-90} MFU_S=${MFU_S:-180}
-    REFORM_S=${REFORM_S:-90}
+    REFORM_S=${REFORM_S:-90} MIRROR_S=${MIRROR_S:-120}
 else
     SMOKE_ARGS=${SMOKE_ARGS:---steps 3}
     MFU_ARGS=${MFU_ARGS:---steps 3}
     REFORM_ARGS=${REFORM_ARGS:-}
+    MIRROR_ARGS=${MIRROR_ARGS:---shapes 128x2 --steps 2 --rounds 1}
     PYTEST_S=${PYTEST_S:-120} IN_PROCESS_S=${IN_PROCESS_S:-60} SMOKE_S=${SMOKE_S:-180} MFU_S=${MFU_S:-180}
-    REFORM_S=${REFORM_S:-120}
+    REFORM_S=${REFORM_S:-120} MIRROR_S=${MIRROR_S:-120}
 fi
 
 # name seconds command...: runs one part under `timeout`, its output shown and kept in
@@ -107,6 +111,8 @@ run_named() {
         mfu) run_part mfu "$MFU_S" "$PYTHON" bench/mfu.py --device "$DEVICE" $MFU_ARGS ;;
         # shellcheck disable=SC2086
         reform) run_part reform "$REFORM_S" "$PYTHON" bench/reform_compile.py --device "$DEVICE" $REFORM_ARGS ;;
+        # shellcheck disable=SC2086
+        mirror) run_part mirror "$MIRROR_S" "$PYTHON" bench/mirror_cost.py --device "$DEVICE" $MIRROR_ARGS ;;
     esac
 }
 
@@ -159,6 +165,10 @@ def figures(name, text):
         return "; ".join(found)
     if name == "reform":
         return "; ".join(f"engine {r[0]}: first step {r[2]} s, {r[3]} frames compiled" for r in rows_after(text, "engine"))
+    if name == "mirror":
+        cells = [[c.strip() for c in line.strip("| ").split("|")] for line in text.splitlines()
+                 if line.startswith("| ") and "x)" in line]
+        return "; ".join(f"{c[0]} ({c[2]} a rank): a step {c[3]}, in-process {c[5]}" for c in cells)
     return ""
 
 

@@ -101,11 +101,13 @@ def test_the_carry_and_gpu_all_run_where_only_torch_is_installed(gpu_all_cpu):
     assert gpu_all_cpu["returncode"] == 0, output[-6000:]
     table = {line.split()[0]: line.split() for line in re.split(r"part +status", output)[-1].splitlines()[2:]
              if line.strip() and not line.startswith("logs:")}
-    assert list(table) == ["install", "pytest", "in_process", "smoke", "mfu", "reform"], output[-3000:]
+    assert list(table) == ["install", "pytest", "in_process", "smoke", "mfu", "reform", "mirror"], output[-3000:]
     assert all(row[1] == "ok" for row in table.values())
     assert "skipped" in " ".join(table["pytest"]), "tests/gpu is collected and skipped without CUDA"
     assert "skipped" in " ".join(table["in_process"]), "so are the in-process drills on NCCL"
     assert "tokens/s" in " ".join(table["smoke"]) and "MFU" in " ".join(table["mfu"])
+    assert re.search(r"128x2 \([\d.]+ MiB a rank\): a step [\d.]+ s, in-process [\d.]+ s \([\d.]+x\)",
+                     " ".join(table["mirror"])), "the mirrors' cost, side by side with the restart path's step"
 
 
 def _table(output: str, first_column: str) -> tuple[list[str], list[list[str]]]:
