@@ -17,7 +17,7 @@ is rank 1's, since rank 0's falls back to a restart; the survivor re-forms in it
 and a worker started on the returned node joins it).
 
 Usage: .venv/bin/python bench/ettr.py [--steps 15000] [--kill-every-min 5] [--return-after-min 1]
-       [--modes restart in-process] [--ray-metrics on off] [--placement PACK STRICT_SPREAD]
+       [--modes restart in-process] [--ray-metrics on off] [--placement auto PACK STRICT_SPREAD]
 """
 
 from __future__ import annotations
@@ -111,9 +111,10 @@ RAY_METRICS = {"on": {}, "off": services.RAY_METRICS_OFF}  # services.RAY_METRIC
 
 
 def column_name(args, mode: str, metrics: str, placement: str) -> str:
-    """A run's column: its mode, and what else was varied or differs from Ray's defaults."""
+    """A run's column: its mode, and what else was varied or differs from the defaults (Ray's
+    metrics on, as Ray's; wildtrain's auto placement)."""
     also = ([f"Ray metrics {metrics}"] if len(args.ray_metrics) > 1 or metrics != "on" else []) + \
-           ([placement] if len(args.placement) > 1 or placement != "PACK" else [])
+           ([placement] if len(args.placement) > 1 or placement != "auto" else [])
     return f"{mode} ({', '.join(also)})" if also else mode
 
 
@@ -126,8 +127,9 @@ def main() -> None:
                         help="restart: every resize restarts the group; in-process: elastic.in_process=true")
     parser.add_argument("--ray-metrics", nargs="+", choices=sorted(RAY_METRICS), default=["on"],
                         help="Ray's metrics collection on the fake cluster (on: Ray's default); each mode runs with each")
-    parser.add_argument("--placement", nargs="+", choices=PLACEMENT_STRATEGIES, default=["PACK"],
-                        help="cluster.placement_strategy (PACK: Ray's default); each mode runs with each")
+    parser.add_argument("--placement", nargs="+", choices=PLACEMENT_STRATEGIES, default=["auto"],
+                        help="cluster.placement_strategy (auto: wildtrain's default, STRICT_SPREAD on this cluster "
+                             "of one-worker nodes; PACK: Ray's); each mode runs with each")
     args = parser.parse_args()
     if not 0 < args.return_after_min < args.kill_every_min:
         raise SystemExit(f"need 0 < --return-after-min ({args.return_after_min:g}) < --kill-every-min "

@@ -86,10 +86,11 @@ SCENARIOS = {
     # that the return's worker gets ready before the run's end.
     "in-process + spare": dict(overrides=["elastic.in_process=true", "elastic.spares=1", "chaos.min_step_s=0.2"],
                                system_config=services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF, spares=1),
-    # Ray's metrics on, each worker on a node of its own: the lost bundle fits no node left,
-    # so the GCS waits for a node instead of retrying (bench/pg_storm.py).
-    "in-process, strict spread": dict(overrides=["elastic.in_process=true", "cluster.placement_strategy=STRICT_SPREAD"],
-                                      system_config=services.NODE_HEALTH_CHECKS),
+    # Ray's default placement, PACK, where wildtrain's auto spreads the workers of this
+    # cluster (one worker a node): the lost bundle fits the survivor's node by its totals, and
+    # the GCS retries it without pause until a node comes back (bench/pg_storm.py).
+    "in-process, pack": dict(overrides=["elastic.in_process=true", "cluster.placement_strategy=PACK"],
+                             system_config=services.NODE_HEALTH_CHECKS),
     # The same without Ray's metrics (services.RAY_METRICS_OFF says why).
     "in-process, ray metrics off": dict(overrides=["elastic.in_process=true"],
                                         system_config=services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF),

@@ -76,6 +76,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
     dashboard_url = connect_ray(cfg)
     cfg = resolve_device(cfg)
     scaling.wait_for_capacity(cfg)
+    cfg = resolve_placement(cfg)
 
     keeper.acquire()  # the first write: nothing is written before the checks above pass
     experiment_id, run_id = open_run(cfg, record.get("mlflow_run_id"), tags)
@@ -210,6 +211,15 @@ def resolve_device(cfg: Config) -> Config:
     if choice.note:
         print(choice.note, flush=True)
     return cfg
+
+
+def resolve_placement(cfg: Config) -> Config:
+    """`cfg` with `cluster.placement_strategy` decided against the nodes of the cluster this
+    process joined (`scaling.choose_placement`); says so where auto spreads the workers."""
+    resolved = scaling.resolve_placement(cfg, [node["Resources"] for node in ray.nodes() if node["Alive"]])
+    if cfg.cluster.placement_strategy == "auto" and resolved.cluster.placement_strategy == "STRICT_SPREAD":
+        print("cluster.placement_strategy=auto: STRICT_SPREAD (no node holds two workers)", flush=True)
+    return resolved
 
 
 def connect_ray(cfg: Config) -> Optional[str]:

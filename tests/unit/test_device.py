@@ -54,8 +54,12 @@ def test_the_resolved_config_is_what_scaling_and_the_workers_get():
     survivor = scaling.worker_env(on_gpus)
     assert survivor["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2", "survivors outlive their groups"
     assert survivor["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0", "and torch's dump after their groups' errors"
-    assert scaling.scaling_config(on_gpus).use_gpu
-    assert scaling.scaling_config(on_gpus).placement_strategy == "PACK", "Ray's default"
+    with pytest.raises(RuntimeError, match="cluster.placement_strategy"):
+        scaling.scaling_config(on_gpus)  # auto, read unresolved
+    eight_gpus = {"CPU": 64.0, "GPU": 8.0}
+    packed = scaling.resolve_placement(on_gpus, [eight_gpus, eight_gpus])
+    assert scaling.scaling_config(packed).use_gpu
+    assert scaling.scaling_config(packed).placement_strategy == "PACK", "Ray's default, where a node holds several"
     on_gpus.cluster.placement_strategy = "STRICT_SPREAD"
     assert scaling.scaling_config(on_gpus).placement_strategy == "STRICT_SPREAD"
 
@@ -126,3 +130,14 @@ def test_the_engine_is_built_for_the_device_it_is_given(tmp_path):
     assert built.returncode == 0, built.stderr[-3000:]
     for stage in (1, 3):
         assert f"stage {stage}: bf16 False dtypes ['torch.float32'] fused False compiled False" in built.stdout
+
+
+@pytest.mark.parametrize("nodes, chosen", [
+    ([{"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 1.0}], "STRICT_SPREAD"),  # one GPU a node: the same placement
+    ([{"CPU": 64.0, "GPU": 8.0}, {"CPU": 8.0, "GPU": 1.0}], "PACK"),  # a node that holds two
+    ([{"CPU": 4.0}, {"CPU": 8.0, "GPU": 1.0}], "STRICT_SPREAD"),  # a head without GPUs holds none
+    ([{"CPU": 4.0}], "PACK"),  # nothing holds a worker yet: Ray's default
+])
+def test_auto_placement_spreads_where_no_node_holds_two_workers(nodes, chosen):
+    assert scaling.choose_placement("auto", {"CPU": 1, "GPU": 1}, nodes) == chosen
+    assert scaling.choose_placement("SPREAD", {"CPU": 1, "GPU": 1}, nodes) == "SPREAD", "a strategy set stands"

@@ -11,7 +11,7 @@ from wildtrain.config.errors import ConfigError, one_of, positive, zero_or_posit
 
 SAVE_POLICIES = ("skip", "queue")
 SAVE_BACKGROUNDS = ("process", "thread")
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD")
+PLACEMENT_STRATEGIES = ("auto", "PACK", "SPREAD", "STRICT_SPREAD")
 
 
 @dataclass
@@ -152,8 +152,10 @@ class ClusterConfig:
     # node of its own, and a group larger than the nodes cannot start. With elastic.in_process
     # on nodes of one worker each, STRICT_SPREAD spares the head the GCS's retries of a lost
     # worker's bundle: where it fits no node left, Ray waits for a node to register instead of
-    # retrying without pause while the group runs smaller (bench/pg_storm.py).
-    placement_strategy: str = "PACK"
+    # retrying without pause while the group runs smaller (bench/pg_storm.py). auto: decided
+    # by the driver once the cluster can hold the group (`scaling.choose_placement`):
+    # STRICT_SPREAD where no node can hold two workers (PACK would place them alike), else PACK.
+    placement_strategy: str = "auto"
     # Peak FLOP/s of one device for MFU; None: looked up by device name (measured on CPU).
     peak_flops_per_device: Optional[float] = None
 

@@ -55,6 +55,28 @@ def trains_on_gpu(cfg: Config) -> bool:
     return cfg.cluster.use_gpu
 
 
+def choose_placement(strategy: str, per_worker: Mapping[str, float], nodes: list[Mapping[str, float]]) -> str:
+    """The worker group's placement strategy: `strategy` (`cluster.placement_strategy`) unless
+    it is auto, which takes STRICT_SPREAD where some of `nodes` (each node's total resources)
+    can hold a worker of `per_worker` and none can hold two, and PACK otherwise. Where no node
+    holds two, both place the workers alike, one a node; but a PACK group's bundle whose node
+    died fits the other nodes by their totals, and Ray 2.60's GCS retries it without pause
+    until a node can take it, a core of the head's CPU for as long as an in-process group
+    runs smaller (bench/pg_storm.py). A STRICT_SPREAD group's lost bundle fits no node that
+    holds one of its bundles, so Ray waits for a node to register instead."""
+    if strategy != "auto":
+        return strategy
+    held = [min(node.get(name, 0.0) // amount for name, amount in per_worker.items() if amount > 0) for node in nodes]
+    return "STRICT_SPREAD" if max(held, default=0) == 1 else "PACK"
+
+
+def resolve_placement(cfg: Config, nodes: list[Mapping[str, float]]) -> Config:
+    """`cfg` with `cluster.placement_strategy` decided (`choose_placement`) for a cluster of
+    `nodes` (each node's total resources), as the driver hands it to Ray Train."""
+    strategy = choose_placement(cfg.cluster.placement_strategy, worker_resources(cfg), nodes)
+    return replace(cfg, cluster=replace(cfg.cluster, placement_strategy=strategy))
+
+
 def data_cpus(cfg: Config) -> float:
     """The CPUs Ray Data's reads need beside the training workers, which hold theirs for the
     whole run: one read task (`data.read_cpus`) at a time at least, or the pipeline, and
@@ -76,6 +98,9 @@ def largest_group(total: dict[str, float], per_worker: dict[str, float], max_wor
 
 
 def scaling_config(cfg: Config) -> ScalingConfig:
+    if cfg.cluster.placement_strategy == "auto":
+        raise RuntimeError("cluster.placement_strategy is still auto: resolve_placement() decides it against the "
+                           "cluster before Ray Train gets it")
     return ScalingConfig(
         num_workers=(cfg.elastic.min_workers, cfg.elastic.max_workers),
         use_gpu=trains_on_gpu(cfg),
