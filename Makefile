@@ -35,16 +35,16 @@ browser:
 # Two pytest processes side by side. The drills (integration tests on the shared Ray
 # cluster, object store and MLflow server, which time what they stage) in one, alone: two
 # of them at once on two cores failed on load. The rest (unit, GPU: skipped without CUDA,
-# and the standalone integration tests) in the other, at the lowest CPU priority, so it
-# fills the drills' waits instead of slowing their steps: the drills' Ray cluster runs its
-# workers at nice 10 (tests/helpers/ray_clusters.py), well above it, and the drills that start
-# the most processes run last, when it has mostly finished (tests/integration/conftest.py).
-# Its lines come after.
+# the standalone integration tests, and the untimed ones on a stack of their own) in the
+# other, at the lowest CPU priority, so it fills the drills' waits instead of slowing their
+# steps: the drills' Ray cluster runs its workers at nice 10 (tests/helpers/ray_clusters.py),
+# well above it, and the drills that start the most processes run last, when it has mostly
+# finished (tests/integration/conftest.py). Its lines come after.
 test: $(STAMP) browser
 	@log=$$(mktemp); \
-	nice -n 19 $(BIN)/python -m pytest tests/unit tests/gpu tests/integration -m "standalone or not integration" \
+	nice -n 19 $(BIN)/python -m pytest tests/unit tests/gpu tests/integration -m "standalone or untimed or not integration" \
 		-q -ra --durations=10 -p no:cacheprovider >$$log 2>&1 & rest=$$!; \
-	$(BIN)/python -m pytest tests/integration -m "integration and not standalone" -q -ra --durations=30 \
+	$(BIN)/python -m pytest tests/integration -m "integration and not (standalone or untimed)" -q -ra --durations=30 \
 		-p no:cacheprovider; drills=$$?; \
 	wait $$rest; others=$$?; echo "--- tests/unit, tests/gpu, standalone tests/integration:"; cat $$log; rm -f $$log; \
 	test $$drills -eq 0 -a $$others -eq 0

@@ -18,7 +18,8 @@ from wildtrain import cli, driver
 from wildtrain.events import EvalFailed
 from wildtrain.tracking.record import read_events
 
-pytestmark = pytest.mark.integration
+# Nothing timed: `make test` runs it beside the drills, whose longest it was (93 s in a CI).
+pytestmark = [pytest.mark.integration, pytest.mark.untimed]
 
 TASK = "wildtrain_tiny_choice"  # tests/assets/evals/tiny_choice.yaml
 

@@ -19,11 +19,17 @@ pytestmark = [pytest.mark.integration, pytest.mark.standalone]
 
 @pytest.fixture
 def metrics_cluster(monkeypatch):
+    # A process that joined the shared cluster before (`make test` runs the untimed tests on
+    # the shared services in this test's process) joins it again after.
+    joined = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+    ray.shutdown()
     cluster = start_cluster(monkeypatch.setenv, num_cpus=2, metrics=True)
     ray.init(address=cluster.address)
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+    if joined:
+        ray.init(address=joined)
 
 
 def gauges(port: int, name: str, run: str) -> dict[str, float]:
