@@ -22,7 +22,8 @@ from wildtrain.checkpoint.restore import newest_committed
 from wildtrain.config import StorageConfig, load_config
 from wildtrain.layout import checkpoint_stores
 
-pytestmark = pytest.mark.integration
+# Nothing timed, on a Ray of its own: `make test` runs it beside the drills.
+pytestmark = [pytest.mark.integration, pytest.mark.untimed]
 
 STORE_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
