@@ -40,13 +40,22 @@ browser:
 # steps: the drills' Ray cluster runs its workers at nice 10 (tests/helpers/ray_clusters.py),
 # well above it, and the drills that start the most processes run last, when it has mostly
 # finished (tests/integration/conftest.py). Its lines come after.
+# The drills' lines go out through `tee` into a file as well: a CI's drills process exited 1
+# with a traceback after its warnings summary, and the CI's report (its head and its tail)
+# cut out the exception's own line. So where they fail, the last lines of `make test` are
+# theirs, unbuffered (-u) to keep a traceback after what was printed before it. `tee` outlives
+# a Ctrl-C (-i) to take pytest's teardown lines, and keeps reading where writing them out
+# fails, so that pytest never fails on its output.
 test: $(STAMP) browser
-	@log=$$(mktemp); \
+	@log=$$(mktemp); drills_log=$$(mktemp); drills_status=$$(mktemp); \
 	nice -n 19 $(BIN)/python -m pytest tests/unit tests/gpu tests/integration -m "standalone or untimed or not integration" \
 		-q -ra --durations=10 -p no:cacheprovider >$$log 2>&1 & rest=$$!; \
-	$(BIN)/python -m pytest tests/integration -m "integration and not (standalone or untimed)" -q -ra --durations=30 \
-		-p no:cacheprovider; drills=$$?; \
-	wait $$rest; others=$$?; echo "--- tests/unit, tests/gpu, standalone tests/integration:"; cat $$log; rm -f $$log; \
+	{ $(BIN)/python -u -m pytest tests/integration -m "integration and not (standalone or untimed)" -q -ra \
+		--durations=30 -p no:cacheprovider 2>&1; echo $$? >$$drills_status; } | tee -i --output-error=warn $$drills_log; \
+	drills=$$(cat $$drills_status); \
+	wait $$rest; others=$$?; echo "--- tests/unit, tests/gpu, standalone tests/integration:"; cat $$log; \
+	[ $$drills -eq 0 ] || { echo "--- the drills' pytest exited $$drills; its last lines:"; tail -n 12 $$drills_log; }; \
+	rm -f $$log $$drills_log $$drills_status; \
 	test $$drills -eq 0 -a $$others -eq 0
 
 unit: $(STAMP)
