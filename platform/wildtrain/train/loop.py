@@ -128,6 +128,7 @@ def join_in_process(inputs: LoopInputs, token: str, name: str, group_size: int) 
     """A worker the controller started on a lost member's placement slot (`elastic.survivors`):
     it joins the group registered under `token` as `name` and trains in its generations from
     the state the members hold. No Ray Train worker: its generation's rank 0 reports."""
+    called_at = time.time()
     cfg = inputs.cfg
     check_storage(inputs.storage_view, cfg)
     # Ray shows the actor its slot's one GPU as device 0, where Ray Train sets a worker's device itself.
@@ -140,8 +141,12 @@ def join_in_process(inputs: LoopInputs, token: str, name: str, group_size: int) 
                             cfg.elastic, backend(cfg), control_timeout_s(cfg))
     try:
         left = ready_to_join(inputs, device)
-        print(f"{name} asks to join, {time.time() - psutil.Process().create_time():.1f} s after its process started",
-              flush=True)
+        # Ray calls a joiner once its worker process runs and its inputs are unpickled, which
+        # imports torch, Ray Train and the model's modules: 3-4 s of a core here.
+        started_at, asked_at = psutil.Process().create_time(), time.time()
+        print(f"{name} asks to join, {asked_at - started_at:.1f} s after its process started: "
+              f"{called_at - started_at:.1f} s until Ray called it (its worker process, its inputs' imports), "
+              f"{asked_at - called_at:.1f} s getting ready (the engine's imports, the first read)", flush=True)
         member.ask()
         train_generations(inputs, device, member, left, lambda: None)
     finally:
