@@ -16,7 +16,13 @@ node left (each holds a bundle of the group already), and the GCS files it as in
 be tried again when a node registers, not at once (`OnPlacementGroupCreationFailed` in Ray's
 `gcs_placement_group_manager.cc`: only a bundle that could fit somewhere is retried at once).
 
-    PYTHONPATH=platform .venv/bin/python bench/pg_storm.py [--phase-s 15]
+Nodes of several workers (two here, as nodes of several GPUs hold several) twice: a bundle a
+worker, as Ray Train places a group (PACK: a lost bundle fits a node left by its totals), and
+a bundle a node, STRICT_SPREAD, each holding its node's two workers (`Slot` actors placed in
+it by bundle index), the shape that would let such a group wait for a node as one-worker
+nodes do; there a worker is placed in the lost bundle again once a node is back.
+
+    PYTHONPATH=platform .venv/bin/python bench/pg_storm.py [--phase-s 15] [--several]
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import psutil
 import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 from wildtrain import services  # noqa: E402
@@ -65,23 +72,39 @@ def measure(cluster: Cluster, seconds: float) -> dict[str, float]:
     return cpu | {"tries_per_s": (gcs_tries(cluster) - tries0) / seconds}
 
 
-def run(label: str, system_config: dict, phase_s: float, strategy: str = "SPREAD") -> list[tuple]:
+@ray.remote(num_cpus=0, resources={SLOT: 1})
+class Slot:
+    """A worker's share of a bundle that holds a node's workers."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def run(label: str, system_config: dict, phase_s: float, strategy: str = "SPREAD", workers_per_node: int = 1,
+        bundle_per_node: bool = False) -> list[tuple]:
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 2, "_system_config": services.NODE_HEALTH_CHECKS | STATS | system_config})
     rows = []
+    node = {SLOT: workers_per_node}
+    bundles = [node] * 2 if bundle_per_node else [{SLOT: 1}] * (2 * workers_per_node)
     try:
-        nodes = [cluster.add_node(num_cpus=1, resources={SLOT: 1}) for _ in range(2)]
+        nodes = [cluster.add_node(num_cpus=1, resources=node) for _ in range(2)]
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="ERROR")
-        group = placement_group([{SLOT: 1}, {SLOT: 1}], strategy=strategy)
+        group = placement_group(bundles, strategy=strategy)
         ray.get(group.ready(), timeout=60)
-        rows.append((label, "both bundles placed", measure(cluster, phase_s)))
+        if bundle_per_node:
+            ray.get([in_bundle(group, index).ready.remote() for index in range(2) for _ in range(workers_per_node)],
+                    timeout=60)
+        rows.append((label, "both nodes' bundles placed", measure(cluster, phase_s)))
         cluster.remove_node(nodes[1], allow_graceful=False)
         time.sleep(3)  # the node's death is noticed (health checks: about 2 s)
-        rows.append((label, "a bundle's node lost", measure(cluster, phase_s)))
-        cluster.add_node(num_cpus=1, resources={SLOT: 1})
+        rows.append((label, "a node lost", measure(cluster, phase_s)))
+        cluster.add_node(num_cpus=1, resources=node)
         ray.get(group.ready(), timeout=60)
-        rows.append((label, "a node back, bundle placed", measure(cluster, phase_s)))
+        if bundle_per_node:  # the lost bundle placed again takes a worker
+            ray.get(in_bundle(group, 1).ready.remote(), timeout=60)
+        rows.append((label, "a node back, its bundles placed", measure(cluster, phase_s)))
         rows.append((label, f"{phase_s:g} s later", measure(cluster, phase_s)))
         remove_placement_group(group)
     finally:
@@ -90,13 +113,25 @@ def run(label: str, system_config: dict, phase_s: float, strategy: str = "SPREAD
     return rows
 
 
+def in_bundle(group, index: int):
+    """A `Slot` placed in bundle `index` of `group`, as Ray Train places a worker in its bundle."""
+    return Slot.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
+                        ).remote()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--phase-s", type=float, default=15.0, help="seconds each phase is measured")
+    parser.add_argument("--several", action="store_true", help="also nodes of two workers, in both bundle shapes")
     args = parser.parse_args()
     rows = run("Ray metrics on (default)", {}, args.phase_s)
     rows += run("Ray metrics off", services.RAY_METRICS_OFF, args.phase_s)
     rows += run("Ray metrics on, STRICT_SPREAD group", {}, args.phase_s, strategy="STRICT_SPREAD")
+    if args.several:
+        rows += run("nodes of two workers, a bundle a worker, PACK", {}, args.phase_s, strategy="PACK",
+                    workers_per_node=2)
+        rows += run("nodes of two workers, a bundle a node, STRICT_SPREAD", {}, args.phase_s,
+                    strategy="STRICT_SPREAD", workers_per_node=2, bundle_per_node=True)
     print(f"\n| cluster | phase | GCS CPU (cores) | head dashboard agent CPU (cores) | GCS placement tries/s |")
     print("|---|---|---|---|---|")
     for label, phase, m in rows:
