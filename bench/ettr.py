@@ -17,7 +17,7 @@ is rank 1's, since rank 0's falls back to a restart; the survivor re-forms in it
 and a worker started on the returned node joins it).
 
 Usage: .venv/bin/python bench/ettr.py [--steps 15000] [--kill-every-min 5] [--return-after-min 1]
-       [--modes restart in-process] [--ray-metrics on off] [--placement auto PACK STRICT_SPREAD]
+       [--modes restart in-process] [--ray-metrics on off] [--placement auto PACK STRICT_SPREAD NODE_BUNDLES]
 """
 
 from __future__ import annotations
@@ -128,8 +128,9 @@ def main() -> None:
     parser.add_argument("--ray-metrics", nargs="+", choices=sorted(RAY_METRICS), default=["on"],
                         help="Ray's metrics collection on the fake cluster (on: Ray's default); each mode runs with each")
     parser.add_argument("--placement", nargs="+", choices=PLACEMENT_STRATEGIES, default=["auto"],
-                        help="cluster.placement_strategy (auto: wildtrain's default, STRICT_SPREAD on this cluster "
-                             "of one-worker nodes; PACK: Ray's); each mode runs with each")
+                        help="cluster.placement_strategy (auto: wildtrain's default, on this cluster of one-worker "
+                             "nodes STRICT_SPREAD for restart, NODE_BUNDLES for in-process, alike; PACK: Ray's); "
+                             "each mode runs with each")
     args = parser.parse_args()
     if not 0 < args.return_after_min < args.kill_every_min:
         raise SystemExit(f"need 0 < --return-after-min ({args.return_after_min:g}) < --kill-every-min "

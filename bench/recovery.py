@@ -6,7 +6,8 @@ the same with elastic.in_process (the survivor re-forms in its own process from 
 mirror: issue 24's goal, death -> first step within 5 s, no step redone); with --only, Ray's
 own timeouts for reference and tuned variants too, and "in-process + spare" (elastic.spares=1
 on a third node: the spare takes the dead member's place, and the returned node's worker
-waits ready as the next spare). The node removed is rank 1's (in-process, rank 0's death
+waits ready as the next spare), and "in-process, nodes of two" (four workers on two nodes of
+two: a death takes two). The node removed is the last rank's (in-process, rank 0's death
 falls back to a restart). Each scenario gets its own fake cluster (node health checks
 are set when the head starts, as `wildtrain up` sets them). Prints one row per interruption:
 
@@ -23,6 +24,8 @@ are set when the head starts, as `wildtrain up` sets them). Prints one row per i
     steps lost  steps done before the interruption that the restored checkpoint lacked
     load        the machine's mean 1-minute load average over that recovery (on a shared
                 2-core machine, other people's work moves every column)
+    GCS cores   the head's GCS's CPU from the node's removal to its return (a lost placement
+                bundle that fits a node left is retried without pause: bench/pg_storm.py)
 
 Usage: .venv/bin/python bench/recovery.py [--steps 60] [--only "wildtrain tuned" "in-process" ...]
 """
@@ -64,6 +67,7 @@ from wildtrain.tracking.mlflow_client import quiet_mlflow  # noqa: E402
 from wildtrain.tracking.record import read_events  # noqa: E402
 
 WORKER_SLOT = "wildtrain_worker"
+NODES_OF_TWO = ("elastic.in_process=true", "elastic.max_workers=4", "train.global_batch_size=24")
 SCENARIOS = {
     # What a user gets: the config's defaults on a head `wildtrain up` started.
     "wildtrain defaults": dict(overrides=[], system_config=services.NODE_HEALTH_CHECKS),
@@ -86,11 +90,19 @@ SCENARIOS = {
     # that the return's worker gets ready before the run's end.
     "in-process + spare": dict(overrides=["elastic.in_process=true", "elastic.spares=1", "chaos.min_step_s=0.2"],
                                system_config=services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF, spares=1),
-    # Ray's default placement, PACK, where wildtrain's auto spreads the workers of this
-    # cluster (one worker a node): the lost bundle fits the survivor's node by its totals, and
-    # the GCS retries it without pause until a node comes back (bench/pg_storm.py).
+    # Ray's default placement, PACK, where wildtrain's auto places a bundle a node (here one
+    # worker a node, as STRICT_SPREAD would): the lost bundle fits the survivor's node by its
+    # totals, and the GCS retries it without pause until a node comes back (bench/pg_storm.py).
     "in-process, pack": dict(overrides=["elastic.in_process=true", "cluster.placement_strategy=PACK"],
                              system_config=services.NODE_HEALTH_CHECKS),
+    # Nodes of two workers (as nodes of several GPUs), four workers: a node's death takes two.
+    # auto places a bundle a node (NODE_BUNDLES); PACK, a bundle a worker, leaves the GCS
+    # retrying the two lost bundles while the group runs smaller (bench/pg_storm.py --several).
+    # 24 rows a step: 1 to 4 workers share them evenly.
+    "in-process, nodes of two": dict(overrides=[*NODES_OF_TWO], system_config=services.NODE_HEALTH_CHECKS,
+                                     workers_per_node=2),
+    "in-process, nodes of two, pack": dict(overrides=[*NODES_OF_TWO, "cluster.placement_strategy=PACK"],
+                                           system_config=services.NODE_HEALTH_CHECKS, workers_per_node=2),
     # The same without Ray's metrics (services.RAY_METRICS_OFF says why).
     "in-process, ray metrics off": dict(overrides=["elastic.in_process=true"],
                                         system_config=services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF),
@@ -141,12 +153,13 @@ def tiny_services(name: str, nice: int = 0) -> Iterator[tuple[Path, str, str]]:
 
 
 @contextlib.contextmanager
-def fake_cluster(system_config: dict, worker_nodes: int = 2) -> Iterator[Cluster]:
-    """A head (the driver, Ray Data) and `worker_nodes` one-worker nodes (`add_worker_node`),
-    which this process joins; all stopped after. `system_config`: the head's (node health checks)."""
+def fake_cluster(system_config: dict, worker_nodes: int = 2, workers_per_node: int = 1) -> Iterator[Cluster]:
+    """A head (the driver, Ray Data) and `worker_nodes` nodes of `workers_per_node` workers
+    (`add_worker_node`), which this process joins; all stopped after. `system_config`: the
+    head's (node health checks)."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "_system_config": system_config})
     for _ in range(worker_nodes):
-        add_worker_node(cluster)
+        add_worker_node(cluster, workers_per_node)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     try:
@@ -156,30 +169,37 @@ def fake_cluster(system_config: dict, worker_nodes: int = 2) -> Iterator[Cluster
         cluster.shutdown()
 
 
-def add_worker_node(cluster: Cluster) -> None:
-    """A node with room for one training worker (`cluster.worker_resources` names the slot)."""
-    cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
+def add_worker_node(cluster: Cluster, workers: int = 1) -> None:
+    """A node with room for `workers` training workers (`cluster.worker_resources` names the slot)."""
+    cluster.add_node(num_cpus=workers, resources={WORKER_SLOT: workers})
+
+
+def gcs_cpu_s(cluster: Cluster) -> float:
+    """The CPU seconds the head's GCS has used so far."""
+    return sum(psutil.Process(cluster.head_node.all_processes["gcs_server"][0].process.pid).cpu_times()[:2])
 
 
 def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path,
-                 load: "LoadSampler", spares: int = 0) -> list[dict]:
+                 load: "LoadSampler", spares: int = 0, workers_per_node: int = 1) -> list[dict]:
     if spares:
         return run_spare_scenario(name, overrides, system_config, mlflow_url, steps, root, load)
-    say(f"{name}: starting a fake cluster of a head and two one-worker nodes")
-    with fake_cluster(system_config) as cluster:
+    full, smaller = 2 * workers_per_node, workers_per_node
+    say(f"{name}: starting a fake cluster of a head and two nodes of {workers_per_node} worker(s)")
+    with fake_cluster(system_config, workers_per_node=workers_per_node) as cluster:
         cfg = run_config(name, overrides, mlflow_url, steps, root)
-        say(f"{name}: training {steps} steps at world size 2")
+        say(f"{name}: training {steps} steps at world size {full}")
         run = BackgroundRun(cfg)
         run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6", 600)
-        say(f"{name}: step 6 reached; removing rank 1's node, waiting for a step at world size 1")
-        victim = rank_node(cluster, run, mlflow_url, root, 1)
-        killed_at = time.time()
+        say(f"{name}: step 6 reached; removing rank {full - 1}'s node, waiting for a step at world size {smaller}")
+        victim = rank_node(cluster, run, mlflow_url, root, full - 1)
+        killed_at, gcs_at_kill = time.time(), gcs_cpu_s(cluster)
         cluster.remove_node(victim)
-        run.wait_until(lambda h: h and h[-1].value == 1, "a step at world size 1", 600)
+        run.wait_until(lambda h: h and h[-1].value == smaller, f"a step at world size {smaller}", 600)
         added_at = time.time()
-        say(f"{name}: training at world size 1 after {added_at - killed_at:.1f} s; adding the node back, "
-            "waiting for the run to end")
-        add_worker_node(cluster)
+        gcs_cores = (gcs_cpu_s(cluster) - gcs_at_kill) / (added_at - killed_at)
+        say(f"{name}: training at world size {smaller} after {added_at - killed_at:.1f} s (the GCS used "
+            f"{gcs_cores:.2f} cores meanwhile); adding the node back, waiting for the run to end")
+        add_worker_node(cluster, workers_per_node)
         summary = run.join(1200)
         say(f"{name}: run finished; reading its events")
         events = read_events(mlflow_url, summary.run_id, tempfile.mkdtemp(dir=root))
@@ -201,11 +221,12 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
             "first step": first_step,
             "steps lost": recovery.steps_lost,
             "load": f"{load.mean(cause_at, cause_at + first_step):.1f}",
+            "GCS cores": f"{gcs_cores:.2f}" if cause_at == killed_at else "-",
         })
     if len(rows) < 2:
         rows.append({"scenario": name, "event": "regrow: none before the run's last step",
                      **{c: "-" for c in ("detection", "restart", "restore", "reshard", "stopped", "first step",
-                                         "steps lost", "load")}})
+                                         "steps lost", "load", "GCS cores")}})
     for row in rows:
         say(f"{name}: {row['event']}: first step after {cell(row['first step'])}")
     return rows
@@ -322,16 +343,17 @@ def main() -> None:
         for name, scenario in scenarios.items():
             overrides = [f"data.datasets=[{{uri: {dataset}}}]", *scenario["overrides"]]
             rows += run_scenario(name, overrides, scenario["system_config"], mlflow_url, args.steps, root, load,
-                                 scenario.get("spares", 0))
+                                 scenario.get("spares", 0), scenario.get("workers_per_node", 1))
 
     columns = ["scenario", "event", "detection", "restart", "restore", "reshard", "stopped", "first step", "steps lost",
-               "load"]
+               "load", "GCS cores"]
     print("\n| " + " | ".join(columns) + " |")
     print("|" + "|".join("---" for _ in columns) + "|")
     for row in rows:
-        print("| " + " | ".join(cell(row[c]) for c in columns) + " |")
+        print("| " + " | ".join(cell(row.get(c, "-")) for c in columns) + " |")
     print("\ndetection: node removed/added → controller knows; restart: → new group's training function starts "
-          "(measured from detection); first step: node removed/added → first step at the new size.")
+          "(measured from detection); first step: node removed/added → first step at the new size; GCS cores: the "
+          "head's GCS's CPU from the node's removal to its return.")
 
 
 if __name__ == "__main__":

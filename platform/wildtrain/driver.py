@@ -132,6 +132,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
             # Ray Train's per-report INFO lines would drown the progress lines.
             logging_config=LoggingConfig(log_level="WARNING"),
         ),
+        bundle_per_node=scaling.node_bundled(cfg),
     )
     try:
         trainer.fit()
@@ -217,9 +218,17 @@ def resolve_placement(cfg: Config) -> Config:
     """`cfg` with `cluster.placement_strategy` decided against the nodes of the cluster this
     process joined (`scaling.choose_placement`); says so where auto spreads the workers."""
     resolved = scaling.resolve_placement(cfg, [node["Resources"] for node in ray.nodes() if node["Alive"]])
-    if cfg.cluster.placement_strategy == "auto" and resolved.cluster.placement_strategy == "STRICT_SPREAD":
-        print("cluster.placement_strategy=auto: STRICT_SPREAD (no node holds two workers)", flush=True)
+    said = AUTO_PLACEMENT.get(resolved.cluster.placement_strategy)
+    if cfg.cluster.placement_strategy == "auto" and said:
+        print(f"cluster.placement_strategy=auto: {said}", flush=True)
     return resolved
+
+
+# What auto chose and why, where it is not Ray's default.
+AUTO_PLACEMENT = {
+    "STRICT_SPREAD": "STRICT_SPREAD (no node holds two workers)",
+    "NODE_BUNDLES": "NODE_BUNDLES (each node's workers in a bundle of their own, for elastic.in_process)",
+}
 
 
 def connect_ray(cfg: Config) -> Optional[str]:

@@ -10,6 +10,7 @@ like a start that timed out, or no failure at all.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.experimental import internal_kv
 from ray.train.torch import TorchConfig, TorchTrainer
-from ray.util.placement_group import PlacementGroup
+from ray.util.placement_group import PlacementGroup, placement_group
 from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.exceptions import (
@@ -35,9 +36,11 @@ from ray.train.v2._internal.execution.callback import (
     WorkerGroupCallback,
 )
 from ray.train.v2._internal.execution.checkpoint.report_handler import ReportCallbackHandler
+from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.controller import state as _states
-from ray.train.v2._internal.execution.worker_group import ReplicaGroup
+from ray.train.v2._internal.execution.worker_group import DefaultPlacementGroupHandle, ReplicaGroup, WorkerGroup
 from ray.train.v2._internal.execution.worker_group.poll import WorkerStatus
+from ray.train.v2.api import data_parallel_trainer as _trainer_module
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
 # Ray Train's developer callback hooks (the controller's state changes, worker-group starts,
@@ -112,11 +115,69 @@ class TrainerWithoutDatasets(TorchTrainer):
     """Ray Train's TorchTrainer, less the dataset manager it starts for every worker group
     whether or not it was given datasets: a process of its own importing Ray Train, ~3
     CPU-seconds of every attempt's start here (py-spy), and wildtrain's workers read their
-    datasets themselves (`data.stream`), never through `get_dataset_shard`."""
+    datasets themselves (`data.stream`), never through `get_dataset_shard`. With
+    `bundle_per_node`, its worker groups place a bundle a node (`NodeBundleWorkerGroup`)."""
+
+    def __init__(self, *args, bundle_per_node: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.bundle_per_node = bundle_per_node
 
     def _create_default_callbacks(self):
         callbacks = super()._create_default_callbacks()
         return callbacks if self.datasets else [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        # Ray Train makes its controller actor of the class its module names at the call.
+        controller = NodeBundleController if self.bundle_per_node else TrainController
+        with _module_attribute(_trainer_module, "TrainController", controller):
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+
+@contextlib.contextmanager
+def _module_attribute(module, name: str, value):
+    before = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, before)
+
+
+class NodeBundleWorkerGroup(WorkerGroup):
+    """Ray Train's worker group, placed a bundle a node (cluster.placement_strategy
+    NODE_BUNDLES): each bundle holds the workers of one node (`scaling.node_bundles`, from the
+    nodes alive when the group starts), STRICT_SPREAD, and each worker is placed in its
+    node's bundle by index, where Ray Train places a bundle a worker. On nodes of several
+    workers, an in-process group's bundles lost with their node then fit no node left, and
+    Ray 2.60's GCS waits for a node to register rather than retrying them without pause
+    (bench/pg_storm.py --several); a joiner is placed in its lost member's bundle by index
+    once a node is back (`worker_slot`)."""
+
+    def _create_placement_group(self, scaling_config, worker_group_context):
+        from wildtrain.elastic.scaling import node_bundles, workers_held  # the controller's process imports it here
+
+        per_worker = worker_group_context.resources_per_worker
+        held = [workers_held(node["Resources"], per_worker) for node in ray.nodes() if node["Alive"]]
+        self._bundle_sizes = node_bundles(worker_group_context.num_workers, held)
+        bundles = [{name: amount * size for name, amount in per_worker.items()} for size in self._bundle_sizes]
+        # Ray Train's label selectors are per worker (the nodes left out: elastic.controller.NodeExclusion).
+        selectors = worker_group_context.label_selector
+        first_workers = [sum(self._bundle_sizes[:index]) for index in range(len(bundles))]
+        return DefaultPlacementGroupHandle(placement_group(
+            bundles, strategy="STRICT_SPREAD",
+            bundle_label_selector=[selectors[first] for first in first_workers] if selectors else None))
+
+    def _create_workers(self, num_workers, placement_group, resources_per_worker, placement_group_bundle_indices=None,
+                        **kwargs):
+        if placement_group_bundle_indices is None:  # a group's start: its workers by their node's bundle
+            placement_group_bundle_indices = [index for index, size in enumerate(self._bundle_sizes)
+                                              for _ in range(size)]
+        return super()._create_workers(num_workers, placement_group, resources_per_worker,
+                                       placement_group_bundle_indices, **kwargs)
+
+
+class NodeBundleController(TrainController):
+    worker_group_cls = NodeBundleWorkerGroup
 
 
 def dashboard_url() -> Optional[str]:

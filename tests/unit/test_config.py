@@ -96,7 +96,7 @@ def test_seq_len_longer_than_the_model_is_rejected():
     ("checkpoint.policy", "drop", "skip, queue"),
     ("checkpoint.background", "fork", "process, thread"),
     ("early_stop.metric", "val/acc", "loss, val/loss"),
-    ("cluster.placement_strategy", "STRICT_PACK", "auto, PACK, SPREAD, STRICT_SPREAD"),
+    ("cluster.placement_strategy", "STRICT_PACK", "auto, PACK, SPREAD, STRICT_SPREAD, NODE_BUNDLES"),
 ])
 def test_a_value_outside_its_choices_names_the_key_the_value_and_the_choices(key, bad, choices):
     with pytest.raises(ConfigError) as e:

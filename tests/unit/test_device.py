@@ -57,9 +57,14 @@ def test_the_resolved_config_is_what_scaling_and_the_workers_get():
     with pytest.raises(RuntimeError, match="cluster.placement_strategy"):
         scaling.scaling_config(on_gpus)  # auto, read unresolved
     eight_gpus = {"CPU": 64.0, "GPU": 8.0}
+    bundled = scaling.resolve_placement(on_gpus, [eight_gpus, eight_gpus])
+    assert scaling.scaling_config(bundled).use_gpu
+    assert scaling.node_bundled(bundled), "in-process on nodes of several: a bundle a node"
+    assert scaling.scaling_config(bundled).placement_strategy == "STRICT_SPREAD", "what Ray places the bundles by"
+    on_gpus.elastic.in_process = False
     packed = scaling.resolve_placement(on_gpus, [eight_gpus, eight_gpus])
-    assert scaling.scaling_config(packed).use_gpu
     assert scaling.scaling_config(packed).placement_strategy == "PACK", "Ray's default, where a node holds several"
+    assert not scaling.node_bundled(packed)
     on_gpus.cluster.placement_strategy = "STRICT_SPREAD"
     assert scaling.scaling_config(on_gpus).placement_strategy == "STRICT_SPREAD"
 
@@ -132,12 +137,27 @@ def test_the_engine_is_built_for_the_device_it_is_given(tmp_path):
         assert f"stage {stage}: bf16 False dtypes ['torch.float32'] fused False compiled False" in built.stdout
 
 
-@pytest.mark.parametrize("nodes, chosen", [
-    ([{"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 1.0}], "STRICT_SPREAD"),  # one GPU a node: the same placement
-    ([{"CPU": 64.0, "GPU": 8.0}, {"CPU": 8.0, "GPU": 1.0}], "PACK"),  # a node that holds two
-    ([{"CPU": 4.0}, {"CPU": 8.0, "GPU": 1.0}], "STRICT_SPREAD"),  # a head without GPUs holds none
-    ([{"CPU": 4.0}], "PACK"),  # nothing holds a worker yet: Ray's default
+@pytest.mark.parametrize("nodes, chosen, in_process", [
+    ([{"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 1.0}], "STRICT_SPREAD", False),  # one GPU a node: the same placement
+    ([{"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 1.0}], "NODE_BUNDLES", True),  # as STRICT_SPREAD, by our class
+    ([{"CPU": 64.0, "GPU": 8.0}, {"CPU": 8.0, "GPU": 1.0}], "PACK", False),  # a node that holds two
+    ([{"CPU": 64.0, "GPU": 8.0}, {"CPU": 8.0, "GPU": 1.0}], "NODE_BUNDLES", True),  # its bundles would storm in PACK
+    ([{"CPU": 4.0}, {"CPU": 8.0, "GPU": 1.0}], "STRICT_SPREAD", False),  # a head without GPUs holds none
+    ([{"CPU": 4.0}], "PACK", True),  # nothing holds a worker yet: Ray's default
 ])
-def test_auto_placement_spreads_where_no_node_holds_two_workers(nodes, chosen):
-    assert scaling.choose_placement("auto", {"CPU": 1, "GPU": 1}, nodes) == chosen
-    assert scaling.choose_placement("SPREAD", {"CPU": 1, "GPU": 1}, nodes) == "SPREAD", "a strategy set stands"
+def test_auto_placement_leaves_no_lost_bundle_that_fits_a_node_left(nodes, chosen, in_process):
+    assert scaling.choose_placement("auto", {"CPU": 1, "GPU": 1}, nodes, in_process) == chosen
+    assert scaling.choose_placement("SPREAD", {"CPU": 1, "GPU": 1}, nodes, in_process) == "SPREAD", \
+        "a strategy set stands"
+
+
+@pytest.mark.parametrize("workers, held, sizes", [
+    (16, [8, 8], [8, 8]),  # a bundle a node
+    (12, [8, 8], [8, 4]),  # the last one partly
+    (12, [4, 8], [8, 4]),  # the largest nodes first
+    (3, [2, 2, 0], [2, 1]),  # a node that holds no worker holds no bundle
+    (2, [1, 1, 1], [1, 1]),  # nodes of one: STRICT_SPREAD's bundles
+    (5, [2], [2, 2, 1]),  # more than the nodes hold: placed once such nodes join
+])
+def test_node_bundles_put_each_nodes_workers_in_a_bundle_of_their_own(workers, held, sizes):
+    assert scaling.node_bundles(workers, held) == sizes

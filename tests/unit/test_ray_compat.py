@@ -24,6 +24,8 @@ from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollSt
 from ray.train.v2._internal.execution.worker_group.placement_group_handle import PlacementGroupHandle
 from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState
 from ray.train.v2._internal.execution.worker_group.worker import Worker
+from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+from ray.train.v2.api import data_parallel_trainer
 from ray.train.torch import TorchTrainer
 from ray.train.v2.api.exceptions import ControllerError
 
@@ -152,6 +154,22 @@ def test_workers_carry_what_group_workers_and_worker_slot_read():
     assert {"distributed_context", "metadata", "placement_group_bundle_index"} <= fields
     assert "placement_group_handle" in {f.name for f in dataclasses.fields(WorkerGroupState)}
     assert isinstance(inspect.getattr_static(PlacementGroupHandle, "placement_group"), property)
+
+
+def test_ray_train_still_makes_its_controller_and_places_its_workers_where_node_bundles_step_in():
+    """`NodeBundleWorkerGroup` replaces the placement group Ray Train's worker group makes and
+    the bundle each worker goes in, through the controller's class and its worker group's."""
+    assert data_parallel_trainer.TrainController is TrainController, "the name the trainer makes its controller of"
+    assert "(TrainController)" in inspect.getsource(TorchTrainer._initialize_and_run_controller)
+    assert TrainController.worker_group_cls is WorkerGroup
+    assert issubclass(ray_compat.NodeBundleController, TrainController)
+    assert list(inspect.signature(WorkerGroup._create_placement_group).parameters) == [
+        "self", "scaling_config", "worker_group_context"]
+    assert list(inspect.signature(WorkerGroup._create_workers).parameters)[:5] == [
+        "self", "num_workers", "placement_group", "resources_per_worker", "placement_group_bundle_indices"]
+    start = inspect.getsource(WorkerGroup._start_impl)
+    assert "self._create_placement_group(" in start
+    assert "placement_group_bundle_indices" not in start, "a start places worker i in bundle i unless told"
 
 
 def test_every_hook_our_callbacks_define_is_one_ray_calls_with_those_parameters():

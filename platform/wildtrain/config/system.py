@@ -11,7 +11,7 @@ from wildtrain.config.errors import ConfigError, one_of, positive, zero_or_posit
 
 SAVE_POLICIES = ("skip", "queue")
 SAVE_BACKGROUNDS = ("process", "thread")
-PLACEMENT_STRATEGIES = ("auto", "PACK", "SPREAD", "STRICT_SPREAD")
+PLACEMENT_STRATEGIES = ("auto", "PACK", "SPREAD", "STRICT_SPREAD", "NODE_BUNDLES")
 
 
 @dataclass
@@ -149,12 +149,14 @@ class ClusterConfig:
     worker_resources: dict[str, float] = field(default_factory=dict)
     # How Ray places the worker group's bundles (Ray Train's ScalingConfig.placement_strategy):
     # PACK (Ray's default) fills a node before the next; STRICT_SPREAD puts each worker on a
-    # node of its own, and a group larger than the nodes cannot start. With elastic.in_process
-    # on nodes of one worker each, STRICT_SPREAD spares the head the GCS's retries of a lost
-    # worker's bundle: where it fits no node left, Ray waits for a node to register instead of
-    # retrying without pause while the group runs smaller (bench/pg_storm.py). auto: decided
-    # by the driver once the cluster can hold the group (`scaling.choose_placement`):
-    # STRICT_SPREAD where no node can hold two workers (PACK would place them alike), else PACK.
+    # node of its own, and a group larger than the nodes cannot start; NODE_BUNDLES (wildtrain's)
+    # puts each node's workers in one bundle, STRICT_SPREAD. With elastic.in_process, a PACK
+    # group's lost bundles fit the nodes left by their totals, and Ray's GCS retries them
+    # without pause while the group runs smaller (bench/pg_storm.py); in the other two they fit
+    # no node left, and Ray waits for a node to register. auto: decided by the driver once the
+    # cluster can hold the group (`scaling.choose_placement`): NODE_BUNDLES with
+    # elastic.in_process, else STRICT_SPREAD where no node can hold two workers (PACK would
+    # place them alike), else PACK.
     placement_strategy: str = "auto"
     # Peak FLOP/s of one device for MFU; None: looked up by device name (measured on CPU).
     peak_flops_per_device: Optional[float] = None

@@ -55,25 +55,53 @@ def trains_on_gpu(cfg: Config) -> bool:
     return cfg.cluster.use_gpu
 
 
-def choose_placement(strategy: str, per_worker: Mapping[str, float], nodes: list[Mapping[str, float]]) -> str:
+def workers_held(node: Mapping[str, float], per_worker: Mapping[str, float]) -> int:
+    """How many workers of `per_worker` a node of total resources `node` holds."""
+    return int(min(node.get(name, 0.0) // amount for name, amount in per_worker.items() if amount > 0))
+
+
+def choose_placement(strategy: str, per_worker: Mapping[str, float], nodes: list[Mapping[str, float]],
+                     in_process: bool) -> str:
     """The worker group's placement strategy: `strategy` (`cluster.placement_strategy`) unless
-    it is auto, which takes STRICT_SPREAD where some of `nodes` (each node's total resources)
-    can hold a worker of `per_worker` and none can hold two, and PACK otherwise. Where no node
-    holds two, both place the workers alike, one a node; but a PACK group's bundle whose node
-    died fits the other nodes by their totals, and Ray 2.60's GCS retries it without pause
-    until a node can take it, a core of the head's CPU for as long as an in-process group
-    runs smaller (bench/pg_storm.py). A STRICT_SPREAD group's lost bundle fits no node that
-    holds one of its bundles, so Ray waits for a node to register instead."""
+    it is auto. A PACK group's bundle whose node died fits the other nodes by their totals,
+    and Ray 2.60's GCS retries it without pause until a node can take it, a core of the
+    head's CPU for as long as an in-process group runs smaller (bench/pg_storm.py); the
+    restart path removes the group instead. A bundle fits no node that holds one of its
+    group's bundles in STRICT_SPREAD, so Ray waits for a node to register. So auto takes, where
+    some of `nodes` (each node's total resources) can hold a worker of `per_worker`:
+    NODE_BUNDLES for a group that recovers `in_process` (each node's workers in one bundle of
+    their own, STRICT_SPREAD: `node_bundles`); else STRICT_SPREAD where no node holds two
+    (PACK would place them alike); and PACK otherwise."""
     if strategy != "auto":
         return strategy
-    held = [min(node.get(name, 0.0) // amount for name, amount in per_worker.items() if amount > 0) for node in nodes]
-    return "STRICT_SPREAD" if max(held, default=0) == 1 else "PACK"
+    most = max((workers_held(node, per_worker) for node in nodes), default=0)
+    if most > 0 and in_process:
+        return "NODE_BUNDLES"
+    return "STRICT_SPREAD" if most == 1 else "PACK"
+
+
+def node_bundles(workers: int, held: list[int]) -> list[int]:
+    """How many of `workers` workers each bundle of a NODE_BUNDLES group holds, on nodes
+    that hold `held` workers each: the largest nodes filled first, a bundle a node. Workers
+    beyond what the nodes hold go in bundles of the largest node's size, placed once such
+    nodes join."""
+    sizes, left = [], workers
+    for size in sorted((h for h in held if h > 0), reverse=True):
+        if left == 0:
+            break
+        sizes.append(min(size, left))
+        left -= sizes[-1]
+    largest = max(held, default=0) or 1
+    while left > 0:
+        sizes.append(min(largest, left))
+        left -= sizes[-1]
+    return sizes
 
 
 def resolve_placement(cfg: Config, nodes: list[Mapping[str, float]]) -> Config:
     """`cfg` with `cluster.placement_strategy` decided (`choose_placement`) for a cluster of
     `nodes` (each node's total resources), as the driver hands it to Ray Train."""
-    strategy = choose_placement(cfg.cluster.placement_strategy, worker_resources(cfg), nodes)
+    strategy = choose_placement(cfg.cluster.placement_strategy, worker_resources(cfg), nodes, cfg.elastic.in_process)
     return replace(cfg, cluster=replace(cfg.cluster, placement_strategy=strategy))
 
 
@@ -105,10 +133,16 @@ def scaling_config(cfg: Config) -> ScalingConfig:
         num_workers=(cfg.elastic.min_workers, cfg.elastic.max_workers),
         use_gpu=trains_on_gpu(cfg),
         resources_per_worker=worker_resources(cfg),
-        placement_strategy=cfg.cluster.placement_strategy,
+        # NODE_BUNDLES: STRICT_SPREAD over bundles of a node's workers (ray_compat.NodeBundleWorkerGroup).
+        placement_strategy="STRICT_SPREAD" if node_bundled(cfg) else cfg.cluster.placement_strategy,
         # Growing is the workers' decision (see PlannedRegrow), not Ray's resize check.
         elastic_resize_monitor_interval_s=365 * 24 * 3600.0,
     )
+
+
+def node_bundled(cfg: Config) -> bool:
+    """Whether the worker group places a bundle a node (`choose_placement`'s NODE_BUNDLES)."""
+    return cfg.cluster.placement_strategy == "NODE_BUNDLES"
 
 
 def failure_config(cfg: Config) -> FailureConfig:
