@@ -197,11 +197,8 @@ class AsyncSaver:
                 self._process = SaveProcess(self.nice)
 
     def reserve_buffers(self, engine) -> None:
-        """Allocate the host buffers of this rank's part of `engine`'s checkpoints in the
-        background, before the first save needs them (a collective, as a save is). Its scratch
-        folder is the attempt's own, as a save's is: runs on one node share
-        checkpoint.staging_dir, and one run's reserve deleted another's scratch mid-capture (the
-        in-process drill beside its reference run, in a CI)."""
+        """Allocate the host buffers of this rank's part of `engine`'s checkpoints in the background, before the
+        first save needs them (a collective, as a save is); scratch of the attempt's own, as runs share a node."""
         reserve(self._buffers, engine, self.staging / f"reserve.{self.attempt}.rank{self.rank}", self.rank)
 
     def save_state(self, meta: CheckpointMeta, files: Mapping[str, Any], *, blocked_elsewhere: bool = False,
