@@ -7,8 +7,8 @@ mirror: issue 24's goal, death -> first step within 5 s, no step redone); with -
 own timeouts for reference and tuned variants too, and "in-process + spare" (elastic.spares=1
 on a third node: the spare takes the dead member's place, and the returned node's worker
 waits ready as the next spare), and "in-process, nodes of two" (four workers on two nodes of
-two: a death takes two). The node removed is the last rank's (in-process, rank 0's death
-falls back to a restart). Each scenario gets its own fake cluster (node health checks
+two: a death takes two), and "in-process, rank 0's node" (the node removed holds rank 0,
+Ray's and the generation's, where every other scenario removes the last rank's). Each scenario gets its own fake cluster (node health checks
 are set when the head starts, as `wildtrain up` sets them). Prints one row per interruption:
 
     detection   node killed (or added) → the controller learns of it (in-process: a
@@ -40,7 +40,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import psutil
 
@@ -85,6 +85,9 @@ SCENARIOS = {
     ),
     # Issue 24: survivors kept in their processes; a returning node's worker joins them.
     "in-process": dict(overrides=["elastic.in_process=true"], system_config=services.NODE_HEALTH_CHECKS),
+    # In-process, rank 0's node lost: the survivor, Ray's rank 1, is the next generation's rank 0.
+    "in-process, rank 0's node": dict(overrides=["elastic.in_process=true"], system_config=services.NODE_HEALTH_CHECKS,
+                                      victim_rank=0),
     # In-process, and a spare kept ready on a third node (elastic.spares): the group keeps its
     # size through the death, and the returned node's worker waits as the next spare. Paced so
     # that the return's worker gets ready before the run's end.
@@ -180,18 +183,20 @@ def gcs_cpu_s(cluster: Cluster) -> float:
 
 
 def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path,
-                 load: "LoadSampler", spares: int = 0, workers_per_node: int = 1) -> list[dict]:
+                 load: "LoadSampler", spares: int = 0, workers_per_node: int = 1,
+                 victim_rank: Optional[int] = None) -> list[dict]:
     if spares:
         return run_spare_scenario(name, overrides, system_config, mlflow_url, steps, root, load)
     full, smaller = 2 * workers_per_node, workers_per_node
+    victim_rank = full - 1 if victim_rank is None else victim_rank
     say(f"{name}: starting a fake cluster of a head and two nodes of {workers_per_node} worker(s)")
     with fake_cluster(system_config, workers_per_node=workers_per_node) as cluster:
         cfg = run_config(name, overrides, mlflow_url, steps, root)
         say(f"{name}: training {steps} steps at world size {full}")
         run = BackgroundRun(cfg)
         run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6", 600)
-        say(f"{name}: step 6 reached; removing rank {full - 1}'s node, waiting for a step at world size {smaller}")
-        victim = rank_node(cluster, run, mlflow_url, root, full - 1)
+        say(f"{name}: step 6 reached; removing rank {victim_rank}'s node, waiting for a step at world size {smaller}")
+        victim = rank_node(cluster, run, mlflow_url, root, victim_rank)
         killed_at, gcs_at_kill = time.time(), gcs_cpu_s(cluster)
         cluster.remove_node(victim)
         run.wait_until(lambda h: h and h[-1].value == smaller, f"a step at world size {smaller}", 600)
@@ -343,7 +348,8 @@ def main() -> None:
         for name, scenario in scenarios.items():
             overrides = [f"data.datasets=[{{uri: {dataset}}}]", *scenario["overrides"]]
             rows += run_scenario(name, overrides, scenario["system_config"], mlflow_url, args.steps, root, load,
-                                 scenario.get("spares", 0), scenario.get("workers_per_node", 1))
+                                 scenario.get("spares", 0), scenario.get("workers_per_node", 1),
+                                 scenario.get("victim_rank"))
 
     columns = ["scenario", "event", "detection", "restart", "restore", "reshard", "stopped", "first step", "steps lost",
                "load", "GCS cores"]

@@ -13,10 +13,10 @@ already has for node preemption:
   worker that ended without error, once the rendezvous owner has published a generation
   without it (the poll waits up to --decide-s for that; past it, the error stands and Ray
   restarts the group: the fallback);
-- the report consolidation (`ReportCallbackHandler.set_required_ranks`) and the report
-  barrier (`WorkerGroup.set_required_barrier_ranks`) are narrowed to the survivors, so their
-  `ray.train.report` calls go through (rank 0 must survive: Ray's barrier keeps rank 0's
-  payload only).
+- the report consolidation (`ReportCallbackHandler.set_required_ranks`) is narrowed to the
+  survivors, whose reports go past Ray's report barrier (`ray_compat.report_without_barrier`:
+  the barrier would hold them for a dead rank 0); with --regrow-after-s the barrier is
+  narrowed too (`WorkerGroup.set_required_barrier_ranks`), where rank 0 must survive.
 
 The rendezvous owner (the TCPStore, heartbeats, generations: wildtrain.elastic.membership)
 runs in this process, as it would in the controller. The reference is the same training
@@ -40,8 +40,8 @@ gates to every rank again, and its reports count (each worker reports once here,
 a platform that reports every few steps must also line the replacement's reports up with the
 survivors').
 
-Not covered: the owner's death, rank 0's death (Ray's report barrier hands out rank 0's
-payload), wildtrain's data stream. With --zero the workers are bench/recovery_spike.py's
+Not covered: the owner's death, rank 0's death with --regrow-after-s (Ray's replacement
+path keeps its report barrier, which hands out rank 0's payload), wildtrain's data stream. With --zero the workers are bench/recovery_spike.py's
 ZeRO workers (a real DeepSpeed engine, partitions mirrored by wildtrain.elastic.peer_state);
 a rank that sees a failure hangs up only its groups' connections (elastic.connections), so
 the Ray worker's own stay.
@@ -102,7 +102,7 @@ def train_fn(config: dict) -> None:
     _KEPT.append(worker)
     announce_node(worker.store, worker.name, ray.get_runtime_context().get_node_id())
     worker.train()
-    ray.train.report({"step": worker.step, "world": len(worker.membership.members)})
+    ray_compat.report_without_barrier({"step": worker.step, "world": len(worker.membership.members)})
 
 
 class SpikeSurvivors(KeepSurvivors, ray_compat.ReportCallback):

@@ -39,7 +39,9 @@ from ray.train.v2._internal.execution.checkpoint.report_handler import ReportCal
 from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.controller import state as _states
 from ray.train.v2._internal.execution.worker_group import DefaultPlacementGroupHandle, ReplicaGroup, WorkerGroup
+from ray.train.v2._internal.execution.training_report import _TrainingReport
 from ray.train.v2._internal.execution.worker_group.poll import WorkerStatus
+from ray.train.v2._internal.util import invoke_context_managers
 from ray.train.v2.api import data_parallel_trainer as _trainer_module
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
@@ -48,15 +50,14 @@ from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 # for the elastic policy and MLflow; the errors its worker groups fail with, for tests to
 # stand in for what a failed group carries.
 __all__ = [
-    "UserExceptionWithTraceback",
-    "ControllerCallback", "ReportCallback", "WorkerGroupCallback", "WorkerGroupStartupTimeoutError",
-    "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError", "available_resources_per_node",
-    "ControllerState", "controller_state", "counts_as_failure", "dashboard_url", "default_temp_dir", "group_workers",
-    "keep_ray_data_stats_here", "kv_get", "kv_put",
-    "kill_pending_actors", "lost_a_worker_process", "mask_worker_deaths", "narrow_report_gates", "quiet_ray_data",
-    "quiet_report_log", "refresh_train_resource_view", "ReplacingTorchConfig", "reports_collected", "resize_request",
-    "resize_to", "show_worker_errors", "start_timed_out", "worker_failures", "worker_lost", "worker_slot",
-    "TrainerWithoutDatasets",
+    "UserExceptionWithTraceback", "ControllerCallback", "ReportCallback", "WorkerGroupCallback",
+    "WorkerGroupStartupTimeoutError", "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError",
+    "available_resources_per_node", "ControllerState", "controller_state", "counts_as_failure", "dashboard_url",
+    "default_temp_dir", "group_workers", "keep_ray_data_stats_here", "kv_get", "kv_put", "kill_pending_actors",
+    "lost_a_worker_process", "mask_worker_deaths", "narrow_report_gates", "quiet_ray_data", "quiet_report_log",
+    "refresh_train_resource_view", "ReplacingTorchConfig", "report_without_barrier", "reports_collected",
+    "resize_request", "resize_to", "show_worker_errors", "start_timed_out", "worker_failures", "worker_lost",
+    "worker_slot", "TrainerWithoutDatasets",
 ]
 
 
@@ -67,6 +68,18 @@ def reports_collected() -> bool:
     long before the next one is due when reports are rare."""
     context = _train_context.get_train_context()
     return context.current_report_index == context.report_call_index and context.get_result_queue().empty()
+
+
+def report_without_barrier(metrics: dict) -> None:
+    """`ray.train.report(metrics)` past Ray's report barrier, for an in-process group's
+    workers. For a report without a checkpoint the barrier only hands every rank the folder
+    name rank 0 wrote, and Ray never releases it without rank 0 (`set_required_ranks` of its
+    `SynchronizationActor`), where the generations go on without a dead rank 0."""
+    context = _train_context.get_train_context()
+    with invoke_context_managers([callback.on_report for callback in context.execution_context.train_context_callbacks]):
+        context.report_call_index += 1
+        context._wait_then_report(_TrainingReport(checkpoint=None, metrics=metrics, validation=False),
+                                  context.report_call_index)
 
 
 def quiet_report_log() -> None:
@@ -339,14 +352,14 @@ def worker_slot(worker_group, rank: int) -> tuple[PlacementGroup, int]:
     return worker_group._worker_group_state.placement_group_handle.placement_group, worker.placement_group_bundle_index
 
 
-def narrow_report_gates(worker_group, ranks: list[int]) -> None:
-    """Let the reports of `ranks` alone through Ray Train's two report gates, the controller's
-    consolidation of one report per rank and the workers' report barrier, as Ray 2.60 narrows
-    both for a node's preemption: the other ranks are gone and the group goes on without them.
-    Rank 0 must be among them (the barrier hands out rank 0's payload)."""
+def narrow_report_gates(worker_group, ranks: list[int], barrier: bool = True) -> None:
+    """Let the reports of `ranks` alone through Ray Train's report gates, the controller's
+    consolidation and (`barrier`, with rank 0 among `ranks`: `report_without_barrier`) the
+    workers' barrier, as Ray 2.60 narrows both for a preempted node's lost workers."""
     handler = next(c for c in worker_group._callbacks if isinstance(c, ReportCallbackHandler))
     handler.set_required_ranks(ranks)
-    worker_group.set_required_barrier_ranks(ranks)
+    if barrier:
+        worker_group.set_required_barrier_ranks(ranks)
 
 
 def mask_worker_deaths(poll_status, ranks: set[int]) -> None:

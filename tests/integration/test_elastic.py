@@ -181,8 +181,8 @@ def trained_at(samples: Path, world_size: int) -> bool:
 JOIN_PACE = "chaos.short_step_s=4"
 
 
-def lose_rank_1_and_return_a_node(cluster, run: BackgroundRun, servers: list) -> tuple[list[str], object]:
-    """Remove rank 1's node of an in-process run past step 3, and add a worker node back once
+def lose_a_rank_and_return_a_node(cluster, run: BackgroundRun, servers: list, rank: int) -> tuple[list[str], object]:
+    """Remove `rank`'s node of an in-process run past step 3, and add a worker node back once
     the run trains at world size 1; the first generation's nodes, by rank, and the node added.
     It reads the run where the run writes as it goes, its samples folder (data.record_samples)
     and its driver's rendezvous (`rendezvous_servers`), not MLflow: under a CI's load MLflow
@@ -194,22 +194,25 @@ def lose_rank_1_and_return_a_node(cluster, run: BackgroundRun, servers: list) ->
     samples = Path(RunLayout.of(run.cfg).sample_file(3))
     wait_for(samples.exists, "step 3 at world size 2", 300)
     first = first_generation_nodes(servers)
-    cluster.remove_node(next(node for node in cluster.worker_nodes if node.node_id == first[1]), allow_graceful=False)
+    cluster.remove_node(next(node for node in cluster.worker_nodes if node.node_id == first[rank]),
+                        allow_graceful=False)
     wait_for(lambda: trained_at(samples.parent, 1), "a step at world size 1", 300)
     return first, cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
 
 
 def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker_nodes, elastic_config, uninterrupted,
                                                                           rendezvous_servers, mlflow_url, tmp_path):
-    """elastic.in_process: rank 1's node dies; rank 0 re-forms at world size 1 in its own
-    process, from its own partition and its mirror of rank 1's, and trains on. Once Ray has
-    placed the lost slot again (a node came back), a worker started there joins rank 0
-    in-process: no restart either way."""
+    """elastic.in_process: rank 0's node dies; rank 1 re-forms at world size 1 in its own
+    process, from its own partition and its mirror of rank 0's, and trains on as the new
+    generation's rank 0, reporting for the group past Ray's report barrier (which Ray would
+    hold for its rank 0). Once Ray has placed the lost slot again (a node came back), a worker
+    started there joins rank 1 in-process: no restart either way. (The other in-process
+    drills lose rank 1.)"""
     cluster = worker_nodes
     run = BackgroundRun(elastic_config(f"in-process-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true",
                                        "elastic.in_process=true", JOIN_PACE))
     events = functools.partial(run_events, run, mlflow_url, tmp_path)
-    first, returned = lose_rank_1_and_return_a_node(cluster, run, rendezvous_servers)
+    first, returned = lose_a_rank_and_return_a_node(cluster, run, rendezvous_servers, rank=0)
     summary = run.join(600)
     reference_run = uninterrupted.join(600)
 
@@ -250,7 +253,7 @@ def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker
     assert all(e.reshard_s == 0.0 for e in happened if isinstance(e, Recovered))
     assert [type(e) for e in happened if isinstance(e, (Failure, Resize))] == [Failure, Resize]
     generations = [(e.generation, e.nodes) for e in happened if isinstance(e, Formed)]
-    assert generations == [(1, first), (2, [first[0]]), (3, [first[0], returned.node_id])]
+    assert generations == [(1, first), (2, [first[1]]), (3, [first[1], returned.node_id])]
     # Every member of the last generation is in the joined one: a save in flight at the hand-over commits.
     join = next(e for e in happened if isinstance(e, Resize))
     assert not [e for e in happened if isinstance(e, CheckpointFailed) and e.at >= join.at]
@@ -319,7 +322,7 @@ def test_a_joiner_that_fails_falls_back_to_a_restart_from_the_checkpoint(worker_
     run = BackgroundRun(elastic_config(f"joiner-fails-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true",
                                        "elastic.in_process=true", "chaos.fail_joiner=true", JOIN_PACE))
     events = functools.partial(run_events, run, mlflow_url, tmp_path)
-    first, returned = lose_rank_1_and_return_a_node(cluster, run, rendezvous_servers)
+    first, returned = lose_a_rank_and_return_a_node(cluster, run, rendezvous_servers, rank=1)
     summary = run.join(600)
     reference_run = uninterrupted.join(600)
 

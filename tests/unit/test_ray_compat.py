@@ -6,6 +6,8 @@ import dataclasses
 import inspect
 import logging
 import re
+import threading
+import types
 from pathlib import Path
 
 from ray.exceptions import ActorDiedError
@@ -280,8 +282,50 @@ def test_a_worker_death_can_be_masked_and_the_report_gates_narrowed_where_ray_re
     group = Group()
     ray_compat.narrow_report_gates(group, [0, 2])
     assert group._callbacks[0]._get_required_ranks() == [0, 2] and group.barrier == [0, 2]
+    group = Group()
+    ray_compat.narrow_report_gates(group, [1, 2], barrier=False)  # workers that report past the barrier
+    assert group._callbacks[0]._get_required_ranks() == [1, 2] and group.barrier is None
     assert "self._callbacks = " in inspect.getsource(WorkerGroup.__init__)
     assert list(inspect.signature(WorkerGroup.set_required_barrier_ranks).parameters) == ["self", "ranks"]
+
+
+def test_a_report_past_the_barrier_lands_in_rays_result_queue_in_order_as_ray_s_own_report_would(monkeypatch):
+    """An in-process group's workers report past Ray's barrier (`report_without_barrier`):
+    without a synchronization actor to ask, the report still goes to the worker's result
+    queue as Ray's own would, through its train-context callbacks, and the report indexes
+    that `reports_collected` reads move as Ray's report moves them."""
+    import contextlib
+    import queue
+
+    from ray.train.v2._internal.execution.training_report import _TrainingReport
+
+    entered = []
+
+    class Callback:
+        @contextlib.contextmanager
+        def on_report(self):
+            entered.append("report")
+            yield
+
+    execution = train_context.ExecutionContext(synchronization_actor=None, result_queue=queue.Queue(maxsize=1),
+                                               training_thread_runner=None, train_context_callbacks=[Callback()])
+    rank_1 = types.SimpleNamespace(world_rank=1)  # all `_wait_then_report` reads of it, for its log line
+    context = train_context.TrainContext(None, rank_1, execution, None, None, None, None,
+                                         report_order_condition=threading.Condition())
+    monkeypatch.setattr(train_context, "_train_context", context)
+    ray_compat.report_without_barrier({"step": 1})
+    assert entered == ["report"] and not ray_compat.reports_collected()
+    reported = execution.result_queue.get_nowait()
+    assert isinstance(reported, _TrainingReport)
+    assert (reported.checkpoint, reported.metrics, reported.validation) == (None, {"step": 1}, False)
+    assert ray_compat.reports_collected()
+    assert (context.report_call_index, context.current_report_index) == (1, 1)
+    # Ray's own report asks the barrier, which has no rank 0 to hand out when rank 0 died.
+    report = inspect.getsource(train_context.TrainContext.report)
+    assert report.index("self.report_call_index += 1") < report.index("_sync_checkpoint_dir_name_across_ranks(")
+    assert report.index("_sync_checkpoint_dir_name_across_ranks(") < report.index(
+        "self._wait_then_report(training_report, report_call_index)")
+    assert "if 0 not in expected" in inspect.getsource(train_context.SynchronizationActor.set_required_ranks)
 
 
 def test_a_backend_with_one_replica_group_per_worker_has_its_failed_workers_replaced_alone(monkeypatch):

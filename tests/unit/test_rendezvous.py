@@ -43,6 +43,16 @@ def test_the_first_generation_waits_for_every_initial_worker_and_ranks_them_by_n
     first_generation(store)
 
 
+def test_the_first_generation_ranks_its_workers_in_ray_s_rank_order_past_ten(store):
+    """The controller reads the lowest surviving Ray rank's report first, so that worker must
+    be the generation's rank 0 (which reports every rank's metrics): w2 before w10."""
+    owner = RendezvousOwner(store, initial=12, dead_after_s=DEAD_AFTER_S, confirm_s=CONFIRM_S)
+    for rank in reversed(range(12)):
+        ask_to_join(store, member_name(rank))
+        beat(store, member_name(rank), at=100.0)
+    assert owner.turn(now=100.0) == Membership(1, tuple(member_name(rank) for rank in range(12)))
+
+
 def test_a_silent_member_is_dropped_after_dead_after_s_and_the_survivors_keep_their_ranks(store):
     owner = first_generation(store)
     for name in ("w1", "w2"):

@@ -59,6 +59,11 @@ def member_name(rank: int) -> str:
     return f"w{rank}"
 
 
+def ray_rank(member: str) -> int:
+    """The Ray Train rank of the worker that is `member` (`member_name`'s inverse)."""
+    return int(member.removeprefix("w"))
+
+
 def announce_node(store: dist.Store, name: str, node_id: str) -> None:
     """Say which Ray node the worker `name` runs on (for the controller: see `KeepSurvivors`)."""
     store.set(f"node/{name}", node_id)
@@ -141,7 +146,9 @@ class RendezvousOwner:
             workers = {p for p in self._pending if p not in self.started}
             if len(workers) < self.initial:
                 return None
-            nxt = Membership(1, tuple(sorted(workers)))
+            # In Ray's rank order: the first generation's rank 0 is Ray's, and after a death
+            # the lowest surviving Ray rank, whose report the controller reads first.
+            nxt = Membership(1, tuple(sorted(workers, key=ray_rank)))
         else:
             # A member whose heartbeat has not come yet counts from its request.
             beats = {m: self._last_beat(m, self.asked[m]) for m in current.members}

@@ -148,9 +148,12 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
     After each poll whose errors include a worker's death (`ray_compat.worker_lost`), it
     waits up to `decide_s` for the rendezvous owner (`elastic.rendezvous`, its store at
     `host:port`) to publish a generation of the current worker group without that worker;
-    past that, the error stands and Ray restarts the group (the fallback). So does rank 0's
-    death: Ray's report barrier hands every rank rank 0's payload. Once dropped, the report
-    gates wait for the survivors only (`narrow_report_gates`), and then either
+    past that, the error stands and Ray restarts the group (the fallback). So does the death
+    of the last Ray Train worker (a joiner never reports to Ray) and, with `replace`, rank
+    0's (its workers report through Ray's barrier, which needs rank 0). Once dropped, the
+    report gates wait for the survivors only (`narrow_report_gates`): the lowest surviving
+    rank is the generation's rank 0 (`rendezvous.ray_rank`), whose report the controller's
+    callbacks read first. And then either
 
     - the death is masked for good (`replace` off: the group goes on smaller), and a `Joiner`
       waits for the worker's placement slot (`joiners`): once Ray has placed it again, the
@@ -218,7 +221,9 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
         lost = {r for r, e in worker_group_status.errors.items() if ray_compat.worker_lost(e)}
         if lost - self.masked:
             self.say_members_died(rendezvous.member_name(r) for r in lost - self.masked)
-        if lost - self.masked and 0 not in lost and not lost & self.join_failed.keys():
+        reporting = set(everyone) - self.masked - lost
+        if (lost - self.masked and reporting and not (self.replace and 0 in lost)
+                and not lost & self.join_failed.keys()):
             self._decide(lost, everyone)
         if not self.replace:
             ray_compat.mask_worker_deaths(worker_group_status, self.masked)
@@ -247,7 +252,7 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
         if dropped - self.masked:
             self.masked |= dropped
             survivors = [r for r in everyone if r not in self.masked]
-            ray_compat.narrow_report_gates(self.worker_group, survivors)
+            ray_compat.narrow_report_gates(self.worker_group, survivors, barrier=self.replace)
             self.narrowed = True
             print(f"ranks {sorted(self.masked)} left the worker group, which goes on without them: "
                   f"reports of ranks {survivors} count", flush=True)

@@ -65,8 +65,7 @@ class Attempt:
     def __init__(self, inputs: LoopInputs, device: torch.device, in_process: Optional[InProcess] = None) -> None:
         self.started_at = time.time()
         self.cfg = cfg = inputs.cfg
-        self.data = inputs.data
-        self.in_process = in_process
+        self.data, self.in_process = inputs.data, in_process
         left = in_process.left if in_process else None
         # A joiner is no Ray Train worker: its generation's rank 0 reports for the group.
         self.reports_to_ray = in_process is None or not in_process.member.joined
@@ -388,7 +387,8 @@ class Attempt:
             if self.startup is not None:
                 events = self.restored.events + events
             if self.reports_to_ray:  # a joiner's windows are rank 0's too; its events are not sent
-                ray.train.report(WorkerReport(
+                report = ray.train.report if self.in_process is None else ray_compat.report_without_barrier
+                report(WorkerReport(
                     step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size, windows=tuple(windows),
                     events=tuple(events), checkpoint=unreported.checkpoint_metrics,
                     committed_checkpoints=tuple(unreported.committed), startup=self.startup,

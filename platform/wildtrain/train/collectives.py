@@ -212,13 +212,13 @@ def sum_(tensor: torch.Tensor) -> torch.Tensor:
 class PeerWatch:
     """One rank's end of the fail-fast (see the module docstring): `tell_peers` when this
     rank fails; `failed_peer` says why when another did (the watcher sets `peer_failure`
-    before it aborts this rank's groups). Inert without a process group, or where the
-    rendezvous store is not a TCP store."""
+    before it aborts this rank's groups). Through `store`, else the store the default
+    group rendezvoused through; inert without either (no group, or not a TCP store)."""
 
-    def __init__(self) -> None:
+    def __init__(self, store: Optional[dist.Store] = None) -> None:
         self.peer_failure: Optional[str] = None
         self._stopped = threading.Event()
-        self._store = _rendezvous_store() if _active() else None
+        self._store = store or (_rendezvous_store() if _active() else None)
         if self._store is None:
             return
         watching = self._store.clone()  # a connection of its own: a wait holds its connection
@@ -278,12 +278,14 @@ class PeerWatch:
 
 
 @contextlib.contextmanager
-def failing_together(rank: int, together: tuple[type[BaseException], ...] = ()) -> Iterator[PeerWatch]:
+def failing_together(rank: int, together: tuple[type[BaseException], ...] = (),
+                     store: Optional[dist.Store] = None) -> Iterator[PeerWatch]:
     """Run the attempt's body so that an exception on this rank ends the attempt on every
-    rank: its reason goes to the others (`PeerWatch`), and an error this rank meets because
-    another failed is raised as `PeerFailed` with that rank's reason. Exceptions of the
-    `together` types are raised by every rank at once (a planned regrow): they tell no one."""
-    watch = PeerWatch()
+    rank: its reason goes to the others (`PeerWatch`, through `store` if given), and an error
+    this rank meets because another failed is raised as `PeerFailed` with that rank's reason.
+    Exceptions of the `together` types are raised by every rank at once (a planned regrow):
+    they tell no one."""
+    watch = PeerWatch(store)
     try:
         yield watch
     except together:

@@ -12,7 +12,7 @@ peers leave the collective they wait in instead of waiting out its timeout.
 With elastic.in_process a member's death does not end the worker group: the survivors drop
 their attempt, form the next generation of their membership at the smaller size
 (`elastic.in_process`) and build the next attempt from the state their peers mirrored,
-in the same processes (`train_in_process`). Each step's ZeRO partitions are mirrored on the
+in the same processes (`train_generations`). Each step's ZeRO partitions are mirrored on the
 ring successors while the next step trains, and a step commits once every mirror of it is in
 place (with the next step's commit, or at once where it saves): no committed step is redone,
 and a step a death cut short is done again whole. A worker the controller
@@ -74,11 +74,18 @@ def train_loop(inputs: LoopInputs) -> None:
     together = (PlannedRegrow, UnhealthyNodes, FinalCheckpointFailed, RedundancyLost, MembersJoining)
     # Ray Train set this worker's CUDA device: NCCL's collectives and the batches go there.
     device = ray.train.torch.get_device() if trains_on_gpu(cfg) else torch.device("cpu")
-    with collectives.failing_together(ray.train.get_context().get_world_rank(), together) as watch:
-        if inputs.rendezvous is None:
+    context = ray.train.get_context()
+    if inputs.rendezvous is None:
+        with collectives.failing_together(context.get_world_rank(), together):
             train(Attempt(inputs, device))
-        else:
-            train_in_process(inputs, device, watch)
+        return
+    member = Member.of_ray_worker(inputs.rendezvous, context.get_world_rank(), context.get_world_size(),
+                                  ray.get_runtime_context().get_node_id(), cfg.elastic, backend(cfg),
+                                  control_timeout_s(cfg))
+    # A rank's own failure goes through the driver's store: Ray's lives in rank 0's process,
+    # which the generations outlive.
+    with collectives.failing_together(context.get_world_rank(), together, member.store) as watch:
+        train_generations(inputs, device, member, None, watch.failed_peer)
 
 
 def train(attempt: Attempt) -> None:
@@ -113,15 +120,6 @@ def train(attempt: Attempt) -> None:
                                      f"{attempt.state.step}")
     finally:
         attempt.watchdog.stop()
-
-
-def train_in_process(inputs: LoopInputs, device: torch.device, watch: collectives.PeerWatch) -> None:
-    """Train in the generations of this worker group's membership (elastic.in_process)."""
-    context, cfg = ray.train.get_context(), inputs.cfg
-    member = Member.of_ray_worker(inputs.rendezvous, context.get_world_rank(), context.get_world_size(),
-                                  ray.get_runtime_context().get_node_id(), cfg.elastic, backend(cfg),
-                                  control_timeout_s(cfg))
-    train_generations(inputs, device, member, None, watch.failed_peer)
 
 
 def join_in_process(inputs: LoopInputs, token: str, name: str, group_size: int) -> None:
