@@ -12,12 +12,15 @@ cores, nothing else running) the tiny model trains 9,000 steps in about 12 minut
 the default of 15,000 for a 20-minute run with three deaths.
 
 Runs both modes side by side by default, one after the other on fresh services and clusters:
-"restart" (every resize restarts the group) and "in-process" (elastic.in_process: each death
-is rank 1's, since rank 0's falls back to a restart; the survivor re-forms in its process,
-and a worker started on the returned node joins it).
+"restart" (every resize restarts the group) and "in-process" (elastic.in_process: the survivor
+re-forms in its process, and a worker started on the returned node joins it). Each death takes
+the node of the rank `--victims` names next, in the newest in-process generation (rank 1, by
+default, every time; `--victims 0 1` alternates). On two nodes a death that leaves no Ray
+Train worker, only a joiner, restarts the group: rank 0 after a join does.
 
 Usage: .venv/bin/python bench/ettr.py [--steps 15000] [--kill-every-min 5] [--return-after-min 1]
        [--modes restart in-process] [--ray-metrics on off] [--placement auto PACK STRICT_SPREAD NODE_BUNDLES]
+       [--victims 0 1]
 """
 
 from __future__ import annotations
@@ -34,15 +37,15 @@ from tests.helpers.chaos import BackgroundRun
 from wildtrain import services
 from wildtrain.config import load_config
 from wildtrain.config.system import PLACEMENT_STRATEGIES
-from wildtrain.events import Failure, Recovered, Resize
+from wildtrain.events import Failure, Formed, Recovered, Resize
 from wildtrain.tracking.record import read_events
 from wildtrain.tracking.reports.goodput import BADPUT_CAUSES
 from wildtrain.tracking.reports.runs import report_run
 
 
 def chaos(run: BackgroundRun, cluster, submitted: float, every_s: float, back_after_s: float,
-          victim: Callable[[], object]) -> list[tuple[str, float]]:
-    """Kill a worker node (`victim()`) every `every_s` from `submitted`, add one back
+          victim: Callable[[int], object]) -> list[tuple[str, float]]:
+    """Kill a worker node (`victim(deaths so far)`) every `every_s` from `submitted`, add one back
     `back_after_s` later, until the run ends; what was done, when."""
     done: list[tuple[str, float]] = []
     deaths = 0
@@ -51,7 +54,7 @@ def chaos(run: BackgroundRun, cluster, submitted: float, every_s: float, back_af
         run.thread.join(max(0.0, kill_at - time.time()))
         if not run.thread.is_alive():
             break
-        cluster.remove_node(victim())
+        cluster.remove_node(victim(deaths))
         deaths += 1
         done.append(("node killed", time.time()))
         say(f"killed a worker node ({deaths}) at {time.time() - submitted:.0f} s")
@@ -78,7 +81,8 @@ def chaos_run(args, in_process: bool, ray_metrics: str, placement: str) -> dict[
         submitted = time.time()
         run = BackgroundRun(cfg)
         done = chaos(run, cluster, submitted, args.kill_every_min * 60, args.return_after_min * 60,
-                     lambda: rank_node(cluster, run, mlflow_url, root, 1))
+                     lambda deaths: rank_node(cluster, run, mlflow_url, root,
+                                              args.victims[deaths % len(args.victims)]))
         summary = run.join(0)
         ended = time.time()
         result = report_run(mlflow_url, summary.run_id)
@@ -93,6 +97,8 @@ def chaos_run(args, in_process: bool, ray_metrics: str, placement: str) -> dict[
         "failures / resizes / recoveries recorded": f"{sum(isinstance(e, Failure) for e in events)} / "
                                                     f"{sum(isinstance(e, Resize) for e in events)} / {len(recoveries)}",
         "steps redone": str(sum(e.steps_lost for e in recoveries)),
+        # In-process, each group Ray starts forms its generation 1: more than one is a restart.
+        "worker groups started": str(sum(e.generation == 1 for e in events if isinstance(e, Formed)) or "-"),
         "shrinks: interruption -> first step (s)": ", ".join(f"{e.recovery_s:.1f}" for e in recoveries
                                                              if e.kind == "failure") or "-",
         "regrows: interruption -> first step (s)": ", ".join(f"{e.recovery_s:.1f}" for e in recoveries
@@ -131,6 +137,8 @@ def main() -> None:
                         help="cluster.placement_strategy (auto: wildtrain's default, on this cluster of one-worker "
                              "nodes STRICT_SPREAD for restart, NODE_BUNDLES for in-process, alike; PACK: Ray's); "
                              "each mode runs with each")
+    parser.add_argument("--victims", nargs="+", type=int, choices=[0, 1], default=[1],
+                        help="the ranks whose nodes die, in turn (in-process: of the newest generation)")
     args = parser.parse_args()
     if not 0 < args.return_after_min < args.kill_every_min:
         raise SystemExit(f"need 0 < --return-after-min ({args.return_after_min:g}) < --kill-every-min "

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -284,7 +285,7 @@ def run_spare_scenario(name: str, overrides: list[str], system_config: dict, mlf
 
 def run_config(name: str, overrides: list[str], mlflow_url: str, steps: int, root: Path):
     return load_config([
-        "experiment=tiny", f"run.name=recovery-{name.replace(' ', '-').replace('+', 'and')}-{int(time.time())}",
+        "experiment=tiny", f"run.name=recovery-{re.sub('[^a-z0-9]+', '-', name.replace('+', 'and'))}-{int(time.time())}",
         f"run.storage={root / 'runs'}", f"tracking.uri={mlflow_url}", "tracking.experiment=bench-recovery",
         f"train.steps={steps}", "train.log_every=1", "checkpoint.every=4",
         f"cluster.worker_resources.{WORKER_SLOT}=1", *overrides,

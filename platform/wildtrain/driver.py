@@ -26,6 +26,7 @@ from wildtrain.checkpoint.restore import newest_committed
 from wildtrain.data.dataset import DataError, open_datasets
 from wildtrain.elastic import scaling
 from wildtrain.elastic.controller import StorageSettings, controller_callbacks
+from wildtrain.elastic.nodes import alive_node_totals
 from wildtrain.elastic.survivors import start_rendezvous, survivor_callbacks
 from wildtrain.elastic.restarts import interpret
 from wildtrain.data.pins import OrderPins, order_changes, order_pins
@@ -217,7 +218,7 @@ def resolve_device(cfg: Config) -> Config:
 def resolve_placement(cfg: Config) -> Config:
     """`cfg` with `cluster.placement_strategy` decided against the nodes of the cluster this
     process joined (`scaling.choose_placement`); says so where auto spreads the workers."""
-    resolved = scaling.resolve_placement(cfg, [node["Resources"] for node in ray.nodes() if node["Alive"]])
+    resolved = scaling.resolve_placement(cfg, list(alive_node_totals().values()))
     said = AUTO_PLACEMENT.get(resolved.cluster.placement_strategy)
     if cfg.cluster.placement_strategy == "auto" and said:
         print(f"cluster.placement_strategy=auto: {said}", flush=True)

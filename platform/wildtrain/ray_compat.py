@@ -167,11 +167,11 @@ class NodeBundleWorkerGroup(WorkerGroup):
     once a node is back (`worker_slot`)."""
 
     def _create_placement_group(self, scaling_config, worker_group_context):
-        from wildtrain.elastic.scaling import node_bundles, workers_held  # the controller's process imports it here
+        from wildtrain.elastic import nodes, scaling  # here: nodes imports this module
 
         per_worker = worker_group_context.resources_per_worker
-        held = [workers_held(node["Resources"], per_worker) for node in ray.nodes() if node["Alive"]]
-        self._bundle_sizes = node_bundles(worker_group_context.num_workers, held)
+        held = [scaling.workers_held(totals, per_worker) for totals in nodes.alive_node_totals().values()]
+        self._bundle_sizes = scaling.node_bundles(worker_group_context.num_workers, held)
         bundles = [{name: amount * size for name, amount in per_worker.items()} for size in self._bundle_sizes]
         # Ray Train's label selectors are per worker (the nodes left out: elastic.controller.NodeExclusion).
         selectors = worker_group_context.label_selector

@@ -19,7 +19,8 @@ from wildtrain.checkpoint import reshard
 from wildtrain.checkpoint.format import step_of
 from wildtrain.checkpoint.store import Store, read_manifest
 from wildtrain.config import Config
-from wildtrain.elastic.nodes import ResourceView, alive_nodes, exclude_nodes, excluded_nodes, workers_that_fit
+from wildtrain.elastic.nodes import (ResourceView, alive_node_totals, alive_nodes, exclude_nodes, excluded_nodes,
+                                     workers_that_fit)
 from wildtrain.elastic.restarts import CapacityClock, FailureBudget, decide, interpret
 from wildtrain.elastic.signals import CapacityError
 from wildtrain.events import EvalFailed, EvalSkipped, Event, Waiting
@@ -191,7 +192,7 @@ class NodeExclusion(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
         # its workers. (Below min_workers the start waits for capacity, as for dead nodes.)
         excluded = excluded_nodes(self.run_name)
         if excluded:
-            alive = {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
+            alive = alive_node_totals()
             request = ray_compat.resize_request(resize_decision)
             fit = workers_that_fit(alive, request.per_worker, excluded)
             ray_compat.resize_to(resize_decision, max(self.min_workers, min(request.workers, fit)))

@@ -61,6 +61,11 @@ def alive_nodes() -> set[str]:
     return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
 
 
+def alive_node_totals() -> dict[str, dict[str, float]]:
+    """The total resources of each node Ray counts alive, by node id."""
+    return {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
+
+
 def refresh_resource_view() -> None:
     """Make Ray Train's view of the cluster's nodes current.
 

@@ -141,6 +141,13 @@ def _take_ended(running: dict) -> dict:
     return ended
 
 
+def goes_on_without(lost: set[int], masked: set[int], everyone: list[int], replace: bool) -> bool:
+    """Whether a group whose Ray Train workers of `masked` were already lost (joiners may have
+    taken their places) can go on without those of `lost` too: only a Ray Train worker reports
+    to Ray, so one must be left; and with `replace`, rank 0 must be (`KeepSurvivors`)."""
+    return bool(set(everyone) - masked - lost) and not (replace and 0 in lost)
+
+
 class KeepSurvivors(ray_compat.WorkerGroupCallback):
     """Keeps the worker group when a worker dies and the survivors went on without it
     in-process (issue 24), instead of letting Ray restart every worker.
@@ -221,8 +228,7 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
         lost = {r for r, e in worker_group_status.errors.items() if ray_compat.worker_lost(e)}
         if lost - self.masked:
             self.say_members_died(rendezvous.member_name(r) for r in lost - self.masked)
-        reporting = set(everyone) - self.masked - lost
-        if (lost - self.masked and reporting and not (self.replace and 0 in lost)
+        if (lost - self.masked and goes_on_without(lost, self.masked, everyone, self.replace)
                 and not lost & self.join_failed.keys()):
             self._decide(lost, everyone)
         if not self.replace:
