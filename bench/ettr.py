@@ -15,8 +15,8 @@ Runs both modes side by side by default, one after the other on fresh services a
 "restart" (every resize restarts the group) and "in-process" (elastic.in_process: the survivor
 re-forms in its process, and a worker started on the returned node joins it). Each death takes
 the node of the rank `--victims` names next, in the newest in-process generation (rank 1, by
-default, every time; `--victims 0 1` alternates). On two nodes a death that leaves no Ray
-Train worker, only a joiner, restarts the group: rank 0 after a join does.
+default, every time; `--victims 0 1` alternates: on two nodes, every second death leaves
+only a joiner, which then reports for the group through the controller).
 
 Usage: .venv/bin/python bench/ettr.py [--steps 15000] [--kill-every-min 5] [--return-after-min 1]
        [--modes restart in-process] [--ray-metrics on off] [--placement auto PACK STRICT_SPREAD NODE_BUNDLES]

@@ -7,9 +7,11 @@ mirror: issue 24's goal, death -> first step within 5 s, no step redone); with -
 own timeouts for reference and tuned variants too, and "in-process + spare" (elastic.spares=1
 on a third node: the spare takes the dead member's place, and the returned node's worker
 waits ready as the next spare), and "in-process, nodes of two" (four workers on two nodes of
-two: a death takes two), and "in-process, rank 0's node" (the node removed holds rank 0,
-Ray's and the generation's, where every other scenario removes the last rank's). Each scenario gets its own fake cluster (node health checks
-are set when the head starts, as `wildtrain up` sets them). Prints one row per interruption:
+two: a death takes two), "in-process, rank 0's node" (the node removed holds rank 0, Ray's
+and the generation's, where the others remove the last rank's) and "in-process, every ray
+worker lost" (rank 1's node, then, once its joiner is in, rank 0's: only a joiner is left).
+Each scenario gets its own fake cluster (node health checks are set when the head starts,
+as `wildtrain up` sets them). Prints one row per interruption:
 
     detection   node killed (or added) → the controller learns of it (in-process: a
                 survivor's collective fails; at a regrow, the survivors hand their state
@@ -88,7 +90,11 @@ SCENARIOS = {
     "in-process": dict(overrides=["elastic.in_process=true"], system_config=services.NODE_HEALTH_CHECKS),
     # In-process, rank 0's node lost: the survivor, Ray's rank 1, is the next generation's rank 0.
     "in-process, rank 0's node": dict(overrides=["elastic.in_process=true"], system_config=services.NODE_HEALTH_CHECKS,
-                                      victim_rank=0),
+                                      victims=(0,)),
+    # In-process, rank 1's node lost and its worker joined again, then rank 0's: no Ray Train
+    # worker is left, and the joiner that is rank 0 reports through the controller (elastic.relay).
+    "in-process, every ray worker lost": dict(overrides=["elastic.in_process=true"],
+                                              system_config=services.NODE_HEALTH_CHECKS, victims=(1, 0)),
     # In-process, and a spare kept ready on a third node (elastic.spares): the group keeps its
     # size through the death, and the returned node's worker waits as the next spare. Paced so
     # that the return's worker gets ready before the run's end.
@@ -185,35 +191,45 @@ def gcs_cpu_s(cluster: Cluster) -> float:
 
 def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path,
                  load: "LoadSampler", spares: int = 0, workers_per_node: int = 1,
-                 victim_rank: Optional[int] = None) -> list[dict]:
+                 victims: Optional[tuple[int, ...]] = None) -> list[dict]:
+    """The node of each rank of `victims` (of the newest in-process generation; the last rank's
+    by default) removed in turn, each added back once the group trains smaller, and the next
+    removed once it trains at full size again."""
     if spares:
         return run_spare_scenario(name, overrides, system_config, mlflow_url, steps, root, load)
     full, smaller = 2 * workers_per_node, workers_per_node
-    victim_rank = full - 1 if victim_rank is None else victim_rank
     say(f"{name}: starting a fake cluster of a head and two nodes of {workers_per_node} worker(s)")
+    causes, gcs_cores = [], {}  # when each node was removed or added; the GCS's cores after each removal
     with fake_cluster(system_config, workers_per_node=workers_per_node) as cluster:
         cfg = run_config(name, overrides, mlflow_url, steps, root)
         say(f"{name}: training {steps} steps at world size {full}")
         run = BackgroundRun(cfg)
         run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6", 600)
-        say(f"{name}: step 6 reached; removing rank {victim_rank}'s node, waiting for a step at world size {smaller}")
-        victim = rank_node(cluster, run, mlflow_url, root, victim_rank)
-        killed_at, gcs_at_kill = time.time(), gcs_cpu_s(cluster)
-        cluster.remove_node(victim)
-        run.wait_until(lambda h: h and h[-1].value == smaller, f"a step at world size {smaller}", 600)
-        added_at = time.time()
-        gcs_cores = (gcs_cpu_s(cluster) - gcs_at_kill) / (added_at - killed_at)
-        say(f"{name}: training at world size {smaller} after {added_at - killed_at:.1f} s (the GCS used "
-            f"{gcs_cores:.2f} cores meanwhile); adding the node back, waiting for the run to end")
-        add_worker_node(cluster, workers_per_node)
+        for n, rank in enumerate(victims or (full - 1,)):
+            if n:
+                run.wait_until(lambda h: h and h[-1].value == full, f"a step at world size {full} again", 600)
+            say(f"{name}: removing rank {rank}'s node, waiting for a step at world size {smaller}")
+            victim = rank_node(cluster, run, mlflow_url, root, rank)
+            killed_at, gcs_at_kill = time.time(), gcs_cpu_s(cluster)
+            cluster.remove_node(victim)
+            run.wait_until(lambda h: h and h[-1].value == smaller, f"a step at world size {smaller}", 600)
+            added_at = time.time()
+            gcs_cores[killed_at] = (gcs_cpu_s(cluster) - gcs_at_kill) / (added_at - killed_at)
+            say(f"{name}: training at world size {smaller} after {added_at - killed_at:.1f} s (the GCS used "
+                f"{gcs_cores[killed_at]:.2f} cores meanwhile); adding the node back")
+            add_worker_node(cluster, workers_per_node)
+            causes += [killed_at, added_at]
         summary = run.join(1200)
         say(f"{name}: run finished; reading its events")
         events = read_events(mlflow_url, summary.run_id, tempfile.mkdtemp(dir=root))
 
     interruptions = [e for e in events if isinstance(e, Interrupted)]
     recoveries = [e for e in events if isinstance(e, Recovered)]
+    groups = sum(e.generation == 1 for e in events if isinstance(e, Formed))
+    if groups > 1:
+        say(f"{name}: Ray started {groups} worker groups: {groups - 1} restart(s)")
     rows = []
-    for cause_at, interruption, recovery in zip((killed_at, added_at), interruptions, recoveries):
+    for cause_at, interruption, recovery in zip(causes, interruptions, recoveries):
         first_step = recovery.recovery_s + interruption.at - cause_at
         rows.append({
             "scenario": name,
@@ -227,9 +243,9 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
             "first step": first_step,
             "steps lost": recovery.steps_lost,
             "load": f"{load.mean(cause_at, cause_at + first_step):.1f}",
-            "GCS cores": f"{gcs_cores:.2f}" if cause_at == killed_at else "-",
+            "GCS cores": f"{gcs_cores[cause_at]:.2f}" if cause_at in gcs_cores else "-",
         })
-    if len(rows) < 2:
+    if len(rows) < len(causes):
         rows.append({"scenario": name, "event": "regrow: none before the run's last step",
                      **{c: "-" for c in ("detection", "restart", "restore", "reshard", "stopped", "first step",
                                          "steps lost", "load", "GCS cores")}})
@@ -350,7 +366,7 @@ def main() -> None:
             overrides = [f"data.datasets=[{{uri: {dataset}}}]", *scenario["overrides"]]
             rows += run_scenario(name, overrides, scenario["system_config"], mlflow_url, args.steps, root, load,
                                  scenario.get("spares", 0), scenario.get("workers_per_node", 1),
-                                 scenario.get("victim_rank"))
+                                 scenario.get("victims"))
 
     columns = ["scenario", "event", "detection", "restart", "restore", "reshard", "stopped", "first step", "steps lost",
                "load", "GCS cores"]

@@ -55,7 +55,7 @@ __all__ = [
     "available_resources_per_node", "ControllerState", "controller_state", "counts_as_failure", "dashboard_url",
     "default_temp_dir", "group_workers", "keep_ray_data_stats_here", "kv_get", "kv_put", "kill_pending_actors",
     "lost_a_worker_process", "mask_worker_deaths", "narrow_report_gates", "quiet_ray_data", "quiet_report_log",
-    "refresh_train_resource_view", "ReplacingTorchConfig", "report_without_barrier", "reports_collected",
+    "refresh_train_resource_view", "relay_report", "ReplacingTorchConfig", "report_without_barrier", "reports_collected",
     "resize_request", "resize_to", "show_worker_errors", "start_timed_out", "worker_failures", "worker_lost",
     "worker_slot", "TrainerWithoutDatasets",
 ]
@@ -63,9 +63,7 @@ __all__ = [
 
 def reports_collected() -> bool:
     """On a worker: whether the controller has taken every report this worker handed to
-    `ray.train.report`. Ray's result queue holds one report, and the controller empties it
-    when it polls the worker (every couple of seconds), so a report is at the controller
-    long before the next one is due when reports are rare."""
+    `ray.train.report` (Ray's result queue holds one; the controller empties it at each poll)."""
     context = _train_context.get_train_context()
     return context.current_report_index == context.report_call_index and context.get_result_queue().empty()
 
@@ -100,11 +98,10 @@ _PROGRESS_BARS_OFF_NOTICE = _ProgressBarsOffNotice()
 
 
 def quiet_ray_data() -> None:
-    """Ray Data's INFO lines (each dataset's execution plan, "Starting execution", progress
-    dumps) and its notice that progress bars are off only in its log file under Ray's
-    session folder, not on this process's console: from every training worker they drown
-    the progress lines. Ray Data names its console handler in the logging config it applies
-    on import, and applies it again only in its own tasks' processes."""
+    """Ray Data's INFO lines (execution plans, "Starting execution", progress dumps) and its
+    notice that progress bars are off only in its log file, not on this process's console,
+    where from every worker they drown the progress lines. Ray Data names its console
+    handler in the logging config it applies on import (again only in its tasks' processes)."""
     importlib.import_module("ray.data")  # applies Ray Data's logging config
 
     for handler in logging.getLogger("ray.data").handlers:
@@ -115,10 +112,9 @@ def quiet_ray_data() -> None:
 
 def keep_ray_data_stats_here() -> None:
     """Start Ray Data's stats actor (one per cluster, detached) on this process's node unless
-    one is alive. Ray Data pins it to the node of the first process that reads, a training
-    worker's; when that node dies, the survivors' next streams start a new one on their own
-    node, a worker process's start (3 CPU-seconds on this 2-core machine) in the middle of
-    their re-form. The driver's node lives as long as the run."""
+    one is alive. Ray Data pins it to the node of the first process that reads, a worker's:
+    when that node dies, a new one starts beside the survivors as they re-form (3 CPU-seconds
+    here). The driver's node lives as long as the run."""
     from ray.data._internal.stats import get_or_create_stats_actor  # Ray Data's import only where used
 
     get_or_create_stats_actor()
@@ -157,14 +153,10 @@ def _module_attribute(module, name: str, value):
 
 
 class NodeBundleWorkerGroup(WorkerGroup):
-    """Ray Train's worker group, placed a bundle a node (cluster.placement_strategy
-    NODE_BUNDLES): each bundle holds the workers of one node (`scaling.node_bundles`, from the
-    nodes alive when the group starts), STRICT_SPREAD, and each worker is placed in its
-    node's bundle by index, where Ray Train places a bundle a worker. On nodes of several
-    workers, an in-process group's bundles lost with their node then fit no node left, and
-    Ray 2.60's GCS waits for a node to register rather than retrying them without pause
-    (bench/pg_storm.py --several); a joiner is placed in its lost member's bundle by index
-    once a node is back (`worker_slot`)."""
+    """Ray Train's worker group placed a bundle a node, STRICT_SPREAD (NODE_BUNDLES): each
+    holds one node's workers (`scaling.node_bundles`), each worker placed in it by index. A
+    bundle lost with its node then fits no node left, and Ray 2.60's GCS waits for a node to
+    register rather than retrying it without pause (bench/pg_storm.py --several)."""
 
     def _create_placement_group(self, scaling_config, worker_group_context):
         from wildtrain.elastic import nodes, scaling  # here: nodes imports this module
@@ -237,16 +229,11 @@ TRAIN_WORKER_CLASS = "RayTrainWorker"
 
 
 def kill_pending_actors(class_name: str = TRAIN_WORKER_CLASS) -> int:
-    """Kill this job's actors of `class_name` (Ray Train's workers) that are still waiting to
-    be created; how many.
-
-    Ray Train's worker-group start waits for its placement group for
-    `worker_start_timeout_s`, then creates the actors and waits for them without a
-    timeout (2.60, `WorkerGroup._create_workers`): if a node of the group dies in
-    between, the actors wait for room that may never come, and the controller with them
-    (no poll, no capacity wait, no end). A killed actor fails that wait, which Ray
-    reports as a failed start and retries. Called from the controller's process, which
-    owns the actors; the GCS lists them without the dashboard's state API."""
+    """Kill this job's actors of `class_name` (Ray Train's workers) still waiting to be
+    created; how many. Ray Train 2.60 waits for a group's actors without a timeout once its
+    placement group is ready (`WorkerGroup._create_workers`): where a node died in between,
+    they and the controller wait forever. A killed actor fails that wait, which Ray reports
+    as a failed start and retries. Called in the controller's process, which owns them."""
     from ray._private.state import actors
     from ray._raylet import ActorID
 
@@ -356,10 +343,23 @@ def narrow_report_gates(worker_group, ranks: list[int], barrier: bool = True) ->
     """Let the reports of `ranks` alone through Ray Train's report gates, the controller's
     consolidation and (`barrier`, with rank 0 among `ranks`: `report_without_barrier`) the
     workers' barrier, as Ray 2.60 narrows both for a preempted node's lost workers."""
-    handler = next(c for c in worker_group._callbacks if isinstance(c, ReportCallbackHandler))
-    handler.set_required_ranks(ranks)
+    _report_handler(worker_group).set_required_ranks(ranks)
     if barrier:
         worker_group.set_required_barrier_ranks(ranks)
+
+
+def relay_report(worker_group, poll_status, rank: int, metrics: Optional[dict]) -> None:
+    """Show the controller the lost worker of `rank` as running in a poll's status, and hand
+    Ray's consolidation `metrics` (if any: a joiner's, `elastic.relay`) as its next report,
+    which it takes at the next poll (it looks at one before every other callback)."""
+    poll_status.worker_statuses[rank] = WorkerStatus(running=True)
+    if metrics is not None:
+        report = _TrainingReport(checkpoint=None, metrics=metrics, validation=False)
+        _report_handler(worker_group)._training_report_queues[rank].append(report)
+
+
+def _report_handler(worker_group) -> ReportCallbackHandler:
+    return next(c for c in worker_group._callbacks if isinstance(c, ReportCallbackHandler))
 
 
 def mask_worker_deaths(poll_status, ranks: set[int]) -> None:

@@ -64,6 +64,11 @@ def ray_rank(member: str) -> int:
     return int(member.removeprefix("w"))
 
 
+def is_ray_worker(member: str) -> bool:
+    """Whether `member` is a worker Ray Train started (`member_name`), not a joiner."""
+    return member.startswith("w") and member[1:].isdigit()
+
+
 def announce_node(store: dist.Store, name: str, node_id: str) -> None:
     """Say which Ray node the worker `name` runs on (for the controller: see `KeepSurvivors`)."""
     store.set(f"node/{name}", node_id)

@@ -1,23 +1,24 @@
 """The controller's side of in-process recovery (issue 24): a worker group that keeps its
 survivors when a worker dies, instead of Ray Train restarting every worker, and a worker
-started on the dead one's placement slot that joins them once Ray places that slot again.
-The workers' side is `elastic.in_process`, `elastic.rendezvous`, `elastic.peer_state` and
-`elastic.connections`."""
+started on the dead one's placement slot that joins them once Ray places that slot again
+(`elastic.joiners`). The workers' side is `elastic.in_process`, `elastic.rendezvous`,
+`elastic.peer_state`, `elastic.connections` and `elastic.relay`."""
 
 from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from wildtrain import ray_compat
 from wildtrain.config import Config
 from wildtrain.elastic import rendezvous
+from wildtrain.elastic.joiners import Joiners
 from wildtrain.elastic.nodes import excluded_nodes, has_room_for_another_worker
 from wildtrain.elastic.scaling import spare_cpus
+from wildtrain.worker_report import rank_zero
 
 if TYPE_CHECKING:
     from wildtrain.train.loop import LoopInputs
@@ -50,117 +51,29 @@ def survivor_callbacks(cfg: Config, server: Optional[rendezvous.RendezvousServer
                           full_size=cfg.elastic.max_workers, room_for_a_spare=room_for_a_spare)]
 
 
-@ray.remote(max_restarts=0)
-class Joiner:
-    """A worker of the group that Ray Train did not start: it trains as a member of the
-    group's in-process generations on a lost member's placement slot (`join_in_process`)."""
-
-    def run(self, inputs: LoopInputs, token: str, name: str, group_size: int) -> None:
-        from wildtrain.train.loop import join_in_process  # the worker's side, imported where it runs
-
-        join_in_process(inputs, token, name, group_size)
-
-
-class _Running(NamedTuple):
-    actor: object
-    run: ray.ObjectRef
-    name: str  # its member name
-
-
-class Ended(NamedTuple):
-    name: str  # the joiner's member name
-    error: Optional[BaseException]  # None where its run returned (the run's end)
-
-
-class Joiners:
-    """The joiners the controller started: one per lost member's placement slot, and the spares.
-    A slot's joiner asks for one worker's resources on that slot, so Ray starts it once it has
-    placed that bundle again (a node came back or was added): until then it waits, and costs
-    nothing. A spare asks for them anywhere (`start_spare`)."""
-
-    def __init__(self, inputs: LoopInputs, env_vars: dict[str, str]) -> None:
-        self.inputs, self.env_vars = inputs, env_vars
-        self.started = 0
-        self.running: dict[int, _Running] = {}  # by the Ray rank of the lost member
-        self.spares: dict[str, _Running] = {}  # by member name
-
-    def start(self, worker_group, rank: int, token: str, group_size: int) -> None:
-        group, bundle = ray_compat.worker_slot(worker_group, rank)
-        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
-        self.running[rank] = self._start(f"{rendezvous.member_name(rank)}.{self.started + 1}", token, group_size,
-                                         strategy)
-
-    def start_spare(self, token: str, group_size: int) -> str:
-        """Start a spare: a joiner on no slot of the group's, placed by Ray where a worker's
-        resources are free. Once ready it waits at the rendezvous for a member's place."""
-        name = f"spare.{self.started + 1}"
-        self.spares[name] = self._start(name, token, group_size, "DEFAULT")
-        return name
-
-    def _start(self, name: str, token: str, group_size: int, strategy) -> _Running:
-        resources = dict(self.inputs.worker_resources)
-        self.started += 1
-        actor = Joiner.options(
-            num_cpus=resources.pop("CPU", 0), num_gpus=resources.pop("GPU", 0), resources=resources,
-            scheduling_strategy=strategy, runtime_env={"env_vars": self.env_vars},
-        ).remote()
-        return _Running(actor, actor.run.remote(self.inputs, token, name, group_size), name)
-
-    def ended(self) -> dict[int, Ended]:
-        """The slots' joiners whose run ended since the last look, by the lost member's rank."""
-        return _take_ended(self.running)
-
-    def spares_ended(self) -> list[Ended]:
-        """The spares whose run ended since the last look (joined or not)."""
-        return list(_take_ended(self.spares).values())
-
-    def outside(self, members: tuple[str, ...]) -> int:
-        """How many joiners, slots' and spares, run (or wait to be placed) outside `members`."""
-        return sum(1 for running in [*self.running.values(), *self.spares.values()] if running.name not in members)
-
-    def stop(self) -> None:
-        for running in [*self.running.values(), *self.spares.values()]:
-            ray.kill(running.actor)
-        self.running, self.spares = {}, {}
-
-
-def _take_ended(running: dict) -> dict:
-    """The entries of `running` whose run ended, taken out of it, with how it ended."""
-    ended = {}
-    for key, (actor, run, name) in list(running.items()):
-        done, _ = ray.wait([run], timeout=0)
-        if not done:
-            continue
-        del running[key]
-        try:
-            ray.get(run)
-            ended[key] = Ended(name, None)
-        except Exception as e:  # noqa: BLE001 - the controller decides what it means
-            ended[key] = Ended(name, e)
-        ray.kill(actor)
-    return ended
-
-
-def goes_on_without(lost: set[int], masked: set[int], everyone: list[int], replace: bool) -> bool:
+def goes_on_without(lost: set[int], masked: set[int], everyone: list[int], replace: bool, relays: bool) -> bool:
     """Whether a group whose Ray Train workers of `masked` were already lost (joiners may have
-    taken their places) can go on without those of `lost` too: only a Ray Train worker reports
-    to Ray, so one must be left; and with `replace`, rank 0 must be (`KeepSurvivors`)."""
-    return bool(set(everyone) - masked - lost) and not (replace and 0 in lost)
+    taken their places) can go on without those of `lost` too. Ray collects reports from its
+    workers only, so one must be left unless the controller `relays` a joiner's
+    (`elastic.relay`); and with `replace`, rank 0 must be (`KeepSurvivors`)."""
+    if replace:
+        return 0 not in lost and bool(set(everyone) - masked - lost)
+    return relays or bool(set(everyone) - masked - lost)
 
 
-class KeepSurvivors(ray_compat.WorkerGroupCallback):
+class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
     """Keeps the worker group when a worker dies and the survivors went on without it
     in-process (issue 24), instead of letting Ray restart every worker.
 
     After each poll whose errors include a worker's death (`ray_compat.worker_lost`), it
     waits up to `decide_s` for the rendezvous owner (`elastic.rendezvous`, its store at
     `host:port`) to publish a generation of the current worker group without that worker;
-    past that, the error stands and Ray restarts the group (the fallback). So does the death
-    of the last Ray Train worker (a joiner never reports to Ray) and, with `replace`, rank
-    0's (its workers report through Ray's barrier, which needs rank 0). Once dropped, the
-    report gates wait for the survivors only (`narrow_report_gates`): the lowest surviving
-    rank is the generation's rank 0 (`rendezvous.ray_rank`), whose report the controller's
-    callbacks read first. And then either
+    past that, the error stands and Ray restarts the group (the fallback). So does, with
+    `replace`, rank 0's death (its workers report through Ray's barrier, which needs rank 0).
+    Once dropped, the report gates wait for the survivors only (`narrow_report_gates`): the
+    lowest surviving rank is the generation's rank 0 (`rendezvous.ray_rank`), whose report
+    the controller's callbacks read first. Once no Ray Train worker is left, the joiner that
+    is rank 0 reports through the slot of the lowest lost rank (`_relay`). And then either
 
     - the death is masked for good (`replace` off: the group goes on smaller), and a `Joiner`
       waits for the worker's placement slot (`joiners`): once Ray has placed it again, the
@@ -189,6 +102,16 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
         self.join_failed: dict[int, Exception] = {}
         self.narrowed = False  # the report gates wait for the survivors only
         self._store = None  # `_client`
+        self._relay_state()
+
+    def _relay_state(self) -> None:
+        """A group's start: no joiner reports for it (`_relay`)."""
+        self.reported_step = -1  # of the last report Ray consolidated
+        self.reporter: Optional[str] = None  # the joiner that is rank 0 where no Ray Train worker is left
+        self.relay_rank: Optional[int] = None  # the lost worker's rank its reports go under
+        self.relayed: list[dict] = []  # taken from it, not yet handed to Ray
+        self.finished: set[str] = set()  # joiners whose run ended with the run
+        self.reporter_missing_since: Optional[float] = None
 
     def store(self):
         """The current worker group's keys in the owner's store (a Ray restart registers a
@@ -208,6 +131,7 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
         self.worker_group = worker_group
         self.masked, self.join_failed = set(), {}
         self.narrowed = False
+        self._relay_state()
         if self.spares:
             self._token_before = rendezvous.current_token(self._client())
 
@@ -215,9 +139,13 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
         if self.joiners is not None:
             self.joiners.stop()  # Ray removes the group's placement group, and with it theirs
 
+    def after_report(self, training_report, metrics) -> None:
+        self.reported_step = rank_zero(metrics).step
+
     def after_worker_group_poll_status(self, worker_group_status) -> None:
         everyone = list(range(len(worker_group_status.worker_statuses)))
         if self.joiners is not None:
+            self._take_relayed(everyone)  # before the joiners that ended are reaped: their last reports too
             self._look_after_joiners()
             self._keep_spares()
         if self.replace and self.narrowed and len(rendezvous.latest(self.store()).members) == len(everyone):
@@ -228,11 +156,13 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
         lost = {r for r, e in worker_group_status.errors.items() if ray_compat.worker_lost(e)}
         if lost - self.masked:
             self.say_members_died(rendezvous.member_name(r) for r in lost - self.masked)
-        if (lost - self.masked and goes_on_without(lost, self.masked, everyone, self.replace)
+        if (lost - self.masked and goes_on_without(lost, self.masked, everyone, self.replace, self.joiners is not None)
                 and not lost & self.join_failed.keys()):
             self._decide(lost, everyone)
         if not self.replace:
-            ray_compat.mask_worker_deaths(worker_group_status, self.masked)
+            ray_compat.mask_worker_deaths(worker_group_status, self.masked - {self.relay_rank})
+        if self.joiners is not None:
+            self._relay(worker_group_status, everyone)
         ray_compat.show_worker_errors(worker_group_status, self.join_failed)
 
     def say_members_died(self, names: Iterable[str]) -> None:
@@ -255,15 +185,17 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
             if dropped == lost or time.monotonic() > deadline:
                 break
             time.sleep(0.02)
-        if dropped - self.masked:
+        newly = dropped - self.masked  # Ray's poll still shows the ranks lost before as failed
+        if newly:
             self.masked |= dropped
             survivors = [r for r in everyone if r not in self.masked]
-            ray_compat.narrow_report_gates(self.worker_group, survivors, barrier=self.replace)
+            if survivors:  # else a joiner's reports count (`_relay`)
+                ray_compat.narrow_report_gates(self.worker_group, survivors, barrier=self.replace)
             self.narrowed = True
             print(f"ranks {sorted(self.masked)} left the worker group, which goes on without them: "
-                  f"reports of ranks {survivors} count", flush=True)
+                  f"reports of ranks {survivors or 'none: a joiner reports'} count", flush=True)
             if self.joiners is not None:
-                for rank in sorted(dropped):
+                for rank in sorted(newly):  # a slot's earlier joiner may be a member already
                     self._start_joiner(rank)
         if self.replace:
             nodes = {rendezvous.node_of(store, rendezvous.member_name(r)) for r in lost}
@@ -271,6 +203,48 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
                     n["Alive"] for n in ray.nodes() if n["NodeID"] in nodes):
                 time.sleep(0.1)
             self.masked -= lost  # their ranks come back with the replacements
+
+    def _take_relayed(self, everyone: list[int]) -> None:
+        """Where no Ray Train worker is left, take the reports of the joiner that is rank 0 in
+        the newest generation (members keep Ray's workers first) that Ray has not consolidated."""
+        members = rendezvous.latest(self.store()).members if self.masked >= set(everyone) else ()
+        self.reporter = members[0] if members and not rendezvous.is_ray_worker(members[0]) else None
+        if self.reporter is not None:
+            taken = self.joiners.take_reports(self.reporter)
+            self.relayed += [report for report in taken if report["step"] > self.reported_step]
+
+    def _relay(self, status, everyone: list[int]) -> None:
+        """Once no Ray Train worker is left, show Ray the lowest lost rank's worker running and
+        hand its report gate the reporter's reports, one a poll, until the reporter's run ended
+        with the run. A reporter lost with no member to take its place within `decide_s` ends
+        the relay: the group restarts from the checkpoint."""
+        if self.reporter is None:
+            self._take_relayed(everyone)  # the last Ray Train worker was dropped in this poll
+        if (self.reporter is None and self.relay_rank is None) or self.relay_rank in self.join_failed:
+            return
+        if self.relay_rank is None:
+            self.relay_rank = min(self.masked)
+            ray_compat.narrow_report_gates(self.worker_group, [self.relay_rank], barrier=False)
+            print(f"no Ray Train worker is left in the group: its rank 0, the joiner {self.reporter}, reports "
+                  f"through rank {self.relay_rank}'s slot", flush=True)
+        reporting = self.reporter is not None and self.joiners.runs(self.reporter)
+        if self.relayed or reporting:
+            self.reporter_missing_since = None
+            ray_compat.relay_report(self.worker_group, status, self.relay_rank,
+                                    self.relayed.pop(0) if self.relayed else None)
+            return
+        if self.reporter in self.finished:
+            ray_compat.mask_worker_deaths(status, {self.relay_rank})  # the run's end: finished
+            return
+        self.reporter_missing_since = self.reporter_missing_since or time.monotonic()
+        if time.monotonic() - self.reporter_missing_since < self.decide_s:
+            ray_compat.relay_report(self.worker_group, status, self.relay_rank, None)
+            return
+        failed = RuntimeError(f"the joiner that reported for the group ({self.reporter}) was lost, and no member "
+                              "took its place: the group restarts from the checkpoint")
+        print(failed, flush=True)
+        self.masked.discard(self.relay_rank)
+        self.join_failed[self.relay_rank] = failed  # shown in place of its Ray worker's death
 
     def _start_joiner(self, rank: int) -> None:
         self.joiners.start(self.worker_group, rank, rendezvous.current_token(self._client()),
@@ -287,6 +261,7 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
             return
         for name, error in self.joiners.spares_ended():
             if error is None:
+                self.finished.add(name)
                 continue
             if ray_compat.worker_lost(error):
                 print(f"the spare {name} died with its node; another is started where there is room", flush=True)
@@ -312,6 +287,8 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback):
         training raised ends the group's masking of that rank, so Ray restarts the group at
         full size from the checkpoint (the fallback) rather than starting the same failure again."""
         for rank, (name, error) in self.joiners.ended().items():
+            if error is None:
+                self.finished.add(name)
             if error is None or rank not in self.masked:
                 continue
             if ray_compat.worker_lost(error):

@@ -33,6 +33,7 @@ from wildtrain.checkpoint.save_process import SaveProcess
 from wildtrain.data.manifest import ShardCorrupt
 from wildtrain.data.objectives import Objective
 from wildtrain.data.stream import RankStream
+from wildtrain.elastic.relay import RELAY
 from wildtrain.elastic.scaling import spare_cpus
 from wildtrain.elastic.signals import FinalCheckpointFailed, RunCannotContinue, UnhealthyNodes
 from wildtrain.events import Event, Formed, RegrowPostponed, Resize, StoppedEarly
@@ -67,7 +68,7 @@ class Attempt:
         self.cfg = cfg = inputs.cfg
         self.data, self.in_process = inputs.data, in_process
         left = in_process.left if in_process else None
-        # A joiner is no Ray Train worker: its generation's rank 0 reports for the group.
+        # A joiner is no Ray Train worker: it reports through its relay (`elastic.relay`).
         self.reports_to_ray = in_process is None or not in_process.member.joined
         # DeepSpeed's ZeRO calls a deprecated collective once per step; the warning says nothing new.
         warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
@@ -115,8 +116,7 @@ class Attempt:
             self.stream = self._open_stream(inputs, objective, held.state.step)
             self.engine, self.state, self.restored = checkpointing.restore_from_peers(cfg, self.plan, device, held)
             known_good = collectives.broadcast_object(left.known_good)  # a joiner knows none
-        self.restored_at = time.time()
-        self.restored_step = self.state.step
+        self.restored_at, self.restored_step = time.time(), self.state.step
         self.state.world_size = world_size
         self.commits = PeerCommits(self.in_process, self.state, self.monitor.nodes) if self.in_process else None
         if self.in_process is not None and rank == 0:
@@ -125,7 +125,8 @@ class Attempt:
         background, shm_events = checkpointing.save_mode(cfg, rank, world_size, self.monitor.nodes)
         self.monitor.events += shm_events
         self.known_good = known_good
-        self.reports_collected = ray_compat.reports_collected if self.reports_to_ray else lambda: True
+        self.reports_collected = (ray_compat.reports_collected if self.reports_to_ray else
+                                  RELAY.empty if rank == 0 else lambda: True)
         token = collectives.broadcast_object(new_attempt_token())
         self.saver = self._saver(left.saving if left else None, stores, background, device, token)
         self.samples = SampleRecorder(cfg, rank) if cfg.data.record_samples else None
@@ -140,7 +141,6 @@ class Attempt:
         self.validated: dict[str, float] = {}  # this step's validation metrics, for its window
         self.reports = ReportCadence(cfg.train.log_every)
         self.startup: Optional[Startup] = None  # the attempt's start-up timings, until a report carries them
-
         self.tokens_per_step = self.plan.global_batch_size * cfg.data.seq_len
         peak = device_peak(device, cfg.cluster.peak_flops_per_device)
         self.window = StepMetrics(self.tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len), peak, world_size,
@@ -386,13 +386,13 @@ class Attempt:
                 self.monitor.export(windows[-1])
             if self.startup is not None:
                 events = self.restored.events + events
-            if self.reports_to_ray:  # a joiner's windows are rank 0's too; its events are not sent
-                report = ray.train.report if self.in_process is None else ray_compat.report_without_barrier
-                report(WorkerReport(
-                    step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size, windows=tuple(windows),
-                    events=tuple(events), checkpoint=unreported.checkpoint_metrics,
-                    committed_checkpoints=tuple(unreported.committed), startup=self.startup,
-                ).to_dict())
+            send = (ray.train.report if self.in_process is None else
+                    ray_compat.report_without_barrier if self.reports_to_ray else RELAY.put)
+            send(WorkerReport(
+                step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size, windows=tuple(windows),
+                events=tuple(events), checkpoint=unreported.checkpoint_metrics,
+                committed_checkpoints=tuple(unreported.committed), startup=self.startup,
+            ).to_dict())
             self.startup = None
             self.reports.sent(state.step, self._steps_per_poll(windows))
         # Every rank's previous report had been collected (or this one waited for its turn);
