@@ -111,7 +111,7 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
         self.relay_rank: Optional[int] = None  # the lost worker's rank its reports go under
         self.relayed: list[dict] = []  # taken from it, not yet handed to Ray
         self.finished: set[str] = set()  # joiners whose run ended with the run
-        self.reporter_missing_since: Optional[float] = None
+        self.reporter_missing_since: Optional[float] = None  # neither running nor finished since
 
     def store(self):
         """The current worker group's keys in the owner's store (a Ray restart registers a

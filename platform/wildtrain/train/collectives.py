@@ -218,7 +218,7 @@ class PeerWatch:
     def __init__(self, store: Optional[dist.Store] = None) -> None:
         self.peer_failure: Optional[str] = None
         self._stopped = threading.Event()
-        self._store = store or (_rendezvous_store() if _active() else None)
+        self._store = store if store is not None else _rendezvous_store() if _active() else None
         if self._store is None:
             return
         watching = self._store.clone()  # a connection of its own: a wait holds its connection
