@@ -87,14 +87,18 @@ class Joiners:
         """The spares whose run ended since the last look (joined or not)."""
         return list(_take_ended(self.spares).values())
 
+    def _every(self) -> list[_Running]:
+        """The slots' joiners and the spares, whose runs have not been seen to end."""
+        return [*self.running.values(), *self.spares.values()]
+
     def runs(self, name: str) -> bool:
         """Whether the member `name` is a joiner (or spare) whose run has not been seen to end."""
-        return any(r.name == name for r in [*self.running.values(), *self.spares.values()])
+        return any(r.name == name for r in self._every())
 
     def take_reports(self, name: str) -> list[dict]:
         """The reports the joiner `name` made since the last take (`elastic.relay`); none where
         it is not running, or was lost with its node (`ended` says so)."""
-        actor = next((r.actor for r in [*self.running.values(), *self.spares.values()] if r.name == name), None)
+        actor = next((r.actor for r in self._every() if r.name == name), None)
         try:
             return ray.get(actor.take_reports.remote(), timeout=10) if actor is not None else []
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
@@ -102,10 +106,10 @@ class Joiners:
 
     def outside(self, members: tuple[str, ...]) -> int:
         """How many joiners, slots' and spares, run (or wait to be placed) outside `members`."""
-        return sum(1 for running in [*self.running.values(), *self.spares.values()] if running.name not in members)
+        return sum(1 for running in self._every() if running.name not in members)
 
     def stop(self) -> None:
-        for running in [*self.running.values(), *self.spares.values()]:
+        for running in self._every():
             ray.kill(running.actor)
         self.running, self.spares = {}, {}
 

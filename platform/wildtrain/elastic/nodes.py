@@ -10,6 +10,7 @@ from typing import Callable
 import ray
 
 from wildtrain import ray_compat
+from wildtrain.elastic.scaling import workers_held
 
 
 def excluded_nodes(run_name: str) -> set[str]:
@@ -33,11 +34,7 @@ def _exclusion_key(run_name: str) -> str:
 
 def workers_that_fit(nodes: dict[str, dict[str, float]], per_worker: dict[str, float], excluded: set[str]) -> int:
     """How many workers the nodes (id → resources) hold, leaving out the excluded ones."""
-    return sum(
-        min(int(resources.get(name, 0) // amount) for name, amount in per_worker.items() if amount > 0)
-        for node, resources in nodes.items()
-        if node not in excluded
-    )
+    return sum(workers_held(resources, per_worker) for node, resources in nodes.items() if node not in excluded)
 
 
 def has_room_for_another_worker(per_worker: dict[str, float], excluded: set[str], keep_free_cpus: float) -> bool:
