@@ -23,6 +23,10 @@ as `wildtrain up` sets them). Prints one row per interruption:
     reshard     → conversion to the universal format (world size changed)
     stopped     → first optimizer step at the new size: the time no worker trained
     first step  node killed (or added) → first optimizer step at the new size
+    node up     at a regrow, add_node → the GCS lists the node alive: its raylet's start,
+                before which nothing can be placed on it
+    from schedulable  at a regrow, first step less node up (issue 24: join within 5 s of
+                being schedulable)
     steps lost  steps done before the interruption that the restored checkpoint lacked
     load        the machine's mean 1-minute load average over that recovery (on a shared
                 2-core machine, other people's work moves every column)
@@ -200,6 +204,7 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
     full, smaller = 2 * workers_per_node, workers_per_node
     say(f"{name}: starting a fake cluster of a head and two nodes of {workers_per_node} worker(s)")
     causes, gcs_cores = [], {}  # when each node was removed or added; the GCS's cores after each removal
+    node_up = {}  # by when a node was added: how long until the GCS listed it alive (schedulable)
     with fake_cluster(system_config, workers_per_node=workers_per_node) as cluster:
         cfg = run_config(name, overrides, mlflow_url, steps, root)
         say(f"{name}: training {steps} steps at world size {full}")
@@ -217,7 +222,8 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
             gcs_cores[killed_at] = (gcs_cpu_s(cluster) - gcs_at_kill) / (added_at - killed_at)
             say(f"{name}: training at world size {smaller} after {added_at - killed_at:.1f} s (the GCS used "
                 f"{gcs_cores[killed_at]:.2f} cores meanwhile); adding the node back")
-            add_worker_node(cluster, workers_per_node)
+            add_worker_node(cluster, workers_per_node)  # returns once the GCS lists the node alive
+            node_up[added_at] = time.time() - added_at
             causes += [killed_at, added_at]
         summary = run.join(1200)
         say(f"{name}: run finished; reading its events")
@@ -241,6 +247,8 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
             "reshard": recovery.reshard_s,
             "stopped": recovery.recovery_s,
             "first step": first_step,
+            "node up": node_up.get(cause_at, "-"),
+            "from schedulable": first_step - node_up[cause_at] if cause_at in node_up else "-",
             "steps lost": recovery.steps_lost,
             "load": f"{load.mean(cause_at, cause_at + first_step):.1f}",
             "GCS cores": f"{gcs_cores[cause_at]:.2f}" if cause_at in gcs_cores else "-",
@@ -248,7 +256,7 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
     if len(rows) < len(causes):
         rows.append({"scenario": name, "event": "regrow: none before the run's last step",
                      **{c: "-" for c in ("detection", "restart", "restore", "reshard", "stopped", "first step",
-                                         "steps lost", "load", "GCS cores")}})
+                                         "node up", "from schedulable", "steps lost", "load", "GCS cores")}})
     for row in rows:
         say(f"{name}: {row['event']}: first step after {cell(row['first step'])}")
     return rows
@@ -368,15 +376,16 @@ def main() -> None:
                                  scenario.get("spares", 0), scenario.get("workers_per_node", 1),
                                  scenario.get("victims"))
 
-    columns = ["scenario", "event", "detection", "restart", "restore", "reshard", "stopped", "first step", "steps lost",
-               "load", "GCS cores"]
+    columns = ["scenario", "event", "detection", "restart", "restore", "reshard", "stopped", "first step", "node up",
+               "from schedulable", "steps lost", "load", "GCS cores"]
     print("\n| " + " | ".join(columns) + " |")
     print("|" + "|".join("---" for _ in columns) + "|")
     for row in rows:
         print("| " + " | ".join(cell(row.get(c, "-")) for c in columns) + " |")
     print("\ndetection: node removed/added → controller knows; restart: → new group's training function starts "
-          "(measured from detection); first step: node removed/added → first step at the new size; GCS cores: the "
-          "head's GCS's CPU from the node's removal to its return.")
+          "(measured from detection); first step: node removed/added → first step at the new size; node up: add_node "
+          "→ the GCS lists the node alive (its raylet started); from schedulable: that → the first step; GCS cores: "
+          "the head's GCS's CPU from the node's removal to its return.")
 
 
 if __name__ == "__main__":
