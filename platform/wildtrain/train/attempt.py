@@ -109,22 +109,23 @@ class Attempt:
             self.engine, self.state, self.restored = checkpointing.build_and_restore(cfg, self.plan, world_size, rank,
                                                                                        stores, device)
             self.stream = self._open_stream(inputs, objective, self.state.step)
-            known_good = [self.restored.candidate.key] if self.restored.candidate else []
+            self.known_good = [self.restored.candidate.key] if self.restored.candidate else []
         else:
+            left = left.of_rank_zero()  # what every rank's report carries: rank 0's, for one to stand in
+            self.in_process = dataclasses.replace(self.in_process, left=left)
             held = checkpointing.gather_from_peers(self.in_process.member.mirrors, left.states, world_size)
             # The step is known before the engine is built: the first step's rows are read meanwhile.
             self.stream = self._open_stream(inputs, objective, held.state.step)
             self.engine, self.state, self.restored = checkpointing.restore_from_peers(cfg, self.plan, device, held)
-            known_good = collectives.broadcast_object(left.known_good)  # a joiner knows none
+            self.known_good = left.known_good
         self.restored_at, self.restored_step = time.time(), self.state.step
         self.state.world_size = world_size
         self.commits = PeerCommits(self.in_process, self.state, self.monitor.nodes) if self.in_process else None
-        if self.in_process is not None and rank == 0:
+        if self.in_process is not None:
             self.monitor.events.append(Formed(time.time(), self.in_process.generation.number, self.state.step,
                                               list(self.monitor.nodes)))
         background, shm_events = checkpointing.save_mode(cfg, rank, world_size, self.monitor.nodes)
         self.monitor.events += shm_events
-        self.known_good = known_good
         self.reports_collected = (ray_compat.reports_collected if self.reports_to_ray else
                                   RELAY.empty if rank == 0 else lambda: True)
         token = collectives.broadcast_object(new_attempt_token())
@@ -231,9 +232,8 @@ class Attempt:
         return self.commits.leftovers(failure, self._take_unreported(), self.known_good, saving=save_process)
 
     def hand_over(self) -> Leftovers:
-        """Drop this attempt at a committed step for the next generation, which workers joined
-        (`MembersJoining`): what it needs of this one, its saver too (every member of this
-        generation is in the next, so a save in flight still commits)."""
+        """Drop this attempt at a committed step for the next generation, which workers joined (`MembersJoining`):
+        what it needs of this one, its saver too (every member of it is in the next: a save in flight commits)."""
         self._stop_reading()
         resize = Resize(time.time(), self.world_size, self.state.step, f"workers joined the group of {self.world_size}",
                         list(self.monitor.nodes))

@@ -18,6 +18,9 @@ from wildtrain.train.state import TrainState
 from wildtrain.train.step import StepMetrics
 
 
+_SHARED = ("windows", "events", "committed", "known_good", "interruption")  # `Leftovers.of_rank_zero`
+
+
 @dataclass(frozen=True)
 class Leftovers:
     """What an attempt dropped by an in-process re-form hands the next one: the state of its
@@ -31,9 +34,16 @@ class Leftovers:
     committed: list[str]  # checkpoints committed since the last report
     known_good: list[tuple[str, str]]
     # The interruption the next attempt recovers from: a member's loss (`Failure`) or the
-    # joiners' arrival (`Resize`); None for a joiner, whose members record it.
+    # joiners' arrival (`Resize`); None for a joiner, until its generation shares rank 0's.
     interruption: Optional[Interrupted]
     saving: Union[AsyncSaver, SaveProcess, None] = None
+
+    def of_rank_zero(self) -> Leftovers:
+        """These with rank 0's windows, events, commits, known-good checkpoints and interruption,
+        on every rank of the next generation (a collective at its start). A joiner has none of
+        them, and the controller logs rank 0's reports: where rank 0's node takes one before the
+        controller collected it, the next rank's report stands in, and must carry the same."""
+        return dataclasses.replace(self, **collectives.broadcast_object({name: getattr(self, name) for name in _SHARED}))
 
     def without_saves_in_flight(self) -> Leftovers:
         """These, where a member was lost before the next attempt took them: a save in flight

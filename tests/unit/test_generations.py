@@ -1,0 +1,49 @@
+"""What an in-process generation's ranks carry from the attempt before (`Leftovers`): rank 0's
+unreported windows, events and commits on every rank, so that where rank 0's node takes its
+last report before the controller collected it, the next rank's report (a joiner's included,
+which brought none of its own) carries the same."""
+
+import datetime
+import multiprocessing
+
+import torch.distributed as dist
+
+from wildtrain.events import Resize
+from wildtrain.services import free_port
+from wildtrain.train import collectives
+from wildtrain.train.generations import Leftovers
+from wildtrain.train.state import TrainState
+
+MEMBERS = Leftovers(states={6: TrainState(step=6, world_size=1)}, windows=[{"step": 5, "at": 1.0}, {"step": 6, "at": 2.0}],
+                    events=[Resize(3.0, 1, 6, "workers joined the group of 1", ["node-a"])],
+                    committed=["s3://bucket/runs/r/checkpoints/step_4"], known_good=[("s3://bucket/runs/r", "step_4")],
+                    interruption=Resize(3.0, 1, 6, "workers joined the group of 1", ["node-a"]))
+
+
+def _rank(rank: int, port: int, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    collectives.open_control_group(60)
+    own = MEMBERS if rank == 0 else Leftovers.joiner(None)  # rank 1 joins the member that is rank 0
+    results.put((rank, own.of_rank_zero()))
+    dist.destroy_process_group()
+
+
+def test_a_joiner_carries_rank_zeros_unreported_windows_events_and_commits_and_keeps_its_own_state():
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    ranks = [ctx.Process(target=_rank, args=(rank, port, results), daemon=True) for rank in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        shared = dict(results.get(timeout=60) for _ in ranks)
+    finally:
+        for p in ranks:
+            p.join(timeout=10)
+            p.kill()
+    assert shared[0] == MEMBERS
+    joiner = shared[1]
+    assert (joiner.windows, joiner.events, joiner.committed, joiner.known_good, joiner.interruption) == (
+        MEMBERS.windows, MEMBERS.events, MEMBERS.committed, MEMBERS.known_good, MEMBERS.interruption)
+    assert joiner.states == {} and joiner.saving is None  # its own: the state comes from the peers' partitions
