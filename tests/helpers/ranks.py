@@ -4,12 +4,15 @@ and they meet at a TCPStore this process holds."""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -99,3 +102,21 @@ def check_said(said: dict[int, list[str]], drill: str) -> None:
     """Each rank began with what `member_rank.SAYS` has it say in `drill`."""
     for rank, lines in SAYS[drill].items():
         assert said[rank][:len(lines)] == lines, (rank, said)
+
+
+@contextlib.contextmanager
+def spawned_pair(target: Callable[[int, int, object], None]) -> Iterator[object]:
+    """Ranks 0 and 1 as spawned processes, each running `target(rank, port, results)`, which
+    meet over gloo on a free `port`: the queue they put into `results`; both killed after."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = services.free_port()
+    ranks = [context.Process(target=target, args=(rank, port, results), daemon=True) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    try:
+        yield results
+    finally:
+        for process in ranks:
+            process.kill()
+            process.join()

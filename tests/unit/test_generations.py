@@ -4,12 +4,11 @@ last report before the controller collected it, the next rank's report (a joiner
 which brought none of its own) carries the same."""
 
 import datetime
-import multiprocessing
 
 import torch.distributed as dist
 
+from tests.helpers.ranks import spawned_pair
 from wildtrain.events import Resize
-from wildtrain.services import free_port
 from wildtrain.train import collectives
 from wildtrain.train.generations import Leftovers
 from wildtrain.train.state import TrainState
@@ -30,18 +29,8 @@ def _rank(rank: int, port: int, results) -> None:
 
 
 def test_a_joiner_carries_rank_zeros_unreported_windows_events_and_commits_and_keeps_its_own_state():
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    ranks = [ctx.Process(target=_rank, args=(rank, port, results), daemon=True) for rank in (0, 1)]
-    for p in ranks:
-        p.start()
-    try:
-        shared = dict(results.get(timeout=60) for _ in ranks)
-    finally:
-        for p in ranks:
-            p.join(timeout=10)
-            p.kill()
+    with spawned_pair(_rank) as results:
+        shared = dict(results.get(timeout=60) for _ in range(2))
     assert shared[0] == MEMBERS
     joiner = shared[1]
     assert (joiner.windows, joiner.events, joiner.committed, joiner.known_good, joiner.interruption) == (

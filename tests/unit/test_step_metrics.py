@@ -2,7 +2,6 @@
 resolved together when a report goes out: each keeps its own steps, loss and timings."""
 
 import datetime
-import multiprocessing
 import os
 import time
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from wildtrain.services import free_port
+from tests.helpers.ranks import spawned_pair
 from wildtrain.train import collectives
 from wildtrain.train.step import StepMetrics
 
@@ -66,16 +65,6 @@ def _settling_rank(rank: int, port: int, results) -> None:
 def test_a_settled_window_resolves_to_the_loss_over_ranks_without_its_peers():
     """elastic.in_process: a step commits with its window's loss settled over the ranks, so a
     member that dies after the commit takes no logged loss with it."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    ranks = [ctx.Process(target=_settling_rank, args=(rank, port, results), daemon=True) for rank in (0, 1)]
-    for p in ranks:
-        p.start()
-    try:
+    with spawned_pair(_settling_rank) as results:
         settled, loss, resolved = results.get(timeout=60)
-    finally:
-        for p in ranks:
-            p.kill()
-            p.join()
     assert settled and loss == resolved == 2.5
