@@ -1,6 +1,7 @@
 """The ranks of a process group as processes of their own, for the tests of in-process
 recovery (issue 24): each runs a `tests.helpers` module with `--store-port` and `--rank`,
-and they meet at a TCPStore this process holds."""
+and they meet at a TCPStore this process holds; or two spawned processes of a function that
+meet over gloo (`spawned_pair`)."""
 
 from __future__ import annotations
 
