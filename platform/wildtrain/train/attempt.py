@@ -111,8 +111,6 @@ class Attempt:
             self.stream = self._open_stream(inputs, objective, self.state.step)
             self.known_good = [self.restored.candidate.key] if self.restored.candidate else []
         else:
-            left = left.of_rank_zero()  # what every rank's report carries: rank 0's, for one to stand in
-            self.in_process = dataclasses.replace(self.in_process, left=left)
             held = checkpointing.gather_from_peers(self.in_process.member.mirrors, left.states, world_size)
             # The step is known before the engine is built: the first step's rows are read meanwhile.
             self.stream = self._open_stream(inputs, objective, held.state.step)

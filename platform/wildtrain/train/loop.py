@@ -178,7 +178,9 @@ def train_generations(inputs: LoopInputs, device: torch.device, member: Member, 
         attempt = None
         try:
             generation = member.form()
-            attempt = Attempt(inputs, device, InProcess(member, generation, left))
+            # Rank 0's leftovers on every rank (a joiner brought none): any rank's report can stand in for rank 0's.
+            shared = left.of_rank_zero() if left is not None else None
+            attempt = Attempt(inputs, device, InProcess(member, generation, shared))
             train(attempt)
             member.leave()
             return
