@@ -26,6 +26,7 @@ from wildtrain.checkpoint.restore import newest_committed
 from wildtrain.data.dataset import DataError, open_datasets
 from wildtrain.elastic import scaling
 from wildtrain.elastic.controller import StorageSettings, controller_callbacks
+from wildtrain.elastic.missed_commits import MissedCommits
 from wildtrain.elastic.nodes import alive_node_totals
 from wildtrain.elastic.survivors import start_rendezvous, survivor_callbacks
 from wildtrain.elastic.restarts import interpret
@@ -124,9 +125,10 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
             failure_config=scaling.failure_config(cfg),
             # Ray hands the list to the controller as one argument: the elastic callbacks'
             # events go through the same MLflow callback, not a copy of it.
-            # Survivors are kept (or not) before any other callback sees a poll's errors.
+            # Survivors are kept (or not) before any other callback sees a poll's errors, and
+            # commits a lost rank 0 did not report are noticed before any callback acts on notices.
             callbacks=[StorageSettings(storage_env), *survivor_callbacks(cfg, rendezvous, inputs, worker_env),
-                       ProgressCallback(cfg.train.steps), mlflow,
+                       MissedCommits(cfg), ProgressCallback(cfg.train.steps), mlflow,
                        *controller_callbacks(cfg, mlflow, evaluation)],
             # The Ray Data tasks a worker starts inherit its runtime env, not its process's.
             worker_runtime_env={"env_vars": worker_env},
