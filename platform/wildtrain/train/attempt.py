@@ -346,10 +346,12 @@ class Attempt:
             if self.commits is not None:
                 self.commits.flush()  # the run ends at this step: its report carries it committed
 
-    def report(self, at: At, logs: bool, saving: bool, must_commit: bool) -> None:
+    def report(self, at: At, logs: bool, saving: bool, must_commit: bool, hold: bool = False) -> None:
         """Close this log step's window (`logs`), then hand the controller the windows, the saves
         that ended and the events since the last report, once that holds no step back (see
-        the module docstring); a save commits once its report is collected."""
+        the module docstring); a save commits once its report is collected. With `hold` (a
+        join's step) send nothing: it goes over the join on every rank (`Leftovers.of_rank_zero`),
+        where a lone member lost before the controller took it would have taken it along."""
         state = self.state
         if logs:
             window = self.window.close(step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size,
@@ -374,7 +376,7 @@ class Attempt:
             # one is still queued.
             looking = self.reports.looks(at, saving)
             if (not must_commit and not self.diverged
-                    and (not looking or not collectives.all_ranks(self.reports_collected()))):
+                    and (hold or not looking or not collectives.all_ranks(self.reports_collected()))):
                 return
             # In-process, only committed steps' windows go: another may be trained again (`PeerCommits`).
             committed = self.commits.committed if self.commits is not None else state.step

@@ -109,7 +109,7 @@ def train(attempt: Attempt) -> None:
             # other step with the next one.
             attempt.commit(flush=saving or growth is Growth.JOIN)
             if attempt.reports.due(logs, saving):
-                attempt.report(at, logs, saving, checkpointing.must_commit(at, regrow))
+                attempt.report(at, logs, saving, checkpointing.must_commit(at, regrow), hold=growth is Growth.JOIN)
             if attempt.diverged:
                 break  # a diverged trial's checkpoint is worth nothing: no last save
             if regrow:
