@@ -19,6 +19,13 @@ from wildtrain import ray_compat, services
 # (nice 0) still come first, as their health checks need. Ray's `worker_niceness` setting:
 # a head's system config, or RAY_worker_niceness in a head's environment.
 WORKER_NICENESS = 10
+# The GCS marks a node dead after two health checks that fail or time out. A node a drill
+# removes refuses the check at once: seen dead 1.75-1.86 s after `remove_node` here with a
+# check's timeout of 1 s or 5 s alike. A node that answers late is alive: in a CI the head's
+# raylet, starved while a drill's three nodes started beside the rest of the suite, missed two
+# checks of 1 s and exited, and with it the session's cluster and the drills' pytest (exit 1,
+# no summary: Ray ends a driver whose object store is gone).
+HEALTH_CHECK_TIMEOUT_MS = 5000
 
 
 def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: Optional[dict] = None,
@@ -47,7 +54,8 @@ def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: 
     temp_dir = tempfile.mkdtemp(prefix="wildtrain-test-ray-")
     # With metrics, the Prometheus endpoint that workers' `ray.util.metrics` reach (the
     # dashboard's source), refreshed every second rather than every 10.
-    system_config = services.NODE_HEALTH_CHECKS | {"worker_niceness": WORKER_NICENESS}
+    system_config = services.NODE_HEALTH_CHECKS | {"health_check_timeout_ms": HEALTH_CHECK_TIMEOUT_MS,
+                                                    "worker_niceness": WORKER_NICENESS}
     metrics_args = ({"metrics_export_port": services.free_port(),
                      "_system_config": system_config | {"metrics_report_interval_ms": 1000}}
                     if metrics else {"_system_config": system_config | services.RAY_METRICS_OFF})
