@@ -94,10 +94,9 @@ class MissedCommits(ray_compat.ReportCallback):
 def restored_after_a_loss(report: WorkerReport) -> Optional[int]:
     """Where `report` is the first after workers were lost (a restarted group's first, which
     a regrow's restart costs a look, or an in-process generation's first after a `Recovered`
-    failure), the step it restored: every
-    commit up to it was the last group's or generation's, whose rank 0 may be gone with its
-    notices; the commits after it are this one's, noticed as ever. None after a join: its
-    members carry their commits over it."""
+    failure), the step it restored: every commit up to it was the last group's or generation's,
+    whose rank 0 may be gone with its notices; the commits after it are this one's, noticed as
+    ever. None after a join: its members carry their commits over it."""
     if report.startup is not None:
         return report.startup.restored_step
     return next((e.restored_step for e in report.events if isinstance(e, Recovered) and e.kind == "failure"), None)
