@@ -53,7 +53,9 @@ class MissedCommits(ray_compat.ReportCallback):
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.newest_noticed: Optional[int] = None  # None until the first report: then its restored step
+        # The step the run's first report restored (None before it): what it restored is no
+        # notice of this run's.
+        self.first_restored: Optional[int] = None
         self.noticed: set[int] = set()  # the steps of the checkpoints reports noticed
         self._listing: Optional[_Listing] = None
 
@@ -69,12 +71,10 @@ class MissedCommits(ray_compat.ReportCallback):
                 metrics[0]["committed_checkpoints"] = [*late, *report.committed_checkpoints]
         self.noticed |= {step for step in (step_of(notice.rsplit("/", 1)[-1])
                                            for notice in metrics[0]["committed_checkpoints"]) if step is not None}
-        if self.newest_noticed is None:
-            # The run's first report: what it restored is no notice of this run's.
-            self.newest_noticed = report.startup.restored_step if report.startup is not None else 0
+        if self.first_restored is None:
+            self.first_restored = report.startup.restored_step if report.startup is not None else 0
         elif self._listing is None and (restored_step := restored_after_a_loss(report)) is not None:
-            self._listing = self._list(self.newest_noticed, restored_step)
-        self.newest_noticed = max([self.newest_noticed, *self.noticed])
+            self._listing = self._list(max([self.first_restored, *self.noticed]), restored_step)
 
     def _list(self, after_step: int, through_step: int) -> _Listing:
         listing = _Listing(after_step, through_step)
