@@ -22,7 +22,7 @@ hung up (gloo), its groups aborted (NCCL's kernels end). The owner publishes tha
 generation once the dead member has been silent for `elastic.confirm_s` after a failure,
 or for `elastic.dead_after_s` with none. A GPU worker must survive its own groups'
 failure, where Ray Train's default (`TORCH_NCCL_ASYNC_ERROR_HANDLING=1`) ends its process
-at an NCCL error or timeout, and torch's debugging dump after one would too: `SURVIVOR_ENV`.
+at an NCCL error or timeout, and torch's debugging dump after one would too: `scaling.SURVIVOR_ENV`.
 
 A generation's groups live on a prefix of their own in the store, so no key of a broken
 group is read again; its default group is made by this module, not by Ray Train, and
@@ -57,20 +57,6 @@ _WATCH_S = 0.05  # a formation's look for a newer generation: it takes milliseco
 # A loss watch's wait for the next generation: woken by it, and c10d warns each time a wait
 # runs out, so it runs out rarely.
 _LOSS_WATCH_SLICE = timedelta(days=7)
-
-# What an in-process GPU worker's environment sets before Ray Train forms its group (Ray
-# sets 1 only where it is unset). The first: an NCCL error or timeout aborts the
-# communicators and fails the collectives, where 1 (and torch's default, 3) end the process.
-# The other two keep torch's flight-recorder dump, made for runs that end at their first
-# NCCL error, from stopping or ending a survivor (torch 2.11's ProcessGroupNCCL.cpp). After
-# an error a group's watchdog pauses for 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (60 s by
-# default), and the re-form, which destroys the group and so joins its watchdog, waited
-# behind it (seen on the H200). And the error sets a process-wide "dump" flag that nothing
-# clears: every later default group's heartbeat monitor would dump, and then end the process
-# TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (8 minutes) after the re-form (read in the source;
-# tests/gpu/test_in_process_nccl.py's survivors step again after that, shortened).
-SURVIVOR_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-                "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "50"}
 
 
 class Superseded(RuntimeError):
