@@ -24,6 +24,11 @@ row per phase of each run's start-up, read from what the run records in MLflow (
     data start       the first batches' wait (Ray Data starting to read)
     first step       → the first optimizer step ended (the rest: the saver, the step)
 
+Then, also on its own, a checkpoint saver's first save from the saver's start, in a process
+whose main script imports Ray as a Ray worker's does: its save child spawned as wildtrain
+spawns it (`save_process._main_script_hidden`) against the same child running the parent's
+main script first, as multiprocessing's spawn does by default.
+
 Usage: .venv/bin/python bench/startup.py [--steps 10]
 """
 
@@ -58,6 +63,29 @@ else:
 deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 print(time.perf_counter() - started)
 """
+# Run as a script: its top level is what a Ray worker's main script (`default_worker.py`) imports.
+SAVE_CHILD = """
+import ray
+
+if __name__ == "__main__":
+    import contextlib, sys, tempfile, time
+    import torch
+    from wildtrain.checkpoint import save_process
+    from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
+    from wildtrain.engine import import_deepspeed
+    import_deepspeed()
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler  # in every ZeRO state a worker saves
+
+    if sys.argv[1] == "main script run":
+        save_process._main_script_hidden = contextlib.nullcontext
+    folder = tempfile.mkdtemp()
+    started = time.perf_counter()
+    saver = AsyncSaver([folder + "/store"], folder + "/staging", rank=0, world_size=1, attempt="bench")
+    saver.save_state(CheckpointMeta(1, "step_1", 1, 0), {"state.pt": {"w": torch.zeros(8), "scaler": LossScaler(1.0)}})
+    assert saver.flush(300) and [o.status for o in saver.drain()] == ["saved"]
+    print(time.perf_counter() - started)
+    saver.close(60)
+"""
 PHASES = ["driver up", "group started", "imports", "health check", "restore", "engine build", "data start", "first step"]
 
 
@@ -78,6 +106,16 @@ def comm_start_s(how: str, extensions: Path) -> float:
     done = subprocess.run([sys.executable, "-c", COMM_START, how], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"DeepSpeed's comm start ({how}) failed:\n{done.stderr[-2000:]}")
+    return float(done.stdout.split()[-1])
+
+
+def first_save_s(how: str, folder: Path) -> float:
+    """Seconds from a saver's start to its first save's end, in a new process (SAVE_CHILD)."""
+    script = folder / "save_child.py"
+    script.write_text(SAVE_CHILD)
+    done = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"the save child's bench ({how}) failed:\n{done.stderr[-2000:]}")
     return float(done.stdout.split()[-1])
 
 
@@ -135,6 +173,16 @@ def main() -> None:
     print("\n" + table(["DeepSpeed's comm start, CPU", "seconds", "ratio to DeepSpeed's, empty cache"],
                        [[label, f"{s:.1f}", f"{s / comm['DeepSpeed, empty extensions cache']:.2f}"]
                         for label, s in comm.items()]) + "\n", flush=True)
+    # Alternated, three of each: the first of either pays for cold files.
+    saves: dict[str, list[float]] = {"main script run": [], "main script hidden": []}
+    for _ in range(3):
+        for how, seconds in saves.items():
+            say(f"a saver's first save: the child's {how}")
+            seconds.append(first_save_s(how, root))
+    reference = min(saves["main script run"])
+    print("\n" + table(["a saver's first save, from its start", "seconds (fastest of 3)", "all", "ratio"],
+                       [[f"the parent's {how} in the child", f"{min(s):.1f}", ", ".join(f"{x:.1f}" for x in s),
+                         f"{min(s) / reference:.2f}"] for how, s in saves.items()]) + "\n", flush=True)
 
     demo: dict[str, float] = {}
     runs: dict[str, dict[str, float]] = {}

@@ -73,6 +73,30 @@ def test_the_child_exits_when_its_parent_is_killed(tmp_path):
         parent.wait()
 
 
+def test_the_child_does_not_run_its_parents_main_script(tmp_path):
+    # A Ray worker's main script is Ray's default_worker.py, whose imports the child never uses.
+    ran = tmp_path / "ran"
+    script = tmp_path / "main_script.py"
+    script.write_text(textwrap.dedent(f"""
+        import os
+        with open({str(ran)!r}, "a") as f:
+            print(os.getpid(), file=f)
+        if __name__ == "__main__":
+            import torch
+            from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
+            saver = AsyncSaver([{str(tmp_path / "store")!r}], {str(tmp_path / "staging")!r}, rank=0, world_size=1,
+                               attempt="p1")
+            saver.save_state(CheckpointMeta(1, "step_1", 1, 0), {{"state.pt": {{"w": torch.zeros(8)}}}})
+            assert saver.flush({WAIT_S})
+            [outcome] = saver.drain()
+            assert outcome.status == "saved", outcome
+            assert saver.close({WAIT_S})
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
+    assert parent.wait(2 * WAIT_S) == 0
+    assert ran.read_text().split() == [str(parent.pid)]
+
+
 def test_a_store_call_that_never_returns_fails_the_save_and_the_next_one_works(tmp_path):
     marker = tmp_path / "hang"
     marker.touch()

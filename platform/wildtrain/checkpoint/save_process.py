@@ -20,10 +20,13 @@ returns), the parent kills it, and the next save starts a new one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
 import threading
 import time
+import types
 from typing import Optional
 
 import torch.multiprocessing
@@ -56,7 +59,8 @@ class SaveProcess:
         self.interrupted = False
         self.process = ctx.Process(target=_serve, args=(child_end, lifeline, os.getpid(), nice),
                                    name="wildtrain-checkpoint", daemon=True)
-        self.process.start()
+        with _main_script_hidden():
+            self.process.start()
         # Only the child holds its ends now, so the parent reads EOF as soon as the child dies.
         child_end.close()
         lifeline.close()
@@ -145,7 +149,26 @@ class _ToParent:
         return self._never.wait(seconds)
 
 
+@contextlib.contextmanager
+def _main_script_hidden():
+    """A spawned child runs its parent's main script first, as `__mp_main__`, where it names
+    none by module: in a Ray worker that is Ray's `default_worker.py`, whose imports (Ray's)
+    took 3.4 s of the child's start under a run's start-up here, for nothing the child uses
+    (`_serve` and the jobs import what they need). With a bare `__main__` while it starts,
+    multiprocessing has no script to hand the child."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 def _serve(conn, lifeline, parent_pid: int, nice: int) -> None:
+    # The first job unpickles DeepSpeed's state, and DeepSpeed's autotuner imports MLflow
+    # whenever it is installed (1.1 s of the child's start here), which the child never uses:
+    # a `None` fails that import, as `engine.import_deepspeed` does for the trainer.
+    sys.modules["mlflow"] = None
     os.nice(nice)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the process group is the parent's to handle
     torch.set_num_threads(1)  # torch.save and hashing need no intra-op threads; training needs the cores
