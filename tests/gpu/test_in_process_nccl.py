@@ -1,6 +1,6 @@
 """In-process recovery on NCCL (issue 24): tests/helpers/member_rank.py's drills with
 `--device cuda`, the ranks sharing the machine's one GPU, each an NCCL host of its own, in
-the environment an in-process GPU worker gets (`scaling.SURVIVOR_ENV`). A survivor
+the environment an in-process GPU worker gets (`survivor_env.SURVIVOR_ENV`). A survivor
 whose NCCL all-reduce waits for a dead or hung member is freed (its communicators aborted)
 and forms the next generation's NCCL group in the same process; a joiner forms one with it.
 The same drills on gloo are tests/unit/test_in_process.py."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tests.conftest import REPO
 from tests.helpers.member_rank import SAYS
 from wildtrain import services
-from wildtrain.elastic.scaling import SURVIVOR_ENV
+from wildtrain.elastic.survivor_env import SURVIVOR_ENV
 from wildtrain.elastic.rendezvous import RendezvousServer
 
 # The environment of ranks that share a machine's one GPU over NCCL (each sets NCCL_HOSTID to
