@@ -22,7 +22,12 @@ a bundle a node, STRICT_SPREAD, each holding its node's two workers (`Slot` acto
 it by bundle index), the shape that would let such a group wait for a node as one-worker
 nodes do; there a worker is placed in the lost bundle again once a node is back.
 
-    PYTHONPATH=platform .venv/bin/python bench/pg_storm.py [--phase-s 15] [--several]
+With `--spare`, the STRICT_SPREAD group of one-worker nodes again, beside a third node whose
+worker slot a spare holds (`elastic.spares`: an actor outside the group, where a worker's
+resources are free beyond it). The lost bundle fits that node by its totals, though not by
+what is free there, so the GCS may retry it at once as in the PACK rows.
+
+    PYTHONPATH=platform .venv/bin/python bench/pg_storm.py [--phase-s 15] [--several] [--spare]
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from pathlib import Path
 import psutil
 import ray
 from ray.cluster_utils import Cluster
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
@@ -81,23 +86,28 @@ class Slot:
 
 
 def run(label: str, system_config: dict, phase_s: float, strategy: str = "SPREAD", workers_per_node: int = 1,
-        bundle_per_node: bool = False) -> list[tuple]:
+        bundle_per_node: bool = False, spare: bool = False) -> list[tuple]:
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 2, "_system_config": services.NODE_HEALTH_CHECKS | STATS | system_config})
     rows = []
     node = {SLOT: workers_per_node}
     bundles = [node] * 2 if bundle_per_node else [{SLOT: 1}] * (2 * workers_per_node)
     try:
-        nodes = [cluster.add_node(num_cpus=1, resources=node) for _ in range(2)]
+        nodes = [cluster.add_node(num_cpus=1, resources=node) for _ in range(3 if spare else 2)]
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="ERROR")
         group = placement_group(bundles, strategy=strategy)
         ray.get(group.ready(), timeout=60)
+        if spare:  # outside the group, on the node its bundles left free
+            held = Slot.remote()
+            ray.get(held.ready.remote(), timeout=60)
         if bundle_per_node:
             ray.get([in_bundle(group, index).ready.remote() for index in range(2) for _ in range(workers_per_node)],
                     timeout=60)
         rows.append((label, "both nodes' bundles placed", measure(cluster, phase_s)))
-        cluster.remove_node(nodes[1], allow_graceful=False)
+        # The node of the group's bundle 1 (with a spare, Ray chose two of the three).
+        holder = placement_group_table(group)["bundles_to_node_id"][1]
+        cluster.remove_node(next(n for n in nodes if n.node_id == holder), allow_graceful=False)
         time.sleep(3)  # the node's death is noticed (health checks: about 2 s)
         rows.append((label, "a node lost", measure(cluster, phase_s)))
         cluster.add_node(num_cpus=1, resources=node)
@@ -123,6 +133,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--phase-s", type=float, default=15.0, help="seconds each phase is measured")
     parser.add_argument("--several", action="store_true", help="also nodes of two workers, in both bundle shapes")
+    parser.add_argument("--spare", action="store_true", help="also a STRICT_SPREAD group beside a spare's node")
     args = parser.parse_args()
     rows = run("Ray metrics on (default)", {}, args.phase_s)
     rows += run("Ray metrics off", services.RAY_METRICS_OFF, args.phase_s)
@@ -132,6 +143,9 @@ def main() -> None:
                     workers_per_node=2)
         rows += run("nodes of two workers, a bundle a node, STRICT_SPREAD", {}, args.phase_s,
                     strategy="STRICT_SPREAD", workers_per_node=2, bundle_per_node=True)
+    if args.spare:
+        rows += run("Ray metrics on, STRICT_SPREAD group, a spare's node beside it", {}, args.phase_s,
+                    strategy="STRICT_SPREAD", spare=True)
     print(f"\n| cluster | phase | GCS CPU (cores) | head dashboard agent CPU (cores) | GCS placement tries/s |")
     print("|---|---|---|---|---|")
     for label, phase, m in rows:
