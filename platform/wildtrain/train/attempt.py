@@ -183,8 +183,8 @@ class Attempt:
             retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
             known_good=self.known_good, commit_when_released=True,
             reports_collected=self.reports_collected, background=background, device=device, process=handed,
-            # A re-form's new save process starts after its first step, which every rank waits for.
-            defer_process=self.in_process is not None and self.in_process.left is not None,
+            # Started after the first step: its imports would take CPU from every rank's start.
+            defer_process=True,
         )
 
     def _open_stream(self, inputs: LoopInputs, objective: Objective, from_step: int) -> RankStream:
