@@ -5,8 +5,12 @@ CUDA the engine compiles (`engine.compiles`): 80 s for the 1.3b model cold on th
 a survivor's re-forms do, and times each one's first step and the frames torch._dynamo
 compiled for it: none after the first where the compiled code is reused.
 
+`--backend eager` (what bench/gpu_all.sh runs on the CPU, in `make test`) has torch._dynamo
+trace and cache the frames as with inductor, whose reuse is what is counted, without
+inductor's C++ builds (a minute of the CPU run's two cores).
+
 Usage: PYTHONPATH=platform .venv/bin/python bench/reform_compile.py [--device cpu|cuda] [--preset tiny]
-    [--engines 3]
+    [--engines 3] [--backend inductor|eager]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--engines", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--backend", default="inductor", help="torch.compile's backend, as DeepSpeed's engine passes it")
     args = parser.parse_args()
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cpu":
@@ -40,6 +45,9 @@ def main() -> None:
         torch.cuda.set_device(device)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import_deepspeed()  # before the group: DeepSpeed's accelerator follows DS_ACCELERATOR
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().set_compile_backend(args.backend)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     warnings.simplefilter("ignore")
     cfg = load_config([f"model={args.preset}", "deepspeed.zero_stage=1", "model.compile=true",
