@@ -20,8 +20,8 @@ import torch.distributed as dist
 from tests.conftest import REPO
 from tests.helpers.member_rank import SAYS
 from wildtrain import services
-from wildtrain.elastic.survivor_env import SURVIVOR_ENV
 from wildtrain.elastic.rendezvous import RendezvousServer
+from wildtrain.elastic.survivor_env import SURVIVOR_ENV
 
 # The environment of ranks that share a machine's one GPU over NCCL (each sets NCCL_HOSTID to
 # a host of its own), as an in-process GPU worker (SURVIVOR_ENV). Several ranks on one

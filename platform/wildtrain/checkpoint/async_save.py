@@ -126,7 +126,7 @@ class AsyncSaver:
                                       disk_free)
         # Spawned now, not with the first save (its imports take seconds, and a save still in
         # flight when the next falls due makes that one skipped), or handed over (`close_keeping_process`,
-        # or by the caller). With `defer_process` at `start_process`: a re-form's, after its first step.
+        # or by the caller). With `defer_process` at `start_process`: an attempt's, after its first step.
         if process is not None and (background != "process" or not process.alive()):
             process.stop(0)
             process = None

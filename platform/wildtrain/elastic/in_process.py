@@ -22,7 +22,8 @@ hung up (gloo), its groups aborted (NCCL's kernels end). The owner publishes tha
 generation once the dead member has been silent for `elastic.confirm_s` after a failure,
 or for `elastic.dead_after_s` with none. A GPU worker must survive its own groups'
 failure, where Ray Train's default (`TORCH_NCCL_ASYNC_ERROR_HANDLING=1`) ends its process
-at an NCCL error or timeout, and torch's debugging dump after one would too: `survivor_env.SURVIVOR_ENV`.
+at an NCCL error or timeout, and torch's debugging dump after one would too:
+`survivor_env.SURVIVOR_ENV`.
 
 A generation's groups live on a prefix of their own in the store, so no key of a broken
 group is read again; its default group is made by this module, not by Ray Train, and

@@ -164,7 +164,6 @@ def backend(cfg: Config) -> str:
     return "nccl" if trains_on_gpu(cfg) else "gloo"
 
 
-
 def worker_env(cfg: Config) -> dict[str, str]:
     if not trains_on_gpu(cfg):
         return {"DS_ACCELERATOR": "cpu"}
