@@ -98,7 +98,7 @@ def run(label: str, system_config: dict, phase_s: float, strategy: str = "SPREAD
         ray.init(address=cluster.address, logging_level="ERROR")
         group = placement_group(bundles, strategy=strategy)
         ray.get(group.ready(), timeout=60)
-        if spare:  # outside the group, on the node its bundles left free
+        if spare:  # outside the group, on the node its bundles left free; referenced, so it stays
             held = Slot.remote()
             ray.get(held.ready.remote(), timeout=60)
         if bundle_per_node:

@@ -109,10 +109,9 @@ def comm_start_s(how: str, extensions: Path) -> float:
     return float(done.stdout.split()[-1])
 
 
-def first_save_s(how: str, folder: Path) -> float:
-    """Seconds from a saver's start to its first save's end, in a new process (SAVE_CHILD)."""
-    script = folder / "save_child.py"
-    script.write_text(SAVE_CHILD)
+def first_save_s(how: str, script: Path) -> float:
+    """Seconds from a saver's start to its first save's end, in a new process running
+    `script` (SAVE_CHILD)."""
     done = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"the save child's bench ({how}) failed:\n{done.stderr[-2000:]}")
@@ -175,10 +174,12 @@ def main() -> None:
                         for label, s in comm.items()]) + "\n", flush=True)
     # Alternated, three of each: the first of either pays for cold files.
     saves: dict[str, list[float]] = {"main script run": [], "main script hidden": []}
+    script = root / "save_child.py"
+    script.write_text(SAVE_CHILD)
     for _ in range(3):
         for how, seconds in saves.items():
             say(f"a saver's first save: the child's {how}")
-            seconds.append(first_save_s(how, root))
+            seconds.append(first_save_s(how, script))
     reference = min(saves["main script run"])
     print("\n" + table(["a saver's first save, from its start", "seconds (fastest of 3)", "all", "ratio"],
                        [[f"the parent's {how} in the child", f"{min(s):.1f}", ", ".join(f"{x:.1f}" for x in s),
