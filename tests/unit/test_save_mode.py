@@ -3,14 +3,18 @@ between the process and the thread mode, and how a worker says it chose the thre
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch.distributed as dist
 
 from tests.conftest import REPO
+from tests.helpers.ranks import spawned_pair
 from wildtrain.checkpoint.shm import capture_bytes, choose_mode, shm_free, shm_needed
 from wildtrain.config import load_config
 from wildtrain.events import ShmTooSmall, from_dict
@@ -70,6 +74,29 @@ def test_a_worker_with_a_small_shm_saves_in_a_thread_and_tells_the_controller(ca
     assert event.needed > event.free
     assert "node node-a" in event.summary() and "emptyDir" in event.summary()
     assert "rank 0 on node node-a: checkpoint.background=process needs" in capsys.readouterr().out
+
+
+def _choose(rank: int, port: int, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    from wildtrain.train import collectives
+
+    collectives.open_control_group(60)
+    free = 64 * 2**20 if rank == 1 else 64 * GiB  # node-b's /dev/shm is small
+    results.put((rank, save_mode(load_config(["model=125m"]), rank, 2, ["node-a", "node-b"], shm_free=lambda: free)))
+    dist.destroy_process_group()
+
+
+def test_every_rank_tells_the_controller_of_a_small_shm_on_any_node():
+    """The controller logs rank 0's reports; where rank 0's node takes one before the
+    controller collected it, rank 1's stands in, and must carry the same events."""
+    with spawned_pair(_choose) as results:
+        chosen = dict(results.get(timeout=60) for _ in range(2))
+    (mode_0, events_0), (mode_1, events_1) = chosen[0], chosen[1]
+    assert (mode_0, mode_1) == ("process", "thread")
+    [event] = events_0
+    assert (event.node, event.ranks, event.free) == ("node-b", [1], 64 * 2**20)
+    assert [dataclasses.replace(e, at=0) for e in events_1] == [dataclasses.replace(event, at=0)]
 
 
 def test_a_worker_with_room_keeps_the_process_quietly(capsys):

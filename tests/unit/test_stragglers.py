@@ -1,3 +1,15 @@
+"""Straggler detection: the detector's verdicts, and the watch that judges every rank's
+gathered busy times on every rank alike."""
+
+import dataclasses
+import datetime
+from types import SimpleNamespace
+
+import torch.distributed as dist
+
+from tests.helpers.ranks import spawned_pair
+from wildtrain.config import load_config
+from wildtrain.events import Straggler as StragglerEvent
 from wildtrain.events import StragglerCheckOff, from_dict
 from wildtrain.tracking.worker.stragglers import Straggler, StragglerDetector, cannot_observe
 
@@ -32,3 +44,31 @@ def test_zero3_turns_the_check_off_with_a_reason_the_run_records():
     assert "ZeRO-3" in reason and "all-gather" in reason and "health check" in reason
     event = StragglerCheckOff(1.0, reason)
     assert from_dict(event.to_dict()) == event and event.summary() == reason
+
+
+def _watch(rank: int, port: int, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    from wildtrain.train import collectives
+    from wildtrain.train.monitor import StragglerWatch
+
+    collectives.open_control_group(60)
+    cfg = load_config(["monitor.straggler_every=2", "monitor.straggler_patience=2", "monitor.straggler_factor=1.5"])
+    watch = StragglerWatch(cfg, ["node-a", "node-b"])
+    busy_s, events = 0.0, []
+    for step in range(1, 7):
+        busy_s += 0.1 if rank == 0 else 0.5  # two ranks: above 1.5x their median is above 3x the other
+        events += watch.step_done(step, SimpleNamespace(busy_s=busy_s))
+    results.put((rank, events))
+    dist.destroy_process_group()
+
+
+def test_every_rank_finds_the_same_stragglers():
+    """The controller logs rank 0's reports; where rank 0's node takes one before the
+    controller collected it, rank 1's stands in, and must carry the same stragglers."""
+    with spawned_pair(_watch) as results:
+        found = dict(results.get(timeout=60) for _ in range(2))
+    [flagged] = found[0]  # checked at steps 2, 4 and 6: slow twice in a row by step 4, flagged once
+    assert isinstance(flagged, StragglerEvent)
+    assert (flagged.step, flagged.rank, flagged.node, flagged.intervals) == (4, 1, "node-b", 2)
+    assert [dataclasses.replace(e, at=0) for e in found[1]] == [dataclasses.replace(flagged, at=0)]

@@ -143,7 +143,9 @@ def save_mode(cfg: Config, rank: int, world_size: int, nodes: list[str],
     """Where this rank's saves run: `checkpoint.background`, unless that is "process" and the
     host copies of the checkpoint parts of every rank on this node (`nodes`: each rank's node)
     would not fit in its /dev/shm (checkpoint/shm.py); then "thread", said on this worker's
-    stdout and, on rank 0, as an event per such node for the controller (a collective)."""
+    stdout and as an event per such node for the controller (a collective): on every rank
+    alike, since where rank 0's node takes its report before the controller collected it,
+    the next rank's stands in."""
     param_bytes = 2 if cfg.cluster.use_gpu else 4  # bf16 on CUDA, fp32 elsewhere (engine.deepspeed_config)
     on_node = [r for r, node in enumerate(nodes) if node == nodes[rank]]
     needed = shm.shm_needed(shm.capture_bytes(param_count(cfg.model), param_bytes, cfg.deepspeed.zero_stage,
@@ -152,8 +154,6 @@ def save_mode(cfg: Config, rank: int, world_size: int, nodes: list[str],
     if mode.reason:
         print(f"rank {rank} on node {nodes[rank]}: {mode.reason}", flush=True)
     modes = collectives.all_gather_object(mode)
-    if rank != 0:
-        return mode.mode, []
     events = {}  # a node's ranks see the same room and need: one event per node
     for node, m in zip(nodes, modes):
         if m.reason and node not in events:

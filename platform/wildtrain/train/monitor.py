@@ -17,10 +17,8 @@ from wildtrain.train.step import StepMetrics
 
 class Monitor:
     """The new group's health check (and, with monitor.exclude_unhealthy, the nodes to leave
-    out, known to every rank), stragglers (every rank's forward time gathered every
-    `monitor.straggler_every` steps, judged on rank 0; not under ZeRO-3, see
-    `tracking.worker.stragglers`) and the live numbers exported through
-    Ray's metrics API. Its events ride in rank 0's next report. `check_health` off: the
+    out, known to every rank), stragglers (`StragglerWatch`) and the live numbers exported
+    through Ray's metrics API. Its events ride in the next report. `check_health` off: the
     group's members trained together a step ago (survivors re-formed in-process), and a
     check would lengthen their recovery by its seconds."""
 
@@ -30,12 +28,9 @@ class Monitor:
         self.rank = rank
         self.world_size = world_size
         self.device = device
-        # None: the busy times cannot show a straggler (the driver records why, once).
-        self.detector = (None if cannot_observe(cfg.deepspeed.zero_stage)
-                         else StragglerDetector(cfg.monitor.straggler_factor, cfg.monitor.straggler_patience))
         self.nodes = collectives.all_gather_object(ray.get_runtime_context().get_node_id())
+        self.stragglers = StragglerWatch(cfg, self.nodes)
         self.slowed_by_chaos = cfg.chaos.slows(rank, ray.get_runtime_context().get_node_labels())
-        self.busy_at_last_check = 0.0
         self.events: list[Event] = self._preflight() if check_health else []
         excluded = health.nodes_to_exclude(self.events, cfg.elastic.min_workers) if cfg.monitor.exclude_unhealthy else []
         self.unhealthy_nodes: list[str] = collectives.broadcast_object(excluded)
@@ -53,17 +48,7 @@ class Monitor:
         return health.judge(ranks, bandwidth, cfg.monitor.health_min_ratio, time.time())
 
     def step_done(self, step: int, window: StepMetrics) -> None:
-        if self.detector is None or step % self.cfg.monitor.straggler_every:
-            return
-        busy_s = window.busy_s  # on CUDA this waits for the device: only on check steps
-        gathered = collectives.all_gather_floats(busy_s - self.busy_at_last_check)
-        self.busy_at_last_check = busy_s
-        if self.rank != 0:
-            return
-        for slow in self.detector.observe([float(t) for t in gathered]):
-            node = self.nodes[slow.rank]
-            self.events.append(Straggler(time.time(), step, slow.rank, node, round(slow.factor, 2), slow.intervals,
-                                         f"rank {slow.rank} on node {node} {slow.factor:.1f}x slower than the median"))
+        self.events += self.stragglers.step_done(step, window)
 
     def export(self, metrics: dict) -> None:
         self.live.set(metrics)
@@ -71,6 +56,31 @@ class Monitor:
     def take_events(self) -> list[Event]:
         events, self.events = self.events, []
         return events
+
+
+class StragglerWatch:
+    """Every rank's busy time gathered every `monitor.straggler_every` steps and judged on
+    every rank alike (not under ZeRO-3, see `tracking.worker.stragglers`). The controller
+    logs rank 0's reports; where rank 0's node takes one before the controller collected it,
+    the next rank's report stands in, and carries the same stragglers."""
+
+    def __init__(self, cfg: Config, nodes: list[str]) -> None:
+        self.every, self.nodes = cfg.monitor.straggler_every, nodes
+        # None: the busy times cannot show a straggler (the driver records why, once).
+        self.detector = (None if cannot_observe(cfg.deepspeed.zero_stage)
+                         else StragglerDetector(cfg.monitor.straggler_factor, cfg.monitor.straggler_patience))
+        self.busy_at_last_check = 0.0
+
+    def step_done(self, step: int, window: StepMetrics) -> list[Straggler]:
+        if self.detector is None or step % self.every:
+            return []
+        busy_s = window.busy_s  # on CUDA this waits for the device: only on check steps
+        gathered = collectives.all_gather_floats(busy_s - self.busy_at_last_check)
+        self.busy_at_last_check = busy_s
+        at = time.time()
+        return [Straggler(at, step, slow.rank, self.nodes[slow.rank], round(slow.factor, 2), slow.intervals,
+                          f"rank {slow.rank} on node {self.nodes[slow.rank]} {slow.factor:.1f}x slower than the median")
+                for slow in self.detector.observe([float(t) for t in gathered])]
 
 
 class LiveGauges:
