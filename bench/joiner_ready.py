@@ -35,7 +35,7 @@ from wildtrain import storage  # noqa: E402
 from wildtrain.config import load_config  # noqa: E402
 from wildtrain.data.dataset import open_datasets  # noqa: E402
 from wildtrain.elastic import scaling  # noqa: E402
-from wildtrain.train.loop import LoopInputs  # noqa: E402
+from wildtrain.train.entry import LoopInputs  # noqa: E402
 
 
 @ray.remote(num_cpus=1)

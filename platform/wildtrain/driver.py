@@ -31,8 +31,7 @@ from wildtrain.elastic.nodes import alive_node_totals
 from wildtrain.elastic.survivors import start_rendezvous, survivor_callbacks
 from wildtrain.elastic.restarts import interpret
 from wildtrain.data.pins import OrderPins, order_changes, order_pins
-from wildtrain.layout import RunLayout, checkpoint_stores
-from wildtrain.export import run_record
+from wildtrain.layout import RunLayout, checkpoint_stores, run_record
 from wildtrain.events import DataOrderChanged, ShardSkipped, Started, Stopped, StragglerCheckOff
 from wildtrain.tracking.controller.mlflow_run import FLUSH_TIMEOUT_S, MlflowCallback, Tracker, log_event
 from wildtrain.tracking.controller.progress import ProgressCallback
@@ -40,7 +39,7 @@ from wildtrain.tracking.mlflow_client import Client, check_reachable, run_url
 from wildtrain.tracking.reports import runs as report
 from wildtrain.tracking.run_setup import open_run
 from wildtrain.tracking.worker.stragglers import cannot_observe
-from wildtrain.train.loop import LoopInputs, train_loop
+from wildtrain.train.entry import LoopInputs, worker_main
 
 
 class RunFailed(RuntimeError):
@@ -113,7 +112,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
                         rendezvous=(rendezvous.host, rendezvous.port) if rendezvous else None)
     trainer = ray_compat.TrainerWithoutDatasets(
         # Typed inputs rather than Ray's `train_loop_config` dict.
-        functools.partial(train_loop, inputs),
+        functools.partial(worker_main, inputs),
         scaling_config=scaling.scaling_config(cfg),
         torch_config=TorchConfig(backend=scaling.backend(cfg),
                                  timeout_s=int(cfg.elastic.collective_timeout_s)),

@@ -27,7 +27,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -62,11 +62,6 @@ class RunInfo:
     tokenizer: Optional[dict]  # its data's tokenizer as the dataset manifest describes it; None: not recorded
     dataset: str  # the root of its first dataset, whose tokenizer is the run's
     mlflow_run_id: Optional[str]
-
-
-def run_record(model: ModelConfig, tokenizer: dict) -> dict:
-    """What the driver adds to the run record for exports: the model and the tokenizer."""
-    return {"model": asdict(model), "tokenizer": tokenizer}
 
 
 def open_run(name: str, overrides: Sequence[str] = ()) -> RunInfo:

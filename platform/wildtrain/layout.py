@@ -2,7 +2,8 @@
 or an object-store URI), shared by the driver, the workers and the controller.
 
     <run.storage>/<run.name>/
-        wildtrain_run.json     the run record: its MLflow run, config hash, data order pins
+        wildtrain_run.json     the run record: its MLflow run, config hash, data order pins,
+                               and for exports its model and tokenizer (`run_record`)
         lease.json             which driver trains the run now, until when (wildtrain.lease)
         checkpoints/           committed checkpoints (unless checkpoint.store names another)
         hangs/<time>-rank<r>.txt   the hang watchdog's stacks, attached to MLflow by the controller
@@ -15,12 +16,12 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from wildtrain import storage
 from wildtrain.checkpoint.store import Store
-from wildtrain.config import Config, RunSectionConfig
+from wildtrain.config import Config, ModelConfig, RunSectionConfig
 
 _HANG_DUMP = re.compile(r"-rank(\d+)\.txt$")
 
@@ -77,3 +78,9 @@ def hang_dump_name(rank: int) -> str:
 def rank_of_hang_dump(name: str) -> int | None:
     found = _HANG_DUMP.search(name)
     return int(found.group(1)) if found else None
+
+
+def run_record(model: ModelConfig, tokenizer: dict) -> dict:
+    """What the driver adds to the run record for exports (`export.run_info` reads it): the
+    model and the tokenizer."""
+    return {"model": asdict(model), "tokenizer": tokenizer}

@@ -15,8 +15,7 @@ from wildtrain.checkpoint.store import commit, upload
 from wildtrain.config import Config, ModelConfig, load_config
 from wildtrain.data.pins import OrderPins
 from wildtrain.data.tokenizer import ByteTokenizer
-from wildtrain.export import run_record
-from wildtrain.layout import RunLayout
+from wildtrain.layout import RunLayout, run_record
 
 
 def make_run(data: Path, overrides: list[str], model: ModelConfig, *, record_model: bool = True,

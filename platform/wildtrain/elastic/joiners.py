@@ -14,7 +14,7 @@ from wildtrain import ray_compat
 from wildtrain.elastic import rendezvous
 
 if TYPE_CHECKING:
-    from wildtrain.train.loop import LoopInputs
+    from wildtrain.train.entry import LoopInputs
 
 
 @ray.remote(max_restarts=0, max_concurrency=2)

@@ -21,7 +21,7 @@ from wildtrain.elastic.scaling import spare_cpus
 from wildtrain.worker_report import rank_zero
 
 if TYPE_CHECKING:
-    from wildtrain.train.loop import LoopInputs
+    from wildtrain.train.entry import LoopInputs
 
 
 def start_rendezvous(cfg: Config) -> Optional[rendezvous.RendezvousServer]:

@@ -55,7 +55,7 @@ from wildtrain.train.watchdog import HangWatchdog
 from wildtrain.worker_report import Startup, WorkerReport
 
 if TYPE_CHECKING:
-    from wildtrain.train.loop import LoopInputs
+    from wildtrain.train.entry import LoopInputs
 
 
 class Attempt:

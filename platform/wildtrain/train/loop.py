@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import psutil
@@ -37,7 +36,6 @@ from wildtrain import storage
 from wildtrain.checkpoint.save_process import SaveProcess
 from wildtrain.config import Config
 from wildtrain.data import stream
-from wildtrain.data.dataset import OpenedData
 from wildtrain.elastic.in_process import Member
 from wildtrain.elastic.membership import RedundancyLost
 from wildtrain.elastic.scaling import backend, trains_on_gpu
@@ -47,23 +45,10 @@ from wildtrain.engine import import_ahead
 from wildtrain.tracking.worker.mfu import device_peak
 from wildtrain.train import checkpointing, collectives
 from wildtrain.train.attempt import Attempt
+from wildtrain.train.entry import LoopInputs
 from wildtrain.train.generations import InProcess, Leftovers
 from wildtrain.train.growth import Growth
 from wildtrain.train.schedule import At
-
-
-@dataclass(frozen=True)
-class LoopInputs:
-    """What the driver hands every worker: the run's config, its opened datasets, what
-    one worker holds on its node (to look for room for another), and where the driver's
-    s3:// URIs went."""
-
-    cfg: Config
-    data: OpenedData
-    worker_resources: dict[str, float]
-    storage_view: storage.StorageView
-    # The driver's rendezvous (host, port) with elastic.in_process, else None.
-    rendezvous: Optional[tuple[str, int]] = None
 
 
 def train_loop(inputs: LoopInputs) -> None:
