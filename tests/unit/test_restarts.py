@@ -26,13 +26,13 @@ def _worker_group_error(*worker_errors: BaseException) -> WorkerGroupError:
 
 def test_a_failed_health_check_restarts_as_planned_and_names_the_nodes_to_leave_out():
     checks = [HealthCheck(1.0, "matmul", 0, "good", True, "1.0x"), HealthCheck(1.0, "matmul", 1, "slow", False, "0.2x")]
-    # Every rank raises; only rank 0 knows the check's results.
-    error = _worker_group_error(UnhealthyNodes(["slow"], checks), UnhealthyNodes(["slow"], []))
+    # Every rank raises, with the same results: they are logged once.
+    error = _worker_group_error(UnhealthyNodes(["slow"], checks), UnhealthyNodes(["slow"], checks))
     restart = classify_restart(error)
     assert restart.kind == "failure" and restart.planned
     assert "slow" in restart.cause
     assert restart.events[:2] == checks
-    (excluded,) = restart.events[2:]
+    (excluded,) = restart.events[2:]  # once, though both ranks name the node
     assert isinstance(excluded, NodeExcluded) and excluded.node == "slow"
 
 

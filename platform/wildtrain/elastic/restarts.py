@@ -55,14 +55,14 @@ def classify_restart(error: BaseException | None) -> Restart:
     fatal = re.search(rf"^{re.escape(RunCannotContinue.MARKER)} (\".*\")$", text + "\n" + per_worker, re.MULTILINE)
     if fatal:
         return Restart("failure", json.loads(fatal[1]), planned=False, fatal=True)
-    # Every rank raises UnhealthyNodes; only rank 0's carries the check's results.
+    # Every rank raises UnhealthyNodes with the same results (`train.monitor.Monitor`): one rank's are logged.
     found = [json.loads(m) for m in re.findall(rf"^{re.escape(UnhealthyNodes.MARKER)} (\{{.*\}})$", per_worker, re.MULTILINE)]
     if found:
         nodes = sorted({node for f in found for node in f["nodes"]})
         at = time.time()
         excluded = [NodeExcluded(at, node, f"node {node} failed the pre-flight health check; left out of the run")
                     for node in nodes]
-        checks = [from_dict(check) for f in found for check in f["checks"]]
+        checks = [from_dict(check) for check in found[0]["checks"]]
         return Restart("failure", f"health check failed on node(s) {', '.join(nodes)}; left out of the run",
                        planned=True, events=checks + excluded)
     cause = worker_error_cause(ray_compat.worker_failures(error))

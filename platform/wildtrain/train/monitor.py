@@ -31,13 +31,15 @@ class Monitor:
         self.nodes = collectives.all_gather_object(ray.get_runtime_context().get_node_id())
         self.stragglers = StragglerWatch(cfg, self.nodes)
         self.slowed_by_chaos = cfg.chaos.slows(rank, ray.get_runtime_context().get_node_labels())
-        self.events: list[Event] = self._preflight() if check_health else []
-        excluded = health.nodes_to_exclude(self.events, cfg.elastic.min_workers) if cfg.monitor.exclude_unhealthy else []
-        self.unhealthy_nodes: list[str] = collectives.broadcast_object(excluded)
+        # Rank 0's results on every rank: where rank 0's node takes its report before the
+        # controller collected it, the next rank's stands in.
+        self.events: list[Event] = collectives.broadcast_object(self._preflight()) if check_health else []
+        self.unhealthy_nodes: list[str] = (health.nodes_to_exclude(self.events, cfg.elastic.min_workers)
+                                           if cfg.monitor.exclude_unhealthy else [])
         self.live = LiveGauges(cfg.run.name, rank)
 
     def _preflight(self) -> list[HealthCheck]:
-        """The new group's health check (train/health.py); its results, on rank 0."""
+        """The new group's health check (train/health.py); its results, judged on rank 0."""
         cfg = self.cfg
         drill_s = cfg.chaos.slow_step_s if self.slowed_by_chaos else 0.0
         rates = collectives.all_gather_floats(health.measure_matmul(self.device, drill_s))
