@@ -106,13 +106,14 @@ def check_said(said: dict[int, list[str]], drill: str) -> None:
 
 
 @contextlib.contextmanager
-def spawned_pair(target: Callable[[int, int, object], None]) -> Iterator[object]:
-    """Ranks 0 and 1 as spawned processes, each running `target(rank, port, results)`, which
-    meet over gloo on a free `port`: the queue they put into `results`; both killed after."""
+def spawned_pair(target: Callable[[int, object], None]) -> Iterator[object]:
+    """Ranks 0 and 1 as spawned processes in a gloo group of two on a free port, with
+    wildtrain's control group open, each running `target(rank, results)`: the queue they put
+    into `results`; both killed after."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = services.free_port()
-    ranks = [context.Process(target=target, args=(rank, port, results), daemon=True) for rank in (0, 1)]
+    ranks = [context.Process(target=_pair_member, args=(target, rank, port, results), daemon=True) for rank in (0, 1)]
     for process in ranks:
         process.start()
     try:
@@ -121,3 +122,13 @@ def spawned_pair(target: Callable[[int, int, object], None]) -> Iterator[object]
         for process in ranks:
             process.kill()
             process.join()
+
+
+def _pair_member(target: Callable[[int, object], None], rank: int, port: int, results) -> None:
+    from wildtrain.train import collectives
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    collectives.open_control_group(60)
+    target(rank, results)
+    dist.destroy_process_group()

@@ -3,13 +3,8 @@ unreported windows, events and commits on every rank, so that where rank 0's nod
 last report before the controller collected it, the next rank's report (a joiner's included,
 which brought none of its own) carries the same."""
 
-import datetime
-
-import torch.distributed as dist
-
 from tests.helpers.ranks import spawned_pair
 from wildtrain.events import Resize
-from wildtrain.train import collectives
 from wildtrain.train.generations import Leftovers
 from wildtrain.train.state import TrainState
 
@@ -19,13 +14,9 @@ MEMBERS = Leftovers(states={6: TrainState(step=6, world_size=1)}, windows=[{"ste
                     interruption=Resize(3.0, 1, 6, "workers joined the group of 1", ["node-a"]))
 
 
-def _rank(rank: int, port: int, results) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-    collectives.open_control_group(60)
+def _rank(rank: int, results) -> None:
     own = MEMBERS if rank == 0 else Leftovers.joiner(None)  # rank 1 joins the member that is rank 0
     results.put((rank, own.of_rank_zero()))
-    dist.destroy_process_group()
 
 
 def test_a_joiner_carries_rank_zeros_unreported_windows_events_and_commits_and_keeps_its_own_state():

@@ -4,14 +4,12 @@ between the process and the thread mode, and how a worker says it chose the thre
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
-import torch.distributed as dist
 
 from tests.conftest import REPO
 from tests.helpers.ranks import spawned_pair
@@ -76,15 +74,9 @@ def test_a_worker_with_a_small_shm_saves_in_a_thread_and_tells_the_controller(ca
     assert "rank 0 on node node-a: checkpoint.background=process needs" in capsys.readouterr().out
 
 
-def _choose(rank: int, port: int, results) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-    from wildtrain.train import collectives
-
-    collectives.open_control_group(60)
+def _choose(rank: int, results) -> None:
     free = 64 * 2**20 if rank == 1 else 64 * GiB  # node-b's /dev/shm is small
     results.put((rank, save_mode(load_config(["model=125m"]), rank, 2, ["node-a", "node-b"], shm_free=lambda: free)))
-    dist.destroy_process_group()
 
 
 def test_every_rank_tells_the_controller_of_a_small_shm_on_any_node():

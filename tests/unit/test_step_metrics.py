@@ -1,16 +1,13 @@
 """A metrics window closes on the host alone (no collective, no device sync) and windows are
 resolved together when a report goes out: each keeps its own steps, loss and timings."""
 
-import datetime
 import os
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.helpers.ranks import spawned_pair
-from wildtrain.train import collectives
 from wildtrain.train.step import StepMetrics
 
 
@@ -48,10 +45,7 @@ def test_flush_is_a_window_closed_and_resolved_at_once():
     assert window.busy_s == pytest.approx(metrics["time/forward_s"] * 2)
 
 
-def _settling_rank(rank: int, port: int, results) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-    collectives.open_control_group(60)
+def _settling_rank(rank: int, results) -> None:
     window = StepMetrics(tokens_per_step=100, flops_per_token=1.0, peak=None, world_size=2, device=torch.device("cpu"))
     _steps(window, [1.0 + rank, 3.0 + rank])  # rank 0: mean 2, rank 1: mean 3
     window.settle()

@@ -2,16 +2,14 @@
 gathered busy times on every rank alike."""
 
 import dataclasses
-import datetime
 from types import SimpleNamespace
-
-import torch.distributed as dist
 
 from tests.helpers.ranks import spawned_pair
 from wildtrain.config import load_config
 from wildtrain.events import Straggler as StragglerEvent
 from wildtrain.events import StragglerCheckOff, from_dict
 from wildtrain.tracking.worker.stragglers import Straggler, StragglerDetector, cannot_observe
+from wildtrain.train.monitor import StragglerWatch
 
 
 def test_a_rank_slow_for_patience_intervals_is_flagged_once():
@@ -46,13 +44,7 @@ def test_zero3_turns_the_check_off_with_a_reason_the_run_records():
     assert from_dict(event.to_dict()) == event and event.summary() == reason
 
 
-def _watch(rank: int, port: int, results) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-    from wildtrain.train import collectives
-    from wildtrain.train.monitor import StragglerWatch
-
-    collectives.open_control_group(60)
+def _watch(rank: int, results) -> None:
     cfg = load_config(["monitor.straggler_every=2", "monitor.straggler_patience=2", "monitor.straggler_factor=1.5"])
     watch = StragglerWatch(cfg, ["node-a", "node-b"])
     busy_s, events = 0.0, []
@@ -60,7 +52,6 @@ def _watch(rank: int, port: int, results) -> None:
         busy_s += 0.1 if rank == 0 else 0.5  # two ranks: above 1.5x their median is above 3x the other
         events += watch.step_done(step, SimpleNamespace(busy_s=busy_s))
     results.put((rank, events))
-    dist.destroy_process_group()
 
 
 def test_every_rank_finds_the_same_stragglers():
