@@ -97,7 +97,7 @@ class Attempt:
         # The health check first: a group that is about to re-form without a node should not
         # download and load a checkpoint before it finds out. Survivors re-formed in-process
         # trained together a step ago.
-        self.monitor = Monitor(cfg, rank, world_size, device, check_health=left is None)
+        self.monitor = Monitor(cfg, rank, device, check_health=left is None)
         if self.monitor.unhealthy_nodes:
             raise UnhealthyNodes(self.monitor.unhealthy_nodes, self.monitor.take_events())
         self.health_checked_at = time.time()

@@ -22,11 +22,9 @@ class Monitor:
     group's members trained together a step ago (survivors re-formed in-process), and a
     check would lengthen their recovery by its seconds."""
 
-    def __init__(self, cfg: Config, rank: int, world_size: int, device: torch.device,
-                 check_health: bool = True) -> None:
+    def __init__(self, cfg: Config, rank: int, device: torch.device, check_health: bool = True) -> None:
         self.cfg = cfg
         self.rank = rank
-        self.world_size = world_size
         self.device = device
         self.nodes = collectives.all_gather_object(ray.get_runtime_context().get_node_id())
         self.stragglers = StragglerWatch(cfg, self.nodes)
