@@ -1,15 +1,15 @@
 """How long a joiner's new process takes to be ready to join (`train.loop.ready_to_join`).
 
-A worker started on a lost member's slot (`elastic.in_process`) unpickles the run's inputs
-(wildtrain's, torch's and Ray Data's imports), then does its first-time work before it asks
-to join: DeepSpeed's and torch._dynamo's imports, its save process's start, Ray Data's first
-read and, on a CPU, the peak FLOP/s. `ready_to_join` runs the save process's imports and the
-first read beside the imports; the reference does the same steps one after the other, as
-before. Each trial is a new Ray actor process on an idle local Ray (as on a node that has
-just come back: nothing else runs on it), the two alternating. Prints per trial and the
-medians, from the process's start:
+A worker started on a lost member's slot (`elastic.in_process`) does its first-time work
+before it asks to join: the loop's imports (torch, Ray Train, the model's torch._dynamo),
+DeepSpeed's, its save process's start, Ray Data's first read and, on a CPU, the peak FLOP/s.
+The first read mostly waits for Ray to start its read tasks' processes. `train.entry.joiner_main`
+begins it before the loop's imports ("read first"); the reference begins it after them, as
+before ("read after the imports"). Each trial is a new Ray actor process on an idle local Ray
+(as on a node that has just come back: nothing else runs on it), the two alternating. Prints
+per trial and the medians, from the process's start:
 
-    inputs      the actor's arguments unpickled (its method starts)
+    called      Ray called the actor's method (its process runs, its arguments unpickled)
     ready       ready to ask to join
 
 Usage: PYTHONPATH=platform:bench .venv/bin/python bench/joiner_ready.py [--trials 4]
@@ -40,26 +40,24 @@ from wildtrain.train.entry import LoopInputs  # noqa: E402
 
 @ray.remote(num_cpus=1)
 class Joiner:
-    def ready(self, inputs: LoopInputs, overlapped: bool) -> tuple[float, float]:
+    def ready(self, inputs: LoopInputs, read_first: bool) -> tuple[float, float]:
+        started = psutil.Process().create_time()
+        called = time.time() - started
+        if read_first:  # as train.entry.joiner_main does
+            from wildtrain.data import stream
+
+            first_read = stream.warm_up_ahead(inputs.data.datasets, inputs.cfg)
+            from wildtrain.train.loop import ready_to_join
+        else:
+            from wildtrain.train.loop import ready_to_join
+
+            from wildtrain.data import stream
+
+            first_read = stream.warm_up_ahead(inputs.data.datasets, inputs.cfg)
         import torch
 
-        from wildtrain.checkpoint.save_process import SaveProcess
-        from wildtrain.data import stream
-        from wildtrain.engine import import_ahead
-        from wildtrain.tracking.worker.mfu import device_peak
-        from wildtrain.train.loop import ready_to_join
-
-        started = psutil.Process().create_time()
-        unpickled = time.time() - started
-        device = torch.device("cpu")
-        if overlapped:
-            ready_to_join(inputs, device)
-        else:  # the reference: one after the other
-            import_ahead()
-            SaveProcess()
-            stream.warm_up(inputs.data.datasets, inputs.cfg)
-            device_peak(device, inputs.cfg.cluster.peak_flops_per_device)
-        return unpickled, time.time() - started
+        ready_to_join(inputs, torch.device("cpu"), first_read)
+        return called, time.time() - started
 
 
 def main() -> None:
@@ -73,24 +71,24 @@ def main() -> None:
         try:
             inputs = LoopInputs(cfg, open_datasets(cfg), scaling.worker_resources(cfg),
                                 storage.StorageView.here(cfg.storage))
-            rows = {"one after the other": [], "ready_to_join": []}
+            rows = {"read after the imports": [], "read first": []}
             for trial in range(args.trials):
-                for how, overlapped in (("one after the other", False), ("ready_to_join", True)):
+                for how, read_first in (("read after the imports", False), ("read first", True)):
                     # A runtime env of its own, as a joiner's: a new process, not an idle worker of Ray's.
                     actor = Joiner.options(runtime_env={"env_vars": {"WILDTRAIN_TRIAL": f"{how}-{trial}"}}).remote()
-                    unpickled, ready = ray.get(actor.ready.remote(inputs, overlapped))
+                    called, ready = ray.get(actor.ready.remote(inputs, read_first))
                     ray.kill(actor)
-                    rows[how].append((unpickled, ready))
-                    say(f"trial {trial + 1}, {how}: inputs {unpickled:.2f} s, ready {ready:.2f} s")
+                    rows[how].append((called, ready))
+                    say(f"trial {trial + 1}, {how}: called {called:.2f} s, ready {ready:.2f} s")
         finally:
             ray.shutdown()
-    print("\n| how | inputs (median) | ready (median) | ready, each trial |")
+    print("\n| how | called (median) | ready (median) | ready, each trial |")
     print("|---|---|---|---|")
     for how, trials in rows.items():
         print(f"| {how} | {statistics.median(u for u, _ in trials):.2f} s | {statistics.median(r for _, r in trials):.2f} s"
               f" | {', '.join(f'{r:.2f}' for _, r in trials)} |")
-    reference, overlapped = (statistics.median(r for _, r in rows[how]) for how in rows)
-    print(f"\nready_to_join / one after the other: {overlapped / reference:.2f}x")
+    reference, read_first = (statistics.median(r for _, r in rows[how]) for how in rows)
+    print(f"\nready, read first / read after the imports: {read_first / reference:.2f}x")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from wildtrain.config import StorageConfig, flatten, load_config, redact, to_yam
 from wildtrain.elastic.controller import StorageSettings
 from wildtrain.elastic.restarts import classify_restart
 from wildtrain.elastic.signals import RunCannotContinue
-from wildtrain.train.loop import check_storage
+from wildtrain.train.entry import check_storage
 
 ACCESS, SECRET = "AKIDRIVER0000000", "driver-secret-value"
 SEAWEED = "http://127.0.0.1:8333"

@@ -236,6 +236,19 @@ def warm_up(datasets: list[Dataset], cfg: Config) -> None:
         stream.close()
 
 
+def warm_up_ahead(datasets: list[Dataset], cfg: Config) -> Future:
+    """`warm_up`, begun in a thread of its own: the future of its end."""
+    return _in_a_thread("wildtrain-first-read", warm_up, datasets, cfg)
+
+
+def _in_a_thread(name: str, read, *args) -> Future:
+    """`read(*args)` in a new thread named `name`, which ends with it: its future."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+    reading = pool.submit(read, *args)
+    pool.shutdown(wait=False)
+    return reading
+
+
 class RankStream:
     """Rank `rank` of `world_size`'s rows for every step from `from_step` on.
 
@@ -266,9 +279,7 @@ class RankStream:
         work (builds its engine): Ray Data takes a second or two to start an epoch's reads,
         which the first `next_step()` would otherwise wait for."""
         epoch, step_in_epoch = split_step(self.step, self.steps_per_epoch)
-        pool = ThreadPoolExecutor(1, thread_name_prefix="rank-stream-start")
-        self._starting = pool.submit(self._first_block, epoch, step_in_epoch)
-        pool.shutdown(wait=False)  # its thread ends with the reading
+        self._starting = _in_a_thread("rank-stream-start", self._first_block, epoch, step_in_epoch)
 
     def _first_block(self, epoch: int, step_in_epoch: int) -> None:
         self._start_epoch(epoch, step_in_epoch)

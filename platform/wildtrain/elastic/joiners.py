@@ -1,6 +1,6 @@
 """The joiners of an in-process group (issue 24): workers the controller starts on a lost
 member's placement slot, or as spares on spare capacity, that join the group's survivors
-in-process (`elastic.survivors.KeepSurvivors` decides when; `train.loop.join_in_process` is
+in-process (`elastic.survivors.KeepSurvivors` decides when; `train.entry.joiner_main` is
 their side)."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ class Joiner:
     and the controller takes its reports while it trains (`take_reports`: a second thread)."""
 
     def run(self, inputs: LoopInputs, token: str, name: str, group_size: int) -> None:
-        from wildtrain.train.loop import join_in_process  # the worker's side, imported where it runs
+        from wildtrain.train.entry import joiner_main
 
-        join_in_process(inputs, token, name, group_size)
+        joiner_main(inputs, token, name, group_size)
 
     def take_reports(self) -> list[dict]:
         from wildtrain.elastic.relay import RELAY  # this process's: Ray pickles the class, not its module's objects

@@ -1,15 +1,20 @@
-"""What the driver hands Ray Train: the function every worker runs and its inputs. The driver
-pickles both by reference, so it imports this module and not train/loop.py, whose imports (the
-engine, the model, torch._dynamo: 1.3 s of the driver's start here) only a worker needs."""
+"""What the driver hands Ray Train: the function every worker runs and its inputs, and the
+function of a joiner (`elastic.joiners`). The driver and the controller pickle them by
+reference, so they import this module and not train/loop.py, whose imports (the engine, the
+model, torch._dynamo: 1.3 s of the driver's start here) only a worker needs."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
+
+import ray
 
 from wildtrain import storage
 from wildtrain.config import Config
 from wildtrain.data.dataset import OpenedData
+from wildtrain.elastic.signals import RunCannotContinue
 
 
 @dataclass(frozen=True)
@@ -31,3 +36,30 @@ def worker_main(inputs: LoopInputs) -> None:
     from wildtrain.train.loop import train_loop
 
     train_loop(inputs)
+
+
+def joiner_main(inputs: LoopInputs, token: str, name: str, group_size: int) -> None:
+    """A joiner's function: `train.loop.join_in_process`, imported where it runs. Its first read
+    through Ray Data starts before that import, not after it: the read mostly waits for Ray to
+    start its read tasks' processes (2-3 s here), which import beside the loop's imports (torch,
+    Ray Train, the model's torch._dynamo: 3-4 s of a core), and a joiner is ready to join once
+    both are done."""
+    called_at = time.time()
+    check_storage(inputs.storage_view, inputs.cfg)  # before it reads
+    from wildtrain.data import stream
+
+    first_read = stream.warm_up_ahead(inputs.data.datasets, inputs.cfg)
+    from wildtrain.train.loop import join_in_process
+
+    join_in_process(inputs, token, name, group_size, first_read, called_at)
+
+
+def check_storage(drivers: storage.StorageView, cfg: Config) -> None:
+    """Stop the run, naming what differs, unless this worker's s3:// URIs go where the
+    driver's went. The driver's settings reach it in its runtime env; a worker that still
+    resolves them otherwise (something on its node overrides them) would read and write
+    another store, or none."""
+    differs = storage.StorageView.here(cfg.storage).differences(drivers)
+    if differs:
+        raise RunCannotContinue(f"storage: a worker on {ray.util.get_node_ip_address()} resolves s3:// unlike "
+                                f"the driver: {'; '.join(differs)}")

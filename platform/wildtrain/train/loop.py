@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Optional
 
 import psutil
@@ -32,20 +32,17 @@ import ray.train
 import ray.train.torch
 import torch
 
-from wildtrain import storage
 from wildtrain.checkpoint.save_process import SaveProcess
 from wildtrain.config import Config
-from wildtrain.data import stream
 from wildtrain.elastic.in_process import Member
 from wildtrain.elastic.membership import RedundancyLost
 from wildtrain.elastic.scaling import backend, trains_on_gpu
-from wildtrain.elastic.signals import (FinalCheckpointFailed, MembersJoining, PlannedRegrow, RunCannotContinue,
-                                      UnhealthyNodes)
+from wildtrain.elastic.signals import FinalCheckpointFailed, MembersJoining, PlannedRegrow, UnhealthyNodes
 from wildtrain.engine import import_ahead
 from wildtrain.tracking.worker.mfu import device_peak
 from wildtrain.train import checkpointing, collectives
 from wildtrain.train.attempt import Attempt
-from wildtrain.train.entry import LoopInputs
+from wildtrain.train.entry import LoopInputs, check_storage
 from wildtrain.train.generations import InProcess, Leftovers
 from wildtrain.train.growth import Growth
 from wildtrain.train.schedule import At
@@ -107,13 +104,14 @@ def train(attempt: Attempt) -> None:
         attempt.watchdog.stop()
 
 
-def join_in_process(inputs: LoopInputs, token: str, name: str, group_size: int) -> None:
+def join_in_process(inputs: LoopInputs, token: str, name: str, group_size: int, first_read: Future,
+                    called_at: float) -> None:
     """A worker the controller started on a lost member's placement slot (`elastic.survivors`):
     it joins the group registered under `token` as `name` and trains in its generations from
-    the state the members hold. No Ray Train worker: its generation's rank 0 reports."""
-    called_at = time.time()
+    the state the members hold. No Ray Train worker: its generation's rank 0 reports.
+    `first_read`: its first read through Ray Data, started when Ray called it, at `called_at`
+    (`train.entry.joiner_main`)."""
     cfg = inputs.cfg
-    check_storage(inputs.storage_view, cfg)
     # Ray shows the actor its slot's one GPU as device 0, where Ray Train sets a worker's device itself.
     os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed reads it
     device = torch.device("cpu")
@@ -123,32 +121,29 @@ def join_in_process(inputs: LoopInputs, token: str, name: str, group_size: int) 
     member = Member.joining(inputs.rendezvous, token, name, group_size, ray.get_runtime_context().get_node_id(),
                             cfg.elastic, backend(cfg), control_timeout_s(cfg))
     try:
-        left = ready_to_join(inputs, device)
-        # Ray calls a joiner once its worker process runs and its inputs are unpickled, which
-        # imports torch, Ray Train and the model's modules: 3-4 s of a core here.
+        left = ready_to_join(inputs, device, first_read)
         started_at, asked_at = psutil.Process().create_time(), time.time()
         print(f"{name} asks to join, {asked_at - started_at:.1f} s after its process started: "
-              f"{called_at - started_at:.1f} s until Ray called it (its worker process, its inputs' imports), "
-              f"{asked_at - called_at:.1f} s getting ready (the engine's imports, the first read)", flush=True)
+              f"{called_at - started_at:.1f} s until Ray called it (its worker process), "
+              f"{asked_at - called_at:.1f} s getting ready (the imports of torch, Ray Train, the engine's, "
+              f"and the first read beside them)", flush=True)
         member.ask()
         train_generations(inputs, device, member, left, lambda: None)
     finally:
         member.heartbeat.stop()  # ended or failed: either way no member any more
 
 
-def ready_to_join(inputs: LoopInputs, device: torch.device) -> Leftovers:
+def ready_to_join(inputs: LoopInputs, device: torch.device, first_read: Future) -> Leftovers:
     """What a process's first attempt does for the first time, and slowly (1-2 s each here,
     against milliseconds after), done by a joiner before it asks to join, where the members
     would otherwise wait for it: the first engine build's imports, its save process's start,
-    Ray Data's first read, and the device's peak FLOP/s (measured on a CPU). The save process
-    imports in a process of its own, and the first read mostly waits for Ray's read tasks:
-    both run beside the imports."""
+    Ray Data's first read (`first_read`, under way), and the device's peak FLOP/s (measured on
+    a CPU). The save process imports in a process of its own, and the first read mostly waits
+    for Ray's read tasks: both run beside the imports."""
     cfg = inputs.cfg
     save_process = SaveProcess() if cfg.checkpoint.background == "process" else None
-    with ThreadPoolExecutor(1, thread_name_prefix="wildtrain-first-read") as pool:
-        first_read = pool.submit(stream.warm_up, inputs.data.datasets, cfg)
-        import_ahead()
-        first_read.result()
+    import_ahead()
+    first_read.result()
     device_peak(device, cfg.cluster.peak_flops_per_device)
     return Leftovers.joiner(save_process)
 
@@ -179,17 +174,6 @@ def train_generations(inputs: LoopInputs, device: torch.device, member: Member, 
                 left = attempt.abandon(e, failed_at, left)
             elif left is not None:
                 left = left.without_saves_in_flight()
-
-
-def check_storage(drivers: storage.StorageView, cfg: Config) -> None:
-    """Stop the run, naming what differs, unless this worker's s3:// URIs go where the
-    driver's went. The driver's settings reach it in its runtime env; a worker that still
-    resolves them otherwise (something on its node overrides them) would read and write
-    another store, or none."""
-    differs = storage.StorageView.here(cfg.storage).differences(drivers)
-    if differs:
-        raise RunCannotContinue(f"storage: a worker on {ray.util.get_node_ip_address()} resolves s3:// unlike "
-                                f"the driver: {'; '.join(differs)}")
 
 
 def control_timeout_s(cfg: Config) -> float:
