@@ -35,7 +35,7 @@ from wildtrain import storage  # noqa: E402
 from wildtrain.config import load_config  # noqa: E402
 from wildtrain.data.dataset import open_datasets  # noqa: E402
 from wildtrain.elastic import scaling  # noqa: E402
-from wildtrain.train.entry import LoopInputs  # noqa: E402
+from wildtrain.train.entry import LoopInputs, begin_first_read  # noqa: E402
 
 
 @ray.remote(num_cpus=1)
@@ -44,16 +44,12 @@ class Joiner:
         started = psutil.Process().create_time()
         called = time.time() - started
         if read_first:  # as train.entry.joiner_main does
-            from wildtrain.data import stream
-
-            first_read = stream.warm_up_ahead(inputs.data.datasets, inputs.cfg)
+            first_read = begin_first_read(inputs)
             from wildtrain.train.loop import ready_to_join
         else:
             from wildtrain.train.loop import ready_to_join
 
-            from wildtrain.data import stream
-
-            first_read = stream.warm_up_ahead(inputs.data.datasets, inputs.cfg)
+            first_read = begin_first_read(inputs)
         import torch
 
         ready_to_join(inputs, torch.device("cpu"), first_read)
