@@ -1,7 +1,7 @@
 """The ranks of a process group as processes of their own, for the tests of in-process
 recovery (issue 24): each runs a `tests.helpers` module with `--store-port` and `--rank`,
-and they meet at a TCPStore this process holds; or two spawned processes of a function that
-meet over gloo (`spawned_pair`)."""
+and they meet at a TCPStore this process holds; or spawned processes of a function
+(`spawn_ranks`; `spawned_pair`, two that meet over gloo)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Callable, Iterator
 
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from tests.conftest import REPO
 from tests.helpers.member_rank import SAYS
@@ -103,6 +104,22 @@ def check_said(said: dict[int, list[str]], drill: str) -> None:
     """Each rank began with what `member_rank.SAYS` has it say in `drill`."""
     for rank, lines in SAYS[drill].items():
         assert said[rank][:len(lines)] == lines, (rank, said)
+
+
+def spawn_ranks(fn: Callable[..., None], world_size: int, *args) -> None:
+    """`fn(rank, world_size, port, *args)` in `world_size` spawned processes, a free port for
+    them to meet on; raises where one raised. Each exits as soon as `fn` returns: torch's
+    teardown of the gloo groups at a normal exit aborts a rank now and then ("terminate called
+    without an active exception": test_step once in 16 runs, test_precision in a suite run of
+    2026-12-06), after what counts was written."""
+    mp.spawn(_exit_after, args=(fn, world_size, services.free_port(), *args), nprocs=world_size, join=True)
+
+
+def _exit_after(rank: int, fn: Callable[..., None], *args) -> None:
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @contextlib.contextmanager

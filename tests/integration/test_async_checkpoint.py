@@ -20,7 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.integration.test_resharding import STAGES, _config, _engine, _full_params, _init_process, _spawn, _train
+from tests.helpers.ranks import spawn_ranks
+from tests.integration.test_resharding import STAGES, _config, _engine, _full_params, _init_process, _train
 
 pytestmark = [pytest.mark.integration, pytest.mark.standalone]
 
@@ -121,9 +122,9 @@ def saved_and_restored(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("async_checkpoint")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DS_ACCELERATOR", "cpu")
-        _spawn(_train_and_save, 2, str(root))
-        _spawn(_restore, 2, str(root))
-        _spawn(_restore, 1, str(root))
+        spawn_ranks(_train_and_save, 2, str(root))
+        spawn_ranks(_restore, 2, str(root))
+        spawn_ranks(_restore, 1, str(root))
     return root
 
 

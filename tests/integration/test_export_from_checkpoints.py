@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 from click.testing import CliRunner, Result
 
+from tests.helpers.ranks import spawn_ranks
 from tests.helpers.runs import make_run, mlflow_run
-from tests.integration.test_resharding import _init_process, _spawn
+from tests.integration.test_resharding import _init_process
 from wildtrain.config import ModelConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.standalone]
@@ -106,7 +107,7 @@ def trained(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("export")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DS_ACCELERATOR", "cpu")
-        _spawn(_train_and_save, 2, str(root))
+        spawn_ranks(_train_and_save, 2, str(root))
     return root
 
 

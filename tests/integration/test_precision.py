@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.helpers.ranks import spawn_ranks
 from wildtrain import services
 
 pytestmark = [pytest.mark.integration, pytest.mark.standalone]
@@ -72,7 +72,7 @@ def results(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("precision")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DS_ACCELERATOR", "cpu")
-        mp.spawn(_run, args=(WORLD, services.free_port(), str(root)), nprocs=WORLD, join=True)
+        spawn_ranks(_run, WORLD, str(root))
     return [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

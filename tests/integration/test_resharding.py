@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.helpers.ranks import spawn_ranks
 from wildtrain import services
 from wildtrain.checkpoint import universal
 from wildtrain.checkpoint.universal import MARKER, convert, is_converted, universal_tag
@@ -165,10 +165,6 @@ def _folder(root: str, stage: int) -> str:
     return str(Path(root, f"zero{stage}"))
 
 
-def _spawn(fn, world_size: int, *args) -> None:
-    mp.spawn(fn, args=(world_size, services.free_port(), *args), nprocs=world_size, join=True)
-
-
 @pytest.fixture(scope="module")
 def resharded(tmp_path_factory) -> Path:
     """Every stage trained and saved at 2 ranks, converted, then loaded at 1 and at 3 ranks.
@@ -178,13 +174,13 @@ def resharded(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("resharding")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DS_ACCELERATOR", "cpu")  # the children and the converter inherit it
-        _spawn(_train_and_save, 2, str(root))
+        spawn_ranks(_train_and_save, 2, str(root))
         # Three conversions at once, as they may happen; ZeRO-1's (the default) in this
         # process, as a restarting worker converts.
         with ThreadPoolExecutor(len(STAGES)) as pool:
             list(pool.map(_convert, [_folder(str(root), stage) for stage in STAGES], [stage == 1 for stage in STAGES]))
         for world_size in (1, 3):
-            _spawn(_load, world_size, str(root))
+            spawn_ranks(_load, world_size, str(root))
     return root
 
 

@@ -12,8 +12,8 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.helpers.ranks import spawn_ranks
 from wildtrain import services
 from wildtrain.checkpoint.format import checkpoint_name
 from wildtrain.checkpoint.restore import restore
@@ -62,6 +62,6 @@ def _restore(rank: int, world_size: int, port: int, root: str) -> None:
 def test_every_rank_restores_the_checkpoint_rank_0_chose_when_a_listing_lags(tmp_path):
     for step in (10, 20):
         _commit(tmp_path, step)
-    mp.spawn(_restore, args=(2, services.free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_restore, 2, str(tmp_path))
     steps = [json.loads(Path(tmp_path, f"rank{r}.json").read_text())["step"] for r in (0, 1)]
     assert steps == [20, 20]
