@@ -34,6 +34,7 @@ class BackgroundRun:
     summary: Optional[driver.RunSummary] = None
     error: Optional[BaseException] = None
     thread: threading.Thread = field(init=False)
+    run_id: Optional[str] = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.thread = threading.Thread(target=self._run, name=f"run-{self.cfg.run.name}", daemon=True)
@@ -65,10 +66,10 @@ class BackgroundRun:
 
     def reports(self, key: str = "world_size") -> list:
         """The run's history of `key` (MLflow metrics) in the order it was logged."""
-        run_id = self.mlflow_run_id()
-        if run_id is None:
+        self.run_id = self.run_id or self.mlflow_run_id()
+        if self.run_id is None:
             return []
-        history = MlflowClient(self.cfg.tracking.uri).get_metric_history(run_id, key)
+        history = MlflowClient(self.cfg.tracking.uri).get_metric_history(self.run_id, key)
         return sorted(history, key=lambda m: (m.timestamp, m.step))
 
     def wait_until(self, condition: Callable[[list], bool], what: str, timeout_s: float, key: str = "world_size") -> list:
