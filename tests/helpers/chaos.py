@@ -55,21 +55,22 @@ class BackgroundRun:
         return self.summary
 
     def mlflow_run_id(self) -> Optional[str]:
-        client = MlflowClient(self.cfg.tracking.uri)
-        experiment = client.get_experiment_by_name(self.cfg.tracking.experiment)
-        if experiment is None:
-            return None
-        runs = client.search_runs(
-            [experiment.experiment_id], filter_string=f"attributes.run_name = '{self.cfg.run.name}'"
-        )
-        return runs[0].info.run_id if runs else None
+        """The run's MLflow id, once the driver created the run; kept from then on (it never
+        changes), so that polls ask MLflow only for what they poll."""
+        if self.run_id is None:
+            client = MlflowClient(self.cfg.tracking.uri)
+            experiment = client.get_experiment_by_name(self.cfg.tracking.experiment)
+            runs = [] if experiment is None else client.search_runs(
+                [experiment.experiment_id], filter_string=f"attributes.run_name = '{self.cfg.run.name}'")
+            self.run_id = runs[0].info.run_id if runs else None
+        return self.run_id
 
     def reports(self, key: str = "world_size") -> list:
         """The run's history of `key` (MLflow metrics) in the order it was logged."""
-        self.run_id = self.run_id or self.mlflow_run_id()
-        if self.run_id is None:
+        run_id = self.mlflow_run_id()
+        if run_id is None:
             return []
-        history = MlflowClient(self.cfg.tracking.uri).get_metric_history(self.run_id, key)
+        history = MlflowClient(self.cfg.tracking.uri).get_metric_history(run_id, key)
         return sorted(history, key=lambda m: (m.timestamp, m.step))
 
     def wait_until(self, condition: Callable[[list], bool], what: str, timeout_s: float, key: str = "world_size") -> list:
