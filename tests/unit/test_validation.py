@@ -2,16 +2,21 @@
 many forward passes each rank runs, and the metrics from the reduced sums."""
 
 import math
+import warnings
 
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 from hypothesis import given, strategies as st
 
+from wildtrain.config import load_config
+from wildtrain.data.dataset import OpenedData
 from wildtrain.data.manifest import Shard
 from wildtrain.data.prepare import RowPacker, held_out, pack_rows
 from wildtrain.data.validation import ValidationSet, names_for, rank_share, share_rows
-from wildtrain.train.validation import batch_counts, metrics
+from wildtrain.data.tokenizer import ByteTokenizer
+from wildtrain.train.validation import Validator, batch_counts, metrics
 
 
 def _set(name: str, groups: list[list[int]]) -> ValidationSet:
@@ -40,6 +45,18 @@ def test_every_validation_row_is_scored_once_whatever_the_world_size(world_size,
              for k, rows in enumerate(shard.row_groups) for row in range(rows)]
     assert scored == every
     assert max(share_rows(sets, world_size)) - min(share_rows(sets, world_size)) <= 1
+
+
+def test_a_validator_takes_the_byte_table_read_only_as_ray_hands_it_over_and_warns_nothing():
+    table = ByteTokenizer().token_bytes()
+    table.flags.writeable = False  # as a worker unpickles it from Ray's object store
+    data = OpenedData([], 1, ByteTokenizer().describe(), validation=[_set("a", [[3]])], token_bytes=table)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validator = Validator(load_config(["experiment=tiny"]), data, 0, 1, torch.device("cpu"))
+    assert validator.token_bytes.tolist() == table.tolist()
+    # Its own copy, never a view of the read-only buffer (torch warns of one only once a process).
+    assert validator.token_bytes.data_ptr() != table.ctypes.data
 
 
 def test_every_rank_runs_the_most_forward_passes_any_rank_needs():

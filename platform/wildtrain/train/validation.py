@@ -70,7 +70,9 @@ class Validator:
         self.device = device
         self.micro_batch = cfg.eval.micro_batch_size or cfg.train.micro_batch_size
         self.passes = max(batch_counts(self.sets, world_size, self.micro_batch))
-        self.token_bytes = torch.from_numpy(data.token_bytes).to(device)
+        # A copy: the table reaches a worker read-only (Ray hands numpy arrays over without a
+        # copy), and torch.from_numpy warned of that on every worker of every run.
+        self.token_bytes = torch.tensor(data.token_bytes, device=device)
         self._rows: Optional[list[tuple[int, np.ndarray, np.ndarray]]] = None
 
     def evaluate(self, engine) -> dict[str, float]:
