@@ -9,8 +9,9 @@ import pytest
 from tests.helpers.faulty_fs import Faults, faulty_filesystem
 from wildtrain.checkpoint.format import MANIFEST, CheckpointManifest, FileEntry, checkpoint_name, files_for_rank, step_of
 from wildtrain.checkpoint.restore import Candidate, NoGoodCheckpoint, choose_restore, list_candidates, restore
+from wildtrain.checkpoint import store as store_module
 from wildtrain.checkpoint.store import (
-    Cancelled, CommitError, DeadlineExceeded, PartFailed, Store, commit, commit_when_complete, read_manifest, upload,
+    HELD_POLL_S, Cancelled, CommitError, DeadlineExceeded, PartFailed, Store, commit, commit_when_complete, read_manifest, upload,
     verify, write_part,
 )
 
@@ -193,6 +194,25 @@ def test_waiting_for_parts_stops_when_cancelled(tmp_path, store):
     cancelled.set()
     error = commit_error(store, checkpoint_name(100, "a"), 1, time.monotonic() + WAIT_S, wait=cancelled.wait)
     assert isinstance(error, Cancelled) and "cancelled" in str(error)
+
+
+def test_a_commit_held_once_its_parts_are_in_reads_the_store_once_and_asks_again_at_a_short_pace(
+        tmp_path, store, monkeypatch):
+    # A store is polled with a growing interval (it notifies nobody), but what holds a
+    # complete checkpoint (its step's report, collected at the controller's next poll) is
+    # local: the commit should follow it within HELD_POLL_S, not within the store's backoff.
+    name = checkpoint_name(100, "a")
+    write_part(store, name, 0, [FileEntry("latest", 4, "a" * 64)])
+    polls, waits, holds = [], [], iter(["waiting for the report of step 100 to be collected"] * 8)
+    real_poll = store_module.poll_parts
+    monkeypatch.setattr(store_module, "poll_parts", lambda *args: polls.append(args) or real_poll(*args))
+    committed = []
+    errors = commit_when_complete([(store, time.monotonic() + WAIT_S)], name, 1,
+                                  lambda store, files: committed.append(files), held_by=lambda: next(holds, None),
+                                  wait=lambda seconds: waits.append(seconds))
+    assert errors == {} and committed == [(FileEntry("latest", 4, "a" * 64),)]
+    assert len(polls) == 1
+    assert waits == [HELD_POLL_S] * 8
 
 
 def test_an_upload_that_the_store_silently_truncates_fails_verification(tmp_path):

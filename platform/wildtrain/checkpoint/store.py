@@ -24,6 +24,8 @@ from wildtrain.checkpoint.format import (
 )
 from wildtrain.config import StorageConfig
 
+# How often a commit whose parts are all in asks `held_by` again (commit_when_complete).
+HELD_POLL_S = 0.1
 CHUNK_BYTES = 8 << 20  # large enough for object-store throughput, small enough to notice a deadline
 
 
@@ -187,35 +189,43 @@ def commit_when_complete(targets: Sequence[tuple[Store, float]], name: str, worl
     (`PartFailed`), the records disagree (`CommitError`), its deadline passes
     (`DeadlineExceeded`) or `commit` raises; a request that failed (`OSError`) may work at the
     next poll, so until the deadline it is tried again. While `held_by()` names something
-    else a commit waits for, it waits. When `wait(interval)` returns true, as
-    `threading.Event.wait` does once set, every store still pending is given up (`Cancelled`).
-    Returns the errors by store URI; the stores without one were committed."""
+    else a commit waits for, it waits: a store whose parts are all in is not polled again,
+    and `held_by` is asked every `HELD_POLL_S` (it is local, and its wait ends by itself).
+    When `wait(interval)` returns true, as `threading.Event.wait` does once set, every store
+    still pending is given up (`Cancelled`). Returns the errors by store URI; the stores
+    without one were committed."""
     pending = {store.uri: (store, deadline) for store, deadline in targets}
+    complete: dict[str, tuple[FileEntry, ...]] = {}  # by store URI: every part in, as read
     errors: dict[str, Exception] = {}
     interval = 0.05
     while pending:
         for uri, (store, deadline) in list(pending.items()):
             try:
-                parts = poll_parts(store, name, world_size)
-                if parts.failed:
-                    raise PartFailed(f"{store.describe(name)}: " + "; ".join(parts.failed))
-                waiting = (f"waiting for ranks {list(parts.missing)} of {world_size} to upload checkpoint "
-                           f"{store.describe(name)}" if parts.missing else held_by())
+                if uri not in complete:
+                    parts = poll_parts(store, name, world_size)
+                    if parts.failed:
+                        raise PartFailed(f"{store.describe(name)}: " + "; ".join(parts.failed))
+                    if not parts.missing:
+                        complete[uri] = parts.files
+                waiting = (held_by() if uri in complete else f"waiting for ranks {list(parts.missing)} of "
+                           f"{world_size} to upload checkpoint {store.describe(name)}")
                 if waiting:
                     on_progress(waiting)
                     check_deadline(deadline, waiting)
                     continue
-                commit(store, parts.files)
+                commit(store, complete[uri])
             except Exception as e:
                 if isinstance(e, OSError) and not isinstance(e, DeadlineExceeded) and time.monotonic() < deadline:
                     continue
                 errors[uri] = e
             del pending[uri]
-        if pending and wait(interval):
+        polling_stores = any(uri not in complete for uri in pending)
+        if pending and wait(interval if polling_stores else HELD_POLL_S):
             errors |= {uri: Cancelled(f"cancelled waiting to commit {store.describe(name)}")
                        for uri, (store, _) in pending.items()}
             break
-        interval = min(2.0, interval * 2)
+        if polling_stores:
+            interval = min(2.0, interval * 2)
     return errors
 
 
