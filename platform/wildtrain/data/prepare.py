@@ -136,11 +136,8 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     )
     write_manifest(cfg.output, manifest, cfg.storage)
     verify(cfg.output, manifest, check_checksums=False, config=cfg.storage)
-    written = [path for r in results for path in r.written]
-    log.info("%s: %d rows, %d tokens in %d shards, %d validation shards (%d written), %d bad records skipped",
-             cfg.output, manifest.rows, manifest.tokens, len(shards), len(validation), len(written),
-             sum(bad.values()))
-    return PrepareResult(manifest, written, [path for r in results for path in r.unchanged], results)
+    return PrepareResult(manifest, [path for r in results for path in r.written],
+                         [path for r in results for path in r.unchanged], results)
 
 
 def partitions(cfg: PrepareConfig) -> list[Partition]:
