@@ -57,7 +57,8 @@ def trial(module: ModuleType, hold_s: float) -> tuple[float, int]:
     committed: list[float] = []
     lifted = time.monotonic() + hold_s
     try:
-        module.commit_when_complete([(store, lifted + 60)], name, 1, lambda store, files: committed.append(time.monotonic()),
+        module.commit_when_complete([(store, lifted + 60)], name, 1,
+                                    lambda store, files: committed.append(time.monotonic()),
                                     held_by=lambda: None if time.monotonic() >= lifted else "held")
     finally:
         module.poll_parts = poll_parts

@@ -7,12 +7,12 @@ import pyarrow.fs as pafs
 import pytest
 
 from tests.helpers.faulty_fs import Faults, faulty_filesystem
+from wildtrain.checkpoint import store as store_module
 from wildtrain.checkpoint.format import MANIFEST, CheckpointManifest, FileEntry, checkpoint_name, files_for_rank, step_of
 from wildtrain.checkpoint.restore import Candidate, NoGoodCheckpoint, choose_restore, list_candidates, restore
-from wildtrain.checkpoint import store as store_module
 from wildtrain.checkpoint.store import (
-    HELD_POLL_S, Cancelled, CommitError, DeadlineExceeded, PartFailed, Store, commit, commit_when_complete, read_manifest, upload,
-    verify, write_part,
+    HELD_POLL_S, Cancelled, CommitError, DeadlineExceeded, PartFailed, Store, commit, commit_when_complete,
+    read_manifest, upload, verify, write_part,
 )
 
 SHARED = "step/mp_rank_00_model_states.pt"
