@@ -215,6 +215,21 @@ def test_a_commit_held_once_its_parts_are_in_reads_the_store_once_and_asks_again
     assert waits == [HELD_POLL_S] * 8
 
 
+def test_a_commit_that_fails_against_a_store_is_retried_with_the_stores_backoff(tmp_path, store):
+    name = checkpoint_name(100, "a")
+    write_part(store, name, 0, [FileEntry("latest", 4, "a" * 64)])
+    outcomes, waits = iter([OSError("store down")] * 3), []
+
+    def commit(store, files):
+        error = next(outcomes, None)
+        if error:
+            raise error
+
+    assert commit_when_complete([(store, time.monotonic() + WAIT_S)], name, 1, commit,
+                                wait=lambda seconds: waits.append(seconds)) == {}
+    assert waits == [0.05, 0.1, 0.2]
+
+
 def test_an_upload_that_the_store_silently_truncates_fails_verification(tmp_path):
     faults = Faults(corrupt="truncate", match=lambda path: path.endswith(".pt"))
     faulty = Store(faulty_filesystem(pafs.LocalFileSystem(), faults), str(tmp_path / "primary"), "faulty://primary")

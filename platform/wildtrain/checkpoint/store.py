@@ -190,16 +190,19 @@ def commit_when_complete(targets: Sequence[tuple[Store, float]], name: str, worl
     (`DeadlineExceeded`) or `commit` raises; a request that failed (`OSError`) may work at the
     next poll, so until the deadline it is tried again. While `held_by()` names something
     else a commit waits for, it waits: a store whose parts are all in is not polled again,
-    and `held_by` is asked every `HELD_POLL_S` (it is local, and its wait ends by itself).
+    and `held_by` is asked every `HELD_POLL_S` (it is local, and its wait ends by itself)
+    while no request to a store pending has just failed.
     When `wait(interval)` returns true, as `threading.Event.wait` does once set, every store
     still pending is given up (`Cancelled`). Returns the errors by store URI; the stores
     without one were committed."""
     pending = {store.uri: (store, deadline) for store, deadline in targets}
     complete: dict[str, tuple[FileEntry, ...]] = {}  # by store URI: every part in, as read
+    failing: set[str] = set()  # the stores whose last request failed: polled with the backoff again
     errors: dict[str, Exception] = {}
     interval = 0.05
     while pending:
         for uri, (store, deadline) in list(pending.items()):
+            failing.discard(uri)
             try:
                 if uri not in complete:
                     parts = poll_parts(store, name, world_size)
@@ -216,10 +219,11 @@ def commit_when_complete(targets: Sequence[tuple[Store, float]], name: str, worl
                 commit(store, complete[uri])
             except Exception as e:
                 if isinstance(e, OSError) and not isinstance(e, DeadlineExceeded) and time.monotonic() < deadline:
+                    failing.add(uri)
                     continue
                 errors[uri] = e
             del pending[uri]
-        polling_stores = any(uri not in complete for uri in pending)
+        polling_stores = any(uri not in complete or uri in failing for uri in pending)
         if pending and wait(interval if polling_stores else HELD_POLL_S):
             errors |= {uri: Cancelled(f"cancelled waiting to commit {store.describe(name)}")
                        for uri, (store, _) in pending.items()}
