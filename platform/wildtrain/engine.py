@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import sys
 from datetime import timedelta
 
@@ -101,7 +102,13 @@ def import_deepspeed():
     are decorated with `torch.compile`, and decorating resolves the inductor backend: 1.2 s
     of every worker's start here (py-spy, under the engine build), for an optimizer wildtrain
     never uses. The module is imported once with `torch.compile` as the identity, so its
-    kernels stay uncompiled and every later import finds it loaded."""
+    kernels stay uncompiled and every later import finds it loaded.
+
+    Without CUDA, DeepSpeed is told the CPU accelerator, as the CPU workers are
+    (`scaling.worker_env`): left to find it, it picks the same and logs a warning that it did,
+    in every CLI command that reads a checkpoint here (`sample`, `export`, `eval`)."""
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
     hide_mlflow = "mlflow" not in sys.modules
     if hide_mlflow:
         sys.modules["mlflow"] = None

@@ -165,6 +165,22 @@ print(MUON_MODULE in sys.modules, torch.compile.__module__, 'torch._inductor.com
     assert done.stdout.split() == ["True", "torch", "False"], done.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed finds CUDA itself")
+def test_without_cuda_deepspeed_is_told_the_cpu_and_logs_no_warning_for_finding_it():
+    probe = """
+from wildtrain.engine import import_deepspeed
+import_deepspeed()
+from deepspeed.accelerator import get_accelerator
+print(get_accelerator().device_name())
+"""
+    env = {name: value for name, value in os.environ.items() if name != "DS_ACCELERATOR"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          env=env | {"PYTHONPATH": str(REPO / "platform")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "cpu"
+    assert "Setting accelerator to CPU" not in done.stdout + done.stderr
+
+
 GRADIENT_GROUP_TIMEOUT = """
 import datetime, torch
 import torch.distributed as dist
