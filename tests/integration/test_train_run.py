@@ -194,6 +194,13 @@ def test_a_second_driver_is_refused_while_a_run_trains_and_the_resubmitted_run_f
     resumed = [earlier + 1, *range(earlier + 2, 19, 2)]
     assert sorted(steps) == sorted([1, *range(2, 17, 2), *resumed])
 
+    # Submitted once more, finished: reported as it stands, no worker started, nothing logged.
+    again = driver.run(load_config([*overrides, "train.steps=18"]))
+    assert again.run_id == run.info.run_id and again.final_metrics["step"] == 18
+    assert again.checkpoint.endswith(newest_committed(checkpoint_stores(cfg)).name)
+    assert read_events(mlflow_url, run.info.run_id, str(tmp_path / "events-again")) == events
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == len(steps)
+
 
 def test_min_workers_the_cluster_cannot_hold_fails_fast(ray_cluster, tiny_config):
     cfg = tiny_config("elastic.min_workers=8", "elastic.max_workers=8", "elastic.capacity_wait_s=2")
