@@ -195,7 +195,7 @@ def _finished_before(cfg: Config, run_id: Optional[str]) -> Optional[RunSummary]
     if run_id is None:
         return None
     newest = newest_committed(checkpoint_stores(cfg))
-    if newest is None or newest.step < cfg.train.steps:
+    if newest is None or newest.step is None or newest.step < cfg.train.steps:
         return None
     run = Client(cfg.tracking.uri).run_or_none(run_id)
     if run is None or run.info.status != "FINISHED":  # e.g. a driver that died after the last save

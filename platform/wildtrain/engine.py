@@ -106,7 +106,7 @@ def import_deepspeed():
 
     Without CUDA, DeepSpeed is told the CPU accelerator, as the CPU workers are
     (`scaling.worker_env`): left to find it, it picks the same and logs a warning that it did,
-    in every CLI command that reads a checkpoint here (`sample`, `export`, `eval`)."""
+    the first line of `wildtrain sample` and `export` here."""
     if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
     hide_mlflow = "mlflow" not in sys.modules
