@@ -31,7 +31,9 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     parser.add_argument("--steps", type=int, default=20, help="measured repetitions (attention) and steps (model)")
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured first (default: 5 cuda, 1 cpu)")
-    parser.add_argument("--shape", default=None, help="B,H,T,D of table 1 (default: 8,16,4096,128 cuda; 2,2,128,16 cpu)")
+    parser.add_argument(
+        "--shape", default=None, help="B,H,T,D of table 1 (default: 8,16,4096,128 cuda; 2,2,128,16 cpu)"
+    )
     parser.add_argument("--preset", default=None, help="model of table 2 (default: 1.3b cuda, tiny cpu)")
     parser.add_argument("--seq-len", type=int, default=None, help="of table 2 (default: 2048 cuda, 64 cpu)")
     parser.add_argument("--batch", type=int, default=None, help="of table 2 (default: 8 cuda, 2 cpu)")
@@ -92,7 +94,9 @@ def attention_table() -> None:
     rng = np.random.default_rng(0)
     doc_ids = packed_doc_ids(B, T, rng)
     # Each document's first three quarters are its inputs: prefix_lm's mean target share.
-    prefix = np.concatenate([np.arange(n) < n * 3 // 4 for row in doc_ids for n in np.unique(row, return_counts=True)[1]])
+    prefix = np.concatenate(
+        [np.arange(n) < n * 3 // 4 for row in doc_ids for n in np.unique(row, return_counts=True)[1]]
+    )
     doc_ids, prefix = (torch.from_numpy(a).to(DEVICE) for a in (doc_ids, prefix.reshape(B, T)))
     q, k, v = (torch.randn(B, H, T, D, device=DEVICE, dtype=DTYPE, requires_grad=BACKWARD) for _ in range(3))
     grad = torch.randn(B, H, T, D, device=DEVICE, dtype=DTYPE)
@@ -122,8 +126,11 @@ def attention_table() -> None:
         ("causal SDPA", lambda m: F.scaled_dot_product_attention(q, k, v, is_causal=True), None),
         ("document Flex", lambda m: FLEX(q, k, v, block_mask=m), block("document")),
         ("prefix-LM Flex", lambda m: FLEX(q, k, v, block_mask=m), block("prefix_lm")),
-        ("prefix-LM dense SDPA", lambda m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
-         lambda: masks.dense(masks.mask_mod("prefix_lm", doc_ids, prefix), B, T, DEVICE)),
+        (
+            "prefix-LM dense SDPA",
+            lambda m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+            lambda: masks.dense(masks.mask_mod("prefix_lm", doc_ids, prefix), B, T, DEVICE),
+        ),
     ):
         mask_ms, total_ms = run(attend, build)
         rows.append((name, mask_ms, total_ms))
@@ -145,10 +152,21 @@ def model_table() -> None:
     tokens = rng.integers(0, 256, (batch, seq_len + 1)).astype(np.int32)
     doc_ids = packed_doc_ids(batch, seq_len + 1, rng)
     rows = []
-    for objective, attention in (("causal", "causal"), ("causal", "document"), ("prefix_lm", "prefix_lm"),
-                                 ("ul2", "document"), ("ul2", "prefix_lm")):
-        cfg = load_config([f"model={preset}", f"data.seq_len={seq_len}", f"train.objective={objective}",
-                           f"model.attention={attention}"])
+    for objective, attention in (
+        ("causal", "causal"),
+        ("causal", "document"),
+        ("prefix_lm", "prefix_lm"),
+        ("ul2", "document"),
+        ("ul2", "prefix_lm"),
+    ):
+        cfg = load_config(
+            [
+                f"model={preset}",
+                f"data.seq_len={seq_len}",
+                f"train.objective={objective}",
+                f"model.attention={attention}",
+            ]
+        )
         built = Objective.of(cfg, ByteTokenizer().describe())
         torch.manual_seed(0)
         model = Transformer(replace(cfg.model, max_seq_len=max(seq_len, cfg.model.max_seq_len))).to(DEVICE)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from progress import STARTED, say  # first: its clock starts with the script
+
 from wildtrain import services
 
 CUDA_REQUESTED = os.environ.get("DS_ACCELERATOR") != "cpu"
@@ -40,16 +41,17 @@ import torch  # noqa: E402
 ON_CUDA = CUDA_REQUESTED and torch.cuda.is_available()
 if not ON_CUDA:
     os.environ["DS_ACCELERATOR"] = "cpu"  # before deepspeed is imported
-os.environ.update(MASTER_ADDR=services.HOST, MASTER_PORT=str(services.free_port()), RANK="0", LOCAL_RANK="0",
-                  WORLD_SIZE="1")
+os.environ.update(
+    MASTER_ADDR=services.HOST, MASTER_PORT=str(services.free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
+)
 
 from wildtrain import checkpoint  # noqa: E402
+from wildtrain.batching import batch_plan  # noqa: E402
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta  # noqa: E402
 from wildtrain.checkpoint.format import checkpoint_name  # noqa: E402
 from wildtrain.checkpoint.restore import restore  # noqa: E402
 from wildtrain.checkpoint.store import Store, commit, commit_when_complete, upload, write_part  # noqa: E402
 from wildtrain.config import config_hash, load_config  # noqa: E402
-from wildtrain.batching import batch_plan  # noqa: E402
 from wildtrain.engine import build_engine, import_deepspeed  # noqa: E402
 from wildtrain.model import Transformer, param_count  # noqa: E402
 
@@ -76,8 +78,16 @@ def main() -> None:
     deepspeed = import_deepspeed()
 
     deepspeed.init_distributed(dist_backend="nccl" if ON_CUDA else "gloo", verbose=False)
-    cfg = load_config(["model=125m", f"data.seq_len={args.seq_len}", "train.global_batch_size=1",
-                       "train.micro_batch_size=1", "deepspeed.zero_stage=1", "elastic.max_workers=1"])
+    cfg = load_config(
+        [
+            "model=125m",
+            f"data.seq_len={args.seq_len}",
+            "train.global_batch_size=1",
+            "train.micro_batch_size=1",
+            "deepspeed.zero_stage=1",
+            "elastic.max_workers=1",
+        ]
+    )
     torch.manual_seed(0)
     device = torch.device("cuda" if ON_CUDA else "cpu")
     model = Transformer(cfg.model).to(device)
@@ -95,8 +105,10 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="wildtrain-bench-ckpt-"))
     store = Store.from_uri(args.store or str(work / "store"))
-    say(f"{param_count(cfg.model) / 1e6:.0f}M parameters, ZeRO-1, 1 rank, {'CUDA' if ON_CUDA else 'CPU'} "
-        f"({torch.get_num_threads()} threads); store {store.uri}; 2 warm-up steps")
+    say(
+        f"{param_count(cfg.model) / 1e6:.0f}M parameters, ZeRO-1, 1 rank, {'CUDA' if ON_CUDA else 'CPU'} "
+        f"({torch.get_num_threads()} threads); store {store.uri}; 2 warm-up steps"
+    )
     for _ in range(2):  # warm-up: allocate the optimizer state
         step()
     say(f"setup {time.perf_counter() - STARTED:.0f} s")
@@ -109,16 +121,24 @@ def main() -> None:
     started = time.perf_counter()
     restored = restore([store], str(local), rank=0, world_size=1)
     seconds = time.perf_counter() - started
-    print(f"\nrestore (download + verify) of step {restored.manifest.step}: {seconds:.2f} s, "
-          f"{restored.bytes_read / 1e9:.2f} GB, {restored.bytes_read / seconds / 1e6:.0f} MB/s")
+    print(
+        f"\nrestore (download + verify) of step {restored.manifest.step}: {seconds:.2f} s, "
+        f"{restored.bytes_read / 1e9:.2f} GB, {restored.bytes_read / seconds / 1e6:.0f} MB/s"
+    )
     checkpoint.load(engine, restored.folder, restored.manifest.tag)  # the committed files load into DeepSpeed
     if args.store is None:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def _meta(engine, cfg, step: int) -> CheckpointMeta:
-    return CheckpointMeta(step=step, tag=f"step_{step}", world_size=1, zero_stage=cfg.deepspeed.zero_stage,
-                          data_position={"step": step}, config_hash=config_hash(cfg))
+    return CheckpointMeta(
+        step=step,
+        tag=f"step_{step}",
+        world_size=1,
+        zero_stage=cfg.deepspeed.zero_stage,
+        data_position={"step": step},
+        config_hash=config_hash(cfg),
+    )
 
 
 def run_sync(engine, cfg, store: Store, work: Path, step, args) -> tuple[Row, Row]:
@@ -138,10 +158,21 @@ def run_sync(engine, cfg, store: Store, work: Path, step, args) -> tuple[Row, Ro
         write_part(store, name, 0, files)
         meta = _meta(engine, cfg, number)
         failed = commit_when_complete(
-            [(store, time.monotonic() + cfg.checkpoint.timeout_s)], name, 1,
-            lambda store, files: commit(store, name, step=meta.step, tag=meta.tag, world_size=1,
-                                        zero_stage=meta.zero_stage, files=files, data_position=meta.data_position,
-                                        config_hash=meta.config_hash))
+            [(store, time.monotonic() + cfg.checkpoint.timeout_s)],
+            name,
+            1,
+            lambda store, files: commit(
+                store,
+                name,
+                step=meta.step,
+                tag=meta.tag,
+                world_size=1,
+                zero_stage=meta.zero_stage,
+                files=files,
+                data_position=meta.data_position,
+                config_hash=meta.config_hash,
+            ),
+        )
         if failed:
             raise failed[store.uri]
         stalls.append(time.perf_counter() - started)
@@ -149,14 +180,22 @@ def run_sync(engine, cfg, store: Store, work: Path, step, args) -> tuple[Row, Ro
         shutil.rmtree(folder)
         say(f"  sync save {i + 1}: stall {stalls[-1]:.2f} s, of which DeepSpeed's local save {local_stalls[-1]:.2f} s")
     step_s = statistics.mean(base)
-    return (Row("sync", stalls, stalls, max(sizes), step_s, step_s),
-            Row("local", local_stalls, stalls, max(sizes), step_s, step_s))
+    return (
+        Row("sync", stalls, stalls, max(sizes), step_s, step_s),
+        Row("local", local_stalls, stalls, max(sizes), step_s, step_s),
+    )
 
 
 def run_async(engine, cfg, store: Store, work: Path, step, args) -> Row:
     say(f"async: {args.saves} background saves, training on while each runs")
-    saver = AsyncSaver([store], str(work / "staging-async"), rank=0, world_size=1, attempt="async",
-                       device=next(engine.module.parameters()).device)
+    saver = AsyncSaver(
+        [store],
+        str(work / "staging-async"),
+        rank=0,
+        world_size=1,
+        attempt="async",
+        device=next(engine.module.parameters()).device,
+    )
     stalls, saves, sizes, base, during = [], [], [], [], []
     try:
         for i in range(args.saves):
@@ -164,8 +203,7 @@ def run_async(engine, cfg, store: Store, work: Path, step, args) -> Row:
             started = time.perf_counter()
             admission = saver.save_engine(engine, _meta(engine, cfg, engine.global_steps), "{}")
             if admission.action != "start":
-                raise RuntimeError(f"the bench waits for each save, yet save {i + 1} did not start: "
-                                   f"{admission.reason}")
+                raise RuntimeError(f"the bench waits for each save, yet save {i + 1} did not start: {admission.reason}")
             while saver.busy:  # train on while the save runs in the background
                 during.append(step())
             [outcome] = saver.drain()
@@ -174,8 +212,10 @@ def run_async(engine, cfg, store: Store, work: Path, step, args) -> Row:
             stalls.append(outcome.stall_s)
             saves.append(outcome.stall_s + outcome.background_s)
             sizes.append(outcome.bytes)
-            say(f"  async save {i + 1}: stall {outcome.stall_s:.2f} s, committed after {saves[-1]:.2f} s "
-                f"({time.perf_counter() - started:.2f} s wall with steps)")
+            say(
+                f"  async save {i + 1}: stall {outcome.stall_s:.2f} s, committed after {saves[-1]:.2f} s "
+                f"({time.perf_counter() - started:.2f} s wall with steps)"
+            )
     finally:
         saver.close()
     return Row("async", stalls, saves, max(sizes), statistics.mean(base), statistics.mean(during or base))
@@ -186,11 +226,15 @@ def print_table(rows: list[Row]) -> None:
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
         save_s = statistics.mean(r.saves)
-        print(f"{r.mode:<6} {statistics.mean(r.stalls):>14.2f} {max(r.stalls):>11.2f} {save_s:>8.2f} "
-              f"{r.bytes / 1e9:>6.2f} {r.bytes / save_s / 1e6:>6.0f} {r.step_during_s / r.step_base_s:>7.2f}")
+        print(
+            f"{r.mode:<6} {statistics.mean(r.stalls):>14.2f} {max(r.stalls):>11.2f} {save_s:>8.2f} "
+            f"{r.bytes / 1e9:>6.2f} {r.bytes / save_s / 1e6:>6.0f} {r.step_during_s / r.step_base_s:>7.2f}"
+        )
     sync, local, async_ = rows
-    print(f"\nasync/sync stall ratio: {statistics.mean(async_.stalls) / statistics.mean(sync.stalls):.3f}"
-          f" (async/local: {statistics.mean(async_.stalls) / statistics.mean(local.stalls):.3f})")
+    print(
+        f"\nasync/sync stall ratio: {statistics.mean(async_.stalls) / statistics.mean(sync.stalls):.3f}"
+        f" (async/local: {statistics.mean(async_.stalls) / statistics.mean(local.stalls):.3f})"
+    )
 
 
 if __name__ == "__main__":

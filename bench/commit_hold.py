@@ -31,8 +31,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 def at_revision(rev: str) -> ModuleType:
     """`wildtrain.checkpoint.store` as it was at `rev`, loaded beside the current one."""
-    source = subprocess.run(["git", "show", f"{rev}:platform/wildtrain/checkpoint/store.py"], cwd=REPO,
-                            capture_output=True, text=True, check=True).stdout
+    source = subprocess.run(
+        ["git", "show", f"{rev}:platform/wildtrain/checkpoint/store.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     path = Path(tempfile.mkdtemp()) / "store_reference.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("store_reference", path)
@@ -57,9 +62,13 @@ def trial(module: ModuleType, hold_s: float) -> tuple[float, int]:
     committed: list[float] = []
     lifted = time.monotonic() + hold_s
     try:
-        module.commit_when_complete([(store, lifted + 60)], name, 1,
-                                    lambda store, files: committed.append(time.monotonic()),
-                                    held_by=lambda: None if time.monotonic() >= lifted else "held")
+        module.commit_when_complete(
+            [(store, lifted + 60)],
+            name,
+            1,
+            lambda store, files: committed.append(time.monotonic()),
+            held_by=lambda: None if time.monotonic() >= lifted else "held",
+        )
     finally:
         module.poll_parts = poll_parts
     return committed[0] - lifted, polls[0]
@@ -80,8 +89,10 @@ def main() -> None:
     print("| commit_when_complete | held (s) | commit after the hold (s) | median | store polls |")
     print("|---|---|---|---|---|")
     for label, rows in results.items():
-        print(f"| {label} | {' '.join(f'{h:g}' for h in args.holds)} | {' '.join(f'{s:.2f}' for s, _ in rows)} "
-              f"| {statistics.median(s for s, _ in rows):.2f} | {' '.join(str(p) for _, p in rows)} |")
+        print(
+            f"| {label} | {' '.join(f'{h:g}' for h in args.holds)} | {' '.join(f'{s:.2f}' for s, _ in rows)} "
+            f"| {statistics.median(s for s, _ in rows):.2f} | {' '.join(str(p) for _, p in rows)} |"
+        )
 
 
 if __name__ == "__main__":

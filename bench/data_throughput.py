@@ -61,8 +61,17 @@ def write_synthetic(root: str, total_tokens: float) -> None:
         shard, data = encode_shard(f"shard-{index:05d}.parquet", tokens, doc_ids, ROWS_PER_GROUP)
         storage.write_bytes(storage.join(root, shard.path), data)
         shards.append(shard)
-    write_manifest(root, Manifest(seq_len=SEQ_LEN, tokenizer=ByteTokenizer().describe(), source="synthetic",
-                                  shards=shards, rows=sum(s.rows for s in shards), tokens=sum(s.tokens for s in shards)))
+    write_manifest(
+        root,
+        Manifest(
+            seq_len=SEQ_LEN,
+            tokenizer=ByteTokenizer().describe(),
+            source="synthetic",
+            shards=shards,
+            rows=sum(s.rows for s in shards),
+            tokens=sum(s.tokens for s in shards),
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -91,8 +100,9 @@ def plain_pyarrow(root: str, shard_paths: tuple[str, ...]) -> Pass:
             parquet = pq.ParquetFile(f)
             for group in range(parquet.num_row_groups):
                 table = parquet.read_row_group(group, columns=list(read))
-                arrays = [table.column(c).combine_chunks().flatten().to_numpy().reshape(len(table), SEQ_LEN + 1)
-                          for c in read]
+                arrays = [
+                    table.column(c).combine_chunks().flatten().to_numpy().reshape(len(table), SEQ_LEN + 1) for c in read
+                ]
                 tokens += arrays[read.index(TOKENS)].size
                 first = first or (tokens, time.perf_counter() - started)
     return Pass(tokens, time.perf_counter() - started, *first)
@@ -125,12 +135,22 @@ def training_data_wait(root: Path, dataset_uri: str) -> tuple[float, float]:
     mlflow = services.start_mlflow(root / "mlflow", port)
     try:
         uri = f"http://{services.HOST}:{port}"
-        cfg = load_config(["experiment=tiny", f"run.storage={root / 'runs'}", f"tracking.uri={uri}",
-                           f"data.datasets=[{{uri: {dataset_uri}}}]", "train.steps=40", "train.log_every=5",
-                           "elastic.max_workers=1"])
+        cfg = load_config(
+            [
+                "experiment=tiny",
+                f"run.storage={root / 'runs'}",
+                f"tracking.uri={uri}",
+                f"data.datasets=[{{uri: {dataset_uri}}}]",
+                "train.steps=40",
+                "train.log_every=5",
+                "elastic.max_workers=1",
+            ]
+        )
         summary = driver.run(cfg)
         client = MlflowClient(uri)
-        waits = [m.value for m in client.get_metric_history(summary.run_id, mlflow_key("time/data_wait_s")) if m.step > 1]
+        waits = [
+            m.value for m in client.get_metric_history(summary.run_id, mlflow_key("time/data_wait_s")) if m.step > 1
+        ]
         steps = [m.value for m in client.get_metric_history(summary.run_id, mlflow_key("step_time_s")) if m.step > 1]
         return statistics.mean(waits), statistics.mean(steps)
     finally:
@@ -157,32 +177,47 @@ def main() -> None:
         uri = f"s3://{store.bucket}/synthetic"
         progress(f"setup: writing {args.tokens / 1e6:.0f}M synthetic tokens in {SHARDS} shards to {uri}")
         write_synthetic(uri, args.tokens)
-        cfg = load_config([f"data.datasets=[{{uri: {uri}}}]", f"data.seq_len={SEQ_LEN}", "model.max_seq_len=1024",
-                           f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=4"])
+        cfg = load_config(
+            [
+                f"data.datasets=[{{uri: {uri}}}]",
+                f"data.seq_len={SEQ_LEN}",
+                "model.max_seq_len=1024",
+                f"train.global_batch_size={GLOBAL_BATCH}",
+                "train.micro_batch_size=4",
+            ]
+        )
         datasets = open_datasets(cfg)
         passes: dict[str, list[Pass]] = {PLAIN: [], RAY_DATA: []}
         for repeat in range(1, args.repeats + 1):
-            for name, run in ((PLAIN, lambda: plain_pyarrow(uri, datasets.datasets[0].shard_paths)),
-                              (RAY_DATA, lambda: ray_data_epoch(datasets, cfg))):
+            for name, run in (
+                (PLAIN, lambda: plain_pyarrow(uri, datasets.datasets[0].shard_paths)),
+                (RAY_DATA, lambda: ray_data_epoch(datasets, cfg)),
+            ):
                 progress(f"{name}, pass {repeat}/{args.repeats} ...")
                 passes[name].append(run())
                 p = passes[name][-1]
-                progress(f"{name}, pass {repeat}/{args.repeats}: {p.steady / 1e6:.1f}M tokens/s from the first batch on, "
-                         f"first batch {p.first_s:.2f} s")
+                progress(
+                    f"{name}, pass {repeat}/{args.repeats}: {p.steady / 1e6:.1f}M tokens/s from the first batch on, "
+                    f"first batch {p.first_s:.2f} s"
+                )
         progress("Ray Data: first batch of a stream created mid-epoch (a restart), 3 tries")
         mid_epoch = [first_batch(datasets, cfg, datasets.steps_per_epoch // 2) for _ in range(3)]
 
         plain = statistics.median(p.steady for p in passes[PLAIN])
-        print(f"\n{passes[PLAIN][0].tokens / 1e6:.1f}M tokens in {SHARDS} shards (SeaweedFS, row groups of "
-              f"{ROWS_PER_GROUP} rows of {SEQ_LEN + 1} tokens), one rank, data.read_cpus={cfg.data.read_cpus:g}; "
-              f"medians of {args.repeats} passes, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores:\n")
+        print(
+            f"\n{passes[PLAIN][0].tokens / 1e6:.1f}M tokens in {SHARDS} shards (SeaweedFS, row groups of "
+            f"{ROWS_PER_GROUP} rows of {SEQ_LEN + 1} tokens), one rank, data.read_cpus={cfg.data.read_cpus:g}; "
+            f"medians of {args.repeats} passes, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores:\n"
+        )
         print("| path | tokens/s from the first batch on | ratio to pyarrow | whole pass s | first batch s |")
         print("|---|---|---|---|---|")
         for name in (PLAIN, RAY_DATA):
             steady = statistics.median(p.steady for p in passes[name])
-            print(f"| {name} | {steady / 1e6:.1f}M | {steady / plain:.2f} | "
-                  f"{statistics.median(p.seconds for p in passes[name]):.2f} | "
-                  f"{statistics.median(p.first_s for p in passes[name]):.2f} |")
+            print(
+                f"| {name} | {steady / 1e6:.1f}M | {steady / plain:.2f} | "
+                f"{statistics.median(p.seconds for p in passes[name]):.2f} | "
+                f"{statistics.median(p.first_s for p in passes[name]):.2f} |"
+            )
         print("\n| first batch after creating the stream | seconds |")
         print("|---|---|")
         print(f"| mid-epoch (a restart), 3 tries | {', '.join(f'{t:.2f}' for t in mid_epoch)} |")
@@ -192,8 +227,10 @@ def main() -> None:
             tiny = f"s3://{store.bucket}/tiny"
             prepare(PrepareConfig(input=str(REPO / "tests/assets/tiny_corpus.jsonl"), output=tiny, rows_per_group=128))
             wait, step = training_data_wait(root, tiny)
-            print(f"\ntiny model, 40 steps, 1 worker: data wait {wait * 1e3:.2f} ms of {step * 1e3:.0f} ms "
-                  f"per step = {wait / step:.2%} of step time")
+            print(
+                f"\ntiny model, 40 steps, 1 worker: data wait {wait * 1e3:.2f} ms of {step * 1e3:.0f} ms "
+                f"per step = {wait / step:.2%} of step time"
+            )
     finally:
         ray.shutdown()
         services.stop_process(store.pid)

@@ -30,6 +30,7 @@ import statistics
 from mlflow.tracking import MlflowClient
 from progress import say
 from tiny_runs import REPO, add_services_nice, tiny_bench
+
 from wildtrain.tracking.record import mlflow_key
 
 TASK = "wildtrain_tiny_choice"  # tests/assets/evals/tiny_choice.yaml
@@ -42,37 +43,63 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     add_services_nice(parser)
     args = parser.parse_args()
-    modes = {"without": [], "with evaluations": [f"eval.tasks=[{TASK}]", f"eval.include_path={REPO / 'tests/assets/evals'}",
-                                                 "eval.every_checkpoints=1"]}
+    modes = {
+        "without": [],
+        "with evaluations": [
+            f"eval.tasks=[{TASK}]",
+            f"eval.include_path={REPO / 'tests/assets/evals'}",
+            "eval.every_checkpoints=1",
+        ],
+    }
     rows = []
     with tiny_bench("bench-eval-interference", 3, args.services_nice) as bench:
         client = MlflowClient(bench.mlflow_url)
         for repeat in range(args.repeats):
             for mode in list(modes) if repeat % 2 == 0 else list(modes)[::-1]:
-                cfg = bench.config(f"evals-{'on' if modes[mode] else 'off'}-{repeat}", f"train.steps={args.steps}",
-                                   f"checkpoint.every={args.checkpoint_every}", "elastic.max_workers=1",
-                                   *modes[mode])
+                cfg = bench.config(
+                    f"evals-{'on' if modes[mode] else 'off'}-{repeat}",
+                    f"train.steps={args.steps}",
+                    f"checkpoint.every={args.checkpoint_every}",
+                    "elastic.max_workers=1",
+                    *modes[mode],
+                )
                 say(f"{mode}, run {repeat + 1}: training {args.steps} steps")
                 load_before = os.getloadavg()[0]
                 timed = bench.train(cfg)
                 span = sorted(m.step for m in client.get_metric_history(timed.run_id, mlflow_key("step_time_s")))
-                evaluated = [m for m in client.get_metric_history(timed.run_id, f"eval/{TASK}/acc")
-                             if span[0] <= m.step < span[-1]]
-                rows.append({"mode": mode, "steps/s": timed.steps_per_s, "evaluations": len(evaluated),
-                             "load": (load_before + os.getloadavg()[0]) / 2})
-                say(f"{mode}, run {repeat + 1}: {timed.steps_per_s:.2f} steps/s, "
-                    f"{len(evaluated)} evaluations while training")
+                evaluated = [
+                    m
+                    for m in client.get_metric_history(timed.run_id, f"eval/{TASK}/acc")
+                    if span[0] <= m.step < span[-1]
+                ]
+                rows.append(
+                    {
+                        "mode": mode,
+                        "steps/s": timed.steps_per_s,
+                        "evaluations": len(evaluated),
+                        "load": (load_before + os.getloadavg()[0]) / 2,
+                    }
+                )
+                say(
+                    f"{mode}, run {repeat + 1}: {timed.steps_per_s:.2f} steps/s, "
+                    f"{len(evaluated)} evaluations while training"
+                )
 
     def median(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in rows if r["mode"] == mode)
 
-    print(f"\nmedians of {args.repeats} runs each, {args.steps} steps a run, a checkpoint every {args.checkpoint_every}")
+    print(
+        f"\nmedians of {args.repeats} runs each, {args.steps} steps a run, a checkpoint every {args.checkpoint_every}"
+    )
     print("| mode | steps/s | vs without | evaluations while training | load | each run's steps/s |")
     print("|---|---|---|---|---|---|")
     for mode in modes:
         each = ", ".join(f"{r['steps/s']:.2f}" for r in rows if r["mode"] == mode)
-        print(f"| {mode} | {median(mode, 'steps/s'):.2f} | {median(mode, 'steps/s') / median('without', 'steps/s'):.3f} | "
-              f"{median(mode, 'evaluations'):g} | {median(mode, 'load'):.1f} | {each} |")
+        print(
+            f"| {mode} | {median(mode, 'steps/s'):.2f} "
+            f"| {median(mode, 'steps/s') / median('without', 'steps/s'):.3f} | "
+            f"{median(mode, 'evaluations'):g} | {median(mode, 'load'):.1f} | {each} |"
+        )
 
 
 if __name__ == "__main__":

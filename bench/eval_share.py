@@ -40,8 +40,10 @@ def main() -> None:
     print("| setting | validation share | steps/s |")
     print("|---|---|---|")
     for label, timed in rows.items():
-        print(f"| {label} | {statistics.median(t.validation for t in timed):.1%} | "
-              f"{statistics.median(t.steps_per_s for t in timed):.2f} |")
+        print(
+            f"| {label} | {statistics.median(t.validation for t in timed):.1%} | "
+            f"{statistics.median(t.steps_per_s for t in timed):.2f} |"
+        )
 
 
 if __name__ == "__main__":

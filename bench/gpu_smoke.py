@@ -36,7 +36,6 @@ def _args() -> argparse.Namespace:
 
 ARGS = _args()
 import torch  # noqa: E402
-
 from one_process import on_cuda  # noqa: E402
 
 ON_CUDA = on_cuda(ARGS.device)
@@ -88,16 +87,27 @@ def run_stage(stage: int, work: Path) -> dict:
     preset = ARGS.preset or ("125m" if ON_CUDA else "tiny")
     seq_len = ARGS.seq_len or (1024 if ON_CUDA else 64)
     batch = ARGS.batch or (8 if ON_CUDA else 4)
-    cfg = load_config([f"model={preset}", f"deepspeed.zero_stage={stage}", f"data.seq_len={seq_len}",
-                       f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}",
-                       f"train.steps={max(ARGS.steps, 1)}", "optim.warmup_steps=2", "elastic.min_workers=1",
-                       "elastic.max_workers=1"])
+    cfg = load_config(
+        [
+            f"model={preset}",
+            f"deepspeed.zero_stage={stage}",
+            f"data.seq_len={seq_len}",
+            f"train.global_batch_size={batch}",
+            f"train.micro_batch_size={batch}",
+            f"train.steps={max(ARGS.steps, 1)}",
+            "optim.warmup_steps=2",
+            "elastic.min_workers=1",
+            "elastic.max_workers=1",
+        ]
+    )
     plan = batch_plan(batch, batch, 1)
     say(f"ZeRO-{stage}: building the engine")
     torch.manual_seed(0)
     engine = build_engine(cfg, plan, build_model(cfg, plan, device), device)
-    say(f"ZeRO-{stage}: {preset} ({param_count(cfg.model) / 1e6:.1f}M parameters), batch {batch}x{seq_len}, "
-        f"{'compiled' if engine.is_compiled else 'eager'}, {device}")
+    say(
+        f"ZeRO-{stage}: {preset} ({param_count(cfg.model) / 1e6:.1f}M parameters), batch {batch}x{seq_len}, "
+        f"{'compiled' if engine.is_compiled else 'eager'}, {device}"
+    )
 
     # One fixed batch: the loss must fall, which shows the optimizer steps took effect.
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (batch, seq_len + 1), dtype=np.int32)
@@ -113,22 +123,32 @@ def run_stage(stage: int, work: Path) -> dict:
             losses.append(metrics["loss"])
             if step == 1:
                 first_step_s = metrics["step_time_s"]  # start-up: compiling, allocating
-            say(f"  step {step}: loss {metrics['loss']:.3f}, {metrics['step_time_s'] * 1e3:.0f} ms/step, "
-                f"{metrics['tokens_per_s']:.0f} tokens/s")
+            say(
+                f"  step {step}: loss {metrics['loss']:.3f}, {metrics['step_time_s'] * 1e3:.0f} ms/step, "
+                f"{metrics['tokens_per_s']:.0f} tokens/s"
+            )
 
     say("  saving in the background")
     store = Store.from_uri(str(work / f"store-zero{stage}"))
-    saver = AsyncSaver([store], str(work / f"staging-zero{stage}"), rank=0, world_size=1, attempt="smoke",
-                       device=device)
-    meta = CheckpointMeta(step=engine.global_steps, tag=f"step_{engine.global_steps}", world_size=1,
-                          zero_stage=stage, data_position={"step": engine.global_steps})
+    saver = AsyncSaver(
+        [store], str(work / f"staging-zero{stage}"), rank=0, world_size=1, attempt="smoke", device=device
+    )
+    meta = CheckpointMeta(
+        step=engine.global_steps,
+        tag=f"step_{engine.global_steps}",
+        world_size=1,
+        zero_stage=stage,
+        data_position={"step": engine.global_steps},
+    )
     saver.save_engine(engine, meta, "{}")
     saved = snapshot(engine)  # after the capture returned: training could go on from here
     if not saver.close(timeout_s=600):
         raise RuntimeError("the async save did not finish within 600 s")
     [outcome] = saver.drain()
-    say(f"  save: {outcome.status}, stall {outcome.stall_s:.2f} s, background {outcome.background_s:.2f} s, "
-        f"{outcome.bytes / 1e9:.2f} GB")
+    say(
+        f"  save: {outcome.status}, stall {outcome.stall_s:.2f} s, background {outcome.background_s:.2f} s, "
+        f"{outcome.bytes / 1e9:.2f} GB"
+    )
     if outcome.status != "saved":
         raise RuntimeError(f"the async save {outcome.status}: {outcome.reason}")
     del engine
@@ -147,9 +167,18 @@ def run_stage(stage: int, work: Path) -> dict:
     del fresh
     if ON_CUDA:
         torch.cuda.empty_cache()
-    return {"stage": stage, "steps": ARGS.steps, "first_loss": losses[0], "last_loss": losses[-1],
-            "first_step_s": first_step_s, "tokens_per_s": metrics["tokens_per_s"], "stall_s": outcome.stall_s,
-            "save_s": outcome.stall_s + outcome.background_s, "restore_s": restore_s, "exact": not wrong}
+    return {
+        "stage": stage,
+        "steps": ARGS.steps,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "first_step_s": first_step_s,
+        "tokens_per_s": metrics["tokens_per_s"],
+        "stall_s": outcome.stall_s,
+        "save_s": outcome.stall_s + outcome.background_s,
+        "restore_s": restore_s,
+        "exact": not wrong,
+    }
 
 
 def main() -> int:
@@ -164,13 +193,17 @@ def main() -> int:
         rows = [run_stage(int(stage), work) for stage in ARGS.stages.split(",")]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    header = (f"{'zero':>4} {'steps':>5} {'loss first':>10} {'loss last':>9} {'step 1 s':>8} {'tokens/s':>9} "
-              f"{'stall s':>7} {'save s':>6} {'restore s':>9} {'restored':>8}")
+    header = (
+        f"{'zero':>4} {'steps':>5} {'loss first':>10} {'loss last':>9} {'step 1 s':>8} {'tokens/s':>9} "
+        f"{'stall s':>7} {'save s':>6} {'restore s':>9} {'restored':>8}"
+    )
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
-        print(f"{r['stage']:>4} {r['steps']:>5} {r['first_loss']:>10.3f} {r['last_loss']:>9.3f} "
-              f"{r['first_step_s']:>8.2f} {r['tokens_per_s']:>9.0f} {r['stall_s']:>7.2f} {r['save_s']:>6.2f} "
-              f"{r['restore_s']:>9.2f} {'exact' if r['exact'] else 'MISMATCH':>8}")
+        print(
+            f"{r['stage']:>4} {r['steps']:>5} {r['first_loss']:>10.3f} {r['last_loss']:>9.3f} "
+            f"{r['first_step_s']:>8.2f} {r['tokens_per_s']:>9.0f} {r['stall_s']:>7.2f} {r['save_s']:>6.2f} "
+            f"{r['restore_s']:>9.2f} {'exact' if r['exact'] else 'MISMATCH':>8}"
+        )
     failed = [r["stage"] for r in rows if not r["exact"]]
     if failed:
         print(f"\nFAILED: the restored state differs from the saved one at ZeRO-{failed}", flush=True)

@@ -47,7 +47,6 @@ def _args() -> argparse.Namespace:
 
 ARGS = _args()
 import torch  # noqa: E402
-
 from one_process import on_cuda  # noqa: E402
 
 ON_CUDA = on_cuda(ARGS.device)
@@ -81,9 +80,18 @@ class Row:
 
 
 def _config(preset: str) -> Config:
-    return load_config([f"model={preset}", "deepspeed.zero_stage=1", f"data.seq_len={SEQ_LEN}",
-                        f"train.global_batch_size={BATCH}", f"train.micro_batch_size={BATCH}",
-                        f"model.compile={str(COMPILE).lower()}", "elastic.min_workers=1", "elastic.max_workers=1"])
+    return load_config(
+        [
+            f"model={preset}",
+            "deepspeed.zero_stage=1",
+            f"data.seq_len={SEQ_LEN}",
+            f"train.global_batch_size={BATCH}",
+            f"train.micro_batch_size={BATCH}",
+            f"model.compile={str(COMPILE).lower()}",
+            "elastic.min_workers=1",
+            "elastic.max_workers=1",
+        ]
+    )
 
 
 def _tokens(cfg: Config) -> np.ndarray:
@@ -133,11 +141,18 @@ def plain(preset: str, peak: Peak) -> Row:
     model = Transformer(cfg.model).to(DEVICE)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
-         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-        lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, fused=ON_CUDA)
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+        eps=cfg.optim.eps,
+        fused=ON_CUDA,
+    )
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_at(step, cfg.optim, cfg.train.steps) / cfg.optim.lr)  # the engine's schedule
+        optimizer, lambda step: lr_at(step, cfg.optim, cfg.train.steps) / cfg.optim.lr
+    )  # the engine's schedule
     forward = torch.compile(model) if COMPILE else model
     tokens = torch.from_numpy(_tokens(cfg)).to(DEVICE).long()
 
@@ -162,9 +177,14 @@ def plain(preset: str, peak: Peak) -> Row:
     seconds = (time.perf_counter() - started) / ARGS.steps
     tokens_per_s = BATCH * SEQ_LEN / seconds
     say(f"  plain: {tokens_per_s:.0f} tokens/s, loss {loss.item():.3f}")
-    row = Row(preset, "plain", tokens_per_s, mfu(flops_per_token(cfg.model, SEQ_LEN), tokens_per_s, peak, 1),
-              _peak_gb(), seconds * 1e3)
-    del model, forward, optimizer, schedule
+    row = Row(
+        preset,
+        "plain",
+        tokens_per_s,
+        mfu(flops_per_token(cfg.model, SEQ_LEN), tokens_per_s, peak, 1),
+        _peak_gb(),
+        seconds * 1e3,
+    )
     return row
 
 
@@ -180,14 +200,18 @@ def checkpoint_stall(engine, cfg: Config) -> None:
     work = Path(tempfile.mkdtemp(prefix="wildtrain-bench-mfu-"))
     store = Store.from_uri(str(work / "store"))
     # No read-back verification: the stall, not the upload, is measured here.
-    saver = AsyncSaver([store], str(work / "staging"), rank=0, world_size=1, attempt="mfu", verify_upload=False,
-                       device=DEVICE)
+    saver = AsyncSaver(
+        [store], str(work / "staging"), rank=0, world_size=1, attempt="mfu", verify_upload=False, device=DEVICE
+    )
     stalls, size = [], 0
     try:
         for i in range(ARGS.saves):
             step = engine.global_steps + i  # a name per save; the state is the same
-            saver.save_engine(engine, CheckpointMeta(step=step, tag=f"step_{step}", world_size=1, zero_stage=1,
-                                                     data_position={"step": step}), "{}")
+            saver.save_engine(
+                engine,
+                CheckpointMeta(step=step, tag=f"step_{step}", world_size=1, zero_stage=1, data_position={"step": step}),
+                "{}",
+            )
             if not saver.flush(timeout_s=1800):
                 raise RuntimeError("a checkpoint save did not finish within 30 minutes")
             [outcome] = saver.drain()
@@ -195,8 +219,10 @@ def checkpoint_stall(engine, cfg: Config) -> None:
                 raise RuntimeError(f"checkpoint save {outcome.status}: {outcome.reason}")
             stalls.append(outcome.stall_s)
             size = outcome.bytes
-            say(f"  save {i + 1}: stall {outcome.stall_s:.2f} s ({'allocating' if i == 0 else 'reused'} host buffers), "
-                f"{size / 1e9:.2f} GB written in {outcome.background_s:.1f} s")
+            say(
+                f"  save {i + 1}: stall {outcome.stall_s:.2f} s ({'allocating' if i == 0 else 'reused'} host buffers), "
+                f"{size / 1e9:.2f} GB written in {outcome.background_s:.1f} s"
+            )
             shutil.rmtree(work / "store", ignore_errors=True)  # one checkpoint on disk at a time
     finally:
         saver.close()
@@ -210,9 +236,12 @@ def checkpoint_stall(engine, cfg: Config) -> None:
     _sync()
     copy_s = time.perf_counter() - started
     del source, target
-    print(f"\ncheckpoint stall, {cfg.model.name} full state ({size / 1e9:.2f} GB: weights + Adam moments): "
-          f"{stalls[-1]:.3f} s per save (first {stalls[0]:.3f} s); device-to-host copy of the same bytes "
-          f"{copy_s:.3f} s ({size / copy_s / 1e9:.1f} GB/s); stall / copy {stalls[-1] / copy_s:.1f}x", flush=True)
+    print(
+        f"\ncheckpoint stall, {cfg.model.name} full state ({size / 1e9:.2f} GB: weights + Adam moments): "
+        f"{stalls[-1]:.3f} s per save (first {stalls[0]:.3f} s); device-to-host copy of the same bytes "
+        f"{copy_s:.3f} s ({size / copy_s / 1e9:.1f} GB/s); stall / copy {stalls[-1] / copy_s:.1f}x",
+        flush=True,
+    )
 
 
 def main() -> int:
@@ -226,8 +255,10 @@ def main() -> int:
     if peak is None:
         sys.exit(f"no peak FLOP/s known for {torch.cuda.get_device_name(DEVICE)}: add it to tracking/worker/mfu.py")
     presets = (ARGS.presets or ("125m,1.3b" if ON_CUDA else "tiny")).split(",")
-    say(f"{DEVICE} ({peak.source}, {peak.flops_per_s / 1e12:.1f} TFLOP/s peak), batch {BATCH}x{SEQ_LEN}, "
-        f"{'compiled' if COMPILE else 'eager'}, {ARGS.steps} steps after {WARMUP} warm-up")
+    say(
+        f"{DEVICE} ({peak.source}, {peak.flops_per_s / 1e12:.1f} TFLOP/s peak), batch {BATCH}x{SEQ_LEN}, "
+        f"{'compiled' if COMPILE else 'eager'}, {ARGS.steps} steps after {WARMUP} warm-up"
+    )
     rows = []
     for preset in presets:
         say(f"{preset}: {param_count(load_config([f'model={preset}']).model) / 1e6:.1f}M parameters")
@@ -243,7 +274,10 @@ def main() -> int:
     header = f"{'preset':<7} {'impl':<10} {'tokens/s':>10} {'MFU %':>6} {'peak GB':>8} {'step ms':>8}"
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
-        print(f"{r.preset:<7} {r.impl:<10} {r.tokens_per_s:>10.0f} {100 * r.mfu:>6.1f} {r.peak_gb:>8.2f} {r.step_ms:>8.1f}")
+        print(
+            f"{r.preset:<7} {r.impl:<10} {r.tokens_per_s:>10.0f} {100 * r.mfu:>6.1f} "
+            f"{r.peak_gb:>8.2f} {r.step_ms:>8.1f}"
+        )
     print(f"\n{'peak GB' if ON_CUDA else 'peak GB: the process peak RSS on CPU'}\n", flush=True)
     checkpoint_stall(engine, cfg)
     print(f"done in {time.perf_counter() - STARTED:.0f} s", flush=True)

@@ -47,18 +47,34 @@ from wildtrain.engine import build_engine, clone_world_group, import_deepspeed
 from wildtrain.model.transformer import Transformer
 
 WORLD, SEQ_LEN = 2, 128
-VARIANTS = ("restart path: no commit", "in-process: commit waits for its step's mirrors",
-            "in-process: commit waits for the step before's")
+VARIANTS = (
+    "restart path: no commit",
+    "in-process: commit waits for its step's mirrors",
+    "in-process: commit waits for the step before's",
+)
 
 
 # Two ranks on one GPU over NCCL: each a host of its own that talks over sockets (tests/helpers/ranks.py says why).
-NCCL_ON_ONE_GPU = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "NCCL_CUMEM_ENABLE": "0",
-                   "NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+NCCL_ON_ONE_GPU = {
+    "NCCL_SOCKET_IFNAME": "lo",
+    "NCCL_IB_DISABLE": "1",
+    "NCCL_CUMEM_ENABLE": "0",
+    "NCCL_MULTI_RANK_GPU_ENABLE": "1",
+}
 
 
 def engine_of(dim: int, layers: int, batch: int, device: torch.device):
-    cfg = load_config(["experiment=tiny", f"model.dim={dim}", f"model.n_layers={layers}", f"model.max_seq_len={SEQ_LEN}",
-                       f"data.seq_len={SEQ_LEN}", "deepspeed.zero_stage=1", "model.compile=false"])
+    cfg = load_config(
+        [
+            "experiment=tiny",
+            f"model.dim={dim}",
+            f"model.n_layers={layers}",
+            f"model.max_seq_len={SEQ_LEN}",
+            f"data.seq_len={SEQ_LEN}",
+            "deepspeed.zero_stage=1",
+            "model.compile=false",
+        ]
+    )
     torch.manual_seed(0)
     model = Transformer(cfg.model).to(device)
     with warnings.catch_warnings():
@@ -76,8 +92,13 @@ def rank_main(rank: int, store_path: str, args, results) -> None:
         device = torch.device("cuda", 0)
     else:
         torch.set_num_threads(1)  # two ranks on two cores
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store_path}",
-                            rank=rank, world_size=WORLD, timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=600),
+    )
     deepspeed = import_deepspeed()
     clone_world_group(deepspeed, timedelta(seconds=600))
     for shape in args.shapes:
@@ -131,9 +152,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="blocks of each variant counted, in turn")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--batch", type=int, default=1, help="sequences a rank trains a step")
-    parser.add_argument("--idle-step-s", type=float, default=0.0,
-                        help="instead of training, sleep this long a step: the host idle, as it is while a GPU "
-                             "trains (the state copied and sent is still the engine's)")
+    parser.add_argument(
+        "--idle-step-s",
+        type=float,
+        default=0.0,
+        help="instead of training, sleep this long a step: the host idle, as it is while a GPU "
+        "trains (the state copied and sent is still the engine's)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.list()
@@ -146,11 +171,16 @@ def main() -> None:
         medians = [statistics.median(t for s, _, v, t in rows if s == shape and v == variant) for variant in VARIANTS]
         cells = [f"{medians[0]:.3f} s"] + [f"{m:.3f} s ({m / medians[0]:.2f}x)" for m in medians[1:]]
         print(f"| {shape} | {params / 1e6:.2f} M | {12 * params / WORLD / 2**20:,.1f} MiB | {' | '.join(cells)} |")
-    trains = (f"each step a {args.idle_step_s:g} s sleep (the host idle)" if args.idle_step_s
-              else f"{args.batch} sequence(s) of {SEQ_LEN} tokens a rank")
+    trains = (
+        f"each step a {args.idle_step_s:g} s sleep (the host idle)"
+        if args.idle_step_s
+        else f"{args.batch} sequence(s) of {SEQ_LEN} tokens a rank"
+    )
     ranks = "NCCL ranks on one GPU (mirrors over gloo)" if args.device == "cuda" else "gloo ranks of one thread each"
-    print(f"\nmedian step time (the slower rank's, from a barrier), {WORLD} {ranks}, ZeRO-1, "
-          f"{trains}; {args.rounds} blocks of {args.steps} steps per variant in turn, after a round of each not counted")
+    print(
+        f"\nmedian step time (the slower rank's, from a barrier), {WORLD} {ranks}, ZeRO-1, "
+        f"{trains}; {args.rounds} blocks of {args.steps} steps per variant in turn, after a round of each not counted"
+    )
 
 
 if __name__ == "__main__":

@@ -85,10 +85,19 @@ class Slot:
         return True
 
 
-def run(label: str, system_config: dict, phase_s: float, strategy: str = "SPREAD", workers_per_node: int = 1,
-        bundle_per_node: bool = False, spare: bool = False) -> list[tuple]:
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 2, "_system_config": services.NODE_HEALTH_CHECKS | STATS | system_config})
+def run(
+    label: str,
+    system_config: dict,
+    phase_s: float,
+    strategy: str = "SPREAD",
+    workers_per_node: int = 1,
+    bundle_per_node: bool = False,
+    spare: bool = False,
+) -> list[tuple]:
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "_system_config": services.NODE_HEALTH_CHECKS | STATS | system_config},
+    )
     rows = []
     node = {SLOT: workers_per_node}
     bundles = [node] * 2 if bundle_per_node else [{SLOT: 1}] * (2 * workers_per_node)
@@ -102,8 +111,10 @@ def run(label: str, system_config: dict, phase_s: float, strategy: str = "SPREAD
             held = Slot.remote()
             ray.get(held.ready.remote(), timeout=60)
         if bundle_per_node:
-            ray.get([in_bundle(group, index).ready.remote() for index in range(2) for _ in range(workers_per_node)],
-                    timeout=60)
+            ray.get(
+                [in_bundle(group, index).ready.remote() for index in range(2) for _ in range(workers_per_node)],
+                timeout=60,
+            )
         rows.append((label, "both nodes' bundles placed", measure(cluster, phase_s)))
         # The node of the group's bundle 1 (with a spare, Ray chose two of the three).
         holder = placement_group_table(group)["bundles_to_node_id"][1]
@@ -125,8 +136,9 @@ def run(label: str, system_config: dict, phase_s: float, strategy: str = "SPREAD
 
 def in_bundle(group, index: int):
     """A `Slot` placed in bundle `index` of `group`, as Ray Train places a worker in its bundle."""
-    return Slot.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
-                        ).remote()
+    return Slot.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
+    ).remote()
 
 
 def main() -> None:
@@ -139,14 +151,26 @@ def main() -> None:
     rows += run("Ray metrics off", services.RAY_METRICS_OFF, args.phase_s)
     rows += run("Ray metrics on, STRICT_SPREAD group", {}, args.phase_s, strategy="STRICT_SPREAD")
     if args.several:
-        rows += run("nodes of two workers, a bundle a worker, PACK", {}, args.phase_s, strategy="PACK",
-                    workers_per_node=2)
-        rows += run("nodes of two workers, a bundle a node, STRICT_SPREAD", {}, args.phase_s,
-                    strategy="STRICT_SPREAD", workers_per_node=2, bundle_per_node=True)
+        rows += run(
+            "nodes of two workers, a bundle a worker, PACK", {}, args.phase_s, strategy="PACK", workers_per_node=2
+        )
+        rows += run(
+            "nodes of two workers, a bundle a node, STRICT_SPREAD",
+            {},
+            args.phase_s,
+            strategy="STRICT_SPREAD",
+            workers_per_node=2,
+            bundle_per_node=True,
+        )
     if args.spare:
-        rows += run("Ray metrics on, STRICT_SPREAD group, a spare's node beside it", {}, args.phase_s,
-                    strategy="STRICT_SPREAD", spare=True)
-    print(f"\n| cluster | phase | GCS CPU (cores) | head dashboard agent CPU (cores) | GCS placement tries/s |")
+        rows += run(
+            "Ray metrics on, STRICT_SPREAD group, a spare's node beside it",
+            {},
+            args.phase_s,
+            strategy="STRICT_SPREAD",
+            spare=True,
+        )
+    print("\n| cluster | phase | GCS CPU (cores) | head dashboard agent CPU (cores) | GCS placement tries/s |")
     print("|---|---|---|---|---|")
     for label, phase, m in rows:
         print(f"| {label} | {phase} | {m['gcs']:.2f} | {m['agent']:.2f} | {m['tries_per_s']:,.0f} |")

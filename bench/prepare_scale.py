@@ -44,8 +44,9 @@ SEQ_LEN = 1024
 def write_corpus(folder: Path, megabytes: float, files: int) -> list[Path]:
     """JSONL files of documents of 50..2000 words drawn from a Zipf-like vocabulary."""
     rng = np.random.default_rng(0)
-    words = np.array(["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(2, 10)))
-                      for _ in range(20_000)])
+    words = np.array(
+        ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(2, 10))) for _ in range(20_000)]
+    )
     weights = 1 / np.arange(1, len(words) + 1)
     weights /= weights.sum()
     paths = []
@@ -84,8 +85,15 @@ def plain_loop(paths: list[Path], tokenizer_json: str) -> tuple[int, float, floa
 
 def prepared(folder: Path, output: Path, tokenizer: str, partition_mb: int) -> tuple[int, float, float, float]:
     """(tokens, wall s, driver CPU s, tasks' CPU s) of `prepare` on Ray tasks."""
-    cfg = PrepareConfig(input=str(folder), output=str(output), seq_len=SEQ_LEN, tokenizer=tokenizer,
-                        rows_per_shard=1024, rows_per_group=256, partition_bytes=partition_mb << 20)
+    cfg = PrepareConfig(
+        input=str(folder),
+        output=str(output),
+        seq_len=SEQ_LEN,
+        tokenizer=tokenizer,
+        rows_per_shard=1024,
+        rows_per_group=256,
+        partition_bytes=partition_mb << 20,
+    )
     wall, cpu = time.perf_counter(), time.process_time()
     result = prepare(cfg)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -110,21 +118,32 @@ def main() -> None:
         bpe = root / "bpe.json"
         bpe.write_text(train_bpe(sample, args.vocab).json)
         rows = []
-        for name, spec, hf_json in (("byte", "byte", ByteTokenizer().hf_json()),
-                                    (f"bpe:{args.vocab}", str(bpe), bpe.read_text())):
+        for name, spec, hf_json in (
+            ("byte", "byte", ByteTokenizer().hf_json()),
+            (f"bpe:{args.vocab}", str(bpe), bpe.read_text()),
+        ):
             tokens, wall, cpu = plain_loop(paths, hf_json)
             rows.append((name, "plain tokenizers loop", tokens, wall, cpu, None))
             tokens, wall, driver, tasks = prepared(root / "in", root / f"out-{name}", spec, args.partition_mb)
             rows.append((name, f"prepare ({args.cpus} Ray CPUs)", tokens, wall, tasks, driver))
-    print(f"\n{args.mb:g} MB of JSONL in {args.files} files, seq_len {SEQ_LEN}; CPU s of the plain loop is its "
-          "process's, of prepare its tasks' (each its own process)\n")
-    print(f"{'tokenizer':<12} {'path':<24} {'tokens':>12} {'wall s':>8} {'tokens/s':>12} {'CPU s':>8} "
-          f"{'tokens/CPU-s':>13} {'driver CPU s':>13} {'driver share':>13} {'driver ns/token':>16}")
+    print(
+        f"\n{args.mb:g} MB of JSONL in {args.files} files, seq_len {SEQ_LEN}; CPU s of the plain loop is its "
+        "process's, of prepare its tasks' (each its own process)\n"
+    )
+    print(
+        f"{'tokenizer':<12} {'path':<24} {'tokens':>12} {'wall s':>8} {'tokens/s':>12} {'CPU s':>8} "
+        f"{'tokens/CPU-s':>13} {'driver CPU s':>13} {'driver share':>13} {'driver ns/token':>16}"
+    )
     for name, path, tokens, wall, cpu, driver in rows:
-        extra = (f"{driver:>13.2f} {driver / cpu:>13.1%} {1e9 * driver / tokens:>16.1f}" if driver is not None
-                 else f"{'':>13} {'':>13} {'':>16}")
-        print(f"{name:<12} {path:<24} {tokens:>12,} {wall:>8.1f} {tokens / wall:>12,.0f} {cpu:>8.1f} "
-              f"{tokens / cpu:>13,.0f} {extra}")
+        extra = (
+            f"{driver:>13.2f} {driver / cpu:>13.1%} {1e9 * driver / tokens:>16.1f}"
+            if driver is not None
+            else f"{'':>13} {'':>13} {'':>16}"
+        )
+        print(
+            f"{name:<12} {path:<24} {tokens:>12,} {wall:>8.1f} {tokens / wall:>12,.0f} {cpu:>8.1f} "
+            f"{tokens / cpu:>13,.0f} {extra}"
+        )
 
 
 if __name__ == "__main__":

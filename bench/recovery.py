@@ -50,8 +50,8 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import psutil
-
 from progress import say
+
 from wildtrain import services
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,50 +81,72 @@ SCENARIOS = {
     # Ray 2.60's defaults: 60 s worker-group start timeout, 2 s controller poll, 60 s resize
     # checks, node health checks every 3 s with 5 misses allowed.
     "ray defaults": dict(
-        overrides=["elastic.worker_start_timeout_s=60", "elastic.poll_interval_s=2",
-                   "elastic.resize_check_interval_s=60"],
+        overrides=[
+            "elastic.worker_start_timeout_s=60",
+            "elastic.poll_interval_s=2",
+            "elastic.resize_check_interval_s=60",
+        ],
         system_config={},
     ),
     "wildtrain tuned": dict(
-        overrides=["elastic.worker_start_timeout_s=10", "elastic.poll_interval_s=2",
-                   "elastic.resize_check_interval_s=5"],
+        overrides=[
+            "elastic.worker_start_timeout_s=10",
+            "elastic.poll_interval_s=2",
+            "elastic.resize_check_interval_s=5",
+        ],
         system_config=services.NODE_HEALTH_CHECKS,
     ),
     # Issue 24: survivors kept in their processes; a returning node's worker joins them.
     "in-process": dict(overrides=["elastic.in_process=true"], system_config=services.NODE_HEALTH_CHECKS),
     # In-process, rank 0's node lost: the survivor, Ray's rank 1, is the next generation's rank 0.
-    "in-process, rank 0's node": dict(overrides=["elastic.in_process=true"], system_config=services.NODE_HEALTH_CHECKS,
-                                      victims=(0,)),
+    "in-process, rank 0's node": dict(
+        overrides=["elastic.in_process=true"], system_config=services.NODE_HEALTH_CHECKS, victims=(0,)
+    ),
     # In-process, rank 1's node lost and its worker joined again, then rank 0's: no Ray Train
     # worker is left, and the joiner that is rank 0 reports through the controller (elastic.relay).
-    "in-process, every ray worker lost": dict(overrides=["elastic.in_process=true"],
-                                              system_config=services.NODE_HEALTH_CHECKS, victims=(1, 0)),
+    "in-process, every ray worker lost": dict(
+        overrides=["elastic.in_process=true"], system_config=services.NODE_HEALTH_CHECKS, victims=(1, 0)
+    ),
     # In-process, and a spare kept ready on a third node (elastic.spares): the group keeps its
     # size through the death, and the returned node's worker waits as the next spare. Paced so
     # that the return's worker gets ready before the run's end.
-    "in-process + spare": dict(overrides=["elastic.in_process=true", "elastic.spares=1", "chaos.min_step_s=0.2"],
-                               system_config=services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF, spares=1),
+    "in-process + spare": dict(
+        overrides=["elastic.in_process=true", "elastic.spares=1", "chaos.min_step_s=0.2"],
+        system_config=services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF,
+        spares=1,
+    ),
     # Ray's default placement, PACK, where wildtrain's auto places a bundle a node (here one
     # worker a node, as STRICT_SPREAD would): the lost bundle fits the survivor's node by its
     # totals, and the GCS retries it without pause until a node comes back (bench/pg_storm.py).
-    "in-process, pack": dict(overrides=["elastic.in_process=true", "cluster.placement_strategy=PACK"],
-                             system_config=services.NODE_HEALTH_CHECKS),
+    "in-process, pack": dict(
+        overrides=["elastic.in_process=true", "cluster.placement_strategy=PACK"],
+        system_config=services.NODE_HEALTH_CHECKS,
+    ),
     # Nodes of two workers (as nodes of several GPUs), four workers: a node's death takes two.
     # auto places a bundle a node (NODE_BUNDLES); PACK, a bundle a worker, leaves the GCS
     # retrying the two lost bundles while the group runs smaller (bench/pg_storm.py --several).
     # 24 rows a step: 1 to 4 workers share them evenly.
-    "in-process, nodes of two": dict(overrides=[*NODES_OF_TWO], system_config=services.NODE_HEALTH_CHECKS,
-                                     workers_per_node=2),
-    "in-process, nodes of two, pack": dict(overrides=[*NODES_OF_TWO, "cluster.placement_strategy=PACK"],
-                                           system_config=services.NODE_HEALTH_CHECKS, workers_per_node=2),
+    "in-process, nodes of two": dict(
+        overrides=[*NODES_OF_TWO], system_config=services.NODE_HEALTH_CHECKS, workers_per_node=2
+    ),
+    "in-process, nodes of two, pack": dict(
+        overrides=[*NODES_OF_TWO, "cluster.placement_strategy=PACK"],
+        system_config=services.NODE_HEALTH_CHECKS,
+        workers_per_node=2,
+    ),
     # The same without Ray's metrics (services.RAY_METRICS_OFF says why).
-    "in-process, ray metrics off": dict(overrides=["elastic.in_process=true"],
-                                        system_config=services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF),
+    "in-process, ray metrics off": dict(
+        overrides=["elastic.in_process=true"], system_config=services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF
+    ),
     # Checkpoints converted to the universal format in the background as they commit, so a
     # resize loads one ready (on this CPU-only machine the conversion slows training).
     "tuned + reshard ahead": dict(
-        overrides=["elastic.worker_start_timeout_s=10", "elastic.poll_interval_s=2",
-                   "elastic.resize_check_interval_s=5", "checkpoint.reshard_ahead=true"],
+        overrides=[
+            "elastic.worker_start_timeout_s=10",
+            "elastic.poll_interval_s=2",
+            "elastic.resize_check_interval_s=5",
+            "checkpoint.reshard_ahead=true",
+        ],
         system_config=services.NODE_HEALTH_CHECKS,
     ),
 }
@@ -136,8 +158,11 @@ def prepare_tiny(uri: str) -> str:
     # "local": a private Ray, never another one running on this machine.
     ray.init(address="local", num_cpus=2, include_dashboard=False)
     try:
-        prepare(PrepareConfig(input=str(REPO / "tests/assets/tiny_corpus.jsonl"),
-                              output=uri, rows_per_group=128, val_fraction=0.05))
+        prepare(
+            PrepareConfig(
+                input=str(REPO / "tests/assets/tiny_corpus.jsonl"), output=uri, rows_per_group=128, val_fraction=0.05
+            )
+        )
     finally:
         ray.shutdown()
     return uri
@@ -193,9 +218,18 @@ def gcs_cpu_s(cluster: Cluster) -> float:
     return sum(psutil.Process(cluster.head_node.all_processes["gcs_server"][0].process.pid).cpu_times()[:2])
 
 
-def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path,
-                 load: "LoadSampler", spares: int = 0, workers_per_node: int = 1,
-                 victims: Optional[tuple[int, ...]] = None) -> list[dict]:
+def run_scenario(
+    name: str,
+    overrides: list[str],
+    system_config: dict,
+    mlflow_url: str,
+    steps: int,
+    root: Path,
+    load: "LoadSampler",
+    spares: int = 0,
+    workers_per_node: int = 1,
+    victims: Optional[tuple[int, ...]] = None,
+) -> list[dict]:
     """The node of each rank of `victims` (of the newest in-process generation; the last rank's
     by default) removed in turn, each added back once the group trains smaller, and the next
     removed once it trains at full size again."""
@@ -220,8 +254,10 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
             run.wait_until(lambda h: h and h[-1].value == smaller, f"a step at world size {smaller}", 600)
             added_at = time.time()
             gcs_cores[killed_at] = (gcs_cpu_s(cluster) - gcs_at_kill) / (added_at - killed_at)
-            say(f"{name}: training at world size {smaller} after {added_at - killed_at:.1f} s (the GCS used "
-                f"{gcs_cores[killed_at]:.2f} cores meanwhile); adding the node back")
+            say(
+                f"{name}: training at world size {smaller} after {added_at - killed_at:.1f} s (the GCS used "
+                f"{gcs_cores[killed_at]:.2f} cores meanwhile); adding the node back"
+            )
             add_worker_node(cluster, workers_per_node)  # returns once the GCS lists the node alive
             node_up[added_at] = time.time() - added_at
             causes += [killed_at, added_at]
@@ -237,33 +273,55 @@ def run_scenario(name: str, overrides: list[str], system_config: dict, mlflow_ur
     rows = []
     for cause_at, interruption, recovery in zip(causes, interruptions, recoveries):
         first_step = recovery.recovery_s + interruption.at - cause_at
-        rows.append({
-            "scenario": name,
-            "event": f"{'shrink' if isinstance(interruption, Failure) else 'regrow'} "
-                     f"{recovery.world_size_before}→{recovery.world_size_after}",
-            "detection": interruption.at - cause_at,
-            "restart": recovery.restart_s,
-            "restore": recovery.restore_s,
-            "reshard": recovery.reshard_s,
-            "stopped": recovery.recovery_s,
-            "first step": first_step,
-            "node up": node_up.get(cause_at, "-"),
-            "from schedulable": first_step - node_up[cause_at] if cause_at in node_up else "-",
-            "steps lost": recovery.steps_lost,
-            "load": f"{load.mean(cause_at, cause_at + first_step):.1f}",
-            "GCS cores": f"{gcs_cores[cause_at]:.2f}" if cause_at in gcs_cores else "-",
-        })
+        rows.append(
+            {
+                "scenario": name,
+                "event": f"{'shrink' if isinstance(interruption, Failure) else 'regrow'} "
+                f"{recovery.world_size_before}→{recovery.world_size_after}",
+                "detection": interruption.at - cause_at,
+                "restart": recovery.restart_s,
+                "restore": recovery.restore_s,
+                "reshard": recovery.reshard_s,
+                "stopped": recovery.recovery_s,
+                "first step": first_step,
+                "node up": node_up.get(cause_at, "-"),
+                "from schedulable": first_step - node_up[cause_at] if cause_at in node_up else "-",
+                "steps lost": recovery.steps_lost,
+                "load": f"{load.mean(cause_at, cause_at + first_step):.1f}",
+                "GCS cores": f"{gcs_cores[cause_at]:.2f}" if cause_at in gcs_cores else "-",
+            }
+        )
     if len(rows) < len(causes):
-        rows.append({"scenario": name, "event": "regrow: none before the run's last step",
-                     **{c: "-" for c in ("detection", "restart", "restore", "reshard", "stopped", "first step",
-                                         "node up", "from schedulable", "steps lost", "load", "GCS cores")}})
+        rows.append(
+            {
+                "scenario": name,
+                "event": "regrow: none before the run's last step",
+                **{
+                    c: "-"
+                    for c in (
+                        "detection",
+                        "restart",
+                        "restore",
+                        "reshard",
+                        "stopped",
+                        "first step",
+                        "node up",
+                        "from schedulable",
+                        "steps lost",
+                        "load",
+                        "GCS cores",
+                    )
+                },
+            }
+        )
     for row in rows:
         say(f"{name}: {row['event']}: first step after {cell(row['first step'])}")
     return rows
 
 
-def run_spare_scenario(name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path,
-                       load: "LoadSampler") -> list[dict]:
+def run_spare_scenario(
+    name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path, load: "LoadSampler"
+) -> list[dict]:
     """A group of two beside a third node's spare (elastic.spares=1): rank 1's node removed once
     the spare is ready, and added back once the spare took its place. Rows: the death (the
     group re-formed at the same size) and the return (its worker ready as the next spare; no
@@ -279,11 +337,17 @@ def run_spare_scenario(name: str, overrides: list[str], system_config: dict, mlf
         cluster.remove_node(victim)
         formed = wait_for_events(run, mlflow_url, root, lambda events: len(formed_of(events)) >= 2, "the re-form")
         added_at = time.time()
-        say(f"{name}: re-formed at world size {len(formed_of(formed)[-1].nodes)} after {added_at - killed_at:.1f} s; "
-            "adding the node back, waiting for its worker to be ready as the next spare")
+        say(
+            f"{name}: re-formed at world size {len(formed_of(formed)[-1].nodes)} after {added_at - killed_at:.1f} s; "
+            "adding the node back, waiting for its worker to be ready as the next spare"
+        )
         add_worker_node(cluster)
-        ready = run.wait_until(lambda h: any(m.value == 1 and m.timestamp / 1000 > added_at for m in h),
-                               "the returned node's worker ready as a spare", 600, key="system/spares")
+        ready = run.wait_until(
+            lambda h: any(m.value == 1 and m.timestamp / 1000 > added_at for m in h),
+            "the returned node's worker ready as a spare",
+            600,
+            key="system/spares",
+        )
         ready_at = next(m.timestamp / 1000 for m in ready if m.value == 1 and m.timestamp / 1000 > added_at)
         summary = run.join(1200)
         events = read_events(mlflow_url, summary.run_id, tempfile.mkdtemp(dir=root))
@@ -291,29 +355,52 @@ def run_spare_scenario(name: str, overrides: list[str], system_config: dict, mlf
     recoveries = [e for e in events if isinstance(e, Recovered)]
     interruption, recovery = interruptions[0], recoveries[0]
     first_step = recovery.recovery_s + interruption.at - killed_at
-    rows = [{
-        "scenario": name, "event": f"spare takes the place {recovery.world_size_before}→{recovery.world_size_after}",
-        "detection": interruption.at - killed_at, "restart": recovery.restart_s, "restore": recovery.restore_s,
-        "reshard": recovery.reshard_s, "stopped": recovery.recovery_s, "first step": first_step,
-        "steps lost": recovery.steps_lost, "load": f"{load.mean(killed_at, killed_at + first_step):.1f}",
-    }, {
-        "scenario": name, "event": f"return: ready as the next spare {ready_at - added_at:.1f} s after add_node",
-        "detection": "-", "restart": "-", "restore": "-", "reshard": "-",
-        "stopped": 0.0 if len(interruptions) == 1 else f"{len(interruptions) - 1} more re-forms",
-        "first step": "-", "steps lost": "-", "load": f"{load.mean(added_at, ready_at):.1f}",
-    }]
+    rows = [
+        {
+            "scenario": name,
+            "event": f"spare takes the place {recovery.world_size_before}→{recovery.world_size_after}",
+            "detection": interruption.at - killed_at,
+            "restart": recovery.restart_s,
+            "restore": recovery.restore_s,
+            "reshard": recovery.reshard_s,
+            "stopped": recovery.recovery_s,
+            "first step": first_step,
+            "steps lost": recovery.steps_lost,
+            "load": f"{load.mean(killed_at, killed_at + first_step):.1f}",
+        },
+        {
+            "scenario": name,
+            "event": f"return: ready as the next spare {ready_at - added_at:.1f} s after add_node",
+            "detection": "-",
+            "restart": "-",
+            "restore": "-",
+            "reshard": "-",
+            "stopped": 0.0 if len(interruptions) == 1 else f"{len(interruptions) - 1} more re-forms",
+            "first step": "-",
+            "steps lost": "-",
+            "load": f"{load.mean(added_at, ready_at):.1f}",
+        },
+    ]
     for row in rows:
         say(f"{name}: {row['event']}: stopped {cell(row['stopped'])}")
     return rows
 
 
 def run_config(name: str, overrides: list[str], mlflow_url: str, steps: int, root: Path):
-    return load_config([
-        "experiment=tiny", f"run.name=recovery-{re.sub('[^a-z0-9]+', '-', name.replace('+', 'and'))}-{int(time.time())}",
-        f"run.storage={root / 'runs'}", f"tracking.uri={mlflow_url}", "tracking.experiment=bench-recovery",
-        f"train.steps={steps}", "train.log_every=1", "checkpoint.every=4",
-        f"cluster.worker_resources.{WORKER_SLOT}=1", *overrides,
-    ])
+    return load_config(
+        [
+            "experiment=tiny",
+            f"run.name=recovery-{re.sub('[^a-z0-9]+', '-', name.replace('+', 'and'))}-{int(time.time())}",
+            f"run.storage={root / 'runs'}",
+            f"tracking.uri={mlflow_url}",
+            "tracking.experiment=bench-recovery",
+            f"train.steps={steps}",
+            "train.log_every=1",
+            "checkpoint.every=4",
+            f"cluster.worker_resources.{WORKER_SLOT}=1",
+            *overrides,
+        ]
+    )
 
 
 def formed_of(events: list) -> list[Formed]:
@@ -363,8 +450,13 @@ def cell(value) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--only", nargs="+", choices=sorted(SCENARIOS), default=["wildtrain defaults", "in-process"],
-                        help="the scenarios to run (default: the restart path's defaults and in-process)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=sorted(SCENARIOS),
+        default=["wildtrain defaults", "in-process"],
+        help="the scenarios to run (default: the restart path's defaults and in-process)",
+    )
     args = parser.parse_args()
     scenarios = {name: SCENARIOS[name] for name in args.only}
     load = LoadSampler()
@@ -372,20 +464,44 @@ def main() -> None:
     with tiny_services("bench-recovery") as (root, dataset, mlflow_url):
         for name, scenario in scenarios.items():
             overrides = [f"data.datasets=[{{uri: {dataset}}}]", *scenario["overrides"]]
-            rows += run_scenario(name, overrides, scenario["system_config"], mlflow_url, args.steps, root, load,
-                                 scenario.get("spares", 0), scenario.get("workers_per_node", 1),
-                                 scenario.get("victims"))
+            rows += run_scenario(
+                name,
+                overrides,
+                scenario["system_config"],
+                mlflow_url,
+                args.steps,
+                root,
+                load,
+                scenario.get("spares", 0),
+                scenario.get("workers_per_node", 1),
+                scenario.get("victims"),
+            )
 
-    columns = ["scenario", "event", "detection", "restart", "restore", "reshard", "stopped", "first step", "node up",
-               "from schedulable", "steps lost", "load", "GCS cores"]
+    columns = [
+        "scenario",
+        "event",
+        "detection",
+        "restart",
+        "restore",
+        "reshard",
+        "stopped",
+        "first step",
+        "node up",
+        "from schedulable",
+        "steps lost",
+        "load",
+        "GCS cores",
+    ]
     print("\n| " + " | ".join(columns) + " |")
     print("|" + "|".join("---" for _ in columns) + "|")
     for row in rows:
         print("| " + " | ".join(cell(row.get(c, "-")) for c in columns) + " |")
-    print("\ndetection: node removed/added → controller knows; restart: → new group's training function starts "
-          "(measured from detection); first step: node removed/added → first step at the new size; node up: add_node "
-          "→ the GCS lists the node alive (its raylet started); from schedulable: that → the first step; GCS cores: "
-          "the head's GCS's CPU from the node's removal to its return.")
+    print(
+        "\ndetection: node removed/added → controller knows; restart: → new group's training function starts "
+        "(measured from detection); first step: node removed/added → first step at the new size; node up: add_node "
+        "→ the GCS lists the node alive (its raylet started); from schedulable: that → the first step; GCS cores: "
+        "the head's GCS's CPU from the node's removal to its return."
+    )
 
 
 if __name__ == "__main__":

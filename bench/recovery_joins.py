@@ -28,18 +28,17 @@ import argparse
 import tempfile
 import time
 
-from mlflow.tracking import MlflowClient
-
 import recovery
+from mlflow.tracking import MlflowClient
 from progress import say
 from recovery import LoadSampler, add_worker_node, cell, tiny_services
+
+from tests.helpers.chaos import BackgroundRun  # noqa: E402  (recovery put the checkout's root on sys.path)
 from wildtrain import services
 from wildtrain.config import load_config
 from wildtrain.elastic import rendezvous
 from wildtrain.events import Failure, Interrupted, Recovered, Resize
 from wildtrain.tracking.record import read_events
-
-from tests.helpers.chaos import BackgroundRun  # noqa: E402  (recovery put the checkout's root on sys.path)
 
 ray, Cluster = recovery.ray, recovery.Cluster
 
@@ -103,20 +102,33 @@ def main() -> None:
     caught = Rendezvous()
     causes: list[tuple[str, float]] = []
     with tiny_services("bench-recovery-joins") as (root, dataset, mlflow_url):
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 2, "_system_config": services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF})
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 2, "_system_config": services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF},
+        )
         for _ in range(3):
             add_worker_node(cluster)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address)
         try:
-            cfg = load_config([
-                "experiment=tiny", f"run.name=recovery-joins-{int(time.time())}", f"run.storage={root / 'runs'}",
-                f"tracking.uri={mlflow_url}", "tracking.experiment=bench-recovery", f"data.datasets=[{{uri: {dataset}}}]",
-                f"train.steps={args.steps}", "train.global_batch_size=24", "train.log_every=1", "checkpoint.every=4",
-                "elastic.max_workers=3", "elastic.in_process=true", f"cluster.worker_resources.{recovery.WORKER_SLOT}=1",
-                *([] if args.join_batch_s is None else [f"elastic.join_batch_s={args.join_batch_s}"]),
-            ])
+            cfg = load_config(
+                [
+                    "experiment=tiny",
+                    f"run.name=recovery-joins-{int(time.time())}",
+                    f"run.storage={root / 'runs'}",
+                    f"tracking.uri={mlflow_url}",
+                    "tracking.experiment=bench-recovery",
+                    f"data.datasets=[{{uri: {dataset}}}]",
+                    f"train.steps={args.steps}",
+                    "train.global_batch_size=24",
+                    "train.log_every=1",
+                    "checkpoint.every=4",
+                    "elastic.max_workers=3",
+                    "elastic.in_process=true",
+                    f"cluster.worker_resources.{recovery.WORKER_SLOT}=1",
+                    *([] if args.join_batch_s is None else [f"elastic.join_batch_s={args.join_batch_s}"]),
+                ]
+            )
             say(f"training {args.steps} steps at world size 3")
             run = BackgroundRun(cfg)
             caught.wait_for(lambda m: len(m) == 3, "of 3 members", 600)
@@ -137,8 +149,10 @@ def main() -> None:
             caught.wait_for(lambda m: len(m) == 3, "of 3 members again")
             run.wait_until(lambda h: h and h[-1].value == 3, "a step at world size 3", 300)
 
-            say("a death during a join: removing rank 2's node, then adding one and removing rank 1's "
-                "as the join's generation is published")
+            say(
+                "a death during a join: removing rank 2's node, then adding one and removing rank 1's "
+                "as the join's generation is published"
+            )
             causes.append(("rank 2's node removed", remove(cluster, caught.node_of_rank(2))))
             before = caught.wait_for(lambda m: len(m) == 2, "of 2 members")
             run.wait_until(lambda h: h and h[-1].value == 2, "a step at world size 2", 300)
@@ -161,17 +175,22 @@ def main() -> None:
     started = causes[0][1]
     for what, at in causes:
         print(f"| {what} | {at - started:.1f} | | | | | {load.mean(at, at + 5):.1f} |")
-    for interruption, recovered in zip([e for e in events if isinstance(e, Interrupted)],
-                                       [e for e in events if isinstance(e, Recovered)]):
+    for interruption, recovered in zip(
+        [e for e in events if isinstance(e, Interrupted)], [e for e in events if isinstance(e, Recovered)]
+    ):
         kind = "failure" if isinstance(interruption, Failure) else "resize" if isinstance(interruption, Resize) else "?"
-        print(f"| | {interruption.at - started:.1f} | {kind} after step {interruption.last_step} | "
-              f"{recovered.world_size_before}→{recovered.world_size_after} | {cell(recovered.recovery_s)} | "
-              f"{recovered.steps_lost} | |")
+        print(
+            f"| | {interruption.at - started:.1f} | {kind} after step {interruption.last_step} | "
+            f"{recovered.world_size_before}→{recovered.world_size_after} | {cell(recovered.recovery_s)} | "
+            f"{recovered.steps_lost} | |"
+        )
     steps = sorted(m.step for m in history)
     tokens = summary.final_metrics["tokens_seen"]
-    print(f"\nsteps logged once each, 1..{args.steps}: {steps == list(range(1, args.steps + 1))}; "
-          f"tokens {tokens:.0f} (uninterrupted: {args.steps * 24 * cfg.data.seq_len}); "
-          f"final world size {summary.final_metrics['world_size']:.0f}")
+    print(
+        f"\nsteps logged once each, 1..{args.steps}: {steps == list(range(1, args.steps + 1))}; "
+        f"tokens {tokens:.0f} (uninterrupted: {args.steps * 24 * cfg.data.seq_len}); "
+        f"final world size {summary.final_metrics['world_size']:.0f}"
+    )
 
 
 if __name__ == "__main__":

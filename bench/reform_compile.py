@@ -36,7 +36,9 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--engines", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--backend", default="inductor", help="torch.compile's backend, as DeepSpeed's engine passes it")
+    parser.add_argument(
+        "--backend", default="inductor", help="torch.compile's backend, as DeepSpeed's engine passes it"
+    )
     args = parser.parse_args()
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cpu":
@@ -50,8 +52,9 @@ def main() -> None:
     get_accelerator().set_compile_backend(args.backend)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     warnings.simplefilter("ignore")
-    cfg = load_config([f"model={args.preset}", "deepspeed.zero_stage=1", "model.compile=true",
-                       f"data.seq_len={args.seq_len}"])
+    cfg = load_config(
+        [f"model={args.preset}", "deepspeed.zero_stage=1", "model.compile=true", f"data.seq_len={args.seq_len}"]
+    )
     plan = BatchPlan(1, 1, 2)
     tokens = torch.randint(0, cfg.model.vocab_size, (1, args.seq_len + 1), device=device)
     header = f"{'engine':>6} {'build s':>8} {'first step s':>13} {'frames compiled':>16}"
@@ -65,8 +68,11 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
         loss.item()  # the step's work done
-        print(f"{i:>6} {built - started:>8.2f} {time.perf_counter() - built:>13.2f} "
-              f"{counters['frames']['ok'] - frames:>16}", flush=True)
+        print(
+            f"{i:>6} {built - started:>8.2f} {time.perf_counter() - built:>13.2f} "
+            f"{counters['frames']['ok'] - frames:>16}",
+            flush=True,
+        )
         del engine, loss
     dist.destroy_process_group()
 

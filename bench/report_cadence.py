@@ -44,31 +44,48 @@ def main() -> None:
         for size in sizes:
             for repeat in range(args.repeats):
                 for every in cadences if repeat % 2 == 0 else cadences[::-1]:
-                    cfg = bench.config(f"cadence-w{size}-log{every}-{repeat}", f"train.steps={args.steps}",
-                                       f"train.log_every={every}", f"checkpoint.every={args.steps}",
-                                       f"elastic.min_workers={size}", f"elastic.max_workers={size}",
-                                       "elastic.poll_interval_s=2")
+                    cfg = bench.config(
+                        f"cadence-w{size}-log{every}-{repeat}",
+                        f"train.steps={args.steps}",
+                        f"train.log_every={every}",
+                        f"checkpoint.every={args.steps}",
+                        f"elastic.min_workers={size}",
+                        f"elastic.max_workers={size}",
+                        "elastic.poll_interval_s=2",
+                    )
                     say(f"world size {size}, log_every {every}, run {repeat + 1}: training {args.steps} steps")
                     load_before = os.getloadavg()[0]
                     timed = bench.train(cfg)
-                    rows.append({"world size": size, "log_every": every, "steps/s": timed.steps_per_s,
-                                 "report wait": timed.report_wait, "eval": timed.validation,
-                                 "load": (load_before + os.getloadavg()[0]) / 2})
+                    rows.append(
+                        {
+                            "world size": size,
+                            "log_every": every,
+                            "steps/s": timed.steps_per_s,
+                            "report wait": timed.report_wait,
+                            "eval": timed.validation,
+                            "load": (load_before + os.getloadavg()[0]) / 2,
+                        }
+                    )
                     say(f"world size {size}, log_every {every}, run {repeat + 1}: {timed.steps_per_s:.2f} steps/s")
 
     def median(size: int, every: int, key: str) -> float:
         return statistics.median(r[key] for r in rows if r["world size"] == size and r["log_every"] == every)
 
     print(f"\nmedians of {args.repeats} runs each, {args.steps} steps a run")
-    print("| world size | log_every | steps/s | vs log_every=1000 | report wait | validation | load | each run's steps/s |")
+    print(
+        "| world size | log_every | steps/s | vs log_every=1000 | report wait | validation | load "
+        "| each run's steps/s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for size in sizes:
         for every in cadences:
             rate = median(size, every, "steps/s")
             ratio = f"{rate / median(size, 1000, 'steps/s'):.3f}" if 1000 in cadences else "-"
             each = ", ".join(f"{r['steps/s']:.2f}" for r in rows if r["world size"] == size and r["log_every"] == every)
-            print(f"| {size} | {every} | {rate:.2f} | {ratio} | {median(size, every, 'report wait'):.1%} | "
-                  f"{median(size, every, 'eval'):.1%} | {median(size, every, 'load'):.1f} | {each} |")
+            print(
+                f"| {size} | {every} | {rate:.2f} | {ratio} | {median(size, every, 'report wait'):.1%} | "
+                f"{median(size, every, 'eval'):.1%} | {median(size, every, 'load'):.1f} | {each} |"
+            )
 
 
 if __name__ == "__main__":

@@ -28,9 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from progress import STARTED, say  # first: its clock starts with the script
-
 import torch  # noqa: E402
+from progress import STARTED, say  # first: its clock starts with the script
 
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta  # noqa: E402
 from wildtrain.config import ModelConfig  # noqa: E402
@@ -80,10 +79,14 @@ def main() -> None:
     for _ in range(2):  # warm-up: allocate the optimizer state
         step()
     state_gb = sum(t.numel() * t.element_size() for t in _state(model, optimizer).values()) / 1e9
-    say(f"{param_count(cfg) / 1e6:.0f}M parameters, {state_gb:.2f} GB per save, CPU ({torch.get_num_threads()} "
-        f"threads), batch {args.batch} x {args.seq_len}; store {store}; setup {time.perf_counter() - STARTED:.0f} s")
+    say(
+        f"{param_count(cfg) / 1e6:.0f}M parameters, {state_gb:.2f} GB per save, CPU ({torch.get_num_threads()} "
+        f"threads), batch {args.batch} x {args.seq_len}; store {store}; setup {time.perf_counter() - STARTED:.0f} s"
+    )
 
-    rows = [run(label, background, nice, model, optimizer, step, store, work, args) for label, background, nice in MODES]
+    rows = [
+        run(label, background, nice, model, optimizer, step, store, work, args) for label, background, nice in MODES
+    ]
     print_table(rows)
     if args.store is None:
         shutil.rmtree(work, ignore_errors=True)
@@ -97,14 +100,23 @@ def _state(model, optimizer) -> dict[str, torch.Tensor]:
 
 
 def run(label: str, background: str, nice: int, model, optimizer, step, store: str, work: Path, args) -> Row:
-    saver = AsyncSaver([store], str(work / f"staging-{label}"), rank=0, world_size=1, attempt=label.replace("+", ""),
-                       background=background, nice=nice)
+    saver = AsyncSaver(
+        [store],
+        str(work / f"staging-{label}"),
+        rank=0,
+        world_size=1,
+        attempt=label.replace("+", ""),
+        background=background,
+        nice=nice,
+    )
     base, during, saves = [], [], []
     try:
         # One save first, untimed: it allocates the host buffers (and starts the child).
         for number in range(args.saves + 1):
-            saver.save_state(CheckpointMeta(number, f"step_{number}", 1, 0),
-                             {"state.pt": {"model": model.state_dict(), "optim": optimizer.state_dict()}})
+            saver.save_state(
+                CheckpointMeta(number, f"step_{number}", 1, 0),
+                {"state.pt": {"model": model.state_dict(), "optim": optimizer.state_dict()}},
+            )
             steps = []
             while saver.busy:  # train on while the save runs in the background
                 steps.append(step())
@@ -118,8 +130,10 @@ def run(label: str, background: str, nice: int, model, optimizer, step, store: s
             during += steps
             base += quiet
             saves.append(outcome.background_s)
-            say(f"  {label} save {number}: {outcome.background_s:.2f} s, {len(steps)} steps during it at "
-                f"{statistics.mean(steps) * 1e3:.0f} ms, then {statistics.mean(quiet) * 1e3:.0f} ms without")
+            say(
+                f"  {label} save {number}: {outcome.background_s:.2f} s, {len(steps)} steps during it at "
+                f"{statistics.mean(steps) * 1e3:.0f} ms, then {statistics.mean(quiet) * 1e3:.0f} ms without"
+            )
     finally:
         saver.close()
     return Row(label, base, during, saves)
@@ -130,8 +144,10 @@ def print_table(rows: list[Row]) -> None:
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
         base, during = statistics.mean(r.base), statistics.mean(r.during)
-        print(f"{r.mode:<13} {len(r.base) + len(r.during):>6} {base * 1e3:>8.0f} {during * 1e3:>10.0f} "
-              f"{during / base:>6.2f} {statistics.mean(r.saves):>7.2f} {len(r.during) / len(r.saves):>10.1f}")
+        print(
+            f"{r.mode:<13} {len(r.base) + len(r.during):>6} {base * 1e3:>8.0f} {during * 1e3:>10.0f} "
+            f"{during / base:>6.2f} {statistics.mean(r.saves):>7.2f} {len(r.during) / len(r.saves):>10.1f}"
+        )
 
 
 if __name__ == "__main__":

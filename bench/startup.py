@@ -43,8 +43,8 @@ import time
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
-
 from progress import say
+
 from wildtrain import services
 from wildtrain.events import Started
 from wildtrain.tracking.mlflow_client import quiet_mlflow
@@ -86,7 +86,16 @@ if __name__ == "__main__":
     print(time.perf_counter() - started)
     saver.close(60)
 """
-PHASES = ["driver up", "group started", "imports", "health check", "restore", "engine build", "data start", "first step"]
+PHASES = [
+    "driver up",
+    "group started",
+    "imports",
+    "health check",
+    "restore",
+    "engine build",
+    "data start",
+    "first step",
+]
 
 
 def timed(command: list[str], cwd: Path, log: Path, env: dict[str, str]) -> float:
@@ -101,8 +110,16 @@ def timed(command: list[str], cwd: Path, log: Path, env: dict[str, str]) -> floa
 
 def comm_start_s(how: str, extensions: Path) -> float:
     """Seconds from importing DeepSpeed to its comm backend started, in a new process."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(extensions), "MASTER_ADDR": services.HOST,
-           "MASTER_PORT": str(services.free_port()), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "TORCH_EXTENSIONS_DIR": str(extensions),
+        "MASTER_ADDR": services.HOST,
+        "MASTER_PORT": str(services.free_port()),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }
     done = subprocess.run([sys.executable, "-c", COMM_START, how], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"DeepSpeed's comm start ({how}) failed:\n{done.stderr[-2000:]}")
@@ -129,7 +146,9 @@ def start_up_phases(uri: str, run_name: str, submitted: float, folder: Path) -> 
 
     stamps = {key: first(mlflow_key(f"startup/{key}")).value for key in STARTUP_METRICS}
     first_report = first(mlflow_key("startup/first_step_at")).step
-    data_wait = next(m.value for m in client.get_metric_history(run_id, mlflow_key("time/data_wait_s")) if m.step == first_report)
+    data_wait = next(
+        m.value for m in client.get_metric_history(run_id, mlflow_key("time/data_wait_s")) if m.step == first_report
+    )
     # A worker process Ray started ahead of the group (an idle one it reuses) exists before the driver does.
     worker_started = max(stamps["worker_started_at"], started)
     return {
@@ -164,14 +183,22 @@ def main() -> None:
     wildtrain = [sys.executable, "-m", "wildtrain"]
     say(f"bench/startup.py: working in {root}; each command's output goes to a .log file there")
     comm = {}
-    for label, how, cache in (("DeepSpeed, empty extensions cache", "deepspeed", "empty"),
-                              ("DeepSpeed, filled extensions cache", "deepspeed", "empty"),
-                              ("wildtrain (import_deepspeed)", "wildtrain", "wildtrain")):
+    for label, how, cache in (
+        ("DeepSpeed, empty extensions cache", "deepspeed", "empty"),
+        ("DeepSpeed, filled extensions cache", "deepspeed", "empty"),
+        ("wildtrain (import_deepspeed)", "wildtrain", "wildtrain"),
+    ):
         say(f"DeepSpeed's comm start: {label}")
         comm[label] = comm_start_s(how, root / f"torch_extensions-{cache}")
-    print("\n" + table(["DeepSpeed's comm start, CPU", "seconds", "ratio to DeepSpeed's, empty cache"],
-                       [[label, f"{s:.1f}", f"{s / comm['DeepSpeed, empty extensions cache']:.2f}"]
-                        for label, s in comm.items()]) + "\n", flush=True)
+    print(
+        "\n"
+        + table(
+            ["DeepSpeed's comm start, CPU", "seconds", "ratio to DeepSpeed's, empty cache"],
+            [[label, f"{s:.1f}", f"{s / comm['DeepSpeed, empty extensions cache']:.2f}"] for label, s in comm.items()],
+        )
+        + "\n",
+        flush=True,
+    )
     # Alternated, three of each: the first of either pays for cold files.
     saves: dict[str, list[float]] = {"main script run": [], "main script hidden": []}
     script = root / "save_child.py"
@@ -181,38 +208,76 @@ def main() -> None:
             say(f"a saver's first save: the child's {how}")
             seconds.append(first_save_s(how, script))
     reference = min(saves["main script run"])
-    print("\n" + table(["a saver's first save, from its start", "seconds (fastest of 3)", "all", "ratio"],
-                       [[f"the parent's {how} in the child", f"{min(s):.1f}", ", ".join(f"{x:.1f}" for x in s),
-                         f"{min(s) / reference:.2f}"] for how, s in saves.items()]) + "\n", flush=True)
+    print(
+        "\n"
+        + table(
+            ["a saver's first save, from its start", "seconds (fastest of 3)", "all", "ratio"],
+            [
+                [
+                    f"the parent's {how} in the child",
+                    f"{min(s):.1f}",
+                    ", ".join(f"{x:.1f}" for x in s),
+                    f"{min(s) / reference:.2f}",
+                ]
+                for how, s in saves.items()
+            ],
+        )
+        + "\n",
+        flush=True,
+    )
 
     demo: dict[str, float] = {}
     runs: dict[str, dict[str, float]] = {}
     try:
         say(f"starting the services (wildtrain up, MLflow on {uri})")
         demo["wildtrain up"] = timed(
-            wildtrain + ["up", *(f"--{name}-port={port}" for name, port in ports.items())], root, root / "up.log", env)
+            wildtrain + ["up", *(f"--{name}-port={port}" for name, port in ports.items())], root, root / "up.log", env
+        )
         say("preparing the tiny corpus (data_pipelines/prepare.py)")
         demo["prepare"] = timed(
-            [sys.executable, str(REPO / "data_pipelines/prepare.py"), "--input", str(REPO / "tests/assets/tiny_corpus.jsonl"),
-             "--output", "s3://wildtrain/datasets/tiny", "--rows-per-group", "128"], root, root / "prepare.log", env)
+            [
+                sys.executable,
+                str(REPO / "data_pipelines/prepare.py"),
+                "--input",
+                str(REPO / "tests/assets/tiny_corpus.jsonl"),
+                "--output",
+                "s3://wildtrain/datasets/tiny",
+                "--rows-per-group",
+                "128",
+            ],
+            root,
+            root / "prepare.log",
+            env,
+        )
         for kind in ("cold", "warm"):
             name = f"startup-{kind}-{int(time.time())}"
             say(f"submitting the {kind} run {name} ({args.steps} steps)")
             submitted = time.time()
             demo[f"train ({kind})"] = timed(
-                wildtrain + ["train", "experiment=tiny", f"run.name={name}", f"train.steps={args.steps}",
-                             f"tracking.uri={uri}"], root, root / f"train-{kind}.log", env)
+                wildtrain
+                + ["train", "experiment=tiny", f"run.name={name}", f"train.steps={args.steps}", f"tracking.uri={uri}"],
+                root,
+                root / f"train-{kind}.log",
+                env,
+            )
             runs[kind] = start_up_phases(uri, name, submitted, root / f"events-{kind}")
     finally:
         say("stopping the services")
         subprocess.run(wildtrain + ["down"], cwd=root, env=env, capture_output=True)
 
     print("\n" + table(["demo command", "seconds"], [[name, f"{s:.1f}"] for name, s in demo.items()]), flush=True)
-    print("\n" + table(["phase", *runs], [[phase, *(f"{runs[kind][phase]:.1f}" for kind in runs)]
-                                          for phase in PHASES + ["total"]]))
+    print(
+        "\n"
+        + table(
+            ["phase", *runs], [[phase, *(f"{runs[kind][phase]:.1f}" for kind in runs)] for phase in PHASES + ["total"]]
+        )
+    )
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"\nseconds; the phases add up to total: submit → the first step's end. Load average at the end "
-          f"(1/5/15 min, {os.cpu_count()} cores): {load}", flush=True)
+    print(
+        f"\nseconds; the phases add up to total: submit → the first step's end. Load average at the end "
+        f"(1/5/15 min, {os.cpu_count()} cores): {load}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ from typing import Callable
 
 import pyarrow.parquet as pq
 import torch
-
 from data_throughput import write_synthetic
+
 from wildtrain import services, storage
 from wildtrain.clusters.sync import Location, sync
 from wildtrain.data.manifest import read_manifest
@@ -78,8 +78,9 @@ def main() -> None:
                 copying = None
                 if cap is not None:
                     target = Path(folder) / f"copy-{len(rows)}"
-                    copying = threading.Thread(target=lambda: copied.update(
-                        result=sync(Location(bulk), Location(str(target)), cap)))
+                    copying = threading.Thread(
+                        target=lambda: copied.update(result=sync(Location(bulk), Location(str(target)), cap))
+                    )
                     copying.start()
                     # Every step measured overlaps the copy.
                     step_s, wait_s = train_steps(data, lambda step: copying.is_alive(), compute)
@@ -88,14 +89,24 @@ def main() -> None:
                     step_s, wait_s = train_steps(data, lambda step: step < args.steps, compute)
                 result = copied.get("result")
                 rate = result.copied_bytes / result.copy_seconds / 2**20 if result else None
-                rows.append((case, len(step_s), statistics.median(step_s) * 1e3, statistics.median(wait_s) * 1e3,
-                             max(wait_s) * 1e3, rate))
+                rows.append(
+                    (
+                        case,
+                        len(step_s),
+                        statistics.median(step_s) * 1e3,
+                        statistics.median(wait_s) * 1e3,
+                        max(wait_s) * 1e3,
+                        rate,
+                    )
+                )
         finally:
             services.stop_process(store.pid)
     print(f"\n{'case':<22}{'steps':>6}{'step ms':>10}{'data wait ms':>14}{'max wait ms':>13}{'sync MiB/s':>12}")
     print("-" * 77)
     for case, steps, step, wait, worst, rate in rows:
-        print(f"{case:<22}{steps:>6}{step:>10.1f}{wait:>14.1f}{worst:>13.1f}{'-' if rate is None else f'{rate:.1f}':>12}")
+        print(
+            f"{case:<22}{steps:>6}{step:>10.1f}{wait:>14.1f}{worst:>13.1f}{'-' if rate is None else f'{rate:.1f}':>12}"
+        )
     print(f"\nmedians per step; {args.bulk_mb} MiB bulk copy; with a sync, only the steps taken while it copies")
 
 

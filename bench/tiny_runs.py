@@ -28,8 +28,8 @@ os.environ.update(services.token_auth_env())
 import ray  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
-
 from recovery import tiny_services  # noqa: E402
+
 from wildtrain import driver  # noqa: E402
 from wildtrain.config import Config, load_config  # noqa: E402
 from wildtrain.tracking.record import mlflow_key  # noqa: E402
@@ -54,11 +54,17 @@ class TinyBench:
     experiment: str
 
     def config(self, name: str, *overrides: str) -> Config:
-        return load_config([
-            "experiment=tiny", f"data.datasets=[{{uri: {self.dataset}}}]", f"run.name={name}-{int(time.time())}",
-            f"run.storage={self.root / 'runs'}", f"tracking.uri={self.mlflow_url}",
-            f"tracking.experiment={self.experiment}", *overrides,
-        ])
+        return load_config(
+            [
+                "experiment=tiny",
+                f"data.datasets=[{{uri: {self.dataset}}}]",
+                f"run.name={name}-{int(time.time())}",
+                f"run.storage={self.root / 'runs'}",
+                f"tracking.uri={self.mlflow_url}",
+                f"tracking.experiment={self.experiment}",
+                *overrides,
+            ]
+        )
 
     def train(self, cfg: Config) -> Timed:
         summary = driver.run(cfg)
@@ -70,18 +76,28 @@ class TinyBench:
         def share(key: str) -> float:
             per_step = {m.step: m.value for m in client.get_metric_history(summary.run_id, key)}
             # Each window's mean per step, times the steps it covers.
-            return sum((w.step - before.step) * per_step.get(w.step, 0.0)
-                       for before, w in zip(windows, windows[1:])) / span_s
+            return (
+                sum((w.step - before.step) * per_step.get(w.step, 0.0) for before, w in zip(windows, windows[1:]))
+                / span_s
+            )
 
-        return Timed(summary.run_id, (last.step - first.step) / span_s, share(mlflow_key("time/report_wait_s")),
-                     share(mlflow_key("time/eval_s")))
+        return Timed(
+            summary.run_id,
+            (last.step - first.step) / span_s,
+            share(mlflow_key("time/report_wait_s")),
+            share(mlflow_key("time/eval_s")),
+        )
 
 
 def add_services_nice(parser) -> None:
     """The `--services-nice` option of the benches that pass it to `tiny_bench`."""
-    parser.add_argument("--services-nice", type=int, default=0,
-                        help="the object store's and MLflow server's niceness: 0 as `wildtrain up` runs them, "
-                             "19 as if they ran elsewhere (tiny_runs.tiny_bench)")
+    parser.add_argument(
+        "--services-nice",
+        type=int,
+        default=0,
+        help="the object store's and MLflow server's niceness: 0 as `wildtrain up` runs them, "
+        "19 as if they ran elsewhere (tiny_runs.tiny_bench)",
+    )
 
 
 @contextlib.contextmanager

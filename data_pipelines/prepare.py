@@ -1,7 +1,7 @@
 """Tokenize, pack and shard a corpus into a training dataset (see wildtrain.data.prepare).
 
-    python data_pipelines/prepare.py --input tests/assets/tiny_corpus.jsonl --output s3://wildtrain/tiny
-    ray job submit --working-dir . -- python data_pipelines/prepare.py --input ... --output ...
+python data_pipelines/prepare.py --input tests/assets/tiny_corpus.jsonl --output s3://wildtrain/tiny
+ray job submit --working-dir . -- python data_pipelines/prepare.py --input ... --output ...
 """
 
 from __future__ import annotations
@@ -20,41 +20,92 @@ from wildtrain.storage import StorageError
 
 
 @click.command()
-@click.option("--input", "input_uri", required=True,
-              help="A .jsonl/.json (plain, .gz or .zst), .txt, .parquet or .arrow file (a `datasets` folder saved "
-                   "to disk), or a folder or prefix of them (local, s3://, gs://).")
+@click.option(
+    "--input",
+    "input_uri",
+    required=True,
+    help="A .jsonl/.json (plain, .gz or .zst), .txt, .parquet or .arrow file (a `datasets` folder saved "
+    "to disk), or a folder or prefix of them (local, s3://, gs://).",
+)
 @click.option("--output", required=True, help="The dataset root: shards, manifest.json and tokenizer.json go here.")
 @click.option("--seq-len", type=int, default=PrepareConfig.seq_len, show_default=True)
-@click.option("--tokenizer", default=PrepareConfig.tokenizer, show_default=True,
-              help="byte, bpe:VOCAB (trained on the input) or the path or URI of a tokenizer.json.")
-@click.option("--text-field", default=PrepareConfig.text_field, show_default=True,
-              help="The text field of jsonl records or text column of Parquet files.")
+@click.option(
+    "--tokenizer",
+    default=PrepareConfig.tokenizer,
+    show_default=True,
+    help="byte, bpe:VOCAB (trained on the input) or the path or URI of a tokenizer.json.",
+)
+@click.option(
+    "--text-field",
+    default=PrepareConfig.text_field,
+    show_default=True,
+    help="The text field of jsonl records or text column of Parquet files.",
+)
 @click.option("--rows-per-shard", type=int, default=PrepareConfig.rows_per_shard, show_default=True)
 @click.option("--rows-per-group", type=int, default=PrepareConfig.rows_per_group, show_default=True)
-@click.option("--val-fraction", type=float, default=PrepareConfig.val_fraction, show_default=True,
-              help="The share of documents held out for validation, chosen by a hash of each document's text "
-                   "(a rerun holds out the same ones).")
-@click.option("--skip-bad-records", is_flag=True,
-              help="Skip records that are not UTF-8, not JSON or lack the text field, counting them per file in "
-                   "the manifest, rather than stop at the first.")
-@click.option("--partition-mb", type=int, default=PrepareConfig.partition_bytes >> 20, show_default=True,
-              help="A plain JSONL or Parquet file larger than this is prepared in ranges of it, each by its own task.")
-@click.option("--endpoint", default=None, help="S3-compatible endpoint for s3:// URIs  [default: $AWS_ENDPOINT_URL, else AWS]")
+@click.option(
+    "--val-fraction",
+    type=float,
+    default=PrepareConfig.val_fraction,
+    show_default=True,
+    help="The share of documents held out for validation, chosen by a hash of each document's text "
+    "(a rerun holds out the same ones).",
+)
+@click.option(
+    "--skip-bad-records",
+    is_flag=True,
+    help="Skip records that are not UTF-8, not JSON or lack the text field, counting them per file in "
+    "the manifest, rather than stop at the first.",
+)
+@click.option(
+    "--partition-mb",
+    type=int,
+    default=PrepareConfig.partition_bytes >> 20,
+    show_default=True,
+    help="A plain JSONL or Parquet file larger than this is prepared in ranges of it, each by its own task.",
+)
+@click.option(
+    "--endpoint", default=None, help="S3-compatible endpoint for s3:// URIs  [default: $AWS_ENDPOINT_URL, else AWS]"
+)
 @click.option("--region", default=StorageConfig.region, show_default=True)
-@click.option("--max-attempts", type=int, default=StorageConfig.max_attempts, show_default=True,
-              help="Attempts per object-store request before giving up.")
-def main(input_uri: str, output: str, seq_len: int, tokenizer: str, text_field: str, rows_per_shard: int,
-         rows_per_group: int, val_fraction: float, skip_bad_records: bool, partition_mb: int, endpoint: str | None,
-         region: str, max_attempts: int) -> None:
+@click.option(
+    "--max-attempts",
+    type=int,
+    default=StorageConfig.max_attempts,
+    show_default=True,
+    help="Attempts per object-store request before giving up.",
+)
+def main(
+    input_uri: str,
+    output: str,
+    seq_len: int,
+    tokenizer: str,
+    text_field: str,
+    rows_per_shard: int,
+    rows_per_group: int,
+    val_fraction: float,
+    skip_bad_records: bool,
+    partition_mb: int,
+    endpoint: str | None,
+    region: str,
+    max_attempts: int,
+) -> None:
     """Write INPUT's documents to OUTPUT as Parquet shards of packed rows plus manifest.json.
     Rerunning writes only missing or changed shards."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     services.use_local_object_store()
     _quiet_ray_of_the_run()
     cfg = PrepareConfig(
-        input=input_uri, output=output, seq_len=seq_len, tokenizer=tokenizer, text_field=text_field,
-        rows_per_shard=rows_per_shard, rows_per_group=rows_per_group, val_fraction=val_fraction,
-        skip_bad_records=skip_bad_records, partition_bytes=partition_mb << 20,
+        input=input_uri,
+        output=output,
+        seq_len=seq_len,
+        tokenizer=tokenizer,
+        text_field=text_field,
+        rows_per_shard=rows_per_shard,
+        rows_per_group=rows_per_group,
+        val_fraction=val_fraction,
+        skip_bad_records=skip_bad_records,
+        partition_bytes=partition_mb << 20,
         storage=StorageConfig(endpoint=endpoint, region=region, max_attempts=max_attempts),
     )
     try:
@@ -63,12 +114,20 @@ def main(input_uri: str, output: str, seq_len: int, tokenizer: str, text_field: 
         click.secho(f"prepare: {e}", fg="red", err=True)
         sys.exit(1)
     manifest = result.manifest
-    held_out = f", {sum(s.rows for s in manifest.validation)} rows held out in {len(manifest.validation)} validation " \
-               f"shards" if manifest.validation else ""
-    bad = f", {sum(manifest.bad_records.values())} bad records skipped in {len(manifest.bad_records)} files" \
-        if manifest.bad_records else ""
-    click.echo(f"{output}: {manifest.rows} rows, {manifest.tokens} tokens in {len(manifest.shards)} shards{held_out} "
-               f"({len(result.written)} written, {len(result.unchanged)} unchanged){bad}")
+    held_out = (
+        f", {sum(s.rows for s in manifest.validation)} rows held out in {len(manifest.validation)} validation shards"
+        if manifest.validation
+        else ""
+    )
+    bad = (
+        f", {sum(manifest.bad_records.values())} bad records skipped in {len(manifest.bad_records)} files"
+        if manifest.bad_records
+        else ""
+    )
+    click.echo(
+        f"{output}: {manifest.rows} rows, {manifest.tokens} tokens in {len(manifest.shards)} shards{held_out} "
+        f"({len(result.written)} written, {len(result.unchanged)} unchanged){bad}"
+    )
 
 
 def _quiet_ray_of_the_run() -> None:

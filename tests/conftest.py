@@ -2,8 +2,6 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
-
 from wildtrain import services
 
 REPO = Path(__file__).resolve().parents[1]

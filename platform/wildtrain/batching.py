@@ -40,7 +40,9 @@ def batch_plan(global_batch_size: int, max_micro_batch_size: int, world_size: in
     )
 
 
-def unservable_world_sizes(global_batch_size: int, max_micro_batch_size: int, min_world: int, max_world: int) -> list[int]:
+def unservable_world_sizes(
+    global_batch_size: int, max_micro_batch_size: int, min_world: int, max_world: int
+) -> list[int]:
     bad = []
     for world in range(min_world, max_world + 1):
         try:

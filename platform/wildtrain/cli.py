@@ -39,9 +39,14 @@ def train(overrides: tuple[str, ...]) -> None:
 
     quiet_mlflow()
     summary = run(cfg)  # a ConfigError here: a setting the cluster it joined cannot serve (cluster.use_gpu)
-    click.echo(f"\nrun {cfg.run.name!r} finished: " + ", ".join(
-        f"{key} {value:.4g}" for key, value in summary.final_metrics.items() if key in ("step", "loss", "tokens_per_s")
-    ))
+    click.echo(
+        f"\nrun {cfg.run.name!r} finished: "
+        + ", ".join(
+            f"{key} {value:.4g}"
+            for key, value in summary.final_metrics.items()
+            if key in ("step", "loss", "tokens_per_s")
+        )
+    )
     click.echo(f"  MLflow run:     {redact(summary.mlflow_url)}")
     if summary.dashboard_url:
         dashboard = services.dashboard_text(summary.dashboard_url, services.uses_token_auth())
@@ -91,17 +96,34 @@ def report(run: str | None, cluster: str | None, tracking_uri: str | None) -> No
 
 @main.command()
 @click.argument("name")
-@click.option("--grid", "grid", multiple=True, required=True, help="key=v1,v2 (repeat per key): the trials are the Cartesian product.")
+@click.option(
+    "--grid",
+    "grid",
+    multiple=True,
+    required=True,
+    help="key=v1,v2 (repeat per key): the trials are the Cartesian product.",
+)
 @click.option("--steps", type=int, help="train.steps of every trial.")
 @click.option("--budget-tokens", type=int, help="Each trial's steps for this many tokens.")
 @click.option("--cluster", help="Run the sweep as a job on this cluster of the registry.")
-@click.option("--parallel", type=click.IntRange(min=1),
-              help="Trials at once [default: as many as the cluster holds at their full size].")
+@click.option(
+    "--parallel",
+    type=click.IntRange(min=1),
+    help="Trials at once [default: as many as the cluster holds at their full size].",
+)
 @click.option("--dry-run", is_flag=True, help="Print the trials with their hashes and exit.")
 @OVERRIDES
 @one_line_errors()
-def sweep(name: str, grid: tuple[str, ...], steps: int | None, budget_tokens: int | None, cluster: str | None,
-          parallel: int | None, dry_run: bool, overrides: tuple[str, ...]) -> None:
+def sweep(
+    name: str,
+    grid: tuple[str, ...],
+    steps: int | None,
+    budget_tokens: int | None,
+    cluster: str | None,
+    parallel: int | None,
+    dry_run: bool,
+    overrides: tuple[str, ...],
+) -> None:
     """Run the sweep NAME: one trial per point of the grid, each a normal run with OVERRIDES,
     as many at once as the cluster holds (the rest queue); again, it skips finished trials
     and resumes unfinished ones."""
@@ -109,8 +131,9 @@ def sweep(name: str, grid: tuple[str, ...], steps: int | None, budget_tokens: in
 
     target = registry.load().get(cluster) if cluster else None
     # Planned with the cluster's settings, as the job will plan it: the same trial hashes.
-    plan = plan_sweep(name, grid, (*(target.run_overrides() if target else ()), *overrides),
-                      steps=steps, budget_tokens=budget_tokens)
+    plan = plan_sweep(
+        name, grid, (*(target.run_overrides() if target else ()), *overrides), steps=steps, budget_tokens=budget_tokens
+    )
     click.echo(dry_run_text(plan), nl=False)
     if dry_run:
         return
@@ -137,16 +160,28 @@ def sweep(name: str, grid: tuple[str, ...], steps: int | None, budget_tokens: in
 @main.command()
 @click.argument("sweep_name", metavar="SWEEP")
 @click.option("--to", "to", multiple=True, required=True, help="What the big run changes, e.g. model=7b (repeatable).")
-@click.option("--metric", type=click.Choice(["val/loss", "loss"]), default=None,
-              help="What the best trial is chosen by [default: val/loss where every finished trial has one, else loss].")
+@click.option(
+    "--metric",
+    type=click.Choice(["val/loss", "loss"]),
+    default=None,
+    help="What the best trial is chosen by [default: val/loss where every finished trial has one, else loss].",
+)
 @click.option("--name", help="The experiment's name [default: SWEEP-yolo].")
 @click.option("--submit", is_flag=True, help="Start the promoted run on --cluster.")
 @click.option("--cluster", help="With --submit: the cluster of the registry to run it on.")
 @click.option("--tracking-uri", help="The MLflow server [default: tracking.uri of the config].")
 @OVERRIDES
 @one_line_errors(LookupError)
-def promote(sweep_name: str, to: tuple[str, ...], metric: str | None, name: str | None, submit: bool, cluster: str | None,
-            tracking_uri: str | None, overrides: tuple[str, ...]) -> None:
+def promote(
+    sweep_name: str,
+    to: tuple[str, ...],
+    metric: str | None,
+    name: str | None,
+    submit: bool,
+    cluster: str | None,
+    tracking_uri: str | None,
+    overrides: tuple[str, ...],
+) -> None:
     """Write the best trial of SWEEP as conf/experiment/<name>.yaml for the big run (--to),
     its learning rates, init, output and attention scaled by muP from the trial's shape, with its provenance."""
     from wildtrain.sweeps.promote import promote as promote_best
@@ -159,7 +194,10 @@ def promote(sweep_name: str, to: tuple[str, ...], metric: str | None, name: str 
     uri = tracking_uri or resolve_config(()).tracking.uri
     check_reachable(uri)
     promotion = promote_best(uri, sweep_name, to, overrides, name=name, metric=metric)
-    click.echo(f"wrote {promotion.path} (run.name {promotion.name}, from {promotion.provenance['wildtrain.promoted_from.trial']})")
+    click.echo(
+        f"wrote {promotion.path} (run.name {promotion.name}, "
+        f"from {promotion.provenance['wildtrain.promoted_from.trial']})"
+    )
     if target is None:
         click.echo(f"start it with: wildtrain train experiment={promotion.name}")
     else:
@@ -168,7 +206,9 @@ def promote(sweep_name: str, to: tuple[str, ...], metric: str | None, name: str 
 
 @main.command()
 @click.argument("sweep_name", metavar="SWEEP")
-@click.option("--to", "to", multiple=True, required=True, help="The promoted run's changes, e.g. model=7b (repeatable).")
+@click.option(
+    "--to", "to", multiple=True, required=True, help="The promoted run's changes, e.g. model=7b (repeatable)."
+)
 @click.option("--tracking-uri", help="The MLflow server [default: tracking.uri of the config].")
 @OVERRIDES
 @one_line_errors(LookupError)
@@ -193,8 +233,12 @@ STEP = click.option("--step", type=int, help="The checkpoint of this step [defau
 @click.argument("run")
 @STEP
 @click.option("--out", required=True, help="A local folder (absent or empty) or an object-store URI (s3://, gs://).")
-@click.option("--register", "register_as", metavar="NAME",
-              help="Also register the export in MLflow's model registry as a new version of NAME.")
+@click.option(
+    "--register",
+    "register_as",
+    metavar="NAME",
+    help="Also register the export in MLflow's model registry as a new version of NAME.",
+)
 @OVERRIDES
 @one_line_errors()
 def export_command(run: str, step: int | None, out: str, register_as: str | None, overrides: tuple[str, ...]) -> None:
@@ -206,8 +250,9 @@ def export_command(run: str, step: int | None, out: str, register_as: str | None
     exported = export(open_run(run, overrides), out, step=step, register_as=register_as)
     for skipped in exported.skipped:
         click.echo(f"skipped {skipped.store}/{skipped.name}: {skipped.reason}", err=True)
-    click.echo(f"exported {run} step {exported.step} ({exported.checkpoint}) as {exported.architecture} "
-               f"to {exported.location}")
+    click.echo(
+        f"exported {run} step {exported.step} ({exported.checkpoint}) as {exported.architecture} to {exported.location}"
+    )
     if exported.version is not None:
         click.echo(f"registered as {register_as} version {exported.version}")
 
@@ -217,21 +262,28 @@ def export_command(run: str, step: int | None, out: str, register_as: str | None
 @STEP
 @click.option("--prompt", required=True, help="The text to continue.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="0: the most likely token each time; above: drawn from the softmax of logits / temperature.")
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="0: the most likely token each time; above: drawn from the softmax of logits / temperature.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Of the draws, with a temperature above 0.")
 @OVERRIDES
 @one_line_errors()
-def sample_command(run: str, step: int | None, prompt: str, max_tokens: int, temperature: float, seed: int,
-                   overrides: tuple[str, ...]) -> None:
+def sample_command(
+    run: str, step: int | None, prompt: str, max_tokens: int, temperature: float, seed: int, overrides: tuple[str, ...]
+) -> None:
     """Print a continuation of --prompt by a checkpoint of RUN (wildtrain's own model; the
     GPU where there is one)."""
     _reading_run()
     from wildtrain.export import open_run
     from wildtrain.sample import sample
 
-    sampled = sample(open_run(run, overrides), prompt, step=step, max_tokens=max_tokens,
-                     temperature=temperature, seed=seed)
+    sampled = sample(
+        open_run(run, overrides), prompt, step=step, max_tokens=max_tokens, temperature=temperature, seed=seed
+    )
     click.echo(f"{run} step {sampled.step} ({sampled.checkpoint})", err=True)
     click.echo(sampled.text)
 
@@ -239,7 +291,9 @@ def sample_command(run: str, step: int | None, prompt: str, max_tokens: int, tem
 @main.command("eval")
 @click.argument("run")
 @STEP
-@click.option("--tasks", help="lm-eval tasks, comma-separated (hellaswag,arc_easy) [default: eval.tasks of the config].")
+@click.option(
+    "--tasks", help="lm-eval tasks, comma-separated (hellaswag,arc_easy) [default: eval.tasks of the config]."
+)
 @OVERRIDES
 @one_line_errors()
 def eval_command(run: str, step: int | None, tasks: str | None, overrides: tuple[str, ...]) -> None:
@@ -253,15 +307,22 @@ def eval_command(run: str, step: int | None, tasks: str | None, overrides: tuple
     _reading_run()
     from wildtrain.evals.on_demand import evaluate_checkpoint
 
-    logged = evaluate_checkpoint(cfg, step, None if tasks is None else [task for task in tasks.split(",") if task],
-                                 say=lambda text: click.echo(text, err=True))
+    logged = evaluate_checkpoint(
+        cfg,
+        step,
+        None if tasks is None else [task for task in tasks.split(",") if task],
+        say=lambda text: click.echo(text, err=True),
+    )
     evaluated = logged.evaluated
     for name, value in evaluated.metrics.items():
         click.echo(f"{name} {value:.4g}")
     for task, reason in evaluated.failed.items():
         click.echo(f"wildtrain: {task} failed: {reason}", err=True)
-    click.echo(f"logged to MLflow run {logged.mlflow_run_id} at step {evaluated.step} ({evaluated.checkpoint}, "
-               f"{evaluated.seconds:.1f} s)", err=True)
+    click.echo(
+        f"logged to MLflow run {logged.mlflow_run_id} at step {evaluated.step} ({evaluated.checkpoint}, "
+        f"{evaluated.seconds:.1f} s)",
+        err=True,
+    )
     if evaluated.failed or logged.unsent is not None:
         sys.exit(1)
 
@@ -282,16 +343,33 @@ def _reading_run() -> None:
 @click.option("--mlflow-port", default=5000, show_default=True)
 @click.option("--object-store-port", default=8333, show_default=True)
 @click.option("--num-cpus", type=int, default=None, help="Logical CPUs of the head [default: max(4, cores)].")
-@click.option("--num-gpus", type=click.IntRange(min=0), default=None,
-              help="GPUs the head offers, one worker each [default: all that torch can use here].")
+@click.option(
+    "--num-gpus",
+    type=click.IntRange(min=0),
+    default=None,
+    help="GPUs the head offers, one worker each [default: all that torch can use here].",
+)
 @one_line_errors()
-def up(state_dir: Path, ray_port: int, dashboard_port: int, mlflow_port: int, object_store_port: int,
-       num_cpus: int | None, num_gpus: int | None) -> None:
+def up(
+    state_dir: Path,
+    ray_port: int,
+    dashboard_port: int,
+    mlflow_port: int,
+    object_store_port: int,
+    num_cpus: int | None,
+    num_gpus: int | None,
+) -> None:
     """Start the local object store, Ray head and MLflow server (bound to 127.0.0.1) unless
     running. The Ray head's other ports are free ones, recorded in STATE_DIR/services.json
     with the GPUs it offers."""
-    running = services.up(state_dir, services.RayPorts(gcs=ray_port, dashboard=dashboard_port), mlflow_port,
-                          num_cpus, object_store_port, num_gpus=num_gpus)
+    running = services.up(
+        state_dir,
+        services.RayPorts(gcs=ray_port, dashboard=dashboard_port),
+        mlflow_port,
+        num_cpus,
+        object_store_port,
+        num_gpus=num_gpus,
+    )
     gpus = "" if running.num_gpus is None else f" ({running.num_gpus} GPU{'' if running.num_gpus == 1 else 's'})"
     click.echo(f"Ray:            {running.ray_address}{gpus}")
     click.echo(f"Ray dashboard:  {services.dashboard_text(running.dashboard_url, token_auth=True)}")

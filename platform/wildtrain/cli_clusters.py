@@ -12,8 +12,13 @@ from wildtrain.cli_common import OVERRIDES, one_line_errors, resolve_config
 from wildtrain.clusters import registry
 from wildtrain.config import redact
 
-REGISTRY = click.option("--registry", "registry_file", type=click.Path(path_type=Path), default=None,
-                        help="The clusters file [default: $WILDTRAIN_CLUSTERS, else ray_clusters/clusters.yaml].")
+REGISTRY = click.option(
+    "--registry",
+    "registry_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The clusters file [default: $WILDTRAIN_CLUSTERS, else ray_clusters/clusters.yaml].",
+)
 
 
 @click.group(invoke_without_command=True)
@@ -26,7 +31,9 @@ def clusters(ctx: click.Context, registry_file: Path | None) -> None:
     if ctx.invoked_subcommand is None:
         for name, cluster in registry.load(registry_file).clusters.items():
             entry = cluster.entry
-            accelerators = f"{entry.accelerator.per_node}x {entry.accelerator.type}" if entry.accelerator.per_node else "cpu"
+            accelerators = (
+                f"{entry.accelerator.per_node}x {entry.accelerator.type}" if entry.accelerator.per_node else "cpu"
+            )
             click.echo(f"{name:<16}{entry.provider:<12}{accelerators:<10}{entry.jobs_api:<28}{entry.storage.runs}")
 
 
@@ -61,10 +68,15 @@ def submit(name: str, follow: bool, registry_file: Path | None, overrides: tuple
 
 
 def submit_to(cluster: registry.Cluster, overrides: tuple[str, ...], follow: bool, command=None) -> None:
-    from wildtrain.clusters.submit import TRAIN, submit as send
+    from wildtrain.clusters.submit import TRAIN
+    from wildtrain.clusters.submit import submit as send
 
-    submitted = send(cluster, list(overrides), follow=(lambda text: click.echo(text, nl=False)) if follow else None,
-                     command=command or TRAIN)
+    submitted = send(
+        cluster,
+        list(overrides),
+        follow=(lambda text: click.echo(text, nl=False)) if follow else None,
+        command=command or TRAIN,
+    )
     click.echo(f"job:            {submitted.job_id} on {cluster.name}")
     click.echo(f"MLflow run:     {redact(submitted.tracking)}")
     click.echo(f"Ray dashboard:  {redact(submitted.dashboard)} (sign in with the token in {cluster.token_file})")
@@ -73,8 +85,10 @@ def submit_to(cluster: registry.Cluster, overrides: tuple[str, ...], follow: boo
 @click.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--bwlimit", help="Bytes/s for the copy, rclone syntax (2M), or off [default: the lower of "
-                                "the clusters' sync_bwlimit].")
+@click.option(
+    "--bwlimit",
+    help="Bytes/s for the copy, rclone syntax (2M), or off [default: the lower of the clusters' sync_bwlimit].",
+)
 @REGISTRY
 @one_line_errors(OSError)
 def sync(src: str, dst: str, bwlimit: str | None, registry_file: Path | None) -> None:
@@ -85,8 +99,10 @@ def sync(src: str, dst: str, bwlimit: str | None, registry_file: Path | None) ->
     source, target = (copier.parse_location(text, lambda: registry.load(registry_file)) for text in (src, dst))
     done = copier.sync(source, target, bwlimit, on_copied=lambda path: click.echo(f"copied {path}"))
     rate = done.copied_bytes / done.copy_seconds / 2**20 if done.copy_seconds else 0.0
-    click.echo(f"synced {len(done.copied)} files ({done.copied_bytes / 2**20:.1f} MiB at {rate:.1f} MiB/s), "
-               f"{done.verified} verified at {target.uri}")
+    click.echo(
+        f"synced {len(done.copied)} files ({done.copied_bytes / 2**20:.1f} MiB at {rate:.1f} MiB/s), "
+        f"{done.verified} verified at {target.uri}"
+    )
 
 
 @click.command()
@@ -94,13 +110,24 @@ def sync(src: str, dst: str, bwlimit: str | None, registry_file: Path | None) ->
 @click.option("--from", "source", required=True, help="The cluster the run is on.")
 @click.option("--to", "target", required=True, help="The cluster it continues on.")
 @click.option("--bwlimit", help="Bytes/s for the copy [default: the lower of the clusters' sync_bwlimit].")
-@click.option("--checkpoint-timeout", default=3600.0, show_default=True,
-              help="Seconds to wait for the running job's next checkpoint.")
+@click.option(
+    "--checkpoint-timeout",
+    default=3600.0,
+    show_default=True,
+    help="Seconds to wait for the running job's next checkpoint.",
+)
 @REGISTRY
 @OVERRIDES
 @one_line_errors(OSError)
-def move(run: str, source: str, target: str, bwlimit: str | None, checkpoint_timeout: float,
-         registry_file: Path | None, overrides: tuple[str, ...]) -> None:
+def move(
+    run: str,
+    source: str,
+    target: str,
+    bwlimit: str | None,
+    checkpoint_timeout: float,
+    registry_file: Path | None,
+    overrides: tuple[str, ...],
+) -> None:
     """Continue RUN on another cluster: stop it after its next checkpoint, copy its checkpoints
     and record (verified, manifests last), submit it there with the same name and MLflow run."""
     from wildtrain.clusters.move import move as relocate
@@ -108,8 +135,15 @@ def move(run: str, source: str, target: str, bwlimit: str | None, checkpoint_tim
 
     quiet_mlflow()
     clusters = registry.load(registry_file)
-    done = relocate(run, clusters.get(source), clusters.get(target), list(overrides), bwlimit=bwlimit,
-                    checkpoint_timeout_s=checkpoint_timeout, say=click.echo)
+    done = relocate(
+        run,
+        clusters.get(source),
+        clusters.get(target),
+        list(overrides),
+        bwlimit=bwlimit,
+        checkpoint_timeout_s=checkpoint_timeout,
+        say=click.echo,
+    )
     click.echo(f"moved {run} from {source} to {target} at step {done.step}")
     click.echo(f"job:            {done.submitted.job_id} on {target}")
     click.echo(f"MLflow run:     {redact(done.submitted.tracking)}")

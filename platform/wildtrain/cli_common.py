@@ -32,11 +32,26 @@ def fail(message: str, code: int) -> None:
 # or a run's, its data's, its store's, its cluster's (exit 1). tests/unit/test_cli.py checks
 # that wildtrain defines each.
 SETTING_ERRORS = frozenset({"ConfigError", "GridError"})
-RUN_ERRORS = frozenset({
-    "CapacityError", "ClusterError", "DataError", "EvalError", "ExportError", "FitError", "LeaseError",
-    "NotExpressible", "PromoteError", "RunFailed", "SampleError", "ServiceError", "StorageError", "SweepError",
-    "SyncError", "TrackingError",
-})
+RUN_ERRORS = frozenset(
+    {
+        "CapacityError",
+        "ClusterError",
+        "DataError",
+        "EvalError",
+        "ExportError",
+        "FitError",
+        "LeaseError",
+        "NotExpressible",
+        "PromoteError",
+        "RunFailed",
+        "SampleError",
+        "ServiceError",
+        "StorageError",
+        "SweepError",
+        "SyncError",
+        "TrackingError",
+    }
+)
 
 
 def _is_one_of(error: Exception, names: frozenset[str]) -> bool:

@@ -21,18 +21,18 @@ from ray.train import LoggingConfig, RunConfig
 from ray.train.torch import TorchConfig
 
 from wildtrain import lease, ray_compat, services, storage
-from wildtrain.config import Config, config_hash, redact
 from wildtrain.checkpoint.restore import newest_committed
+from wildtrain.config import Config, config_hash, redact
 from wildtrain.data.dataset import DataError, open_datasets
+from wildtrain.data.pins import OrderPins, order_changes, order_pins
 from wildtrain.elastic import scaling
 from wildtrain.elastic.controller import StorageSettings, controller_callbacks
 from wildtrain.elastic.missed_commits import MissedCommits
 from wildtrain.elastic.nodes import alive_node_totals
-from wildtrain.elastic.survivors import start_rendezvous, survivor_callbacks
 from wildtrain.elastic.restarts import interpret
-from wildtrain.data.pins import OrderPins, order_changes, order_pins
-from wildtrain.layout import RunLayout, checkpoint_stores, run_record
+from wildtrain.elastic.survivors import start_rendezvous, survivor_callbacks
 from wildtrain.events import DataOrderChanged, ShardSkipped, Started, Stopped, StragglerCheckOff
+from wildtrain.layout import RunLayout, checkpoint_stores, run_record
 from wildtrain.tracking.controller.mlflow_run import FLUSH_TIMEOUT_S, MlflowCallback, Tracker, log_event
 from wildtrain.tracking.controller.progress import ProgressCallback
 from wildtrain.tracking.mlflow_client import Client, check_reachable, run_url
@@ -84,12 +84,23 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
 
     keeper.acquire()  # the first write: nothing is written before the checks above pass
     experiment_id, run_id = open_run(cfg, record.get("mlflow_run_id"), tags)
-    storage.write_text(layout.record, json.dumps({"mlflow_run_id": run_id, "config_hash": config_hash(cfg),
-                                               "data_order": pins.to_dict(), **run_record(cfg.model, data.tokenizer)}),
-                       cfg.storage)
+    storage.write_text(
+        layout.record,
+        json.dumps(
+            {
+                "mlflow_run_id": run_id,
+                "config_hash": config_hash(cfg),
+                "data_order": pins.to_dict(),
+                **run_record(cfg.model, data.tokenizer),
+            }
+        ),
+        cfg.storage,
+    )
     tracking = Client(cfg.tracking.uri)
     log_event(tracking, run_id, Started(started_at), step=0)
-    tracking.log_datasets(run_id, [(uri, sha256, bad) for (uri, _, sha256), bad in zip(pins.datasets, data.bad_records)])
+    tracking.log_datasets(
+        run_id, [(uri, sha256, bad) for (uri, _, sha256), bad in zip(pins.datasets, data.bad_records)]
+    )
     if order_changed:
         log_event(tracking, run_id, DataOrderChanged(time.time(), order_changed, "; ".join(order_changed)), step=0)
     for skipped in data.skipped_shards:
@@ -106,19 +117,22 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
 
     scaling.controller_env(cfg)
     run_fs, run_path = storage.filesystem(storage.resolve(cfg.run.storage), cfg.storage)
-    mlflow = MlflowCallback(cfg.tracking.uri, run_id, interpret, layout.hangs, cfg.storage,
-                            layout.tracking)
+    mlflow = MlflowCallback(cfg.tracking.uri, run_id, interpret, layout.hangs, cfg.storage, layout.tracking)
     rendezvous = start_rendezvous(cfg)
     ray_compat.keep_ray_data_stats_here()  # not on a worker's node, which may die
     worker_env = {**scaling.worker_env(cfg), **storage_env}
-    inputs = LoopInputs(cfg, data, scaling.worker_resources(cfg), storage_view,
-                        rendezvous=(rendezvous.host, rendezvous.port) if rendezvous else None)
+    inputs = LoopInputs(
+        cfg,
+        data,
+        scaling.worker_resources(cfg),
+        storage_view,
+        rendezvous=(rendezvous.host, rendezvous.port) if rendezvous else None,
+    )
     trainer = ray_compat.TrainerWithoutDatasets(
         # Typed inputs rather than Ray's `train_loop_config` dict.
         functools.partial(worker_main, inputs),
         scaling_config=scaling.scaling_config(cfg),
-        torch_config=TorchConfig(backend=scaling.backend(cfg),
-                                 timeout_s=int(cfg.elastic.collective_timeout_s)),
+        torch_config=TorchConfig(backend=scaling.backend(cfg), timeout_s=int(cfg.elastic.collective_timeout_s)),
         run_config=RunConfig(
             name=cfg.run.name,
             # An explicit filesystem: Ray's own would not know the object store's endpoint.
@@ -129,9 +143,14 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
             # events go through the same MLflow callback, not a copy of it.
             # Survivors are kept (or not) before any other callback sees a poll's errors, and
             # commits a lost rank 0 did not report are noticed before any callback acts on notices.
-            callbacks=[StorageSettings(storage_env), *survivor_callbacks(cfg, rendezvous, inputs, worker_env),
-                       MissedCommits(cfg), ProgressCallback(cfg.train.steps), mlflow,
-                       *controller_callbacks(cfg, mlflow, evaluation)],
+            callbacks=[
+                StorageSettings(storage_env),
+                *survivor_callbacks(cfg, rendezvous, inputs, worker_env),
+                MissedCommits(cfg),
+                ProgressCallback(cfg.train.steps),
+                mlflow,
+                *controller_callbacks(cfg, mlflow, evaluation),
+            ],
             # The Ray Data tasks a worker starts inherit its runtime env, not its process's.
             worker_runtime_env={"env_vars": worker_env},
             # Ray Train's per-report INFO lines would drown the progress lines.
@@ -180,7 +199,8 @@ def _check_order(cfg: Config, record: dict, pins: OrderPins) -> list[str]:
     if changes and not cfg.data.allow_order_change:
         raise DataError(
             f"run {cfg.run.name!r} was started with another data order, and resuming it would train on "
-            "other rows than the ones its checkpoints assume: " + "; ".join(changes)
+            "other rows than the ones its checkpoints assume: "
+            + "; ".join(changes)
             + ". Submit it with the original values, give it a new run.name, or set "
             "data.allow_order_change=true to continue in the new order from the restored step"
         )
@@ -200,12 +220,19 @@ def _finished_before(cfg: Config, run_id: Optional[str]) -> Optional[RunSummary]
     run = Client(cfg.tracking.uri).run_or_none(run_id)
     if run is None or run.info.status != "FINISHED":  # e.g. a driver that died after the last save
         return None
-    print(f"run {cfg.run.name!r} was trained to step {newest.step} by an earlier submission "
-          f"(train.steps={cfg.train.steps}): nothing to train. Raise train.steps to train on, or give another "
-          "run.name.", flush=True)
-    return RunSummary(run_id=run_id, mlflow_url=run_url(cfg.tracking.uri, run.info.experiment_id, run_id),
-                      dashboard_url=None, checkpoint=storage.join(newest.store, newest.name),
-                      final_metrics=run.data.metrics)
+    print(
+        f"run {cfg.run.name!r} was trained to step {newest.step} by an earlier submission "
+        f"(train.steps={cfg.train.steps}): nothing to train. Raise train.steps to train on, or give another "
+        "run.name.",
+        flush=True,
+    )
+    return RunSummary(
+        run_id=run_id,
+        mlflow_url=run_url(cfg.tracking.uri, run.info.experiment_id, run_id),
+        dashboard_url=None,
+        checkpoint=storage.join(newest.store, newest.name),
+        final_metrics=run.data.metrics,
+    )
 
 
 def _newest_checkpoint(cfg: Config) -> Optional[str]:

@@ -215,23 +215,34 @@ def param_groups(model: Transformer, optim: OptimConfig) -> list[dict]:
     muP scales (`Scaling.lr_mult`: optim.hidden_lr_mult, its fan-in against the base's, depth)
     in a group per distinct multiple of lr, after those two. Without muP the groups are the
     two that earlier checkpoints' optimizer states hold."""
+
     # A partitioned parameter (zero.Init) is an empty tensor; its true shape is DeepSpeed's.
     def matrix(p) -> bool:
         return len(getattr(p, "ds_shape", p.shape)) >= 2
 
     mults = {id(p): model.scaling.lr_mult(name, optim.hidden_lr_mult) for name, p in model.hidden_matrices()}
     scaled = {key: mult for key, mult in mults.items() if mult != 1.0}
-    groups = [{"params": [p for p in model.parameters() if matrix(p) and id(p) not in scaled],
-               "weight_decay": optim.weight_decay},
-              {"params": [p for p in model.parameters() if not matrix(p)], "weight_decay": 0.0}]
+    groups = [
+        {
+            "params": [p for p in model.parameters() if matrix(p) and id(p) not in scaled],
+            "weight_decay": optim.weight_decay,
+        },
+        {"params": [p for p in model.parameters() if not matrix(p)], "weight_decay": 0.0},
+    ]
     for mult in dict.fromkeys(scaled.values()):
-        groups.append({"params": [p for p in model.parameters() if scaled.get(id(p)) == mult],
-                       "weight_decay": optim.weight_decay, "lr": optim.lr * mult})
+        groups.append(
+            {
+                "params": [p for p in model.parameters() if scaled.get(id(p)) == mult],
+                "weight_decay": optim.weight_decay,
+                "lr": optim.lr * mult,
+            }
+        )
     return groups
 
 
-def build_engine(cfg: Config, plan: BatchPlan, model: torch.nn.Module, device: torch.device,
-                 load_universal: bool = False):
+def build_engine(
+    cfg: Config, plan: BatchPlan, model: torch.nn.Module, device: torch.device, load_universal: bool = False
+):
     """Wrap `model` (from `build_model`) in a DeepSpeed engine for `device` (the worker's
     training device) with AdamW and the warm-up + cosine schedule, compiled when `compiles`
     says so.

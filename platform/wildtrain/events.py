@@ -34,6 +34,7 @@ def _kind(name: str):
         cls.KIND = name
         _KINDS[name] = cls
         return cls
+
     return register
 
 
@@ -49,6 +50,7 @@ def from_dict(record: dict) -> Event:
 
 
 # The driver: a submission's start and end, and what it changed about the data.
+
 
 @_kind("started")
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ class ShardSkipped(Event):
 
 
 # The controller: interruptions of the worker group, recoveries, capacity waits, exclusions.
+
 
 @dataclass(frozen=True)
 class Interrupted(Event):
@@ -177,6 +180,7 @@ class Hang(Event):
 
 
 # The workers: health checks, stragglers, checkpoints, regrows, in-process generations.
+
 
 @_kind("formed")
 @dataclass(frozen=True)
@@ -287,6 +291,7 @@ class RegrowPostponed(Event):
 
 # The controller's evaluations beside training (`eval.*`); they never stop the run.
 
+
 @_kind("eval_failed")
 @dataclass(frozen=True)
 class EvalFailed(Event):
@@ -316,6 +321,7 @@ class EvalSkipped(Event):
 
 # The tracking client: MLflow did not answer.
 
+
 @_kind("tracking_outage")
 @dataclass(frozen=True)
 class TrackingOutage(Event):
@@ -326,5 +332,7 @@ class TrackingOutage(Event):
     resolved: bool
 
     def summary(self) -> str:
-        return (f"MLflow did not answer for {self.seconds:.1f} s "
-                f"({'recovered' if self.resolved else 'still down'}; {self.error})")
+        return (
+            f"MLflow did not answer for {self.seconds:.1f} s "
+            f"({'recovered' if self.resolved else 'still down'}; {self.error})"
+        )

@@ -75,8 +75,10 @@ def run_info(cfg: Config) -> RunInfo:
     layout = RunLayout.of(cfg)
     text = storage.read_text(layout.record, cfg.storage)
     if text is None:
-        raise ExportError(f"no run {name!r} at {layout.root} (no {layout.record}); give the overrides it was "
-                          "trained with (experiment=..., run.storage=...)")
+        raise ExportError(
+            f"no run {name!r} at {layout.root} (no {layout.record}); give the overrides it was "
+            "trained with (experiment=..., run.storage=...)"
+        )
     record = json.loads(text)
     if "data_order" not in record:
         raise ExportError(f"{layout.record}: no data_order: the run's dataset (and so its tokenizer) is unknown")
@@ -84,8 +86,9 @@ def run_info(cfg: Config) -> RunInfo:
         model = _model_config(record["model"], layout.record)
     else:
         model = _logged_model(cfg.tracking.uri, record["mlflow_run_id"], layout.record)
-    return RunInfo(name, cfg, model, record.get("tokenizer"), record["data_order"]["datasets"][0][0],
-                   record.get("mlflow_run_id"))
+    return RunInfo(
+        name, cfg, model, record.get("tokenizer"), record["data_order"]["datasets"][0][0], record.get("mlflow_run_id")
+    )
 
 
 def _model_config(raw: dict, where: str) -> ModelConfig:
@@ -109,8 +112,10 @@ def _logged_model(uri: str, run_id: str, record: str) -> ModelConfig:
         try:
             path = Client(uri).download(run_id, "config.yaml", folder)
         except Refused as e:
-            raise ExportError(f"{record} records no model, and MLflow run {run_id} at {uri} has no config.yaml: "
-                              f"{str(e).splitlines()[0]}") from None
+            raise ExportError(
+                f"{record} records no model, and MLflow run {run_id} at {uri} has no config.yaml: "
+                f"{str(e).splitlines()[0]}"
+            ) from None
         raw = OmegaConf.to_container(OmegaConf.load(path))
     return _model_config(raw["model"], f"MLflow run {run_id}, config.yaml")
 
@@ -124,8 +129,11 @@ def run_tokenizer(run: RunInfo) -> Tokenizer:
         raise ExportError(f"{where}: missing; the tokenizer of run {run.name!r} is its dataset's")
     described = Manifest.from_json(text, where).tokenizer
     if run.tokenizer is not None and described != run.tokenizer:
-        changed = [f"{key} {_short(run.tokenizer.get(key))} -> {_short(described.get(key))}"
-                   for key in sorted(described.keys() | run.tokenizer.keys()) if described.get(key) != run.tokenizer.get(key)]
+        changed = [
+            f"{key} {_short(run.tokenizer.get(key))} -> {_short(described.get(key))}"
+            for key in sorted(described.keys() | run.tokenizer.keys())
+            if described.get(key) != run.tokenizer.get(key)
+        ]
         raise ExportError(f"{where}: its tokenizer is not the one run {run.name!r} trained with: {'; '.join(changed)}")
     try:
         return dataset_tokenizer(run.dataset, described, run.cfg.storage)
@@ -160,8 +168,14 @@ def read_checkpoint(run: RunInfo, step: Optional[int] = None) -> Checkpoint:
             with storage.errors(stores[0].uri, run.cfg.storage):
                 # world_size 0, a size no checkpoint was saved at: every file is read (of a
                 # ZeRO checkpoint, through `_universal_weights`), not one rank's part.
-                restored = restore(stores, local, rank=0, world_size=0, universal_copy=_universal_weights,
-                                   listing=lambda list_them: [c for c in list_them() if step in (None, c.step)])
+                restored = restore(
+                    stores,
+                    local,
+                    rank=0,
+                    world_size=0,
+                    universal_copy=_universal_weights,
+                    listing=lambda list_them: [c for c in list_them() if step in (None, c.step)],
+                )
         except NoGoodCheckpoint as e:
             raise ExportError(f"run {run.name!r}: {e}") from None
         if restored is None:
@@ -171,8 +185,9 @@ def read_checkpoint(run: RunInfo, step: Optional[int] = None) -> Checkpoint:
             weights = _fp32_weights(restored, parameter_shapes(run.model))
         except ValueError as e:
             raise ExportError(f"{where}: does not fit model {run.model.name!r}: {e}") from None
-        return Checkpoint(restored.manifest.step, where, restored.manifest, weights, restored.skipped,
-                          restored.bytes_read)
+        return Checkpoint(
+            restored.manifest.step, where, restored.manifest, weights, restored.skipped, restored.bytes_read
+        )
     finally:
         shutil.rmtree(local, ignore_errors=True)
 
@@ -194,8 +209,10 @@ def _nothing_committed(run: RunInfo, stores: list[Store], step: Optional[int]) -
     if step is None:
         return f"run {run.name!r} has no committed checkpoint in {where}"
     steps = sorted({c.step for c in list_candidates(stores) if c.manifest is not None})
-    return (f"run {run.name!r} has no committed checkpoint at step {step} in {where} "
-            f"(committed: {', '.join(map(str, steps)) or 'none'})")
+    return (
+        f"run {run.name!r} has no committed checkpoint at step {step} in {where} "
+        f"(committed: {', '.join(map(str, steps)) or 'none'})"
+    )
 
 
 def _universal_weights(store: Store, candidate: Candidate) -> tuple[str, CheckpointManifest]:
@@ -253,8 +270,14 @@ class Exported:
     version: Optional[str] = None  # of the registered model, with `register`
 
 
-def write_hf(folder: Path, model: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer,
-             provenance: dict, max_shard_size: str = MAX_SHARD_SIZE) -> str:
+def write_hf(
+    folder: Path,
+    model: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    tokenizer: Tokenizer,
+    provenance: dict,
+    max_shard_size: str = MAX_SHARD_SIZE,
+) -> str:
     """Write `weights` (a `Transformer(model)`'s, fp32) as a Transformers model with
     `tokenizer` into the existing `folder`; the architecture's name."""
     from huggingface_hub import save_torch_state_dict
@@ -269,8 +292,9 @@ def write_hf(folder: Path, model: ModelConfig, weights: dict[str, torch.Tensor],
     return architecture.name
 
 
-def export_checkpoint(run: RunInfo, folder: str, step: Optional[int] = None,
-                      max_shard_size: str = MAX_SHARD_SIZE) -> Exported:
+def export_checkpoint(
+    run: RunInfo, folder: str, step: Optional[int] = None, max_shard_size: str = MAX_SHARD_SIZE
+) -> Exported:
     """Export the run's newest committed checkpoint (or that of `step`) into the local
     `folder`, which must not exist or be empty; it appears complete or not at all."""
     target = Path(folder).expanduser().resolve()
@@ -279,9 +303,14 @@ def export_checkpoint(run: RunInfo, folder: str, step: Optional[int] = None,
     tokenizer = run_tokenizer(run)
     hf_architecture(run.model, tokenizer.eos_id)  # refused before anything is downloaded
     checkpoint = read_checkpoint(run, step)
-    provenance = {"run": run.name, "step": checkpoint.step, "checkpoint": checkpoint.where,
-                  "mlflow_run_id": run.mlflow_run_id, "zero_stage": checkpoint.manifest.zero_stage,
-                  "world_size": checkpoint.manifest.world_size}
+    provenance = {
+        "run": run.name,
+        "step": checkpoint.step,
+        "checkpoint": checkpoint.where,
+        "mlflow_run_id": run.mlflow_run_id,
+        "zero_stage": checkpoint.manifest.zero_stage,
+        "world_size": checkpoint.manifest.world_size,
+    }
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
@@ -292,8 +321,9 @@ def export_checkpoint(run: RunInfo, folder: str, step: Optional[int] = None,
         os.rename(partial, target)  # replaces an empty folder
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    return Exported(str(target), architecture, checkpoint.step, checkpoint.where, checkpoint.skipped,
-                    checkpoint.bytes_read)
+    return Exported(
+        str(target), architecture, checkpoint.step, checkpoint.where, checkpoint.skipped, checkpoint.bytes_read
+    )
 
 
 def export(run: RunInfo, out: str, step: Optional[int] = None, register_as: Optional[str] = None) -> Exported:
@@ -338,11 +368,19 @@ def register(run: RunInfo, exported: Exported, name: str) -> str:
 
     try:
         return Client(run.cfg.tracking.uri).register_version(
-            name, exported.location, run.mlflow_run_id,
-            tags={"wildtrain.run": run.name, "wildtrain.step": str(exported.step),
-                  "wildtrain.checkpoint": exported.checkpoint, "wildtrain.architecture": exported.architecture},
+            name,
+            exported.location,
+            run.mlflow_run_id,
+            tags={
+                "wildtrain.run": run.name,
+                "wildtrain.step": str(exported.step),
+                "wildtrain.checkpoint": exported.checkpoint,
+                "wildtrain.architecture": exported.architecture,
+            },
             description=f"run {run.name}, step {exported.step}, from checkpoint {exported.checkpoint}",
         )
     except Refused as e:
-        raise ExportError(f"{exported.location} is written, but registering it as {name!r} at "
-                          f"{run.cfg.tracking.uri} failed: {str(e).splitlines()[0]}") from None
+        raise ExportError(
+            f"{exported.location} is written, but registering it as {name!r} at "
+            f"{run.cfg.tracking.uri} failed: {str(e).splitlines()[0]}"
+        ) from None

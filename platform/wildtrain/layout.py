@@ -38,9 +38,14 @@ class RunLayout:
         primary = cfg.checkpoint.store or storage.join(root, "checkpoints")
         # Unsent records go to a local disk even when the run's folder is in an object
         # store: they must survive the MLflow outage they wait out, not add a dependency.
-        local_runs = root if "://" not in root else storage.join(storage.resolve(RunSectionConfig.storage), cfg.run.name)
-        return cls(root, (primary,) + ((cfg.checkpoint.replica,) if cfg.checkpoint.replica else ()),
-                   Path(local_runs) / "tracking")
+        local_runs = (
+            root if "://" not in root else storage.join(storage.resolve(RunSectionConfig.storage), cfg.run.name)
+        )
+        return cls(
+            root,
+            (primary,) + ((cfg.checkpoint.replica,) if cfg.checkpoint.replica else ()),
+            Path(local_runs) / "tracking",
+        )
 
     @property
     def record(self) -> str:

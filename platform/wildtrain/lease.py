@@ -93,11 +93,17 @@ def decide(run: str, lease: Optional[Lease], now: float, token: Optional[str] = 
     if token is not None and lease.holder.token == token:
         return Verdict(True, f"run {run!r} is held by this driver")
     if lease.expires_at <= now:
-        return Verdict(True, f"run {run!r}: the lease of {lease.holder.describe()} expired at "
-                             f"{_clock(lease.expires_at)}; that driver stopped renewing it")
-    return Verdict(False, f"run {run!r} is live: {lease.holder.describe()} holds its lease until "
-                          f"{_clock(lease.expires_at)} (renewed {now - lease.renewed_at:.0f} s ago); stop that "
-                          "driver first, or if it is dead wait for the lease to expire")
+        return Verdict(
+            True,
+            f"run {run!r}: the lease of {lease.holder.describe()} expired at "
+            f"{_clock(lease.expires_at)}; that driver stopped renewing it",
+        )
+    return Verdict(
+        False,
+        f"run {run!r} is live: {lease.holder.describe()} holds its lease until "
+        f"{_clock(lease.expires_at)} (renewed {now - lease.renewed_at:.0f} s ago); stop that "
+        "driver first, or if it is dead wait for the lease to expire",
+    )
 
 
 def read(uri: str, config: StorageConfig) -> Optional[Lease]:
@@ -155,8 +161,11 @@ class Keeper:
         time.sleep(SETTLE_S)
         won = read(self.uri, self.config)
         if won is None or won.holder.token != self.holder.token:
-            raise LeaseError(decide(self.run, won, time.time(), self.holder.token).why
-                             if won else f"run {self.run!r}: its lease {self.uri} vanished as it was taken")
+            raise LeaseError(
+                decide(self.run, won, time.time(), self.holder.token).why
+                if won
+                else f"run {self.run!r}: its lease {self.uri} vanished as it was taken"
+            )
         self._thread = threading.Thread(target=self._renew, name="wildtrain-lease", daemon=True)
         self._thread.start()
 
@@ -167,8 +176,11 @@ class Keeper:
                 if current is not None and current.holder.token != self.holder.token:
                     # Taken over after renewals failed for longer than the expiry: writing now
                     # would take it back from a driver that already trains the run.
-                    print(f"warning: run {self.run!r}: lost its lease to {current.holder.describe()}; "
-                          "two drivers may now write this run", flush=True)
+                    print(
+                        f"warning: run {self.run!r}: lost its lease to {current.holder.describe()}; "
+                        "two drivers may now write this run",
+                        flush=True,
+                    )
                     return
                 if not self._stop.is_set():  # released meanwhile: a renewal now would undo it
                     self._write()
@@ -184,14 +196,19 @@ class Keeper:
             # A renewal stuck on a store that does not answer must not hold the driver's end.
             self._thread.join(timeout=self.expire_s)
             if self._thread.is_alive():
-                print(f"warning: run {self.run!r}: its lease was not released (its store does not answer); "
-                      f"it expires within {self.expire_s:g} s", flush=True)
+                print(
+                    f"warning: run {self.run!r}: its lease was not released (its store does not answer); "
+                    f"it expires within {self.expire_s:g} s",
+                    flush=True,
+                )
                 return
         try:
             release_for(self.uri, self.config, self.holder)
         except (OSError, LeaseError) as e:  # never hides how the run ended; it expires anyway
-            print(f"warning: run {self.run!r}: could not release its lease (it expires within "
-                  f"{self.expire_s:g} s): {e}", flush=True)
+            print(
+                f"warning: run {self.run!r}: could not release its lease (it expires within {self.expire_s:g} s): {e}",
+                flush=True,
+            )
 
     def __enter__(self) -> "Keeper":
         """Refused at once while another driver holds the run; `acquire` comes later, once

@@ -20,7 +20,6 @@ import ray
 from ray.exceptions import RayActorError
 from ray.experimental import internal_kv
 from ray.train.torch import TorchConfig, TorchTrainer
-from ray.util.placement_group import PlacementGroup, placement_group
 from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.exceptions import (
@@ -38,26 +37,55 @@ from ray.train.v2._internal.execution.callback import (
 from ray.train.v2._internal.execution.checkpoint.report_handler import ReportCallbackHandler
 from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.controller import state as _states
-from ray.train.v2._internal.execution.worker_group import DefaultPlacementGroupHandle, ReplicaGroup, WorkerGroup
 from ray.train.v2._internal.execution.training_report import _TrainingReport
+from ray.train.v2._internal.execution.worker_group import DefaultPlacementGroupHandle, ReplicaGroup, WorkerGroup
 from ray.train.v2._internal.execution.worker_group.poll import WorkerStatus
 from ray.train.v2._internal.util import invoke_context_managers
 from ray.train.v2.api import data_parallel_trainer as _trainer_module
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
+from ray.util.placement_group import PlacementGroup, placement_group
 
 # Ray Train's developer callback hooks (the controller's state changes, worker-group starts,
 # reports) and what wildtrain reads of its controller's states, scaling decisions and errors,
 # for the elastic policy and MLflow; the errors its worker groups fail with, for tests to
 # stand in for what a failed group carries.
 __all__ = [
-    "UserExceptionWithTraceback", "ControllerCallback", "ReportCallback", "WorkerGroupCallback",
-    "WorkerGroupStartupTimeoutError", "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError",
-    "available_resources_per_node", "ControllerState", "controller_state", "counts_as_failure", "dashboard_url",
-    "default_temp_dir", "group_workers", "keep_ray_data_stats_here", "kv_get", "kv_put", "kill_pending_actors",
-    "lost_a_worker_process", "mask_worker_deaths", "narrow_report_gates", "quiet_ray_data", "quiet_report_log",
-    "refresh_train_resource_view", "relay_report", "ReplacingTorchConfig", "report_without_barrier", "reports_collected",
-    "resize_request", "resize_to", "show_worker_errors", "start_timed_out", "worker_failures", "worker_lost",
-    "worker_slot", "TrainerWithoutDatasets",
+    "UserExceptionWithTraceback",
+    "ControllerCallback",
+    "ReportCallback",
+    "WorkerGroupCallback",
+    "WorkerGroupStartupTimeoutError",
+    "WorkerHealthCheckFailedError",
+    "WorkerHealthCheckTimeoutError",
+    "available_resources_per_node",
+    "ControllerState",
+    "controller_state",
+    "counts_as_failure",
+    "dashboard_url",
+    "default_temp_dir",
+    "group_workers",
+    "keep_ray_data_stats_here",
+    "kv_get",
+    "kv_put",
+    "kill_pending_actors",
+    "lost_a_worker_process",
+    "mask_worker_deaths",
+    "narrow_report_gates",
+    "quiet_ray_data",
+    "quiet_report_log",
+    "refresh_train_resource_view",
+    "relay_report",
+    "ReplacingTorchConfig",
+    "report_without_barrier",
+    "reports_collected",
+    "resize_request",
+    "resize_to",
+    "show_worker_errors",
+    "start_timed_out",
+    "worker_failures",
+    "worker_lost",
+    "worker_slot",
+    "TrainerWithoutDatasets",
 ]
 
 
@@ -74,10 +102,13 @@ def report_without_barrier(metrics: dict) -> None:
     name rank 0 wrote, and Ray never releases it without rank 0 (`set_required_ranks` of its
     `SynchronizationActor`), where the generations go on without a dead rank 0."""
     context = _train_context.get_train_context()
-    with invoke_context_managers([callback.on_report for callback in context.execution_context.train_context_callbacks]):
+    with invoke_context_managers(
+        [callback.on_report for callback in context.execution_context.train_context_callbacks]
+    ):
         context.report_call_index += 1
-        context._wait_then_report(_TrainingReport(checkpoint=None, metrics=metrics, validation=False),
-                                  context.report_call_index)
+        context._wait_then_report(
+            _TrainingReport(checkpoint=None, metrics=metrics, validation=False), context.report_call_index
+        )
 
 
 def quiet_report_log() -> None:
@@ -168,17 +199,24 @@ class NodeBundleWorkerGroup(WorkerGroup):
         # Ray Train's label selectors are per worker (the nodes left out: elastic.controller.NodeExclusion).
         selectors = worker_group_context.label_selector
         first_workers = [sum(self._bundle_sizes[:index]) for index in range(len(bundles))]
-        return DefaultPlacementGroupHandle(placement_group(
-            bundles, strategy="STRICT_SPREAD",
-            bundle_label_selector=[selectors[first] for first in first_workers] if selectors else None))
+        return DefaultPlacementGroupHandle(
+            placement_group(
+                bundles,
+                strategy="STRICT_SPREAD",
+                bundle_label_selector=[selectors[first] for first in first_workers] if selectors else None,
+            )
+        )
 
-    def _create_workers(self, num_workers, placement_group, resources_per_worker, placement_group_bundle_indices=None,
-                        **kwargs):
+    def _create_workers(
+        self, num_workers, placement_group, resources_per_worker, placement_group_bundle_indices=None, **kwargs
+    ):
         if placement_group_bundle_indices is None:  # a group's start: its workers by their node's bundle
-            placement_group_bundle_indices = [index for index, size in enumerate(self._bundle_sizes)
-                                              for _ in range(size)]
-        return super()._create_workers(num_workers, placement_group, resources_per_worker,
-                                       placement_group_bundle_indices, **kwargs)
+            placement_group_bundle_indices = [
+                index for index, size in enumerate(self._bundle_sizes) for _ in range(size)
+            ]
+        return super()._create_workers(
+            num_workers, placement_group, resources_per_worker, placement_group_bundle_indices, **kwargs
+        )
 
 
 class NodeBundleController(TrainController):
@@ -327,8 +365,10 @@ class GroupWorker:
 
 def group_workers(worker_group) -> list[GroupWorker]:
     """The workers of a started group, in rank order."""
-    workers = [GroupWorker(w.distributed_context.world_rank, w.metadata.node_id, w.metadata.pid)
-               for w in worker_group.get_workers()]
+    workers = [
+        GroupWorker(w.distributed_context.world_rank, w.metadata.node_id, w.metadata.pid)
+        for w in worker_group.get_workers()
+    ]
     return sorted(workers, key=lambda w: w.rank)
 
 

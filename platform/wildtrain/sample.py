@@ -25,13 +25,21 @@ def check_length(prompt_tokens: int, max_tokens: int, max_seq_len: int) -> None:
     if not prompt_tokens:
         raise SampleError("--prompt: empty; the model needs at least one token to continue")
     if prompt_tokens + max_tokens > max_seq_len:
-        raise SampleError(f"--max-tokens: {prompt_tokens} prompt tokens + {max_tokens} exceed model.max_seq_len "
-                         f"({max_seq_len})")
+        raise SampleError(
+            f"--max-tokens: {prompt_tokens} prompt tokens + {max_tokens} exceed model.max_seq_len ({max_seq_len})"
+        )
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: list[int], max_tokens: int, *, temperature: float = 0.0,
-             eos_id: Optional[int] = None, generator: Optional[torch.Generator] = None) -> list[int]:
+def generate(
+    model: Transformer,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    temperature: float = 0.0,
+    eos_id: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+) -> list[int]:
     """Up to `max_tokens` ids after `prompt`, the most likely each time (temperature 0) or
     drawn from the softmax of the logits / temperature with `generator` (a CPU one); ends
     after `eos_id`."""
@@ -43,7 +51,7 @@ def generate(model: Transformer, prompt: list[int], max_tokens: int, *, temperat
     # no earlier position attends to: on CUDA a mask other than plain causal is compiled
     # once per shape (FlexAttention), so one shape compiles once.
     tokens = torch.zeros(1, length, dtype=torch.long, device=device)
-    tokens[0, :len(prompt)] = torch.tensor(prompt, device=device)
+    tokens[0, : len(prompt)] = torch.tensor(prompt, device=device)
     one_document = torch.zeros_like(tokens) if cfg.attention != "causal" else None
     prefix = (torch.arange(length, device=device) < len(prompt))[None] if cfg.attention == "prefix_lm" else None
     generated = []
@@ -68,8 +76,15 @@ class Sampled:
     checkpoint: str
 
 
-def sample(run: RunInfo, prompt: str, *, step: Optional[int] = None, max_tokens: int = 64, temperature: float = 0.0,
-           seed: int = 0) -> Sampled:
+def sample(
+    run: RunInfo,
+    prompt: str,
+    *,
+    step: Optional[int] = None,
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> Sampled:
     """A continuation of `prompt` by the run's checkpoint (the newest committed, or `step`'s)."""
     tokenizer = run_tokenizer(run)
     ids = tokenizer.encode(prompt)
@@ -80,6 +95,12 @@ def sample(run: RunInfo, prompt: str, *, step: Optional[int] = None, max_tokens:
         model = Transformer(run.model)
     model.load_state_dict(checkpoint.weights)
     model.eval()
-    generated = generate(model, ids, max_tokens, temperature=temperature, eos_id=tokenizer.eos_id,
-                         generator=torch.Generator().manual_seed(seed))
+    generated = generate(
+        model,
+        ids,
+        max_tokens,
+        temperature=temperature,
+        eos_id=tokenizer.eos_id,
+        generator=torch.Generator().manual_seed(seed),
+    )
     return Sampled(tokenizer.decode(generated), generated, checkpoint.step, checkpoint.where)

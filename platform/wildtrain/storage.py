@@ -80,8 +80,11 @@ class StorageView:
             found.append(f"region {self.region}, the driver's {drivers.region}")
         if drivers.keys_sha256 is not None and self.keys_sha256 != drivers.keys_sha256:
             names = "/".join(self.key_variables)
-            found.append(f"{names} not both set, the driver's are" if self.keys_sha256 is None
-                         else f"{names} hold other keys than the driver's")
+            found.append(
+                f"{names} not both set, the driver's are"
+                if self.keys_sha256 is None
+                else f"{names} hold other keys than the driver's"
+            )
         return found
 
 
@@ -95,8 +98,9 @@ def handover_env(config: StorageConfig) -> dict[str, str]:
     return {ENDPOINT_VARIABLE: endpoint(config) or "", **keys}
 
 
-def s3_filesystem(endpoint_url: Optional[str], access_key: Optional[str], secret_key: Optional[str],
-                  region: str, max_attempts: int) -> pafs.S3FileSystem:
+def s3_filesystem(
+    endpoint_url: Optional[str], access_key: Optional[str], secret_key: Optional[str], region: str, max_attempts: int
+) -> pafs.S3FileSystem:
     """An S3 client with bounded retries; without both keys, pyarrow's default credential chain."""
     options = {}
     if endpoint_url:
@@ -116,7 +120,7 @@ def filesystem(uri: str, config: Optional[StorageConfig] = None) -> tuple[pafs.F
     if uri.startswith("s3://"):
         config = config or StorageConfig()
         fs = s3_filesystem(endpoint(config), *_keys(config), config.region, config.max_attempts)
-        return fs, uri[len("s3://"):].rstrip("/")
+        return fs, uri[len("s3://") :].rstrip("/")
     # gs:// and local paths: pyarrow's own defaults (GCS credentials from the environment).
     return pafs.FileSystem.from_uri(uri)
 

@@ -73,16 +73,27 @@ class WorkerReport:
 
     def to_dict(self) -> dict:
         """The metrics dict `ray.train.report` carries."""
-        return ({"step": self.step, "tokens_seen": self.tokens_seen, "world_size": self.world_size,
-                 "windows": list(self.windows), "events": list(self.events)}
-                | self.checkpoint | {"committed_checkpoints": list(self.committed_checkpoints)}
-                | (dataclasses.asdict(self.startup) if self.startup is not None else {}))
+        return (
+            {
+                "step": self.step,
+                "tokens_seen": self.tokens_seen,
+                "world_size": self.world_size,
+                "windows": list(self.windows),
+                "events": list(self.events),
+            }
+            | self.checkpoint
+            | {"committed_checkpoints": list(self.committed_checkpoints)}
+            | (dataclasses.asdict(self.startup) if self.startup is not None else {})
+        )
 
     @classmethod
     def from_dict(cls, metrics: dict) -> "WorkerReport":
         """The report `to_dict` made; a key missing or not known fails, naming it."""
-        unknown = sorted(key for key in metrics if key not in _REQUIRED and key not in _STARTUP_KEYS
-                         and not key.startswith(CHECKPOINT_PREFIX))
+        unknown = sorted(
+            key
+            for key in metrics
+            if key not in _REQUIRED and key not in _STARTUP_KEYS and not key.startswith(CHECKPOINT_PREFIX)
+        )
         if unknown:
             raise ValueError(f"worker report: unknown key {unknown[0]!r}" + _others(unknown))
         missing = [key for key in _REQUIRED if key not in metrics]
@@ -94,10 +105,16 @@ class WorkerReport:
             if missing:
                 raise ValueError(f"worker report: start-up times without {missing[0]!r}" + _others(missing))
             startup = Startup(**{key: metrics[key] for key in _STARTUP_KEYS})
-        return cls(step=metrics["step"], tokens_seen=metrics["tokens_seen"], world_size=metrics["world_size"],
-                   windows=tuple(metrics["windows"]), events=tuple(metrics["events"]),
-                   checkpoint={key: value for key, value in metrics.items() if key.startswith(CHECKPOINT_PREFIX)},
-                   committed_checkpoints=tuple(metrics["committed_checkpoints"]), startup=startup)
+        return cls(
+            step=metrics["step"],
+            tokens_seen=metrics["tokens_seen"],
+            world_size=metrics["world_size"],
+            windows=tuple(metrics["windows"]),
+            events=tuple(metrics["events"]),
+            checkpoint={key: value for key, value in metrics.items() if key.startswith(CHECKPOINT_PREFIX)},
+            committed_checkpoints=tuple(metrics["committed_checkpoints"]),
+            startup=startup,
+        )
 
 
 def _others(keys: Sequence[str]) -> str:

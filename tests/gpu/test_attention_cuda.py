@@ -52,10 +52,20 @@ def test_masks_in_the_compiled_engine_forward_match_the_dense_path(cuda_group, k
     from wildtrain.engine import build_engine, build_model
     from wildtrain.model import Transformer
 
-    cfg = load_config([f"train.objective={'prefix_lm' if kind == 'prefix_lm' else 'causal'}",
-                       f"model.attention={kind}", "model.compile=true", f"model.max_seq_len={T}",
-                       f"data.seq_len={T}", "deepspeed.zero_stage=1", f"train.global_batch_size={B}",
-                       f"train.micro_batch_size={B}", "elastic.min_workers=1", "elastic.max_workers=1"])
+    cfg = load_config(
+        [
+            f"train.objective={'prefix_lm' if kind == 'prefix_lm' else 'causal'}",
+            f"model.attention={kind}",
+            "model.compile=true",
+            f"model.max_seq_len={T}",
+            f"data.seq_len={T}",
+            "deepspeed.zero_stage=1",
+            f"train.global_batch_size={B}",
+            f"train.micro_batch_size={B}",
+            "elastic.min_workers=1",
+            "elastic.max_workers=1",
+        ]
+    )
     plan = batch_plan(B, B, 1)
     torch.manual_seed(0)
     cuda = torch.device("cuda", torch.cuda.current_device())

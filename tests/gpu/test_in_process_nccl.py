@@ -32,13 +32,22 @@ def rendezvous():
     server.stop()
 
 
-def nccl_drill(rendezvous: RendezvousServer, name: str, logs: Path, processes: int = 2, timeout_s: float = 60,
-               *args: str):
+def nccl_drill(
+    rendezvous: RendezvousServer, name: str, logs: Path, processes: int = 2, timeout_s: float = 60, *args: str
+):
     """member_drill on the GPU; NCCL's own account of it printed after it (NCCL_DEBUG=INFO:
     the transport it chose, its errors, where it stopped), for the GPU run's record (-rA)."""
     logs.mkdir()
-    said, times = member_drill(rendezvous, name, processes, "--device", "cuda", *args, timeout_s=timeout_s,
-                               env=ENV | {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_FILE": str(logs / "rank.%p.log")})
+    said, times = member_drill(
+        rendezvous,
+        name,
+        processes,
+        "--device",
+        "cuda",
+        *args,
+        timeout_s=timeout_s,
+        env=ENV | {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_FILE": str(logs / "rank.%p.log")},
+    )
     print(f"{name}: rank 0's failed all-reduce {times[0]}")
     for log in sorted(logs.iterdir()):
         print(f"--- {log.name}\n{log.read_text()[-3000:]}")
@@ -55,8 +64,9 @@ def pair(tmp_path_factory) -> dict[int, list[str]]:
         server.stop()
 
 
-def drill(rendezvous: RendezvousServer, pair: dict[int, list[str]], tmp_path: Path, name: str, processes: int = 2,
-          *args: str):
+def drill(
+    rendezvous: RendezvousServer, pair: dict[int, list[str]], tmp_path: Path, name: str, processes: int = 2, *args: str
+):
     if pair[0][:1] != SAYS["pair"][0]:
         pytest.skip("two NCCL ranks on the GPU did not all-reduce (test_two_nccl_ranks_share_the_gpu)")
     return nccl_drill(rendezvous, name, tmp_path / "nccl", processes, 60, *args)

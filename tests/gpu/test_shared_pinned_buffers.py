@@ -24,8 +24,9 @@ def test_buffers_for_a_save_process_are_shared_and_pinned():
 def test_a_cuda_capture_reaches_the_store_through_the_save_process(tmp_path):
     weights = torch.randn(256, 256, device="cuda")
     captured = weights.cpu()  # (weights + 1) - 1 is not weights in floating point
-    saver = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="g2",
-                       device=weights.device)
+    saver = AsyncSaver(
+        [str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="g2", device=weights.device
+    )
     try:
         saver.save_state(CheckpointMeta(1, "step_1", 1, 0), {"state.pt": {"w": weights}})
         weights.add_(1.0)  # after the capture: the save holds the values it captured

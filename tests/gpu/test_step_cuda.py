@@ -91,8 +91,9 @@ def test_the_step_trains_in_bf16_on_the_gpu(cuda_group, stage):
     assert engine.communication_data_type == torch.float32
     assert all(group.get("fused") for group in engine.optimizer.optimizer.param_groups)
     tokens = np.random.default_rng(0).integers(0, 257, (BATCH, SEQ_LEN + 1), dtype=np.int32)
-    window = StepMetrics(BATCH * SEQ_LEN, flops_per_token(cfg.model, SEQ_LEN),
-                         peak_flops(torch.cuda.get_device_name()), 1, cuda_group)
+    window = StepMetrics(
+        BATCH * SEQ_LEN, flops_per_token(cfg.model, SEQ_LEN), peak_flops(torch.cuda.get_device_name()), 1, cuda_group
+    )
     losses = []
     for tokens_on_device, _ in DeviceBatches((tokens for _ in range(10)), cuda_group):
         train_step(engine, plan, tokens_on_device, window)
@@ -106,9 +107,24 @@ def test_the_step_trains_in_bf16_on_the_gpu(cuda_group, stage):
 
 def test_gpu_smoke_restores_the_async_checkpoint_exactly():
     pytest.importorskip("deepspeed")
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_smoke.py"), "--device", "cuda", "--steps", "5",
-                           "--preset", "tiny", "--seq-len", "128"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "gpu_smoke.py"),
+            "--device",
+            "cuda",
+            "--steps",
+            "5",
+            "--preset",
+            "tiny",
+            "--seq-len",
+            "128",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count(" exact") >= 2
 
@@ -117,8 +133,9 @@ def test_the_async_capture_copies_into_pinned_buffers_on_its_own_stream(tmp_path
     from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
 
     weights = torch.randn(1024, 1024, device="cuda")
-    saver = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="g1",
-                       device=weights.device)
+    saver = AsyncSaver(
+        [str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="g1", device=weights.device
+    )
     assert saver._copy_stream is not None
     meta = CheckpointMeta(step=1, tag="step_1", world_size=1, zero_stage=0)
     saver.save_state(meta, {"state.pt": {"w": weights}})

@@ -45,15 +45,28 @@ def runs(tmp_path_factory) -> dict:
     stages = ",".join(map(str, STAGES)) if HAS_DEEPSPEED else ""
     jobs = {}
     pair_port, reference_port = _free_ports(2)
-    for name, rank, world, port in (("rank0", 0, 2, pair_port), ("rank1", 1, 2, pair_port),
-                                    ("reference", 0, 1, reference_port)):
+    for name, rank, world, port in (
+        ("rank0", 0, 2, pair_port),
+        ("rank1", 1, 2, pair_port),
+        ("reference", 0, 1, reference_port),
+    ):
         if name == "reference" and not stages:
             continue
         log = open(out / f"{name}.log", "w")
-        command = [sys.executable, str(WORKER), str(rank), str(world), str(port), str(out / f"{name}.json"),
-                   "--stages", stages]
-        jobs[name] = (subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                       env=checkout_env()), log)
+        command = [
+            sys.executable,
+            str(WORKER),
+            str(rank),
+            str(world),
+            str(port),
+            str(out / f"{name}.json"),
+            "--stages",
+            stages,
+        ]
+        jobs[name] = (
+            subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=checkout_env()),
+            log,
+        )
     failed, deadline = [], time.monotonic() + 300
     for name, (process, log) in jobs.items():
         try:
@@ -70,7 +83,7 @@ def runs(tmp_path_factory) -> dict:
 
 def test_every_collective_reaches_both_ranks(runs):
     seen = [runs["rank0"]["collectives"], runs["rank1"]["collectives"]]
-    for rank, c in enumerate(seen):
+    for c in seen:
         assert c["small_tensor_device"] == "cpu", "flags go over the group's CPU backend"
         assert c["all_ranks_rank0"] is False and c["any_rank_rank0"] is True
         assert c["broadcast_flag_from_1"] is True and c["broadcast_object_from_1"] == {"rank": 1}

@@ -93,7 +93,7 @@ def train(stage: int, rank: int, world_size: int, device: torch.device) -> dict:
     torch.manual_seed(0)
     engine = build_engine(cfg, plan, build_model(cfg, plan, device), device)
     tokens = np.random.default_rng(stage).integers(0, cfg.model.vocab_size, (global_batch, SEQ_LEN + 1), dtype=np.int32)
-    rows = tokens if world_size == 1 else tokens[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK]
+    rows = tokens if world_size == 1 else tokens[rank * ROWS_PER_RANK : (rank + 1) * ROWS_PER_RANK]
     window = StepMetrics(len(rows) * SEQ_LEN, 1.0, None, world_size, device)
     own, loss, grad_norm = [], [], []
     for batch, _ in DeviceBatches((rows for _ in range(STEPS)), device):
@@ -102,8 +102,14 @@ def train(stage: int, rank: int, world_size: int, device: torch.device) -> dict:
         loss.append(window.flush()["loss"])
         grad_norm.append(float(engine.get_global_grad_norm()))
     checksum = sum(safe_get_full_fp32_param(p).double().abs().sum().item() for p in engine.module.parameters())
-    result = {"own_loss": own, "loss": loss, "grad_norm": grad_norm, "weights_abs_sum": checksum,
-              "plan": [plan.micro_batch_size, plan.grad_accum_steps], "backend": str(dist.get_backend())}
+    result = {
+        "own_loss": own,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "weights_abs_sum": checksum,
+        "plan": [plan.micro_batch_size, plan.grad_accum_steps],
+        "backend": str(dist.get_backend()),
+    }
     del engine
     gc.collect()
     if device.type == "cuda":
@@ -114,16 +120,25 @@ def train(stage: int, rank: int, world_size: int, device: torch.device) -> dict:
 def main() -> None:
     args = _args()
     cuda = args.device == "cuda"
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(args.rank),
-                      LOCAL_RANK="0" if cuda else str(args.rank), WORLD_SIZE=str(args.world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(args.port),
+        RANK=str(args.rank),
+        LOCAL_RANK="0" if cuda else str(args.rank),
+        WORLD_SIZE=str(args.world_size),
+    )
     if cuda:
         torch.cuda.set_device(0)
         device = torch.device("cuda", 0)
     else:
         os.environ["DS_ACCELERATOR"] = "cpu"
         device = torch.device("cpu")
-    dist.init_process_group("cpu:gloo,cuda:gloo" if cuda else "gloo", rank=args.rank, world_size=args.world_size,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "cpu:gloo,cuda:gloo" if cuda else "gloo",
+        rank=args.rank,
+        world_size=args.world_size,
+        timeout=datetime.timedelta(seconds=300),
+    )
     result: dict = {"rank": args.rank, "world_size": args.world_size}
     try:
         if args.world_size > 1:

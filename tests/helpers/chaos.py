@@ -24,8 +24,15 @@ HEAD_SLOT = "wildtrain_head"
 # validated every 10 steps, checkpointed every 4, and half a second a step, so that 40 steps
 # outlast a move, or a node's death, its detection and its return.
 UNINTERRUPTED_STEPS = 40
-UNINTERRUPTED = (f"train.steps={UNINTERRUPTED_STEPS}", "train.log_every=1", "checkpoint.every=4", "eval.every=10",
-                 "chaos.min_step_s=0.5", "train.objective=ul2", "model.attention=document")
+UNINTERRUPTED = (
+    f"train.steps={UNINTERRUPTED_STEPS}",
+    "train.log_every=1",
+    "checkpoint.every=4",
+    "eval.every=10",
+    "chaos.min_step_s=0.5",
+    "train.objective=ul2",
+    "model.attention=document",
+)
 
 
 @dataclass
@@ -60,8 +67,13 @@ class BackgroundRun:
         if self.run_id is None:
             client = MlflowClient(self.cfg.tracking.uri)
             experiment = client.get_experiment_by_name(self.cfg.tracking.experiment)
-            runs = [] if experiment is None else client.search_runs(
-                [experiment.experiment_id], filter_string=f"attributes.run_name = '{self.cfg.run.name}'")
+            runs = (
+                []
+                if experiment is None
+                else client.search_runs(
+                    [experiment.experiment_id], filter_string=f"attributes.run_name = '{self.cfg.run.name}'"
+                )
+            )
             self.run_id = runs[0].info.run_id if runs else None
         return self.run_id
 
@@ -73,7 +85,9 @@ class BackgroundRun:
         history = MlflowClient(self.cfg.tracking.uri).get_metric_history(run_id, key)
         return sorted(history, key=lambda m: (m.timestamp, m.step))
 
-    def wait_until(self, condition: Callable[[list], bool], what: str, timeout_s: float, key: str = "world_size") -> list:
+    def wait_until(
+        self, condition: Callable[[list], bool], what: str, timeout_s: float, key: str = "world_size"
+    ) -> list:
         """Poll the run's reports until `condition(reports)` holds; fail if the run ends first."""
         deadline = time.monotonic() + timeout_s
         while True:

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
-
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -49,8 +48,9 @@ def main() -> None:
     with connections:
         mirrors.group = join(store, 1, args.rank, WORLD)
         collectives.open_control_group(60)
-    member = SimpleNamespace(member=SimpleNamespace(mirrors=mirrors),
-                             generation=SimpleNamespace(number=1, world_size=WORLD))
+    member = SimpleNamespace(
+        member=SimpleNamespace(mirrors=mirrors), generation=SimpleNamespace(number=1, world_size=WORLD)
+    )
     engine = engine_of(args.rank, WORLD)
     state = TrainState(step=0, world_size=WORLD)
     window = StepMetrics(1, 1.0, None, WORLD, torch.device("cpu"))
@@ -80,9 +80,17 @@ def main() -> None:
     mirrors.group = join(store, 2, args.rank, WORLD - 1)
     collectives.open_control_group(60)
     held = checkpointing.gather_from_peers(mirrors, left.states, WORLD - 1)
-    torch.save({"seen": seen, "committed": commits.committed, "states": sorted(left.states),
-                "step": held.state.step, "tokens_seen": held.state.tokens_seen, "full": held.full},
-               args.out / f"survivor{args.rank}.pt")
+    torch.save(
+        {
+            "seen": seen,
+            "committed": commits.committed,
+            "states": sorted(left.states),
+            "step": held.state.step,
+            "tokens_seen": held.state.tokens_seen,
+            "full": held.full,
+        },
+        args.out / f"survivor{args.rank}.pt",
+    )
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ from wildtrain.data.manifest import Manifest, encode_shard, write_manifest
 from wildtrain.data.tokenizer import ByteTokenizer
 
 
-def write_dataset(root: Path, shards: list[np.ndarray], rows_per_group: int,
-                  validation: list[np.ndarray] = ()) -> Manifest:
+def write_dataset(
+    root: Path, shards: list[np.ndarray], rows_per_group: int, validation: list[np.ndarray] = ()
+) -> Manifest:
     """`shards[i]` is shard i's (rows, seq_len + 1) token ids, `validation[i]` validation
     shard i's; each row is its own document."""
     root.mkdir(parents=True, exist_ok=True)
@@ -25,8 +26,12 @@ def write_dataset(root: Path, shards: list[np.ndarray], rows_per_group: int,
 
     entries = [written("shard", i, tokens) for i, tokens in enumerate(shards)]
     manifest = Manifest(
-        seq_len=shards[0].shape[1] - 1, tokenizer=ByteTokenizer().describe(), source="tests", shards=entries,
-        rows=sum(s.rows for s in entries), tokens=sum(s.tokens for s in entries),
+        seq_len=shards[0].shape[1] - 1,
+        tokenizer=ByteTokenizer().describe(),
+        source="tests",
+        shards=entries,
+        rows=sum(s.rows for s in entries),
+        tokens=sum(s.tokens for s in entries),
         validation=[written("validation", i, tokens) for i, tokens in enumerate(validation)],
     )
     write_manifest(str(root), manifest)

@@ -32,8 +32,9 @@ def main() -> None:
     store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=60))
     own = socket.create_connection(("127.0.0.1", args.echo_port))  # not the group's
     with GroupConnections() as connections:
-        dist.init_process_group("gloo", store=dist.PrefixStore("g1/", store), rank=args.rank, world_size=3,
-                                timeout=timedelta(seconds=600))
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("g1/", store), rank=args.rank, world_size=3, timeout=timedelta(seconds=600)
+        )
     print("recorded", len(connections.inodes), flush=True)
     dist.barrier()
     if args.rank == 1:

@@ -45,15 +45,16 @@ from wildtrain.elastic.in_process import Member, Superseded
 from wildtrain.elastic.rendezvous import current_group, current_token, latest
 from wildtrain.train import collectives
 
-
 _FIRST = ["formed 1 w0,w1", "all-reduced 2"]
 _ALONE = _FIRST + ["lost True", "formed 2 w0", "all-reduced 1"]
 # What a drill's ranks print first, in order, where it goes as it must (rank -> lines).
 SAYS = {
     "dies": {0: _ALONE, 1: _FIRST},
     "fails": {0: _FIRST + ["lost False"], 1: _FIRST + ["lost False", "ended RuntimeError rank 1's own error"]},
-    "joins": {0: _ALONE + ["joiners waiting", "formed 3 w0,w1.1", "all-reduced 2"],
-              2: ["formed 3 w0,w1.1", "all-reduced 2"]},
+    "joins": {
+        0: _ALONE + ["joiners waiting", "formed 3 w0,w1.1", "all-reduced 2"],
+        2: ["formed 3 w0,w1.1", "all-reduced 2"],
+    },
     "ghost": {0: _ALONE + ["joiners waiting", "superseded True", "formed 4 w0", "all-reduced 1"], 2: ["arrived 3"]},
     "hangs": {0: _ALONE},
     "pair": {0: ["all-reduced 2"], 1: ["all-reduced 2"]},
@@ -67,10 +68,18 @@ def main() -> None:
     parser.add_argument("--rendezvous-port", type=int, required=True)
     parser.add_argument("--drill", choices=tuple(SAYS), required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--linger-s", type=float, default=0.0,
-                        help="dies, hangs: the survivor steps alone once more this long after its first step alone")
-    parser.add_argument("--stacks-after-s", type=float, default=100.0,
-                        help="still running this long: print every thread's stack to stderr and exit")
+    parser.add_argument(
+        "--linger-s",
+        type=float,
+        default=0.0,
+        help="dies, hangs: the survivor steps alone once more this long after its first step alone",
+    )
+    parser.add_argument(
+        "--stacks-after-s",
+        type=float,
+        default=100.0,
+        help="still running this long: print every thread's stack to stderr and exit",
+    )
     args = parser.parse_args()
     faulthandler.dump_traceback_later(args.stacks_after_s, exit=True)
     cfg = ElasticConfig(collective_timeout_s=60)

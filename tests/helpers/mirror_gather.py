@@ -40,12 +40,19 @@ def partition_values(old_rank: int, group: int) -> torch.Tensor:
 def engine_of(old_rank: int, world: int) -> SimpleNamespace:
     """What `peer_state.partition` reads of a ZeRO-1/2 engine, holding `partition_values`."""
     fp32 = [partition_values(old_rank, group)[0].clone() for group in range(len(GROUP_SIZES))]
-    state = {p: {"exp_avg": partition_values(old_rank, g)[1], "exp_avg_sq": partition_values(old_rank, g)[2]}
-             for g, p in enumerate(fp32)}
+    state = {
+        p: {"exp_avg": partition_values(old_rank, g)[1], "exp_avg_sq": partition_values(old_rank, g)[2]}
+        for g, p in enumerate(fp32)
+    }
     weights = [torch.zeros(world * n) for n in GROUP_SIZES]  # every rank's, flat
-    return SimpleNamespace(optimizer=SimpleNamespace(single_partition_of_fp32_groups=fp32, bit16_groups_flat=weights,
-                                                     bit16_groups=[[flat] for flat in weights],
-                                                     optimizer=SimpleNamespace(state=state)))
+    return SimpleNamespace(
+        optimizer=SimpleNamespace(
+            single_partition_of_fp32_groups=fp32,
+            bit16_groups_flat=weights,
+            bit16_groups=[[flat] for flat in weights],
+            optimizer=SimpleNamespace(state=state),
+        )
+    )
 
 
 def main() -> None:

@@ -31,8 +31,12 @@ from wildtrain.elastic.survivor_env import SURVIVOR_ENV
 # own that talks over sockets (what NCCL chose on the H200, NCCL 2.28.9: NET/Socket).
 # cuMem's file-descriptor exchange is off, where NCCL issues 2350 and 2379 saw it hang under
 # gVisor (which that machine runs), and no InfiniBand loopback is tried.
-NCCL_ON_ONE_GPU = SURVIVOR_ENV | {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "NCCL_CUMEM_ENABLE": "0",
-                                  "NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+NCCL_ON_ONE_GPU = SURVIVOR_ENV | {
+    "NCCL_SOCKET_IFNAME": "lo",
+    "NCCL_IB_DISABLE": "1",
+    "NCCL_CUMEM_ENABLE": "0",
+    "NCCL_MULTI_RANK_GPU_ENABLE": "1",
+}
 
 
 @dataclass
@@ -73,23 +77,45 @@ def start_ranks(module: str, world: int, *args: str, env: dict[str, str] | None 
     port = services.free_port()
     store = dist.TCPStore(services.HOST, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     env = checkout_env() | {"GLOO_SOCKET_IFNAME": "lo"} | (env or {})
-    processes = [subprocess.Popen([sys.executable, "-m", module, "--store-port", str(port), "--rank", str(rank),
-                                   *map(str, args)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-                 for rank in range(world)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", module, "--store-port", str(port), "--rank", str(rank), *map(str, args)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
     return Ranks(store, processes)
 
 
-def member_drill(rendezvous: RendezvousServer, drill: str, processes: int = 2, *args: str,
-                 env: dict[str, str] | None = None, timeout_s: float = 120.0
-                 ) -> tuple[dict[int, list[str]], dict[int, dict[str, float]]]:
+def member_drill(
+    rendezvous: RendezvousServer,
+    drill: str,
+    processes: int = 2,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 120.0,
+) -> tuple[dict[int, list[str]], dict[int, dict[str, float]]]:
     """What each rank of tests/helpers/member_rank.py printed, its lines (not DeepSpeed's
     bracketed log lines) and its errors; and its timings, apart (`waited 0.5 s` is
     {"waited": 0.5}): how long its failed all-reduce waited, and when it stepped alone."""
     # A rank still running a while before the wait ends prints where it is (member_rank's
     # --stacks-after-s), which a kill would lose.
-    ranks = start_ranks("tests.helpers.member_rank", processes, "--rendezvous-port", rendezvous.port, "--drill", drill,
-                        "--stacks-after-s", timeout_s - 15, *args, env=env)
+    ranks = start_ranks(
+        "tests.helpers.member_rank",
+        processes,
+        "--rendezvous-port",
+        rendezvous.port,
+        "--drill",
+        drill,
+        "--stacks-after-s",
+        timeout_s - 15,
+        *args,
+        env=env,
+    )
     said, times = {}, {}
     # Enough of stderr for a rank's stacks, every thread's, printed as it was given up.
     for rank, (_, output, errors) in enumerate(ranks.outputs(timeout_s)):
@@ -103,7 +129,7 @@ def member_drill(rendezvous: RendezvousServer, drill: str, processes: int = 2, *
 def check_said(said: dict[int, list[str]], drill: str) -> None:
     """Each rank began with what `member_rank.SAYS` has it say in `drill`."""
     for rank, lines in SAYS[drill].items():
-        assert said[rank][:len(lines)] == lines, (rank, said)
+        assert said[rank][: len(lines)] == lines, (rank, said)
 
 
 def spawn_ranks(fn: Callable[..., None], world_size: int, *args) -> None:
@@ -144,8 +170,9 @@ def spawned_pair(target: Callable[[int, object], None]) -> Iterator[object]:
 def _pair_member(target: Callable[[int, object], None], rank: int, port: int, results) -> None:
     from wildtrain.train import collectives
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     collectives.open_control_group(60)
     target(rank, results)
     dist.destroy_process_group()

@@ -12,7 +12,6 @@ from ray.cluster_utils import Cluster
 
 from wildtrain import ray_compat, services
 
-
 # Ray starts its workers at nice 15; `make test` runs the tests beside the drills at 19,
 # which then took 30% of a core the drills' workers waited for (weights 15 against 36), and
 # the drills ran 18% longer than alone. At 10 they take 88% of it, and Ray's own daemons
@@ -28,8 +27,9 @@ WORKER_NICENESS = 10
 HEALTH_CHECK_TIMEOUT_MS = 5000
 
 
-def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: Optional[dict] = None,
-                  metrics: bool = False) -> Cluster:
+def start_cluster(
+    setenv: Callable[[str, str], None], num_cpus: int, resources: Optional[dict] = None, metrics: bool = False
+) -> Cluster:
     """A head of `num_cpus` logical CPUs (and `resources`) with its dashboard and jobs API.
     Its processes inherit this process's environment as it is when called, after what is
     set here through `setenv` (os.environ's, or a test's monkeypatch).
@@ -54,11 +54,18 @@ def start_cluster(setenv: Callable[[str, str], None], num_cpus: int, resources: 
     temp_dir = tempfile.mkdtemp(prefix="wildtrain-test-ray-")
     # With metrics, the Prometheus endpoint that workers' `ray.util.metrics` reach (the
     # dashboard's source), refreshed every second rather than every 10.
-    system_config = services.NODE_HEALTH_CHECKS | {"health_check_timeout_ms": HEALTH_CHECK_TIMEOUT_MS,
-                                                    "worker_niceness": WORKER_NICENESS}
-    metrics_args = ({"metrics_export_port": services.free_port(),
-                     "_system_config": system_config | {"metrics_report_interval_ms": 1000}}
-                    if metrics else {"_system_config": system_config | services.RAY_METRICS_OFF})
+    system_config = services.NODE_HEALTH_CHECKS | {
+        "health_check_timeout_ms": HEALTH_CHECK_TIMEOUT_MS,
+        "worker_niceness": WORKER_NICENESS,
+    }
+    metrics_args = (
+        {
+            "metrics_export_port": services.free_port(),
+            "_system_config": system_config | {"metrics_report_interval_ms": 1000},
+        }
+        if metrics
+        else {"_system_config": system_config | services.RAY_METRICS_OFF}
+    )
     # `Cluster` also writes its address into Ray's default temporary folder, which only a head
     # started there creates: on a machine where Ray never ran, it fails without this.
     os.makedirs(ray_compat.default_temp_dir(), exist_ok=True)

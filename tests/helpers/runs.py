@@ -18,16 +18,26 @@ from wildtrain.data.tokenizer import ByteTokenizer
 from wildtrain.layout import RunLayout, run_record
 
 
-def make_run(data: Path, overrides: list[str], model: ModelConfig, *, record_model: bool = True,
-             mlflow_run_id: Optional[str] = None, tokenizer: Optional[dict] = None) -> Config:
+def make_run(
+    data: Path,
+    overrides: list[str],
+    model: ModelConfig,
+    *,
+    record_model: bool = True,
+    mlflow_run_id: Optional[str] = None,
+    tokenizer: Optional[dict] = None,
+) -> Config:
     """The record of the run the config of `overrides` names, trained on the dataset at
     `data` (written unless there); the run's config."""
     cfg = load_config(overrides)
     if not (data / "manifest.json").exists():
         write_dataset(data, [np.zeros((4, model.max_seq_len + 1), dtype=np.int32)], rows_per_group=4)
     sha = hashlib.sha256((data / "manifest.json").read_bytes()).hexdigest()
-    record = {"mlflow_run_id": mlflow_run_id, "config_hash": "test",
-              "data_order": OrderPins(0, 4, model.max_seq_len, ((str(data), 1.0, sha),), ()).to_dict()}
+    record = {
+        "mlflow_run_id": mlflow_run_id,
+        "config_hash": "test",
+        "data_order": OrderPins(0, 4, model.max_seq_len, ((str(data), 1.0, sha),), ()).to_dict(),
+    }
     if record_model:
         record |= run_record(model, tokenizer or ByteTokenizer().describe())
     path = Path(RunLayout.of(cfg).record)
@@ -56,5 +66,14 @@ def commit_checkpoint(cfg: Config, tmp_path: Path, step: int, committed: bool = 
     store, name = RunLayout.of(cfg).checkpoint_uris[0], f"step_{step:09d}-ab"
     files = upload(str(local), store, name)
     if committed:
-        commit(store, name, step=step, tag=f"step_{step}", world_size=1, zero_stage=0, files=files,
-               data_position={}, config_hash="test")
+        commit(
+            store,
+            name,
+            step=step,
+            tag=f"step_{step}",
+            world_size=1,
+            zero_stage=0,
+            files=files,
+            data_position={},
+            config_hash="test",
+        )

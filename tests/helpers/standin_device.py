@@ -105,8 +105,10 @@ class _Backend(_DummyBackendModule):
 def device() -> torch.device:
     """The stand-in device, registering the backend on first use."""
     if torch.cuda.is_available():
-        raise RuntimeError("the stand-in device would replace CUDA as torch's accelerator for the rest of this "
-                           "process: use it where there is no GPU")
+        raise RuntimeError(
+            "the stand-in device would replace CUDA as torch's accelerator for the rest of this "
+            "process: use it where there is no GPU"
+        )
     _setup_privateuseone_for_python_backend(NAME, backend_module=_Backend())
     return torch.device(NAME, 0)
 
@@ -119,8 +121,15 @@ class StandInTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, host: torch.Tensor) -> "StandInTensor":
         return torch.Tensor._make_wrapper_subclass(
-            cls, host.shape, strides=host.stride(), storage_offset=host.storage_offset(), dtype=host.dtype,
-            layout=host.layout, device=device(), requires_grad=host.requires_grad)
+            cls,
+            host.shape,
+            strides=host.stride(),
+            storage_offset=host.storage_offset(),
+            dtype=host.dtype,
+            layout=host.layout,
+            device=device(),
+            requires_grad=host.requires_grad,
+        )
 
     def __init__(self, host: torch.Tensor) -> None:
         self.host = host
@@ -193,7 +202,8 @@ def _run(func, args: tuple, kwargs: dict) -> Any:
         raise HostTensorInAcceleratorOp(
             f"{func} got host tensor(s) ({', '.join(_describe(t) for t in hosts if t.dim() > 0)}) together with "
             f"{device()} tensor(s) ({', '.join(_describe(t) for t in standins)}): on a GPU this is a device "
-            f"mismatch; move the host tensor to the device (or build it there)")
+            f"mismatch; move the host tensor to the device (or build it there)"
+        )
     if not standins and not _is_standin(target):
         return func(*args, **kwargs)
     unwrap = lambda x: x.host if isinstance(x, StandInTensor) else x  # noqa: E731

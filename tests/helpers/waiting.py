@@ -8,8 +8,9 @@ from typing import Callable, TypeVar
 T = TypeVar("T")
 
 
-def wait_for(condition: Callable[[], T], what: str = "the condition", timeout_s: float = 10.0,
-             every_s: float = 0.2) -> T:
+def wait_for(
+    condition: Callable[[], T], what: str = "the condition", timeout_s: float = 10.0, every_s: float = 0.2
+) -> T:
     """`condition()`'s first true value, looked for every `every_s`; TimeoutError naming
     `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s

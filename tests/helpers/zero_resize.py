@@ -70,8 +70,9 @@ def batch(step: int) -> torch.Tensor:
 def train_in_gpu_precision() -> None:
     """The engine's DeepSpeed config from here on is the one it has on GPUs, on the CPU."""
     on_device = engines.deepspeed_config
-    engines.deepspeed_config = lambda cfg, plan, on_cuda, load_universal=False: on_device(cfg, plan, True,
-                                                                                          load_universal)
+    engines.deepspeed_config = lambda cfg, plan, on_cuda, load_universal=False: on_device(
+        cfg, plan, True, load_universal
+    )
 
 
 def engine_at(cfg: Config, world: int, device: torch.device):
@@ -88,7 +89,7 @@ def train(engine, step: int, device: torch.device) -> float:
     rows = batch(step).to(device)
     total = 0.0
     for micro in micro_batches(GLOBAL_BATCH, world, rank, 1):
-        x = rows[micro.start:micro.stop]
+        x = rows[micro.start : micro.stop]
         loss = engine(x[:, :-1], targets=x[:, 1:])
         engine.backward(loss)
         engine.step()
@@ -99,13 +100,19 @@ def train(engine, step: int, device: torch.device) -> float:
     return summed.item()
 
 
-def join(store, generation: int, rank: int, world: int, device: torch.device = torch.device("cpu")
-         ) -> dist.ProcessGroup:
+def join(
+    store, generation: int, rank: int, world: int, device: torch.device = torch.device("cpu")
+) -> dist.ProcessGroup:
     """Form generation `generation`'s default group (NCCL's on CUDA); the group the mirrors
     go over: a gloo group beside it, as a worker's control group."""
     os.environ.update(LOCAL_RANK="0", RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore(f"g{generation}/", store),
-                            rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        store=dist.PrefixStore(f"g{generation}/", store),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
     return dist.new_group(backend="gloo")
 
 
@@ -157,16 +164,26 @@ def main() -> None:
         engine = engine_at(cfg, world, device)
         load_state(engine, full, plan.step, GLOBAL_BATCH)
         mirrors.use_layout(2, world)
-        torch.save({"partition": partition(engine), "lr": engine.get_lr()[0], "global_steps": engine.global_steps,
-                    "restored_step": plan.step, "sources": plan.sources}, args.out / f"new{rank}.pt")
+        torch.save(
+            {
+                "partition": partition(engine),
+                "lr": engine.get_lr()[0],
+                "global_steps": engine.global_steps,
+                "restored_step": plan.step,
+                "sources": plan.sources,
+            },
+            args.out / f"new{rank}.pt",
+        )
         for step in range(plan.step, STEPS_BEFORE + STEPS_AFTER):
             mirrors.settle()
             losses.append(train(engine, step, device))
             mirrors.exchange(engine, step + 1)
         mirrors.settle()
     (args.out / f"losses{args.rank}.json").write_text(json.dumps(losses))
-    torch.save(torch.cat([p.detach().reshape(-1).cpu() for p in engine.module.parameters()]),
-               args.out / f"params{args.rank}.pt")
+    torch.save(
+        torch.cat([p.detach().reshape(-1).cpu() for p in engine.module.parameters()]),
+        args.out / f"params{args.rank}.pt",
+    )
     os._exit(0)  # skips the destructors of groups whose peers have gone
 
 
@@ -177,8 +194,20 @@ def run_drill(out: Path, *args: str, env: dict[str, str]) -> tuple[Path, Path]:
     held = []
     for folder, world, victim in ((drill, 3, VICTIM), (reference, 1, -1)):
         folder.mkdir()
-        held.append(start_ranks("tests.helpers.zero_resize", world, "--world", world, "--victim", victim,
-                                "--out", folder, *args, env=env))
+        held.append(
+            start_ranks(
+                "tests.helpers.zero_resize",
+                world,
+                "--world",
+                world,
+                "--victim",
+                victim,
+                "--out",
+                folder,
+                *args,
+                env=env,
+            )
+        )
     for ranks in held:
         for rank, (code, output, errors) in enumerate(ranks.outputs(timeout_s=600)):
             assert code == 0, f"rank {rank}:\n{output[-1000:]}\n{errors[-3000:]}"

@@ -14,10 +14,10 @@ from typing import Optional
 import pytest
 import ray
 
-from wildtrain import services
 from tests.conftest import REPO
 from tests.helpers.chaos import HEAD_SLOT, UNINTERRUPTED, BackgroundRun
 from tests.helpers.ray_clusters import start_cluster
+from wildtrain import services
 from wildtrain.config import load_config
 from wildtrain.data.prepare import PrepareConfig, prepare
 
@@ -98,8 +98,14 @@ def tiny_dataset(ray_cluster, object_store) -> str:
     """The bundled tiny corpus, prepared once into the object store, as `make demo` does:
     with documents held out for validation."""
     uri = f"s3://{object_store.bucket}/datasets/tiny"
-    prepare(PrepareConfig(input=str(REPO / "tests/assets/tiny_corpus.jsonl"), output=uri, rows_per_group=128,
-                          val_fraction=VAL_FRACTION))
+    prepare(
+        PrepareConfig(
+            input=str(REPO / "tests/assets/tiny_corpus.jsonl"),
+            output=uri,
+            rows_per_group=128,
+            val_fraction=VAL_FRACTION,
+        )
+    )
     return uri
 
 
@@ -108,12 +114,21 @@ def uninterrupted(tmp_path_factory, mlflow_url, tiny_dataset) -> BackgroundRun:
     """UNINTERRUPTED's training, never moved nor resized: one worker on the head, off the nodes
     tests add and remove. Started by the first test that asks for it and shared: each test
     joins it for the losses its own run must reproduce (a run start less for each after the first)."""
-    return BackgroundRun(load_config([
-        "experiment=tiny", f"data.datasets=[{{uri: {tiny_dataset}}}]", f"run.name=uninterrupted-{os.getpid()}",
-        f"run.storage={tmp_path_factory.mktemp('uninterrupted') / 'runs'}", f"tracking.uri={mlflow_url}",
-        "tracking.experiment=integration", f"cluster.worker_resources.{HEAD_SLOT}=1", "elastic.max_workers=1",
-        *UNINTERRUPTED,
-    ]))
+    return BackgroundRun(
+        load_config(
+            [
+                "experiment=tiny",
+                f"data.datasets=[{{uri: {tiny_dataset}}}]",
+                f"run.name=uninterrupted-{os.getpid()}",
+                f"run.storage={tmp_path_factory.mktemp('uninterrupted') / 'runs'}",
+                f"tracking.uri={mlflow_url}",
+                "tracking.experiment=integration",
+                f"cluster.worker_resources.{HEAD_SLOT}=1",
+                "elastic.max_workers=1",
+                *UNINTERRUPTED,
+            ]
+        )
+    )
 
 
 @pytest.fixture

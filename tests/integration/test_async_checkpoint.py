@@ -56,8 +56,15 @@ def _train_and_save(rank: int, world_size: int, port: int, root: str) -> None:
         engine, plan = _engine(_config(stage), world_size)
         faults = Faults(gate=threading.Event())
         store = Store(faulty_filesystem(pafs.LocalFileSystem(), faults), _store(root, stage), _store(root, stage))
-        saver = AsyncSaver([store], str(Path(root, f"staging{rank}")), rank=rank, world_size=world_size,
-                           attempt=token[0], policy="queue", background="thread")  # the gate is this process's
+        saver = AsyncSaver(
+            [store],
+            str(Path(root, f"staging{rank}")),
+            rank=rank,
+            world_size=world_size,
+            attempt=token[0],
+            policy="queue",
+            background="thread",
+        )  # the gate is this process's
         admissions = []
         for step in range(1, SAVE_AT + 1):
             _train(engine, plan, rank, range(step - 1, step))
@@ -72,14 +79,22 @@ def _train_and_save(rank: int, world_size: int, port: int, root: str) -> None:
                 saved = _full_params(engine)
             skip = torch.tensor([int(saver.admission().action == "skip")])
             dist.all_reduce(skip, op=dist.ReduceOp.MAX)
-            meta = CheckpointMeta(step=step, tag=f"step_{step}", world_size=world_size, zero_stage=stage,
-                                  data_position={"step": step}, config_hash="test")
-            admissions.append(saver.save_engine(engine, meta, f'{{"step": {step}}}',
-                                                blocked_elsewhere=bool(skip.item())).action)
+            meta = CheckpointMeta(
+                step=step,
+                tag=f"step_{step}",
+                world_size=world_size,
+                zero_stage=stage,
+                data_position={"step": step},
+                config_hash="test",
+            )
+            admissions.append(
+                saver.save_engine(engine, meta, f'{{"step": {step}}}', blocked_elsewhere=bool(skip.item())).action
+            )
             if step == 1:
                 assert saver._buffers.allocated == reserved, (
                     f"rank {rank}, stage {stage}: the first save allocated "
-                    f"{saver._buffers.allocated - reserved} buffers of its own")
+                    f"{saver._buffers.allocated - reserved} buffers of its own"
+                )
             # The first save's upload waits at the gate, so the second is written only after
             # the step below has changed the live tensors.
             assert faults.write_blocked.wait(WAIT_S), f"rank {rank}: the first upload never started"
@@ -88,8 +103,14 @@ def _train_and_save(rank: int, world_size: int, port: int, root: str) -> None:
         assert saver.close(WAIT_S), f"rank {rank}: the saves of stage {stage} did not finish"
         outcomes = saver.drain()
         if rank == 0:
-            torch.save({"admissions": admissions, "outcomes": [(o.step, o.status, o.reason) for o in outcomes],
-                        "params": saved}, Path(root, f"saved_{stage}.pt"))
+            torch.save(
+                {
+                    "admissions": admissions,
+                    "outcomes": [(o.step, o.status, o.reason) for o in outcomes],
+                    "params": saved,
+                },
+                Path(root, f"saved_{stage}.pt"),
+            )
         dist.barrier()
 
 
@@ -111,8 +132,12 @@ def _restore(rank: int, world_size: int, port: int, root: str) -> None:
             universal.load(engine, restored.folder, restored.manifest.tag)
         else:
             checkpoint.load(engine, restored.folder, restored.manifest.tag)
-        result = {"files": files, "params": _full_params(engine), "global_steps": engine.global_steps,
-                  "client_state": checkpoint.read_client_state(restored.folder)}
+        result = {
+            "files": files,
+            "params": _full_params(engine),
+            "global_steps": engine.global_steps,
+            "client_state": checkpoint.read_client_state(restored.folder),
+        }
         torch.save(result, Path(root, f"restored_{stage}_{world_size}_{rank}.pt"))
         dist.barrier()
 

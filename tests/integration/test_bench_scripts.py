@@ -29,8 +29,14 @@ VENV_OWN = ("pip",) if sys.version_info >= (3, 12) else ("pip", "setuptools")
 
 def _run(script: str, *args: str) -> str:
     env = os.environ | {"DS_ACCELERATOR": "cpu"}
-    done = subprocess.run([sys.executable, str(REPO / "bench" / script), "--device", "cpu", "--steps", "3", *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), "--device", "cpu", "--steps", "3", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, f"{script} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout
 
@@ -68,29 +74,65 @@ def gpu_all_cpu(tmp_path_factory) -> dict:
     """bench/gpu_all.sh --device cpu in a fresh venv: what it and device_carry.sh printed, and its logs."""
     work = tmp_path_factory.mktemp("gpu_all")
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    carry = subprocess.run(["bash", str(REPO / "bench" / "device_carry.sh"), "--python-version", version,
-                            "--out", str(work / "carry")], env=os.environ | {"PYTHON": sys.executable},
-                           capture_output=True, text=True, timeout=600)
+    carry = subprocess.run(
+        ["bash", str(REPO / "bench" / "device_carry.sh"), "--python-version", version, "--out", str(work / "carry")],
+        env=os.environ | {"PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert carry.returncode == 0, carry.stdout + carry.stderr
 
     venv = work / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
     python = venv / "bin" / "python"
-    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     _link(_closure(THERE) | set(VENV_OWN), work / "machine")
     (site / "machine.pth").write_text(f"{work / 'machine'}\n")
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    found = subprocess.run([python, "-c", "import importlib.util as u; "
-                              "print([m for m in ('ray', 'mlflow', 'deepspeed', 'omegaconf') if u.find_spec(m)])"],
-                             env=env, capture_output=True, text=True, check=True)
-    done = subprocess.run(["bash", str(REPO / "bench" / "gpu_all.sh"), "--device", "cpu", "--carry",
-                           str(work / "carry"), "--logs", str(work / "logs")],
-                          env=env | {"PYTHON": str(python), "SITE": str(work / "site")},
-                          capture_output=True, text=True, timeout=600)
-    return {"carry": carry.stdout, "found_before": found.stdout.strip(), "output": done.stdout + done.stderr,
-            "returncode": done.returncode, "logs": work / "logs"}
+    found = subprocess.run(
+        [
+            python,
+            "-c",
+            "import importlib.util as u; "
+            "print([m for m in ('ray', 'mlflow', 'deepspeed', 'omegaconf') if u.find_spec(m)])",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    done = subprocess.run(
+        [
+            "bash",
+            str(REPO / "bench" / "gpu_all.sh"),
+            "--device",
+            "cpu",
+            "--carry",
+            str(work / "carry"),
+            "--logs",
+            str(work / "logs"),
+        ],
+        env=env | {"PYTHON": str(python), "SITE": str(work / "site")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return {
+        "carry": carry.stdout,
+        "found_before": found.stdout.strip(),
+        "output": done.stdout + done.stderr,
+        "returncode": done.returncode,
+        "logs": work / "logs",
+    }
 
 
 def test_the_carry_and_gpu_all_run_where_only_torch_is_installed(gpu_all_cpu):
@@ -99,22 +141,26 @@ def test_the_carry_and_gpu_all_run_where_only_torch_is_installed(gpu_all_cpu):
     assert size and int(size.group(1)) > 10 and float(size.group(2)) < 64, gpu_all_cpu["carry"]
     output = gpu_all_cpu["output"]
     assert gpu_all_cpu["returncode"] == 0, output[-6000:]
-    table = {line.split()[0]: line.split() for line in re.split(r"part +status", output)[-1].splitlines()[2:]
-             if line.strip() and not line.startswith("logs:")}
+    table = {
+        line.split()[0]: line.split()
+        for line in re.split(r"part +status", output)[-1].splitlines()[2:]
+        if line.strip() and not line.startswith("logs:")
+    }
     assert list(table) == ["install", "pytest", "in_process", "smoke", "mfu", "reform", "mirror"], output[-3000:]
     assert all(row[1] == "ok" for row in table.values())
     assert "skipped" in " ".join(table["pytest"]), "tests/gpu is collected and skipped without CUDA"
     assert "skipped" in " ".join(table["in_process"]), "so are the in-process drills on NCCL"
     assert "tokens/s" in " ".join(table["smoke"]) and "MFU" in " ".join(table["mfu"])
-    assert re.search(r"128x2 \([\d.]+ MiB a rank\): a step [\d.]+ s, in-process [\d.]+ s \([\d.]+x\)",
-                     " ".join(table["mirror"])), "the mirrors' cost, side by side with the restart path's step"
+    assert re.search(
+        r"128x2 \([\d.]+ MiB a rank\): a step [\d.]+ s, in-process [\d.]+ s \([\d.]+x\)", " ".join(table["mirror"])
+    ), "the mirrors' cost, side by side with the restart path's step"
 
 
 def _table(output: str, first_column: str) -> tuple[list[str], list[list[str]]]:
     lines = output.splitlines()
     start = next(i for i, line in enumerate(lines) if line.split()[:1] == [first_column])
     rows = []
-    for line in lines[start + 2:]:  # after the header and its rule
+    for line in lines[start + 2 :]:  # after the header and its rule
         if not line.strip():
             break
         rows.append(line.split())
@@ -159,6 +205,11 @@ def test_attention_times_every_mask_and_trains_every_objective():
     assert [r[0] for r in rows] == ["causal_SDPA", "document_Flex", "prefix-LM_Flex", "prefix-LM_dense_SDPA"]
     assert all(float(r[2]) > 0 for r in rows) and float(rows[1][1]) > 0, "the block mask's build is timed"
     header, rows = _table(output, "objective")
-    assert [r[:2] for r in rows] == [["causal", "causal"], ["causal", "document"], ["prefix_lm", "prefix_lm"],
-                                     ["ul2", "document"], ["ul2", "prefix_lm"]]
+    assert [r[:2] for r in rows] == [
+        ["causal", "causal"],
+        ["causal", "document"],
+        ["prefix_lm", "prefix_lm"],
+        ["ul2", "document"],
+        ["ul2", "prefix_lm"],
+    ]
     assert all(float(r[2]) > 0 for r in rows)

@@ -12,8 +12,8 @@ import torch
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
 from wildtrain.checkpoint.format import MANIFEST, checkpoint_name
 from wildtrain.checkpoint.restore import list_candidates, restore
-from wildtrain.checkpoint.store import Store, read_manifest
 from wildtrain.checkpoint.retention import RetentionPolicy
+from wildtrain.checkpoint.store import Store, read_manifest
 
 pytestmark = [pytest.mark.integration, pytest.mark.standalone]
 
@@ -34,8 +34,14 @@ def _save(saver: AsyncSaver, step: int) -> None:
 
 
 def test_async_saves_commit_retain_and_fall_back_on_s3(s3_store, tmp_path):
-    saver = AsyncSaver([s3_store], str(tmp_path / "staging"), rank=0, world_size=1, attempt="s3",
-                       retention=RetentionPolicy(keep_last=2))
+    saver = AsyncSaver(
+        [s3_store],
+        str(tmp_path / "staging"),
+        rank=0,
+        world_size=1,
+        attempt="s3",
+        retention=RetentionPolicy(keep_last=2),
+    )
     for step in (10, 20, 30):
         _save(saver, step)
     assert [o.status for o in saver.drain()] == ["saved"] * 3
@@ -52,5 +58,6 @@ def test_async_saves_commit_retain_and_fall_back_on_s3(s3_store, tmp_path):
     s3_store.fs.delete_file(s3_store.path(newest, MANIFEST))  # what a provider deleting files can leave
     assert read_manifest(s3_store, newest) is None
     assert restore([s3_store], str(tmp_path / "again"), rank=0, world_size=1).skipped[0].reason == (
-        "not committed (no manifest)")
+        "not committed (no manifest)"
+    )
     saver.close(WAIT_S)

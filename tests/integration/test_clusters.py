@@ -25,21 +25,22 @@ from tests.helpers.chaos import UNINTERRUPTED, UNINTERRUPTED_STEPS
 from tests.helpers.ray_clusters import WORKER_NICENESS
 from tests.helpers.waiting import wait_for
 from wildtrain import cli, lease, services, storage
-from wildtrain.config import load_config
 from wildtrain.checkpoint.format import CheckpointManifest, FileEntry
 from wildtrain.clusters import jobs_api, registry, sync
-from wildtrain.clusters.move import newest_step, move
+from wildtrain.clusters.move import move, newest_step
 from wildtrain.clusters.submit import follow_job, submit
+from wildtrain.config import load_config
 from wildtrain.events import Moved
-from wildtrain.tracking.reports import runs as report
 from wildtrain.tracking.record import read_events
+from wildtrain.tracking.reports import runs as report
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def two_clusters(tmp_path_factory, object_store, mlflow_url):
-    """Heads a and b (2 CPUs each: a training worker and Ray Data's reads; every port free, each its own token), a registry naming them, and token files:
+    """Heads a and b (2 CPUs each: a training worker and Ray Data's reads; every port free, each its own token), a
+    registry naming them, and token files:
     each cluster's own, and b's token filed for a (the wrong one). Every test of this file shares them."""
     root = tmp_path_factory.mktemp("clusters")
     # This process and the `wildtrain` it runs reach the store with its keys, as a user's shell would.
@@ -50,10 +51,16 @@ def two_clusters(tmp_path_factory, object_store, mlflow_url):
     entries = {}
     # The heads need nothing of each other: each starts (and stops) while the other does.
     with ThreadPoolExecutor(len(tokens)) as pool:
-        starting = [pool.submit(services.start_ray_head, ports[name], 2, temp_dirs[name],
-                                {"RAY_AUTH_TOKEN": tokens[name], **object_store.env(),
-                                 "RAY_worker_niceness": str(WORKER_NICENESS)})
-                    for name in tokens]
+        starting = [
+            pool.submit(
+                services.start_ray_head,
+                ports[name],
+                2,
+                temp_dirs[name],
+                {"RAY_AUTH_TOKEN": tokens[name], **object_store.env(), "RAY_worker_niceness": str(WORKER_NICENESS)},
+            )
+            for name in tokens
+        ]
         try:
             for future in starting:
                 future.result()
@@ -61,10 +68,15 @@ def two_clusters(tmp_path_factory, object_store, mlflow_url):
             for name, bucket in (("a", object_store.bucket), ("b", f"{object_store.bucket}/cluster-b")):
                 (root / f"{name}.token").write_text(tokens[name])
                 entries[name] = {
-                    "provider": "local", "launcher": str(REPO / "ray_clusters/local-dev.yaml"),
-                    "jobs_api": f"http://{services.HOST}:{ports[name].dashboard}", "token_file": f"{name}.token",
-                    "storage": {"runs": f"s3://{bucket}/runs", "data": f"s3://{bucket}/datasets",
-                                "endpoint": object_store.endpoint},
+                    "provider": "local",
+                    "launcher": str(REPO / "ray_clusters/local-dev.yaml"),
+                    "jobs_api": f"http://{services.HOST}:{ports[name].dashboard}",
+                    "token_file": f"{name}.token",
+                    "storage": {
+                        "runs": f"s3://{bucket}/runs",
+                        "data": f"s3://{bucket}/datasets",
+                        "endpoint": object_store.endpoint,
+                    },
                     "hotfix": {"env": {"WILDTRAIN_HOTFIX": name}},
                 }
             entries["a-wrong-token"] = {**entries["a"], "token_file": "b.token"}
@@ -74,8 +86,9 @@ def two_clusters(tmp_path_factory, object_store, mlflow_url):
             path.write_text(yaml.safe_dump({"clusters": entries}))
             yield registry.load(path)
         finally:
-            for _ in pool.map(lambda name: services.stop_ray_head(temp_dirs[name], f"{services.HOST}:{ports[name].gcs}"),
-                              tokens):
+            for _ in pool.map(
+                lambda name: services.stop_ray_head(temp_dirs[name], f"{services.HOST}:{ports[name].gcs}"), tokens
+            ):
                 pass
 
 
@@ -94,7 +107,8 @@ def test_check_passes_on_each_cluster_and_names_each_fault_in_one_line(two_clust
         assert "ok   jobs API" in done.stdout and "ok   Ray version" in done.stdout
         assert f"ok   report card: cluster {name}: 0 runs" in done.stdout
     expected = {
-        "a-wrong-token": "refused the token in", "a-no-token": "no token: clusters.a-no-token.token_file",
+        "a-wrong-token": "refused the token in",
+        "a-no-token": "no token: clusters.a-no-token.token_file",
         "nowhere": "unreachable",
     }
     for name, message in expected.items():
@@ -109,19 +123,26 @@ def secrets_in(reg) -> set[str]:
     return {c.token_file.read_text().strip() for c in reg.clusters.values() if c.token_file.is_file()}
 
 
-def test_submit_runs_the_train_command_with_the_clusters_settings_and_refuses_a_wrong_token(two_clusters, tmp_path,
-                                                                                          monkeypatch):
+def test_submit_runs_the_train_command_with_the_clusters_settings_and_refuses_a_wrong_token(
+    two_clusters, tmp_path, monkeypatch
+):
     b = two_clusters.get("b")
     # A shell on another cluster's head has RAY_ADDRESS set; Ray's job client would take it
     # over the address it is given.
     monkeypatch.setenv("RAY_ADDRESS", f"{services.HOST}:{services.free_port()}")
     # Data that is not there: the job must get as far as the driver's data check on b's
     # store, and no further (a training run here would cost a minute of this machine).
-    submitted = submit(b, ["experiment=tiny", "run.name=moved-nowhere", "data.datasets=[{uri: s3://wildtrain-test/cluster-b/none}]"],
-                       working_dir=REPO)
+    submitted = submit(
+        b,
+        ["experiment=tiny", "run.name=moved-nowhere", "data.datasets=[{uri: s3://wildtrain-test/cluster-b/none}]"],
+        working_dir=REPO,
+    )
     client = jobs_api.client(b)
     info = client.get_job_info(submitted.job_id)
-    assert "python -m wildtrain train cluster=local cluster.name=b run.storage=s3://wildtrain-test/cluster-b/runs" in info.entrypoint
+    assert (
+        "python -m wildtrain train cluster=local cluster.name=b run.storage=s3://wildtrain-test/cluster-b/runs"
+        in info.entrypoint
+    )
     assert info.entrypoint.endswith("run.name=moved-nowhere")
     # The hotfix's variables, and the job's own id, by which its driver's lease names it.
     assert info.runtime_env["env_vars"] == {"WILDTRAIN_HOTFIX": "b", lease.JOB_VARIABLE: submitted.job_id}
@@ -145,7 +166,9 @@ def committed_checkpoint(run_uri: str, parts: int, part_bytes: int) -> list[str]
         data = os.urandom(part_bytes)
         storage.write_bytes(f"{run_uri}/{name}/model/part{i:02d}.bin", data)
         files.append(FileEntry(f"model/part{i:02d}.bin", len(data), hashlib.sha256(data).hexdigest()))
-    storage.write_text(f"{run_uri}/{name}/manifest.json", CheckpointManifest(4, "t", 1, 1, tuple(files), {}, "h", 0.0).to_json())
+    storage.write_text(
+        f"{run_uri}/{name}/manifest.json", CheckpointManifest(4, "t", 1, 1, tuple(files), {}, "h", 0.0).to_json()
+    )
     storage.write_text(f"{run_uri}/wildtrain_run.json", json.dumps({"run": run_uri}))
     return [f"{name}/{f.path}" for f in files] + [f"{name}/manifest.json", "wildtrain_run.json"]
 
@@ -153,7 +176,7 @@ def committed_checkpoint(run_uri: str, parts: int, part_bytes: int) -> list[str]
 def files_at(uri: str) -> set[str]:
     fs, paths = storage.list_files(uri)
     prefix = uri.split("://", 1)[1].rstrip("/") + "/"
-    return {p[len(prefix):] for p in paths}
+    return {p[len(prefix) :] for p in paths}
 
 
 def test_an_interrupted_sync_resumes_without_recopying_and_commits_manifests_last(two_clusters):
@@ -161,9 +184,23 @@ def test_an_interrupted_sync_resumes_without_recopying_and_commits_manifests_las
     files = committed_checkpoint(src.uri, parts=12, part_bytes=128 << 10)
     # 1.5 MiB at 512 KiB/s: about 3 s, killed (rclone with it) once the first file has landed.
     copying = subprocess.Popen(
-        [sys.executable, "-m", "wildtrain", "sync", "a:runs/sync-resume", "b:runs/sync-resume", "--bwlimit", "512K",
-         "--registry", str(two_clusters.path)],
-        stdout=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        [
+            sys.executable,
+            "-m",
+            "wildtrain",
+            "sync",
+            "a:runs/sync-resume",
+            "b:runs/sync-resume",
+            "--bwlimit",
+            "512K",
+            "--registry",
+            str(two_clusters.path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         first = copying.stdout.readline()
     finally:
@@ -172,7 +209,9 @@ def test_an_interrupted_sync_resumes_without_recopying_and_commits_manifests_las
     assert first.startswith("copied checkpoints/"), first
     landed = files_at(dst.uri)
     assert landed and len(landed) < len(files) - 2, landed
-    assert not any(path.endswith(("manifest.json", "wildtrain_run.json")) for path in landed), "committed while half-copied"
+    assert not any(path.endswith(("manifest.json", "wildtrain_run.json")) for path in landed), (
+        "committed while half-copied"
+    )
 
     done = sync.sync(src, dst)
     assert set(done.copied).isdisjoint(landed) and set(done.copied) | landed == set(files)
@@ -192,7 +231,8 @@ def test_a_capped_sync_holds_its_cap(two_clusters):
 
 
 def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_same_mlflow_run(
-        two_clusters, mlflow_url, tiny_dataset, uninterrupted):
+    two_clusters, mlflow_url, tiny_dataset, uninterrupted
+):
     a, b = two_clusters.get("a"), two_clusters.get("b")
     run = f"moving-{os.getpid()}"
     # `uninterrupted`'s training (reported every step, so that windows agree), never moved:
@@ -206,15 +246,29 @@ def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_sam
     assert data_on["a"] == tiny_dataset
     # B trains on its own copy of the data, as it would on another provider.
     wildtrain("sync", "a:data/tiny", "b:data/tiny", "--registry", str(two_clusters.path))
-    submit(a, ["experiment=tiny", f"data.datasets=[{{uri: {data_on['a']}}}]", f"run.name={run}", *common,
-               "chaos.min_step_s=1.0"],
-           working_dir=REPO)
+    submit(
+        a,
+        [
+            "experiment=tiny",
+            f"data.datasets=[{{uri: {data_on['a']}}}]",
+            f"run.name={run}",
+            *common,
+            "chaos.min_step_s=1.0",
+        ],
+        working_dir=REPO,
+    )
     a_cfg = load_config(a.run_overrides() + ["experiment=tiny", f"run.name={run}"])
     wait_for(lambda: newest_step(a_cfg), f"the first checkpoint of {run} on a", 300)
 
     started = time.monotonic()
-    done = move(run, a, b, ["experiment=tiny", f"data.datasets=[{{uri: {data_on['b']}}}]", *common,
-                            "chaos.min_step_s=0"], working_dir=REPO, poll_s=0.2)
+    done = move(
+        run,
+        a,
+        b,
+        ["experiment=tiny", f"data.datasets=[{{uri: {data_on['b']}}}]", *common, "chaos.min_step_s=0"],
+        working_dir=REPO,
+        poll_s=0.2,
+    )
     moved_s = time.monotonic() - started
     client = jobs_api.client(b)
     logs = []
@@ -227,8 +281,9 @@ def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_sam
 
     assert 4 <= done.step < steps and done.stopped_job is not None
     tracking = MlflowClient(mlflow_url)
-    [moving] = tracking.search_runs([tracking.get_experiment_by_name("moves").experiment_id],
-                                    f"attributes.run_name = '{run}'")
+    [moving] = tracking.search_runs(
+        [tracking.get_experiment_by_name("moves").experiment_id], f"attributes.run_name = '{run}'"
+    )
     run_id = moving.info.run_id
     with tempfile.TemporaryDirectory() as folder:
         events = read_events(mlflow_url, run_id, folder)
@@ -251,6 +306,8 @@ def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_sam
     # Each cluster's card counts its part of the run.
     cards = {name: report.report_cluster(mlflow_url, name) for name in ("a", "b")}
     assert f"{run} (part 1 of 2)" in cards["a"] and f"{run} (part 2 of 2)" in cards["b"]
-    print(f"move of {run}: {moved_s:.1f} s from `move` to the job submitted on b (waiting for the commit of step "
-          f"{done.step}, stopping the job, copying {done.synced.copied_bytes / 1e6:.1f} MB); "
-          f"{finished_s:.1f} s to the end of the run on b")
+    print(
+        f"move of {run}: {moved_s:.1f} s from `move` to the job submitted on b (waiting for the commit of step "
+        f"{done.step}, stopping the job, copying {done.synced.copied_bytes / 1e6:.1f} MB); "
+        f"{finished_s:.1f} s to the end of the run on b"
+    )

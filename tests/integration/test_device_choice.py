@@ -65,10 +65,23 @@ def test_use_gpu_true_without_gpus_exits_2_naming_the_key_after_the_wait(ray_clu
     assert "GPU" not in ray.cluster_resources()
     dataset = tmp_path / "data"
     write_dataset(dataset, [np.zeros((32, 129), dtype=np.int32)], rows_per_group=16)
-    done = subprocess.run([sys.executable, "-m", "wildtrain", "train", f"tracking.uri={mlflow_url}",
-                           f"run.storage={tmp_path / 'runs'}", f"data.datasets=[{{uri: {dataset}}}]",
-                           "cluster.use_gpu=true", "elastic.capacity_wait_s=2"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "wildtrain",
+            "train",
+            f"tracking.uri={mlflow_url}",
+            f"run.storage={tmp_path / 'runs'}",
+            f"data.datasets=[{{uri: {dataset}}}]",
+            "cluster.use_gpu=true",
+            "elastic.capacity_wait_s=2",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "wildtrain: cluster.use_gpu: true, but the cluster has offered no GPU for 2 s; " in done.stderr
     assert "Traceback" not in done.stderr

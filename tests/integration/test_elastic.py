@@ -19,7 +19,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray.util.state import list_actors
 
-from tests.helpers.chaos import UNINTERRUPTED, UNINTERRUPTED_STEPS as STEPS, BackgroundRun
+from tests.helpers.chaos import UNINTERRUPTED, BackgroundRun
+from tests.helpers.chaos import UNINTERRUPTED_STEPS as STEPS
 from tests.helpers.waiting import wait_for
 from wildtrain import driver, ray_compat
 from wildtrain.data.manifest import read_manifest
@@ -52,8 +53,12 @@ def worker_nodes(ray_cluster):
 def elastic_config(tiny_config):
     # Validated at world size 2, 1 and 2 again (the demo validates at its last step only).
     return lambda name, *extra: tiny_config(
-        f"run.name={name}", *UNINTERRUPTED, "elastic.resize_check_interval_s=5", "elastic.worker_start_timeout_s=10",
-        "elastic.poll_interval_s=2", *extra,
+        f"run.name={name}",
+        *UNINTERRUPTED,
+        "elastic.resize_check_interval_s=5",
+        "elastic.worker_start_timeout_s=10",
+        "elastic.poll_interval_s=2",
+        *extra,
     )
 
 
@@ -67,7 +72,10 @@ def expected_batches(cfg, steps: int) -> list[list[int]]:
     streams: dict[int, list[int]] = {}
     for segment in rank_segments(plan, 0, 1, cfg.train.global_batch_size, 0):
         unit = segment.unit
-        rows = sum(source.row_groups[unit.shard][: unit.row_group]) + row_order(unit, cfg.train.seed, 0)[segment.start : segment.stop]
+        rows = (
+            sum(source.row_groups[unit.shard][: unit.row_group])
+            + row_order(unit, cfg.train.seed, 0)[segment.start : segment.stop]
+        )
         streams.setdefault(segment.stream, []).extend(sample_ids(0, unit.shard, rows).tolist())
     return [[streams[k][step] for k in sorted(streams)] for step in range(steps)]
 
@@ -77,8 +85,9 @@ def final_lineage(history) -> dict[int, float]:
     return {m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}
 
 
-def test_node_dies_and_returns_without_changing_what_is_trained(worker_nodes, elastic_config, uninterrupted,
-                                                                mlflow_url, tmp_path):
+def test_node_dies_and_returns_without_changing_what_is_trained(
+    worker_nodes, elastic_config, uninterrupted, mlflow_url, tmp_path
+):
     cluster = worker_nodes
     client = MlflowClient(mlflow_url)
     # `uninterrupted` is the same training, never resized. (The same losses at any world size
@@ -119,7 +128,9 @@ def test_node_dies_and_returns_without_changing_what_is_trained(worker_nodes, el
 
     # Exactly once: the global batches of the final lineage, recorded by the workers whatever
     # their world size, are the pure order's first STEPS batches; no sample twice.
-    recorded = [json.loads(p.read_text()) for p in sorted((tmp_path / "runs" / cfg.run.name / "samples").glob("step_*.json"))]
+    recorded = [
+        json.loads(p.read_text()) for p in sorted((tmp_path / "runs" / cfg.run.name / "samples").glob("step_*.json"))
+    ]
     assert [r["step"] for r in recorded] == list(range(1, STEPS + 1))
     assert {r["world_size"] for r in recorded} == {1, 2}
     trained = [r["sample_ids"] for r in recorded]
@@ -206,8 +217,9 @@ def lose_and_return(cluster, samples: Path, node_id: str):
     return cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
 
 
-def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker_nodes, elastic_config, uninterrupted,
-                                                                          rendezvous_servers, mlflow_url, tmp_path):
+def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(
+    worker_nodes, elastic_config, uninterrupted, rendezvous_servers, mlflow_url, tmp_path
+):
     """elastic.in_process: rank 0's node dies; rank 1 re-forms at world size 1 in its own
     process, from its own partition and its mirror of rank 0's, and trains on as the new
     generation's rank 0, reporting for the group past Ray's report barrier (which Ray would
@@ -217,8 +229,15 @@ def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker
     the controller (`elastic.relay`) until another joiner is in and the run ends. (The other
     in-process drills lose rank 1.)"""
     cluster = worker_nodes
-    run = BackgroundRun(elastic_config(f"in-process-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true",
-                                       "elastic.in_process=true", JOIN_PACE))
+    run = BackgroundRun(
+        elastic_config(
+            f"in-process-{tmp_path.name}",
+            ON_WORKER_NODES,
+            "data.record_samples=true",
+            "elastic.in_process=true",
+            JOIN_PACE,
+        )
+    )
     events = functools.partial(run_events, run, mlflow_url, tmp_path)
     first, returned = lose_a_rank_and_return_a_node(cluster, run, rendezvous_servers, rank=0)
     samples = tmp_path / "runs" / run.cfg.run.name / "samples"
@@ -266,15 +285,21 @@ def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(worker
     assert all(e.reshard_s == 0.0 for e in happened if isinstance(e, Recovered))
     assert [type(e) for e in happened if isinstance(e, (Failure, Resize))] == [Failure, Resize] * 2
     generations = [(e.generation, e.nodes) for e in happened if isinstance(e, Formed)]
-    assert generations == [(1, first), (2, [first[1]]), (3, [first[1], returned.node_id]), (4, [returned.node_id]),
-                           (5, [returned.node_id, returned_again.node_id])]
+    assert generations == [
+        (1, first),
+        (2, [first[1]]),
+        (3, [first[1], returned.node_id]),
+        (4, [returned.node_id]),
+        (5, [returned.node_id, returned_again.node_id]),
+    ]
     # Every member of the last generation is in the joined one: a save in flight at the hand-over commits.
     join = [e for e in happened if isinstance(e, Resize)][-1]
     assert not [e for e in happened if isinstance(e, CheckpointFailed) and e.at >= join.at]
 
 
-def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(worker_nodes, elastic_config, uninterrupted,
-                                                                        rendezvous_servers, mlflow_url, tmp_path):
+def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(
+    worker_nodes, elastic_config, uninterrupted, rendezvous_servers, mlflow_url, tmp_path
+):
     """elastic.spares=1: beside a group of two, a third node holds a spare, started and ready.
     Rank 1's node dies: the spare takes its place in the re-form that drops it, and the group
     trains on at world size 2 from the peers' state, no step redone, the losses of an
@@ -283,8 +308,11 @@ def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(worker_n
     cluster = worker_nodes
     third = cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
     cluster.wait_for_nodes()
-    run = BackgroundRun(elastic_config(f"spare-{tmp_path.name}", ON_WORKER_NODES, "elastic.in_process=true",
-                                       "elastic.spares=1", JOIN_PACE))
+    run = BackgroundRun(
+        elastic_config(
+            f"spare-{tmp_path.name}", ON_WORKER_NODES, "elastic.in_process=true", "elastic.spares=1", JOIN_PACE
+        )
+    )
     events = functools.partial(run_events, run, mlflow_url, tmp_path)
     # MLflow's view, as the assertions below read it: the gauge is logged at log steps, and
     # a spare taken in before one showed it would never show as ready.
@@ -305,7 +333,7 @@ def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(worker_n
     assert summary.final_metrics["tokens_seen"] == STEPS * cfg.train.global_batch_size * cfg.data.seq_len
     assert {m.value for m in run.reports("world_size")} == {2}, "the group never trained smaller"
     spares = [int(n) for n, _ in groupby(m.value for m in run.reports("system/spares"))]
-    assert spares[spares.index(1):] == [1, 0, 1], "ready, taken in, and the returned node's worker ready in its place"
+    assert spares[spares.index(1) :] == [1, 0, 1], "ready, taken in, and the returned node's worker ready in its place"
     client = MlflowClient(mlflow_url)
     history = client.get_metric_history(summary.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(1, STEPS + 1)), "no step redone, none lost"
@@ -326,15 +354,24 @@ def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(worker_n
     assert stats.node_id == cluster.head_node.node_id
 
 
-def test_a_joiner_that_fails_falls_back_to_a_restart_from_the_checkpoint(worker_nodes, elastic_config, uninterrupted,
-                                                                        rendezvous_servers, mlflow_url, tmp_path):
+def test_a_joiner_that_fails_falls_back_to_a_restart_from_the_checkpoint(
+    worker_nodes, elastic_config, uninterrupted, rendezvous_servers, mlflow_url, tmp_path
+):
     """elastic.in_process: the worker that joins on the returned node raises in its first step
     (chaos.fail_joiner, as on a broken node). The controller does not start the same failure
     again on that slot: Ray restarts the group at full size from the newest checkpoint, and the
     run ends as an uninterrupted one would."""
     cluster = worker_nodes
-    run = BackgroundRun(elastic_config(f"joiner-fails-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true",
-                                       "elastic.in_process=true", "chaos.fail_joiner=true", JOIN_PACE))
+    run = BackgroundRun(
+        elastic_config(
+            f"joiner-fails-{tmp_path.name}",
+            ON_WORKER_NODES,
+            "data.record_samples=true",
+            "elastic.in_process=true",
+            "chaos.fail_joiner=true",
+            JOIN_PACE,
+        )
+    )
     events = functools.partial(run_events, run, mlflow_url, tmp_path)
     first, returned = lose_a_rank_and_return_a_node(cluster, run, rendezvous_servers, rank=1)
     summary = run.join(600)
@@ -385,9 +422,15 @@ def test_a_worker_whose_node_died_after_its_placement_is_ended_not_waited_for(ra
     ray.get(group.ready(), timeout=60)
     ray_cluster.remove_node(node)
     try:
-        probe = ray.remote(WildtrainStartProbe).options(
-            num_cpus=0, resources={"wildtrain_probe": 1},
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)).remote()
+        probe = (
+            ray.remote(WildtrainStartProbe)
+            .options(
+                num_cpus=0,
+                resources={"wildtrain_probe": 1},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+            )
+            .remote()
+        )
         ping = probe.ping.remote()
         assert ray.wait([ping], timeout=2)[1], "the probe was created on a node that is gone"
         wait_for(lambda: ray_compat.kill_pending_actors(WildtrainStartProbe.__name__), "the pending probe's kill", 30)
@@ -402,13 +445,19 @@ def test_a_run_left_without_nodes_stops_and_keeps_its_checkpoints(worker_nodes, 
     cluster = worker_nodes
     # Unlimited failures: attempts to restart on the vanishing nodes fail too, and this test
     # is about the capacity wait, not elastic.max_failures.
-    run = BackgroundRun(elastic_config(f"stranded-{tmp_path.name}", ON_WORKER_NODES, "elastic.capacity_wait_s=8",
-                                       "elastic.max_failures=-1"))
+    run = BackgroundRun(
+        elastic_config(
+            f"stranded-{tmp_path.name}", ON_WORKER_NODES, "elastic.capacity_wait_s=8", "elastic.max_failures=-1"
+        )
+    )
     checkpoints = tmp_path / "runs" / run.cfg.run.name / "checkpoints"
     wait_for(lambda: list(checkpoints.glob("step_000000004-*/manifest.json")), "commit of step 4", 300)
     for node in list(cluster.worker_nodes):
         cluster.remove_node(node)
-    with pytest.raises(driver.RunFailed, match=r"(?s)elastic.capacity_wait_s: no worker group could run for 8 s.*run the same command again to resume"):
+    with pytest.raises(
+        driver.RunFailed,
+        match=r"(?s)elastic.capacity_wait_s: no worker group could run for 8 s.*run the same command again to resume",
+    ):
         run.join(240)
     saved = sorted((tmp_path / "runs" / run.cfg.run.name / "checkpoints").glob("step_000000004-*/manifest.json"))
     assert saved, "the committed checkpoint of step 4 is still there to resume from"

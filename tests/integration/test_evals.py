@@ -25,13 +25,18 @@ TASK = "wildtrain_tiny_choice"  # tests/assets/evals/tiny_choice.yaml
 
 
 def test_a_run_evaluates_its_checkpoints_beside_training_and_wildtrain_eval_an_earlier_one(
-        tmp_path, tiny_config, tiny_overrides, mlflow_url):
+    tmp_path, tiny_config, tiny_overrides, mlflow_url
+):
     tasks = tmp_path / "tasks"
     shutil.copytree(REPO / "tests/assets/evals", tasks)
     # A task whose data is gone, as a dataset that cannot be downloaded is: known to lm-eval
     # (the run starts), failing when evaluated.
-    (tasks / "broken.yaml").write_text((tasks / "tiny_choice.yaml").read_text()
-                                       .replace(TASK, "wildtrain_broken").replace("tiny_choice.jsonl", "gone.jsonl"))
+    (tasks / "broken.yaml").write_text(
+        (tasks / "tiny_choice.yaml")
+        .read_text()
+        .replace(TASK, "wildtrain_broken")
+        .replace("tiny_choice.jsonl", "gone.jsonl")
+    )
     evals = [f"eval.include_path={tasks}", "eval.every_checkpoints=2", "eval.limit=6"]
     # One worker: the head's third CPU is the evaluations' (scaling.spare_cpus).
     cfg = tiny_config("elastic.max_workers=1", f"eval.tasks=[{TASK},wildtrain_broken]", *evals)

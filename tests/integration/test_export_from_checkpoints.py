@@ -28,16 +28,21 @@ from wildtrain.config import ModelConfig
 pytestmark = [pytest.mark.integration, pytest.mark.standalone]
 
 # GQA and muP's multipliers, which the export folds into the weights.
-MODEL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=64,
-                    output_mult=0.5, residual_mult=0.7)
+MODEL = ModelConfig(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=64, output_mult=0.5, residual_mult=0.7
+)
 CASES = {"zero0": (0, False), "zero1-bf16": (1, True), "zero3": (3, False)}
 STEPS = 2
 WAIT_S = 120
 
 
 def _overrides(root: str, case: str) -> list[str]:
-    return [f"run.name={case}", f"run.storage={root}/runs", f"checkpoint.staging_dir={root}/staging",
-            f"tracking.uri=sqlite:///{root}/mlflow.db"]
+    return [
+        f"run.name={case}",
+        f"run.storage={root}/runs",
+        f"checkpoint.staging_dir={root}/staging",
+        f"tracking.uri=sqlite:///{root}/mlflow.db",
+    ]
 
 
 def _train_and_save(rank: int, world_size: int, port: int, root: str) -> None:
@@ -52,25 +57,44 @@ def _train_and_save(rank: int, world_size: int, port: int, root: str) -> None:
     token = ["ab12"]
     on_cpu = engines.deepspeed_config
     for case, (stage, bf16) in CASES.items():
-        cfg = load_config([*_overrides(root, case), f"deepspeed.zero_stage={stage}", "train.global_batch_size=4",
-                           "train.micro_batch_size=2"])
+        cfg = load_config(
+            [
+                *_overrides(root, case),
+                f"deepspeed.zero_stage={stage}",
+                "train.global_batch_size=4",
+                "train.micro_batch_size=2",
+            ]
+        )
         cfg.model = MODEL
         # The engine of a GPU run (bf16, fp32 gradient accumulation), on the CPU.
         engines.deepspeed_config = functools.partial(_on_cuda, on_cpu) if bf16 else on_cpu
         plan = batch_plan(4, 2, world_size)
         torch.manual_seed(0)
-        engine = engines.build_engine(cfg, plan, engines.build_model(cfg, plan, torch.device("cpu")),
-                                      torch.device("cpu"))
+        engine = engines.build_engine(
+            cfg, plan, engines.build_model(cfg, plan, torch.device("cpu")), torch.device("cpu")
+        )
         assert (type(engine.optimizer).__name__ == "BF16_Optimizer") == bf16, type(engine.optimizer)
-        saver = AsyncSaver(checkpoint_stores(cfg), f"{root}/staging/rank{rank}", rank=rank, world_size=world_size,
-                           attempt=token[0], background="thread")
+        saver = AsyncSaver(
+            checkpoint_stores(cfg),
+            f"{root}/staging/rank{rank}",
+            rank=rank,
+            world_size=world_size,
+            attempt=token[0],
+            background="thread",
+        )
         data = torch.randint(0, MODEL.vocab_size, (STEPS, 4, 33), generator=torch.Generator().manual_seed(0))
         for step in range(1, STEPS + 1):
             for micro in data[step - 1].view(world_size, plan.grad_accum_steps, 2, 33)[rank]:
                 engine.backward(engine(micro[:, :-1], micro[:, 1:]))
                 engine.step()
-            meta = CheckpointMeta(step=step, tag=f"step_{step}", world_size=world_size, zero_stage=stage,
-                                  data_position={"step": step}, config_hash="test")
+            meta = CheckpointMeta(
+                step=step,
+                tag=f"step_{step}",
+                world_size=world_size,
+                zero_stage=stage,
+                data_position={"step": step},
+                config_hash="test",
+            )
             saver.save_engine(engine, meta, TrainState(step=step).to_json())
             assert saver.flush(WAIT_S), f"rank {rank}: the save of {case} step {step} did not finish"
             params = _full_params(engine)  # a collective under ZeRO-3
@@ -85,8 +109,10 @@ def _full_params(engine) -> dict:
     """The fp32 weights (the optimizer's master copy where it keeps one: not at ZeRO-0)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    return {name: (safe_get_full_fp32_param(p) if engine.zero_optimization_stage() else p).detach().clone()
-            for name, p in engine.module.named_parameters()}
+    return {
+        name: (safe_get_full_fp32_param(p) if engine.zero_optimization_stage() else p).detach().clone()
+        for name, p in engine.module.named_parameters()
+    }
 
 
 def _on_cuda(on_cpu, cfg, plan, on_cuda, load_universal=False):
@@ -139,8 +165,9 @@ def test_export_of_a_2_rank_checkpoint_computes_the_trained_logits(trained, case
     assert f"exported {case} step {STEPS} (" in done.stdout and f"as LlamaForCausalLM to {out}" in done.stdout
     provenance = json.loads((out / "wildtrain_export.json").read_text())
     assert (provenance["step"], provenance["world_size"], provenance["zero_stage"]) == (STEPS, 2, CASES[case][0])
-    torch.testing.assert_close(_exported_logits(out, TOKENS), _trained_logits(trained, case, STEPS, TOKENS),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        _exported_logits(out, TOKENS), _trained_logits(trained, case, STEPS, TOKENS), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_an_earlier_step_to_an_object_store_uri_registered_in_mlflow(trained):
@@ -153,12 +180,14 @@ def test_an_earlier_step_to_an_object_store_uri_registered_in_mlflow(trained):
     make_run(trained / "data", overrides, MODEL, mlflow_run_id=run_id)
     uri = f"file://{trained}/bucket/exports/zero1-bf16-step1"
     done = wildtrain("export", "zero1-bf16", "--step", "1", "--out", uri, "--register", "tiny-lm", *overrides[1:])
-    assert f"exported zero1-bf16 step 1 (" in done.stdout and "registered as tiny-lm version 1" in done.stdout
+    assert "exported zero1-bf16 step 1 (" in done.stdout and "registered as tiny-lm version 1" in done.stdout
     step_1 = _trained_logits(trained, "zero1-bf16", 1, TOKENS)
-    torch.testing.assert_close(_exported_logits(trained / "bucket/exports/zero1-bf16-step1", TOKENS), step_1,
-                               rtol=1e-4, atol=1e-5)
-    assert not torch.allclose(step_1, _trained_logits(trained, "zero1-bf16", 2, TOKENS), rtol=1e-4, atol=1e-5), \
+    torch.testing.assert_close(
+        _exported_logits(trained / "bucket/exports/zero1-bf16-step1", TOKENS), step_1, rtol=1e-4, atol=1e-5
+    )
+    assert not torch.allclose(step_1, _trained_logits(trained, "zero1-bf16", 2, TOKENS), rtol=1e-4, atol=1e-5), (
         "the steps' logits are too close for the comparison to tell them apart"
+    )
     version = MlflowClient(f"sqlite:///{trained}/mlflow.db").get_model_version("tiny-lm", "1")
     assert (version.source, version.run_id, version.tags["wildtrain.step"]) == (uri, run_id, "1")
 
@@ -175,8 +204,12 @@ def test_a_universal_copy_in_the_store_is_read_instead_of_the_partitions(trained
     reshard.convert_in_store(newest.store, newest.name, newest.manifest, str(trained / "staging"), in_process=True)
     exported = export_checkpoint(run, str(trained / "out-zero3-universal"))
     assert exported.bytes_read < newest.manifest.total_bytes / 2  # its fp32 weights, no optimizer state
-    torch.testing.assert_close(_exported_logits(trained / "out-zero3-universal", TOKENS),
-                               _trained_logits(trained, "zero3", STEPS, TOKENS), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        _exported_logits(trained / "out-zero3-universal", TOKENS),
+        _trained_logits(trained, "zero3", STEPS, TOKENS),
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 def test_greedy_sample_of_a_checkpoint_is_the_exports_generate(trained):
@@ -194,5 +227,5 @@ def test_greedy_sample_of_a_checkpoint_is_the_exports_generate(trained):
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         ids = model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    assert done.stdout == ByteTokenizer().decode(ids[0, prompt.shape[1]:].tolist()) + "\n"
+    assert done.stdout == ByteTokenizer().decode(ids[0, prompt.shape[1] :].tolist()) + "\n"
     assert f"zero3 step {STEPS} (" in done.stderr

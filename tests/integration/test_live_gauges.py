@@ -55,8 +55,12 @@ class Rank:
 
 def test_each_ranks_live_numbers_reach_rays_metrics_endpoint_as_their_own_series(metrics_cluster):
     ranks = [Rank.remote("live-run", rank) for rank in range(2)]
-    ray.get([r.report.remote({"loss": 2.5 + rank, "tokens_per_s": 1000.0, "not_exported": 1.0})
-             for rank, r in enumerate(ranks)])
+    ray.get(
+        [
+            r.report.remote({"loss": 2.5 + rank, "tokens_per_s": 1000.0, "not_exported": 1.0})
+            for rank, r in enumerate(ranks)
+        ]
+    )
     port = metrics_cluster.head_node.metrics_export_port
     deadline = time.monotonic() + 60
     while (losses := gauges(port, "wildtrain_loss", "live-run")) != {"0": 2.5, "1": 3.5}:

@@ -26,17 +26,28 @@ pytestmark = pytest.mark.integration
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 # As root on a machine whose only network is the package registries: no sandbox, and none
 # of Chromium's own connections (each refused, many at a time).
-CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-                  "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--window-size=1600,1400")
+CHROMIUM_FLAGS = (
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1600,1400",
+)
 PAGE_TIMEOUT_S = 60
 
 
 @pytest.fixture
 def browser(tmp_path):
     if not (CHROMIUM and CHROMEDRIVER):
-        pytest.skip("needs Debian's chromium and chromium-driver (/usr/bin/chromium, /usr/bin/chromedriver): "
-                    "`make test` installs them where it runs as root with apt-get")
+        pytest.skip(
+            "needs Debian's chromium and chromium-driver (/usr/bin/chromium, /usr/bin/chromedriver): "
+            "`make test` installs them where it runs as root with apt-get"
+        )
     webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium: pip install -e '.[test]'")
     from selenium.webdriver.chrome.service import Service
 
@@ -54,20 +65,44 @@ def finished_run(mlflow_url: str, tmp_path) -> tuple[str, str]:
     """(experiment id, run id) of a small finished run, created and logged by wildtrain's code
     as a training run's driver and controller do: config, eight steps of reports with two
     validations and a save, its goodput report."""
-    cfg = load_config(["experiment=tiny", f"tracking.uri={mlflow_url}", f"tracking.experiment=ui-{uuid.uuid4().hex[:8]}",
-                       "run.name=ui"])
+    cfg = load_config(
+        [
+            "experiment=tiny",
+            f"tracking.uri={mlflow_url}",
+            f"tracking.experiment=ui-{uuid.uuid4().hex[:8]}",
+            "run.name=ui",
+        ]
+    )
     experiment_id, run_id = open_run(cfg, None)
-    callback = MlflowCallback(mlflow_url, run_id, interpret, str(tmp_path / "hangs"),
-                              StorageConfig(), tmp_path / "tracking")
+    callback = MlflowCallback(
+        mlflow_url, run_id, interpret, str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking"
+    )
     start = time.time() - 60
     for step in range(2, 10, 2):
-        windows = [{"step": s, "at": start + 5 * s, "loss": 5.0 - 0.3 * s, "lr": 1e-3, "tokens_seen": 64.0 * s,
-                    "tokens_per_s": 800.0 + s, "step_time_s": 0.4, "world_size": 2, "epoch": 0, "mfu": 0.2,
-                    "time/forward_s": 0.1, "time/backward_s": 0.2, "time/data_wait_s": 0.01, "memory/peak_gb": 1.0,
-                    **({"val/loss": 5.2 - 0.3 * s, "val/bpb": 2.0 - 0.1 * s} if s % 4 == 0 else {})}
-                   for s in (step - 1, step)]
+        windows = [
+            {
+                "step": s,
+                "at": start + 5 * s,
+                "loss": 5.0 - 0.3 * s,
+                "lr": 1e-3,
+                "tokens_seen": 64.0 * s,
+                "tokens_per_s": 800.0 + s,
+                "step_time_s": 0.4,
+                "world_size": 2,
+                "epoch": 0,
+                "mfu": 0.2,
+                "time/forward_s": 0.1,
+                "time/backward_s": 0.2,
+                "time/data_wait_s": 0.01,
+                "memory/peak_gb": 1.0,
+                **({"val/loss": 5.2 - 0.3 * s, "val/bpb": 2.0 - 0.1 * s} if s % 4 == 0 else {}),
+            }
+            for s in (step - 1, step)
+        ]
         saved = {"checkpoint/bytes": 4096.0, "checkpoint/save_s": 0.2} if step == 8 else {}
-        callback.after_report(None, [WorkerReport(step, 64 * step, 2, windows=tuple(windows), checkpoint=saved).to_dict()])
+        callback.after_report(
+            None, [WorkerReport(step, 64 * step, 2, windows=tuple(windows), checkpoint=saved).to_dict()]
+        )
     callback.after_controller_finish(None)
     MlflowClient(mlflow_url).set_terminated(run_id, "FINISHED")
     report_run(mlflow_url, run_id)
@@ -88,8 +123,9 @@ def wait_for(browser, condition, what: str) -> str:
         if condition(text):
             return text
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not shown within {PAGE_TIMEOUT_S} s at {browser.current_url}; "
-                                 f"the page shows:\n{text[:3000]}")
+            raise AssertionError(
+                f"{what} not shown within {PAGE_TIMEOUT_S} s at {browser.current_url}; the page shows:\n{text[:3000]}"
+            )
         time.sleep(0.5)
 
 
@@ -100,7 +136,8 @@ def keep(browser, client: MlflowClient, run_id: str, name: str, tmp_path) -> Non
 
 
 def test_the_mlflow_ui_opens_wildtrains_run_on_its_loss_and_its_experiment_in_the_training_view(
-        browser, mlflow_url, tmp_path):
+    browser, mlflow_url, tmp_path
+):
     experiment_id, run_id = finished_run(mlflow_url, tmp_path)
     client = MlflowClient(mlflow_url)
     address = run_url(mlflow_url, experiment_id, run_id)
@@ -129,8 +166,13 @@ def test_the_mlflow_ui_opens_wildtrains_run_on_its_loss_and_its_experiment_in_th
     browser.get(address.split(f"/runs/{run_id}")[0] + "?" + address.split("?")[1])
     text = wait_for(browser, lambda t: "1 matching run" in t, "the experiment's runs")
     keep(browser, client, run_id, "experiment", tmp_path)
-    assert "/runs" in browser.current_url and "workflowType=machine_learning" in browser.current_url, browser.current_url
+    assert "/runs" in browser.current_url and "workflowType=machine_learning" in browser.current_url, (
+        browser.current_url
+    )
     assert "detect issues" not in text.lower() and "Observability" not in text, text[:2000]
 
     assert {a.path for a in client.list_artifacts(run_id, "ui")} == {
-        "ui/overview.png", "ui/model-metrics.png", "ui/experiment.png"}
+        "ui/overview.png",
+        "ui/model-metrics.png",
+        "ui/experiment.png",
+    }

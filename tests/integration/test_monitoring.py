@@ -41,8 +41,14 @@ def test_a_node_failing_the_health_check_is_left_out_and_the_group_reforms_witho
     three_nodes_one_slow, tiny_config, mlflow_url, tmp_path
 ):
     slow, healthy = three_nodes_one_slow
-    cfg = tiny_config("train.global_batch_size=12", "elastic.max_workers=3", f"cluster.worker_resources.{WORKER_SLOT}=1",
-                      "monitor.exclude_unhealthy=true", f"chaos.slow_node_label={SLOW_LABEL}", "chaos.slow_step_s=0.2")
+    cfg = tiny_config(
+        "train.global_batch_size=12",
+        "elastic.max_workers=3",
+        f"cluster.worker_resources.{WORKER_SLOT}=1",
+        "monitor.exclude_unhealthy=true",
+        f"chaos.slow_node_label={SLOW_LABEL}",
+        "chaos.slow_step_s=0.2",
+    )
     summary = driver.run(cfg)
 
     events = read_events(mlflow_url, summary.run_id, str(tmp_path))
@@ -87,7 +93,8 @@ TEARDOWN_WITHIN_S = 10.0
 
 
 def test_a_slow_rank_is_flagged_a_failing_one_named_as_the_cause_and_a_stopped_one_detected_as_a_hang(
-        ray_cluster, tiny_config, mlflow_url, tmp_path):
+    ray_cluster, tiny_config, mlflow_url, tmp_path
+):
     """Three drills staged in one run (a run's start costs more than any of them): rank 1 is
     slow in every forward pass and flagged as a straggler in every attempt. It raises in
     step 3 while rank 0 goes on into the step's gradient all-reduce and waits there for it,
@@ -106,10 +113,20 @@ def test_a_slow_rank_is_flagged_a_failing_one_named_as_the_cause_and_a_stopped_o
     # Of two ranks the median is their mean, so a sleep of s on top of a forward pass of f is
     # flagged at factor 1.5 only while s > 2f: half a second, where a loaded machine's tiny
     # forward took over the 75 ms that 0.15 s allowed.
-    cfg = tiny_config(f"train.steps={steps}", "train.log_every=1", "checkpoint.every=5", "monitor.hang_timeout_s=10",
-                      "chaos.min_step_s=0.5", "chaos.fail_rank=1", "chaos.fail_at_step=3",
-                      "chaos.slow_rank=1", "chaos.slow_step_s=0.5", "monitor.straggler_every=2",
-                      "monitor.straggler_patience=2", "monitor.straggler_factor=1.5")
+    cfg = tiny_config(
+        f"train.steps={steps}",
+        "train.log_every=1",
+        "checkpoint.every=5",
+        "monitor.hang_timeout_s=10",
+        "chaos.min_step_s=0.5",
+        "chaos.fail_rank=1",
+        "chaos.fail_at_step=3",
+        "chaos.slow_rank=1",
+        "chaos.slow_step_s=0.5",
+        "monitor.straggler_every=2",
+        "monitor.straggler_patience=2",
+        "monitor.straggler_factor=1.5",
+    )
     run = BackgroundRun(cfg)
     # No checkpoint before step 5: the second attempt starts from step 0, and its step 6 is
     # the first step 6 logged.
@@ -140,12 +157,16 @@ def test_a_slow_rank_is_flagged_a_failing_one_named_as_the_cause_and_a_stopped_o
     recoveries = [e for e in events if isinstance(e, Recovered)]
     assert len(recoveries) == 2, events  # after the failure, and after the hang
     [started] = [e for e in events if isinstance(e, Started)]
-    first_attempt_at = min(m.value for m in MlflowClient(mlflow_url).get_metric_history(
-        summary.run_id, mlflow_key("startup/attempt_started_at")))
+    first_attempt_at = min(
+        m.value
+        for m in MlflowClient(mlflow_url).get_metric_history(summary.run_id, mlflow_key("startup/attempt_started_at"))
+    )
     first_start_s = first_attempt_at - started.at
-    print(f"rank 1 failed after step {failures[0].last_step}: the next group started "
-          f"{recoveries[0].restart_s:.1f} s later (old group torn down and new workers started; the run's first "
-          f"start took {first_start_s:.1f} s), recovered in {recoveries[0].recovery_s:.1f} s")
+    print(
+        f"rank 1 failed after step {failures[0].last_step}: the next group started "
+        f"{recoveries[0].restart_s:.1f} s later (old group torn down and new workers started; the run's first "
+        f"start took {first_start_s:.1f} s), recovered in {recoveries[0].recovery_s:.1f} s"
+    )
     assert recoveries[0].restart_s < first_start_s + TEARDOWN_WITHIN_S
 
     hangs = [e for e in events if isinstance(e, Hang)]

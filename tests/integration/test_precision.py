@@ -29,8 +29,14 @@ OPTIMIZERS = {1: "BF16_Optimizer", 2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZer
 
 
 def _run(rank: int, world_size: int, port: int, root: str) -> None:
-    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR=services.HOST, MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        MASTER_ADDR=services.HOST,
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)  # more ranks than cores
     from wildtrain.batching import batch_plan
     from wildtrain.config import Config, ModelConfig
@@ -41,7 +47,7 @@ def _run(rank: int, world_size: int, port: int, root: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     rows = np.random.default_rng(0).integers(0, 257, (GLOBAL_BATCH, SEQ_LEN + 1), dtype=np.int64)
     per_rank = GLOBAL_BATCH // world_size
-    mine = torch.from_numpy(rows[rank * per_rank:(rank + 1) * per_rank])
+    mine = torch.from_numpy(rows[rank * per_rank : (rank + 1) * per_rank])
     result = {}
     for stage in OPTIMIZERS:
         cfg = Config()
@@ -51,8 +57,9 @@ def _run(rank: int, world_size: int, port: int, root: str) -> None:
         torch.manual_seed(0)
         model = Transformer(cfg.model)
         optimizer = torch.optim.AdamW(param_groups(model, cfg.optim), lr=cfg.optim.lr)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                               config=deepspeed_config(cfg, plan, on_cuda=True))
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=deepspeed_config(cfg, plan, on_cuda=True)
+        )
         losses = []
         for _ in range(STEPS):
             for micro in mine.split(MICRO_BATCH):
@@ -60,9 +67,13 @@ def _run(rank: int, world_size: int, port: int, root: str) -> None:
                 engine.backward(loss)
                 engine.step()
             losses.append(loss.item())
-        result[stage] = {"losses": losses, "optimizer": type(engine.optimizer).__name__,
-                         "dtypes": engine.get_data_types(), "communication": engine.communication_data_type,
-                         "overlap": getattr(engine.optimizer, "overlap_comm", None)}
+        result[stage] = {
+            "losses": losses,
+            "optimizer": type(engine.optimizer).__name__,
+            "dtypes": engine.get_data_types(),
+            "communication": engine.communication_data_type,
+            "overlap": getattr(engine.optimizer, "overlap_comm", None),
+        }
         del engine
     torch.save(result, Path(root, f"rank{rank}.pt"))
 

@@ -122,8 +122,11 @@ def test_corrupt_shard_is_named_and_a_rerun_repairs_it(prepared):
 def test_parquet_input_gives_the_same_shards_as_jsonl(prepared, bucket, tmp_path):
     _, first = prepared
     texts = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines()]
-    pq.write_table(pa.table({"title": [str(i) for i in range(len(texts))], "text": texts}),
-                   tmp_path / "corpus.parquet", row_group_size=300)
+    pq.write_table(
+        pa.table({"title": [str(i) for i in range(len(texts))], "text": texts}),
+        tmp_path / "corpus.parquet",
+        row_group_size=300,
+    )
     again = prepare(PrepareConfig(input=str(tmp_path), output=f"{bucket}/from-parquet", **SETTINGS))
     assert [s.sha256 for s in again.manifest.shards] == [s.sha256 for s in first.manifest.shards]
 
@@ -134,8 +137,11 @@ def test_text_files_are_one_document_each_with_a_trained_bpe(bucket, tmp_path):
     for i in range(3):
         (tmp_path / f"book-{i}.txt").write_text(" ".join(texts[i::3]))
     output = f"{bucket}/bpe"
-    result = prepare(PrepareConfig(input=str(tmp_path), output=output, seq_len=64, tokenizer="bpe:400",
-                                   rows_per_shard=100, rows_per_group=50))
+    result = prepare(
+        PrepareConfig(
+            input=str(tmp_path), output=output, seq_len=64, tokenizer="bpe:400", rows_per_shard=100, rows_per_group=50
+        )
+    )
     manifest = result.manifest
     assert manifest.tokenizer["kind"] == "bpe" and manifest.tokenizer["vocab_size"] == 400
     verify(output, manifest)  # includes tokenizer.json against its sha256
@@ -148,7 +154,7 @@ def test_text_files_are_one_document_each_with_a_trained_bpe(bucket, tmp_path):
         book_docs = {i for t in shards for row in tables[t].column("doc_ids").to_pylist() for i in row}
         ids = tokenizer.encode(" ".join(texts[book::3])) + [tokenizer.eos_id]
         # Its tail that fills no row of seq_len + 1 ids is dropped.
-        assert book_tokens == ids[:len(ids) // 65 * 65] and book_docs == {0}
+        assert book_tokens == ids[: len(ids) // 65 * 65] and book_docs == {0}
 
 
 def test_a_shard_with_the_wrong_schema_is_named(bucket):
@@ -157,18 +163,32 @@ def test_a_shard_with_the_wrong_schema_is_named(bucket):
     pq.write_table(pa.table({"text": ["not tokens"]}), sink)
     data = sink.getvalue().to_pybytes()
     storage.write_bytes(storage.join(root, "shard-00000.parquet"), data)
-    shard = Shard("shard-00000.parquet", rows=1, tokens=4, bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
-                  row_groups=[1])
-    write_manifest(root, Manifest(seq_len=3, tokenizer={"kind": "byte"}, source="test", shards=[shard], rows=1, tokens=4))
+    shard = Shard(
+        "shard-00000.parquet",
+        rows=1,
+        tokens=4,
+        bytes=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+        row_groups=[1],
+    )
+    write_manifest(
+        root, Manifest(seq_len=3, tokenizer={"kind": "byte"}, source="test", shards=[shard], rows=1, tokens=4)
+    )
     with pytest.raises(DataError, match=r"^shard shard-00000.parquet: schema is text: string, expected tokens"):
         verify(root, read_manifest(root))
 
 
-@pytest.mark.parametrize("content, message", [
-    ("", r"^input: .*empty.jsonl holds no documents"),
-    ('{"text": ""}\n{"text": "short"}\n', r"^input: .*empty.jsonl holds no text that fills one row of seq_len \+ 1 = 129"),
-    ('{"body": "x"}\n', r"^/.*empty.jsonl:line 1: no field 'text' \(--skip-bad-records skips"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", r"^input: .*empty.jsonl holds no documents"),
+        (
+            '{"text": ""}\n{"text": "short"}\n',
+            r"^input: .*empty.jsonl holds no text that fills one row of seq_len \+ 1 = 129",
+        ),
+        ('{"body": "x"}\n', r"^/.*empty.jsonl:line 1: no field 'text' \(--skip-bad-records skips"),
+    ],
+)
 def test_empty_corpus_or_missing_field_is_one_clear_error(bucket, tmp_path, content, message):
     (tmp_path / "empty.jsonl").write_text(content)
     with pytest.raises(DataError, match=message):
@@ -177,8 +197,18 @@ def test_empty_corpus_or_missing_field_is_one_clear_error(bucket, tmp_path, cont
 
 def test_cli_reports_a_missing_input_in_one_line(tmp_path):
     done = subprocess.run(
-        [sys.executable, "data_pipelines/prepare.py", "--input", str(tmp_path / "nope"), "--output", str(tmp_path / "out")],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "data_pipelines/prepare.py",
+            "--input",
+            str(tmp_path / "nope"),
+            "--output",
+            str(tmp_path / "out"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [f"prepare: input: {tmp_path / 'nope'} does not exist"]
@@ -200,14 +230,18 @@ def test_cli_names_a_malformed_line_in_one_line_and_skips_it_when_told(ray_clust
     assert failed.returncode == 1, failed.stderr
     assert "Traceback" not in failed.stderr
     named = [line for line in failed.stderr.splitlines() if "part-1.jsonl" in line]
-    assert named == [f"prepare: {folder}/part-1.jsonl:line {len(texts[1::2]) + 1}: not JSON (Unterminated string "
-                     "starting at: column 10) (--skip-bad-records skips and counts such records)"], failed.stderr
-    done = subprocess.run(command + ["--skip-bad-records"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    assert named == [
+        f"prepare: {folder}/part-1.jsonl:line {len(texts[1::2]) + 1}: not JSON (Unterminated string "
+        "starting at: column 10) (--skip-bad-records skips and counts such records)"
+    ], failed.stderr
+    done = subprocess.run(
+        command + ["--skip-bad-records"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith(", 1 bad records skipped in 1 files")
     assert [line for line in done.stderr.splitlines() if line.startswith("prepare: ")][-1].endswith(
-        "2/2 partitions")  # the progress line, off a terminal: at its end at least
+        "2/2 partitions"
+    )  # the progress line, off a terminal: at its end at least
     assert read_manifest(str(tmp_path / "out")).bad_records == {f"{folder}/part-1.jsonl": 1}
 
 
@@ -249,16 +283,21 @@ def test_unreachable_store_fails_prepare_fast_naming_the_endpoint(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test-secret-never-shown")
     started = time.monotonic()
     with pytest.raises(storage.StorageError, match=rf"^s3://bucket/ds \(endpoint {endpoint}\): .*NETWORK_CONNECTION"):
-        prepare(PrepareConfig(input=str(CORPUS), output="s3://bucket/ds",
-                              storage=StorageConfig(endpoint=endpoint, max_attempts=2)))
+        prepare(
+            PrepareConfig(
+                input=str(CORPUS), output="s3://bucket/ds", storage=StorageConfig(endpoint=endpoint, max_attempts=2)
+            )
+        )
     assert time.monotonic() - started < 10
 
 
 def _documents(output: str, shards: list[Shard]) -> list[str]:
     """The whole documents of `shards` (byte-level ids, each closed by the end id 256)."""
     fs, root = storage.filesystem(output)
-    ids = [pq.read_table(fs.open_input_file(f"{root}/{shard.path}")).column("tokens").combine_chunks().flatten()
-           .to_numpy() for shard in shards]
+    ids = [
+        pq.read_table(fs.open_input_file(f"{root}/{shard.path}")).column("tokens").combine_chunks().flatten().to_numpy()
+        for shard in shards
+    ]
     stream = bytes()
     documents = []
     for token in (int(t) for part in ids for t in part):

@@ -29,8 +29,17 @@ def _commit(root: Path, step: int) -> None:
     store, name = Store.from_uri(str(root / "store")), checkpoint_name(step, "a1")
     files = upload(str(local), store, name)
     write_part(store, name, 0, files)
-    commit(store, name, step=step, tag=f"step_{step}", world_size=2, zero_stage=1, files=files,
-           data_position={"step": step}, config_hash="c0ffee")
+    commit(
+        store,
+        name,
+        step=step,
+        tag=f"step_{step}",
+        world_size=2,
+        zero_stage=1,
+        files=files,
+        data_position={"step": step},
+        config_hash="c0ffee",
+    )
 
 
 def _restore(rank: int, world_size: int, port: int, root: str) -> None:
@@ -53,8 +62,14 @@ def _restore(rank: int, world_size: int, port: int, root: str) -> None:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    restored = restore([Store(fs, store_root, store_root)], str(Path(root, f"local_rank{rank}")), rank=rank,
-                       world_size=world_size, agree=agree, listing=from_rank_zero)
+    restored = restore(
+        [Store(fs, store_root, store_root)],
+        str(Path(root, f"local_rank{rank}")),
+        rank=rank,
+        world_size=world_size,
+        agree=agree,
+        listing=from_rank_zero,
+    )
     Path(root, f"rank{rank}.json").write_text(json.dumps({"step": restored.manifest.step if restored else None}))
     dist.destroy_process_group()
 

@@ -29,8 +29,9 @@ LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
 
 
 def wildtrain(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300):
-    return subprocess.run([sys.executable, "-m", "wildtrain", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "wildtrain", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout
+    )
 
 
 def with_descendants(pids: list[int]) -> list[psutil.Process]:
@@ -48,8 +49,9 @@ def listening(processes: list[psutil.Process]) -> dict[psutil.Process, set[tuple
     sockets = {}
     for process in processes:
         try:
-            sockets[process] = {(c.laddr.ip, c.laddr.port) for c in process.net_connections("inet")
-                                if c.status == psutil.CONN_LISTEN}
+            sockets[process] = {
+                (c.laddr.ip, c.laddr.port) for c in process.net_connections("inet") if c.status == psutil.CONN_LISTEN
+            }
         except psutil.NoSuchProcess:
             pass
     return sockets
@@ -66,15 +68,18 @@ def is_ray_worker(process: psutil.Process) -> bool:
 
 def test_up_listens_on_loopback_only_and_down_stops_only_what_it_started(ray_cluster, tmp_path):
     state_dir = tmp_path / "state"
-    ports = {name: services.free_port() for name in ("--ray-port", "--dashboard-port", "--mlflow-port",
-                                                     "--object-store-port")}
+    ports = {
+        name: services.free_port()
+        for name in ("--ray-port", "--dashboard-port", "--mlflow-port", "--object-store-port")
+    }
     started = wildtrain("up", "--state-dir", str(state_dir), *(str(x) for pair in ports.items() for x in pair))
     assert started.returncode == 0, started.stdout + started.stderr
     state = json.loads((state_dir / "services.json").read_text())
     try:
         # The dashboard asks for Ray's token: `up` names the command that prints it, never the token.
-        token = subprocess.run([services.ray_cli(), "get-auth-token"], capture_output=True, text=True,
-                               check=True).stdout
+        token = subprocess.run(
+            [services.ray_cli(), "get-auth-token"], capture_output=True, text=True, check=True
+        ).stdout
         assert token and token not in started.stdout + started.stderr
         assert "ray get-auth-token" in started.stdout
         # The head offers the GPUs this machine's torch can use, recorded with the rest.
@@ -88,13 +93,21 @@ def test_up_listens_on_loopback_only_and_down_stops_only_what_it_started(ray_clu
         sockets = listening(ours)
 
         addresses = {ip for found in sockets.values() for ip, _ in found}
-        assert addresses <= LOOPBACK, {p.name(): s for p, s in sockets.items() if s - {(ip, port) for ip, port in s if ip in LOOPBACK}}
+        assert addresses <= LOOPBACK, {
+            p.name(): s for p, s in sockets.items() if s - {(ip, port) for ip, port in s if ip in LOOPBACK}
+        }
         ray_ports = {port for p, found in sockets.items() if p in head and not is_ray_worker(p) for _, port in found}
         assert ray_ports == set(state["ray_ports"].values())
         assert {port for p in mlflow for _, port in sockets.get(p, ())} == {ports["--mlflow-port"]}
         assert ports["--object-store-port"] in {port for p in store for _, port in sockets.get(p, ())}
 
-        for folder in (state_dir, state_dir / "mlflow", state_dir / "objectstore", state_dir / "objectstore" / "data", temp_dir):
+        for folder in (
+            state_dir,
+            state_dir / "mlflow",
+            state_dir / "objectstore",
+            state_dir / "objectstore" / "data",
+            temp_dir,
+        ):
             assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
     finally:
         stopped = wildtrain("down", "--state-dir", str(state_dir))
@@ -113,8 +126,15 @@ def test_train_with_no_cluster_to_join_fails_fast_and_starts_no_ray(tmp_path, ml
     # This process joined the test cluster; a user's shell has no RAY_ADDRESS.
     env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
     started = time.monotonic()
-    done = wildtrain("train", f"tracking.uri={mlflow_url}", f"run.storage={tmp_path / 'runs'}",
-                     f"data.datasets=[{{uri: {dataset}}}]", cwd=tmp_path, env=env, timeout=120)
+    done = wildtrain(
+        "train",
+        f"tracking.uri={mlflow_url}",
+        f"run.storage={tmp_path / 'runs'}",
+        f"data.datasets=[{{uri: {dataset}}}]",
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "run `wildtrain up`" in done.stderr and str(tmp_path / ".wildtrain/services.json") in done.stderr
     assert "Traceback" not in done.stderr

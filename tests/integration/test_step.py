@@ -33,8 +33,9 @@ def _config(stage: int):
     from wildtrain.config import Config, ModelConfig
 
     cfg = Config()
-    cfg.model = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=257, max_seq_len=32,
-                            activation_checkpointing=stage == 3)
+    cfg.model = ModelConfig(
+        dim=64, n_layers=2, n_heads=4, vocab_size=257, max_seq_len=32, activation_checkpointing=stage == 3
+    )
     cfg.deepspeed.zero_stage = stage
     cfg.train.global_batch_size = GLOBAL_BATCH
     cfg.train.micro_batch_size = MICRO_BATCH
@@ -44,8 +45,14 @@ def _config(stage: int):
 
 
 def _init_process(rank: int, world_size: int, port: int) -> None:
-    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR=services.HOST, MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        MASTER_ADDR=services.HOST,
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)  # more ranks than cores
     from wildtrain.engine import import_deepspeed
 
@@ -100,7 +107,9 @@ def _validate(cfg, data, rank: int, world_size: int, engine) -> dict:
 
     from wildtrain.train.validation import Validator
 
-    cfg = replace(cfg, data=replace(cfg.data, seq_len=SEQ_LEN), eval=replace(cfg.eval, micro_batch_size=VALIDATION_MICRO_BATCH))
+    cfg = replace(
+        cfg, data=replace(cfg.data, seq_len=SEQ_LEN), eval=replace(cfg.eval, micro_batch_size=VALIDATION_MICRO_BATCH)
+    )
     return Validator(cfg, data, rank, world_size, torch.device("cpu")).evaluate(engine)
 
 
@@ -124,22 +133,35 @@ def _run(rank: int, world_size: int, port: int, root: str) -> None:
         torch.manual_seed(0)
         model = build_model(cfg, plan, torch.device("cpu"))
         # Built partitioned: each rank holds a shard of every parameter and no full one.
-        partitioned = all(p.numel() == 0 and 0 < p.ds_tensor.numel() < p.ds_numel for p in model.parameters()) \
-            if stage == 3 else None
+        partitioned = (
+            all(p.numel() == 0 and 0 < p.ds_tensor.numel() < p.ds_numel for p in model.parameters())
+            if stage == 3
+            else None
+        )
         engine = build_engine(cfg, plan, model, torch.device("cpu"))
         validated = _validate(cfg, validation, rank, world_size, engine)  # the initial weights
         per_rank = GLOBAL_BATCH // world_size
-        mine = rows[rank * per_rank:(rank + 1) * per_rank]
+        mine = rows[rank * per_rank : (rank + 1) * per_rank]
         batches = DeviceBatches((mine for _ in range(STEPS)), torch.device("cpu"))
-        window = StepMetrics(GLOBAL_BATCH * SEQ_LEN, flops_per_token(cfg.model, SEQ_LEN), Peak(1e12, "config"),
-                             world_size, torch.device("cpu"))
+        window = StepMetrics(
+            GLOBAL_BATCH * SEQ_LEN,
+            flops_per_token(cfg.model, SEQ_LEN),
+            Peak(1e12, "config"),
+            world_size,
+            torch.device("cpu"),
+        )
         reports = []
         for tokens, _ in batches:
             assert tokens.dtype == torch.int64 and tokens.shape == (per_rank, SEQ_LEN + 1)
             train_step(engine, plan, tokens, window)
             reports.append(window.flush())
-        result[stage] = {"reports": reports, "busy_s": window.busy_s, "global_steps": engine.global_steps,
-                         "partitioned": partitioned, "validated": validated}
+        result[stage] = {
+            "reports": reports,
+            "busy_s": window.busy_s,
+            "global_steps": engine.global_steps,
+            "partitioned": partitioned,
+            "validated": validated,
+        }
         del engine
     torch.save(result, Path(root, f"rank{rank}.pt"))
 

@@ -58,17 +58,24 @@ def _wait_for_a_commit_after(store: Store, step: int, runner: threading.Thread, 
 
 
 def test_a_store_outage_costs_only_the_saves_during_it_and_a_final_one_that_cannot_commit_names_the_newest(
-        ray_cluster, object_store, tiny_config, local_dataset, mlflow_url, tmp_path):
+    ray_cluster, object_store, tiny_config, local_dataset, mlflow_url, tmp_path
+):
     """One run, two outages: one mid-run, after which a periodic checkpoint commits again, and
     one from there to the end, whose final checkpoint cannot commit and ends the run."""
     store_uri = f"s3://{object_store.bucket}/outage-{tmp_path.name}"
     cfg = tiny_config(
-        f"data.datasets=[{{uri: {local_dataset}}}]", f"checkpoint.store={store_uri}",
-        f"train.steps={STEPS}", f"checkpoint.every={CHECKPOINT_EVERY}", "train.log_every=1",
+        f"data.datasets=[{{uri: {local_dataset}}}]",
+        f"checkpoint.store={store_uri}",
+        f"train.steps={STEPS}",
+        f"checkpoint.every={CHECKPOINT_EVERY}",
+        "train.log_every=1",
         # Longer than the first outage: a save it holds up may still commit after it.
-        "checkpoint.keep_last=1000", f"checkpoint.timeout_s={OUTAGE_S + 2:g}",
+        "checkpoint.keep_last=1000",
+        f"checkpoint.timeout_s={OUTAGE_S + 2:g}",
         # Steps of at least 0.5 s, so that training outlasts the outage by several saves.
-        "chaos.slow_rank=0", "chaos.slow_step_s=0.125", *ONE_WORKER,
+        "chaos.slow_rank=0",
+        "chaos.slow_step_s=0.125",
+        *ONE_WORKER,
     )
     store = Store.from_uri(store_uri)
     result: dict = {}
@@ -92,21 +99,27 @@ def test_a_store_outage_costs_only_the_saves_during_it_and_a_final_one_that_cann
     resumed_at = time.time()
     # The run's reports say which step trained when (it has reported: a checkpoint committed).
     client = MlflowClient(mlflow_url)
-    [tracked] = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
-                                   f"attributes.run_name = '{cfg.run.name}'")
+    [tracked] = client.search_runs(
+        [client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
+        f"attributes.run_name = '{cfg.run.name}'",
+    )
     run_id = tracked.info.run_id
     logged = client.get_metric_history(run_id, "step")
     step_at_resume = max((int(m.value) for m in logged if m.timestamp / 1000 <= resumed_at), default=0)
     step_at_pause = max((int(m.value) for m in logged if m.timestamp / 1000 <= paused_at), default=0)
     # A periodic checkpoint commits after the store is back; then the store goes for good.
-    steps = _wait_for_a_commit_after(store, step_at_resume, runner, f"no periodic checkpoint after step {step_at_resume}")
+    steps = _wait_for_a_commit_after(
+        store, step_at_resume, runner, f"no periodic checkpoint after step {step_at_resume}"
+    )
     os.killpg(object_store.pid, signal.SIGSTOP)
     try:
         runner.join(timeout=400)
     finally:
         os.killpg(object_store.pid, signal.SIGCONT)
-    print(f"\nstore paused {OUTAGE_S:g} s from step {step_at_pause} to step {step_at_resume}; committed after it: "
-          f"{[s for s in steps if s > step_at_resume]}; then paused to the end")
+    print(
+        f"\nstore paused {OUTAGE_S:g} s from step {step_at_pause} to step {step_at_resume}; committed after it: "
+        f"{[s for s in steps if s > step_at_resume]}; then paused to the end"
+    )
     assert step_at_resume < STEPS - 2 * CHECKPOINT_EVERY, "training ended before the store came back; slow it down"
     assert not runner.is_alive(), "the run kept going (or restarting) without its final checkpoint"
     error = result.get("error", "")

@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers.waiting import wait_for
-from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order
 from wildtrain.config import Config
 from wildtrain.data import stream
+from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order
 from wildtrain.data.stream import Dataset, RankStream, sample_ids
 
 pytestmark = pytest.mark.integration
@@ -32,8 +32,12 @@ def _write(root, row_groups: tuple[tuple[int, ...], ...]) -> Dataset:
         rows = sum(groups)
         tokens = np.repeat(shard * 1000 + np.arange(rows, dtype=np.int32)[:, None], SEQ_LEN + 1, axis=1)
         documents = np.zeros_like(tokens)  # one document per row, as `prepare` writes short ones
-        table = pa.table({"tokens": pa.array(list(tokens), type=pa.list_(pa.int32())),
-                          "doc_ids": pa.array(list(documents), type=pa.list_(pa.int32()))})
+        table = pa.table(
+            {
+                "tokens": pa.array(list(tokens), type=pa.list_(pa.int32())),
+                "doc_ids": pa.array(list(documents), type=pa.list_(pa.int32())),
+            }
+        )
         path = f"shard-{shard:05d}.parquet"
         with pq.ParquetWriter(root / path, table.schema) as writer:
             start = 0
@@ -73,8 +77,12 @@ def _expected(step: int, rank: int, world_size: int) -> np.ndarray:
 
 # Read tasks of every unit alone, of a few units, and of the whole epoch: rows that arrive
 # in one block or across several, ahead of their turn or just in time.
-@pytest.mark.parametrize("world_size,from_step,task_bytes", [(1, 0, 1), (2, 3, 3 * ROW_BYTES), (4, 4, stream.READ_TASK_BYTES)])
-def test_every_rank_reads_the_rows_the_order_names(ray_cluster, dataset, monkeypatch, world_size, from_step, task_bytes):
+@pytest.mark.parametrize(
+    "world_size,from_step,task_bytes", [(1, 0, 1), (2, 3, 3 * ROW_BYTES), (4, 4, stream.READ_TASK_BYTES)]
+)
+def test_every_rank_reads_the_rows_the_order_names(
+    ray_cluster, dataset, monkeypatch, world_size, from_step, task_bytes
+):
     monkeypatch.setattr(stream, "READ_TASK_BYTES", task_bytes)
     steps = 7  # across the end of the first epoch (5 steps)
     for rank in range(world_size):
@@ -177,8 +185,7 @@ def test_a_started_stream_raises_its_reading_error_at_the_first_step(ray_cluster
     broken.mkdir()
     for path in dataset.shard_paths:
         (broken / path).write_bytes(b"not parquet")
-    reader = RankStream([Dataset(str(broken), dataset.shard_paths, dataset.source)], _config(), 0, 1, 0,
-                        doc_ids=False)
+    reader = RankStream([Dataset(str(broken), dataset.shard_paths, dataset.source)], _config(), 0, 1, 0, doc_ids=False)
     reader.start()
     with pytest.raises(ShardCorrupt, match=rf"^shard {broken}/shard-0000\d.parquet"):
         reader.next_step()

@@ -23,8 +23,8 @@ from wildtrain.sweeps.predict import predict_promoted
 from wildtrain.sweeps.promote import promote
 from wildtrain.sweeps.report import report_sweep
 from wildtrain.tracking.record import STOPPED_EARLY_TAG
-from wildtrain.tracking.run_setup import open_run
 from wildtrain.tracking.reports.runs import report_cluster
+from wildtrain.tracking.run_setup import open_run
 
 pytestmark = pytest.mark.integration
 
@@ -36,13 +36,21 @@ def sweep(ray_cluster, mlflow_url, tiny_dataset, tmp_path_factory):
     folder = tmp_path_factory.mktemp("sweep")
     name = f"sweep-{os.getpid()}"
     overrides = [
-        "experiment=tiny", f"data.datasets=[{{uri: {tiny_dataset}}}]", f"run.storage={folder / 'runs'}",
-        f"tracking.uri={mlflow_url}", "tracking.experiment=sweeps",
+        "experiment=tiny",
+        f"data.datasets=[{{uri: {tiny_dataset}}}]",
+        f"run.storage={folder / 'runs'}",
+        f"tracking.uri={mlflow_url}",
+        "tracking.experiment=sweeps",
         # One worker, few steps: the trials differ only in the swept keys, and are short.
         # Half a CPU for the reads: two trials fit the head's 3 CPUs at once.
-        "elastic.min_workers=1", "elastic.max_workers=1", "data.read_cpus=0.5",
-        "train.global_batch_size=8", "train.micro_batch_size=8",
-        "train.log_every=2", "checkpoint.every=6", "elastic.worker_start_timeout_s=20",
+        "elastic.min_workers=1",
+        "elastic.max_workers=1",
+        "data.read_cpus=0.5",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=8",
+        "train.log_every=2",
+        "checkpoint.every=6",
+        "elastic.worker_start_timeout_s=20",
         # Longer than a trial's six steps: a diverged trial's reports wait for the poll, and
         # its early stop must not (it is judged at the log step that shows it).
         "elastic.poll_interval_s=2",
@@ -55,7 +63,9 @@ def sweep(ray_cluster, mlflow_url, tiny_dataset, tmp_path_factory):
 def test_sweep_records_one_parent_and_a_child_per_trial_with_their_swept_values(sweep, mlflow_url):
     plan, outcome, _ = sweep
     client = MlflowClient(mlflow_url)
-    runs = client.search_runs([client.get_experiment_by_name("sweeps").experiment_id], f"tags.`{SWEEP_TAG}` = '{plan.name}'")
+    runs = client.search_runs(
+        [client.get_experiment_by_name("sweeps").experiment_id], f"tags.`{SWEEP_TAG}` = '{plan.name}'"
+    )
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert [p.info.run_id for p in parents] == [outcome.parent_run_id]
@@ -73,7 +83,10 @@ def test_sweep_records_one_parent_and_a_child_per_trial_with_their_swept_values(
         history = sorted(client.get_metric_history(child.info.run_id, "loss"), key=lambda m: m.step)
         steps = [m.step for m in history]
         if lr == "10":  # diverged at once: stopped at the first log step that showed it, before the last
-            assert "above 3 x the best" in child.data.tags[STOPPED_EARLY_TAG] or "nan" in child.data.tags[STOPPED_EARLY_TAG]
+            assert (
+                "above 3 x the best" in child.data.tags[STOPPED_EARLY_TAG]
+                or "nan" in child.data.tags[STOPPED_EARLY_TAG]
+            )
             losses = [m.value for m in history]
             diverged = [i for i, loss in enumerate(losses) if i and not loss <= 3 * min(losses[:i])]
             assert diverged[:1] == [len(losses) - 1] and max(steps) < 6, history
@@ -84,8 +97,13 @@ def test_sweep_records_one_parent_and_a_child_per_trial_with_their_swept_values(
 def test_trials_run_as_many_at_once_as_the_cluster_holds(sweep, mlflow_url):
     plan, _, _ = sweep
     client = MlflowClient(mlflow_url)
-    trials = [r for r in client.search_runs([client.get_experiment_by_name("sweeps").experiment_id],
-                                            f"tags.`{SWEEP_TAG}` = '{plan.name}'") if "mlflow.parentRunId" in r.data.tags]
+    trials = [
+        r
+        for r in client.search_runs(
+            [client.get_experiment_by_name("sweeps").experiment_id], f"tags.`{SWEEP_TAG}` = '{plan.name}'"
+        )
+        if "mlflow.parentRunId" in r.data.tags
+    ]
     # Each trial's run from its creation to its end; at most two at any time, and two at some.
     edges = sorted([(r.info.start_time, 1) for r in trials] + [(r.info.end_time, -1) for r in trials])
     at_once = max(itertools.accumulate(change for _, change in edges))
@@ -116,8 +134,10 @@ def test_report_rebuilds_from_mlflow_and_attaches_to_the_parent(sweep, mlflow_ur
     client = MlflowClient(mlflow_url)
     artifacts = {a.path: a.file_size for a in client.list_artifacts(outcome.parent_run_id, "report")}
     assert artifacts["report/sweep.png"] > 1000
-    assert client.download_artifacts(outcome.parent_run_id, "report/sweep.txt") and \
-        Path(client.download_artifacts(outcome.parent_run_id, "report/sweep.txt")).read_text() == text
+    assert (
+        client.download_artifacts(outcome.parent_run_id, "report/sweep.txt")
+        and Path(client.download_artifacts(outcome.parent_run_id, "report/sweep.txt")).read_text() == text
+    )
     # Trials are runs like any: the cluster's card counts them.
     card = report_cluster(mlflow_url, "local")
     assert all(t.run_name in card for t in plan.trials)
@@ -136,7 +156,10 @@ def test_promote_writes_a_frozen_scaled_experiment_whose_run_carries_the_provena
     # The trial's multipliers are kept, its shape recorded as the base the model scales from.
     assert cfg.optim.lr == best.cfg.optim.lr and cfg.optim.hidden_lr_mult == best.cfg.optim.hidden_lr_mult
     assert (cfg.model.base_dim, cfg.model.base_head_dim, cfg.model.base_n_layers) == (
-        best.cfg.model.dim, best.cfg.model.dim // best.cfg.model.n_heads, best.cfg.model.n_layers)
+        best.cfg.model.dim,
+        best.cfg.model.dim // best.cfg.model.n_heads,
+        best.cfg.model.n_layers,
+    )
     scaled = scaling(cfg.model)
     assert scaled.output_mult == pytest.approx(1 / width)
     assert scaled.lr_mult("attention.wq", cfg.optim.hidden_lr_mult) == pytest.approx(1 / width / math.sqrt(depth))

@@ -38,20 +38,31 @@ def own_mlflow(tmp_path):
     services.stop_process(server.pid)
 
 
-def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(ray_cluster, tiny_config, own_mlflow,
-                                                                           tmp_path):
+def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(
+    ray_cluster, tiny_config, own_mlflow, tmp_path
+):
     server, url = own_mlflow
     # Long enough that training runs on well after the pause; saves only at the end, so
     # that every window but the last (which waits for the final save to commit) is steps alone.
     # Paced at 3 steps/s, so the run's length does not depend on the machine's speed. One
     # worker: the controller's tracking is what the outage reaches.
     steps = int((PAUSE_S + 20) * 3) // LOG_EVERY * LOG_EVERY  # every report step a multiple of LOG_EVERY
-    cfg = tiny_config(f"tracking.uri={url}", f"train.steps={steps}", f"train.log_every={LOG_EVERY}",
-                      f"checkpoint.every={steps}", "elastic.poll_interval_s=2", "chaos.min_step_s=0.33",
-                      "elastic.max_workers=1")
+    cfg = tiny_config(
+        f"tracking.uri={url}",
+        f"train.steps={steps}",
+        f"train.log_every={LOG_EVERY}",
+        f"checkpoint.every={steps}",
+        "elastic.poll_interval_s=2",
+        "chaos.min_step_s=0.33",
+        "elastic.max_workers=1",
+    )
     run = BackgroundRun(cfg)
-    run.wait_until(lambda reports: any(m.step >= 2 * LOG_EVERY for m in reports), "the first reports", 300,
-                   key=mlflow_key("step_time_s"))
+    run.wait_until(
+        lambda reports: any(m.step >= 2 * LOG_EVERY for m in reports),
+        "the first reports",
+        300,
+        key=mlflow_key("step_time_s"),
+    )
 
     paused_at = time.time()
     os.killpg(server.pid, signal.SIGSTOP)
@@ -64,8 +75,12 @@ def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(ray_
 
     client = MlflowClient(url)
     history = sorted(client.get_metric_history(summary.run_id, mlflow_key("step_time_s")), key=lambda m: m.timestamp)
-    assert [m.step for m in history] == [1, *range(LOG_EVERY, steps + 1, LOG_EVERY)], "a report is missing or out of order"
-    assert history[-1].timestamp / 1000 > resumed_at, f"the run ended before the pause did: make it longer than {steps} steps"
+    assert [m.step for m in history] == [1, *range(LOG_EVERY, steps + 1, LOG_EVERY)], (
+        "a report is missing or out of order"
+    )
+    assert history[-1].timestamp / 1000 > resumed_at, (
+        f"the run ended before the pause did: make it longer than {steps} steps"
+    )
 
     # Training went on at its usual pace through the pause: the controller took reports
     # all along, and no window's steps were slow. (The first window is the first step, the
@@ -76,9 +91,11 @@ def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(ray_
     during = [m for m in steps_alone if paused_at < m.timestamp / 1000 < resumed_at]
     median = statistics.median(m.value for m in steps_alone)
     worst_during = max(during, key=lambda m: m.value)
-    print(f"MLflow paused {PAUSE_S:g} s: {len(during)} reports during the pause; step_time_s median {median:.3f} s, "
-          f"worst during the pause {worst_during.value:.3f} s at step {worst_during.step} "
-          f"({worst_during.value / median:.2f}x)")
+    print(
+        f"MLflow paused {PAUSE_S:g} s: {len(during)} reports during the pause; step_time_s median {median:.3f} s, "
+        f"worst during the pause {worst_during.value:.3f} s at step {worst_during.step} "
+        f"({worst_during.value / median:.2f}x)"
+    )
     assert len(during) >= PAUSE_S / 4, "reports stopped while MLflow was paused"
     assert worst_during.value * LOG_EVERY < PAUSE_S / 2, "a report window stalled while MLflow was paused"
 

@@ -18,7 +18,6 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 
 from tests.conftest import REPO
 from tests.helpers.waiting import wait_for
-
 from wildtrain import driver, services, storage
 from wildtrain.checkpoint import STATE_FILE, reshard
 from wildtrain.checkpoint.restore import list_candidates, newest_committed
@@ -33,7 +32,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_two_worker_run_sent_with_ray_job_submit_trains_tracks_and_checkpoints_into_the_object_store(
-        ray_cluster, object_store, tiny_overrides, mlflow_url, tmp_path):
+    ray_cluster, object_store, tiny_overrides, mlflow_url, tmp_path
+):
     """The cluster path, as the README shows it; with checkpoint.reshard_ahead, whose universal
     copy a one-worker run of the same run then restores through (a run's start costs more
     than either promise's checks)."""
@@ -43,9 +43,26 @@ def test_a_two_worker_run_sent_with_ray_job_submit_trains_tracks_and_checkpoints
     dashboard = f"http://{ray_cluster.webui_url}"
     submission_id = f"wildtrain-test-{uuid.uuid4().hex[:8]}"
     done = subprocess.run(
-        ["ray", "job", "submit", "--address", dashboard, "--working-dir", str(REPO), "--submission-id", submission_id,
-         "--", "python", "-m", "wildtrain", "train", *overrides],
-        capture_output=True, text=True, timeout=480,
+        [
+            "ray",
+            "job",
+            "submit",
+            "--address",
+            dashboard,
+            "--working-dir",
+            str(REPO),
+            "--submission-id",
+            submission_id,
+            "--",
+            "python",
+            "-m",
+            "wildtrain",
+            "train",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=480,
     )
     # The submit's own output first: where the submission itself failed ("No available agent
     # to submit job"), there is no job whose status could say why.
@@ -61,8 +78,10 @@ def test_a_two_worker_run_sent_with_ray_job_submit_trains_tracks_and_checkpoints
     assert token and token not in done.stdout + done.stderr
 
     client = MlflowClient(mlflow_url)
-    [run] = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
-                               f"attributes.run_name = '{cfg.run.name}'")
+    [run] = client.search_runs(
+        [client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
+        f"attributes.run_name = '{cfg.run.name}'",
+    )
     run_id = run.info.run_id
     assert run.info.status == "FINISHED"
     assert run.data.params["train.global_batch_size"] == "16"
@@ -83,7 +102,9 @@ def test_a_two_worker_run_sent_with_ray_job_submit_trains_tracks_and_checkpoints
     metrics = client.get_run(run_id).data.metrics  # newest values
     for phase in ("data_wait", "forward", "backward", "optimizer", "checkpoint_stall"):
         assert mlflow_key(f"time/{phase}_s") in metrics, phase
-    forward, backward, step = (metrics[mlflow_key(name)] for name in ("time/forward_s", "time/backward_s", "step_time_s"))
+    forward, backward, step = (
+        metrics[mlflow_key(name)] for name in ("time/forward_s", "time/backward_s", "step_time_s")
+    )
     assert 0 < forward + backward < step
     assert 0 < metrics["mfu"] < 1
     tags = client.get_run(run_id).data.tags
@@ -106,8 +127,12 @@ def test_a_two_worker_run_sent_with_ray_job_submit_trains_tracks_and_checkpoints
     assert (manifest["step"], manifest["world_size"], manifest["zero_stage"]) == (8, 2, 1)
     listed = {entry["path"] for entry in manifest["files"]}
     # Both ranks' ZeRO partitions, each listed with its size and sha256.
-    assert {"step_8/zero_pp_rank_0_mp_rank_00_optim_states.pt", "step_8/zero_pp_rank_1_mp_rank_00_optim_states.pt",
-            STATE_FILE, "latest"} <= listed
+    assert {
+        "step_8/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "step_8/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        STATE_FILE,
+        "latest",
+    } <= listed
     with fs.open_input_stream(f"{checkpoint}/{STATE_FILE}") as f:
         assert json.loads(f.read())["step"] == 8
 
@@ -129,7 +154,8 @@ def test_a_two_worker_run_sent_with_ray_job_submit_trains_tracks_and_checkpoints
 
 
 def test_a_second_driver_is_refused_while_a_run_trains_and_the_resubmitted_run_falls_back_past_a_corrupt_checkpoint(
-        ray_cluster, tiny_overrides, mlflow_url, tmp_path):
+    ray_cluster, tiny_overrides, mlflow_url, tmp_path
+):
     """One run's life: started as a user does on the head (`wildtrain train`: no job of
     `wildtrain submit` to find), a second driver of it refused in one line naming the first;
     then resubmitted, from the newest checkpoint that verifies, in the same MLflow run."""
@@ -145,8 +171,7 @@ def test_a_second_driver_is_refused_while_a_run_trains_and_the_resubmitted_run_f
         first = subprocess.Popen(train, stdout=out, stderr=subprocess.STDOUT)
     try:
         # Printed once the run is the first's: its lease taken, its MLflow run opened.
-        wait_for(lambda: "MLflow run:" in log.read_text(), "first driver's MLflow run line", timeout_s=120,
-                 every_s=0.1)
+        wait_for(lambda: "MLflow run:" in log.read_text(), "first driver's MLflow run line", timeout_s=120, every_s=0.1)
         second = subprocess.run(train, capture_output=True, text=True, timeout=120)
         assert first.poll() is None, "the first driver must still train while the second is refused"
         first.wait(timeout=480)
@@ -156,16 +181,21 @@ def test_a_second_driver_is_refused_while_a_run_trains_and_the_resubmitted_run_f
     output = log.read_text()
     assert second.returncode == 1, second.stdout + second.stderr
     [line] = [text for text in second.stderr.splitlines() if text.startswith("wildtrain:")]
-    assert re.fullmatch(rf"wildtrain: run '{cfg.run.name}' is live: pid {first.pid} on {socket.gethostname()} "
-                        r"\(cluster local\) holds its lease until \d\d:\d\d:\d\d UTC .*", line), second.stderr
+    assert re.fullmatch(
+        rf"wildtrain: run '{cfg.run.name}' is live: pid {first.pid} on {socket.gethostname()} "
+        r"\(cluster local\) holds its lease until \d\d:\d\d:\d\d UTC .*",
+        line,
+    ), second.stderr
     assert "Traceback" not in second.stderr
     assert first.returncode == 0 and "step 16/16" in output, output[-3000:]
     held = json.loads((Path(RunLayout.of(cfg).root) / "lease.json").read_text())
     assert held["holder"]["pid"] == first.pid and held["released_at"] is not None  # its end released it
 
     client = MlflowClient(mlflow_url)
-    [run] = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
-                               f"attributes.run_name = '{cfg.run.name}'")
+    [run] = client.search_runs(
+        [client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
+        f"attributes.run_name = '{cfg.run.name}'",
+    )
     assert run.info.status == "FINISHED"
     # Another seed would resume step 16 in another data order: refused before Ray starts.
     with pytest.raises(DataError, match=r"train\.seed: 0 -> 1.*data\.allow_order_change=true"):
@@ -204,7 +234,9 @@ def test_a_second_driver_is_refused_while_a_run_trains_and_the_resubmitted_run_f
 
 def test_min_workers_the_cluster_cannot_hold_fails_fast(ray_cluster, tiny_config):
     cfg = tiny_config("elastic.min_workers=8", "elastic.max_workers=8", "elastic.capacity_wait_s=2")
-    with pytest.raises(CapacityError, match=r"^elastic.min_workers: 8 workers need 9 CPU .* offered only 3 CPU for 2 s"):
+    with pytest.raises(
+        CapacityError, match=r"^elastic.min_workers: 8 workers need 9 CPU .* offered only 3 CPU for 2 s"
+    ):
         driver.run(cfg)
 
 

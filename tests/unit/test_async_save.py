@@ -10,9 +10,9 @@ from tests.helpers.faulty_fs import Faults, faulty_filesystem
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
 from wildtrain.checkpoint.format import checkpoint_name
 from wildtrain.checkpoint.restore import list_candidates, restore
-from wildtrain.checkpoint.store import Store, read_manifest
 from wildtrain.checkpoint.retention import RetentionPolicy
 from wildtrain.checkpoint.save_policy import InFlight, admit, metrics
+from wildtrain.checkpoint.store import Store, read_manifest
 
 WAIT_S = 30  # a bound for events that should come at once; never waited out in a passing run
 
@@ -25,8 +25,14 @@ def thread_saver(*args, **options) -> AsyncSaver:
 
 
 def meta(step: int, world_size: int = 1) -> CheckpointMeta:
-    return CheckpointMeta(step=step, tag=f"step_{step}", world_size=world_size, zero_stage=0,
-                          data_position={"step": step}, config_hash="c0ffee")
+    return CheckpointMeta(
+        step=step,
+        tag=f"step_{step}",
+        world_size=world_size,
+        zero_stage=0,
+        data_position={"step": step},
+        config_hash="c0ffee",
+    )
 
 
 def state(value: float) -> dict:
@@ -218,14 +224,18 @@ def test_a_replica_that_fails_makes_the_save_partial(tmp_path, store):
 
 def test_rank_0_commits_once_every_rank_has_uploaded(tmp_path, store):
     savers = [thread_saver([store], str(tmp_path / "staging"), rank=r, world_size=2, attempt="a1") for r in (0, 1)]
-    savers[0].save_state(meta(10, world_size=2),
-                         {"shared.pt": state(1.0), "zero_pp_rank_0_mp_rank_00_x.pt": state(2.0)})
+    savers[0].save_state(
+        meta(10, world_size=2), {"shared.pt": state(1.0), "zero_pp_rank_0_mp_rank_00_x.pt": state(2.0)}
+    )
     savers[1].save_state(meta(10, world_size=2), {"zero_pp_rank_1_mp_rank_00_x.pt": state(3.0)})
     assert all(s.close(WAIT_S) for s in savers)
 
     manifest = read_manifest(store, checkpoint_name(10, "a1"))
-    assert {f.path for f in manifest.files} == {"shared.pt", "zero_pp_rank_0_mp_rank_00_x.pt",
-                                                "zero_pp_rank_1_mp_rank_00_x.pt"}
+    assert {f.path for f in manifest.files} == {
+        "shared.pt",
+        "zero_pp_rank_0_mp_rank_00_x.pt",
+        "zero_pp_rank_1_mp_rank_00_x.pt",
+    }
     assert manifest.world_size == 2
     assert [o.status for s in savers for o in s.drain()] == ["saved", "saved"]
 
@@ -254,8 +264,7 @@ def test_retention_keeps_the_restored_checkpoint_while_it_is_the_only_one_known_
     assert first.flush(WAIT_S)
     restored = (store.uri, checkpoint_name(5, "a0"))
     # Without read-back verification its own saves are not known good, so step 5 must stay.
-    saver = make_saver(retention=RetentionPolicy(keep_last=1), attempt="b1", verify_upload=False,
-                       known_good=[restored])
+    saver = make_saver(retention=RetentionPolicy(keep_last=1), attempt="b1", verify_upload=False, known_good=[restored])
     for step in (10, 20):
         saver.save_state(meta(step), {"state.pt": state(float(step))})
         assert saver.flush(WAIT_S)
@@ -298,8 +307,10 @@ def test_a_gated_save_commits_only_once_its_step_is_released(store, make_saver):
 def two_ranks(tmp_path, store, rank1_faults: Faults, **options) -> list[AsyncSaver]:
     """Savers for ranks 0 and 1 of one group, writing into the same folder; rank 1 through `rank1_faults`."""
     rank1_store = Store(faulty_filesystem(pafs.LocalFileSystem(), rank1_faults), store.root, store.uri)
-    return [thread_saver([s], str(tmp_path / f"staging{r}"), rank=r, world_size=2, attempt="a1", **options)
-            for r, s in ((0, store), (1, rank1_store))]
+    return [
+        thread_saver([s], str(tmp_path / f"staging{r}"), rank=r, world_size=2, attempt="a1", **options)
+        for r, s in ((0, store), (1, rank1_store))
+    ]
 
 
 def save_both(savers: list[AsyncSaver], step: int) -> None:
@@ -362,8 +373,9 @@ def test_a_save_commits_as_soon_as_the_controller_has_its_report(store, make_sav
     assert committed_steps(store) == [4]
 
 
-def test_a_save_in_flight_at_a_regroup_commits_as_its_group_s_and_the_next_as_the_new_one_s(tmp_path, store, faults,
-                                                                                             make_saver):
+def test_a_save_in_flight_at_a_regroup_commits_as_its_group_s_and_the_next_as_the_new_one_s(
+    tmp_path, store, faults, make_saver
+):
     # In-process, workers joined: the group re-forms at a larger size while the alone rank's save uploads.
     faults.gate = threading.Event()
     saver = make_saver(rank=0, world_size=1, attempt="a1")

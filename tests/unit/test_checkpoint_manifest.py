@@ -8,11 +8,28 @@ import pytest
 
 from tests.helpers.faulty_fs import Faults, faulty_filesystem
 from wildtrain.checkpoint import store as store_module
-from wildtrain.checkpoint.format import MANIFEST, CheckpointManifest, FileEntry, checkpoint_name, files_for_rank, step_of
+from wildtrain.checkpoint.format import (
+    MANIFEST,
+    CheckpointManifest,
+    FileEntry,
+    checkpoint_name,
+    files_for_rank,
+    step_of,
+)
 from wildtrain.checkpoint.restore import Candidate, NoGoodCheckpoint, choose_restore, list_candidates, restore
 from wildtrain.checkpoint.store import (
-    HELD_POLL_S, Cancelled, CommitError, DeadlineExceeded, PartFailed, Store, commit, commit_when_complete,
-    read_manifest, upload, verify, write_part,
+    HELD_POLL_S,
+    Cancelled,
+    CommitError,
+    DeadlineExceeded,
+    PartFailed,
+    Store,
+    commit,
+    commit_when_complete,
+    read_manifest,
+    upload,
+    verify,
+    write_part,
 )
 
 SHARED = "step/mp_rank_00_model_states.pt"
@@ -40,9 +57,19 @@ def save(tmp_path: Path, store, step: int, attempt: str = "a", world_size: int =
         local = stage(tmp_path / "staging" / f"{name}.{rank}", files)
         write_part(store, name, rank, upload(local, store, name))
     if do_commit:
+
         def commit_step(store, files):
-            commit(store, name, step=step, tag="step", world_size=world_size, zero_stage=1, files=files,
-                   data_position={"epoch": 0, "step": step}, config_hash="c0ffee")
+            commit(
+                store,
+                name,
+                step=step,
+                tag="step",
+                world_size=world_size,
+                zero_stage=1,
+                files=files,
+                data_position={"epoch": 0, "step": step},
+                config_hash="c0ffee",
+            )
 
         assert commit_when_complete([(store, time.monotonic() + WAIT_S)], name, world_size, commit_step) == {}
     return name
@@ -133,8 +160,17 @@ def test_restore_uses_the_replica_when_the_primary_copy_is_gone(tmp_path, store)
     local = stage(tmp_path / "staging", {SHARED: b"model", rank_file(0): b"optim"})
     for target in (store, replica):
         files = upload(local, target, name)
-        commit(target, name, step=100, tag="step", world_size=1, zero_stage=1, files=files, data_position={},
-               config_hash="")
+        commit(
+            target,
+            name,
+            step=100,
+            tag="step",
+            world_size=1,
+            zero_stage=1,
+            files=files,
+            data_position={},
+            config_hash="",
+        )
     (tmp_path / "primary" / name / SHARED).unlink()
 
     restored = restore([store, replica], str(tmp_path / "local"), rank=0, world_size=1)
@@ -169,8 +205,9 @@ def test_commit_refuses_files_that_are_not_in_the_store(tmp_path, store):
     files = list(upload(stage(tmp_path / "staging", {SHARED: b"model"}), store, name))
     files.append(FileEntry(rank_file(0), 5, "0" * 64))
     with pytest.raises(CommitError, match=rank_file(0)):
-        commit(store, name, step=100, tag="step", world_size=1, zero_stage=1, files=files, data_position={},
-               config_hash="")
+        commit(
+            store, name, step=100, tag="step", world_size=1, zero_stage=1, files=files, data_position={}, config_hash=""
+        )
     assert read_manifest(store, name) is None
 
 
@@ -197,7 +234,8 @@ def test_waiting_for_parts_stops_when_cancelled(tmp_path, store):
 
 
 def test_a_commit_held_once_its_parts_are_in_reads_the_store_once_and_asks_again_at_a_short_pace(
-        tmp_path, store, monkeypatch):
+    tmp_path, store, monkeypatch
+):
     # A store is polled with a growing interval (it notifies nobody), but what holds a
     # complete checkpoint (its step's report, collected at the controller's next poll) is
     # local: the commit should follow it within HELD_POLL_S, not within the store's backoff.
@@ -207,9 +245,14 @@ def test_a_commit_held_once_its_parts_are_in_reads_the_store_once_and_asks_again
     real_poll = store_module.poll_parts
     monkeypatch.setattr(store_module, "poll_parts", lambda *args: polls.append(args) or real_poll(*args))
     committed = []
-    errors = commit_when_complete([(store, time.monotonic() + WAIT_S)], name, 1,
-                                  lambda store, files: committed.append(files), held_by=lambda: next(holds, None),
-                                  wait=lambda seconds: waits.append(seconds))
+    errors = commit_when_complete(
+        [(store, time.monotonic() + WAIT_S)],
+        name,
+        1,
+        lambda store, files: committed.append(files),
+        held_by=lambda: next(holds, None),
+        wait=lambda seconds: waits.append(seconds),
+    )
     assert errors == {} and committed == [(FileEntry("latest", 4, "a" * 64),)]
     assert len(polls) == 1
     assert waits == [HELD_POLL_S] * 8
@@ -225,8 +268,12 @@ def test_a_commit_that_fails_against_a_store_is_retried_with_the_stores_backoff(
         if error:
             raise error
 
-    assert commit_when_complete([(store, time.monotonic() + WAIT_S)], name, 1, commit,
-                                wait=lambda seconds: waits.append(seconds)) == {}
+    assert (
+        commit_when_complete(
+            [(store, time.monotonic() + WAIT_S)], name, 1, commit, wait=lambda seconds: waits.append(seconds)
+        )
+        == {}
+    )
     assert waits == [0.05, 0.1, 0.2]
 
 
@@ -305,8 +352,17 @@ def test_at_another_world_size_a_rank_downloads_only_the_universal_copy(tmp_path
     copy_name = f"{name}.uc0ffee"
     local = stage(tmp_path / "copy", {"step_universal/zero/w/fp32.pt": b"w" * 50, "client_state.json": b"{}"})
     files = upload(local, store, copy_name)
-    commit(store, copy_name, step=100, tag="step_universal", world_size=2, zero_stage=1, files=files,
-           data_position={}, config_hash="c0ffee")
+    commit(
+        store,
+        copy_name,
+        step=100,
+        tag="step_universal",
+        world_size=2,
+        zero_stage=1,
+        files=files,
+        data_position={},
+        config_hash="c0ffee",
+    )
     asked = []
 
     def universal_copy(s, candidate):

@@ -17,9 +17,7 @@ from wildtrain.services import free_port
 
 
 def wildtrain(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "wildtrain", *args], capture_output=True, text=True, timeout=120
-    )
+    return subprocess.run([sys.executable, "-m", "wildtrain", *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize(
@@ -61,31 +59,69 @@ def test_config_command_prints_the_resolved_config():
 
 
 def test_sweep_dry_run_prints_each_trial_with_its_hash_and_starts_nothing():
-    done = wildtrain("sweep", "abl", "--grid", "optim.lr=1e-3,3e-3", "--grid", "model.dim=64,128", "--steps", "5",
-                     "--dry-run", "experiment=tiny")
+    done = wildtrain(
+        "sweep",
+        "abl",
+        "--grid",
+        "optim.lr=1e-3,3e-3",
+        "--grid",
+        "model.dim=64,128",
+        "--steps",
+        "5",
+        "--dry-run",
+        "experiment=tiny",
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "sweep abl: 4 trials over optim.lr, model.dim"
     assert len(lines) == 5 and all(line.split()[1] == f"abl-{line.split()[0]}" for line in lines[1:])
-    assert wildtrain("sweep", "abl", "--grid", "optim.lr=1e-3,3e-3", "--grid", "model.dim=64,128", "--steps", "5",
-                     "--dry-run", "experiment=tiny").stdout == done.stdout
+    assert (
+        wildtrain(
+            "sweep",
+            "abl",
+            "--grid",
+            "optim.lr=1e-3,3e-3",
+            "--grid",
+            "model.dim=64,128",
+            "--steps",
+            "5",
+            "--dry-run",
+            "experiment=tiny",
+        ).stdout
+        == done.stdout
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (("sweep", "s", "--grid", "optim.lr=1,2", "--cluster", "big"),
-     f"wildtrain: {REPO / 'ray_clusters' / 'clusters.yaml'}: clusters.big: no such cluster (known: "
-     f"{', '.join(sorted(registry.load(REPO / 'ray_clusters' / 'clusters.yaml').clusters))})"),
-    (("sweep", "s", "--grid", "optim.lr=1,fast"), "wildtrain: optim.lr: expected float, got 'fast' (str) (trial optim.lr=fast)"),
-    (("promote", "s", "--to", "model=7b", "--submit"), "wildtrain: promote --submit: give the cluster with --cluster NAME"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ("sweep", "s", "--grid", "optim.lr=1,2", "--cluster", "big"),
+            f"wildtrain: {REPO / 'ray_clusters' / 'clusters.yaml'}: clusters.big: no such cluster (known: "
+            f"{', '.join(sorted(registry.load(REPO / 'ray_clusters' / 'clusters.yaml').clusters))})",
+        ),
+        (
+            ("sweep", "s", "--grid", "optim.lr=1,fast"),
+            "wildtrain: optim.lr: expected float, got 'fast' (str) (trial optim.lr=fast)",
+        ),
+        (
+            ("promote", "s", "--to", "model=7b", "--submit"),
+            "wildtrain: promote --submit: give the cluster with --cluster NAME",
+        ),
+    ],
+)
 def test_sweep_and_promote_refuse_what_they_cannot_do_with_one_line(args, message):
     done = wildtrain(*args)
     assert (done.returncode, done.stderr.strip()) == (2, message)
 
 
 def test_every_error_the_command_line_knows_is_one_wildtrain_defines():
-    defined = {node.name for path in (REPO / "platform/wildtrain").rglob("*.py")
-               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)}
+    defined = {
+        node.name
+        for path in (REPO / "platform/wildtrain").rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
     assert SETTING_ERRORS | RUN_ERRORS <= defined, "renamed? update cli_common"
     assert not SETTING_ERRORS & RUN_ERRORS
 
@@ -97,8 +133,11 @@ def test_known_errors_end_a_command_with_one_line_and_others_keep_their_tracebac
     def command(error: Exception) -> None:
         raise error
 
-    for error, code in ((ConfigError("train.steps: must be positive"), 2), (ServiceError("http://u:pw@h down"), 1),
-                        (LookupError("no run 'r'"), 1)):
+    for error, code in (
+        (ConfigError("train.steps: must be positive"), 2),
+        (ServiceError("http://u:pw@h down"), 1),
+        (LookupError("no run 'r'"), 1),
+    ):
         with pytest.raises(SystemExit) as ended:
             one_line_errors(LookupError)(command)(error)
         assert ended.value.code == code

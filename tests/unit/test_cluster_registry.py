@@ -33,7 +33,9 @@ def test_launcher_yaml_passes_rays_own_validation_and_is_secure_by_default(path)
     validate_config(prepared)
     (head_start,) = [c for c in prepared["head_start_ray_commands"] if "ray start" in c]
     assert "--dashboard-host=127.0.0.1" in head_start and "0.0.0.0" not in head_start
-    starts = [c for c in prepared["head_start_ray_commands"] + prepared["worker_start_ray_commands"] if "ray start" in c]
+    starts = [
+        c for c in prepared["head_start_ray_commands"] + prepared["worker_start_ray_commands"] if "ray start" in c
+    ]
     assert all("RAY_AUTH_MODE=token ray start" in c for c in starts), starts
     if prepared["provider"]["type"] != "local" or prepared["provider"]["head_ip"] != "127.0.0.1":
         # The token reaches every node by file, never in the YAML.
@@ -139,8 +141,10 @@ def test_gke_workers_carry_what_the_tcpxo_profile_expects(path):
         pod, annotations = template["spec"], template["metadata"]["annotations"]
         assert pod.get("hostNetwork", False) is False
         nics = json.loads(annotations["networking.gke.io/interfaces"])
-        assert [n["interfaceName"] for n in nics] == [profile["NCCL_FASTRAK_CTRL_DEV"],
-                                                      *profile["NCCL_FASTRAK_IFNAME"].split(",")]
+        assert [n["interfaceName"] for n in nics] == [
+            profile["NCCL_FASTRAK_CTRL_DEV"],
+            *profile["NCCL_FASTRAK_IFNAME"].split(","),
+        ]
         assert len({n["network"] for n in nics}) == len(nics) == 9
         assert annotations["networking.gke.io/default-interface"] == profile["NCCL_SOCKET_IFNAME"]
 
@@ -150,11 +154,17 @@ def test_gke_workers_carry_what_the_tcpxo_profile_expects(path):
         assert "privileged" not in daemon["securityContext"]
         gpus = container(pod["containers"], "ray-worker")["resources"]["limits"]["nvidia.com/gpu"]
         devices = {d["path"] for d in yaml.safe_load(annotations["devices.gke.io/container.tcpxo-daemon"])}
-        assert devices == {f"/dev/nvidia{i}" for i in range(gpus)} | {"/dev/nvidiactl", "/dev/nvidia-uvm",
-                                                                      "/dev/dmabuf_import_helper"}
+        assert devices == {f"/dev/nvidia{i}" for i in range(gpus)} | {
+            "/dev/nvidiactl",
+            "/dev/nvidia-uvm",
+            "/dev/dmabuf_import_helper",
+        }
         host = {m["mountPath"]: mounted(pod, m)["hostPath"]["path"] for m in daemon["volumeMounts"]}
-        assert host == {"/usr/local/nvidia/lib64": "/home/kubernetes/bin/nvidia/lib64",
-                        "/hostsysfs": "/sys", "/hostprocsysfs": "/proc/sys"}
+        assert host == {
+            "/usr/local/nvidia/lib64": "/home/kubernetes/bin/nvidia/lib64",
+            "/hostsysfs": "/sys",
+            "/hostprocsysfs": "/proc/sys",
+        }
 
         worker = container(pod["containers"], "ray-worker")
         host = {m["mountPath"]: mounted(pod, m).get("hostPath", {}).get("path") for m in worker["volumeMounts"]}
@@ -187,8 +197,9 @@ def test_the_shipped_registry_loads_and_every_nccl_profile_warns_only():
 
 def test_cluster_name_on_train_selects_the_entry_and_user_overrides_win():
     path = CLUSTERS / "clusters.yaml"
-    cfg = load_config(registry.expand(["experiment=tiny", "cluster=aws-p5", "train.steps=3",
-                                       "run.storage=s3://elsewhere/runs"], path))
+    cfg = load_config(
+        registry.expand(["experiment=tiny", "cluster=aws-p5", "train.steps=3", "run.storage=s3://elsewhere/runs"], path)
+    )
     assert cfg.cluster.name == "aws-p5" and cfg.cluster.use_gpu
     assert cfg.cluster.peak_flops_per_device == pytest.approx(989.4e12)
     assert cfg.storage.region == "us-east-2" and cfg.run.storage == "s3://elsewhere/runs"
@@ -200,21 +211,32 @@ def registry_with(tmp_path: Path, entry: str) -> Path:
     shutil.copytree(CLUSTERS / "nccl", tmp_path / "nccl")
     (tmp_path / "launch.yaml").write_text("cluster_name: x\n")
     path = tmp_path / "clusters.yaml"
-    base = {"provider": "local", "launcher": "launch.yaml", "jobs_api": "http://127.0.0.1:1", "token_file": "token",
-            "storage": {"runs": "s3://b/runs", "data": "s3://b/data"}}
+    base = {
+        "provider": "local",
+        "launcher": "launch.yaml",
+        "jobs_api": "http://127.0.0.1:1",
+        "token_file": "token",
+        "storage": {"runs": "s3://b/runs", "data": "s3://b/data"},
+    }
     path.write_text(yaml.safe_dump({"clusters": {"a": {**base, **yaml.safe_load(entry)}}}))
     return path
 
 
-@pytest.mark.parametrize("entry, message", [
-    ("storage: {runs: s3://b/runs, data: s3://b/data, endpont: x}", "clusters.a.storage.endpont: unknown key"),
-    ("accelerator: {per_node: eight}", "clusters.a.accelerator.per_node: Value 'eight' of type 'str' could not be converted to Integer"),
-    ("launcher: missing.yaml", "clusters.a.launcher: no such file"),
-    ("nccl: {profile: myrinet}", "clusters.a.nccl.profile: no such profile"),
-    ("provider: azure", "clusters.a.provider: 'azure' is not one of local, aws, gcp, kubernetes"),
-    ("sync_bwlimit: fast", "clusters.a.sync_bwlimit: 'fast' is not a rate"),
-    ("cluster_config: tpu", "clusters.a.cluster_config: no such file conf/cluster/tpu.yaml"),
-])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ("storage: {runs: s3://b/runs, data: s3://b/data, endpont: x}", "clusters.a.storage.endpont: unknown key"),
+        (
+            "accelerator: {per_node: eight}",
+            "clusters.a.accelerator.per_node: Value 'eight' of type 'str' could not be converted to Integer",
+        ),
+        ("launcher: missing.yaml", "clusters.a.launcher: no such file"),
+        ("nccl: {profile: myrinet}", "clusters.a.nccl.profile: no such profile"),
+        ("provider: azure", "clusters.a.provider: 'azure' is not one of local, aws, gcp, kubernetes"),
+        ("sync_bwlimit: fast", "clusters.a.sync_bwlimit: 'fast' is not a rate"),
+        ("cluster_config: tpu", "clusters.a.cluster_config: no such file conf/cluster/tpu.yaml"),
+    ],
+)
 def test_registry_mistakes_name_the_key(tmp_path, entry, message):
     path = registry_with(tmp_path, entry)
     with pytest.raises(ConfigError) as e:

@@ -28,11 +28,23 @@ def test_entrypoint_trains_with_the_clusters_settings_then_the_users_and_an_expl
 
 
 def test_a_sweep_is_sent_as_its_own_command_with_the_clusters_settings_and_no_run_name(clusters):
-    spec = job_spec(clusters.get("coreweave"), ["experiment=tiny"], working_dir=REPO,
-                    command=Command.of_sweep("abl", "--grid=optim.lr=1e-3,3e-3", "--steps=5"))
+    spec = job_spec(
+        clusters.get("coreweave"),
+        ["experiment=tiny"],
+        working_dir=REPO,
+        command=Command.of_sweep("abl", "--grid=optim.lr=1e-3,3e-3", "--steps=5"),
+    )
     args = shlex.split(spec.entrypoint)
-    assert args[:8] == ["python", "-m", "wildtrain", "sweep", "abl", "--grid=optim.lr=1e-3,3e-3", "--steps=5",
-                        "cluster=gpu"]
+    assert args[:8] == [
+        "python",
+        "-m",
+        "wildtrain",
+        "sweep",
+        "abl",
+        "--grid=optim.lr=1e-3,3e-3",
+        "--steps=5",
+        "cluster=gpu",
+    ]
     assert "cluster.name=coreweave" in args and args[-1] == "experiment=tiny"  # trials name themselves
 
 
@@ -54,5 +66,7 @@ def test_a_bad_override_fails_before_anything_is_sent(clusters):
 def test_a_missing_token_file_is_named_with_its_key(clusters, tmp_path):
     cluster = clusters.get("aws-p5")
     absent = registry.Cluster(cluster.name, cluster.entry, cluster.launcher, tmp_path / "none", {})
-    with pytest.raises(jobs_api.ClusterError, match=r"^aws-p5: no token: clusters.aws-p5.token_file .*none does not exist"):
+    with pytest.raises(
+        jobs_api.ClusterError, match=r"^aws-p5: no token: clusters.aws-p5.token_file .*none does not exist"
+    ):
         jobs_api.auth_headers(absent)

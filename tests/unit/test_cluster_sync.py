@@ -23,7 +23,9 @@ def clusters():
 def test_cluster_locations_name_its_store_and_its_cap_and_uris_stay_uris(clusters):
     loc = parse_location("coreweave:runs/yolo-1", lambda: clusters)
     assert loc.uri == "s3://wildtrain-cw/runs/yolo-1" and loc.bwlimit == "500M"
-    assert loc.storage.endpoint == "https://object.lga1.coreweave.com" and loc.storage.access_key_env == "CW_ACCESS_KEY_ID"
+    assert (
+        loc.storage.endpoint == "https://object.lga1.coreweave.com" and loc.storage.access_key_env == "CW_ACCESS_KEY_ID"
+    )
     assert parse_location("aws-p5:data", lambda: clusters).uri == "s3://wildtrain-aws/datasets"
     assert parse_location("s3://b/x", lambda: pytest.fail("a URI needs no registry")).uri == "s3://b/x"
     with pytest.raises(ConfigError, match=r"clusters\.nope: no such cluster"):

@@ -44,8 +44,12 @@ def _is_distributed(expr: ast.expr, modules: set[str]) -> bool:
     if isinstance(expr, ast.Name):
         return expr.id in modules
     # torch.distributed.<fn>
-    return (isinstance(expr, ast.Attribute) and expr.attr == "distributed"
-            and isinstance(expr.value, ast.Name) and expr.value.id == "torch")
+    return (
+        isinstance(expr, ast.Attribute)
+        and expr.attr == "distributed"
+        and isinstance(expr.value, ast.Name)
+        and expr.value.id == "torch"
+    )
 
 
 def collective_calls(source: str) -> list[str]:
@@ -83,16 +87,24 @@ dist.is_initialized()
 def test_no_module_of_the_training_loop_calls_a_collective_but_the_helper():
     modules = sorted(p.name for p in TRAIN.glob("*.py"))
     assert HELPER in modules and "loop.py" in modules
-    bypassing = {name: calls for name in modules if name != HELPER
-                 for calls in [collective_calls((TRAIN / name).read_text())] if calls}
+    bypassing = {
+        name: calls
+        for name in modules
+        if name != HELPER
+        for calls in [collective_calls((TRAIN / name).read_text())]
+        if calls
+    }
     assert bypassing == {}, f"collectives outside train/{HELPER}: {bypassing}"
 
 
-@pytest.mark.parametrize("backend, device", [
-    ("gloo", "cpu"),
-    ("cpu:gloo,cuda:nccl", "cpu"),  # Ray Train's string: flags and objects need no device copy
-    ("cuda:nccl,cpu:gloo", "cpu"),
-])
+@pytest.mark.parametrize(
+    "backend, device",
+    [
+        ("gloo", "cpu"),
+        ("cpu:gloo,cuda:nccl", "cpu"),  # Ray Train's string: flags and objects need no device copy
+        ("cuda:nccl,cpu:gloo", "cpu"),
+    ],
+)
 def test_small_tensors_go_to_the_cpu_when_the_group_has_a_cpu_backend(backend, device):
     assert collectives.small_tensor_device(backend).type == device
 

@@ -92,12 +92,15 @@ def test_seq_len_longer_than_the_model_is_rejected():
         load_config(["data.seq_len=4096"])
 
 
-@pytest.mark.parametrize("key, bad, choices", [
-    ("checkpoint.policy", "drop", "skip, queue"),
-    ("checkpoint.background", "fork", "process, thread"),
-    ("early_stop.metric", "val/acc", "loss, val/loss"),
-    ("cluster.placement_strategy", "STRICT_PACK", "auto, PACK, SPREAD, STRICT_SPREAD, NODE_BUNDLES"),
-])
+@pytest.mark.parametrize(
+    "key, bad, choices",
+    [
+        ("checkpoint.policy", "drop", "skip, queue"),
+        ("checkpoint.background", "fork", "process, thread"),
+        ("early_stop.metric", "val/acc", "loss, val/loss"),
+        ("cluster.placement_strategy", "STRICT_PACK", "auto, PACK, SPREAD, STRICT_SPREAD, NODE_BUNDLES"),
+    ],
+)
 def test_a_value_outside_its_choices_names_the_key_the_value_and_the_choices(key, bad, choices):
     with pytest.raises(ConfigError) as e:
         load_config([f"{key}={bad}"])
@@ -107,8 +110,11 @@ def test_a_value_outside_its_choices_names_the_key_the_value_and_the_choices(key
 def test_a_partial_base_model_shape_is_rejected_naming_the_missing_key():
     # Also what an experiment promoted before per-matrix muP holds: base_dim and base_n_layers
     # beside multipliers already scaled, which scaling from the base again would compound.
-    with pytest.raises(ConfigError, match=r"^model\.base_ffn_dim: .* all set or none \(set: model\.base_dim, "
-                                          r"model\.base_n_layers\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model\.base_ffn_dim: .* all set or none \(set: model\.base_dim, "
+        r"model\.base_n_layers\)",
+    ):
         load_config(["model.base_dim=64", "model.base_n_layers=1"])
     with pytest.raises(ConfigError, match=r"^model\.base_head_dim: must be positive"):
         load_config(["model.base_dim=64", "model.base_ffn_dim=96", "model.base_head_dim=0", "model.base_n_layers=1"])
@@ -121,9 +127,11 @@ def test_flatten_and_hash_follow_the_values():
     assert config_hash(a) != config_hash(b) and config_hash(a) == config_hash(load_config([]))
 
 
-MOVED = [("train.checkpoint_every", "checkpoint.every", "7"),
-         ("cluster.reshard_ahead", "checkpoint.reshard_ahead", "true"),
-         ("cluster.capacity_wait_s", "elastic.capacity_wait_s", "33")]
+MOVED = [
+    ("train.checkpoint_every", "checkpoint.every", "7"),
+    ("cluster.reshard_ahead", "checkpoint.reshard_ahead", "true"),
+    ("cluster.capacity_wait_s", "elastic.capacity_wait_s", "33"),
+]
 
 
 @pytest.mark.parametrize("old, new, value", MOVED)
@@ -144,7 +152,8 @@ def test_a_moved_key_s_old_name_in_a_yaml_file_loads_and_the_warning_names_the_f
         cfg = load_config(["experiment=old"], conf_dir=conf)
     assert [str(w.message).partition(";")[0] for w in warned] == [
         f"train.checkpoint_every (in {old}) is now checkpoint.every",
-        f"cluster.capacity_wait_s (in {old}) is now elastic.capacity_wait_s"]
+        f"cluster.capacity_wait_s (in {old}) is now elastic.capacity_wait_s",
+    ]
     assert (cfg.train.steps, cfg.checkpoint.every, cfg.elastic.capacity_wait_s) == (8, 4, 9.0)
     old.write_text("train:\n  checkpoint_every: 4\ncheckpoint:\n  every: 5\n")
     both = rf"^train\.checkpoint_every: now checkpoint\.every, which {re.escape(str(old))} also sets"

@@ -12,7 +12,8 @@ from dataclasses import is_dataclass
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from wildtrain.cli import main
@@ -65,9 +66,12 @@ def _wrong_values(declared) -> st.SearchStrategy[str]:
     missing = [] if optional else [""]  # `key=` is null
     if is_dataclass(inner):
         names = list(typing.get_type_hints(inner))
-        return st.one_of(st.sampled_from(["3", "[1]", *missing]), WORD,
-                         WORD.filter(lambda w: w not in names).map(lambda w: f"{{{w}: 1}}"),
-                         st.sampled_from(names).map(lambda n: f"{{{n}: {{a: [1]}}}}"))
+        return st.one_of(
+            st.sampled_from(["3", "[1]", *missing]),
+            WORD,
+            WORD.filter(lambda w: w not in names).map(lambda w: f"{{{w}: 1}}"),
+            st.sampled_from(names).map(lambda n: f"{{{n}: {{a: [1]}}}}"),
+        )
     if typing.get_origin(inner) is list:
         item, _ = _required(typing.get_args(inner)[0])
         bad_items = ["[1]", "[{nope: 1}]"] if is_dataclass(item) else ["[[a]]", "[{a: 1}]"]
@@ -77,8 +81,11 @@ def _wrong_values(declared) -> st.SearchStrategy[str]:
         return st.one_of(st.sampled_from(["[1]", "3", *bad_entries, *missing]), WORD)
     if inner is str:
         return st.sampled_from(["[1]", "{a: 1}", "[a, b]", *missing])
-    scalar = {int: ["1.5", "1e3", "true", "[1]", "{a: 1}"], float: ["true", "[1]", "{a: 1}"],
-              bool: ["1.5", "[1]", "{a: 1}"]}[inner]
+    scalar = {
+        int: ["1.5", "1e3", "true", "[1]", "{a: 1}"],
+        float: ["true", "[1]", "{a: 1}"],
+        bool: ["1.5", "[1]", "{a: 1}"],
+    }[inner]
     return st.one_of(st.sampled_from([*scalar, *missing]), WORD)
 
 
@@ -100,15 +107,40 @@ def _unknown_key(key_and_type) -> st.SearchStrategy[str]:
     return st.just(f"{key}.x=1")  # below a scalar
 
 
-MALFORMED = st.sampled_from([
-    "train.steps", "=1", "=", ".train=1", "train.=1", "train..steps=1", "train.steps=[", "train.steps={",
-    "run.name=]", "run.name='open", "run.name=a: b: c", "run.name=!!python/object:os.system",
-    "train.steps=${", "train.steps=${nope}", "run.name=${nope.x}", "train.steps=???", "run.name=???",
-    "data.datasets.0.uri=${oops:1}", "data.validation=${run.tags}", "run.tags=${data.datasets}",
-    "cluster.worker_resources.a[0]=1", "run.tags.a]=b",
-    "model=", "model=nope", "model=../config", "model=a/b", "experiment=", "experiment=../config.yaml",
-    "deepspeed=zero1 ", "train .steps=1",
-])
+MALFORMED = st.sampled_from(
+    [
+        "train.steps",
+        "=1",
+        "=",
+        ".train=1",
+        "train.=1",
+        "train..steps=1",
+        "train.steps=[",
+        "train.steps={",
+        "run.name=]",
+        "run.name='open",
+        "run.name=a: b: c",
+        "run.name=!!python/object:os.system",
+        "train.steps=${",
+        "train.steps=${nope}",
+        "run.name=${nope.x}",
+        "train.steps=???",
+        "run.name=???",
+        "data.datasets.0.uri=${oops:1}",
+        "data.validation=${run.tags}",
+        "run.tags=${data.datasets}",
+        "cluster.worker_resources.a[0]=1",
+        "run.tags.a]=b",
+        "model=",
+        "model=nope",
+        "model=../config",
+        "model=a/b",
+        "experiment=",
+        "experiment=../config.yaml",
+        "deepspeed=zero1 ",
+        "train .steps=1",
+    ]
+)
 
 BAD = st.one_of(
     st.sampled_from(KEYS).flatmap(_wrong_typed),
@@ -146,8 +178,11 @@ def test_wildtrain_config_exits_2_with_that_line(item):
 
 # Every key set to its default value: `model=...` chooses a file of conf/model/, so a
 # group's section is set key by key.
-GIVEN_DEFAULTS = [f"{key}={_render(OmegaConf.select(DEFAULTS, key))}" for key, _ in KEYS
-                  if key not in GROUPS and OmegaConf.select(DEFAULTS, key, default=KeyError) is not KeyError]
+GIVEN_DEFAULTS = [
+    f"{key}={_render(OmegaConf.select(DEFAULTS, key))}"
+    for key, _ in KEYS
+    if key not in GROUPS and OmegaConf.select(DEFAULTS, key, default=KeyError) is not KeyError
+]
 DEFAULT_FLAT = flatten(load_config([]))
 
 
@@ -168,7 +203,10 @@ STR_KEYS = [key for key, declared in KEYS if _required(declared)[0] is str and n
 
 
 @settings(max_examples=10, deadline=None)
-@given(st.sampled_from(STR_KEYS), st.text(st.characters(codec="utf-8", exclude_characters="$\\", exclude_categories=["Cc", "Cs"]), max_size=12))
+@given(
+    st.sampled_from(STR_KEYS),
+    st.text(st.characters(codec="utf-8", exclude_characters="$\\", exclude_categories=["Cc", "Cs"]), max_size=12),
+)
 def test_any_text_for_a_text_key_loads_as_given_or_is_refused_naming_it(key, text):
     try:
         cfg = load_config([f"{key}={json.dumps(text)}"])
@@ -178,29 +216,43 @@ def test_any_text_for_a_text_key_loads_as_given_or_is_refused_naming_it(key, tex
         assert OmegaConf.select(OmegaConf.structured(cfg), key) == text
 
 
-@pytest.mark.parametrize("item, key, value", [
-    ("cluster.worker_resources={w: 1}", "cluster.worker_resources", {"w": 1.0}),
-    ("cluster.worker_resources.trainer=2", "cluster.worker_resources", {"trainer": 2.0}),
-    ("data.datasets.0.weight=2", "data.datasets.0.weight", 2.0),
-    ("data.datasets=[{uri: s3://a}, {uri: s3://b, weight: 2}]", "data.datasets.1.weight", 2.0),
-    ("objective.denoisers.1={corruption: 0.5}", "objective.denoisers.1.corruption", 0.5),
-    ("run.tags={wildtrain.trial: abc}", "run.tags", {"wildtrain.trial": "abc"}),
-    ("model.n_kv_heads=", "model.n_kv_heads", None),
-])
+@pytest.mark.parametrize(
+    "item, key, value",
+    [
+        ("cluster.worker_resources={w: 1}", "cluster.worker_resources", {"w": 1.0}),
+        ("cluster.worker_resources.trainer=2", "cluster.worker_resources", {"trainer": 2.0}),
+        ("data.datasets.0.weight=2", "data.datasets.0.weight", 2.0),
+        ("data.datasets=[{uri: s3://a}, {uri: s3://b, weight: 2}]", "data.datasets.1.weight", 2.0),
+        ("objective.denoisers.1={corruption: 0.5}", "objective.denoisers.1.corruption", 0.5),
+        ("run.tags={wildtrain.trial: abc}", "run.tags", {"wildtrain.trial": "abc"}),
+        ("model.n_kv_heads=", "model.n_kv_heads", None),
+    ],
+)
 def test_items_and_entries_can_be_set(item, key, value):
     assert OmegaConf.select(OmegaConf.structured(load_config([item])), key) == value
 
 
-@pytest.mark.parametrize("item, message", [
-    ("cluster.worker_resources={w:1}",
-     "cluster.worker_resources: {w:1} reads as the key 'w:1' without a value: write {w: 1}"),
-    ("data.datasets=[{uri: a, wieght: 1}]", "data.datasets.0.wieght: unknown key (did you mean data.datasets.0.weight?)"),
-    ("data.datasets.3.uri=a", "data.datasets.3.uri: data.datasets has 1 item (0); set the whole list: data.datasets=[...]"),
-    ("train.steps.x=1", "train.steps.x: train.steps (int) has no keys below it"),
-    ("foo.bar=1", "foo.bar: unknown key foo"),
-    ("eval.tasks=[[hellaswag]]", "eval.tasks.0: expected str, got ['hellaswag'] (list)"),
-    ("run.tags={a: [1]}", "run.tags.a: expected str, got [1] (list)"),
-])
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        (
+            "cluster.worker_resources={w:1}",
+            "cluster.worker_resources: {w:1} reads as the key 'w:1' without a value: write {w: 1}",
+        ),
+        (
+            "data.datasets=[{uri: a, wieght: 1}]",
+            "data.datasets.0.wieght: unknown key (did you mean data.datasets.0.weight?)",
+        ),
+        (
+            "data.datasets.3.uri=a",
+            "data.datasets.3.uri: data.datasets has 1 item (0); set the whole list: data.datasets=[...]",
+        ),
+        ("train.steps.x=1", "train.steps.x: train.steps (int) has no keys below it"),
+        ("foo.bar=1", "foo.bar: unknown key foo"),
+        ("eval.tasks=[[hellaswag]]", "eval.tasks.0: expected str, got ['hellaswag'] (list)"),
+        ("run.tags={a: [1]}", "run.tags.a: expected str, got [1] (list)"),
+    ],
+)
 def test_errors_name_the_full_key(item, message):
     with pytest.raises(ConfigError) as e:
         load_config([item])

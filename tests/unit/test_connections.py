@@ -32,8 +32,10 @@ def echo_server() -> int:
 def run_ranks() -> dict[int, list[str]]:
     """What each rank of tests/helpers/hang_up_rank.py printed, its lines and its errors."""
     ranks = start_ranks("tests.helpers.hang_up_rank", 3, "--echo-port", echo_server())
-    return {rank: output.splitlines() + [f"(stderr: {errors[-2000:]})"]
-            for rank, (_, output, errors) in enumerate(ranks.outputs(timeout_s=120))}
+    return {
+        rank: output.splitlines() + [f"(stderr: {errors[-2000:]})"]
+        for rank, (_, output, errors) in enumerate(ranks.outputs(timeout_s=120))
+    }
 
 
 def test_a_rank_that_hangs_up_frees_the_survivor_waiting_on_it_and_keeps_its_own_connections():

@@ -94,8 +94,15 @@ def test_a_wait_for_gpus_that_never_came_names_cluster_use_gpu():
 def test_a_cpu_saver_saves_on_the_host_wherever_torch_sees_cuda(tmp_path, monkeypatch):
     # A run told cluster.use_gpu=false on a GPU machine: the device says CPU, whatever torch says.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    saver = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="c1",
-                       background="thread", device=torch.device("cpu"))
+    saver = AsyncSaver(
+        [str(tmp_path / "store")],
+        str(tmp_path / "staging"),
+        rank=0,
+        world_size=1,
+        attempt="c1",
+        background="thread",
+        device=torch.device("cpu"),
+    )
     try:
         saver.save_state(CheckpointMeta(1, "step_1", 1, 0), {"state.pt": {"w": torch.ones(8)}})
         assert saver.flush(30)
@@ -123,7 +130,8 @@ for stage in (1, 3):
     plan = batch_plan(2, 1, 1)
     device = torch.device("cpu")
     engine = build_engine(cfg, plan, build_model(cfg, plan, device), device)
-    dtypes = {p.dtype for p in engine.module.parameters()} | {getattr(p, "ds_tensor", p).dtype for p in engine.module.parameters()}
+    params = list(engine.module.parameters())
+    dtypes = {p.dtype for p in params} | {getattr(p, "ds_tensor", p).dtype for p in params}
     fused = any(g.get("fused") for g in engine.optimizer.optimizer.param_groups)
     print(f"stage {stage}: bf16 {engine.bfloat16_enabled()} dtypes {sorted(map(str, dtypes))} "
           f"fused {fused} compiled {engine.is_compiled}")
@@ -135,35 +143,56 @@ os._exit(0)
 
 
 def test_the_engine_is_built_for_the_device_it_is_given(tmp_path):
-    env = os.environ | dict(DS_ACCELERATOR="cpu", MASTER_ADDR=services.HOST, MASTER_PORT=str(services.free_port()),
-                            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    env = os.environ | dict(
+        DS_ACCELERATOR="cpu",
+        MASTER_ADDR=services.HOST,
+        MASTER_PORT=str(services.free_port()),
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+    )
     built = subprocess.run([sys.executable, "-c", BUILD_ON_CPU], env=env, capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     for stage in (1, 3):
         assert f"stage {stage}: bf16 False dtypes ['torch.float32'] fused False compiled False" in built.stdout
 
 
-@pytest.mark.parametrize("nodes, chosen, in_process", [
-    ([{"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 1.0}], "STRICT_SPREAD", False),  # one GPU a node: the same placement
-    ([{"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 1.0}], "NODE_BUNDLES", True),  # as STRICT_SPREAD, by our class
-    ([{"CPU": 64.0, "GPU": 8.0}, {"CPU": 8.0, "GPU": 1.0}], "PACK", False),  # a node that holds two
-    ([{"CPU": 64.0, "GPU": 8.0}, {"CPU": 8.0, "GPU": 1.0}], "NODE_BUNDLES", True),  # its bundles would storm in PACK
-    ([{"CPU": 4.0}, {"CPU": 8.0, "GPU": 1.0}], "STRICT_SPREAD", False),  # a head without GPUs holds none
-    ([{"CPU": 4.0}], "PACK", True),  # nothing holds a worker yet: Ray's default
-])
+@pytest.mark.parametrize(
+    "nodes, chosen, in_process",
+    [
+        (
+            [{"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 1.0}],
+            "STRICT_SPREAD",
+            False,
+        ),  # one GPU a node: the same placement
+        ([{"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 1.0}], "NODE_BUNDLES", True),  # as STRICT_SPREAD, by our class
+        ([{"CPU": 64.0, "GPU": 8.0}, {"CPU": 8.0, "GPU": 1.0}], "PACK", False),  # a node that holds two
+        (
+            [{"CPU": 64.0, "GPU": 8.0}, {"CPU": 8.0, "GPU": 1.0}],
+            "NODE_BUNDLES",
+            True,
+        ),  # its bundles would storm in PACK
+        ([{"CPU": 4.0}, {"CPU": 8.0, "GPU": 1.0}], "STRICT_SPREAD", False),  # a head without GPUs holds none
+        ([{"CPU": 4.0}], "PACK", True),  # nothing holds a worker yet: Ray's default
+    ],
+)
 def test_auto_placement_leaves_no_lost_bundle_that_fits_a_node_left(nodes, chosen, in_process):
     assert scaling.choose_placement("auto", {"CPU": 1, "GPU": 1}, nodes, in_process) == chosen
-    assert scaling.choose_placement("SPREAD", {"CPU": 1, "GPU": 1}, nodes, in_process) == "SPREAD", \
+    assert scaling.choose_placement("SPREAD", {"CPU": 1, "GPU": 1}, nodes, in_process) == "SPREAD", (
         "a strategy set stands"
+    )
 
 
-@pytest.mark.parametrize("workers, held, sizes", [
-    (16, [8, 8], [8, 8]),  # a bundle a node
-    (12, [8, 8], [8, 4]),  # the last one partly
-    (12, [4, 8], [8, 4]),  # the largest nodes first
-    (3, [2, 2, 0], [2, 1]),  # a node that holds no worker holds no bundle
-    (2, [1, 1, 1], [1, 1]),  # nodes of one: STRICT_SPREAD's bundles
-    (5, [2], [2, 2, 1]),  # more than the nodes hold: placed once such nodes join
-])
+@pytest.mark.parametrize(
+    "workers, held, sizes",
+    [
+        (16, [8, 8], [8, 8]),  # a bundle a node
+        (12, [8, 8], [8, 4]),  # the last one partly
+        (12, [4, 8], [8, 4]),  # the largest nodes first
+        (3, [2, 2, 0], [2, 1]),  # a node that holds no worker holds no bundle
+        (2, [1, 1, 1], [1, 1]),  # nodes of one: STRICT_SPREAD's bundles
+        (5, [2], [2, 2, 1]),  # more than the nodes hold: placed once such nodes join
+    ],
+)
 def test_node_bundles_put_each_nodes_workers_in_a_bundle_of_their_own(workers, held, sizes):
     assert scaling.node_bundles(workers, held) == sizes

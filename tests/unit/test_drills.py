@@ -10,11 +10,19 @@ from wildtrain.config import load_config
 from wildtrain.train.drills import Drills
 
 
-def drills(tmp_path, *overrides, rank=0, restored_step=0, joiner=False, short_of_members=False,
-           spares_waiting=None) -> Drills:
+def drills(
+    tmp_path, *overrides, rank=0, restored_step=0, joiner=False, short_of_members=False, spares_waiting=None
+) -> Drills:
     cfg = load_config(["experiment=tiny", f"run.storage={tmp_path}", "run.name=drills", *overrides])
-    return Drills(cfg, rank, restored_step, joiner=joiner, slowed=False, short_of_members=short_of_members,
-                  spares_waiting=spares_waiting)
+    return Drills(
+        cfg,
+        rank,
+        restored_step,
+        joiner=joiner,
+        slowed=False,
+        short_of_members=short_of_members,
+        spares_waiting=spares_waiting,
+    )
 
 
 PACES = ("chaos.min_step_s=0.5", "chaos.short_step_s=2.5")

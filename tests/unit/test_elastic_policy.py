@@ -12,14 +12,15 @@ from ray.train.v2._internal.execution.controller import state as ray_states
 from ray.train.v2._internal.execution.scaling_policy.scaling_policy import ResizeDecision
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
-from wildtrain.elastic import controller, nodes as elastic_nodes
-from wildtrain.ray_compat import WorkerGroupStartupTimeoutError, WorkerHealthCheckFailedError, lost_a_worker_process
 from wildtrain.config import load_config
-from wildtrain.events import Waiting
+from wildtrain.elastic import controller
+from wildtrain.elastic import nodes as elastic_nodes
 from wildtrain.elastic.controller import RestartPolicy
 from wildtrain.elastic.nodes import ResourceView
 from wildtrain.elastic.restarts import CapacityClock, FailureBudget
 from wildtrain.elastic.signals import CapacityError
+from wildtrain.events import Waiting
+from wildtrain.ray_compat import WorkerGroupStartupTimeoutError, WorkerHealthCheckFailedError, lost_a_worker_process
 
 
 class FakeTime:
@@ -38,9 +39,13 @@ class FakeTime:
         self.now += seconds
 
 
-_RAY_STATES = {"INITIALIZING": ray_states.InitializingState, "SCHEDULING": ray_states.SchedulingState,
-               "RUNNING": ray_states.RunningState, "RESTARTING": ray_states.RestartingState,
-               "RESCHEDULING": ray_states.ReschedulingState}
+_RAY_STATES = {
+    "INITIALIZING": ray_states.InitializingState,
+    "SCHEDULING": ray_states.SchedulingState,
+    "RUNNING": ray_states.RunningState,
+    "RESTARTING": ray_states.RestartingState,
+    "RESCHEDULING": ray_states.ReschedulingState,
+}
 
 
 def state(name: str, error=None, workers: int | None = None):
@@ -56,7 +61,9 @@ def worker_exception() -> WorkerGroupError:
 
 def lost_worker() -> WorkerGroupError:
     died = WorkerHealthCheckFailedError("A worker health check failed.", failure=ActorDiedError())
-    return WorkerGroupError("[Rank 1 Error Snippet]: the actor died", {0: RuntimeError("Connection closed by peer"), 1: died})
+    return WorkerGroupError(
+        "[Rank 1 Error Snippet]: the actor died", {0: RuntimeError("Connection closed by peer"), 1: died}
+    )
 
 
 def start_timed_out(workers: int) -> ControllerError:

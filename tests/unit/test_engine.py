@@ -4,15 +4,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import torch
-
 from tests.conftest import REPO
+from wildtrain import services
 from wildtrain.batching import BatchPlanError, batch_plan, unservable_world_sizes
 from wildtrain.config import PACKAGE_CONF_DIR, Config, OptimConfig, load_config
-from wildtrain import services
 from wildtrain.engine import BUCKET_ELEMENTS, compiles, deepspeed_config, lr_at
 
 
@@ -85,14 +84,16 @@ def deepspeed_reads():
 @pytest.mark.parametrize("on_cuda", [True, False], ids=["cuda", "cpu"])
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("preset", PRESETS)
-def test_deepspeed_reads_our_precision_and_overlap_for_every_preset_and_stage(deepspeed_reads, preset, stage,
-                                                                             on_cuda):
+def test_deepspeed_reads_our_precision_and_overlap_for_every_preset_and_stage(deepspeed_reads, preset, stage, on_cuda):
     cfg = load_config([f"model={preset}", f"deepspeed={stage}"])
     plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, 1)
     read = deepspeed_reads(deepspeed_config(cfg, plan, on_cuda))
     assert read.zero_optimization_stage == cfg.deepspeed.zero_stage
-    assert (read.train_batch_size, read.train_micro_batch_size_per_gpu, read.gradient_accumulation_steps) == \
-        (plan.global_batch_size, plan.micro_batch_size, plan.grad_accum_steps)
+    assert (read.train_batch_size, read.train_micro_batch_size_per_gpu, read.gradient_accumulation_steps) == (
+        plan.global_batch_size,
+        plan.micro_batch_size,
+        plan.grad_accum_steps,
+    )
     zero = read.zero_config
     if on_cuda:
         # bf16 weights; gradients summed over micro-batches and reduced over ranks in fp32.
@@ -142,8 +143,15 @@ def test_deepspeed_starts_on_cpu_past_a_stale_shm_build_lock(tmp_path):
     extensions = tmp_path / "torch_extensions"
     (extensions / "deepspeed_shm_comm").mkdir(parents=True)
     (extensions / "deepspeed_shm_comm" / "lock").touch()
-    env = os.environ | dict(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(extensions), MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=str(services.free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    env = os.environ | dict(
+        DS_ACCELERATOR="cpu",
+        TORCH_EXTENSIONS_DIR=str(extensions),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(services.free_port()),
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+    )
     started = subprocess.run([sys.executable, "-c", START_COMM], env=env, capture_output=True, text=True, timeout=120)
     assert started.returncode == 0, started.stderr
     assert "shm op: None" in started.stdout
@@ -158,8 +166,13 @@ import_deepspeed()
 import deepspeed.runtime.zero.muon.muon_optimizer  # as the engine's build imports it
 print(MUON_MODULE in sys.modules, torch.compile.__module__, 'torch._inductor.compile_fx' in sys.modules)
 """
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO / "platform"), "DS_ACCELERATOR": "cpu"})
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO / "platform"), "DS_ACCELERATOR": "cpu"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     # Loaded, torch.compile itself again, and inductor never resolved.
     assert done.stdout.split() == ["True", "torch", "False"], done.stdout
@@ -174,8 +187,13 @@ from deepspeed.accelerator import get_accelerator
 print(get_accelerator().device_name())
 """
     env = {name: value for name, value in os.environ.items() if name != "DS_ACCELERATOR"}
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                          env=env | {"PYTHONPATH": str(REPO / "platform")})
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env | {"PYTHONPATH": str(REPO / "platform")},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "cpu"
     assert "Setting accelerator to CPU" not in done.stdout + done.stderr
@@ -202,9 +220,16 @@ print("reduces over", group.size(), "ranks with timeout", group._get_backend(tor
 
 
 def test_deepspeed_reduces_gradients_with_the_runs_collective_timeout_not_torchs_default():
-    env = os.environ | dict(DS_ACCELERATOR="cpu", MASTER_ADDR=services.HOST, MASTER_PORT=str(services.free_port()),
-                            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    built = subprocess.run([sys.executable, "-c", GRADIENT_GROUP_TIMEOUT], env=env, capture_output=True, text=True,
-                           timeout=300)
+    env = os.environ | dict(
+        DS_ACCELERATOR="cpu",
+        MASTER_ADDR=services.HOST,
+        MASTER_PORT=str(services.free_port()),
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+    )
+    built = subprocess.run(
+        [sys.executable, "-c", GRADIENT_GROUP_TIMEOUT], env=env, capture_output=True, text=True, timeout=300
+    )
     assert built.returncode == 0, built.stderr[-3000:]
     assert "reduces over 1 ranks with timeout 0:01:17" in built.stdout, built.stdout

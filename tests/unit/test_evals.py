@@ -6,11 +6,10 @@ Evaluations of a training run's checkpoints, on a cluster: tests/integration/tes
 from __future__ import annotations
 
 import json
-import os
 import multiprocessing
+import os
 import shutil
 import threading
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
@@ -34,15 +33,20 @@ MODEL = ModelConfig(dim=32, n_layers=1, n_heads=2, max_seq_len=64)
 
 
 def test_metric_names_drop_the_default_filter_and_what_mlflow_refuses():
-    results = {"results": {
-        "arc_easy": {"alias": "arc_easy", "acc,none": 0.5, "acc_stderr,none": 0.01, "acc_norm,none": 0.625},
-        "gsm8k": {"exact_match,strict-match": 0.25, "exact_match_stderr,strict-match": "N/A", "sample_len": 10},
-        "mmlu (stem)": {"acc,none": 0.3, "weird|metric,none": 1},
-    }}
+    results = {
+        "results": {
+            "arc_easy": {"alias": "arc_easy", "acc,none": 0.5, "acc_stderr,none": 0.01, "acc_norm,none": 0.625},
+            "gsm8k": {"exact_match,strict-match": 0.25, "exact_match_stderr,strict-match": "N/A", "sample_len": 10},
+            "mmlu (stem)": {"acc,none": 0.3, "weird|metric,none": 1},
+        }
+    }
     assert harness_metrics(results) == {
-        "eval/arc_easy/acc": 0.5, "eval/arc_easy/acc_stderr": 0.01, "eval/arc_easy/acc_norm": 0.625,
+        "eval/arc_easy/acc": 0.5,
+        "eval/arc_easy/acc_stderr": 0.01,
+        "eval/arc_easy/acc_norm": 0.625,
         "eval/gsm8k/exact_match/strict-match": 0.25,
-        "eval/mmlu _stem_/acc": 0.3, "eval/mmlu _stem_/weird_metric": 1.0,
+        "eval/mmlu _stem_/acc": 0.3,
+        "eval/mmlu _stem_/weird_metric": 1.0,
     }
 
 
@@ -66,12 +70,15 @@ def test_one_evaluation_at_a_time_and_only_the_newest_waits():
     assert (start, queue) == (None, EvalQueue())
 
 
-@pytest.mark.parametrize("override, message", [
-    ("eval.every_checkpoints=0", "eval.every_checkpoints: must be positive, got 0"),
-    ("eval.limit=0", "eval.limit: must be positive (below 1: a share of each task) or null, got 0.0"),
-    ("eval.tasks=[hellaswag,'']", "eval.tasks.1: '' is not a task name"),
-    ("eval.tasks=hellaswag", "eval.tasks: expected a list, e.g. eval.tasks=[a,b]"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("eval.every_checkpoints=0", "eval.every_checkpoints: must be positive, got 0"),
+        ("eval.limit=0", "eval.limit: must be positive (below 1: a share of each task) or null, got 0.0"),
+        ("eval.tasks=[hellaswag,'']", "eval.tasks.1: '' is not a task name"),
+        ("eval.tasks=hellaswag", "eval.tasks: expected a list, e.g. eval.tasks=[a,b]"),
+    ],
+)
 def test_eval_settings_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError) as refused:
         load_config([override])
@@ -113,8 +120,12 @@ def test_the_bundled_task_runs_on_an_exported_model_elsewhere_and_a_broken_task_
     write_hf(model, MODEL, random_model(MODEL).state_dict(), ByteTokenizer(), {})
     source = tmp_path / "tasks"
     shutil.copytree(TASKS, source)
-    (source / "broken.yaml").write_text((TASKS / "tiny_choice.yaml").read_text()
-                                        .replace(TASK, "wildtrain_broken").replace("tiny_choice.jsonl", "gone.jsonl"))
+    (source / "broken.yaml").write_text(
+        (TASKS / "tiny_choice.yaml")
+        .read_text()
+        .replace(TASK, "wildtrain_broken")
+        .replace("tiny_choice.jsonl", "gone.jsonl")
+    )
     folder = TaskFolder.read(str(source))
     shutil.rmtree(source)  # evaluated from what was read: the node evaluating may not see the folder
     (tmp_path / "there").mkdir()
@@ -146,8 +157,13 @@ def run(tmp_path) -> list[str]:
     """A run with a committed checkpoint at step 4 (files never read: every answer here
     comes before an evaluation starts), and the overrides that find it. No MLflow server
     and no Ray cluster: reaching either would fail otherwise."""
-    where = [f"run.storage={tmp_path / 'runs'}", f"checkpoint.staging_dir={tmp_path / 'staging'}",
-             "tracking.uri=http://127.0.0.1:9", "cluster.ray_address=127.0.0.1:9", f"eval.include_path={TASKS}"]
+    where = [
+        f"run.storage={tmp_path / 'runs'}",
+        f"checkpoint.staging_dir={tmp_path / 'staging'}",
+        "tracking.uri=http://127.0.0.1:9",
+        "cluster.ray_address=127.0.0.1:9",
+        f"eval.include_path={TASKS}",
+    ]
     cfg = make_run(tmp_path / "data", [*where, "run.name=r"], MODEL)
     commit_checkpoint(cfg, tmp_path, 4)
     return where
@@ -155,8 +171,9 @@ def run(tmp_path) -> list[str]:
 
 def test_an_unknown_task_is_named_before_anything_is_submitted(run):
     done = wildtrain("eval", "r", "--tasks", f"{TASK},hellaswg", *run)
-    assert one_line(done, 2).startswith("wildtrain: --tasks: unknown task 'hellaswg' (did you mean 'hellaswag'?); "
-                                        f"not among lm-eval ")
+    assert one_line(done, 2).startswith(
+        "wildtrain: --tasks: unknown task 'hellaswg' (did you mean 'hellaswag'?); not among lm-eval "
+    )
     assert str(TASKS) in done.stderr
 
 
@@ -176,4 +193,6 @@ def test_no_tasks_and_bad_settings_exit_2(run):
 
 def test_an_unreachable_mlflow_is_named_before_anything_is_submitted(run):
     done = wildtrain("eval", "r", "--tasks", TASK, *run)
-    assert one_line(done, 1).startswith("wildtrain: tracking.uri: the MLflow server at http://127.0.0.1:9 is unreachable")
+    assert one_line(done, 1).startswith(
+        "wildtrain: tracking.uri: the MLflow server at http://127.0.0.1:9 is unreachable"
+    )

@@ -13,7 +13,8 @@ import pytest
 from click.testing import CliRunner, Result
 from mlflow.tracking import MlflowClient
 
-from tests.helpers.runs import commit_checkpoint, make_run as make_run_in, mlflow_run
+from tests.helpers.runs import commit_checkpoint, mlflow_run
+from tests.helpers.runs import make_run as make_run_in
 from wildtrain import cli
 from wildtrain.config import Config, ModelConfig, load_config
 from wildtrain.data.tokenizer import ByteTokenizer
@@ -38,8 +39,11 @@ def one_line(done: Result, code: int = 1) -> str:
 @pytest.fixture
 def where(tmp_path) -> list[str]:
     """The overrides that put runs, staging and tracking under this test's folder."""
-    return [f"run.storage={tmp_path / 'runs'}", f"checkpoint.staging_dir={tmp_path / 'staging'}",
-            f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    return [
+        f"run.storage={tmp_path / 'runs'}",
+        f"checkpoint.staging_dir={tmp_path / 'staging'}",
+        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+    ]
 
 
 def make_run(tmp_path: Path, where: list[str], name: str = "r", model: ModelConfig = MODEL, **record) -> Config:
@@ -60,8 +64,9 @@ def test_a_step_without_a_committed_checkpoint_lists_the_committed_ones(tmp_path
     store = RunLayout.of(cfg).checkpoint_uris[0]
     for step in (8, 3):
         done = wildtrain("export", "r", "--step", str(step), "--out", str(tmp_path / "out"), *where)
-        assert one_line(done) == (f"wildtrain: run 'r' has no committed checkpoint at step {step} in {store} "
-                                  "(committed: 4)")
+        assert one_line(done) == (
+            f"wildtrain: run 'r' has no committed checkpoint at step {step} in {store} (committed: 4)"
+        )
     done = wildtrain("sample", "r", "--step", "8", "--prompt", "hi", "--max-tokens", "8", *where)
     assert "has no committed checkpoint at step 8" in one_line(done)
     assert not (tmp_path / "out").exists()
@@ -104,8 +109,10 @@ def test_a_dataset_tokenized_again_otherwise_is_refused(tmp_path, where):
     bpe = {**ByteTokenizer().describe(), "kind": "bpe", "sha256": "0" * 64}
     make_run(tmp_path, where, tokenizer=bpe)
     done = wildtrain("export", "r", "--out", str(tmp_path / "out"), *where)
-    assert one_line(done) == (f"wildtrain: {tmp_path / 'data' / 'manifest.json'}: its tokenizer is not the one run 'r' "
-                              f"trained with: kind 'bpe' -> 'byte'; sha256 '{'0' * 64}' -> None")
+    assert one_line(done) == (
+        f"wildtrain: {tmp_path / 'data' / 'manifest.json'}: its tokenizer is not the one run 'r' "
+        f"trained with: kind 'bpe' -> 'byte'; sha256 '{'0' * 64}' -> None"
+    )
 
 
 def test_the_model_comes_from_the_record_not_from_the_command_line(tmp_path, where):
@@ -128,9 +135,14 @@ def test_a_registered_export_is_a_new_version_linked_to_the_run_and_step(tmp_pat
     run_id = mlflow_run(cfg, tmp_path / "artifacts")
     make_run(tmp_path, where, mlflow_run_id=run_id)
     run = open_run("r", where)
-    exported = Exported(location="s3://bucket/exports/r-60", architecture="LlamaForCausalLM",
-                        step=60, checkpoint="s3://bucket/runs/r/checkpoints/step_000000060-ab", skipped=(),
-                        bytes_read=0)
+    exported = Exported(
+        location="s3://bucket/exports/r-60",
+        architecture="LlamaForCausalLM",
+        step=60,
+        checkpoint="s3://bucket/runs/r/checkpoints/step_000000060-ab",
+        skipped=(),
+        bytes_read=0,
+    )
     assert register(run, exported, "tiny-lm") == "1"
     assert register(run, replace(exported, step=80), "tiny-lm") == "2"
     client = MlflowClient(cfg.tracking.uri)
@@ -144,9 +156,11 @@ def test_a_registered_export_is_a_new_version_linked_to_the_run_and_step(tmp_pat
 def test_training_never_imports_transformers():
     """Only an export or an evaluation imports Transformers or lm-eval: not the driver, a
     worker's loop, the controller's callbacks, or the CLI."""
-    code = ("import sys, wildtrain.cli, wildtrain.driver, wildtrain.train.loop, wildtrain.export, wildtrain.sample, "
-            "wildtrain.elastic.controller, wildtrain.evals.remote; "
-            "print(sorted({'transformers', 'huggingface_hub', 'safetensors', 'lm_eval', 'datasets'} & set(sys.modules)))")
+    code = (
+        "import sys, wildtrain.cli, wildtrain.driver, wildtrain.train.loop, wildtrain.export, wildtrain.sample, "
+        "wildtrain.elastic.controller, wildtrain.evals.remote; "
+        "print(sorted({'transformers', 'huggingface_hub', 'safetensors', 'lm_eval', 'datasets'} & set(sys.modules)))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -30,8 +30,9 @@ def _free_port() -> int:
 def _rank(rank: int, port: int, failing: str, results) -> None:
     # The default group's own timeout is Ray's 1800 s: without the fail-fast, the waiting
     # rank would sit in its all-reduce that long.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=1800))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1800)
+    )
     collectives.open_control_group(1800)
     started = time.monotonic()
     try:
@@ -40,8 +41,10 @@ def _rank(rank: int, port: int, failing: str, results) -> None:
             collectives.sum_(gradients)  # a step both ranks finish
             if rank == 1:
                 time.sleep(0.5)  # the peer is in its collective by now
-                raise {"error": RuntimeError("CUDA out of memory (drill)"),
-                       "regrow": PlannedRegrow("room for more workers")}[failing]
+                raise {
+                    "error": RuntimeError("CUDA out of memory (drill)"),
+                    "regrow": PlannedRegrow("room for more workers"),
+                }[failing]
             collectives.sum_(gradients)  # waits for rank 1, which never comes
             collectives.all_ranks(True)
         results.put((rank, "finished", "", time.monotonic() - started))
@@ -114,8 +117,9 @@ def _long_wait(rank: int, port: int, over: str, results) -> None:
         # its peer (a 2 s store timeout failed there before any collective ran). Both leave
         # the store's start together, so the group's own start fits its short timeout.
         store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=120))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=SHORT_TIMEOUT_S))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=SHORT_TIMEOUT_S)
+        )
         if over == "control":
             collectives.open_control_group(60)
     except BaseException as e:  # noqa: BLE001

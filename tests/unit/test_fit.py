@@ -34,4 +34,5 @@ def test_a_badly_fitted_law_predicts_inf_beyond_float_range_instead_of_raising()
     wild = Law(E=1.0, A=1e3, B=1e3, alpha=-400.0, beta=0.3)
     assert wild.predict(1e9, 1e10) == float("inf")
     assert Law(E=1.7, A=400.0, B=410.0, alpha=0.34, beta=0.28).predict(1e9, 2e10) == pytest.approx(
-        1.7 + 400.0 / 1e9 ** 0.34 + 410.0 / 2e10 ** 0.28)
+        1.7 + 400.0 / 1e9**0.34 + 410.0 / 2e10**0.28
+    )

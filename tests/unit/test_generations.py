@@ -8,10 +8,14 @@ from wildtrain.events import Resize
 from wildtrain.train.generations import Leftovers
 from wildtrain.train.state import TrainState
 
-MEMBERS = Leftovers(states={6: TrainState(step=6, world_size=1)}, windows=[{"step": 5, "at": 1.0}, {"step": 6, "at": 2.0}],
-                    events=[Resize(3.0, 1, 6, "workers joined the group of 1", ["node-a"])],
-                    committed=["s3://bucket/runs/r/checkpoints/step_4"], known_good=[("s3://bucket/runs/r", "step_4")],
-                    interruption=Resize(3.0, 1, 6, "workers joined the group of 1", ["node-a"]))
+MEMBERS = Leftovers(
+    states={6: TrainState(step=6, world_size=1)},
+    windows=[{"step": 5, "at": 1.0}, {"step": 6, "at": 2.0}],
+    events=[Resize(3.0, 1, 6, "workers joined the group of 1", ["node-a"])],
+    committed=["s3://bucket/runs/r/checkpoints/step_4"],
+    known_good=[("s3://bucket/runs/r", "step_4")],
+    interruption=Resize(3.0, 1, 6, "workers joined the group of 1", ["node-a"]),
+)
 
 
 def _rank(rank: int, results) -> None:
@@ -25,5 +29,10 @@ def test_a_joiner_carries_rank_zeros_unreported_windows_events_and_commits_and_k
     assert shared[0] == MEMBERS
     joiner = shared[1]
     assert (joiner.windows, joiner.events, joiner.committed, joiner.known_good, joiner.interruption) == (
-        MEMBERS.windows, MEMBERS.events, MEMBERS.committed, MEMBERS.known_good, MEMBERS.interruption)
+        MEMBERS.windows,
+        MEMBERS.events,
+        MEMBERS.committed,
+        MEMBERS.known_good,
+        MEMBERS.interruption,
+    )
     assert joiner.states == {} and joiner.saving is None  # its own: the state comes from the peers' partitions

@@ -59,8 +59,12 @@ def test_time_blocked_handing_a_report_to_the_controller_is_badput_of_its_own():
 
 
 def test_time_spent_on_validation_is_badput_of_its_own():
-    events = [RunStarted(0.0), AttemptStarted(0.0, restored_step=0),
-              Steps(1, 10, 0.0, 100.0, eval_s=4.0, checkpoint_stall_s=2.0), RunStopped(100.0)]
+    events = [
+        RunStarted(0.0),
+        AttemptStarted(0.0, restored_step=0),
+        Steps(1, 10, 0.0, 100.0, eval_s=4.0, checkpoint_stall_s=2.0),
+        RunStopped(100.0),
+    ]
     goodput = account(events, now=100.0)
     assert_adds_up(goodput)
     assert parts(goodput) == {"productive": 94.0, "eval": 4.0, "checkpoint_stall": 2.0}
@@ -143,10 +147,13 @@ def test_waiting_for_resources_and_a_resubmission():
     }
 
 
-@pytest.mark.parametrize("kind, badput", [
-    ("failure", {"lost": 3.0, "startup": 7.0}),  # the step in flight died with the group
-    ("resize", {"startup": 3.0 + 7.0}),  # handing over to a bigger group
-])
+@pytest.mark.parametrize(
+    "kind, badput",
+    [
+        ("failure", {"lost": 3.0, "startup": 7.0}),  # the step in flight died with the group
+        ("resize", {"startup": 3.0 + 7.0}),  # handing over to a bigger group
+    ],
+)
 def test_time_after_the_last_step_goes_to_what_interrupted_the_group(kind, badput):
     events = [RunStarted(0.0), Steps(1, 4, 0.0, 40.0), GroupStopped(43.0, kind), AttemptStarted(50.0, restored_step=4)]
     assert parts(account(events, now=50.0)) == {"productive": 40.0, **badput}
@@ -194,15 +201,23 @@ def test_parts_larger_than_their_window_are_cut_to_fit_it():
 
 def test_the_parts_add_up_exactly_with_times_that_floats_cannot_hold():
     start = 1.7e9 + 0.1
-    events = [RunStarted(start)] + [Steps(i, i, start + 0.3 * i, start + 0.3 * (i + 1), data_wait_s=0.01) for i in range(1, 1000)]
+    events = [RunStarted(start)] + [
+        Steps(i, i, start + 0.3 * i, start + 0.3 * (i + 1), data_wait_s=0.01) for i in range(1, 1000)
+    ]
     goodput = account(events, now=start + 400.7)
     assert_adds_up(goodput)
     assert goodput.wall_s == pytest.approx(400.7, abs=1e-3)
 
 
 def test_goodput_over_time_ends_at_the_runs_goodput():
-    events = [RunStarted(0.0), AttemptStarted(0.0, 0), Steps(1, 10, 20.0, 120.0), GroupStopped(120.0, "failure"),
-              AttemptStarted(140.0, restored_step=5), Steps(6, 10, 140.0, 190.0)]
+    events = [
+        RunStarted(0.0),
+        AttemptStarted(0.0, 0),
+        Steps(1, 10, 20.0, 120.0),
+        GroupStopped(120.0, "failure"),
+        AttemptStarted(140.0, restored_step=5),
+        Steps(6, 10, 140.0, 190.0),
+    ]
     curve = goodput_over_time(events, 190.0, [0.0, 20.0, 70.0, 120.0, 190.0, 500.0])
     # steps 6..10 first ran over [70, 120) and were redone: that stretch counts as lost
     assert curve[:5] == [0.0, 0.0, 50.0 / 70.0, 50.0 / 120.0, 100.0 / 190.0]
@@ -227,8 +242,16 @@ events = st.one_of(
     st.builds(lambda t, d: CapacityWait(t, t + d), times, durations),
     st.builds(AttemptStarted, times, steps, durations, durations),
     st.builds(GroupStopped, times, st.sampled_from(["failure", "resize"])),
-    st.builds(lambda first, n, t, d, w, c, size: Steps(first, first + n, t, t + d, w, c, size),
-              steps, st.integers(0, 9), times, durations, durations, durations, st.integers(0, 2)),
+    st.builds(
+        lambda first, n, t, d, w, c, size: Steps(first, first + n, t, t + d, w, c, size),
+        steps,
+        st.integers(0, 9),
+        times,
+        durations,
+        durations,
+        durations,
+        st.integers(0, 2),
+    ),
 )
 
 

@@ -14,8 +14,16 @@ def check(monkeypatch, joiners: list[bool], awaiting: bool, below_max: bool = Tr
     """A check that looks for room at every log step; the cluster's room is `room`."""
     monkeypatch.setattr("wildtrain.train.growth.has_room_for_another_worker", lambda *args: room)
     monkeypatch.setattr("wildtrain.train.growth.excluded_nodes", lambda run: set())
-    return GrowthCheck(below_max, 0, {"CPU": 1}, interval_s=0.0, run_name="run", data_cpus=0.0,
-                       joiners=lambda: joiners[0], awaiting_joiners=awaiting)
+    return GrowthCheck(
+        below_max,
+        0,
+        {"CPU": 1},
+        interval_s=0.0,
+        run_name="run",
+        data_cpus=0.0,
+        joiners=lambda: joiners[0],
+        awaiting_joiners=awaiting,
+    )
 
 
 def test_joiners_are_taken_in_at_a_log_step_but_not_between_them_nor_at_the_last(monkeypatch):

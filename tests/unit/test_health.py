@@ -30,8 +30,13 @@ def _matmul(node: str, passed: bool, rank: int = 0) -> dict:
 
 
 def test_the_nodes_of_failed_ranks_are_excluded_while_enough_ranks_remain():
-    events = [_matmul("a", True, 0), _matmul("b", False, 1), _matmul("b", False, 2), _matmul("c", True, 3),
-              HealthCheck(1.0, "allreduce", -1, "group", True, detail="")]
+    events = [
+        _matmul("a", True, 0),
+        _matmul("b", False, 1),
+        _matmul("b", False, 2),
+        _matmul("c", True, 3),
+        HealthCheck(1.0, "allreduce", -1, "group", True, detail=""),
+    ]
     assert nodes_to_exclude(events, min_workers=2) == ["b"]
     assert nodes_to_exclude(events, min_workers=3) == [], "leaving b out would leave 2 ranks, fewer than 3"
     assert nodes_to_exclude([_matmul("a", True), _matmul("c", True, 1)], min_workers=1) == []

@@ -28,13 +28,25 @@ ARCHITECTURES = {
     "tiny": ModelConfig(dim=64, n_layers=2, n_heads=4, max_seq_len=64),
     "gqa_ffn_dim": ModelConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=96, max_seq_len=64),
     "mqa": ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=1, max_seq_len=64),
-    "mup_rope_eps": ModelConfig(dim=64, n_layers=3, n_heads=4, max_seq_len=64, output_mult=0.25, residual_mult=0.6,
-                                rope_theta=500000.0, norm_eps=1e-6, base_dim=32, base_ffn_dim=96, base_head_dim=8,
-                                base_n_layers=1),
+    "mup_rope_eps": ModelConfig(
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        max_seq_len=64,
+        output_mult=0.25,
+        residual_mult=0.6,
+        rope_theta=500000.0,
+        norm_eps=1e-6,
+        base_dim=32,
+        base_ffn_dim=96,
+        base_head_dim=8,
+        base_n_layers=1,
+    ),
     "document": ModelConfig(dim=64, n_layers=2, n_heads=4, max_seq_len=64, attention="document"),
     "window": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, attention_window=7),
-    "document_window": ModelConfig(dim=64, n_layers=2, n_heads=4, max_seq_len=64, attention="document",
-                                   attention_window=5),
+    "document_window": ModelConfig(
+        dim=64, n_layers=2, n_heads=4, max_seq_len=64, attention="document", attention_window=5
+    ),
 }
 
 
@@ -74,7 +86,7 @@ def test_greedy_sample_equals_the_exports_generate(tmp_path, name):
     ours = generate(model, prompt, 30, eos_id=EOS)
     with torch.no_grad():
         theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=EOS)
-    assert ours == theirs[0, len(prompt):].tolist()
+    assert ours == theirs[0, len(prompt) :].tolist()
     assert len(ours) == 30 or ours[-1] == EOS
 
 
@@ -114,19 +126,51 @@ def test_large_exports_are_sharded_and_load(tmp_path):
 
 
 def test_config_maps_each_field():
-    cfg = ModelConfig(vocab_size=500, dim=96, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=None, multiple_of=64,
-                      max_seq_len=128, rope_theta=1e6, norm_eps=1e-6)
+    cfg = ModelConfig(
+        vocab_size=500,
+        dim=96,
+        n_layers=3,
+        n_heads=6,
+        n_kv_heads=2,
+        ffn_dim=None,
+        multiple_of=64,
+        max_seq_len=128,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+    )
     arch = hf_architecture(cfg, eos_id=7)
     assert arch.model_type == "llama" and arch.name == "LlamaForCausalLM"
-    assert {k: arch.config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                        "num_attention_heads", "num_key_value_heads", "head_dim",
-                                        "max_position_embeddings", "rms_norm_eps", "rope_parameters",
-                                        "tie_word_embeddings", "eos_token_id", "bos_token_id")} == {
-        "vocab_size": 500, "hidden_size": 96, "intermediate_size": 256,  # 8/3 * 96 = 256, a multiple of 64
-        "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16,
-        "max_position_embeddings": 128, "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "tie_word_embeddings": False,
-        "eos_token_id": 7, "bos_token_id": None,
+    assert {
+        k: arch.config[k]
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "rope_parameters",
+            "tie_word_embeddings",
+            "eos_token_id",
+            "bos_token_id",
+        )
+    } == {
+        "vocab_size": 500,
+        "hidden_size": 96,
+        "intermediate_size": 256,  # 8/3 * 96 = 256, a multiple of 64
+        "num_hidden_layers": 3,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        "tie_word_embeddings": False,
+        "eos_token_id": 7,
+        "bos_token_id": None,
     }
     windowed = hf_architecture(ModelConfig(attention_window=32), eos_id=7)
     assert windowed.name == "MistralForCausalLM" and windowed.config["sliding_window"] == 32
@@ -146,8 +190,12 @@ def test_multipliers_fold_into_the_last_projections_and_the_head():
     hf = hf_state_dict(cfg, weights)
     assert torch.equal(hf["lm_head.weight"], weights["output.weight"] * 0.5)
     for i in range(2):
-        assert torch.equal(hf[f"model.layers.{i}.self_attn.o_proj.weight"], weights[f"layers.{i}.attention.wo.weight"] * 0.25)
-        assert torch.equal(hf[f"model.layers.{i}.mlp.down_proj.weight"], weights[f"layers.{i}.feed_forward.w2.weight"] * 0.25)
+        assert torch.equal(
+            hf[f"model.layers.{i}.self_attn.o_proj.weight"], weights[f"layers.{i}.attention.wo.weight"] * 0.25
+        )
+        assert torch.equal(
+            hf[f"model.layers.{i}.mlp.down_proj.weight"], weights[f"layers.{i}.feed_forward.w2.weight"] * 0.25
+        )
         # What a residual branch reads, and the norms, are left as they are.
         assert torch.equal(hf[f"model.layers.{i}.mlp.up_proj.weight"], weights[f"layers.{i}.feed_forward.w3.weight"])
         assert torch.equal(hf[f"model.layers.{i}.input_layernorm.weight"], weights[f"layers.{i}.attention_norm.weight"])

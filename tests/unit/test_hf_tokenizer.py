@@ -4,9 +4,18 @@ ids wildtrain trained on, for each kind of tokenizer a dataset can be prepared w
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer as Backend, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as Backend
+from tokenizers import models, pre_tokenizers, processors
 
-from wildtrain.data.tokenizer import EOS_TOKENS, MODE_TOKENS, ByteTokenizer, HFTokenizer, hf_files, sentinel_token, train_bpe
+from wildtrain.data.tokenizer import (
+    EOS_TOKENS,
+    MODE_TOKENS,
+    ByteTokenizer,
+    HFTokenizer,
+    hf_files,
+    sentinel_token,
+    train_bpe,
+)
 
 TEXTS = [
     "hello world",
@@ -36,7 +45,10 @@ def test_byte_tokenizer_encodes_and_decodes_as_wildtrains(tmp_path):
     assert theirs.eos_token_id == ours.eos_id == 256
     assert len(theirs) == ours.vocab_size
     assert theirs.convert_tokens_to_ids([*MODE_TOKENS, sentinel_token(0), sentinel_token(59)]) == [
-        *ours.modes.values(), ours.sentinels[0], ours.sentinels[59]]
+        *ours.modes.values(),
+        ours.sentinels[0],
+        ours.sentinels[59],
+    ]
     assert theirs.model_max_length == 128
 
 

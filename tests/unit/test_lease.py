@@ -35,12 +35,15 @@ def test_a_live_lease_of_another_driver_refuses_naming_the_holder_and_expiry():
     assert time.strftime("%H:%M:%S UTC", time.gmtime(1090.0)) in verdict.why and "renewed 30 s ago" in verdict.why
 
 
-@pytest.mark.parametrize("held, now, token", [
-    (None, 1030.0, None),  # never leased
-    (_lease(1000.0, 1090.0, released_at=1050.0), 1060.0, None),  # its driver ended
-    (_lease(1000.0, 1090.0), 1090.0, None),  # expired: its driver died
-    (_lease(1000.0, 1090.0), 1030.0, "t-other"),  # the holder asking about its own lease
-])
+@pytest.mark.parametrize(
+    "held, now, token",
+    [
+        (None, 1030.0, None),  # never leased
+        (_lease(1000.0, 1090.0, released_at=1050.0), 1060.0, None),  # its driver ended
+        (_lease(1000.0, 1090.0), 1090.0, None),  # expired: its driver died
+        (_lease(1000.0, 1090.0), 1030.0, "t-other"),  # the holder asking about its own lease
+    ],
+)
 def test_no_lease_a_released_an_expired_and_ones_own_lease_are_free(held, now, token):
     assert decide("r", held, now, token).free
 
@@ -172,10 +175,16 @@ def _registry(tmp_path):
 
     from wildtrain.services import free_port
 
-    entries = {name: {"provider": "local", "launcher": str(REPO / "ray_clusters/local-dev.yaml"),
-                      "jobs_api": f"http://127.0.0.1:{free_port()}", "token_file": "none.token",
-                      "storage": {"runs": str(tmp_path / name / "runs"), "data": str(tmp_path / name / "data")}}
-               for name in ("a", "b")}
+    entries = {
+        name: {
+            "provider": "local",
+            "launcher": str(REPO / "ray_clusters/local-dev.yaml"),
+            "jobs_api": f"http://127.0.0.1:{free_port()}",
+            "token_file": "none.token",
+            "storage": {"runs": str(tmp_path / name / "runs"), "data": str(tmp_path / name / "data")},
+        }
+        for name in ("a", "b")
+    }
     path = tmp_path / "clusters.yaml"
     path.write_text(yaml.safe_dump({"clusters": entries}))
     return registry.load(path)

@@ -102,7 +102,10 @@ def test_a_temp_dir_names_paths_inside_it_not_its_siblings():
     "text, shown",
     [
         ("http://user:secret@mlflow.example:5000", "http://***@mlflow.example:5000"),
-        ("the MLflow server at https://tok@host/x is unreachable", "the MLflow server at https://***@host/x is unreachable"),
+        (
+            "the MLflow server at https://tok@host/x is unreachable",
+            "the MLflow server at https://***@host/x is unreachable",
+        ),
         ("ray://u:p@10.0.0.5:10001 and s3://bucket/a@b", "ray://***@10.0.0.5:10001 and s3://bucket/a@b"),
         ("http://127.0.0.1:5000/#/experiments/1", "http://127.0.0.1:5000/#/experiments/1"),
     ],
@@ -113,7 +116,9 @@ def test_redact_hides_credentials_in_uris_only(text, shown):
 
 
 def test_params_of_a_config_with_credentials_show_none():
-    cfg = load_config(["tracking.uri=http://alice:hunter2@mlflow.example:5000", "cluster.ray_address=ray://bob:pw@h:10001"])
+    cfg = load_config(
+        ["tracking.uri=http://alice:hunter2@mlflow.example:5000", "cluster.ray_address=ray://bob:pw@h:10001"]
+    )
     params = {key: redact(str(value)) for key, value in flatten(cfg).items()}
     assert params["tracking.uri"] == "http://***@mlflow.example:5000"
     assert not any("hunter2" in value or ":pw@" in value for value in params.values())
@@ -135,8 +140,9 @@ def test_largest_group(total, per_worker, max_workers, size):
 
 def test_a_client_of_wildtrain_ups_head_authenticates_with_its_token(tmp_path, monkeypatch):
     (tmp_path / "services.json").write_text('{"ray_address": "127.0.0.1:6390"}')
-    monkeypatch.setattr(os, "environ", {key: value for key, value in os.environ.items()
-                                        if key not in ("RAY_AUTH_MODE", "RAY_ADDRESS")})
+    monkeypatch.setattr(
+        os, "environ", {key: value for key, value in os.environ.items() if key not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    )
     services.prepare_ray_client("10.0.0.5:6379", tmp_path)  # another cluster: its own settings
     assert "RAY_AUTH_MODE" not in os.environ
     services.prepare_ray_client(None, tmp_path)

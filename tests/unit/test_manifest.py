@@ -8,11 +8,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from wildtrain import storage
 from wildtrain.data.manifest import (
-    DataError, Manifest, encode_shard, read_manifest, verify, write_manifest,
+    DataError,
+    Manifest,
+    encode_shard,
+    read_manifest,
+    verify,
+    write_manifest,
 )
 from wildtrain.data.prepare import pack_rows
 
@@ -77,8 +83,14 @@ def dataset(tmp_path) -> tuple[str, Manifest]:
         shard, data = encode_shard(f"shard-{i:05d}.parquet", *rows(n, start=100 * i), rows_per_group=3)
         storage.write_bytes(storage.join(root, shard.path), data)
         shards.append(shard)
-    manifest = Manifest(seq_len=3, tokenizer={"kind": "byte", "vocab_size": 257, "eos_id": 256}, source="test",
-                        shards=shards, rows=10, tokens=40)
+    manifest = Manifest(
+        seq_len=3,
+        tokenizer={"kind": "byte", "vocab_size": 257, "eos_id": 256},
+        source="test",
+        shards=shards,
+        rows=10,
+        tokens=40,
+    )
     assert write_manifest(root, manifest)
     return root, manifest
 
@@ -127,7 +139,9 @@ def test_size_checksum_and_format_mismatches_are_named(dataset):
     with pytest.raises(DataError, match=r"^shard shard-00002.parquet: not a readable Parquet file"):
         verify(root, manifest, check_checksums=False)
     storage.write_bytes(path, bytes(data[:-1]))
-    with pytest.raises(DataError, match=rf"^shard shard-00002.parquet: {len(data) - 1} bytes, the manifest says {len(data)}"):
+    with pytest.raises(
+        DataError, match=rf"^shard shard-00002.parquet: {len(data) - 1} bytes, the manifest says {len(data)}"
+    ):
         verify(root, manifest, check_checksums=False)
 
 

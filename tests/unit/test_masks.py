@@ -14,8 +14,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from wildtrain.config import load_config
 from wildtrain.data.objectives import FIELDS, Objective
 from wildtrain.data.tokenizer import ByteTokenizer
-from wildtrain.model import Transformer
-from wildtrain.model import masks
+from wildtrain.model import Transformer, masks
 
 B, T = 3, 40
 SMALL = replace(load_config([]).model, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)

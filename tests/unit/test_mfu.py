@@ -11,7 +11,9 @@ PRESETS = Path(__file__).resolve().parents[2] / "conf" / "model"
 
 
 def preset(name: str) -> ModelConfig:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(PRESETS / f"{name}.yaml")))
+    return OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(PRESETS / f"{name}.yaml"))
+    )
 
 
 def test_mfu_of_the_125m_preset_by_hand():
@@ -23,7 +25,9 @@ def test_mfu_of_the_125m_preset_by_hand():
     # 798.0 MFLOP/token * 1.2M tokens/s = 957.6 TFLOP/s, of 8 * 989.4 = 7915.2 TFLOP/s
     assert mfu(per_token, tokens_per_s, peak, devices) == pytest.approx(0.12099, abs=1e-5)
     # twice the devices at the same throughput: half the utilization
-    assert mfu(per_token, tokens_per_s, peak, 2 * devices) == pytest.approx(mfu(per_token, tokens_per_s, peak, devices) / 2)
+    assert mfu(per_token, tokens_per_s, peak, 2 * devices) == pytest.approx(
+        mfu(per_token, tokens_per_s, peak, devices) / 2
+    )
 
 
 def test_the_measured_h200_run_of_the_design_notes():
@@ -32,21 +36,24 @@ def test_the_measured_h200_run_of_the_design_notes():
     assert mfu(flops_per_token(preset("1.3b"), 2048), 62.5e3, peak, 1) == pytest.approx(0.574, abs=5e-4)
 
 
-@pytest.mark.parametrize("name, flops, form", [
-    ("NVIDIA H100 80GB HBM3", 989.4e12, "H100 SXM"),
-    ("NVIDIA H100 PCIe", 756.5e12, "H100 PCIE"),
-    ("NVIDIA H100 NVL", 835.5e12, "H100 NVL"),
-    ("NVIDIA H200", 989.4e12, "H200 SXM"),
-    ("NVIDIA H200 NVL", 835.5e12, "H200 NVL"),
-    ("NVIDIA GH200 480GB", 989.4e12, "GH200 SXM"),
-    ("NVIDIA A100-SXM4-80GB", 312e12, "A100 SXM"),
-    ("NVIDIA A100 80GB PCIe", 312e12, "A100 PCIE"),
-    ("NVIDIA L40S", 362.05e12, "L40S PCIE"),
-    ("NVIDIA L40", 181.05e12, "L40 PCIE"),
-    ("NVIDIA L4", 121e12, "L4 PCIE"),
-    ("nvidia a10", 125e12, "A10 PCIE"),
-    ("AMD Instinct MI300X", 1307.4e12, "MI300X OAM"),
-])
+@pytest.mark.parametrize(
+    "name, flops, form",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.4e12, "H100 SXM"),
+        ("NVIDIA H100 PCIe", 756.5e12, "H100 PCIE"),
+        ("NVIDIA H100 NVL", 835.5e12, "H100 NVL"),
+        ("NVIDIA H200", 989.4e12, "H200 SXM"),
+        ("NVIDIA H200 NVL", 835.5e12, "H200 NVL"),
+        ("NVIDIA GH200 480GB", 989.4e12, "GH200 SXM"),
+        ("NVIDIA A100-SXM4-80GB", 312e12, "A100 SXM"),
+        ("NVIDIA A100 80GB PCIe", 312e12, "A100 PCIE"),
+        ("NVIDIA L40S", 362.05e12, "L40S PCIE"),
+        ("NVIDIA L40", 181.05e12, "L40 PCIE"),
+        ("NVIDIA L4", 121e12, "L4 PCIE"),
+        ("nvidia a10", 125e12, "A10 PCIE"),
+        ("AMD Instinct MI300X", 1307.4e12, "MI300X OAM"),
+    ],
+)
 def test_table_lookup_by_the_names_devices_report(name, flops, form):
     assert peak_flops(name) == Peak(flops, f"table:{form} bf16 dense")
 

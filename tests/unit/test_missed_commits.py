@@ -23,11 +23,17 @@ def candidate(step: int, store_index: int = 0, committed: bool = True) -> Candid
 
 
 def test_missed_are_the_committed_unnoticed_steps_within_the_bounds_oldest_first_primary_first():
-    candidates = [candidate(12, 1), candidate(12), candidate(4), candidate(8), candidate(16),
-                  candidate(10, committed=False), candidate(6)]
+    candidates = [
+        candidate(12, 1),
+        candidate(12),
+        candidate(4),
+        candidate(8),
+        candidate(16),
+        candidate(10, committed=False),
+        candidate(6),
+    ]
     missed = missed_commits(candidates, after_step=4, through_step=12, noticed={6})
-    assert missed == ["s3://store0/step_000000008-ab", "s3://store0/step_000000012-ab",
-                      "s3://store1/step_000000012-ab"]
+    assert missed == ["s3://store0/step_000000008-ab", "s3://store0/step_000000012-ab", "s3://store1/step_000000012-ab"]
     assert missed_commits(candidates, after_step=16, through_step=20, noticed=set()) == []
 
 
@@ -37,7 +43,9 @@ def test_a_loss_looks_up_to_the_step_restored_and_a_join_not_at_all():
 
     assert restored_after_a_loss(WorkerReport(step=9, tokens_seen=0, world_size=1, events=(recovered("failure"),))) == 8
     # Members carry their unreported commits over a join.
-    assert restored_after_a_loss(WorkerReport(step=9, tokens_seen=0, world_size=2, events=(recovered("resize"),))) is None
+    assert (
+        restored_after_a_loss(WorkerReport(step=9, tokens_seen=0, world_size=2, events=(recovered("resize"),))) is None
+    )
     assert restored_after_a_loss(first_report(9, 1, restored_step=4, started_at=0.0, first_step_at=1.0)) == 4
     assert restored_after_a_loss(report(9, 2)) is None
 
@@ -62,8 +70,13 @@ def test_a_commit_whose_notice_was_lost_with_rank_zero_is_noticed_after_the_reco
     commit_checkpoint(cfg, tmp_path, 2)  # a resubmission's: restored from, not this run's to notice
     commit_checkpoint(cfg, tmp_path, 4)
     callback = MissedCommits(cfg)
-    assert polls(callback, [first_report(3, 2, restored_step=2, started_at=0.0, first_step_at=1.0),
-                            noticing(5, f"{primary}/step_000000004-ab")]) == [[], [f"{primary}/step_000000004-ab"]]
+    assert polls(
+        callback,
+        [
+            first_report(3, 2, restored_step=2, started_at=0.0, first_step_at=1.0),
+            noticing(5, f"{primary}/step_000000004-ab"),
+        ],
+    ) == [[], [f"{primary}/step_000000004-ab"]]
     # Rank 0 commits step 8 and is lost before its report of it is collected; a save of
     # step 10 never committed. The survivors re-form and report their recovery.
     commit_checkpoint(cfg, tmp_path, 8)

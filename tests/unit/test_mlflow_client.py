@@ -18,30 +18,48 @@ def _mlflow_imports(source: str) -> list[int]:
     """The lines of `source` that import MLflow, at the top or inside a function."""
     lines = []
     for node in ast.walk(ast.parse(source)):
-        names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
-                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+        names = (
+            [alias.name for alias in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom) and node.level == 0
+            else []
+        )
         if any(name == "mlflow" or name.startswith("mlflow.") for name in names):
             lines.append(node.lineno)
     return lines
 
 
 def test_no_module_but_the_client_imports_mlflow():
-    for caught in ("from mlflow.tracking import MlflowClient", "import mlflow",
-                   "def f():\n    from mlflow.exceptions import MlflowException", "import os, mlflow.entities"):
+    for caught in (
+        "from mlflow.tracking import MlflowClient",
+        "import mlflow",
+        "def f():\n    from mlflow.exceptions import MlflowException",
+        "import os, mlflow.entities",
+    ):
         assert _mlflow_imports(caught), caught  # what the scan is for
     assert not _mlflow_imports("from wildtrain.tracking.mlflow_client import Client\nimport mlflow_like")
     package = Path(wildtrain.__file__).parent
-    found = [f"{path.relative_to(package)}:{line}"
-             for path in sorted(package.rglob("*.py")) if path.relative_to(package) != _CLIENT_MODULE
-             for line in _mlflow_imports(path.read_text())]
+    found = [
+        f"{path.relative_to(package)}:{line}"
+        for path in sorted(package.rglob("*.py"))
+        if path.relative_to(package) != _CLIENT_MODULE
+        for line in _mlflow_imports(path.read_text())
+    ]
     assert found == [], "call MLflow through tracking.mlflow_client"
 
 
 def test_the_cli_the_reports_and_the_sweeps_load_mlflow_only_when_they_call_it():
     # A command that fails on its input, and a worker, must not wait for MLflow to import.
-    modules = ["wildtrain.cli", "wildtrain.tracking.mlflow_client", "wildtrain.tracking.record",
-               "wildtrain.tracking.run_setup", "wildtrain.tracking.reports.runs", "wildtrain.sweeps.report",
-               "wildtrain.tracking.worker.stragglers"]
+    modules = [
+        "wildtrain.cli",
+        "wildtrain.tracking.mlflow_client",
+        "wildtrain.tracking.record",
+        "wildtrain.tracking.run_setup",
+        "wildtrain.tracking.reports.runs",
+        "wildtrain.sweeps.report",
+        "wildtrain.tracking.worker.stragglers",
+    ]
     code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('mlflow' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
@@ -63,8 +81,10 @@ def test_a_search_reads_every_page_oldest_first_and_newest_first_reads_one_page(
     assert found == [runs[i] for i in (0, 1, 3, 4, 5)]  # three pages, in start order
     everywhere = client.search_runs(None, "tags.kind = 'wanted'", page_size=2)
     assert len(list(everywhere)) == 6
-    assert next(client.search_runs(None, "attributes.run_name = 'r4'", newest_first=True, page_size=1)).info.run_id \
+    assert (
+        next(client.search_runs(None, "attributes.run_name = 'r4'", newest_first=True, page_size=1)).info.run_id
         == runs[4]
+    )
 
 
 def test_an_experiment_is_created_once_and_found_after(client):

@@ -9,15 +9,15 @@ from dataclasses import replace
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.helpers.reports import first_report
 from wildtrain.config import StorageConfig
+from wildtrain.elastic.restarts import interpret
+from wildtrain.events import Resize, StoppedEarly, TrackingOutage
 from wildtrain.tracking import mlflow_client, record, run_setup
 from wildtrain.tracking.controller import mlflow_run
-from wildtrain.events import Resize, StoppedEarly, TrackingOutage
 from wildtrain.tracking.controller.mlflow_run import MlflowCallback, Tracker
 from wildtrain.tracking.record import mlflow_key, read_events
-from wildtrain.elastic.restarts import interpret
 from wildtrain.worker_report import WorkerReport
-from tests.helpers.reports import first_report
 
 
 @pytest.fixture
@@ -41,8 +41,9 @@ def test_reports_never_wait_on_a_hung_mlflow_server_and_nothing_is_lost(hung_ser
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "120")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "7")
     monkeypatch.setattr(mlflow_run, "FLUSH_TIMEOUT_S", 0.5)
-    callback = MlflowCallback(hung_server, "r1", interpret, str(tmp_path / "hangs"),
-                              StorageConfig(), tmp_path / "tracking")
+    callback = MlflowCallback(
+        hung_server, "r1", interpret, str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking"
+    )
     started = time.perf_counter()
     for step in range(1, 101):
         window = {"step": step, "at": time.time(), "loss": 5.0 - step / 100, "world_size": 2}
@@ -93,7 +94,9 @@ def test_a_run_reopened_on_another_cluster_is_tagged_with_every_cluster_it_train
     MlflowClient(uri).create_experiment("moves", artifact_location=str(tmp_path / "artifacts"))
 
     def on(cluster):
-        return load_config(["experiment=tiny", f"tracking.uri={uri}", "tracking.experiment=moves", f"cluster.name={cluster}"])
+        return load_config(
+            ["experiment=tiny", f"tracking.uri={uri}", "tracking.experiment=moves", f"cluster.name={cluster}"]
+        )
 
     _, run_id = run_setup.open_run(on("a"), None)
     for cluster in ("b", "b", "a"):  # moved to b, resubmitted there, moved back
@@ -120,7 +123,9 @@ def test_runs_that_start_together_on_the_same_dataset_each_record_it(tmp_path, m
         def log(run_id):
             start.wait()
             try:
-                mlflow_client.Client(uri).log_datasets(run_id, [(f"s3://b/data-{round_}", f"{round_:02d}" * 32, round_)])
+                mlflow_client.Client(uri).log_datasets(
+                    run_id, [(f"s3://b/data-{round_}", f"{round_:02d}" * 32, round_)]
+                )
             except Exception as e:  # noqa: BLE001 - the test reports every one
                 errors.append(repr(e)[:200])
 
@@ -132,23 +137,38 @@ def test_runs_that_start_together_on_the_same_dataset_each_record_it(tmp_path, m
         assert errors == []
     for run_id in runs:
         assert sorted((i.dataset.name, i.dataset.profile) for i in client.get_run(run_id).inputs.dataset_inputs) == [
-            (f"s3://b/data-{r}", f'{{"bad_records": {r}}}') for r in range(3)]
+            (f"s3://b/data-{r}", f'{{"bad_records": {r}}}') for r in range(3)
+        ]
 
 
 def test_each_window_of_a_report_is_logged_at_its_own_step_and_time(store, tmp_path):
     client, run_id = store
-    callback = MlflowCallback(client.tracking_uri, run_id, interpret,
-                              str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking")
+    callback = MlflowCallback(
+        client.tracking_uri, run_id, interpret, str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking"
+    )
     # Three log steps that waited for one report, as the loop sends them while the
     # controller's previous report was still queued, and a save's figures at the report's step.
-    windows = [{"step": step, "at": 1_700_000_000.0 + step, "loss": 5.0 - step, "step_time_s": 0.5,
-                "world_size": 2, "time/report_wait_s": 0.0} for step in (1, 2, 3)]
-    callback.after_report(None, [WorkerReport(3, 192, 2, windows=tuple(windows),
-                                              checkpoint={"checkpoint/bytes": 1024.0}).to_dict()])
+    windows = [
+        {
+            "step": step,
+            "at": 1_700_000_000.0 + step,
+            "loss": 5.0 - step,
+            "step_time_s": 0.5,
+            "world_size": 2,
+            "time/report_wait_s": 0.0,
+        }
+        for step in (1, 2, 3)
+    ]
+    callback.after_report(
+        None, [WorkerReport(3, 192, 2, windows=tuple(windows), checkpoint={"checkpoint/bytes": 1024.0}).to_dict()]
+    )
     callback.after_controller_finish(None)
     history = client.get_metric_history(run_id, "loss")
     assert [(m.step, m.value, m.timestamp) for m in history] == [
-        (1, 4.0, 1_700_000_001_000), (2, 3.0, 1_700_000_002_000), (3, 2.0, 1_700_000_003_000)]
+        (1, 4.0, 1_700_000_001_000),
+        (2, 3.0, 1_700_000_002_000),
+        (3, 2.0, 1_700_000_003_000),
+    ]
     assert [m.step for m in client.get_metric_history(run_id, mlflow_key("checkpoint/bytes"))] == [3]
 
 
@@ -168,13 +188,30 @@ def test_the_experiment_wildtrain_creates_opens_in_the_mlflow_uis_model_training
 
 def test_the_model_metrics_tab_opens_on_the_training_curves_and_how_the_run_runs_is_under_system(store, tmp_path):
     client, run_id = store
-    callback = MlflowCallback(client.tracking_uri, run_id, interpret,
-                              str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking")
-    window = {"step": 4, "at": 1_700_000_000.0, "loss": 3.0, "lr": 1e-3, "tokens_seen": 512.0, "tokens_per_s": 900.0,
-              "step_time_s": 0.5, "world_size": 2, "epoch": 0, "mfu": 0.3, "time/forward_s": 0.2,
-              "time/data_wait_s": 0.01, "memory/peak_gb": 1.5, "val/loss": 3.2}
-    report = replace(first_report(4, 2, restored_step=0, started_at=1.0, first_step_at=2.0), windows=(window,),
-                     checkpoint={"checkpoint/bytes": 1024.0, "checkpoint/save_s": 0.3})
+    callback = MlflowCallback(
+        client.tracking_uri, run_id, interpret, str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking"
+    )
+    window = {
+        "step": 4,
+        "at": 1_700_000_000.0,
+        "loss": 3.0,
+        "lr": 1e-3,
+        "tokens_seen": 512.0,
+        "tokens_per_s": 900.0,
+        "step_time_s": 0.5,
+        "world_size": 2,
+        "epoch": 0,
+        "mfu": 0.3,
+        "time/forward_s": 0.2,
+        "time/data_wait_s": 0.01,
+        "memory/peak_gb": 1.5,
+        "val/loss": 3.2,
+    }
+    report = replace(
+        first_report(4, 2, restored_step=0, started_at=1.0, first_step_at=2.0),
+        windows=(window,),
+        checkpoint={"checkpoint/bytes": 1024.0, "checkpoint/save_s": 0.3},
+    )
     callback.after_report(None, [report.to_dict()])
     callback.record_event(StoppedEarly(time.time(), 4, "loss stopped falling"))
     callback.after_controller_finish(None)
@@ -184,8 +221,15 @@ def test_the_model_metrics_tab_opens_on_the_training_curves_and_how_the_run_runs
     # only validation (whose section is first) and the training curves beside the step.
     on_model_tab = {key for key in keys if not key.startswith("system/")}
     assert on_model_tab == {"val/loss", "loss", "lr", "mfu", "tokens_per_s", "step", "tokens_seen", "world_size"}
-    assert {"system/time/forward_s", "system/memory/peak_gb", "system/checkpoint/bytes", "system/step_time_s",
-            "system/startup/attempt_started_at", "system/elastic/stopped_early", "system/epoch"} <= keys
+    assert {
+        "system/time/forward_s",
+        "system/memory/peak_gb",
+        "system/checkpoint/bytes",
+        "system/step_time_s",
+        "system/startup/attempt_started_at",
+        "system/elastic/stopped_early",
+        "system/epoch",
+    } <= keys
 
 
 def test_a_failed_group_is_one_failure_with_what_it_carries_however_long_the_controller_waits_with_it(store, tmp_path):
@@ -196,10 +240,14 @@ def test_a_failed_group_is_one_failure_with_what_it_carries_however_long_the_con
     from wildtrain.events import Failure, HealthCheck, NodeExcluded
 
     client, run_id = store
-    callback = MlflowCallback(client.tracking_uri, run_id, interpret, str(tmp_path / "hangs"), StorageConfig(),
-                              tmp_path / "tracking")
+    callback = MlflowCallback(
+        client.tracking_uri, run_id, interpret, str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking"
+    )
     check = HealthCheck(1.0, "matmul", 1, "slow", False, "0.2x")
-    statuses = {0: WorkerStatus(False, UnhealthyNodes(["slow"], [check])), 1: WorkerStatus(False, UnhealthyNodes(["slow"], []))}
+    statuses = {
+        0: WorkerStatus(False, UnhealthyNodes(["slow"], [check])),
+        1: WorkerStatus(False, UnhealthyNodes(["slow"], [])),
+    }
     restarting = ray_states.RestartingState(WorkerGroupPollStatus(statuses).get_worker_group_error())
     callback.after_controller_state_update(ray_states.RunningState(), restarting)
     for _ in range(3):  # no room for a group without the node: the controller's loop turns in the same state

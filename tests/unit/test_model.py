@@ -251,4 +251,5 @@ def test_a_model_at_its_own_base_shape_is_the_standard_one():
     from wildtrain.engine import param_groups
 
     assert [len(g["params"]) for g in param_groups(at_base, OptimConfig())] == [
-        len(g["params"]) for g in param_groups(plain, OptimConfig())]
+        len(g["params"]) for g in param_groups(plain, OptimConfig())
+    ]

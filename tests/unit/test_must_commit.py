@@ -74,6 +74,7 @@ def test_the_last_save_gives_up_at_checkpoint_timeout(tmp_path, failing_store, m
     faults.fail_next = 10**6
     cfg = Config()
     cfg.checkpoint.timeout_s = 1.0
-    assert not checkpointing.save(saver_for(tmp_path, store), FakeEngine(), cfg, TrainState(step=60), 1,
-                          must_commit=True, retry=True)
+    assert not checkpointing.save(
+        saver_for(tmp_path, store), FakeEngine(), cfg, TrainState(step=60), 1, must_commit=True, retry=True
+    )
     assert committed(store) == []

@@ -42,8 +42,12 @@ def test_examples_depend_on_seed_step_and_sample_only_never_on_the_rank(kind):
     assert whole.shape == (8, len(FIELDS), 128) and whole.dtype == np.int32
     if kind != "causal":
         assert not np.array_equal(ul2.rows(4, ids, tokens, doc_ids), whole), "another step corrupts anew"
-        assert not np.array_equal(objective(f"train.objective={kind}", "model.attention=document",
-                                            "train.seed=1").rows(3, ids, tokens, doc_ids), whole)
+        assert not np.array_equal(
+            objective(f"train.objective={kind}", "model.attention=document", "train.seed=1").rows(
+                3, ids, tokens, doc_ids
+            ),
+            whole,
+        )
 
 
 def test_plain_causal_keeps_the_token_rows():
@@ -59,7 +63,9 @@ def test_ul2_rows_keep_documents_in_place_with_positions_restarting_and_loss_on_
     assert np.array_equal(rows[:, F["tokens"], 1:], rows[:, F["targets"], :-1]), "targets are the next tokens"
     for row, docs in zip(rows, doc_ids[:, :-1]):
         starts = np.flatnonzero(np.diff(docs, prepend=-1))
-        assert (row[F["positions"], starts] == 0).all() and (np.diff(row[F["positions"]])[np.diff(docs) == 0] == 1).all()
+        assert (row[F["positions"], starts] == 0).all() and (
+            np.diff(row[F["positions"]])[np.diff(docs) == 0] == 1
+        ).all()
         assert set(row[F["tokens"], starts]) <= set(BYTE.modes.values()), "every example starts with its mode token"
         loss = row[F["loss_mask"]].astype(bool)
         assert loss.any()
@@ -109,8 +115,9 @@ def mean_target_share(obj: Objective, documents: int = 4000, length: int = 1001)
 @pytest.mark.parametrize("target", [0.1, 0.25, 0.5, 0.75, 0.9])
 def test_prefix_lm_and_the_s_denoiser_hit_their_mean_target_share(target):
     prefix_lm = objective("train.objective=prefix_lm", f"objective.prefix_target={target}")
-    s = objective("train.objective=ul2", f"objective.denoisers=[{{name: S, kind: prefix, corruption: {target}, "
-                                         "mode: '[S2S]'}]")
+    s = objective(
+        "train.objective=ul2", f"objective.denoisers=[{{name: S, kind: prefix, corruption: {target}, mode: '[S2S]'}}]"
+    )
     # 4000 draws: the mean's standard error is at most 1 / sqrt(12 * 4000) < 0.005 (a uniform
     # share on an interval of width <= 1), so 0.02 is four of them; today's [0, 2c] clipped
     # at 1 gives 2/3 for 0.75 and 0.72 for 0.9.

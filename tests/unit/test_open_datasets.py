@@ -41,7 +41,9 @@ def test_seq_len_other_than_the_datasets_names_the_key(dataset):
 
 
 def test_tokenizer_larger_than_the_model_names_the_key(dataset):
-    with pytest.raises(DataError, match=r"^data.datasets.0.uri: its byte tokenizer has 320 ids, more than model.vocab_size \(200\)"):
+    with pytest.raises(
+        DataError, match=r"^data.datasets.0.uri: its byte tokenizer has 320 ids, more than model.vocab_size \(200\)"
+    ):
         open_datasets(_config((dataset, 1), extra=["model.vocab_size=200"]))
 
 
@@ -88,8 +90,12 @@ def test_weights_must_be_positive(dataset):
 
 def test_held_out_shards_and_validation_datasets_are_the_validation_set(tmp_path, dataset):
     rng = np.random.default_rng(1)
-    write_dataset(tmp_path / "web", [rng.integers(0, 256, (16, SEQ_LEN + 1), dtype=np.int32)], rows_per_group=8,
-                  validation=[rng.integers(0, 256, (5, SEQ_LEN + 1), dtype=np.int32)])
+    write_dataset(
+        tmp_path / "web",
+        [rng.integers(0, 256, (16, SEQ_LEN + 1), dtype=np.int32)],
+        rows_per_group=8,
+        validation=[rng.integers(0, 256, (5, SEQ_LEN + 1), dtype=np.int32)],
+    )
     opened = open_datasets(_config((tmp_path / "web", 1), extra=[f"data.validation=[{{uri: {dataset}}}]"]))
     assert [(v.name, v.rows) for v in opened.validation] == [("web", 5), ("data", 120)]
     assert opened.token_bytes[:256].sum() == 256 and opened.token_bytes[256:].sum() == 0
@@ -103,8 +109,12 @@ def test_watching_the_validation_loss_without_a_validation_set_names_the_key(dat
 
 def test_a_missing_validation_shard_stops_the_run_naming_it(tmp_path):
     rng = np.random.default_rng(1)
-    write_dataset(tmp_path / "web", [rng.integers(0, 256, (16, SEQ_LEN + 1), dtype=np.int32)], rows_per_group=8,
-                  validation=[rng.integers(0, 256, (5, SEQ_LEN + 1), dtype=np.int32)])
+    write_dataset(
+        tmp_path / "web",
+        [rng.integers(0, 256, (16, SEQ_LEN + 1), dtype=np.int32)],
+        rows_per_group=8,
+        validation=[rng.integers(0, 256, (5, SEQ_LEN + 1), dtype=np.int32)],
+    )
     (tmp_path / "web" / "validation-00000.parquet").unlink()
     with pytest.raises(DataError, match=r"^data.datasets.0.uri: shard validation-00000.parquet: missing"):
         open_datasets(_config((tmp_path / "web", 1)))

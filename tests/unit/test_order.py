@@ -25,7 +25,9 @@ def _steps(sources, global_batch, world_size, epoch=0, from_step=0, seed=SEED):
             unit = segment.unit
             rows = row_order(unit, seed, epoch)[segment.start : segment.stop]
             assert segment.first_step == from_step + len(streams.get(segment.stream, []))
-            streams.setdefault(segment.stream, []).extend((unit.source, unit.shard, unit.row_group, int(r)) for r in rows)
+            streams.setdefault(segment.stream, []).extend(
+                (unit.source, unit.shard, unit.row_group, int(r)) for r in rows
+            )
         for stream in sorted(streams):
             assert len(streams[stream]) == plan.steps - from_step
             for offset, row in enumerate(streams[stream]):

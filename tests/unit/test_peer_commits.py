@@ -13,13 +13,16 @@ from tests.helpers import commit_drill, mirror_gather
 from tests.helpers.ranks import start_ranks
 
 
-@pytest.mark.parametrize("dies, trained", [
-    # Dead in step 3: the survivors' commits of steps 1 and 2 had committed steps 0 and 1, and
-    # step 2's mirrors were on their successors, received beside step 3.
-    ("before-commit", (1, 2)),
-    # Dead in step 4, its step-3 mirrors out.
-    ("after-commit", (1, 2, 3)),
-])
+@pytest.mark.parametrize(
+    "dies, trained",
+    [
+        # Dead in step 3: the survivors' commits of steps 1 and 2 had committed steps 0 and 1, and
+        # step 2's mirrors were on their successors, received beside step 3.
+        ("before-commit", (1, 2)),
+        # Dead in step 4, its step-3 mirrors out.
+        ("after-commit", (1, 2, 3)),
+    ],
+)
 def test_a_death_beside_an_exchange_costs_only_the_step_in_flight(tmp_path, dies, trained):
     ranks = start_ranks("tests.helpers.commit_drill", commit_drill.WORLD, "--dies", dies, "--out", tmp_path)
     for rank, (code, output, errors) in enumerate(ranks.outputs(timeout_s=180)):
@@ -32,7 +35,9 @@ def test_a_death_beside_an_exchange_costs_only_the_step_in_flight(tmp_path, dies
         # place: a mirror received before the failure is kept (`Mirrors.drop_in_flight`).
         assert survivor["step"] == trained[-1] and survivor["tokens_seen"] == 100 * trained[-1]
         moved = commit_drill.MOVED_BY_A_STEP * trained[-1]
-        want = [torch.cat([mirror_gather.partition_values(old, group) for old in range(commit_drill.WORLD)], dim=1)
-                + moved for group in range(len(mirror_gather.GROUP_SIZES))]
+        want = [
+            torch.cat([mirror_gather.partition_values(old, group) for old in range(commit_drill.WORLD)], dim=1) + moved
+            for group in range(len(mirror_gather.GROUP_SIZES))
+        ]
         for got, expected in zip(survivor["full"], want):
             assert torch.equal(got, expected)

@@ -16,10 +16,12 @@ from tests.helpers.ranks import start_ranks
 from tests.helpers.zero_resize import check_drill, run_drill
 from wildtrain.elastic.peer_state import Mirrors
 
+
 # fp32: DeepSpeed's ZeRO-1 optimizer; bf16, the engine's precision on GPUs: its BF16_Optimizer.
 @pytest.mark.parametrize("precision", [(), ("--bf16",)], ids=["fp32", "bf16"])
 def test_survivors_rebuild_the_zero_state_of_a_dead_peer_from_its_mirror_and_train_on_as_if_nothing_happened(
-        tmp_path, precision):
+    tmp_path, precision
+):
     drill, reference = run_drill(tmp_path, *precision, env={"DS_ACCELERATOR": "cpu"})
     check_drill(drill, reference, bf16=bool(precision))
 
@@ -32,26 +34,33 @@ def gather_drill(out, nodes: str, dead: str) -> list:
     for rank, (code, output, errors) in enumerate(ranks.outputs(timeout_s=300)):
         assert code == 0, f"rank {rank}:\n{output[-1000:]}\n{errors[-3000:]}"
     lost = [out / f"lost{rank}.txt" for rank in range(processes - len(dead.split(",")))]
-    return [why.read_text() if why.exists() else torch.load(out / f"gathered{rank}.pt") for rank, why in enumerate(lost)]
+    return [
+        why.read_text() if why.exists() else torch.load(out / f"gathered{rank}.pt") for rank, why in enumerate(lost)
+    ]
 
 
 def the_state_of(world: int) -> list[torch.Tensor]:
-    return [torch.cat([mirror_gather.partition_values(old, group) for old in range(world)], dim=1)
-            for group in range(len(mirror_gather.GROUP_SIZES))]
+    return [
+        torch.cat([mirror_gather.partition_values(old, group) for old in range(world)], dim=1)
+        for group in range(len(mirror_gather.GROUP_SIZES))
+    ]
 
 
-@pytest.mark.parametrize("nodes, dead, sources", [
-    # Member 0 of three dies; the two others gather with a joiner (a spare in its place): old
-    # partitions 0 and 1 come from new rank 0 (old 1: its own, and its mirror of old 0),
-    # partition 2 from new rank 1.
-    ("a,b,c", "0", (0, 0, 1)),
-    # Two nodes of two workers each, and one node dies, taking two ranks: each partition was
-    # mirrored on the other node (membership.mirror_ring: 0 -> 2 -> 1 -> 3 -> 0), so old 2's
-    # comes from old 1 (new rank 1) and old 3's from old 0 (new rank 0).
-    ("a,a,b,b", "2,3", (0, 1, 1, 0)),
-], ids=["one of three", "a node of two workers"])
-def test_a_rank_that_holds_nothing_receives_the_whole_state_from_the_partitions_sources(tmp_path, nodes, dead,
-                                                                                     sources):
+@pytest.mark.parametrize(
+    "nodes, dead, sources",
+    [
+        # Member 0 of three dies; the two others gather with a joiner (a spare in its place): old
+        # partitions 0 and 1 come from new rank 0 (old 1: its own, and its mirror of old 0),
+        # partition 2 from new rank 1.
+        ("a,b,c", "0", (0, 0, 1)),
+        # Two nodes of two workers each, and one node dies, taking two ranks: each partition was
+        # mirrored on the other node (membership.mirror_ring: 0 -> 2 -> 1 -> 3 -> 0), so old 2's
+        # comes from old 1 (new rank 1) and old 3's from old 0 (new rank 0).
+        ("a,a,b,b", "2,3", (0, 1, 1, 0)),
+    ],
+    ids=["one of three", "a node of two workers"],
+)
+def test_a_rank_that_holds_nothing_receives_the_whole_state_from_the_partitions_sources(tmp_path, nodes, dead, sources):
     world = len(nodes.split(","))
     for gathered in gather_drill(tmp_path, nodes, dead):
         assert gathered["sources"] == sources and gathered["step"] == mirror_gather.STEP
@@ -98,4 +107,6 @@ def test_a_mirror_is_sent_once_its_copy_from_the_device_has_landed():
     [(code0, out0, err0), (code1, out1, err1)] = start_ranks("tests.helpers.mirror_send", 2).outputs(60)
     assert code0 == 0 and code1 == 0, err0 + err1
     assert "posted before the copy landed: False" in out0
-    assert f"received: [{mirror_send.FILLED}]" in out1, "the send went out with the copy's bytes, not the buffer's old ones"
+    assert f"received: [{mirror_send.FILLED}]" in out1, (
+        "the send went out with the copy's bytes, not the buffer's old ones"
+    )

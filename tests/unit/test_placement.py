@@ -22,6 +22,7 @@ What stays GPU-only, covered by tests/gpu (test_step_cuda.py, test_attention_cud
   clipping, compile, bf16): it cannot run on a stand-in device, so `train_step` here drives
   `StandInEngine`, which has the engine's protocol around the model and torch's AdamW.
 """
+
 from __future__ import annotations
 
 import copy
@@ -59,8 +60,15 @@ def device():
 def config(attention: str, activation_checkpointing: bool = False) -> Config:
     cfg = load_config([f"model.attention={attention}", f"train.objective={ATTENTIONS[attention]}"])
     # Grouped-query attention too: SDPA's enable_gqa path.
-    cfg.model = replace(cfg.model, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ_LEN,
-                        activation_checkpointing=activation_checkpointing)
+    cfg.model = replace(
+        cfg.model,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=SEQ_LEN,
+        activation_checkpointing=activation_checkpointing,
+    )
     return cfg
 
 
@@ -76,15 +84,23 @@ def host_rows(cfg: Config, step: int) -> np.ndarray:
 
 def fused_adamw(cfg: Config, model: Transformer) -> torch.optim.AdamW:
     """The optimizer `build_engine` gives DeepSpeed on CUDA."""
-    return torch.optim.AdamW(param_groups(model, cfg.optim), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                             eps=cfg.optim.eps, fused=True)
+    return torch.optim.AdamW(
+        param_groups(model, cfg.optim),
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+        eps=cfg.optim.eps,
+        fused=True,
+    )
 
 
 def test_the_stand_in_refuses_host_tensors_in_device_ops_as_a_gpu_does(device):
     weight = torch.randn(3, 4, device=device)
     assert isinstance(weight, StandInTensor) and weight.device == device
-    with pytest.raises(HostTensorInAcceleratorOp, match=r"aten.mm.default got host tensor\(s\) \(cpu torch.float32 "
-                                                        r"\[2, 4\]\) together with standin:0"):
+    with pytest.raises(
+        HostTensorInAcceleratorOp,
+        match=r"aten.mm.default got host tensor\(s\) \(cpu torch.float32 "
+        r"\[2, 4\]\) together with standin:0",
+    ):
         torch.randn(2, 4) @ weight.T
     assert (weight * torch.tensor(2.0)).device == device, "a 0-dim host scalar is allowed, as on CUDA"
     assert weight[0, 1:].device == device  # Python indexing runs on the stand-in's device guard
@@ -234,8 +250,7 @@ def test_every_collective_of_the_helper_hands_its_group_tensors_on_that_groups_d
     collectives.broadcast_object({"step": 3})
     collectives.all_gather_object("node-a")
     collectives.all_gather_floats([1.0, 2.0])
-    misplaced = [s for s in recorded.seen
-                 if s[2] != {"default": device.type, "control": "cpu"}[s[1]]]
+    misplaced = [s for s in recorded.seen if s[2] != {"default": device.type, "control": "cpu"}[s[1]]]
     assert not misplaced, f"tensors on a device their group does not carry: {misplaced}"
     assert {s[1] for s in recorded.seen} == {"default", "control"}
     with pytest.raises(ValueError, match="cpu tensor cannot be all-reduced"):

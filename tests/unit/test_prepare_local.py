@@ -45,12 +45,15 @@ def corpus(folder: Path, files: int = 3, bad_line: str = "") -> Path:
     return folder
 
 
-@pytest.mark.parametrize("line, why", [
-    ("{not json\n", r"not JSON \(Expecting property name enclosed in double quotes: column 2\)"),
-    ('{"body": "x"}\n', r"no field 'text'"),
-    ('{"text": 7}\n', r"field 'text' is int, not text"),
-    ('["text"]\n', r"no field 'text'"),
-])
+@pytest.mark.parametrize(
+    "line, why",
+    [
+        ("{not json\n", r"not JSON \(Expecting property name enclosed in double quotes: column 2\)"),
+        ('{"body": "x"}\n', r"no field 'text'"),
+        ('{"text": 7}\n', r"field 'text' is int, not text"),
+        ('["text"]\n', r"no field 'text'"),
+    ],
+)
 def test_a_bad_record_stops_in_one_line_naming_file_and_line_or_is_skipped_and_counted(tmp_path, line, why):
     folder = corpus(tmp_path / "in", bad_line=line)
     bad_file = folder / "part-1.jsonl"
@@ -76,8 +79,9 @@ def test_bytes_that_are_not_utf8_are_named_by_line(tmp_path):
 
 
 def test_compressed_and_arrow_inputs_give_the_shards_plain_jsonl_gives(tmp_path):
-    plain = prepare(PrepareConfig(input=str(write_jsonl(tmp_path / "c.jsonl", TEXTS)), output=str(tmp_path / "plain"),
-                                  **SETTINGS)).manifest
+    plain = prepare(
+        PrepareConfig(input=str(write_jsonl(tmp_path / "c.jsonl", TEXTS)), output=str(tmp_path / "plain"), **SETTINGS)
+    ).manifest
     data = (tmp_path / "c.jsonl").read_bytes()
     (tmp_path / "gz").mkdir()
     (tmp_path / "gz/c.jsonl.gz").write_bytes(gzip.compress(data))
@@ -89,8 +93,9 @@ def test_compressed_and_arrow_inputs_give_the_shards_plain_jsonl_gives(tmp_path)
     datasets.Dataset.from_dict({"id": list(range(len(TEXTS))), "text": TEXTS}).save_to_disk(str(tmp_path / "hf"))
     assert {p.name for p in (tmp_path / "hf").iterdir()} >= {"state.json", "dataset_info.json"}
     for kind in ("gz", "zst", "hf"):
-        manifest = prepare(PrepareConfig(input=str(tmp_path / kind), output=str(tmp_path / f"out-{kind}"),
-                                         **SETTINGS)).manifest
+        manifest = prepare(
+            PrepareConfig(input=str(tmp_path / kind), output=str(tmp_path / f"out-{kind}"), **SETTINGS)
+        ).manifest
         assert [s.sha256 for s in manifest.shards] == [s.sha256 for s in plain.shards], kind
 
 
@@ -105,8 +110,11 @@ def test_byte_ranges_of_a_file_read_every_record_once(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", TEXTS, extra='\n{"text": "last, no newline"}')
     size = path.stat().st_size
     fs = pafs.LocalFileSystem()
-    whole = [t for texts, _, _ in records.read(fs, records.split([(str(path), size, "json", None)], size)[0], "text",
-                                                 False) for t in texts]
+    whole = [
+        t
+        for texts, _, _ in records.read(fs, records.split([(str(path), size, "json", None)], size)[0], "text", False)
+        for t in texts
+    ]
     assert whole == TEXTS + ["last, no newline"]
     for partition_bytes in (50, 4096, size - 1):  # ranges with no record's start in them, too
         parts = records.split([(str(path), size, "json", None)], partition_bytes)
@@ -134,8 +142,13 @@ def test_a_bad_record_in_a_later_range_is_named_by_its_line_in_the_file(tmp_path
 
 
 def test_datasets_metadata_beside_arrow_files_is_no_input():
-    paths = ["d/train/data-00000-of-00001.arrow", "d/train/state.json", "d/train/dataset_info.json",
-             "d/dataset_dict.json", "e/state.json"]
+    paths = [
+        "d/train/data-00000-of-00001.arrow",
+        "d/train/state.json",
+        "d/train/dataset_info.json",
+        "d/dataset_dict.json",
+        "e/state.json",
+    ]
     assert [f[0] for f in records.documents(paths, [1] * 5)] == [paths[0], "e/state.json"]
 
 
@@ -153,10 +166,21 @@ def test_doc_ids_stay_distinct_within_rows_past_2_to_the_31_documents():
 
 
 def test_progress_line_says_bytes_documents_rate_eta_and_shards():
-    line = progress_line(done=250_000_000, total=1_000_000_000, documents=12_345, tokens=5_000_000,
-                         tokenized=250_000_000, shards=7, parts_done=1, parts=4, elapsed=10.0)
-    assert line == ("prepare: 250.0 MB of 1.0 GB (25%), 12,345 documents, 500,000 tokens/s, ETA 30 s, "
-                    "7 shards written, 1/4 partitions")
+    line = progress_line(
+        done=250_000_000,
+        total=1_000_000_000,
+        documents=12_345,
+        tokens=5_000_000,
+        tokenized=250_000_000,
+        shards=7,
+        parts_done=1,
+        parts=4,
+        elapsed=10.0,
+    )
+    assert line == (
+        "prepare: 250.0 MB of 1.0 GB (25%), 12,345 documents, 500,000 tokens/s, ETA 30 s, "
+        "7 shards written, 1/4 partitions"
+    )
 
 
 def test_progress_off_a_terminal_prints_plain_lines():
@@ -184,8 +208,9 @@ def test_a_killed_prepare_reruns_to_the_bytes_of_an_uninterrupted_one(tmp_path):
     prepare(PrepareConfig(input=str(folder), output=str(whole), **settings))
     killed = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(REPO / "platform")}
-    process = subprocess.Popen([sys.executable, "-c", KILLABLE, str(folder), str(killed)], env=env,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-c", KILLABLE, str(folder), str(killed)], env=env, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 60
     while not (killed / "parts/00000.json").exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -199,8 +224,11 @@ def test_a_killed_prepare_reruns_to_the_bytes_of_an_uninterrupted_one(tmp_path):
 
     def files(root: Path) -> dict[str, bytes]:
         # A write the kill cut short leaves its temporary file, never a partial shard.
-        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-                if p.is_file() and ".tmp-" not in p.name}
+        return {
+            str(p.relative_to(root)): p.read_bytes()
+            for p in sorted(root.rglob("*"))
+            if p.is_file() and ".tmp-" not in p.name
+        }
 
     assert files(killed) == files(whole)
     verify(str(killed), read_manifest(str(killed)))

@@ -10,31 +10,33 @@ import threading
 import types
 from pathlib import Path
 
-from ray.exceptions import ActorDiedError
-
 from ray._common import utils as ray_common_utils
 from ray._private import state as private_state
 from ray._private import worker as private_worker
 from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as coordinator
+from ray.exceptions import ActorDiedError
 from ray.experimental import internal_kv
+from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.execution import context as train_context
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.controller import state as controller_state
 from ray.train.v2._internal.execution.controller.controller import TrainController
 from ray.train.v2._internal.execution.scaling_policy.scaling_policy import ResizeDecision
-from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
 from ray.train.v2._internal.execution.worker_group.placement_group_handle import PlacementGroupHandle
+from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
 from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState
 from ray.train.v2._internal.execution.worker_group.worker import Worker
 from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
 from ray.train.v2.api import data_parallel_trainer
-from ray.train.torch import TorchTrainer
 from ray.train.v2.api.exceptions import ControllerError
 
 from wildtrain import ray_compat
 from wildtrain.elastic import restarts
 from wildtrain.ray_compat import (
-    ControllerState, WorkerGroupStartupTimeoutError, WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError,
+    ControllerState,
+    WorkerGroupStartupTimeoutError,
+    WorkerHealthCheckFailedError,
+    WorkerHealthCheckTimeoutError,
 )
 
 
@@ -60,7 +62,10 @@ def test_the_private_functions_used_still_exist():
 
 def test_the_controller_hooks_keep_their_names_and_signatures():
     assert list(inspect.signature(ControllerCallback.after_controller_state_update).parameters) == [
-        "self", "previous_state", "current_state"]
+        "self",
+        "previous_state",
+        "current_state",
+    ]
     assert "worker_group" in inspect.signature(WorkerGroupCallback.after_worker_group_start).parameters
     assert list(inspect.signature(ReportCallback.after_report).parameters)[:3] == ["self", "training_report", "metrics"]
 
@@ -78,11 +83,16 @@ def test_controller_state_reads_each_state_ray_makes():
     assert read(controller_state.SchedulingState(decision)) == ControllerState("SCHEDULING", workers=3)
     assert read(controller_state.RunningState()) == ControllerState("RUNNING")
     assert read(controller_state.ResizingState(decision)) == ControllerState("RESIZING", workers=3)
-    for name, state in {"RESTARTING": controller_state.RestartingState, "RESCHEDULING": controller_state.ReschedulingState,
-                        "ERRORED": controller_state.ErroredState}.items():
+    for name, state in {
+        "RESTARTING": controller_state.RestartingState,
+        "RESCHEDULING": controller_state.ReschedulingState,
+        "ERRORED": controller_state.ErroredState,
+    }.items():
         held = read(state(failed))
         assert (held.name, held.workers) == (name, None) and held.error is failed
-    assert read(controller_state.ShuttingDownState(controller_state.FinishedState())) == ControllerState("SHUTTING_DOWN")
+    assert read(controller_state.ShuttingDownState(controller_state.FinishedState())) == ControllerState(
+        "SHUTTING_DOWN"
+    )
     assert read(controller_state.FinishedState()) == ControllerState("FINISHED")
     assert read(controller_state.AbortedState()) == ControllerState("ABORTED")
 
@@ -101,7 +111,9 @@ def test_the_errors_of_a_failed_group_read_as_ray_makes_them():
     timed_out = ControllerError(WorkerGroupStartupTimeoutError(num_workers=2))
 
     assert {rank: str(e) for rank, e in ray_compat.worker_failures(crashed).items()} == {
-        0: "bad batch", 1: "Connection closed by peer"}
+        0: "bad batch",
+        1: "Connection closed by peer",
+    }
     assert ray_compat.worker_failures(timed_out) == {} and ray_compat.worker_failures(None) == {}
     assert ray_compat.counts_as_failure(crashed) and not ray_compat.counts_as_failure(timed_out)
     assert ray_compat.start_timed_out(timed_out)
@@ -117,7 +129,9 @@ def test_a_resize_decision_is_read_and_resized_where_ray_reads_its_size_after_th
     ray_compat.resize_to(decision, 2)
     assert ray_compat.resize_request(decision).workers == 2
     source = inspect.getsource(TrainController._execute_resize_decision)
-    assert source.index('"before_controller_execute_resize_decision"') < source.index("num_workers=decision.num_workers")
+    assert source.index('"before_controller_execute_resize_decision"') < source.index(
+        "num_workers=decision.num_workers"
+    )
 
 
 # Reads of Ray Train's controller states, scaling decisions and errors (and of the Ray core
@@ -136,18 +150,24 @@ _RAY_READS = re.compile(
 
 
 def test_no_module_but_ray_compat_reads_rays_controller_states_or_errors():
-    for removed in ('error = getattr(current_state, "training_failed_error", None)',
-                    'size = getattr(getattr(previous_state, "scaling_decision", None), "num_workers", 1)',
-                    "resize_decision.num_workers = max(self.min_workers, fit)",
-                    "return any(isinstance(failure, lost) for failure in getattr(error, 'worker_failures', {}).values())",
-                    "counts=isinstance(error, WorkerGroupError) and not restart.planned",
-                    "timed_out = isinstance(error, ray_compat.WorkerGroupStartupTimeoutError)",
-                    "from ray.train.v2.api.exceptions import WorkerGroupError"):
+    for removed in (
+        'error = getattr(current_state, "training_failed_error", None)',
+        'size = getattr(getattr(previous_state, "scaling_decision", None), "num_workers", 1)',
+        "resize_decision.num_workers = max(self.min_workers, fit)",
+        "return any(isinstance(failure, lost) for failure in getattr(error, 'worker_failures', {}).values())",
+        "counts=isinstance(error, WorkerGroupError) and not restart.planned",
+        "timed_out = isinstance(error, ray_compat.WorkerGroupStartupTimeoutError)",
+        "from ray.train.v2.api.exceptions import WorkerGroupError",
+    ):
         assert _RAY_READS.search(removed), removed  # what the scan is for
     package = Path(ray_compat.__file__).parent
-    found = [f"{path.relative_to(package)}:{number}: {line.strip()}"
-             for path in sorted(package.rglob("*.py")) if path.name != "ray_compat.py"
-             for number, line in enumerate(path.read_text().splitlines(), 1) if _RAY_READS.search(line)]
+    found = [
+        f"{path.relative_to(package)}:{number}: {line.strip()}"
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "ray_compat.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if _RAY_READS.search(line)
+    ]
     assert found == [], "read these through ray_compat"
 
 
@@ -166,9 +186,17 @@ def test_ray_train_still_makes_its_controller_and_places_its_workers_where_node_
     assert TrainController.worker_group_cls is WorkerGroup
     assert issubclass(ray_compat.NodeBundleController, TrainController)
     assert list(inspect.signature(WorkerGroup._create_placement_group).parameters) == [
-        "self", "scaling_config", "worker_group_context"]
+        "self",
+        "scaling_config",
+        "worker_group_context",
+    ]
     assert list(inspect.signature(WorkerGroup._create_workers).parameters)[:5] == [
-        "self", "num_workers", "placement_group", "resources_per_worker", "placement_group_bundle_indices"]
+        "self",
+        "num_workers",
+        "placement_group",
+        "resources_per_worker",
+        "placement_group_bundle_indices",
+    ]
     start = inspect.getsource(WorkerGroup._start_impl)
     assert "self._create_placement_group(" in start
     assert "placement_group_bundle_indices" not in start, "a start places worker i in bundle i unless told"
@@ -187,8 +215,9 @@ def test_every_hook_our_callbacks_define_is_one_ray_calls_with_those_parameters(
         for name in hooks:
             rays = [getattr(base, name) for base in bases if hasattr(base, name)]
             assert rays, f"{ours.__name__}.{name} is not a hook of Ray's callbacks"
-            assert list(inspect.signature(getattr(ours, name)).parameters) == list(inspect.signature(rays[0]).parameters), \
-                f"{ours.__name__}.{name} no longer matches Ray's signature"
+            assert list(inspect.signature(getattr(ours, name)).parameters) == list(
+                inspect.signature(rays[0]).parameters
+            ), f"{ours.__name__}.{name} no longer matches Ray's signature"
 
 
 def test_ray_data_info_lines_and_progress_bar_notice_leave_the_console_and_stay_in_the_log_file():
@@ -202,13 +231,13 @@ def test_ray_data_info_lines_and_progress_bar_notice_leave_the_console_and_stay_
 
     def shown(level: int, message: str) -> bool:
         record = logging.getLogger("ray.data._internal.progress").makeRecord(
-            "ray.data._internal.progress", level, __file__, 0, message, (), None)
+            "ray.data._internal.progress", level, __file__, 0, message, (), None
+        )
         return record.levelno >= console.level and bool(console.filter(record))
 
     assert not shown(logging.INFO, "Starting execution of Dataset dataset_0")
     assert not shown(logging.WARNING, "Progress bars disabled. To enable, set `ray.data.DataContext...`")
     assert shown(logging.WARNING, "Ray Data cannot schedule its read tasks: no CPUs left")
-
 
 
 def test_the_trainer_starts_no_dataset_manager_without_datasets_and_ray_still_builds_one():
@@ -244,7 +273,9 @@ def test_a_stuck_worker_group_start_can_still_be_ended():
 
     assert RayTrainWorker.__name__ == ray_compat.TRAIN_WORKER_CLASS
     assert callable(private_state.actors) and callable(ActorID.from_hex) and hasattr(CoreWorker, "kill_actor")
-    assert "ray.get([actor.get_metadata.remote() for actor in actors])" in inspect.getsource(WorkerGroup._create_workers)
+    assert "ray.get([actor.get_metadata.remote() for actor in actors])" in inspect.getsource(
+        WorkerGroup._create_workers
+    )
     assert "callback.on_worker_group_start" in inspect.getsource(WorkerGroup._start_impl)
 
 
@@ -258,8 +289,9 @@ def test_a_worker_death_can_be_masked_and_the_report_gates_narrowed_where_ray_re
 
     died = WorkerHealthCheckFailedError("A worker health check failed.", failure=ActorDiedError())
     assert ray_compat.worker_lost(died) and not ray_compat.worker_lost(ValueError("bad batch"))
-    status = WorkerGroupPollStatus({0: WorkerStatus(running=False), 1: WorkerStatus(running=False, error=died),
-                                    2: WorkerStatus(running=False)})
+    status = WorkerGroupPollStatus(
+        {0: WorkerStatus(running=False), 1: WorkerStatus(running=False, error=died), 2: WorkerStatus(running=False)}
+    )
     assert status.errors and not TrainController._is_training_succeeded(status)
     ray_compat.mask_worker_deaths(status, {1})
     assert not status.errors and TrainController._is_training_succeeded(status)
@@ -307,11 +339,16 @@ def test_a_report_past_the_barrier_lands_in_rays_result_queue_in_order_as_ray_s_
             entered.append("report")
             yield
 
-    execution = train_context.ExecutionContext(synchronization_actor=None, result_queue=queue.Queue(maxsize=1),
-                                               training_thread_runner=None, train_context_callbacks=[Callback()])
+    execution = train_context.ExecutionContext(
+        synchronization_actor=None,
+        result_queue=queue.Queue(maxsize=1),
+        training_thread_runner=None,
+        train_context_callbacks=[Callback()],
+    )
     rank_1 = types.SimpleNamespace(world_rank=1)  # all `_wait_then_report` reads of it, for its log line
-    context = train_context.TrainContext(None, rank_1, execution, None, None, None, None,
-                                         report_order_condition=threading.Condition())
+    context = train_context.TrainContext(
+        None, rank_1, execution, None, None, None, None, report_order_condition=threading.Condition()
+    )
     monkeypatch.setattr(train_context, "_train_context", context)
     ray_compat.report_without_barrier({"step": 1})
     assert entered == ["report"] and not ray_compat.reports_collected()
@@ -324,7 +361,8 @@ def test_a_report_past_the_barrier_lands_in_rays_result_queue_in_order_as_ray_s_
     report = inspect.getsource(train_context.TrainContext.report)
     assert report.index("self.report_call_index += 1") < report.index("_sync_checkpoint_dir_name_across_ranks(")
     assert report.index("_sync_checkpoint_dir_name_across_ranks(") < report.index(
-        "self._wait_then_report(training_report, report_call_index)")
+        "self._wait_then_report(training_report, report_call_index)"
+    )
     assert "if 0 not in expected" in inspect.getsource(train_context.SynchronizationActor.set_required_ranks)
 
 

@@ -10,19 +10,32 @@ import torch.distributed as dist
 
 from tests.helpers.waiting import wait_for
 from wildtrain import services
-from wildtrain.elastic.survivors import KeepSurvivors
 from wildtrain.elastic.membership import Membership
-from wildtrain.elastic.rendezvous import (Heartbeat, RendezvousOwner, RendezvousServer, announce_node, announce_start,
-                                          ask_to_join, beat, current_group, latest, member_name, node_of, register_group,
-                                          report_error)
+from wildtrain.elastic.rendezvous import (
+    Heartbeat,
+    RendezvousOwner,
+    RendezvousServer,
+    announce_node,
+    announce_start,
+    ask_to_join,
+    beat,
+    current_group,
+    latest,
+    member_name,
+    node_of,
+    register_group,
+    report_error,
+)
+from wildtrain.elastic.survivors import KeepSurvivors
 
 DEAD_AFTER_S, CONFIRM_S = 2.0, 0.5
 
 
 @pytest.fixture
 def store():
-    return dist.TCPStore(services.HOST, services.free_port(), is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=10))
+    return dist.TCPStore(
+        services.HOST, services.free_port(), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
 
 
 def first_generation(store, t: float = 100.0, join_batch_s: float = 0.0) -> RendezvousOwner:
@@ -239,8 +252,9 @@ def test_ray_s_word_that_a_member_died_has_the_owner_drop_it_within_confirm_s_wh
         controller.say_members_died(["w1.1"])  # a joiner that never was a member: nothing to say
         assert not group.check(["error/1"])
         controller.say_members_died(["w1"])
-        newest = wait_for(lambda: latest(group).generation == 2 and latest(group), "w1 dropped", timeout_s=5.0,
-                          every_s=0.05)
+        newest = wait_for(
+            lambda: latest(group).generation == 2 and latest(group), "w1 dropped", timeout_s=5.0, every_s=0.05
+        )
         assert newest.members == ("w0",)
     finally:
         if alive is not None:

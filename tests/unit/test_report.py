@@ -3,8 +3,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.reports import first_report, report
+from wildtrain.events import Event, HealthCheck, Moved
+from wildtrain.tracking.controller.timeline import Timeline
 from wildtrain.tracking.reports.goodput import (
-    BADPUT_CAUSES, AttemptStarted, Goodput, GroupStopped, RunStarted, RunStopped, Steps, account,
+    BADPUT_CAUSES,
+    AttemptStarted,
+    Goodput,
+    GroupStopped,
+    RunStarted,
+    RunStopped,
+    Steps,
+    account,
 )
 from wildtrain.tracking.reports.runs import (
     CHECKPOINT_BYTES,
@@ -28,9 +38,6 @@ from wildtrain.tracking.reports.runs import (
     summarize,
     summary_figure,
 )
-from wildtrain.events import Event, HealthCheck, Moved
-from wildtrain.tracking.controller.timeline import Timeline
-from tests.helpers.reports import first_report, report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -44,10 +51,13 @@ def recorded_events() -> list[Event]:
         timeline.reported(report(step, 2))
     timeline.interrupted("failure", at=1035.0, cause="node b died")
     timeline.group_started(["a"])
-    timeline.reported(first_report(9, 1, restored_step=8, started_at=1045.0, first_step_at=1052.0, restore_s=3.0,
-                                   reshard_s=2.0))
-    health = [HealthCheck(1001.0, "gpu-burn", 0, "a", passed=True, detail=""),
-              HealthCheck(1001.0, "nccl-allreduce", -1, "b", passed=False, detail="12 GB/s")]
+    timeline.reported(
+        first_report(9, 1, restored_step=8, started_at=1045.0, first_step_at=1052.0, restore_s=3.0, reshard_s=2.0)
+    )
+    health = [
+        HealthCheck(1001.0, "gpu-burn", 0, "a", passed=True, detail=""),
+        HealthCheck(1001.0, "nccl-allreduce", -1, "b", passed=False, detail="12 GB/s"),
+    ]
     return timeline.events + health
 
 
@@ -64,21 +74,32 @@ def record() -> RunRecord:
         CHECKPOINT_BYTES: (Sample(1025.0, 8, 1.5e9), Sample(1055.0, 10, 1.5e9)),
         CHECKPOINT_SAVE_S: (Sample(1025.0, 8, 4.0), Sample(1055.0, 10, 6.0)),
     }
-    return RunRecord("r1", "demo", started_at=1000.0, ended_at=1060.0, history=history, events=tuple(recorded_events()),
-                     cluster="lambda-h100")
+    return RunRecord(
+        "r1",
+        "demo",
+        started_at=1000.0,
+        ended_at=1060.0,
+        history=history,
+        events=tuple(recorded_events()),
+        cluster="lambda-h100",
+    )
 
 
 def test_goodput_events_from_the_timeline_and_the_reports():
     events = goodput_events(record())
     assert [e for e in events if not isinstance(e, Steps)] == [
-        RunStarted(1000.0), RunStopped(1060.0), GroupStopped(1035.0, "failure"),
+        RunStarted(1000.0),
+        RunStopped(1060.0),
+        GroupStopped(1035.0, "failure"),
         AttemptStarted(1045.0, restored_step=8, restore_s=3.0, reshard_s=2.0),
     ]
     # a window per report, from the previous report of the same attempt; an attempt's
     # first report is its first step alone
     assert [e for e in events if isinstance(e, Steps)] == [
-        Steps(1, 1, 1010.0, 1012.0, world_size=2), Steps(2, 5, 1012.0, 1020.0, data_wait_s=2.0, world_size=2),
-        Steps(6, 10, 1020.0, 1030.0, world_size=2), Steps(9, 9, 1052.0, 1053.0, world_size=1),
+        Steps(1, 1, 1010.0, 1012.0, world_size=2),
+        Steps(2, 5, 1012.0, 1020.0, data_wait_s=2.0, world_size=2),
+        Steps(6, 10, 1020.0, 1030.0, world_size=2),
+        Steps(9, 9, 1052.0, 1053.0, world_size=1),
         Steps(10, 10, 1053.0, 1055.0, world_size=1),
     ]
 
@@ -86,10 +107,23 @@ def test_goodput_events_from_the_timeline_and_the_reports():
 def test_a_run_summary():
     stats = summarize(record(), now=1060.0)
     # steps 9, 10 of [1020, 1030) redone: 4 s lost, and 5 s until the failure was noticed
-    assert stats.goodput == Goodput(60.0, 2.0 + 6.0 + 6.0 + 3.0, {
-        "startup": 10.0 + 10.0 + 2.0 + 5.0, "waiting": 0.0, "restore": 5.0, "lost": 4.0 + 5.0,
-        "checkpoint_stall": 0.0, "data_wait": 2.0, "report_wait": 0.0, "eval": 0.0, "stalled": 0.0, "stopped": 0.0, "unreported": 0.0,
-    })
+    assert stats.goodput == Goodput(
+        60.0,
+        2.0 + 6.0 + 6.0 + 3.0,
+        {
+            "startup": 10.0 + 10.0 + 2.0 + 5.0,
+            "waiting": 0.0,
+            "restore": 5.0,
+            "lost": 4.0 + 5.0,
+            "checkpoint_stall": 0.0,
+            "data_wait": 2.0,
+            "report_wait": 0.0,
+            "eval": 0.0,
+            "stalled": 0.0,
+            "stopped": 0.0,
+            "unreported": 0.0,
+        },
+    )
     assert stats.mfu == pytest.approx(0.32)
     assert stats.failures == 1 and stats.recoveries_s == (1052.0 - 1035.0,)
     assert stats.node_s == 2 * 25.0 + 1 * 10.0
@@ -100,8 +134,15 @@ def test_a_run_summary():
 def test_a_moved_run_counts_on_each_cluster_for_the_part_it_trained_there():
     # Moved to cluster b at 1050, during the recovery from the failure at 1035.
     run = record()
-    run = RunRecord(run.run_id, run.name, run.started_at, run.ended_at, run.history,
-                    run.events + (Moved(1050.0, "lambda-h100", "b", 8, 10 << 20),), cluster="b")
+    run = RunRecord(
+        run.run_id,
+        run.name,
+        run.started_at,
+        run.ended_at,
+        run.history,
+        run.events + (Moved(1050.0, "lambda-h100", "b", 8, 10 << 20),),
+        cluster="b",
+    )
     (before,), (after,) = parts_on(run, "lambda-h100"), parts_on(run, "b")
     assert parts_on(run, "elsewhere") == []
     assert (before.name, before.started_at, before.ended_at) == ("demo (part 1 of 2)", 1000.0, 1050.0)
@@ -128,8 +169,19 @@ def test_plot_is_a_png(tmp_path):
 
 def stats(name, wall, productive, mfu, failures, recoveries, node_days, ckpt_bytes, ckpt_s, passed, failed):
     badput = dict.fromkeys(BADPUT_CAUSES, 0.0) | {"startup": wall - productive}
-    return RunStats(name, name, Goodput(wall, productive, badput), mfu, failures, recoveries,
-                    None if node_days is None else node_days * 86400, ckpt_bytes, ckpt_s, passed, failed)
+    return RunStats(
+        name,
+        name,
+        Goodput(wall, productive, badput),
+        mfu,
+        failures,
+        recoveries,
+        None if node_days is None else node_days * 86400,
+        ckpt_bytes,
+        ckpt_s,
+        passed,
+        failed,
+    )
 
 
 RUNS = [
@@ -140,7 +192,14 @@ RUNS = [
 
 def test_cluster_card_numbers():
     a, b, total = cluster_card(RUNS)
-    assert (a.label, a.mfu, a.goodput, a.failures_per_node_day, a.mttr_s, a.checkpoint_mb_per_s) == ("a", 0.4, 0.8, 1.0, 40.0, 300.0)
+    assert (a.label, a.mfu, a.goodput, a.failures_per_node_day, a.mttr_s, a.checkpoint_mb_per_s) == (
+        "a",
+        0.4,
+        0.8,
+        1.0,
+        40.0,
+        300.0,
+    )
     assert (a.health_passed, a.health_checks) == (3, 4)
     assert (b.failures_per_node_day, b.mttr_s, b.checkpoint_mb_per_s) == (None, 20.0, 100.0)
     assert total.label == "all runs" and total.runs == 2 and total.failures == 3
@@ -157,7 +216,19 @@ def test_cluster_card_text():
     text = card_text("lambda-h100", RUNS + [r])
     lines = text.splitlines()
     assert lines[0] == "cluster lambda-h100: 3 runs"
-    assert lines[1].split() == ["run", "MFU", "goodput", "failures", "fail/node-day", "MTTR", "s", "ckpt", "MB/s", "health", "ok"]
+    assert lines[1].split() == [
+        "run",
+        "MFU",
+        "goodput",
+        "failures",
+        "fail/node-day",
+        "MTTR",
+        "s",
+        "ckpt",
+        "MB/s",
+        "health",
+        "ok",
+    ]
     assert lines[2].split() == ["a", "40.0%", "80.0%", "2", "1.00", "40.0", "300.0", "3/4"]
     assert lines[4].split()[:3] == ["demo", "32.0%", f"{17 / 60:.1%}"]
     mfu = (0.4 * 80 + 0.2 * 120 + 0.32 * 17) / (80 + 120 + 17)
@@ -179,11 +250,21 @@ def log_record(uri, tmp_path, r: RunRecord, cluster: str, visited: str = "") -> 
 
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("e")
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
-    run_id = client.create_run(experiment_id, start_time=int(r.started_at * 1000), run_name=r.name,
-                               tags={"wildtrain.cluster": cluster,
-                                     "wildtrain.clusters": visited or f",{cluster},"}).info.run_id
-    client.log_batch(run_id, metrics=[Metric(key, s.value, int(s.at * 1000), s.step) for key, samples in r.history.items() for s in samples])
+    experiment_id = (
+        experiment.experiment_id
+        if experiment
+        else client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
+    )
+    run_id = client.create_run(
+        experiment_id,
+        start_time=int(r.started_at * 1000),
+        run_name=r.name,
+        tags={"wildtrain.cluster": cluster, "wildtrain.clusters": visited or f",{cluster},"},
+    ).info.run_id
+    client.log_batch(
+        run_id,
+        metrics=[Metric(key, s.value, int(s.at * 1000), s.step) for key, samples in r.history.items() for s in samples],
+    )
     for i, event in enumerate(r.events):
         client.log_text(run_id, json.dumps(event.to_dict()), f"events/{i:03d}-{event.KIND}.json")
     client.set_terminated(run_id, "FINISHED", end_time=int(r.ended_at * 1000))

@@ -5,23 +5,32 @@ Ray cluster, no time passing."""
 
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
-from wildtrain.events import HealthCheck, NodeExcluded
-from wildtrain.ray_compat import ControllerState, UserExceptionWithTraceback, WorkerGroupStartupTimeoutError
 from wildtrain.elastic.nodes import room_for_another_worker, workers_that_fit
 from wildtrain.elastic.restarts import (
-    CapacityClock, FailureBudget, Restart, Transition, classify_restart, decide, interpret,
+    CapacityClock,
+    FailureBudget,
+    Restart,
+    Transition,
+    classify_restart,
+    decide,
+    interpret,
 )
 from wildtrain.elastic.signals import PeerFailed, PlannedRegrow, UnhealthyNodes
+from wildtrain.events import HealthCheck, NodeExcluded
+from wildtrain.ray_compat import ControllerState, UserExceptionWithTraceback, WorkerGroupStartupTimeoutError
 
 
 def _worker_group_error(*worker_errors: BaseException) -> WorkerGroupError:
     """What the controller holds: each worker's traceback text, and a summary of them all
     that Ray truncates."""
-    tracebacks = {rank: f"Traceback (most recent call last):\n  ...\n{type(e).__module__}.{type(e).__name__}: {e}"
-                  for rank, e in enumerate(worker_errors)}
+    tracebacks = {
+        rank: f"Traceback (most recent call last):\n  ...\n{type(e).__module__}.{type(e).__name__}: {e}"
+        for rank, e in enumerate(worker_errors)
+    }
     summary = "\n".join(f"[Rank {rank} Error Snippet]:\n{text[:40]}..." for rank, text in tracebacks.items())
-    return WorkerGroupError(summary, {rank: UserExceptionWithTraceback(worker_errors[rank], text)
-                                      for rank, text in tracebacks.items()})
+    return WorkerGroupError(
+        summary, {rank: UserExceptionWithTraceback(worker_errors[rank], text) for rank, text in tracebacks.items()}
+    )
 
 
 def test_a_failed_health_check_restarts_as_planned_and_names_the_nodes_to_leave_out():
@@ -100,8 +109,9 @@ def test_an_error_a_restart_cannot_help_ends_the_run_with_its_message():
 def test_room_to_grow_leaves_the_data_reads_their_cpus():
     per_worker = {"CPU": 1, "wildtrain_worker": 1}
     free = {"a": {"CPU": 1.0, "wildtrain_worker": 1.0}, "b": {"CPU": 0.0}}
-    assert not room_for_another_worker(free, per_worker, excluded=set(), keep_free_cpus=1.0), \
+    assert not room_for_another_worker(free, per_worker, excluded=set(), keep_free_cpus=1.0), (
         "the one free CPU is the reads' between two tasks"
+    )
     free["b"]["CPU"] = 1.0
     assert room_for_another_worker(free, per_worker, excluded=set(), keep_free_cpus=1.0)
     assert not room_for_another_worker(free, per_worker, excluded={"a"}, keep_free_cpus=1.0), "no worker slot elsewhere"
@@ -133,7 +143,12 @@ def test_interpret_follows_a_start_and_its_failure():
     timed_out = ControllerError(WorkerGroupStartupTimeoutError(num_workers=2))
     failed = interpret(ControllerState("SCHEDULING", workers=2), ControllerState("RESCHEDULING", timed_out))
     assert (failed.kind, failed.workers, failed.timed_out, failed.counted, failed.interruption) == (
-        "start_failed", 2, True, False, "failure")
+        "start_failed",
+        2,
+        True,
+        False,
+        "failure",
+    )
     rescheduling = ControllerState("RESCHEDULING", timed_out)
     assert interpret(rescheduling, rescheduling) == Transition("waiting", again=True)
     assert interpret(ControllerState("SCHEDULING", workers=1), RUNNING) == Transition("running")
@@ -142,8 +157,9 @@ def test_interpret_follows_a_start_and_its_failure():
 
 
 def _failure(cause: str = "rank 0: bad batch", counted: bool = True, **fields) -> Transition:
-    return Transition("failure", Restart("failure", cause, planned=not counted), RuntimeError(cause),
-                      counted=counted, **fields)
+    return Transition(
+        "failure", Restart("failure", cause, planned=not counted), RuntimeError(cause), counted=counted, **fields
+    )
 
 
 def test_a_failure_is_counted_once_and_its_restart_sized_for_what_is_alive():

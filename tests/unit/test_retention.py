@@ -5,8 +5,8 @@ from hypothesis import strategies as st
 
 from wildtrain.checkpoint.format import MANIFEST, CheckpointManifest, checkpoint_name
 from wildtrain.checkpoint.restore import Candidate, list_candidates
-from wildtrain.checkpoint.store import Store, commit, upload
 from wildtrain.checkpoint.retention import RetentionPolicy, apply_retention, plan_retention, to_delete
+from wildtrain.checkpoint.store import Store, commit, upload
 
 
 @given(

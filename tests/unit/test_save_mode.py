@@ -141,8 +141,14 @@ def test_the_estimate_is_what_a_real_capture_copies(tmp_path):
     from wildtrain import services
 
     env = os.environ | {"PYTHONPATH": f"{REPO}:{REPO / 'platform'}"}
-    done = subprocess.run([sys.executable, str(tmp_path / "capture.py"), str(services.free_port()), str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "capture.py"), str(services.free_port()), str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = {f.name: [int(n) for n in f.read_text().split()] for f in out.iterdir()}
     assert sorted(results) == ["stage1-rank0", "stage1-rank1", "stage3-rank0", "stage3-rank1"]

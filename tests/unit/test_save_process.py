@@ -33,8 +33,7 @@ def save(saver: AsyncSaver, step: int, value: float):
 
 
 def test_one_child_serves_every_save_and_goes_away_with_the_saver(tmp_path):
-    saver = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p1",
-                       nice=5)
+    saver = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p1", nice=5)
     try:
         assert save(saver, 10, 1.0).status == "saved"
         child = saver._process.process
@@ -61,8 +60,13 @@ def test_the_child_exits_when_its_parent_is_killed(tmp_path):
         print(saver._process.process.pid, flush=True)
         sys.stdin.read()  # until the test kills it
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     try:
         child = psutil.Process(int(parent.stdout.readline()))
         parent.send_signal(signal.SIGKILL)
@@ -77,7 +81,8 @@ def test_the_child_does_not_run_its_parents_main_script(tmp_path):
     # A Ray worker's main script is Ray's default_worker.py, whose imports the child never uses.
     ran = tmp_path / "ran"
     script = tmp_path / "main_script.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os
         with open({str(ran)!r}, "a") as f:
             print(os.getpid(), file=f)
@@ -91,7 +96,8 @@ def test_the_child_does_not_run_its_parents_main_script(tmp_path):
             [outcome] = saver.drain()
             assert outcome.status == "saved", outcome
             assert saver.close({WAIT_S})
-    """))
+    """)
+    )
     parent = subprocess.Popen([sys.executable, str(script)], env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
     assert parent.wait(2 * WAIT_S) == 0
     assert ran.read_text().split() == [str(parent.pid)]
@@ -100,8 +106,11 @@ def test_the_child_does_not_run_its_parents_main_script(tmp_path):
 def test_a_store_call_that_never_returns_fails_the_save_and_the_next_one_works(tmp_path):
     marker = tmp_path / "hang"
     marker.touch()
-    store = Store(pafs.PyFileSystem(HangingHandler(pafs.LocalFileSystem(), str(marker))), str(tmp_path / "store"),
-                  str(tmp_path / "store"))
+    store = Store(
+        pafs.PyFileSystem(HangingHandler(pafs.LocalFileSystem(), str(marker))),
+        str(tmp_path / "store"),
+        str(tmp_path / "store"),
+    )
     saver = AsyncSaver([store], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p1", timeout_s=1.0)
     try:
         hung = save(saver, 10, 1.0)
@@ -121,8 +130,9 @@ def test_a_saver_closed_idle_hands_its_child_to_the_next_saver_which_saves_with_
     child = first._process.process
     process = first.close_keeping_process(WAIT_S)
     assert process is not None and process.process is child and child.is_alive()
-    second = AsyncSaver([str(tmp_path / "second")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p2",
-                        process=process)
+    second = AsyncSaver(
+        [str(tmp_path / "second")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p2", process=process
+    )
     try:
         assert save(second, 20, 2.0).status == "saved"
         assert second._process.process is child
@@ -131,14 +141,20 @@ def test_a_saver_closed_idle_hands_its_child_to_the_next_saver_which_saves_with_
     assert not psutil.pid_exists(child.pid) or psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE
     # Each save went to its own saver's store: the settings travel with the job, not with the child.
     for store, step in (("first", 10), ("second", 20)):
-        assert restore([str(tmp_path / store)], str(tmp_path / f"local-{store}"), rank=0, world_size=1).manifest.step == step
+        assert (
+            restore([str(tmp_path / store)], str(tmp_path / f"local-{store}"), rank=0, world_size=1).manifest.step
+            == step
+        )
 
 
 def test_a_saver_closed_mid_save_hands_over_not_its_child_and_a_dead_one_given_is_replaced(tmp_path):
     marker = tmp_path / "hang"
     marker.touch()
-    store = Store(pafs.PyFileSystem(HangingHandler(pafs.LocalFileSystem(), str(marker))), str(tmp_path / "store"),
-                  str(tmp_path / "store"))
+    store = Store(
+        pafs.PyFileSystem(HangingHandler(pafs.LocalFileSystem(), str(marker))),
+        str(tmp_path / "store"),
+        str(tmp_path / "store"),
+    )
     saver = AsyncSaver([store], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p1")
     assert saver.save_state(meta(10), {"state.pt": {"w": torch.zeros(8)}}).action == "start"
     child = saver._process.process
@@ -163,8 +179,9 @@ def test_a_saver_closed_mid_save_hands_over_not_its_child_and_a_dead_one_given_i
 
 
 def test_a_deferred_child_starts_once_when_told_or_with_the_first_save(tmp_path):
-    told = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p1",
-                      defer_process=True)
+    told = AsyncSaver(
+        [str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p1", defer_process=True
+    )
     try:
         assert told._process is None
         told.start_process()
@@ -175,8 +192,9 @@ def test_a_deferred_child_starts_once_when_told_or_with_the_first_save(tmp_path)
         assert told._process.process is child
     finally:
         assert told.close(WAIT_S)
-    untold = AsyncSaver([str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p2",
-                        defer_process=True)
+    untold = AsyncSaver(
+        [str(tmp_path / "store")], str(tmp_path / "staging"), rank=0, world_size=1, attempt="p2", defer_process=True
+    )
     try:
         assert save(untold, 20, 2.0).status == "saved"
     finally:

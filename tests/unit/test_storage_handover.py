@@ -39,27 +39,42 @@ def environ(monkeypatch):
 def test_the_driver_hands_over_its_endpoint_and_key_pair_and_an_empty_endpoint_for_aws(environ):
     environ(AWS_ENDPOINT_URL=SEAWEED, AWS_ACCESS_KEY_ID=ACCESS, AWS_SECRET_ACCESS_KEY=SECRET)
     assert storage.handover_env(StorageConfig()) == {
-        "AWS_ENDPOINT_URL": SEAWEED, "AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": SECRET}
+        "AWS_ENDPOINT_URL": SEAWEED,
+        "AWS_ACCESS_KEY_ID": ACCESS,
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+    }
     # A cluster's store from the registry: its endpoint in the config, its keys in the variables it names.
     environ(AWS_ENDPOINT_URL=SEAWEED, CW_KEY=ACCESS, CW_SECRET=SECRET)
-    cw = StorageConfig(endpoint="https://object.lga1.coreweave.com", access_key_env="CW_KEY", secret_key_env="CW_SECRET")
+    cw = StorageConfig(
+        endpoint="https://object.lga1.coreweave.com", access_key_env="CW_KEY", secret_key_env="CW_SECRET"
+    )
     assert storage.handover_env(cw) == {
-        "AWS_ENDPOINT_URL": "https://object.lga1.coreweave.com", "CW_KEY": ACCESS, "CW_SECRET": SECRET}
+        "AWS_ENDPOINT_URL": "https://object.lga1.coreweave.com",
+        "CW_KEY": ACCESS,
+        "CW_SECRET": SECRET,
+    }
     # AWS, with its default credential chain: an endpoint on a node must not win, no keys to give.
     environ(AWS_ACCESS_KEY_ID=ACCESS)
     assert storage.handover_env(StorageConfig()) == {"AWS_ENDPOINT_URL": ""}
 
 
-@pytest.mark.parametrize("node", [
-    {},  # a cluster other than `wildtrain up`'s: nothing about the store
-    {"AWS_ENDPOINT_URL": "http://10.0.0.9:9000", "AWS_ACCESS_KEY_ID": "AKIDNODE", "AWS_SECRET_ACCESS_KEY": "node"},
-])
-@pytest.mark.parametrize("drivers", [
-    {"AWS_ENDPOINT_URL": SEAWEED, "AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": SECRET},
-    {},  # AWS and the default credential chain
-])
-def test_a_process_given_the_handover_resolves_as_the_driver_whatever_its_node_held(environ, monkeypatch, node,
-                                                                                     drivers):
+@pytest.mark.parametrize(
+    "node",
+    [
+        {},  # a cluster other than `wildtrain up`'s: nothing about the store
+        {"AWS_ENDPOINT_URL": "http://10.0.0.9:9000", "AWS_ACCESS_KEY_ID": "AKIDNODE", "AWS_SECRET_ACCESS_KEY": "node"},
+    ],
+)
+@pytest.mark.parametrize(
+    "drivers",
+    [
+        {"AWS_ENDPOINT_URL": SEAWEED, "AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": SECRET},
+        {},  # AWS and the default credential chain
+    ],
+)
+def test_a_process_given_the_handover_resolves_as_the_driver_whatever_its_node_held(
+    environ, monkeypatch, node, drivers
+):
     environ(**drivers)
     config = StorageConfig()
     env, view = storage.handover_env(config), storage.StorageView.here(config)
@@ -78,13 +93,16 @@ def test_a_view_that_differs_names_what_differs_and_never_a_key(environ):
     assert storage.StorageView.here(StorageConfig()).differences(drivers) == []
     environ()
     assert storage.StorageView.here(StorageConfig()).differences(drivers) == [
-        f"endpoint AWS, the driver's {SEAWEED}", "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY not both set, the driver's are"]
+        f"endpoint AWS, the driver's {SEAWEED}",
+        "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY not both set, the driver's are",
+    ]
     environ(AWS_ENDPOINT_URL=SEAWEED, AWS_ACCESS_KEY_ID=ACCESS, AWS_SECRET_ACCESS_KEY="another-secret")
     other = storage.StorageView.here(StorageConfig(region="eu-west-1")).differences(drivers)
-    assert other == ["region eu-west-1, the driver's us-east-1",
-                     "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY hold other keys than the driver's"]
-    assert not any(value in text for value in (ACCESS, SECRET, "another-secret")
-                   for text in [*other, repr(drivers)])
+    assert other == [
+        "region eu-west-1, the driver's us-east-1",
+        "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY hold other keys than the driver's",
+    ]
+    assert not any(value in text for value in (ACCESS, SECRET, "another-secret") for text in [*other, repr(drivers)])
     # Where the driver used its machine's credential chain, a node's own keys are not a difference.
     environ(AWS_ENDPOINT_URL=SEAWEED)
     without_keys = storage.StorageView.here(StorageConfig())
@@ -109,8 +127,9 @@ def test_a_worker_that_resolves_unlike_the_driver_ends_the_run_in_one_line(envir
 
 def test_the_controller_takes_the_drivers_settings_as_it_starts(environ):
     environ()
-    handover = StorageSettings({"AWS_ENDPOINT_URL": SEAWEED, "AWS_ACCESS_KEY_ID": ACCESS,
-                                "AWS_SECRET_ACCESS_KEY": SECRET})
+    handover = StorageSettings(
+        {"AWS_ENDPOINT_URL": SEAWEED, "AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": SECRET}
+    )
     assert SECRET not in repr(handover)
     handover.after_controller_start(train_run_context=None)
     assert storage.endpoint(StorageConfig()) == SEAWEED

@@ -87,8 +87,9 @@ class Group:
 
 
 def report(step: int) -> _TrainingReport:
-    return _TrainingReport(checkpoint=None, validation=False,
-                           metrics=WorkerReport(step=step, tokens_seen=step, world_size=1).to_dict())
+    return _TrainingReport(
+        checkpoint=None, validation=False, metrics=WorkerReport(step=step, tokens_seen=step, world_size=1).to_dict()
+    )
 
 
 def publish(store, generation: int, *members: str) -> None:
@@ -119,8 +120,9 @@ DIED = WorkerHealthCheckFailedError("A worker health check failed.", failure=Act
 def group_of_two():
     """Ray Train's two workers, w0 and w1, in-process; rank 1's node lost, and a joiner on its
     slot (w1.1) in: generation 3 is (w0, w1.1)."""
-    store = dist.TCPStore(services.HOST, services.free_port(), is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=10))
+    store = dist.TCPStore(
+        services.HOST, services.free_port(), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
     joiners, consolidated = StandInJoiners(), Consolidated()
     keep = KeepSurvivors(services.HOST, store.port, decide_s=0.0, replace=False, joiners=joiners)
     keep.store = lambda: store

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from wildtrain.config import ConfigError, load_config
+from wildtrain.elastic.scaling import resolve_device
 from wildtrain.engine import param_groups
 from wildtrain.model import Transformer
 from wildtrain.sweeps.compare import TrialRecord, differing_data, effects, rank, smooth, table_text
-from wildtrain.elastic.scaling import resolve_device
 from wildtrain.sweeps.execute import trial_need, trial_slots
 from wildtrain.sweeps.grid import GridError, parse_grid, plan_sweep, steps_for_budget
 from wildtrain.sweeps.transfer import transfer
@@ -29,8 +29,9 @@ def test_each_trial_args_load_its_config():
 
 def test_as_many_trials_run_at_once_as_the_cluster_holds_at_their_full_size():
     # As the sweep sizes them: each trial's device resolved against the cluster (no GPU here).
-    cfg, _ = resolve_device(load_config(["experiment=tiny", "elastic.max_workers=2", "data.read_cpus=1"]),
-                            {"CPU": 10.0})
+    cfg, _ = resolve_device(
+        load_config(["experiment=tiny", "elastic.max_workers=2", "data.read_cpus=1"]), {"CPU": 10.0}
+    )
     assert trial_need(cfg) == {"CPU": 3.0}
     gpu = load_config(["experiment=tiny", "elastic.max_workers=8", "elastic.min_workers=8", "cluster=gpu"])
     assert trial_need(gpu) == {"CPU": 8 * 8 + gpu.data.read_cpus, "GPU": 8.0, "trainer": 8.0}
@@ -46,8 +47,10 @@ def test_as_many_trials_run_at_once_as_the_cluster_holds_at_their_full_size():
 def test_grid_is_the_cartesian_product_first_key_slowest_with_stable_distinct_hashes():
     plan = plan_sweep("abl", ["optim.lr=1e-3,3e-3", "model.dim=64,128"], ["train.steps=4"])
     assert [t.values for t in plan.trials] == [
-        (("optim.lr", "1e-3"), ("model.dim", "64")), (("optim.lr", "1e-3"), ("model.dim", "128")),
-        (("optim.lr", "3e-3"), ("model.dim", "64")), (("optim.lr", "3e-3"), ("model.dim", "128")),
+        (("optim.lr", "1e-3"), ("model.dim", "64")),
+        (("optim.lr", "1e-3"), ("model.dim", "128")),
+        (("optim.lr", "3e-3"), ("model.dim", "64")),
+        (("optim.lr", "3e-3"), ("model.dim", "128")),
     ]
     assert len({t.hash for t in plan.trials}) == 4
     assert all(t.run_name == f"abl-{t.hash}" == t.cfg.run.name for t in plan.trials)
@@ -75,13 +78,16 @@ def test_budget_tokens_equalizes_data_across_batch_sizes():
     assert [t.cfg.train.steps for t in plan.trials] == [20, 10]
 
 
-@pytest.mark.parametrize("specs, overrides, message", [
-    (["optim.lr"], [], "--grid optim.lr: expected key=value1,value2,..."),
-    (["optim.lr=1,1"], [], "--grid optim.lr=1,1: values must be distinct and non-empty"),
-    (["run.name=a,b"], [], "--grid run.name=a,b: run.name is set by the sweep for each trial"),
-    (["optim.lr=1,2"], ["optim.lr=3"], "optim.lr=3: optim.lr is swept; set it with --grid only"),
-    ([], [], "--grid: give at least one key=value1,value2,..."),
-])
+@pytest.mark.parametrize(
+    "specs, overrides, message",
+    [
+        (["optim.lr"], [], "--grid optim.lr: expected key=value1,value2,..."),
+        (["optim.lr=1,1"], [], "--grid optim.lr=1,1: values must be distinct and non-empty"),
+        (["run.name=a,b"], [], "--grid run.name=a,b: run.name is set by the sweep for each trial"),
+        (["optim.lr=1,2"], ["optim.lr=3"], "optim.lr=3: optim.lr is swept; set it with --grid only"),
+        ([], [], "--grid: give at least one key=value1,value2,..."),
+    ],
+)
 def test_bad_grids_name_the_option(specs, overrides, message):
     with pytest.raises(GridError) as e:
         plan_sweep("s", specs, overrides)
@@ -95,7 +101,8 @@ def test_a_bad_grid_value_names_its_key_and_trial():
 
 def test_grid_values_may_be_lists():
     assert parse_grid(["data.datasets=[{uri: a}],[{uri: b}, {uri: c}]"]) == {
-        "data.datasets": ["[{uri: a}]", "[{uri: b}, {uri: c}]"]}
+        "data.datasets": ["[{uri: a}]", "[{uri: b}, {uri: c}]"]
+    }
 
 
 def test_divergence_is_nan_or_a_multiple_of_the_best_loss():
@@ -109,8 +116,20 @@ def test_divergence_is_nan_or_a_multiple_of_the_best_loss():
 
 
 def record(name, values, loss, status="FINISHED", stopped=None, digests=("d1",)):
-    return TrialRecord(name, f"id-{name}", values, status, stopped, tuple(range(len(loss))), tuple(loss), 100.0, 0.01, 0.9, 1.0,
-                       digests)
+    return TrialRecord(
+        name,
+        f"id-{name}",
+        values,
+        status,
+        stopped,
+        tuple(range(len(loss))),
+        tuple(loss),
+        100.0,
+        0.01,
+        0.9,
+        1.0,
+        digests,
+    )
 
 
 def test_ranking_is_by_final_smoothed_loss_with_ties_stated_and_the_rest_unranked():
@@ -138,8 +157,10 @@ def test_ranking_is_by_final_smoothed_loss_with_ties_stated_and_the_rest_unranke
 def test_trials_with_validation_losses_rank_by_them_and_show_the_training_loss_beside():
     from dataclasses import replace
 
-    trials = [replace(record("s-a", (("obj", "causal"),), [3.0, 1.0]), val_loss=2.5),
-              replace(record("s-b", (("obj", "ul2"),), [3.0, 2.0]), val_loss=2.0)]
+    trials = [
+        replace(record("s-a", (("obj", "causal"),), [3.0, 1.0]), val_loss=2.5),
+        replace(record("s-b", (("obj", "ul2"),), [3.0, 2.0]), val_loss=2.0),
+    ]
     ranked = rank(trials)  # training losses of different objectives say nothing: val/loss decides
     assert [(r.place, r.trial.name, r.score) for r in ranked] == [(1, "s-b", 2.0), (2, "s-a", 2.5)]
     text = table_text("s", ranked, ["obj"])
@@ -160,8 +181,12 @@ def test_the_law_is_fitted_through_the_best_trial_at_each_size_at_its_final_loss
     assert final_loss(trial, "loss") == 2.0, "the mean of the last tenth of its logged losses"
     assert final_loss(record("b", (), [7.0]), "loss") == 7.0
     # a and b: the same size and tokens (their last logged token count), b the better.
-    trials = [record("a", (), [3.0, 3.0]), record("b", (), [5.0, 2.0]), record("c", (), [5.0, 5.0]),
-              record("d", (), [float("nan")] * 2)]
+    trials = [
+        record("a", (), [3.0, 3.0]),
+        record("b", (), [5.0, 2.0]),
+        record("c", (), [5.0, 5.0]),
+        record("d", (), [float("nan")] * 2),
+    ]
     assert fit_points(trials, {"a": 10, "b": 10, "c": 20, "d": 30}, "loss") == ([10, 20], [1, 1], [2.0, 5.0])
 
 
@@ -196,16 +221,35 @@ def promoted_model(target: str, base: str = "125m"):
 # preset: wq..w3 have fan-in d, w2 fan-in ffn_dim.
 TP5 = {
     # d 2048, ffn_dim 5472 (8/3 d rounded up to 32), d_head 128, 24 layers: m_L = 2
-    "1.3b": dict(lr_d=768 / 2048 / math.sqrt(2), lr_ffn=1024 / 5472 / math.sqrt(2),
-                 std_d=math.sqrt(768 / 2048), std_ffn=math.sqrt(1024 / 5472),
-                 output=768 / 2048, residual=1 / math.sqrt(2), attention=1 / 128 * math.sqrt(64)),
+    "1.3b": dict(
+        lr_d=768 / 2048 / math.sqrt(2),
+        lr_ffn=1024 / 5472 / math.sqrt(2),
+        std_d=math.sqrt(768 / 2048),
+        std_ffn=math.sqrt(1024 / 5472),
+        output=768 / 2048,
+        residual=1 / math.sqrt(2),
+        attention=1 / 128 * math.sqrt(64),
+    ),
     # d 4096, ffn_dim 11008, d_head 128, 32 layers: m_L = 8/3
-    "7b": dict(lr_d=768 / 4096 / math.sqrt(32 / 12), lr_ffn=1024 / 11008 / math.sqrt(32 / 12),
-               std_d=math.sqrt(768 / 4096), std_ffn=math.sqrt(1024 / 11008),
-               output=768 / 4096, residual=1 / math.sqrt(32 / 12), attention=1 / 128 * math.sqrt(64)),
+    "7b": dict(
+        lr_d=768 / 4096 / math.sqrt(32 / 12),
+        lr_ffn=1024 / 11008 / math.sqrt(32 / 12),
+        std_d=math.sqrt(768 / 4096),
+        std_ffn=math.sqrt(1024 / 11008),
+        output=768 / 4096,
+        residual=1 / math.sqrt(32 / 12),
+        attention=1 / 128 * math.sqrt(64),
+    ),
     # d 6144, ffn_dim 18432, d_head 128 (grouped-query: wk, wv still have fan-in d), 48 layers: m_L = 4
-    "21b": dict(lr_d=768 / 6144 / 2, lr_ffn=1024 / 18432 / 2, std_d=math.sqrt(768 / 6144),
-                std_ffn=math.sqrt(1024 / 18432), output=768 / 6144, residual=1 / 2, attention=1 / 128 * 8),
+    "21b": dict(
+        lr_d=768 / 6144 / 2,
+        lr_ffn=1024 / 18432 / 2,
+        std_d=math.sqrt(768 / 6144),
+        std_ffn=math.sqrt(1024 / 18432),
+        output=768 / 6144,
+        residual=1 / 2,
+        attention=1 / 128 * 8,
+    ),
 }
 
 
@@ -214,12 +258,24 @@ def test_promoted_presets_follow_the_tensor_programs_v_table_per_matrix(target):
     table = TP5[target]
     model, optim, rule = promoted_model(target)
     # The learning rate each matrix trains at, as the optimizer is built, a multiple of optim.lr.
-    lr_of = {id(p): group.get("lr", optim.lr) / optim.lr for group in param_groups(model, optim)
-             for p in group["params"]}
-    hidden = [(name.removesuffix(".weight"), w) for layer in model.layers for name, w in layer.named_parameters()
-              if w.ndim == 2]
-    assert {name for name, _ in hidden} == {"attention.wq", "attention.wk", "attention.wv", "attention.wo",
-                                            "feed_forward.w1", "feed_forward.w3", "feed_forward.w2"}
+    lr_of = {
+        id(p): group.get("lr", optim.lr) / optim.lr for group in param_groups(model, optim) for p in group["params"]
+    }
+    hidden = [
+        (name.removesuffix(".weight"), w)
+        for layer in model.layers
+        for name, w in layer.named_parameters()
+        if w.ndim == 2
+    ]
+    assert {name for name, _ in hidden} == {
+        "attention.wq",
+        "attention.wk",
+        "attention.wv",
+        "attention.wo",
+        "feed_forward.w1",
+        "feed_forward.w3",
+        "feed_forward.w2",
+    }
     for name, weight in hidden:
         kind = "ffn" if name == "feed_forward.w2" else "d"
         assert lr_of[id(weight)] == pytest.approx(table[f"lr_{kind}"], rel=1e-9), name
@@ -239,8 +295,10 @@ def test_promoted_presets_follow_the_tensor_programs_v_table_per_matrix(target):
 def test_transfer_composes_through_an_intermediate_size():
     small, mid, big = (load_config([f"model={m}"]).model for m in ("125m", "1.3b", "7b"))
     step = transfer(small, 1.0, mid)
-    mid = dataclasses.replace(mid, **{key.removeprefix("model."): value for key, value in step.overrides().items()
-                                      if key.startswith("model.")})
+    mid = dataclasses.replace(
+        mid,
+        **{key.removeprefix("model."): value for key, value in step.overrides().items() if key.startswith("model.")},
+    )
     through = transfer(mid, step.hidden_lr_mult, big)
     direct = transfer(small, 1.0, big)
     assert through == direct
@@ -268,8 +326,12 @@ def test_a_sweep_on_data_that_is_not_there_fails_before_any_trial_or_parent_run(
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     missing = tmp_path / "no-such-dataset"
-    plan = plan_sweep("broken", ["optim.lr=1e-3,3e-3"],
-                      ["experiment=tiny", f"tracking.uri={uri}", f"data.datasets=[{{uri: {missing}}}]"], steps=2)
+    plan = plan_sweep(
+        "broken",
+        ["optim.lr=1e-3,3e-3"],
+        ["experiment=tiny", f"tracking.uri={uri}", f"data.datasets=[{{uri: {missing}}}]"],
+        steps=2,
+    )
     with pytest.raises(DataError, match=str(missing)):
         run_sweep(plan, say=lambda line: None)
     client = MlflowClient(uri)
@@ -309,5 +371,14 @@ def test_a_finished_trial_hashes_as_it_did_before_its_keys_moved(moved):
         # eval.every=20: the tiny experiment's value at 7ba7460 (it validates at its last step since).
         cfg = load_config(["experiment=tiny", "cluster=gpu", "eval.every=20", *moved])
     assert (trial_hash(cfg), config_hash(cfg)) == (PINNED["trial"], PINNED["config"])
-    assert trial_hash(cfg) != trial_hash(load_config(["experiment=tiny", "cluster=gpu", "checkpoint.every=8",
-                                                      "checkpoint.reshard_ahead=false", "elastic.capacity_wait_s=33"]))
+    assert trial_hash(cfg) != trial_hash(
+        load_config(
+            [
+                "experiment=tiny",
+                "cluster=gpu",
+                "checkpoint.every=8",
+                "checkpoint.reshard_ahead=false",
+                "elastic.capacity_wait_s=33",
+            ]
+        )
+    )

@@ -47,8 +47,9 @@ def record_sweep(uri, plan, curve) -> str:
         steps = [round(train.steps * (i + 1) / len(losses)) for i in range(len(losses))]
         run = client.create_run(experiment_id, run_name=trial.run_name, tags=trial_tags(parent, plan.name, trial))
         metrics = [Metric("loss", loss, 0, step) for step, loss in zip(steps, losses)]
-        metrics += [Metric("tokens_seen", step * train.global_batch_size * trial.cfg.data.seq_len, 0, step)
-                    for step in steps]
+        metrics += [
+            Metric("tokens_seen", step * train.global_batch_size * trial.cfg.data.seq_len, 0, step) for step in steps
+        ]
         metrics += [Metric("val/loss", val_loss, 0, steps[-1])] if val_loss is not None else []
         client.log_batch(run.info.run_id, metrics=metrics)
         client.set_terminated(run.info.run_id, "FINISHED")
@@ -62,8 +63,13 @@ def falling(final: float) -> tuple[list[float], float]:
 
 def test_promote_keeps_the_model_settings_the_target_group_does_not_set(store):
     uri, conf = store
-    common = ["experiment=tiny", f"tracking.experiment={EXPERIMENT}", "model.attention=prefix_lm",
-              "train.objective=prefix_lm", "model.n_heads=2"]
+    common = [
+        "experiment=tiny",
+        f"tracking.experiment={EXPERIMENT}",
+        "model.attention=prefix_lm",
+        "train.objective=prefix_lm",
+        "model.n_heads=2",
+    ]
     plan = plan_sweep("attention", ["optim.lr=1e-3,3e-3"], common, steps=4, conf_dir=conf)
     record_sweep(uri, plan, lambda t: falling(2.0 if dict(t.values)["optim.lr"] == "3e-3" else 3.0))
     cfg = promote(uri, plan.name, ["model=125m"], name="attention-big", conf_dir=conf).cfg
@@ -77,16 +83,26 @@ def test_promote_keeps_the_model_settings_the_target_group_does_not_set(store):
 def test_a_sweep_with_a_token_budget_promotes_with_each_trials_own_steps(store):
     uri, conf = store
     budget = 16 * 128 * 10
-    plan = plan_sweep("budget", ["train.global_batch_size=8,16"], ["experiment=tiny", f"tracking.experiment={EXPERIMENT}"],
-                      budget_tokens=budget, conf_dir=conf)
+    plan = plan_sweep(
+        "budget",
+        ["train.global_batch_size=8,16"],
+        ["experiment=tiny", f"tracking.experiment={EXPERIMENT}"],
+        budget_tokens=budget,
+        conf_dir=conf,
+    )
     record_sweep(uri, plan, lambda t: falling(2.0 if t.cfg.train.global_batch_size == 8 else 3.0))
     promotion = promote(uri, plan.name, ["model=125m"], name="budget-big", conf_dir=conf)
     best = next(t for t in plan.trials if t.cfg.train.global_batch_size == 8)
     assert promotion.provenance["wildtrain.promoted_from.trial_hash"] == best.hash
     assert (promotion.cfg.train.global_batch_size, promotion.cfg.train.steps) == (8, 20)
     # The same sweep again with another budget is another sweep: refused, not mixed in.
-    other = plan_sweep("budget", ["train.global_batch_size=8,16"], ["experiment=tiny", f"tracking.experiment={EXPERIMENT}"],
-                       budget_tokens=2 * budget, conf_dir=conf)
+    other = plan_sweep(
+        "budget",
+        ["train.global_batch_size=8,16"],
+        ["experiment=tiny", f"tracking.experiment={EXPERIMENT}"],
+        budget_tokens=2 * budget,
+        conf_dir=conf,
+    )
     client = MlflowClient(uri)
     with pytest.raises(SweepError, match="already exists with other trials"):
         open_parent(Client(uri), client.get_experiment_by_name(EXPERIMENT).experiment_id, other)
@@ -95,8 +111,13 @@ def test_a_sweep_with_a_token_budget_promotes_with_each_trials_own_steps(store):
 def test_credentials_in_a_sweeps_overrides_reach_no_mlflow_record(store):
     uri, conf = store
     secret = "tracking.uri=http://user:s3cret@mlflow.example:5000"
-    plan = plan_sweep("credentials", ["optim.lr=1e-3,3e-3"],
-                      ["experiment=tiny", f"tracking.experiment={EXPERIMENT}", secret], steps=4, conf_dir=conf)
+    plan = plan_sweep(
+        "credentials",
+        ["optim.lr=1e-3,3e-3"],
+        ["experiment=tiny", f"tracking.experiment={EXPERIMENT}", secret],
+        steps=4,
+        conf_dir=conf,
+    )
     parent = record_sweep(uri, plan, lambda t: falling(2.0 if dict(t.values)["optim.lr"] == "3e-3" else 3.0))
     params = MlflowClient(uri).get_run(parent).data.params
     assert "s3cret" not in json.dumps(params)

@@ -1,6 +1,6 @@
+from tests.helpers.reports import first_report, report
 from wildtrain.events import Failure
 from wildtrain.tracking.controller.timeline import Timeline
-from tests.helpers.reports import first_report, report
 
 
 def test_a_failure_and_its_recovery_are_split_into_parts():

@@ -20,7 +20,10 @@ def bpe():
 
 def test_byte_tokenizer_describes_itself_without_a_file():
     assert ByteTokenizer().describe() == {
-        "kind": "byte", "vocab_size": 320, "eos_id": 256, "modes": {"[NLU]": 257, "[NLG]": 258, "[S2S]": 259},
+        "kind": "byte",
+        "vocab_size": 320,
+        "eos_id": 256,
+        "modes": {"[NLU]": 257, "[NLG]": 258, "[S2S]": 259},
         "sentinels": list(range(260, 320)),
     }
 
@@ -54,7 +57,11 @@ def test_tokenizer_json_loads_by_path_with_the_files_checksum(bpe, tmp_path):
     loaded = get_tokenizer(str(path))
     assert loaded.encode(TEXTS[2]) == bpe.encode(TEXTS[2])
     assert (loaded.eos_id, loaded.vocab_size) == (bpe.eos_id, bpe.vocab_size)
-    assert loaded.describe() == {**bpe.describe(), "kind": "hf", "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    assert loaded.describe() == {
+        **bpe.describe(),
+        "kind": "hf",
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+    }
 
 
 def test_tokenizer_survives_pickling_as_ray_ships_it_to_tasks(bpe):

@@ -8,20 +8,24 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from wildtrain.config import load_config
 from wildtrain.data.dataset import OpenedData
 from wildtrain.data.manifest import Shard
 from wildtrain.data.prepare import RowPacker, held_out, pack_rows
-from wildtrain.data.validation import ValidationSet, names_for, rank_share, share_rows
 from wildtrain.data.tokenizer import ByteTokenizer
+from wildtrain.data.validation import ValidationSet, names_for, rank_share, share_rows
 from wildtrain.train.validation import Validator, batch_counts, metrics
 
 
 def _set(name: str, groups: list[list[int]]) -> ValidationSet:
-    return ValidationSet(name, f"s3://b/{name}", tuple(Shard(f"validation-{i:05d}.parquet", sum(g), 0, 0, "", g)
-                                                      for i, g in enumerate(groups)))
+    return ValidationSet(
+        name,
+        f"s3://b/{name}",
+        tuple(Shard(f"validation-{i:05d}.parquet", sum(g), 0, 0, "", g) for i, g in enumerate(groups)),
+    )
 
 
 def test_a_document_is_held_out_by_its_text_alone_and_the_share_is_the_fraction():
@@ -32,8 +36,10 @@ def test_a_document_is_held_out_by_its_text_alone_and_the_share_is_the_fraction(
     assert not any(held_out(t, 0.0) for t in texts)
 
 
-@given(world_size=st.integers(1, 7), groups=st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=3),
-                                                      min_size=1, max_size=3))
+@given(
+    world_size=st.integers(1, 7),
+    groups=st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=3), min_size=1, max_size=3),
+)
 def test_every_validation_row_is_scored_once_whatever_the_world_size(world_size, groups):
     sets = [_set("a", groups), _set("b", [[5], [2, 3]])]
     scored = []
@@ -41,8 +47,13 @@ def test_every_validation_row_is_scored_once_whatever_the_world_size(world_size,
         share = rank_share(sets, rank, world_size)
         scored += [(r.set, r.shard, r.group, row) for r in share for row in range(r.start, r.stop)]
         assert sum(r.stop - r.start for r in share) == share_rows(sets, world_size)[rank]
-    every = [(i, j, k, row) for i, s in enumerate(sets) for j, shard in enumerate(s.shards)
-             for k, rows in enumerate(shard.row_groups) for row in range(rows)]
+    every = [
+        (i, j, k, row)
+        for i, s in enumerate(sets)
+        for j, shard in enumerate(s.shards)
+        for k, rows in enumerate(shard.row_groups)
+        for row in range(rows)
+    ]
     assert scored == every
     assert max(share_rows(sets, world_size)) - min(share_rows(sets, world_size)) <= 1
 

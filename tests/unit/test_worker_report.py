@@ -8,19 +8,36 @@ from wildtrain.events import CheckpointFailed, HealthCheck, StoppedEarly
 from wildtrain.train.checkpointing import saves_report
 from wildtrain.worker_report import Startup, WorkerReport, rank_zero
 
-STARTUP = Startup(restored_step=8, restore_s=3.0, reshard_s=2.0, engine_build_s=1.5, worker_started_at=1040.0,
-                  attempt_started_at=1045.0, health_checked_at=1046.0, restored_at=1051.5, first_step_at=1052.0)
-WINDOWS = ({"step": 9, "at": 1052.0, "loss": 3.5, "step_time_s": 0.5, "val/loss": 3.6},
-           {"step": 10, "at": 1052.5, "loss": 3.4, "step_time_s": 0.5})
+STARTUP = Startup(
+    restored_step=8,
+    restore_s=3.0,
+    reshard_s=2.0,
+    engine_build_s=1.5,
+    worker_started_at=1040.0,
+    attempt_started_at=1045.0,
+    health_checked_at=1046.0,
+    restored_at=1051.5,
+    first_step_at=1052.0,
+)
+WINDOWS = (
+    {"step": 9, "at": 1052.0, "loss": 3.5, "step_time_s": 0.5, "val/loss": 3.6},
+    {"step": 10, "at": 1052.5, "loss": 3.4, "step_time_s": 0.5},
+)
 
 
 def full_report() -> WorkerReport:
     return WorkerReport(
-        step=10, tokens_seen=640, world_size=2, windows=WINDOWS,
-        events=(HealthCheck(1046.0, "matmul", 0, "node-a", passed=True, detail=""),
-                StoppedEarly(1052.5, 10, "loss diverged")),
+        step=10,
+        tokens_seen=640,
+        world_size=2,
+        windows=WINDOWS,
+        events=(
+            HealthCheck(1046.0, "matmul", 0, "node-a", passed=True, detail=""),
+            StoppedEarly(1052.5, 10, "loss diverged"),
+        ),
         checkpoint={"checkpoint/saved": 1.0, "checkpoint/bytes": 4096.0},
-        committed_checkpoints=("s3://ckpt/run/step_10",), startup=STARTUP,
+        committed_checkpoints=("s3://ckpt/run/step_10",),
+        startup=STARTUP,
     )
 
 
@@ -34,9 +51,24 @@ def test_a_report_reads_back_from_the_dict_ray_train_carries():
 
 def test_the_dict_keeps_the_flat_keys_the_controller_has_always_read():
     assert set(full_report().to_dict()) == {
-        "step", "tokens_seen", "world_size", "windows", "events", "checkpoint/saved", "checkpoint/bytes",
-        "committed_checkpoints", "restored_step", "restore_s", "reshard_s", "engine_build_s", "worker_started_at",
-        "attempt_started_at", "health_checked_at", "restored_at", "first_step_at"}
+        "step",
+        "tokens_seen",
+        "world_size",
+        "windows",
+        "events",
+        "checkpoint/saved",
+        "checkpoint/bytes",
+        "committed_checkpoints",
+        "restored_step",
+        "restore_s",
+        "reshard_s",
+        "engine_build_s",
+        "worker_started_at",
+        "attempt_started_at",
+        "health_checked_at",
+        "restored_at",
+        "first_step_at",
+    }
     # Start-up times only in an attempt's first report.
     assert "restored_step" not in WorkerReport(step=3, tokens_seen=192, world_size=1).to_dict()
 
@@ -71,13 +103,28 @@ def test_a_window_without_its_step_or_time_fails_naming_it():
 
 
 def test_the_saves_that_ended_ride_in_the_report():
-    saves = saves_report([
-        SaveOutcome(step=8, name="step_8", status="failed", reason="upload failed", failure="store"),
-        SaveOutcome(step=10, name="step_10", status="saved", stall_s=0.2, background_s=2.0, bytes=4_000_000,
-                    stored=("s3://a/run", "file:///b/run")),
-    ])
-    report = WorkerReport(step=10, tokens_seen=640, world_size=2, events=tuple(saves.events),
-                          checkpoint=saves.metrics, committed_checkpoints=tuple(saves.committed))
+    saves = saves_report(
+        [
+            SaveOutcome(step=8, name="step_8", status="failed", reason="upload failed", failure="store"),
+            SaveOutcome(
+                step=10,
+                name="step_10",
+                status="saved",
+                stall_s=0.2,
+                background_s=2.0,
+                bytes=4_000_000,
+                stored=("s3://a/run", "file:///b/run"),
+            ),
+        ]
+    )
+    report = WorkerReport(
+        step=10,
+        tokens_seen=640,
+        world_size=2,
+        events=tuple(saves.events),
+        checkpoint=saves.metrics,
+        committed_checkpoints=tuple(saves.committed),
+    )
     back = WorkerReport.from_dict(report.to_dict())
     assert back.committed_checkpoints == ("s3://a/run/step_10", "file:///b/run/step_10")
     assert [(type(e), e.step) for e in back.events] == [(CheckpointFailed, 8)]

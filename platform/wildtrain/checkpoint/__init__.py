@@ -31,8 +31,6 @@ def read_client_state(directory: str) -> Optional[str]:
 
 def load(engine, directory: str, tag: str) -> None:
     """Load model, optimizer and LR-schedule states of checkpoint `tag` in `directory`."""
-    load_path, _ = engine.load_checkpoint(
-        directory, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+    load_path, _ = engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint {tag!r} in {directory}")

@@ -47,7 +47,15 @@ from wildtrain.checkpoint.retention import RetentionPolicy
 from wildtrain.checkpoint.save_policy import Admission, InFlight, Policy, SaveOutcome, admit
 from wildtrain.checkpoint.save_process import SaveProcess, SaveProcessLost
 from wildtrain.checkpoint.save_work import (
-    CheckpointMeta, SaveJob, SaveResult, SaveSettings, describe, disk_free as _disk_free, run_save,
+    CheckpointMeta,
+    SaveJob,
+    SaveResult,
+    SaveSettings,
+    describe,
+    run_save,
+)
+from wildtrain.checkpoint.save_work import (
+    disk_free as _disk_free,
 )
 from wildtrain.checkpoint.store import Store, StoreLike, as_store
 
@@ -101,13 +109,28 @@ class AsyncSaver:
     the one the engine trains on: on CUDA the host buffers are page-locked and the copies
     run on a stream of their own."""
 
-    def __init__(self, stores: Sequence[StoreLike], staging_dir: str, *, rank: int, world_size: int, attempt: str,
-                 policy: Policy = "skip", timeout_s: float = 1800.0, verify_upload: bool = True,
-                 retention: Optional[RetentionPolicy] = None, known_good: Iterable[tuple[str, str]] = (),
-                 disk_free: Callable[[str], Optional[int]] = _disk_free, commit_when_released: bool = False,
-                 reports_collected: Callable[[], bool] = lambda: False, background: Background = "process",
-                 nice: int = 0, device: torch.device = torch.device("cpu"),
-                 process: Optional[SaveProcess] = None, defer_process: bool = False) -> None:
+    def __init__(
+        self,
+        stores: Sequence[StoreLike],
+        staging_dir: str,
+        *,
+        rank: int,
+        world_size: int,
+        attempt: str,
+        policy: Policy = "skip",
+        timeout_s: float = 1800.0,
+        verify_upload: bool = True,
+        retention: Optional[RetentionPolicy] = None,
+        known_good: Iterable[tuple[str, str]] = (),
+        disk_free: Callable[[str], Optional[int]] = _disk_free,
+        commit_when_released: bool = False,
+        reports_collected: Callable[[], bool] = lambda: False,
+        background: Background = "process",
+        nice: int = 0,
+        device: torch.device = torch.device("cpu"),
+        process: Optional[SaveProcess] = None,
+        defer_process: bool = False,
+    ) -> None:
         if policy not in ("skip", "queue"):
             raise ValueError(f"checkpoint save policy {policy!r}: expected 'skip' or 'queue'")
         if background not in ("process", "thread"):
@@ -122,8 +145,9 @@ class AsyncSaver:
         self._good: set[tuple[str, str]] = set(known_good)
         self._disk_free = disk_free
         self.background, self.nice = background, nice  # nice: the child's niceness
-        self._settings = SaveSettings(tuple(self.stores), rank, world_size, timeout_s, verify_upload, retention,
-                                      disk_free)
+        self._settings = SaveSettings(
+            tuple(self.stores), rank, world_size, timeout_s, verify_upload, retention, disk_free
+        )
         # Spawned now, not with the first save (its imports take seconds, and a save still in
         # flight when the next falls due makes that one skipped), or handed over (`close_keeping_process`,
         # or by the caller). With `defer_process` at `start_process`: an attempt's, after its first step.
@@ -169,17 +193,36 @@ class AsyncSaver:
         `action == "skip"` and pass the result to `save_*` as `blocked_elsewhere`."""
         with self._cond:
             job = self._running or self._queued
-            in_flight = None if job is None else InFlight(
-                job.meta.step, time.monotonic() - job.started if job.started is not None else 0.0, job.doing)
+            in_flight = (
+                None
+                if job is None
+                else InFlight(
+                    job.meta.step, time.monotonic() - job.started if job.started is not None else 0.0, job.doing
+                )
+            )
         self.staging.mkdir(parents=True, exist_ok=True)
-        return admit(policy or self.policy, in_flight, blocked_elsewhere, str(self.staging),
-                     self._disk_free(str(self.staging)), self._last_bytes)
+        return admit(
+            policy or self.policy,
+            in_flight,
+            blocked_elsewhere,
+            str(self.staging),
+            self._disk_free(str(self.staging)),
+            self._last_bytes,
+        )
 
-    def save_engine(self, engine, meta: CheckpointMeta, client_state: str, *, blocked_elsewhere: bool = False,
-                    policy: Optional[Policy] = None) -> Admission:
+    def save_engine(
+        self,
+        engine,
+        meta: CheckpointMeta,
+        client_state: str,
+        *,
+        blocked_elsewhere: bool = False,
+        policy: Optional[Policy] = None,
+    ) -> Admission:
         """Capture this rank's part of a DeepSpeed checkpoint (a collective: every rank calls
         it, with the same `blocked_elsewhere`) and hand it to the writer thread. The local
         folder has the layout of `wildtrain.checkpoint.save`."""
+
         def capture(job: _Job) -> None:
             original = engine.checkpoint_engine
             engine.checkpoint_engine = CapturingWriter(original, lambda path, state: self._capture(job, path, state))
@@ -201,10 +244,17 @@ class AsyncSaver:
         first save needs them (a collective, as a save is); scratch of the attempt's own, as runs share a node."""
         reserve(self._buffers, engine, self.staging / f"reserve.{self.attempt}.rank{self.rank}", self.rank)
 
-    def save_state(self, meta: CheckpointMeta, files: Mapping[str, Any], *, blocked_elsewhere: bool = False,
-                   policy: Optional[Policy] = None) -> Admission:
+    def save_state(
+        self,
+        meta: CheckpointMeta,
+        files: Mapping[str, Any],
+        *,
+        blocked_elsewhere: bool = False,
+        policy: Optional[Policy] = None,
+    ) -> Admission:
         """Capture `files` (path in the checkpoint folder → a nested container of tensors for
         `torch.save`, or `bytes` written as they are) and hand them to the writer thread."""
+
         def capture(job: _Job) -> None:
             for path, obj in files.items():
                 self._capture(job, str(job.folder / path), obj)
@@ -286,13 +336,22 @@ class AsyncSaver:
         self._thread.join()  # at once: the process is idle, or dead and its save recorded
         return finished
 
-    def _save(self, meta: CheckpointMeta, blocked_elsewhere: bool, policy: Optional[Policy],
-              capture: Callable[[_Job], None]) -> Admission:
+    def _save(
+        self, meta: CheckpointMeta, blocked_elsewhere: bool, policy: Optional[Policy], capture: Callable[[_Job], None]
+    ) -> Admission:
         started = time.perf_counter()
         admission = self.admission(blocked_elsewhere=blocked_elsewhere, policy=policy)
         if admission.action == "skip":
-            self._record(SaveOutcome(meta.step, checkpoint_name(meta.step, self.attempt), "skipped", admission.reason,
-                                     "disk_full" if admission.disk_full else "", disk_full=admission.disk_full))
+            self._record(
+                SaveOutcome(
+                    meta.step,
+                    checkpoint_name(meta.step, self.attempt),
+                    "skipped",
+                    admission.reason,
+                    "disk_full" if admission.disk_full else "",
+                    disk_full=admission.disk_full,
+                )
+            )
             return admission
         job = self._new_job(meta)
         try:
@@ -327,9 +386,15 @@ class AsyncSaver:
             superseded, self._queued = self._queued, job
             self._cond.notify_all()
         if superseded is not None:
-            self._record(SaveOutcome(superseded.meta.step, superseded.name, "skipped",
-                                     f"superseded by the save of step {job.meta.step} while queued",
-                                     stall_s=superseded.stall_s))
+            self._record(
+                SaveOutcome(
+                    superseded.meta.step,
+                    superseded.name,
+                    "skipped",
+                    f"superseded by the save of step {job.meta.step} while queued",
+                    stall_s=superseded.stall_s,
+                )
+            )
             self._discard(superseded)
 
     def _discard(self, job: _Job) -> None:
@@ -379,13 +444,21 @@ class AsyncSaver:
         with self._cond:
             dropped, self._queued = self._queued, None
         if dropped is not None:
-            self._record(SaveOutcome(dropped.meta.step, dropped.name, "skipped", "the saver closed before it started",
-                                     stall_s=dropped.stall_s))
+            self._record(
+                SaveOutcome(
+                    dropped.meta.step,
+                    dropped.name,
+                    "skipped",
+                    "the saver closed before it started",
+                    stall_s=dropped.stall_s,
+                )
+            )
             self._discard(dropped)
 
     def _run(self, job: _Job) -> SaveResult:
-        work = SaveJob(job.meta, job.name, job.folder, tuple(job.pending), job.pending_bytes(), job.stall_s,
-                       frozenset(self._good))
+        work = SaveJob(
+            job.meta, job.name, job.folder, tuple(job.pending), job.pending_bytes(), job.stall_s, frozenset(self._good)
+        )
         if self.background == "thread":
             return run_save(job.settings, work, _Link(self, job))
         started = time.perf_counter()
@@ -395,6 +468,13 @@ class AsyncSaver:
         except SaveProcessLost as e:
             with self._cond:  # ready before the next save; a closing saver has none
                 self._process = None if self._closing.is_set() else SaveProcess(self.nice)
-            outcome = SaveOutcome(job.meta.step, job.name, "failed", f"step {job.meta.step}: {e}", e.failure,
-                                  job.stall_s, time.perf_counter() - started)
+            outcome = SaveOutcome(
+                job.meta.step,
+                job.name,
+                "failed",
+                f"step {job.meta.step}: {e}",
+                e.failure,
+                job.stall_s,
+                time.perf_counter() - started,
+            )
             return SaveResult(outcome, None, work.good, None)

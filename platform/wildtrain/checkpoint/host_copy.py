@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import threading
 import shutil
+import threading
 import weakref
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -45,6 +45,7 @@ class HostBuffers:
         page-locking a rank's whole state takes seconds (about 18 GB for the 1.3b preset
         on one GPU) that the first save would otherwise stall training for. A `take`
         before it is done waits for the rest."""
+
         def allocate() -> None:
             for key, (shape, dtype) in specs.items():
                 host = self._new(shape, dtype)
@@ -138,10 +139,16 @@ def map_tensors(obj: Any, key: str, fn: Callable[[str, torch.Tensor], Any], memo
     return copy.deepcopy(obj)
 
 
-def to_host(obj: Any, key: str, buffers: HostBuffers, taken: dict[str, torch.Tensor],
-            stream: Optional["torch.cuda.Stream"] = None) -> Any:
+def to_host(
+    obj: Any,
+    key: str,
+    buffers: HostBuffers,
+    taken: dict[str, torch.Tensor],
+    stream: Optional["torch.cuda.Stream"] = None,
+) -> Any:
     """A copy of `obj` whose tensors live in host buffers taken from `buffers` (and recorded
     in `taken` by key, to be given back), so training may change the originals at once."""
+
     def copy_to_host(key: str, tensor: torch.Tensor) -> torch.Tensor:
         host = buffers.take(key, tensor)
         if stream is not None and tensor.is_cuda:

@@ -35,8 +35,11 @@ def copies_of(store: StoreLike, name: str) -> list[str]:
     """The folders of the universal copies of checkpoint `name`, committed or not."""
     store = as_store(store)
     infos = store.fs.get_file_info(pafs.FileSelector(store.root, allow_not_found=True))
-    return sorted(info.base_name for info in infos
-                  if info.type == pafs.FileType.Directory and info.base_name.startswith(f"{name}.u"))
+    return sorted(
+        info.base_name
+        for info in infos
+        if info.type == pafs.FileType.Directory and info.base_name.startswith(f"{name}.u")
+    )
 
 
 def find_universal(store: StoreLike, name: str) -> Optional[tuple[str, CheckpointManifest]]:
@@ -48,8 +51,15 @@ def find_universal(store: StoreLike, name: str) -> Optional[tuple[str, Checkpoin
     return None
 
 
-def convert_in_store(store: StoreLike, name: str, manifest: CheckpointManifest, staging_dir: str, *,
-                     deadline: Optional[float] = None, in_process: bool = False) -> tuple[str, CheckpointManifest]:
+def convert_in_store(
+    store: StoreLike,
+    name: str,
+    manifest: CheckpointManifest,
+    staging_dir: str,
+    *,
+    deadline: Optional[float] = None,
+    in_process: bool = False,
+) -> tuple[str, CheckpointManifest]:
     """The universal copy of committed checkpoint `name`: found, or made now (downloaded and
     verified into `staging_dir`, converted there, uploaded and committed); its folder and
     manifest. Raises `CommitError` when the checkpoint's files do not verify. `in_process`:
@@ -74,8 +84,16 @@ def convert_in_store(store: StoreLike, name: str, manifest: CheckpointManifest, 
             os.rename(original / STATE_FILE, copy / STATE_FILE)
         copy_name = f"{name}.u{new_attempt_token()}"
         files = upload(str(copy), store, copy_name, deadline=deadline)
-        return copy_name, commit(store, copy_name, step=manifest.step, tag=utag, world_size=manifest.world_size,
-                                 zero_stage=manifest.zero_stage, files=files, data_position=manifest.data_position,
-                                 config_hash=manifest.config_hash)
+        return copy_name, commit(
+            store,
+            copy_name,
+            step=manifest.step,
+            tag=utag,
+            world_size=manifest.world_size,
+            zero_stage=manifest.zero_stage,
+            files=files,
+            data_position=manifest.data_position,
+            config_hash=manifest.config_hash,
+        )
     finally:
         shutil.rmtree(staging, ignore_errors=True)

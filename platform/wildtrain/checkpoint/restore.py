@@ -62,8 +62,9 @@ class RestoreDecision:
     skipped: tuple[Skipped, ...]
 
 
-def choose_restore(candidates: Sequence[Candidate],
-                   verified: Mapping[tuple[str, str], Optional[str]]) -> RestoreDecision:
+def choose_restore(
+    candidates: Sequence[Candidate], verified: Mapping[tuple[str, str], Optional[str]]
+) -> RestoreDecision:
     """Walk the candidates from the newest (by step; a step saved twice, by its newest
     commit; the same checkpoint in several stores, primary first) and stop at the first one
     that is verified good or not verified yet. `verified` maps a candidate's key to None
@@ -71,8 +72,10 @@ def choose_restore(candidates: Sequence[Candidate],
     committed_at: dict[str, float] = {}
     for c in candidates:
         committed_at[c.name] = max(committed_at.get(c.name, 0.0), c.created)
-    ordered = sorted(candidates, key=lambda c: (
-        -(c.step if c.step is not None else -1), -committed_at[c.name], c.name, c.store_index))
+    ordered = sorted(
+        candidates,
+        key=lambda c: (-(c.step if c.step is not None else -1), -committed_at[c.name], c.name, c.store_index),
+    )
     skipped = []
     for c in ordered:
         if c.problem is not None:
@@ -120,11 +123,17 @@ class Restored:
     seconds: float
 
 
-def restore(stores: Sequence[StoreLike], local_dir: str, *, rank: int, world_size: int,
-            agree: Callable[[bool], bool] = lambda ok: ok,
-            listing: Callable[[Callable[[], list[Candidate]]], list[Candidate]] = lambda list_them: list_them(),
-            universal_copy: Optional[Callable[[Store, Candidate], tuple[str, CheckpointManifest]]] = None,
-            deadline: Optional[float] = None) -> Optional[Restored]:
+def restore(
+    stores: Sequence[StoreLike],
+    local_dir: str,
+    *,
+    rank: int,
+    world_size: int,
+    agree: Callable[[bool], bool] = lambda ok: ok,
+    listing: Callable[[Callable[[], list[Candidate]]], list[Candidate]] = lambda list_them: list_them(),
+    universal_copy: Optional[Callable[[Store, Candidate], tuple[str, CheckpointManifest]]] = None,
+    deadline: Optional[float] = None,
+) -> Optional[Restored]:
     """Download the newest checkpoint whose files all verify into `local_dir/<name>`
     (`local_dir` private to this rank), falling back past bad ones. Each rank downloads
     only what it reads (`files_for_rank`). All ranks must restore the same checkpoint, so
@@ -145,8 +154,14 @@ def restore(stores: Sequence[StoreLike], local_dir: str, *, rank: int, world_siz
         decision = choose_restore(candidates, verified)
         chosen = decision.restore
         if chosen is not None:
-            return Restored(chosen, chosen.manifest, str(Path(local_dir, chosen.name)), decision.skipped,
-                            bytes_read, time.perf_counter() - started)
+            return Restored(
+                chosen,
+                chosen.manifest,
+                str(Path(local_dir, chosen.name)),
+                decision.skipped,
+                bytes_read,
+                time.perf_counter() - started,
+            )
         if decision.verify_next is None:
             if any(c.manifest is not None for c in candidates):
                 raise NoGoodCheckpoint(

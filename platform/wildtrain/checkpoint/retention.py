@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Collection, Sequence
 
 from wildtrain.checkpoint.format import MANIFEST, ManifestError
+from wildtrain.checkpoint.reshard import copies_of
 from wildtrain.checkpoint.restore import Candidate, list_candidates
 from wildtrain.checkpoint.store import Store, StoreLike, as_store, read_manifest
-from wildtrain.checkpoint.reshard import copies_of
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,8 @@ class RetentionPolicy:
     def __post_init__(self) -> None:
         if self.keep_last < 0 or self.keep_every < 0:
             raise ValueError(
-                f"retention: keep_last and keep_every must be >= 0, got {self.keep_last} and {self.keep_every}")
+                f"retention: keep_last and keep_every must be >= 0, got {self.keep_last} and {self.keep_every}"
+            )
 
 
 def to_delete(committed_steps: Sequence[int], keep_last: int, keep_every: int, good: Collection[int]) -> list[int]:
@@ -77,8 +78,9 @@ def plan_retention(candidates: Sequence[Candidate], policy: RetentionPolicy, goo
             if c.manifest is None and c.problem is None and c.step is not None and c.step < newest
         ]
     delete += uncommitted
-    return RetentionPlan(tuple(name for name, _ in delete), tuple(reason for _, reason in delete),
-                         tuple(name for name, _ in uncommitted))
+    return RetentionPlan(
+        tuple(name for name, _ in delete), tuple(reason for _, reason in delete), tuple(name for name, _ in uncommitted)
+    )
 
 
 def delete_checkpoint(store: StoreLike, name: str) -> None:
@@ -99,12 +101,18 @@ def apply_retention(store: StoreLike, policy: RetentionPolicy, good: Collection[
     the folder: only a folder known to be uncommitted may go."""
     store = as_store(store)
     plan = plan_retention(list_candidates([store]), policy, good)
-    confirmed = [(name, why) for name, why in zip(plan.delete, plan.reasons)
-                 if name not in plan.uncommitted or _confirmed_uncommitted(store, name)]
+    confirmed = [
+        (name, why)
+        for name, why in zip(plan.delete, plan.reasons)
+        if name not in plan.uncommitted or _confirmed_uncommitted(store, name)
+    ]
     for name, _ in confirmed:
         delete_checkpoint(store, name)
-    return RetentionPlan(tuple(name for name, _ in confirmed), tuple(why for _, why in confirmed),
-                         tuple(name for name, _ in confirmed if name in plan.uncommitted))
+    return RetentionPlan(
+        tuple(name for name, _ in confirmed),
+        tuple(why for _, why in confirmed),
+        tuple(name for name, _ in confirmed if name in plan.uncommitted),
+    )
 
 
 def _confirmed_uncommitted(store: Store, name: str) -> bool:

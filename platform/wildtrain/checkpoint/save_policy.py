@@ -33,7 +33,6 @@ class DiskFull:
         return f"no space left on device for {self.path}: {self.bytes_needed:,} bytes needed, {free} free"
 
 
-
 @dataclass(frozen=True)
 class SaveOutcome:
     step: int
@@ -55,15 +54,21 @@ class SaveOutcome:
 
 def metrics(outcomes: Sequence[SaveOutcome]) -> dict[str, float]:
     """The loop's checkpoint metrics for the saves that ended since its last report."""
-    reported = {f"checkpoint/{status}": float(sum(o.status == status for o in outcomes))
-                for status in ("saved", "partial", "failed", "skipped")}
+    reported = {
+        f"checkpoint/{status}": float(sum(o.status == status for o in outcomes))
+        for status in ("saved", "partial", "failed", "skipped")
+    }
     if outcomes:  # every capture stalled training, whatever became of the save afterwards
         reported["checkpoint/stall_s"] = max(o.stall_s for o in outcomes)
     stored = [o for o in outcomes if o.status in ("saved", "partial")]
     if stored:
         last = stored[-1]
-        reported |= {"checkpoint/save_s": last.background_s, "checkpoint/bytes": float(last.bytes),
-                     "checkpoint/mb_per_s": last.mb_per_s, "checkpoint/step": float(last.step)}
+        reported |= {
+            "checkpoint/save_s": last.background_s,
+            "checkpoint/bytes": float(last.bytes),
+            "checkpoint/mb_per_s": last.mb_per_s,
+            "checkpoint/step": float(last.step),
+        }
     return reported
 
 
@@ -81,16 +86,25 @@ class Admission:
     disk_full: Optional[DiskFull] = None
 
 
-def admit(policy: Policy, in_flight: Optional[InFlight], blocked_elsewhere: bool,
-          staging: str, staging_free: Optional[int], bytes_needed: int) -> Admission:
+def admit(
+    policy: Policy,
+    in_flight: Optional[InFlight],
+    blocked_elsewhere: bool,
+    staging: str,
+    staging_free: Optional[int],
+    bytes_needed: int,
+) -> Admission:
     """Whether a save due now starts, waits for the one in flight, or is skipped.
     `bytes_needed` is the previous save's size: the staging disk must hold another."""
     if staging_free is not None and staging_free < bytes_needed:
         full = DiskFull(staging, bytes_needed, staging_free)
         return Admission("skip", f"staging disk full: {full}", full)
     if in_flight is not None and policy == "skip":
-        return Admission("skip", f"the save of step {in_flight.step} is still in flight after "
-                                 f"{in_flight.running_s:.1f} s ({in_flight.doing})")
+        return Admission(
+            "skip",
+            f"the save of step {in_flight.step} is still in flight after "
+            f"{in_flight.running_s:.1f} s ({in_flight.doing})",
+        )
     if blocked_elsewhere:
         return Admission("skip", "another rank cannot save now")
     if in_flight is not None:

@@ -57,8 +57,9 @@ class SaveProcess:
         self._conn, child_end = ctx.Pipe()
         lifeline, self._lifeline = ctx.Pipe(duplex=False)  # the child's end reads EOF once the parent is gone
         self.interrupted = False
-        self.process = ctx.Process(target=_serve, args=(child_end, lifeline, os.getpid(), nice),
-                                   name="wildtrain-checkpoint", daemon=True)
+        self.process = ctx.Process(
+            target=_serve, args=(child_end, lifeline, os.getpid(), nice), name="wildtrain-checkpoint", daemon=True
+        )
         with _main_script_hidden():
             self.process.start()
         # Only the child holds its ends now, so the parent reads EOF as soon as the child dies.
@@ -86,14 +87,18 @@ class SaveProcess:
         while True:
             if not self._conn.poll(max(0.0, bound - time.monotonic())):
                 self.kill()
-                raise SaveProcessLost(f"{doing} did not return within timeout_s={timeout_s:g} s "
-                                      f"(and {min(KILL_GRACE_S, timeout_s):g} s more); the save process was stopped",
-                                      "timeout")
+                raise SaveProcessLost(
+                    f"{doing} did not return within timeout_s={timeout_s:g} s "
+                    f"(and {min(KILL_GRACE_S, timeout_s):g} s more); the save process was stopped",
+                    "timeout",
+                )
             try:
                 kind, value = self._conn.recv()
             except (EOFError, OSError):
                 self.kill()
-                raise SaveProcessLost(f"the save process exited (code {self.process.exitcode}) while {doing}", "error")
+                raise SaveProcessLost(
+                    f"the save process exited (code {self.process.exitcode}) while {doing}", "error"
+                ) from None
             if kind == "doing":
                 doing = value
                 link.doing(value)

@@ -22,8 +22,17 @@ from wildtrain.checkpoint.format import FileEntry, ManifestError
 from wildtrain.checkpoint.retention import RetentionPolicy, apply_retention
 from wildtrain.checkpoint.save_policy import DiskFull, Failure, SaveOutcome, Status
 from wildtrain.checkpoint.store import (
-    CHUNK_BYTES, Cancelled, CommitError, DeadlineExceeded, PartFailed, Store, check_deadline, commit,
-    commit_when_complete, upload, write_part,
+    CHUNK_BYTES,
+    Cancelled,
+    CommitError,
+    DeadlineExceeded,
+    PartFailed,
+    Store,
+    check_deadline,
+    commit,
+    commit_when_complete,
+    upload,
+    write_part,
 )
 
 
@@ -117,8 +126,9 @@ def run_save(settings: SaveSettings, job: SaveJob, link: Link) -> SaveResult:
     try:
         return _Save(settings, job, link).run()
     except Exception as e:  # a bug here must neither stop training nor leave the saver busy for good
-        return SaveResult(SaveOutcome(job.meta.step, job.name, "failed", describe(e), "error", job.stall_s),
-                          None, job.good, None)
+        return SaveResult(
+            SaveOutcome(job.meta.step, job.name, "failed", describe(e), "error", job.stall_s), None, job.good, None
+        )
 
 
 class _Save:
@@ -139,9 +149,14 @@ class _Save:
         job, meta = self.job, self.job.meta
 
         def outcome(status: Status, reason: str = "", failure: Failure = "", **extra) -> SaveResult:
-            return SaveResult(SaveOutcome(meta.step, job.name, status, reason, failure, job.stall_s,
-                                          time.perf_counter() - started, **extra),
-                              self.last_bytes, frozenset(self.good), self.last_commit)
+            return SaveResult(
+                SaveOutcome(
+                    meta.step, job.name, status, reason, failure, job.stall_s, time.perf_counter() - started, **extra
+                ),
+                self.last_bytes,
+                frozenset(self.good),
+                self.last_commit,
+            )
 
         try:
             self._write_staging(self._deadline())
@@ -164,16 +179,24 @@ class _Save:
         for store in self.s.stores:
             deadline = self._deadline()
             try:
-                files = upload(str(job.folder), store, job.name, deadline=deadline, verify=self.s.verify_upload,
-                               on_progress=self.link.doing)
+                files = upload(
+                    str(job.folder),
+                    store,
+                    job.name,
+                    deadline=deadline,
+                    verify=self.s.verify_upload,
+                    on_progress=self.link.doing,
+                )
                 self.link.doing(f"recording rank {self.s.rank}'s part in {store.describe(job.name)}")
                 write_part(store, job.name, self.s.rank, files)
                 uploaded.append((store, deadline))
             except Exception as e:
                 errors[store.uri] = self._failure(e, store.describe(job.name), size)
         if self.s.rank != 0:
-            self._tell_rank_zero([(s, self._deadline()) for s in self.s.stores if s.uri in errors],
-                                 "; ".join(message for _, message, _ in errors.values()))
+            self._tell_rank_zero(
+                [(s, self._deadline()) for s in self.s.stores if s.uri in errors],
+                "; ".join(message for _, message, _ in errors.values()),
+            )
             stored = [store.uri for store, _ in uploaded]
         else:
             stored = self._commit_everywhere(uploaded, errors, size)
@@ -182,9 +205,15 @@ class _Save:
         status: Status = "saved" if not errors else "partial" if stored else "failed"
         # The stores in the order given: the primary's failure, if it failed, names the save's.
         reason = "; ".join(errors[s.uri][1] for s in self.s.stores if s.uri in errors)
-        return outcome(status, reason, failure, bytes=size,
-                       stored=tuple(s.uri for s in self.s.stores if s.uri in stored), notes=tuple(self.notes),
-                       disk_full=full)
+        return outcome(
+            status,
+            reason,
+            failure,
+            bytes=size,
+            stored=tuple(s.uri for s in self.s.stores if s.uri in stored),
+            notes=tuple(self.notes),
+            disk_full=full,
+        )
 
     def _write_staging(self, deadline: float) -> None:
         job = self.job
@@ -246,17 +275,29 @@ class _Save:
                     # Short: once the store is back, rank 0 should hear of the failure at once.
                     interval = min(interval * 2, 5.0)
 
-    def _commit_everywhere(self, uploaded: Sequence[tuple[Store, float]],
-                           errors: dict[str, tuple[Failure, str, Optional[DiskFull]]], size: int) -> list[str]:
+    def _commit_everywhere(
+        self,
+        uploaded: Sequence[tuple[Store, float]],
+        errors: dict[str, tuple[Failure, str, Optional[DiskFull]]],
+        size: int,
+    ) -> list[str]:
         """Rank 0: commit the checkpoint in each store where every rank's part is in (see
         `commit_when_complete`), then apply retention there. A commit also waits until the
         controller has the step's report (see `AsyncSaver.release`)."""
         meta, name, stored = self.job.meta, self.job.name, []
 
         def commit_in(store: Store, files: tuple[FileEntry, ...]) -> None:
-            commit(store, name, step=meta.step, tag=meta.tag, world_size=meta.world_size,
-                   zero_stage=meta.zero_stage, files=files, data_position=meta.data_position,
-                   config_hash=meta.config_hash)
+            commit(
+                store,
+                name,
+                step=meta.step,
+                tag=meta.tag,
+                world_size=meta.world_size,
+                zero_stage=meta.zero_stage,
+                files=files,
+                data_position=meta.data_position,
+                config_hash=meta.config_hash,
+            )
             stored.append(store.uri)
             if len(stored) == 1:  # the first store committed: the primary, if it works
                 self.last_commit = store.describe(name)
@@ -266,8 +307,15 @@ class _Save:
             collected = self.link.report_collected(meta.step)
             return None if collected else f"waiting for the report of step {meta.step} to be collected"
 
-        failed = commit_when_complete(uploaded, name, self.s.world_size, commit_in, held_by=held_by,
-                                      wait=self.link.wait, on_progress=self.link.doing)
+        failed = commit_when_complete(
+            uploaded,
+            name,
+            self.s.world_size,
+            commit_in,
+            held_by=held_by,
+            wait=self.link.wait,
+            on_progress=self.link.doing,
+        )
         describe_in = {store.uri: store.describe(name) for store, _ in uploaded}
         errors |= {uri: self._failure(error, describe_in[uri], size) for uri, error in failed.items()}
         return stored

@@ -31,8 +31,10 @@ COPIES = 2
 MARGIN = 0.10
 # DeepSpeed's optimizer state per parameter: fp32 master weights and AdamW's two fp32 moments.
 OPTIMIZER_BYTES_PER_PARAM = 12
-FIX = ("mount a memory-backed volume at /dev/shm sized for it (Kubernetes: an emptyDir with medium: Memory, "
-       "as ray_clusters/kuberay/ does; Docker: --shm-size)")
+FIX = (
+    "mount a memory-backed volume at /dev/shm sized for it (Kubernetes: an emptyDir with medium: Memory, "
+    "as ray_clusters/kuberay/ does; Docker: --shm-size)"
+)
 
 
 def capture_bytes(n_params: int, param_bytes: int, zero_stage: int, world_size: int, rank: int) -> int:
@@ -77,9 +79,11 @@ def choose_mode(requested: str, free: Optional[int], needed: int, where: str = S
     room than needed (a free space not known counts as room: /dev/shm is no limit there)."""
     if requested != "process" or free is None or free >= needed:
         return SaveMode(requested, "", free, needed)
-    reason = (f"checkpoint.background=process needs {_size(needed)} free in {where} for the host copies of this "
-              f"node's checkpoint parts ({COPIES} copies, +{MARGIN:.0%}) and {_size(free)} are free: saving in a "
-              f"thread instead (training slows more under CPU contention); to save in a process, {FIX}")
+    reason = (
+        f"checkpoint.background=process needs {_size(needed)} free in {where} for the host copies of this "
+        f"node's checkpoint parts ({COPIES} copies, +{MARGIN:.0%}) and {_size(free)} are free: saving in a "
+        f"thread instead (training slows more under CPU contention); to save in a process, {FIX}"
+    )
     return SaveMode("thread", reason, free, needed)
 
 

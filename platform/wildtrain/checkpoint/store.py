@@ -20,7 +20,12 @@ import pyarrow.fs as pafs
 
 from wildtrain import storage
 from wildtrain.checkpoint.format import (
-    MANIFEST, PARTS_DIR, CheckpointManifest, FileEntry, ManifestError, files_for_rank,
+    MANIFEST,
+    PARTS_DIR,
+    CheckpointManifest,
+    FileEntry,
+    ManifestError,
+    files_for_rank,
 )
 from wildtrain.config import StorageConfig
 
@@ -69,8 +74,9 @@ def check_deadline(deadline: Optional[float], doing: str) -> None:
         raise DeadlineExceeded(f"timed out {doing}")
 
 
-def _hash_through(reader, write: Optional[Callable[[bytes], Any]], deadline: Optional[float],
-                  doing: str) -> tuple[int, str]:
+def _hash_through(
+    reader, write: Optional[Callable[[bytes], Any]], deadline: Optional[float], doing: str
+) -> tuple[int, str]:
     """Stream `reader` in chunks into `write` (if any) and hash the same chunks, so that
     copying and checksumming read each byte once."""
     digest = hashlib.sha256()
@@ -97,8 +103,15 @@ def _read_text(store: Store, path: str) -> Optional[str]:
 # ---------------------------------------------------------------- saving
 
 
-def upload(local_dir: str, store: StoreLike, name: str, *, deadline: Optional[float] = None,
-           verify: bool = True, on_progress: Callable[[str], None] = lambda doing: None) -> tuple[FileEntry, ...]:
+def upload(
+    local_dir: str,
+    store: StoreLike,
+    name: str,
+    *,
+    deadline: Optional[float] = None,
+    verify: bool = True,
+    on_progress: Callable[[str], None] = lambda doing: None,
+) -> tuple[FileEntry, ...]:
     """Copy every file under `local_dir` to `<store>/<name>/`, hashing while reading; then
     check each uploaded file's size and, with `verify`, read it back and compare its sha256."""
     store = as_store(store)
@@ -167,8 +180,10 @@ def poll_parts(store: StoreLike, name: str, world_size: int) -> Parts:
     for rank, (files, _) in sorted(records.items()):
         for entry in files:
             if entry.path in owner and owner[entry.path][1] != entry:
-                raise CommitError(f"{store.describe(name, entry.path)}: ranks {owner[entry.path][0]} and {rank} "
-                                  "uploaded different contents")
+                raise CommitError(
+                    f"{store.describe(name, entry.path)}: ranks {owner[entry.path][0]} and {rank} "
+                    "uploaded different contents"
+                )
             owner[entry.path] = (rank, entry)
     return Parts((), (), tuple(entry for _, entry in sorted(owner.values(), key=lambda item: item[1].path)))
 
@@ -177,11 +192,16 @@ class Cancelled(DeadlineExceeded):
     """Waiting for a checkpoint's parts was called off before its deadline."""
 
 
-def commit_when_complete(targets: Sequence[tuple[Store, float]], name: str, world_size: int,
-                         commit: Callable[[Store, tuple[FileEntry, ...]], Any], *,
-                         held_by: Callable[[], Optional[str]] = lambda: None,
-                         wait: Callable[[float], Any] = time.sleep,
-                         on_progress: Callable[[str], None] = lambda doing: None) -> dict[str, Exception]:
+def commit_when_complete(
+    targets: Sequence[tuple[Store, float]],
+    name: str,
+    world_size: int,
+    commit: Callable[[Store, tuple[FileEntry, ...]], Any],
+    *,
+    held_by: Callable[[], Optional[str]] = lambda: None,
+    wait: Callable[[float], Any] = time.sleep,
+    on_progress: Callable[[str], None] = lambda doing: None,
+) -> dict[str, Exception]:
     """Call `commit(store, files)` for each of `targets` (a store and its deadline) once every
     rank's part record of checkpoint `name` is in that store. All stores are polled together,
     with a growing interval (object stores notify nobody), so that a store that is down holds
@@ -210,8 +230,12 @@ def commit_when_complete(targets: Sequence[tuple[Store, float]], name: str, worl
                         raise PartFailed(f"{store.describe(name)}: " + "; ".join(parts.failed))
                     if not parts.missing:
                         complete[uri] = parts.files
-                waiting = (held_by() if uri in complete else f"waiting for ranks {list(parts.missing)} of "
-                           f"{world_size} to upload checkpoint {store.describe(name)}")
+                waiting = (
+                    held_by()
+                    if uri in complete
+                    else f"waiting for ranks {list(parts.missing)} of "
+                    f"{world_size} to upload checkpoint {store.describe(name)}"
+                )
                 if waiting:
                     on_progress(waiting)
                     check_deadline(deadline, waiting)
@@ -225,16 +249,28 @@ def commit_when_complete(targets: Sequence[tuple[Store, float]], name: str, worl
             del pending[uri]
         polling_stores = any(uri not in complete or uri in failing for uri in pending)
         if pending and wait(interval if polling_stores else HELD_POLL_S):
-            errors |= {uri: Cancelled(f"cancelled waiting to commit {store.describe(name)}")
-                       for uri, (store, _) in pending.items()}
+            errors |= {
+                uri: Cancelled(f"cancelled waiting to commit {store.describe(name)}")
+                for uri, (store, _) in pending.items()
+            }
             break
         if polling_stores:
             interval = min(2.0, interval * 2)
     return errors
 
 
-def commit(store: StoreLike, name: str, *, step: int, tag: str, world_size: int, zero_stage: int,
-           files: Sequence[FileEntry], data_position: Mapping[str, Any], config_hash: str) -> CheckpointManifest:
+def commit(
+    store: StoreLike,
+    name: str,
+    *,
+    step: int,
+    tag: str,
+    world_size: int,
+    zero_stage: int,
+    files: Sequence[FileEntry],
+    data_position: Mapping[str, Any],
+    config_hash: str,
+) -> CheckpointManifest:
     """Write the manifest of checkpoint `name`, last and atomically, after checking that every
     file in `files` is in the store with its size. From then on the checkpoint exists."""
     store = as_store(store)
@@ -244,9 +280,14 @@ def commit(store: StoreLike, name: str, *, step: int, tag: str, world_size: int,
     if problems:
         raise CommitError(f"not committing {store.describe(name)} (step {step}): " + "; ".join(problems))
     manifest = CheckpointManifest(
-        step=step, tag=tag, world_size=world_size, zero_stage=zero_stage,
-        files=tuple(sorted(files, key=lambda f: f.path)), data_position=dict(data_position),
-        config_hash=config_hash, created=time.time(),
+        step=step,
+        tag=tag,
+        world_size=world_size,
+        zero_stage=zero_stage,
+        files=tuple(sorted(files, key=lambda f: f.path)),
+        data_position=dict(data_position),
+        config_hash=config_hash,
+        created=time.time(),
     )
     storage.write_atomic(store.fs, store.path(name, MANIFEST), manifest.to_json().encode())
     return manifest
@@ -272,8 +313,9 @@ class Verification:
         return not self.problems
 
 
-def verify_files(store: StoreLike, name: str, files: Sequence[FileEntry], *, deadline: Optional[float] = None,
-                 checksums: bool = True) -> Verification:
+def verify_files(
+    store: StoreLike, name: str, files: Sequence[FileEntry], *, deadline: Optional[float] = None, checksums: bool = True
+) -> Verification:
     """Each file's presence and size (one metadata request for all), and with `checksums`
     its sha256, streamed, in place."""
     store = as_store(store)
@@ -295,15 +337,24 @@ def verify_files(store: StoreLike, name: str, files: Sequence[FileEntry], *, dea
     return Verification(tuple(problems), bytes_read)
 
 
-def verify(store: StoreLike, name: str, manifest: CheckpointManifest, *, rank: Optional[int] = None,
-           world_size: Optional[int] = None, deadline: Optional[float] = None) -> Verification:
+def verify(
+    store: StoreLike,
+    name: str,
+    manifest: CheckpointManifest,
+    *,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    deadline: Optional[float] = None,
+) -> Verification:
     """Verify a committed checkpoint in place: all its files, or only those `rank` of
     `world_size` would read (see `files_for_rank`)."""
     files = manifest.files if rank is None else files_for_rank(manifest, rank, world_size or manifest.world_size)
     return verify_files(store, name, files, deadline=deadline)
 
-def fetch(store: StoreLike, name: str, files: Sequence[FileEntry], local_dir: str, *,
-          deadline: Optional[float] = None) -> Verification:
+
+def fetch(
+    store: StoreLike, name: str, files: Sequence[FileEntry], local_dir: str, *, deadline: Optional[float] = None
+) -> Verification:
     """Download `files` of checkpoint `name` into `local_dir`, hashing on the way, so that
     each byte is read from the store once and checked against the manifest."""
     store = as_store(store)

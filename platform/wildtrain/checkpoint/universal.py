@@ -106,23 +106,34 @@ def _convert_here(source: Path, output: Path) -> None:
     import_deepspeed()  # as every worker imports it: quickly, and building nothing
     from deepspeed.checkpoint import ds_to_universal
 
-    args = argparse.Namespace(input_folder=str(source), output_folder=str(output), inject_missing_state=True,
-                              keep_temp_folder=False, strict=True, **_SERIAL)
+    args = argparse.Namespace(
+        input_folder=str(source),
+        output_folder=str(output),
+        inject_missing_state=True,
+        keep_temp_folder=False,
+        strict=True,
+        **_SERIAL,
+    )
     printed = io.StringIO()  # its progress bars and lines, kept for an error
     try:
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
             ds_to_universal.main(args)
     except Exception as e:
-        raise RuntimeError(f"converting checkpoint {source} to the universal format failed: {e}\n"
-                           f"{printed.getvalue()[-_OUTPUT_TAIL:]}") from e
+        raise RuntimeError(
+            f"converting checkpoint {source} to the universal format failed: {e}\n{printed.getvalue()[-_OUTPUT_TAIL:]}"
+        ) from e
 
 
 def _convert_in_subprocess(source: Path, cwd: Path, output: str) -> None:
     command = [
-        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-        "--input_folder", str(source),
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(source),
         # Relative to `cwd`, so that only its own name must be `pattern_safe`.
-        "--output_folder", output,
+        "--output_folder",
+        output,
         "--inject_missing_state",
         *(f"--{key}={value}" for key, value in _SERIAL.items()),
     ]
@@ -140,9 +151,7 @@ def load(engine, folder: str, tag: str) -> None:
     if not engine.load_universal_checkpoint():
         raise ValueError("the engine was built without DeepSpeed's checkpoint.load_universal")
     utag = universal_tag(tag)
-    load_path, _ = engine.load_checkpoint(
-        folder, tag=utag, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+    load_path, _ = engine.load_checkpoint(folder, tag=utag, load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint {utag!r} in {folder}")
     saved = torch.load(Path(folder, utag, "zero", "optimizer_state.pt"), mmap=True, weights_only=False)

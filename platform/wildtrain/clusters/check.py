@@ -25,16 +25,25 @@ def check(cluster: Cluster, tracking_uri: str) -> list[Finding]:
     try:
         version = jobs_api.ray_version(cluster)
         findings.append(Finding("jobs API", True, f"{cluster.entry.jobs_api} took the token"))
-        findings.append(Finding("Ray version", version == ray.__version__,
-                                f"cluster {version}, here {ray.__version__}" + (
-                                    "" if version == ray.__version__ else ": version mismatch; jobs would fail "
-                                    "to unpickle across versions")))
+        findings.append(
+            Finding(
+                "Ray version",
+                version == ray.__version__,
+                f"cluster {version}, here {ray.__version__}"
+                + (
+                    ""
+                    if version == ray.__version__
+                    else ": version mismatch; jobs would fail to unpickle across versions"
+                ),
+            )
+        )
     except jobs_api.ClusterError as e:
         findings.append(Finding("jobs API", False, str(e)))
     for kind in ("runs", "data"):
         uri = getattr(cluster.entry.storage, kind)
-        findings.append(_attempt(f"storage {kind}", lambda: storage.probe(uri, cluster.entry.storage),
-                                 f"{uri} answers"))
+        findings.append(
+            _attempt(f"storage {kind}", lambda uri=uri: storage.probe(uri, cluster.entry.storage), f"{uri} answers")
+        )
     findings.append(_report_card(cluster, tracking_uri))
     return findings
 
@@ -48,8 +57,8 @@ def _attempt(what: str, action: Callable[[], None], success: str) -> Finding:
 
 
 def _report_card(cluster: Cluster, tracking_uri: str) -> Finding:
-    from wildtrain.tracking.reports import runs as report
     from wildtrain.tracking.mlflow_client import TrackingError, check_reachable
+    from wildtrain.tracking.reports import runs as report
 
     try:
         check_reachable(tracking_uri)

@@ -41,13 +41,17 @@ def ray_version(cluster: Cluster, timeout_s: float = 10.0) -> str:
         if e.code == 401:
             raise ClusterError(f"{cluster.name}: {redact(address)} refused the request: it requires a token") from None
         if e.code == 403:
-            raise ClusterError(f"{cluster.name}: {redact(address)} refused the token in "
-                               f"{cluster.token_file}: wrong token for this cluster") from None
+            raise ClusterError(
+                f"{cluster.name}: {redact(address)} refused the token in "
+                f"{cluster.token_file}: wrong token for this cluster"
+            ) from None
         raise ClusterError(f"{cluster.name}: {redact(address)} answered HTTP {e.code}") from None
     except (OSError, ValueError, KeyError) as e:
         reason = getattr(e, "reason", e)
-        raise ClusterError(f"{cluster.name}: jobs API {redact(address)} unreachable ({reason}); is the tunnel "
-                           f"or port-forward to its head running?") from None
+        raise ClusterError(
+            f"{cluster.name}: jobs API {redact(address)} unreachable ({reason}); is the tunnel "
+            f"or port-forward to its head running?"
+        ) from None
 
 
 def client(cluster: Cluster):

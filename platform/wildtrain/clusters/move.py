@@ -61,8 +61,9 @@ def newest_step(cfg: Config) -> Optional[int]:
     return candidate.step if candidate else None
 
 
-def stop_after_next_commit(cluster: Cluster, job_id: str, cfg: Config, timeout_s: float, poll_s: float,
-                           say: Callable[[str], None]) -> Optional[int]:
+def stop_after_next_commit(
+    cluster: Cluster, job_id: str, cfg: Config, timeout_s: float, poll_s: float, say: Callable[[str], None]
+) -> Optional[int]:
     """Wait for a checkpoint newer than the newest now, then stop the job and wait for its end."""
     before = newest_step(cfg)
     say(f"waiting for the next checkpoint of {cfg.run.name} on {cluster.name} (newest now: step {before})")
@@ -72,8 +73,10 @@ def stop_after_next_commit(cluster: Cluster, job_id: str, cfg: Config, timeout_s
         if str(client.get_job_status(job_id).value) not in ACTIVE:
             break  # it ended by itself: nothing newer will come
         if time.monotonic() > deadline:
-            raise jobs_api.ClusterError(f"{cluster.name}: no checkpoint of {cfg.run.name} committed within "
-                                        f"{timeout_s:g} s after step {before}; the job {job_id} still runs")
+            raise jobs_api.ClusterError(
+                f"{cluster.name}: no checkpoint of {cfg.run.name} committed within "
+                f"{timeout_s:g} s after step {before}; the job {job_id} still runs"
+            )
         time.sleep(poll_s)
     client.stop_job(job_id)
     while str(client.get_job_status(job_id).value) in ACTIVE:
@@ -82,16 +85,27 @@ def stop_after_next_commit(cluster: Cluster, job_id: str, cfg: Config, timeout_s
     return newest
 
 
-def move(run: str, src: Cluster, dst: Cluster, overrides: list[str], *, working_dir: Optional[Path] = None,
-         bwlimit: Optional[str] = None, checkpoint_timeout_s: float = 3600.0, poll_s: float = 5.0,
-         say: Callable[[str], None] = lambda line: None) -> MoveResult:
+def move(
+    run: str,
+    src: Cluster,
+    dst: Cluster,
+    overrides: list[str],
+    *,
+    working_dir: Optional[Path] = None,
+    bwlimit: Optional[str] = None,
+    checkpoint_timeout_s: float = 3600.0,
+    poll_s: float = 5.0,
+    say: Callable[[str], None] = lambda line: None,
+) -> MoveResult:
     named = [*overrides, f"run.name={run}"]
     # Both configs load before anything stops: a bad override fails here, naming its key.
     src_cfg, dst_cfg = (load_config(c.run_overrides() + named) for c in (src, dst))
     src_layout, dst_layout = RunLayout.of(src_cfg), RunLayout.of(dst_cfg)
     if src_cfg.checkpoint.store or src_cfg.checkpoint.replica:
-        raise ConfigError("checkpoint.store/checkpoint.replica: move copies <run.storage>/<run.name>/ only; "
-                          "sync a checkpoint store outside it with `wildtrain sync` first")
+        raise ConfigError(
+            "checkpoint.store/checkpoint.replica: move copies <run.storage>/<run.name>/ only; "
+            "sync a checkpoint store outside it with `wildtrain sync` first"
+        )
     record = storage.read_text(src_layout.record, src_cfg.storage)
     if record is None:
         raise jobs_api.ClusterError(f"{src.name}: no run {run!r} at {src_layout.root} (no {src_layout.record})")
@@ -104,17 +118,23 @@ def move(run: str, src: Cluster, dst: Cluster, overrides: list[str], *, working_
     on_dst = lease.check(run, dst_layout.lease, dst_cfg.storage)
     if not on_dst.free:
         raise lease.LeaseError(f"{dst.name}: {on_dst.why}")
-    step = (stop_after_next_commit(src, job, src_cfg, checkpoint_timeout_s, poll_s, say) if job
-            else newest_step(src_cfg))
+    step = stop_after_next_commit(src, job, src_cfg, checkpoint_timeout_s, poll_s, say) if job else newest_step(src_cfg)
     if job and (stopped := lease.read(src_layout.lease, src_cfg.storage)) and stopped.holder.job == job:
         # Its driver ended with the job, killed perhaps before it could release the lease.
         lease.release_for(src_layout.lease, src_cfg.storage, stopped.holder)
     say(f"copying {src_layout.root} to {dst_layout.root}")
-    synced = sync(Location(src_layout.root, src.entry.storage, src.entry.sync_bwlimit),
-                  Location(dst_layout.root, dst.entry.storage, dst.entry.sync_bwlimit), bwlimit,
-                  on_copied=lambda path: say(f"copied {path}"))
-    _record_move(src_cfg, json.loads(record)["mlflow_run_id"],
-                 Moved(time.time(), src.name, dst.name, step, synced.copied_bytes), step or 0)
+    synced = sync(
+        Location(src_layout.root, src.entry.storage, src.entry.sync_bwlimit),
+        Location(dst_layout.root, dst.entry.storage, dst.entry.sync_bwlimit),
+        bwlimit,
+        on_copied=lambda path: say(f"copied {path}"),
+    )
+    _record_move(
+        src_cfg,
+        json.loads(record)["mlflow_run_id"],
+        Moved(time.time(), src.name, dst.name, step, synced.copied_bytes),
+        step or 0,
+    )
     submitted = submit(dst, named, working_dir)
     return MoveResult(job, step, synced, submitted)
 

@@ -176,8 +176,13 @@ def _resolve(path: Path, name: str, entry: ClusterEntry) -> Cluster:
         raise ConfigError(f"{key}.cluster_config: no such file conf/cluster/{entry.cluster_config}.yaml")
     if entry.sync_bwlimit is not None and not BWLIMIT.fullmatch(entry.sync_bwlimit):
         raise ConfigError(f"{key}.sync_bwlimit: {entry.sync_bwlimit!r} is not a rate such as 50M (bytes/s)")
-    return Cluster(name, entry, launcher, _relative(path, entry.token_file),
-                   read_nccl_profile(path.parent / NCCL_DIR, entry.nccl.profile, f"{key}.nccl.profile"))
+    return Cluster(
+        name,
+        entry,
+        launcher,
+        _relative(path, entry.token_file),
+        read_nccl_profile(path.parent / NCCL_DIR, entry.nccl.profile, f"{key}.nccl.profile"),
+    )
 
 
 def read_nccl_profile(folder: Path, profile: Optional[str], key: str) -> dict[str, str]:

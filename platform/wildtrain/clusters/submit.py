@@ -59,8 +59,9 @@ class Submitted:
     tracking: str
 
 
-def job_spec(cluster: Cluster, overrides: list[str], working_dir: Optional[Path] = None,
-             command: Command = TRAIN) -> JobSpec:
+def job_spec(
+    cluster: Cluster, overrides: list[str], working_dir: Optional[Path] = None, command: Command = TRAIN
+) -> JobSpec:
     """What is sent: the config is loaded here first, so a bad override fails in a second,
     with the key named, instead of in a job on the cluster."""
     run_overrides = cluster.run_overrides() + list(overrides)
@@ -88,18 +89,27 @@ def refuse_live(cluster: Cluster, cfg: Config) -> None:
         raise lease.LeaseError(f"{cluster.name}: {verdict.why}")
 
 
-def submit(cluster: Cluster, overrides: list[str], working_dir: Optional[Path] = None,
-           follow: Optional[Callable[[str], None]] = None, command: Command = TRAIN) -> Submitted:
+def submit(
+    cluster: Cluster,
+    overrides: list[str],
+    working_dir: Optional[Path] = None,
+    follow: Optional[Callable[[str], None]] = None,
+    command: Command = TRAIN,
+) -> Submitted:
     """Send the run (or the sweep, see `job_spec`); with `follow`, pass it the job's log
     lines until the job ends and fail if the job did not succeed."""
     spec = job_spec(cluster, overrides, working_dir, command)
     if not command.sweep:  # a sweep's trials are refused one by one, by their drivers
         refuse_live(cluster, spec.config)
     client = jobs_api.client(cluster)
-    job_id = client.submit_job(entrypoint=spec.entrypoint, runtime_env=spec.runtime_env,
-                               submission_id=spec.submission_id)
-    submitted = Submitted(job_id, cluster.entry.jobs_api, f"{spec.config.tracking.uri} experiment "
-                                                         f"{spec.config.tracking.experiment!r}, {command.what(spec.config)}")
+    job_id = client.submit_job(
+        entrypoint=spec.entrypoint, runtime_env=spec.runtime_env, submission_id=spec.submission_id
+    )
+    submitted = Submitted(
+        job_id,
+        cluster.entry.jobs_api,
+        f"{spec.config.tracking.uri} experiment {spec.config.tracking.experiment!r}, {command.what(spec.config)}",
+    )
     if follow is not None:
         follow_job(cluster, client, job_id, follow)
     return submitted
@@ -107,6 +117,7 @@ def submit(cluster: Cluster, overrides: list[str], working_dir: Optional[Path] =
 
 def follow_job(cluster: Cluster, client, job_id: str, emit: Callable[[str], None]) -> None:
     """Pass the job's log lines to `emit` until it ends; fail unless it succeeded."""
+
     async def tail() -> str:
         async for lines in client.tail_job_logs(job_id):
             emit(lines)

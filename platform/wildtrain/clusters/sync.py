@@ -74,8 +74,9 @@ def parse_location(text: str, registry: Callable[[], Registry]) -> Location:
         return Location(storage.resolve(text))
     cluster = registry().get(match["cluster"])
     base = getattr(cluster.entry.storage, match["store"])
-    return Location(storage.join(base, match["path"]) if match["path"] else base,
-                    cluster.entry.storage, cluster.entry.sync_bwlimit)
+    return Location(
+        storage.join(base, match["path"]) if match["path"] else base, cluster.entry.storage, cluster.entry.sync_bwlimit
+    )
 
 
 def rate_bytes(rate: str) -> float:
@@ -127,9 +128,17 @@ class _Rclone:
         if scheme == "s3":
             config = loc.storage
             access, secret = os.environ.get(config.access_key_env), os.environ.get(config.secret_key_env)
-            settings = {"TYPE": "s3", "PROVIDER": "Other", "REGION": config.region, "NO_CHECK_BUCKET": "true",
-                        **({"ACCESS_KEY_ID": access, "SECRET_ACCESS_KEY": secret} if access and secret
-                           else {"ENV_AUTH": "true"})}
+            settings = {
+                "TYPE": "s3",
+                "PROVIDER": "Other",
+                "REGION": config.region,
+                "NO_CHECK_BUCKET": "true",
+                **(
+                    {"ACCESS_KEY_ID": access, "SECRET_ACCESS_KEY": secret}
+                    if access and secret
+                    else {"ENV_AUTH": "true"}
+                ),
+            }
             if storage.endpoint(config):
                 settings["ENDPOINT"] = storage.endpoint(config)
         elif scheme == "gs":
@@ -139,12 +148,18 @@ class _Rclone:
         self.env.update({prefix + key: value for key, value in settings.items()})
         return f"{name}:{path}"
 
-    def run(self, *args: str, log: Callable[[dict], None] = lambda entry: None,
-            allow_fail: bool = False) -> subprocess.CompletedProcess:
+    def run(
+        self, *args: str, log: Callable[[dict], None] = lambda entry: None, allow_fail: bool = False
+    ) -> subprocess.CompletedProcess:
         """rclone ARGS, its JSON log entries passed to `log` as they come."""
         # rclone logs its closing stats only with a stats interval; an hour: no others before.
-        process = subprocess.Popen([rclone_cli(), *args, "--use-json-log", "--stats", "1h"], env=self.env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        process = subprocess.Popen(
+            [rclone_cli(), *args, "--use-json-log", "--stats", "1h"],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         errors = []
         for line in process.stderr:
             try:
@@ -157,7 +172,9 @@ class _Rclone:
             log(entry)
         stdout = process.stdout.read()
         if process.wait() != 0 and not allow_fail:
-            raise SyncError(f"rclone {args[0]} {self.src} -> {self.dst} failed: {'; '.join(errors[-3:]) or process.returncode}")
+            raise SyncError(
+                f"rclone {args[0]} {self.src} -> {self.dst} failed: {'; '.join(errors[-3:]) or process.returncode}"
+            )
         return subprocess.CompletedProcess(args, process.returncode, stdout, "\n".join(errors))
 
     def files(self) -> dict[str, int]:
@@ -179,8 +196,9 @@ def _listing(paths: list[str]) -> Iterator[str]:
         yield listing.name
 
 
-def sync(src: Location, dst: Location, bwlimit: Optional[str] = None,
-         on_copied: Callable[[str], None] = lambda path: None) -> SyncResult:
+def sync(
+    src: Location, dst: Location, bwlimit: Optional[str] = None, on_copied: Callable[[str], None] = lambda path: None
+) -> SyncResult:
     """Copy SRC to DST, verified, commit files last; `bwlimit` (rclone syntax) caps step 1,
     default the clusters' cap. `on_copied` gets each path as it lands at DST."""
     rclone = _Rclone(src, dst)
@@ -197,8 +215,18 @@ def sync(src: Location, dst: Location, bwlimit: Optional[str] = None,
             on_copied(entry["object"])
         stats.update(entry.get("stats", {}))
 
-    rclone.run("copy", rclone.src, rclone.dst, "--checksum", "-v", *(["--bwlimit", cap] if cap else []),
-               *_commit_filter(), "--exclude", LEASE, log=note)
+    rclone.run(
+        "copy",
+        rclone.src,
+        rclone.dst,
+        "--checksum",
+        "-v",
+        *(["--bwlimit", cap] if cap else []),
+        *_commit_filter(),
+        "--exclude",
+        LEASE,
+        log=note,
+    )
     copied_bytes, copy_seconds = stats.get("bytes", 0), stats.get("transferTime", 0.0)
     verified = _verify(rclone, src, dst, sizes)
     commit = sorted(p for p in sizes if p.rsplit("/", 1)[-1] in COMMIT_FILES)
@@ -224,8 +252,10 @@ def _verify(rclone: _Rclone, src: Location, dst: Location, sizes: dict[str, int]
     problems += _check_bytes(rclone, dst, rest, raise_on_mismatch=False)
     if problems:
         _remove(dst, problems)
-        raise SyncError(f"{dst.uri}: {len(problems)} files did not match {src.uri} (first: {problems[0]}); "
-                        f"they were removed: run the sync again")
+        raise SyncError(
+            f"{dst.uri}: {len(problems)} files did not match {src.uri} (first: {problems[0]}); "
+            f"they were removed: run the sync again"
+        )
     return len(covered) + len(rest)
 
 
@@ -242,8 +272,9 @@ def _verify_by_manifest(src: Location, dst: Location, folder: str) -> tuple[list
         files = [ckpt_format.FileEntry(s["path"], s["bytes"], s["sha256"]) for s in raw["shards"]]
         if "sha256" in raw.get("tokenizer", {}):
             tokenizer = storage.read_bytes(storage.join(src_root, data_manifest.TOKENIZER), src.storage)
-            files.append(ckpt_format.FileEntry(data_manifest.TOKENIZER, len(tokenizer or b""),
-                                               raw["tokenizer"]["sha256"]))
+            files.append(
+                ckpt_format.FileEntry(data_manifest.TOKENIZER, len(tokenizer or b""), raw["tokenizer"]["sha256"])
+            )
     elif "files" in raw:
         files = list(ckpt_format.CheckpointManifest.from_json(text, folder).files)
     else:
@@ -266,14 +297,24 @@ def _check_bytes(rclone: _Rclone, dst: Location, paths: list[str], raise_on_mism
             bad.append(entry["object"])
 
     with _listing(paths) as listing:
-        done = rclone.run("check", rclone.src, rclone.dst, "--one-way", "--download", "--files-from", listing,
-                          log=note, allow_fail=True)
+        done = rclone.run(
+            "check",
+            rclone.src,
+            rclone.dst,
+            "--one-way",
+            "--download",
+            "--files-from",
+            listing,
+            log=note,
+            allow_fail=True,
+        )
     if done.returncode != 0 and not bad:
         raise SyncError(f"rclone check {rclone.src} -> {rclone.dst} failed: {done.stderr}")
     if bad and raise_on_mismatch:
         _remove(dst, bad)
-        raise SyncError(f"{dst.uri}: {len(bad)} files did not match (first: {bad[0]}); they were removed: "
-                        f"run the sync again")
+        raise SyncError(
+            f"{dst.uri}: {len(bad)} files did not match (first: {bad[0]}); they were removed: run the sync again"
+        )
     return bad
 
 

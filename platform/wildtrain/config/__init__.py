@@ -31,21 +31,76 @@ from omegaconf.errors import OmegaConfBaseException
 from wildtrain.config.checks import validate
 from wildtrain.config.errors import ConfigError
 from wildtrain.config.overrides import (
-    check, check_item_numbers, explain, group_layer, move_renamed, read_yaml, split_overrides)
+    check,
+    check_item_numbers,
+    explain,
+    group_layer,
+    move_renamed,
+    read_yaml,
+    split_overrides,
+)
 from wildtrain.config.schema import GROUPS, RENAMED, Config
 from wildtrain.config.system import (
-    ChaosConfig, CheckpointConfig, ClusterConfig, DeepSpeedConfig, ElasticConfig, MonitorConfig, RunSectionConfig,
-    StorageConfig, TrackingConfig)
+    ChaosConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    DeepSpeedConfig,
+    ElasticConfig,
+    MonitorConfig,
+    RunSectionConfig,
+    StorageConfig,
+    TrackingConfig,
+)
 from wildtrain.config.training import (
-    ATTENTION, DENOISER_KINDS, OBJECTIVES, DataConfig, DatasetConfig, DenoiserConfig, EarlyStopConfig, EvalConfig,
-    ModelConfig, ObjectiveConfig, OptimConfig, TrainConfig)
+    ATTENTION,
+    DENOISER_KINDS,
+    OBJECTIVES,
+    DataConfig,
+    DatasetConfig,
+    DenoiserConfig,
+    EarlyStopConfig,
+    EvalConfig,
+    ModelConfig,
+    ObjectiveConfig,
+    OptimConfig,
+    TrainConfig,
+)
 
 __all__ = [
-    "ATTENTION", "DENOISER_KINDS", "GROUPS", "OBJECTIVES", "PACKAGE_CONF_DIR", "RENAMED", "ChaosConfig",
-    "CheckpointConfig", "ClusterConfig", "Config", "ConfigError", "DataConfig", "DatasetConfig", "DeepSpeedConfig",
-    "DenoiserConfig", "EarlyStopConfig", "ElasticConfig", "EvalConfig", "ModelConfig", "MonitorConfig",
-    "ObjectiveConfig", "OptimConfig", "RunSectionConfig", "StorageConfig", "TrackingConfig", "TrainConfig",
-    "config_hash", "default_conf_dir", "flatten", "group_keys", "hashed_form", "load_config", "redact", "to_yaml",
+    "ATTENTION",
+    "DENOISER_KINDS",
+    "GROUPS",
+    "OBJECTIVES",
+    "PACKAGE_CONF_DIR",
+    "RENAMED",
+    "ChaosConfig",
+    "CheckpointConfig",
+    "ClusterConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DatasetConfig",
+    "DeepSpeedConfig",
+    "DenoiserConfig",
+    "EarlyStopConfig",
+    "ElasticConfig",
+    "EvalConfig",
+    "ModelConfig",
+    "MonitorConfig",
+    "ObjectiveConfig",
+    "OptimConfig",
+    "RunSectionConfig",
+    "StorageConfig",
+    "TrackingConfig",
+    "TrainConfig",
+    "config_hash",
+    "default_conf_dir",
+    "flatten",
+    "group_keys",
+    "hashed_form",
+    "load_config",
+    "redact",
+    "to_yaml",
     "validate",
 ]
 
@@ -102,9 +157,13 @@ def load_config(overrides: list[str] = (), conf_dir: Optional[Path] = None) -> C
 
 def group_keys(group: str, choice: str, conf_dir: Optional[Path] = None) -> list[str]:
     """The dotted keys conf/<group>/<choice>.yaml sets: `model.dim`, `model.n_layers`, ..."""
+
     def keys(data: dict, prefix: str) -> list[str]:
-        return [k for key, value in data.items()
-                for k in (keys(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [f"{prefix}{key}"])]
+        return [
+            k
+            for key, value in data.items()
+            for k in (keys(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [f"{prefix}{key}"])
+        ]
 
     return keys(group_layer(conf_dir or default_conf_dir(), group, choice), "")
 

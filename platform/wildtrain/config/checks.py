@@ -17,13 +17,17 @@ def validate(cfg: Config) -> None:
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds model.max_seq_len ({cfg.model.max_seq_len})")
     if cfg.model.attention == "prefix_lm" and cfg.train.objective == "causal":
-        raise ConfigError("model.attention: prefix_lm needs train.objective prefix_lm or ul2 "
-                          "(a causal objective has no inputs to attend to bidirectionally)")
+        raise ConfigError(
+            "model.attention: prefix_lm needs train.objective prefix_lm or ul2 "
+            "(a causal objective has no inputs to attend to bidirectionally)"
+        )
     if cfg.train.objective == "ul2" and not cfg.objective.denoisers:
         raise ConfigError("objective.denoisers: train.objective=ul2 needs at least one denoiser")
     if cfg.elastic.in_process and cfg.deepspeed.zero_stage not in (1, 2):
-        raise ConfigError(f"elastic.in_process: survivors keep ZeRO-1 and ZeRO-2 partitions only (elastic.peer_state); "
-                          f"deepspeed.zero_stage is {cfg.deepspeed.zero_stage}")
+        raise ConfigError(
+            f"elastic.in_process: survivors keep ZeRO-1 and ZeRO-2 partitions only (elastic.peer_state); "
+            f"deepspeed.zero_stage is {cfg.deepspeed.zero_stage}"
+        )
     bad = unservable_world_sizes(
         cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.elastic.min_workers, cfg.elastic.max_workers
     )

@@ -66,8 +66,9 @@ def _parse_value(key: str, text: str) -> Any:
 
 def _renamed(old: str, where: str) -> str:
     new = RENAMED[old]
-    warnings.warn(f"{old} ({where}) is now {new}; the old name is read until the next release",
-                  FutureWarning, stacklevel=3)
+    warnings.warn(
+        f"{old} ({where}) is now {new}; the old name is read until the next release", FutureWarning, stacklevel=3
+    )
     return new
 
 
@@ -199,8 +200,9 @@ def check(value: Any, declared: Any, path: str) -> None:
             key = f"{path}.{name}" if path else str(name)
             if item is None and ":" in str(name):  # `{w:1}`: YAML's flow mappings need `: `
                 written = str(name).replace(":", ": ", 1)
-                raise ConfigError(f"{path or key}: {{{name}}} reads as the key {name!r} without a value: "
-                                  f"write {{{written}}}")
+                raise ConfigError(
+                    f"{path or key}: {{{name}}} reads as the key {name!r} without a value: write {{{written}}}"
+                )
             if is_dataclass(inner):
                 if name not in _fields(inner):
                     raise ConfigError(_unknown(key, key, _fields(inner)))
@@ -235,8 +237,9 @@ def check_item_numbers(merged: Any, key: str) -> None:
             items = len(OmegaConf.select(merged, at))
             if int(parts[i]) >= items:
                 numbers = f" (0..{items - 1})" if items > 1 else " (0)" if items else ""
-                raise ConfigError(f"{key}: {at} has {items} item{'' if items == 1 else 's'}{numbers}; "
-                                  f"set the whole list: {at}=[...]")
+                raise ConfigError(
+                    f"{key}: {at} has {items} item{'' if items == 1 else 's'}{numbers}; set the whole list: {at}=[...]"
+                )
 
 
 def explain(e: OmegaConfBaseException, at: Optional[str]) -> str:

@@ -5,10 +5,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from wildtrain.config.system import (
-    ChaosConfig, CheckpointConfig, ClusterConfig, DeepSpeedConfig, ElasticConfig, MonitorConfig, RunSectionConfig,
-    StorageConfig, TrackingConfig)
+    ChaosConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    DeepSpeedConfig,
+    ElasticConfig,
+    MonitorConfig,
+    RunSectionConfig,
+    StorageConfig,
+    TrackingConfig,
+)
 from wildtrain.config.training import (
-    DataConfig, EarlyStopConfig, EvalConfig, ModelConfig, ObjectiveConfig, OptimConfig, TrainConfig)
+    DataConfig,
+    EarlyStopConfig,
+    EvalConfig,
+    ModelConfig,
+    ObjectiveConfig,
+    OptimConfig,
+    TrainConfig,
+)
 
 GROUPS = ("model", "deepspeed", "data", "cluster", "objective")
 

@@ -35,9 +35,10 @@ class RunSectionConfig:
     def validate(self) -> None:
         positive("run.lease_renew_s", self.lease_renew_s)
         if self.lease_expire_s <= self.lease_renew_s:
-            raise ConfigError(f"run.lease_expire_s: must be above run.lease_renew_s ({self.lease_renew_s:g}), "
-                              f"else a live run's lease expires between renewals; got {self.lease_expire_s:g}")
-
+            raise ConfigError(
+                f"run.lease_expire_s: must be above run.lease_renew_s ({self.lease_renew_s:g}), "
+                f"else a live run's lease expires between renewals; got {self.lease_expire_s:g}"
+            )
 
 
 @dataclass
@@ -118,17 +119,27 @@ class ElasticConfig:
     spares: int = 0
 
     def validate(self) -> None:
-        for key in ("min_workers", "worker_start_timeout_s", "collective_timeout_s", "capacity_wait_s",
-                    "heartbeat_s", "dead_after_s", "confirm_s"):
+        for key in (
+            "min_workers",
+            "worker_start_timeout_s",
+            "collective_timeout_s",
+            "capacity_wait_s",
+            "heartbeat_s",
+            "dead_after_s",
+            "confirm_s",
+        ):
             positive(f"elastic.{key}", getattr(self, key))
         zero_or_positive("elastic.join_batch_s", self.join_batch_s, "each joiner as it asks")
         zero_or_positive("elastic.spares", self.spares, "none")
         if self.spares and not self.in_process:
-            raise ConfigError(f"elastic.spares: {self.spares} spares need elastic.in_process=true (a spare joins "
-                              "the members in their processes; a restarted group starts every worker anew)")
+            raise ConfigError(
+                f"elastic.spares: {self.spares} spares need elastic.in_process=true (a spare joins "
+                "the members in their processes; a restarted group starts every worker anew)"
+            )
         if self.max_workers < self.min_workers:
-            raise ConfigError(f"elastic.max_workers: {self.max_workers} is below elastic.min_workers "
-                              f"({self.min_workers})")
+            raise ConfigError(
+                f"elastic.max_workers: {self.max_workers} is below elastic.min_workers ({self.min_workers})"
+            )
 
 
 @dataclass

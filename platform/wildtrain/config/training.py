@@ -83,8 +83,10 @@ class ModelConfig:
         if unset and len(unset) < len(base):
             # Also what an experiment promoted before per-matrix muP looks like: its multipliers
             # were already scaled, and scaling them from its base again would be wrong.
-            raise ConfigError(f"{unset[0]}: the base model's shape needs {', '.join(base)} all set or none "
-                              f"(set: {', '.join(k for k in base if k not in unset)}); promote the sweep again")
+            raise ConfigError(
+                f"{unset[0]}: the base model's shape needs {', '.join(base)} all set or none "
+                f"(set: {', '.join(k for k in base if k not in unset)}); promote the sweep again"
+            )
         for key, value in base.items():
             if value is not None and value <= 0:
                 raise ConfigError(f"{key}: must be positive, got {value}")

@@ -93,11 +93,15 @@ def open_datasets(cfg: Config) -> OpenedData:
             f"(train.global_batch_size={cfg.train.global_batch_size})"
         )
     if cfg.early_stop.enabled and cfg.early_stop.metric == "val/loss" and not held_out:
-        raise DataError("early_stop.metric: val/loss needs a validation set: prepare the data with --val-fraction, "
-                        "or name validation datasets in data.validation")
-    validation = [ValidationSet(name, root, tuple(shards))
-                  for name, (root, shards) in zip(names_for([root for root, _ in held_out]), held_out)]
-    token_bytes = (dataset_tokenizer(datasets[0].root, tokenizer, cfg.storage).token_bytes() if validation else None)
+        raise DataError(
+            "early_stop.metric: val/loss needs a validation set: prepare the data with --val-fraction, "
+            "or name validation datasets in data.validation"
+        )
+    validation = [
+        ValidationSet(name, root, tuple(shards))
+        for name, (root, shards) in zip(names_for([root for root, _ in held_out]), held_out)
+    ]
+    token_bytes = dataset_tokenizer(datasets[0].root, tokenizer, cfg.storage).token_bytes() if validation else None
     return OpenedData(datasets, steps, tokenizer, skipped, hashes, validation, token_bytes, bad_records)
 
 

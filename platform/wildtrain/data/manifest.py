@@ -83,8 +83,13 @@ class Manifest:
     def from_json(cls, text: str, name: str = MANIFEST) -> "Manifest":
         try:
             data = json.loads(text)
-            return cls(**{**data, "shards": [Shard(**shard) for shard in data["shards"]],
-                          "validation": [Shard(**shard) for shard in data.get("validation", [])]})
+            return cls(
+                **{
+                    **data,
+                    "shards": [Shard(**shard) for shard in data["shards"]],
+                    "validation": [Shard(**shard) for shard in data.get("validation", [])],
+                }
+            )
         except KeyError as e:
             raise DataError(f"{name}: not a wildtrain manifest (no key {e})") from None
         except (TypeError, ValueError) as e:
@@ -122,8 +127,9 @@ def read_manifest(root_uri: str, config: Optional[StorageConfig] = None) -> Mani
     return Manifest.from_json(text, uri)
 
 
-def verify(root_uri: str, manifest: Manifest, check_checksums: bool = True,
-           config: Optional[StorageConfig] = None) -> None:
+def verify(
+    root_uri: str, manifest: Manifest, check_checksums: bool = True, config: Optional[StorageConfig] = None
+) -> None:
     """Raise `DataError` naming the first shard, file or total that does not match the
     manifest. Without `check_checksums` only sizes and Parquet footers are read."""
     where = storage.join(root_uri, MANIFEST)
@@ -141,12 +147,15 @@ def verify(root_uri: str, manifest: Manifest, check_checksums: bool = True,
         _verify_tokenizer(root_uri, manifest.tokenizer["sha256"], config)
 
 
-def verify_shard(root_uri: str, shard: Shard, row_len: int, check_checksums: bool,
-                  config: Optional[StorageConfig]) -> None:
+def verify_shard(
+    root_uri: str, shard: Shard, row_len: int, check_checksums: bool, config: Optional[StorageConfig]
+) -> None:
     name = f"shard {shard.path}"
     if shard.tokens != shard.rows * row_len:
-        raise DataError(f"{name}: {shard.tokens} tokens in the manifest, but {shard.rows} rows of {row_len} hold "
-                        f"{shard.rows * row_len}")
+        raise DataError(
+            f"{name}: {shard.tokens} tokens in the manifest, but {shard.rows} rows of {row_len} hold "
+            f"{shard.rows * row_len}"
+        )
     uri = storage.join(root_uri, shard.path)
     fs, path = storage.filesystem(uri, config)
     with storage.errors(uri, config):

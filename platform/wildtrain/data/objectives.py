@@ -83,15 +83,21 @@ class Objective:
                     raise DataError(
                         f"objective.denoisers.{i}.mode: {d.mode} is not a reserved token of the dataset's "
                         f"tokenizer (it reserves {', '.join(modes) or 'none'}); datasets prepared by this version "
-                        f"of data_pipelines/prepare.py reserve {', '.join(MODE_TOKENS)}")
-                denoisers.append(Denoiser(d.name, d.kind, d.mean_span, d.corruption, d.weight,
-                                          None if d.mode is None else modes[d.mode]))
+                        f"of data_pipelines/prepare.py reserve {', '.join(MODE_TOKENS)}"
+                    )
+                denoisers.append(
+                    Denoiser(
+                        d.name, d.kind, d.mean_span, d.corruption, d.weight, None if d.mode is None else modes[d.mode]
+                    )
+                )
             denoisers = tuple(denoisers)
         sentinels = tuple(tokenizer.get("sentinels", ()))
         if any(d.kind == "span" for d in denoisers) and not sentinels:
-            raise DataError("train.objective: ul2's span denoisers need sentinel ids, and the dataset's manifest "
-                            "records none; prepare the dataset again with this version of data_pipelines/prepare.py "
-                            "(or give its tokenizer.json <extra_id_N> tokens)")
+            raise DataError(
+                "train.objective: ul2's span denoisers need sentinel ids, and the dataset's manifest "
+                "records none; prepare the dataset again with this version of data_pipelines/prepare.py "
+                "(or give its tokenizer.json <extra_id_N> tokens)"
+            )
         return cls(kind, denoisers, sentinels, tokenizer["eos_id"], cfg.train.seed, cfg.model.attention != "causal")
 
     @property
@@ -116,8 +122,9 @@ class Objective:
         else:
             rng = np.random.default_rng([self.seed, step, sample_id, _STREAM])
             examples = [self.example(tokens[a:b], rng) for a, b in zip(bounds[:-1], bounds[1:])]
-            seq, prefix, target = (np.concatenate(parts) for parts in
-                                   zip(*((e.tokens, e.prefix, e.target) for e in examples)))
+            seq, prefix, target = (
+                np.concatenate(parts) for parts in zip(*((e.tokens, e.prefix, e.target) for e in examples))
+            )
         length = len(tokens) - 1
         if self.per_document_positions:
             positions = np.arange(length) - np.repeat(starts, np.diff(bounds))[:length]
@@ -129,15 +136,17 @@ class Objective:
         """`document`'s example under a denoiser drawn from the mixture, of its length."""
         weights = np.array([d.weight for d in self.denoisers])
         denoiser = self.denoisers[rng.choice(len(weights), p=weights / weights.sum())]
-        made = (span_example if denoiser.kind == "span" else prefix_example)(document, denoiser, self.sentinels,
-                                                                             self.eos_id, rng)
+        made = (span_example if denoiser.kind == "span" else prefix_example)(
+            document, denoiser, self.sentinels, self.eos_id, rng
+        )
         if made is None:
             return Example(document, np.zeros(len(document), bool), np.zeros(len(document), bool))
         return made
 
 
-def span_example(document: np.ndarray, d: Denoiser, sentinels: tuple[int, ...], eos_id: int,
-                 rng: np.random.Generator) -> Optional[Example]:
+def span_example(
+    document: np.ndarray, d: Denoiser, sentinels: tuple[int, ...], eos_id: int, rng: np.random.Generator
+) -> Optional[Example]:
     """T5-style span corruption of the longest start of `document` whose example fits in
     its length: [mode] + kept text with a sentinel per span + (sentinel + span) per span,
     padded with end-of-document ids (no loss) to the length; None if too short. The
@@ -162,20 +171,21 @@ def span_example(document: np.ndarray, d: Denoiser, sentinels: tuple[int, ...], 
     at = 0
     for k, (kept, corrupted) in enumerate(zip(kept_lengths, noise_lengths)):
         sentinel = sentinels[k % len(sentinels)]
-        inputs += [*document[at:at + kept], sentinel]
-        targets += [sentinel, *document[at + kept:at + kept + corrupted]]
+        inputs += [*document[at : at + kept], sentinel]
+        targets += [sentinel, *document[at + kept : at + kept + corrupted]]
         at += kept + corrupted
     pad = length - len(inputs) - len(targets)
     tokens = np.array(inputs + targets + [eos_id] * pad, dtype=document.dtype)
     flags = np.zeros(length, bool)
     prefix, target = flags.copy(), flags.copy()
-    prefix[:len(inputs)] = True
-    target[len(inputs):len(inputs) + len(targets)] = True
+    prefix[: len(inputs)] = True
+    target[len(inputs) : len(inputs) + len(targets)] = True
     return Example(tokens, prefix, target)
 
 
-def prefix_example(document: np.ndarray, d: Denoiser, sentinels: tuple[int, ...], eos_id: int,
-                   rng: np.random.Generator) -> Optional[Example]:
+def prefix_example(
+    document: np.ndarray, d: Denoiser, sentinels: tuple[int, ...], eos_id: int, rng: np.random.Generator
+) -> Optional[Example]:
     """[mode] + the document's start (inputs) + the rest (targets), the targets' share
     uniform on the widest interval in [0, 1] centred on the corruption ([0, 2c] up to 0.5,
     [2c - 1, 1] above), so its mean is the corruption; None if too short."""

@@ -77,7 +77,9 @@ def epoch_units(sources: list[Source], seed: int, epoch: int) -> list[Unit]:
     total_weight = sum(s.weight for s in sources)
     units: list[Unit] = []
     for index, source in enumerate(sources):
-        groups = [(shard, group, rows) for shard, sizes in enumerate(source.row_groups) for group, rows in enumerate(sizes)]
+        groups = [
+            (shard, group, rows) for shard, sizes in enumerate(source.row_groups) for group, rows in enumerate(sizes)
+        ]
         wanted = round(total_rows * source.weight / total_weight)
         if not groups:
             raise ValueError(f"dataset {index} of the mixture has no rows")
@@ -123,7 +125,9 @@ def rank_segments(plan: EpochPlan, rank: int, world_size: int, global_batch_size
             index = int(np.searchsorted(plan.offsets, position, side="right")) - 1
             unit, unit_start = plan.units[index], int(plan.offsets[index])
             stop = min(end, unit_start + unit.rows)
-            segments.append(Segment(stream, position - stream * plan.steps, unit, position - unit_start, stop - unit_start))
+            segments.append(
+                Segment(stream, position - stream * plan.steps, unit, position - unit_start, stop - unit_start)
+            )
             position = stop
     return sorted(segments, key=lambda s: (s.first_step, s.stream))
 

@@ -26,20 +26,30 @@ class OrderPins:
     skipped_shards: tuple[str, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        return {key: list(map(list, value)) if key == "datasets" else list(value) if isinstance(value, tuple) else value
-                for key, value in asdict(self).items()}
+        return {
+            key: list(map(list, value)) if key == "datasets" else list(value) if isinstance(value, tuple) else value
+            for key, value in asdict(self).items()
+        }
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "OrderPins":
-        return cls(raw["seed"], raw["global_batch_size"], raw["seq_len"],
-                   tuple(tuple(d) for d in raw["datasets"]), tuple(raw["skipped_shards"]))
+        return cls(
+            raw["seed"],
+            raw["global_batch_size"],
+            raw["seq_len"],
+            tuple(tuple(d) for d in raw["datasets"]),
+            tuple(raw["skipped_shards"]),
+        )
 
 
 def order_pins(cfg: Config, data: OpenedData) -> OrderPins:
-    datasets = tuple((d.root, float(spec.weight), sha)
-                     for d, spec, sha in zip(data.datasets, cfg.data.datasets, data.manifest_sha256))
-    return OrderPins(cfg.train.seed, cfg.train.global_batch_size, cfg.data.seq_len, datasets,
-                     tuple(sorted(data.skipped_shards)))
+    datasets = tuple(
+        (d.root, float(spec.weight), sha)
+        for d, spec, sha in zip(data.datasets, cfg.data.datasets, data.manifest_sha256)
+    )
+    return OrderPins(
+        cfg.train.seed, cfg.train.global_batch_size, cfg.data.seq_len, datasets, tuple(sorted(data.skipped_shards))
+    )
 
 
 def order_changes(pinned: Optional[OrderPins], now: OrderPins) -> list[str]:
@@ -47,21 +57,30 @@ def order_changes(pinned: Optional[OrderPins], now: OrderPins) -> list[str]:
     for a run with nothing pinned yet (a new run, or one recorded before pins existed)."""
     if pinned is None:
         return []
-    changes = [f"{key}: {old!r} -> {new!r}" for key, old, new in (
-        ("train.seed", pinned.seed, now.seed),
-        ("train.global_batch_size", pinned.global_batch_size, now.global_batch_size),
-        ("data.seq_len", pinned.seq_len, now.seq_len),
-    ) if old != new]
+    changes = [
+        f"{key}: {old!r} -> {new!r}"
+        for key, old, new in (
+            ("train.seed", pinned.seed, now.seed),
+            ("train.global_batch_size", pinned.global_batch_size, now.global_batch_size),
+            ("data.seq_len", pinned.seq_len, now.seq_len),
+        )
+        if old != new
+    ]
     # A dataset is its manifest, wherever it lies: a copy on another store (a run moved to
     # another cluster reads its own copy) is the same order.
     if [d[1] for d in pinned.datasets] != [d[1] for d in now.datasets]:
         changes.append(f"data.datasets: {_describe(pinned.datasets)} -> {_describe(now.datasets)}")
     else:
-        changes += [f"data.datasets.{i}.uri: {new[0]}/manifest.json differs from the one the run started with"
-                    f"{'' if old[0] == new[0] else f' at {old[0]}'} (sha256 {old[2][:12]}… -> {new[2][:12]}…)"
-                    for i, (old, new) in enumerate(zip(pinned.datasets, now.datasets)) if old[2] != new[2]]
+        changes += [
+            f"data.datasets.{i}.uri: {new[0]}/manifest.json differs from the one the run started with"
+            f"{'' if old[0] == new[0] else f' at {old[0]}'} (sha256 {old[2][:12]}… -> {new[2][:12]}…)"
+            for i, (old, new) in enumerate(zip(pinned.datasets, now.datasets))
+            if old[2] != new[2]
+        ]
     if pinned.skipped_shards != now.skipped_shards:
-        changes.append(f"data.skip_bad_shards: shards left out {list(pinned.skipped_shards)} -> {list(now.skipped_shards)}")
+        changes.append(
+            f"data.skip_bad_shards: shards left out {list(pinned.skipped_shards)} -> {list(now.skipped_shards)}"
+        )
     return changes
 
 

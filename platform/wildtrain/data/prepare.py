@@ -30,7 +30,15 @@ from wildtrain import storage
 from wildtrain.config import StorageConfig
 from wildtrain.data import records
 from wildtrain.data.manifest import (
-    FORMAT, TOKENIZER, DataError, Manifest, Shard, encode_shard, verify, verify_shard, write_manifest,
+    FORMAT,
+    TOKENIZER,
+    DataError,
+    Manifest,
+    Shard,
+    encode_shard,
+    verify,
+    verify_shard,
+    write_manifest,
 )
 from wildtrain.data.progress import Progress, ReadSoFar, Reporter
 from wildtrain.data.records import Partition
@@ -80,8 +88,13 @@ class Part:
     @classmethod
     def from_json(cls, text: str) -> "Part":
         data = json.loads(text)
-        return cls(**{**data, "shards": [Shard(**s) for s in data["shards"]],
-                      "validation": [Shard(**s) for s in data["validation"]]})
+        return cls(
+            **{
+                **data,
+                "shards": [Shard(**s) for s in data["shards"]],
+                "validation": [Shard(**s) for s in data["validation"]],
+            }
+        )
 
 
 @dataclass
@@ -120,10 +133,14 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     if not any(r.part.documents for r in results):
         raise DataError(f"input: {cfg.input} holds no documents")
     if not shards:
-        raise DataError(f"input: {cfg.input} holds no text that fills one row of seq_len + 1 = {cfg.seq_len + 1} tokens")
+        raise DataError(
+            f"input: {cfg.input} holds no text that fills one row of seq_len + 1 = {cfg.seq_len + 1} tokens"
+        )
     if cfg.val_fraction and not validation:
-        raise DataError(f"val_fraction: {cfg.val_fraction} of {cfg.input} held out too little text to fill one row "
-                        f"of seq_len + 1 = {cfg.seq_len + 1} tokens; hold out more")
+        raise DataError(
+            f"val_fraction: {cfg.val_fraction} of {cfg.input} held out too little text to fill one row "
+            f"of seq_len + 1 = {cfg.seq_len + 1} tokens; hold out more"
+        )
     manifest = Manifest(
         seq_len=cfg.seq_len,
         tokenizer=tokenizer.describe(),
@@ -136,8 +153,12 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     )
     write_manifest(cfg.output, manifest, cfg.storage)
     verify(cfg.output, manifest, check_checksums=False, config=cfg.storage)
-    return PrepareResult(manifest, [path for r in results for path in r.written],
-                         [path for r in results for path in r.unchanged], results)
+    return PrepareResult(
+        manifest,
+        [path for r in results for path in r.written],
+        [path for r in results for path in r.unchanged],
+        results,
+    )
 
 
 def partitions(cfg: PrepareConfig) -> list[Partition]:
@@ -148,7 +169,7 @@ def partitions(cfg: PrepareConfig) -> list[Partition]:
     if not files:
         raise DataError(f"input: no {', '.join(records.FORMATS)} files in {cfg.input}")
     resolved = storage.resolve(cfg.input)
-    scheme = resolved[:resolved.index("://") + 3] if "://" in resolved else ""
+    scheme = resolved[: resolved.index("://") + 3] if "://" in resolved else ""
     return records.split(files, cfg.partition_bytes, scheme)
 
 
@@ -160,14 +181,29 @@ def held_out(text: str, fraction: float) -> bool:
 
 def part_key(cfg: PrepareConfig, tokenizer: Tokenizer, part: Partition) -> dict:
     """What a partition's shards follow from: a stored part record with another key is stale."""
-    return {"format": FORMAT, "input": part.name, "start": part.start, "stop": part.stop, "size": part.size,
-            "seq_len": cfg.seq_len, "tokenizer": tokenizer.describe(), "text_field": cfg.text_field,
-            "rows_per_shard": cfg.rows_per_shard, "rows_per_group": cfg.rows_per_group,
-            "val_fraction": cfg.val_fraction, "skip_bad_records": cfg.skip_bad_records}
+    return {
+        "format": FORMAT,
+        "input": part.name,
+        "start": part.start,
+        "stop": part.stop,
+        "size": part.size,
+        "seq_len": cfg.seq_len,
+        "tokenizer": tokenizer.describe(),
+        "text_field": cfg.text_field,
+        "rows_per_shard": cfg.rows_per_shard,
+        "rows_per_group": cfg.rows_per_group,
+        "val_fraction": cfg.val_fraction,
+        "skip_bad_records": cfg.skip_bad_records,
+    }
 
 
-def prepare_part(cfg: PrepareConfig, tokenizer: Tokenizer, index: int, part: Partition,
-                 on_batch: Optional[Callable[[int, int, int, int], None]] = None) -> PartResult:
+def prepare_part(
+    cfg: PrepareConfig,
+    tokenizer: Tokenizer,
+    index: int,
+    part: Partition,
+    on_batch: Optional[Callable[[int, int, int, int], None]] = None,
+) -> PartResult:
     """Read, tokenize and pack partition `index` into its shards and part record, unless its
     stored part record has the same key and its shards verify. `on_batch(bytes, documents,
     tokens, shards written)` follows the reading."""
@@ -188,8 +224,9 @@ def prepare_part(cfg: PrepareConfig, tokenizer: Tokenizer, index: int, part: Par
         for rows, doc_ids in packed:
             name = f"{'validation' if held else 'shard'}-{index:05d}-{len(shards[held]):05d}.parquet"
             shard, data = encode_shard(name, rows, doc_ids, cfg.rows_per_group)
-            (written if storage.write_if_changed(storage.join(cfg.output, name), data, cfg.storage)
-             else unchanged).append(name)
+            (
+                written if storage.write_if_changed(storage.join(cfg.output, name), data, cfg.storage) else unchanged
+            ).append(name)
             shards[held].append(shard)
 
     with storage.errors(part.name, cfg.storage):
@@ -235,7 +272,9 @@ def _stored(cfg: PrepareConfig, uri: str, key: dict) -> Optional[Part]:
     return part
 
 
-def _run_local(cfg: PrepareConfig, tokenizer: Tokenizer, parts: list[Partition], progress: Progress) -> list[PartResult]:
+def _run_local(
+    cfg: PrepareConfig, tokenizer: Tokenizer, parts: list[Partition], progress: Progress
+) -> list[PartResult]:
     results = []
     for i, part in enumerate(parts):
         results.append(prepare_part(cfg, tokenizer, i, part, progress.advance))
@@ -253,8 +292,7 @@ def _run_ray(cfg: PrepareConfig, tokenizer: Tokenizer, parts: list[Partition], p
     if not ray.is_initialized():
         ray.init(log_to_driver=False)
     # The tasks write to the store with this process's endpoint and keys.
-    task = ray.remote(prepare_part).options(num_cpus=1,
-                                            runtime_env={"env_vars": storage.handover_env(cfg.storage)})
+    task = ray.remote(prepare_part).options(num_cpus=1, runtime_env={"env_vars": storage.handover_env(cfg.storage)})
     cfg_ref, tokenizer_ref = ray.put(cfg), ray.put(tokenizer)
     read_so_far = ray.remote(num_cpus=0)(ReadSoFar).remote()
     window = 2 * max(int(ray.cluster_resources().get("CPU", 1)), 1)
@@ -264,8 +302,9 @@ def _run_ray(cfg: PrepareConfig, tokenizer: Tokenizer, parts: list[Partition], p
     try:
         while submitted < len(parts) or pending:
             while submitted < len(parts) and len(pending) < window:
-                pending[task.remote(cfg_ref, tokenizer_ref, submitted, parts[submitted],
-                                    Reporter(read_so_far, submitted))] = submitted
+                pending[
+                    task.remote(cfg_ref, tokenizer_ref, submitted, parts[submitted], Reporter(read_so_far, submitted))
+                ] = submitted
                 submitted += 1
             done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=1.0, fetch_local=True)
             for ref in done:
@@ -306,8 +345,9 @@ class RowPacker:
     def add(self, batch: pa.ListArray) -> list[tuple[np.ndarray, np.ndarray]]:
         """The shards that `batch` completes."""
         lengths = batch.value_lengths().to_numpy(zero_copy_only=False)
-        self._tokens.append(np.insert(batch.flatten().to_numpy(zero_copy_only=False), np.cumsum(lengths),
-                                      self.eos_id).astype(np.int32))
+        self._tokens.append(
+            np.insert(batch.flatten().to_numpy(zero_copy_only=False), np.cumsum(lengths), self.eos_id).astype(np.int32)
+        )
         numbers = np.arange(self._next_doc, self._next_doc + len(lengths), dtype=np.int64) % 2**31
         self._doc_ids.append(np.repeat(numbers.astype(np.int32), lengths + 1))
         self._next_doc += len(lengths)
@@ -316,9 +356,13 @@ class RowPacker:
             return []
         stream, docs = np.concatenate(self._tokens), np.concatenate(self._doc_ids)
         full = self._buffered // self.shard_len * self.shard_len
-        shards = [(stream[start:start + self.shard_len].reshape(-1, self.row_len),
-                   docs[start:start + self.shard_len].reshape(-1, self.row_len))
-                  for start in range(0, full, self.shard_len)]
+        shards = [
+            (
+                stream[start : start + self.shard_len].reshape(-1, self.row_len),
+                docs[start : start + self.shard_len].reshape(-1, self.row_len),
+            )
+            for start in range(0, full, self.shard_len)
+        ]
         self._tokens, self._doc_ids, self._buffered = [stream[full:]], [docs[full:]], self._buffered - full
         return shards
 
@@ -327,12 +371,17 @@ class RowPacker:
         rows = self._buffered // self.row_len
         if not rows:
             return []
-        return [(np.concatenate(self._tokens)[:rows * self.row_len].reshape(rows, self.row_len),
-                 np.concatenate(self._doc_ids)[:rows * self.row_len].reshape(rows, self.row_len))]
+        return [
+            (
+                np.concatenate(self._tokens)[: rows * self.row_len].reshape(rows, self.row_len),
+                np.concatenate(self._doc_ids)[: rows * self.row_len].reshape(rows, self.row_len),
+            )
+        ]
 
 
-def pack_rows(documents: Iterable[pa.ListArray], seq_len: int, eos_id: int,
-              rows_per_shard: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def pack_rows(
+    documents: Iterable[pa.ListArray], seq_len: int, eos_id: int, rows_per_shard: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Shards of packed rows from batches of tokenized documents: (tokens, doc_ids), each
     (rows, seq_len + 1) int32. Every document is closed by `eos_id`, which belongs to it;
     doc_ids count documents from 0 in input order (modulo 2**31). Only the last shard may be shorter, and
@@ -378,4 +427,6 @@ def _validate(cfg: PrepareConfig) -> None:
         raise DataError(f"val_fraction: must be at least 0 and below 1, got {cfg.val_fraction}")
     if cfg.rows_per_shard * (cfg.seq_len + 1) >= 2**31:
         # Parquet list offsets are int32: a shard column holds fewer than 2**31 ids.
-        raise DataError(f"rows_per_shard: {cfg.rows_per_shard} rows of {cfg.seq_len + 1} ids exceed 2**31 ids per shard")
+        raise DataError(
+            f"rows_per_shard: {cfg.rows_per_shard} rows of {cfg.seq_len + 1} ids exceed 2**31 ids per shard"
+        )

@@ -47,8 +47,17 @@ class Progress:
             return
         self.shown = now
         done, documents, tokens, shards, tokenized = (int(n) for n in self.finished + self.running)
-        line = progress_line(done, self.total_bytes, documents, tokens, tokenized, shards, self.parts_done,
-                             self.parts, now - self.started)
+        line = progress_line(
+            done,
+            self.total_bytes,
+            documents,
+            tokens,
+            tokenized,
+            shards,
+            self.parts_done,
+            self.parts,
+            now - self.started,
+        )
         self.stream.write(f"\r\033[K{line}" if self.tty else f"{line}\n")
         self.stream.flush()
 
@@ -86,16 +95,27 @@ class Reporter:
             self.counts, self.sent = (0, 0, 0, 0), now
 
 
-def progress_line(done: int, total: int, documents: int, tokens: int, tokenized: int, shards: int,
-                  parts_done: int, parts: int, elapsed: float) -> str:
+def progress_line(
+    done: int,
+    total: int,
+    documents: int,
+    tokens: int,
+    tokenized: int,
+    shards: int,
+    parts_done: int,
+    parts: int,
+    elapsed: float,
+) -> str:
     """The progress line: the ETA extrapolates the bytes this run tokenized per second over
     the bytes left. Pure."""
     rate = tokenized / elapsed if elapsed > 0 else 0
     eta = f"{(total - done) / rate:.0f} s" if rate > 0 else "?"
     share = 100 * done / total if total else 100
-    return (f"prepare: {_size(done)} of {_size(total)} ({share:.0f}%), {documents:,} documents, "
-            f"{tokens / elapsed if elapsed > 0 else 0:,.0f} tokens/s, ETA {eta}, {shards} shards written, "
-            f"{parts_done}/{parts} partitions")
+    return (
+        f"prepare: {_size(done)} of {_size(total)} ({share:.0f}%), {documents:,} documents, "
+        f"{tokens / elapsed if elapsed > 0 else 0:,.0f} tokens/s, ETA {eta}, {shards} shards written, "
+        f"{parts_done}/{parts} partitions"
+    )
 
 
 def _size(n: float) -> str:

@@ -25,10 +25,15 @@ from wildtrain.data.manifest import DataError
 
 # Name ending -> (kind, compression).
 FORMATS = {
-    ".jsonl": ("json", None), ".json": ("json", None),
-    ".jsonl.gz": ("json", "gzip"), ".json.gz": ("json", "gzip"),
-    ".jsonl.zst": ("json", "zstd"), ".json.zst": ("json", "zstd"),
-    ".txt": ("text", None), ".parquet": ("parquet", None), ".arrow": ("arrow", None),
+    ".jsonl": ("json", None),
+    ".json": ("json", None),
+    ".jsonl.gz": ("json", "gzip"),
+    ".json.gz": ("json", "gzip"),
+    ".jsonl.zst": ("json", "zstd"),
+    ".json.zst": ("json", "zstd"),
+    ".txt": ("text", None),
+    ".parquet": ("parquet", None),
+    ".arrow": ("arrow", None),
 }
 # What `datasets.save_to_disk` writes beside its Arrow files: descriptions, not documents.
 HF_METADATA = {"state.json", "dataset_info.json", "dataset_dict.json"}
@@ -73,12 +78,14 @@ def documents(paths: list[str], sizes: list[int]) -> list[tuple[str, int, str, O
     def metadata(path: PurePosixPath) -> bool:
         return path.name == "dataset_dict.json" or (path.name in HF_METADATA and path.parent in arrow_dirs)
 
-    return [(path, size, *kind) for path, size in zip(paths, sizes)
-            if (kind := kind_of(path)) is not None and not metadata(PurePosixPath(path))]
+    return [
+        (path, size, *kind)
+        for path, size in zip(paths, sizes)
+        if (kind := kind_of(path)) is not None and not metadata(PurePosixPath(path))
+    ]
 
 
-def split(files: list[tuple[str, int, str, Optional[str]]], partition_bytes: int,
-          scheme: str = "") -> list[Partition]:
+def split(files: list[tuple[str, int, str, Optional[str]]], partition_bytes: int, scheme: str = "") -> list[Partition]:
     """The partitions of `files` (see `documents`), in input order: a plain JSONL or a
     Parquet file in ranges of `partition_bytes`, any other file whole. Pure."""
     parts = []
@@ -90,8 +97,9 @@ def split(files: list[tuple[str, int, str, Optional[str]]], partition_bytes: int
     return parts
 
 
-def read(fs: pafs.FileSystem, part: Partition, text_field: str, skip: bool,
-         batch: int = 1024) -> Iterator[tuple[list[str], int, int]]:
+def read(
+    fs: pafs.FileSystem, part: Partition, text_field: str, skip: bool, batch: int = 1024
+) -> Iterator[tuple[list[str], int, int]]:
     """(texts, bad records, bytes read) per batch of about `batch` records of `part`, in
     order. Empty and null texts are no documents and no bad records. Raises `BadRecord`
     unless `skip`."""
@@ -196,8 +204,9 @@ def _columns(part: Partition, schema: pa.Schema, text_field: str) -> None:
         raise DataError(f"text_field: {text_field!r} in {part.name} is {kind}, not text")
 
 
-def _rows(batches: Iterator[pa.RecordBatch], part: Partition, text_field: str,
-          row: int = 0) -> Iterator[tuple[object, int]]:
+def _rows(
+    batches: Iterator[pa.RecordBatch], part: Partition, text_field: str, row: int = 0
+) -> Iterator[tuple[object, int]]:
     """The texts of column `text_field`, from the file's row `row` on; a partition's bytes
     count as read once all its rows are."""
     for batch in batches:
@@ -225,8 +234,7 @@ def _parquet(fs: pafs.FileSystem, part: Partition, text_field: str) -> Iterator[
         groups = [i for i in range(meta.num_row_groups) if part.start <= _group_start(meta.row_group(i)) < part.stop]
         if groups:
             first_row = sum(meta.row_group(i).num_rows for i in range(groups[0]))
-            yield from _rows(parquet.iter_batches(columns=[text_field], row_groups=groups), part, text_field,
-                             first_row)
+            yield from _rows(parquet.iter_batches(columns=[text_field], row_groups=groups), part, text_field, first_row)
 
 
 def _group_start(group: pq.RowGroupMetaData) -> int:
@@ -242,5 +250,10 @@ def _arrow(fs: pafs.FileSystem, part: Partition, text_field: str) -> Iterator[tu
             f.seek(0)
             reader = pa.ipc.open_file(f)
         _columns(part, reader.schema, text_field)
-        yield from _rows(iter(reader) if isinstance(reader, pa.ipc.RecordBatchStreamReader)
-                         else (reader.get_batch(i) for i in range(reader.num_record_batches)), part, text_field)
+        yield from _rows(
+            iter(reader)
+            if isinstance(reader, pa.ipc.RecordBatchStreamReader)
+            else (reader.get_batch(i) for i in range(reader.num_record_batches)),
+            part,
+            text_field,
+        )

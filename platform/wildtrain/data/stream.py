@@ -42,6 +42,7 @@ def columns(doc_ids: bool) -> tuple[str, ...]:
     them doubles the bytes of a plain causal run)."""
     return (TOKENS, DOC_IDS) if doc_ids else (TOKENS,)
 
+
 # Tokens one read task reads, in bytes. Opening a shard (a HEAD and a footer read) and
 # starting a Ray task each cost about as much as reading a 1 MiB row group here: one task per
 # row group ran at 0.3x a plain pyarrow loop (bench/data_throughput.py).
@@ -66,8 +67,15 @@ def sample_ids(source, shard, rows_in_shard) -> np.ndarray:
     return (source << 48) | (shard << 28) | row
 
 
-def read_units(datasets: list[Dataset], units: list[list[Segment]], seed: int, epoch: int, seq_len: int,
-               read: tuple[str, ...], config: StorageConfig):
+def read_units(
+    datasets: list[Dataset],
+    units: list[list[Segment]],
+    seed: int,
+    epoch: int,
+    seq_len: int,
+    read: tuple[str, ...],
+    config: StorageConfig,
+):
     """One block of a read task's units, each a list of the segments read from it: per row,
     its stream, the step (in the epoch) that trains on it, its sample id, and its `read`
     columns (see `columns`) as (seq_len+1) int32s each. Each row group is read once, even
@@ -81,8 +89,9 @@ def read_units(datasets: list[Dataset], units: list[list[Segment]], seed: int, e
         by_shard.setdefault((unit.source, unit.shard), {})[unit.row_group] = unit
     groups = {}
     with ThreadPoolExecutor(READ_THREADS) as pool:
-        for done in pool.map(partial(_read_row_groups, datasets, seq_len, read, config),
-                             [list(g.values()) for g in by_shard.values()]):
+        for done in pool.map(
+            partial(_read_row_groups, datasets, seq_len, read, config), [list(g.values()) for g in by_shard.values()]
+        ):
             groups.update(done)
     # Each row group's rows go, permuted, straight into the block: one copy of the tokens.
     rows_in_block = sum(s.stop - s.start for segments in units for s in segments)
@@ -97,18 +106,29 @@ def read_units(datasets: list[Dataset], units: list[list[Segment]], seed: int, e
             np.take(group, rows, axis=0, out=arrays[name][at : at + len(rows)])
         at += len(rows)
         first_row = sum(datasets[unit.source].source.row_groups[unit.shard][: unit.row_group])
-        columns.append((
-            np.concatenate([np.full(s.stop - s.start, s.stream, dtype=np.int32) for s in segments]),
-            np.concatenate([np.arange(s.first_step, s.first_step + s.stop - s.start, dtype=np.int32) for s in segments]),
-            sample_ids(unit.source, unit.shard, first_row + rows),
-        ))
+        columns.append(
+            (
+                np.concatenate([np.full(s.stop - s.start, s.stream, dtype=np.int32) for s in segments]),
+                np.concatenate(
+                    [np.arange(s.first_step, s.first_step + s.stop - s.start, dtype=np.int32) for s in segments]
+                ),
+                sample_ids(unit.source, unit.shard, first_row + rows),
+            )
+        )
     streams, steps, ids = (np.concatenate(c) for c in zip(*columns))
-    yield pa.table({STREAM: streams, STEP: steps, SAMPLE_IDS: ids,
-                    **{name: ArrowTensorArray.from_numpy(array) for name, array in arrays.items()}})
+    yield pa.table(
+        {
+            STREAM: streams,
+            STEP: steps,
+            SAMPLE_IDS: ids,
+            **{name: ArrowTensorArray.from_numpy(array) for name, array in arrays.items()},
+        }
+    )
 
 
-def _read_row_groups(datasets: list[Dataset], seq_len: int, read: tuple[str, ...], config: StorageConfig,
-                     units: list[Unit]) -> dict:
+def _read_row_groups(
+    datasets: list[Dataset], seq_len: int, read: tuple[str, ...], config: StorageConfig, units: list[Unit]
+) -> dict:
     """{(source, shard, row group): its `read` columns as (rows, seq_len+1) int32 each} for units
     of one shard, opened (a HEAD and a footer read) once for all of them."""
     import pyarrow as pa
@@ -125,11 +145,13 @@ def _read_row_groups(datasets: list[Dataset], seq_len: int, read: tuple[str, ...
             for unit in units:
                 table = parquet.read_row_group(unit.row_group, columns=list(read))
                 if len(table) != unit.size:
-                    raise ShardCorrupt(f"shard {uri}: row group {unit.row_group} has {len(table)} rows, "
-                                       f"the manifest says {unit.size}")
+                    raise ShardCorrupt(
+                        f"shard {uri}: row group {unit.row_group} has {len(table)} rows, the manifest says {unit.size}"
+                    )
                 groups[unit.source, unit.shard, unit.row_group] = tuple(
                     table.column(name).combine_chunks().flatten().to_numpy().reshape(len(table), seq_len + 1)
-                    for name in read)
+                    for name in read
+                )
     except (OSError, pa.ArrowException) as e:
         gone = isinstance(e.__cause__, FileNotFoundError) or isinstance(e, FileNotFoundError)
         # A store that does not answer may answer the restarted group; a shard that is gone
@@ -153,8 +175,17 @@ def task_units(units: list[list[Segment]], row_bytes: int, task_bytes: int) -> l
     return tasks
 
 
-def epoch_dataset(datasets: list[Dataset], segments: list[Segment], seed: int, epoch: int, seq_len: int,
-                  read: tuple[str, ...], read_cpus: float, prefetch_blocks: int, config: StorageConfig):
+def epoch_dataset(
+    datasets: list[Dataset],
+    segments: list[Segment],
+    seed: int,
+    epoch: int,
+    seq_len: int,
+    read: tuple[str, ...],
+    read_cpus: float,
+    prefetch_blocks: int,
+    config: StorageConfig,
+):
     """The rank's segments as a Ray Data dataset: read tasks of several units each, in the
     order the rank first needs each unit, together using at most `read_cpus` CPUs."""
     import ray.data
@@ -176,8 +207,12 @@ def epoch_dataset(datasets: list[Dataset], segments: list[Segment], seed: int, e
             for units in tasks:
                 rows = sum(s.stop - s.start for segments in units for s in segments)
                 read_block = partial(read_units, datasets, units, seed, epoch, seq_len, read, config)
-                read_tasks.append(ReadTask(read_block, BlockMetadata(num_rows=rows, size_bytes=rows * row_bytes,
-                                                               exec_stats=None, input_files=None)))
+                read_tasks.append(
+                    ReadTask(
+                        read_block,
+                        BlockMetadata(num_rows=rows, size_bytes=rows * row_bytes, exec_stats=None, input_files=None),
+                    )
+                )
             return read_tasks
 
     ds = ray.data.read_datasource(Units(), num_cpus=read_cpus, override_num_blocks=max(1, len(tasks)))
@@ -187,7 +222,8 @@ def epoch_dataset(datasets: list[Dataset], segments: list[Segment], seed: int, e
     # metric instead).
     ds.context.execution_options.preserve_order = True
     ds.context.execution_options.resource_limits = ray.data.ExecutionResources(
-        cpu=read_cpus, object_store_memory=prefetch_blocks * READ_TASK_BYTES)
+        cpu=read_cpus, object_store_memory=prefetch_blocks * READ_TASK_BYTES
+    )
     ds.context.enable_progress_bars = False
     ds.context.print_on_execution_start = False
     return ds
@@ -256,8 +292,9 @@ class RankStream:
     adds the time it waited for them to `wait_s`. Reading begins with the first `next_step()`,
     or before it with `start()`."""
 
-    def __init__(self, datasets: list[Dataset], cfg: Config, rank: int, world_size: int, from_step: int, *,
-                 doc_ids: bool) -> None:
+    def __init__(
+        self, datasets: list[Dataset], cfg: Config, rank: int, world_size: int, from_step: int, *, doc_ids: bool
+    ) -> None:
         self.datasets = datasets
         self.read = columns(doc_ids)
         self.cfg = cfg
@@ -296,8 +333,17 @@ class RankStream:
         cfg = self.cfg
         plan = plan_epoch(self.sources, cfg.train.global_batch_size, cfg.train.seed, epoch)
         segments = rank_segments(plan, self.rank, self.world_size, cfg.train.global_batch_size, step_in_epoch)
-        ds = epoch_dataset(self.datasets, segments, cfg.train.seed, epoch, cfg.data.seq_len, self.read,
-                           cfg.data.read_cpus, cfg.data.prefetch_blocks, cfg.storage)
+        ds = epoch_dataset(
+            self.datasets,
+            segments,
+            cfg.train.seed,
+            epoch,
+            cfg.data.seq_len,
+            self.read,
+            cfg.data.read_cpus,
+            cfg.data.prefetch_blocks,
+            cfg.storage,
+        )
         # No prefetch here: Ray Data's iterator holds back the first batch until its prefetch
         # window is full, which every restart would wait for; the executor reads ahead anyway.
         batches = ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0)
@@ -319,8 +365,12 @@ class RankStream:
             raise
         streams, steps = block[STREAM], block[STEP]
         for start, stop in _runs(streams, steps):
-            run = _Run(int(steps[start]), block[SAMPLE_IDS][start:stop], block[TOKENS][start:stop],
-                       block[DOC_IDS][start:stop] if DOC_IDS in block else None)
+            run = _Run(
+                int(steps[start]),
+                block[SAMPLE_IDS][start:stop],
+                block[TOKENS][start:stop],
+                block[DOC_IDS][start:stop] if DOC_IDS in block else None,
+            )
             self._pending[int(streams[start])][run.first_step] = run
 
     def _take(self, stream: int, step: int) -> tuple:

@@ -68,15 +68,22 @@ class ByteTokenizer:
     def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """The ids of all `texts` in one int32 array, and each text's count of them."""
         data = [text.encode("utf-8") for text in texts]
-        return (np.frombuffer(b"".join(data), np.uint8).astype(np.int32),
-                np.fromiter(map(len, data), np.int64, count=len(data)))
+        return (
+            np.frombuffer(b"".join(data), np.uint8).astype(np.int32),
+            np.fromiter(map(len, data), np.int64, count=len(data)),
+        )
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
-                "modes": self.modes, "sentinels": self.sentinels}
+        return {
+            "kind": self.kind,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "modes": self.modes,
+            "sentinels": self.sentinels,
+        }
 
     def token_bytes(self) -> np.ndarray:
         """UTF-8 bytes of text per id (bits per byte divide by them): one per byte id, none
@@ -86,15 +93,19 @@ class ByteTokenizer:
     def hf_json(self) -> str:
         """A byte-level BPE without merges whose token for byte b has id b (GPT-2's
         printable stand-ins for the bytes), and the reserved ids as special tokens."""
-        from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as Backend
         from transformers.convert_slow_tokenizer import bytes_to_unicode
 
         vocab = {char: byte for byte, char in bytes_to_unicode().items()}
         backend = Backend(models.BPE(vocab=vocab, merges=[]))
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         backend.decoder = decoders.ByteLevel()
-        reserved = {self.eos_id: EOS_TOKENS[0], **{i: name for name, i in self.modes.items()},
-                    **{i: sentinel_token(n) for n, i in enumerate(self.sentinels)}}
+        reserved = {
+            self.eos_id: EOS_TOKENS[0],
+            **{i: name for name, i in self.modes.items()},
+            **{i: sentinel_token(n) for n, i in enumerate(self.sentinels)},
+        }
         # Added in id order, each gets the next id: 256, 257, ... as here.
         backend.add_special_tokens([AddedToken(reserved[i], special=True, normalized=False) for i in sorted(reserved)])
         return backend.to_str()
@@ -197,13 +208,16 @@ def hf_files(tokenizer: Tokenizer, max_length: int) -> dict[str, str]:
 def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     """A byte-level BPE trained on `texts`: any text encodes, none to an unknown token.
     Training is deterministic: the same texts in the same order give the same tokenizer.json."""
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     special = [EOS_TOKENS[0], *MODE_TOKENS, *map(sentinel_token, range(SENTINELS))]
     if vocab_size < len(alphabet) + len(special):
-        raise DataError(f"data.tokenizer: bpe:{vocab_size} is below the {len(alphabet) + len(special)} ids of a "
-                        "byte-level BPE with its reserved tokens")
+        raise DataError(
+            f"data.tokenizer: bpe:{vocab_size} is below the {len(alphabet) + len(special)} ids of a "
+            "byte-level BPE with its reserved tokens"
+        )
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -218,7 +232,7 @@ def bpe_vocab_size(spec: str) -> Optional[int]:
     """VOCAB of a `bpe:VOCAB` spec; None for any other spec."""
     if not spec.startswith("bpe:"):
         return None
-    size = spec[len("bpe:"):]
+    size = spec[len("bpe:") :]
     if not size.isdigit():
         raise DataError(f"data.tokenizer: {spec!r} must be bpe:VOCAB with VOCAB a number of ids")
     return int(size)
@@ -232,8 +246,9 @@ def dataset_tokenizer(root: str, described: dict, config: Optional[StorageConfig
     uri = storage.join(root, "tokenizer.json")
     data = storage.read_bytes(uri, config)
     if data is None or hashlib.sha256(data).hexdigest() != described["sha256"]:
-        raise DataError(f"{uri}: {'missing' if data is None else 'sha256 differs from'} the tokenizer.json its "
-                        "manifest names")
+        raise DataError(
+            f"{uri}: {'missing' if data is None else 'sha256 differs from'} the tokenizer.json its manifest names"
+        )
     return HFTokenizer(data.decode(), kind=described["kind"], name=uri)
 
 

@@ -70,8 +70,9 @@ def share_rows(sets: list[ValidationSet], world_size: int) -> list[int]:
     return [total * (r + 1) // world_size - total * r // world_size for r in range(world_size)]
 
 
-def read_share(sets: list[ValidationSet], ranges: list[RowRange], seq_len: int,
-               config: Optional[StorageConfig] = None) -> list[tuple[int, np.ndarray, np.ndarray]]:
+def read_share(
+    sets: list[ValidationSet], ranges: list[RowRange], seq_len: int, config: Optional[StorageConfig] = None
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """(set index, tokens, doc_ids) per range, each (rows, seq_len + 1) int32."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -89,7 +90,9 @@ def read_share(sets: list[ValidationSet], ranges: list[RowRange], seq_len: int,
                 table = opened[r.set, r.shard].read_row_group(r.group, columns=["tokens", "doc_ids"])
         except (OSError, pa.ArrowException) as e:
             raise DataError(f"validation shard {uri}: row group {r.group} unreadable: {e}") from None
-        tokens, doc_ids = (table.column(name).combine_chunks().flatten().to_numpy().reshape(len(table), seq_len + 1)
-                           for name in ("tokens", "doc_ids"))
-        out.append((r.set, tokens[r.start:r.stop], doc_ids[r.start:r.stop]))
+        tokens, doc_ids = (
+            table.column(name).combine_chunks().flatten().to_numpy().reshape(len(table), seq_len + 1)
+            for name in ("tokens", "doc_ids")
+        )
+        out.append((r.set, tokens[r.start : r.stop], doc_ids[r.start : r.stop]))
     return out

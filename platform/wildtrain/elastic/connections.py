@@ -31,7 +31,7 @@ def socket_inodes() -> dict[int, int]:
         except OSError:
             continue  # closed meanwhile (the listing's own fd, among others)
         if target.startswith("socket:["):
-            found[int(target[len("socket:["):-1])] = int(fd)
+            found[int(target[len("socket:[") : -1])] = int(fd)
     return found
 
 

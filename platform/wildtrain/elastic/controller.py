@@ -19,13 +19,18 @@ from wildtrain.checkpoint import reshard
 from wildtrain.checkpoint.format import step_of
 from wildtrain.checkpoint.store import Store, read_manifest
 from wildtrain.config import Config
-from wildtrain.elastic.nodes import (ResourceView, alive_node_totals, alive_nodes, exclude_nodes, excluded_nodes,
-                                     workers_that_fit)
+from wildtrain.elastic.nodes import (
+    ResourceView,
+    alive_node_totals,
+    alive_nodes,
+    exclude_nodes,
+    excluded_nodes,
+    workers_that_fit,
+)
 from wildtrain.elastic.restarts import CapacityClock, FailureBudget, decide, interpret
 from wildtrain.elastic.signals import CapacityError
 from wildtrain.events import EvalFailed, EvalSkipped, Event, Waiting
 from wildtrain.worker_report import rank_zero
-
 
 # How long the end of a run waits for a conversion ahead of a resize to commit.
 _CONVERSION_SHUTDOWN_WAIT_S = 60.0
@@ -107,8 +112,9 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
     @contextlib.contextmanager
     def on_worker_group_start(self):
         started = threading.Event()
-        threading.Thread(target=self._end_a_stuck_start, args=(started,), name="wildtrain-start-watchdog",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._end_a_stuck_start, args=(started,), name="wildtrain-start-watchdog", daemon=True
+        ).start()
         try:
             yield
         finally:
@@ -131,12 +137,16 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
                 killed = ray_compat.kill_pending_actors() if lost else 0
             except Exception as e:  # noqa: BLE001 - the GCS is slow to answer: look again
                 if not said_failed:
-                    print(f"a worker group start outlasted {self.start_deadline_s:g} s; ending it failed: {e}",
-                          flush=True)
+                    print(
+                        f"a worker group start outlasted {self.start_deadline_s:g} s; ending it failed: {e}", flush=True
+                    )
                 said_failed, lost, killed = True, False, 0
             if killed:
-                print(f"a worker group start outlasted {self.start_deadline_s:g} s (2 x elastic.worker_start_timeout_s) "
-                      f"with {killed} worker(s) not yet created, a node lost: ended, to be retried", flush=True)
+                print(
+                    f"a worker group start outlasted {self.start_deadline_s:g} s (2 x elastic.worker_start_timeout_s) "
+                    f"with {killed} worker(s) not yet created, a node lost: ended, to be retried",
+                    flush=True,
+                )
             if lost or started.wait(1.0):
                 return
 
@@ -303,8 +313,9 @@ class EvalEvery(ray_compat.ReportCallback, ray_compat.ControllerCallback):
         with self._lock:
             self._queue, start, skipped = self._queue.due(step)
         if skipped is not None:
-            self.mlflow.record_event(EvalSkipped(time.time(), skipped, f"step {step} came due before the "
-                                                                       "evaluation in flight ended"))
+            self.mlflow.record_event(
+                EvalSkipped(time.time(), skipped, f"step {step} came due before the evaluation in flight ended")
+            )
         if start is not None:
             self._runner = threading.Thread(target=self._run, args=(start,), name="wildtrain-eval", daemon=True)
             self._runner.start()
@@ -334,13 +345,21 @@ class EvalEvery(ray_compat.ReportCallback, ray_compat.ControllerCallback):
         else:
             if not self._closed:
                 log_evaluation(self.mlflow.tracking, evaluated)
-                print(f"evaluated step {evaluated.step} in {evaluated.seconds:.1f} s: " + ", ".join(
-                    f"{name} {value:.4g}" for name, value in evaluated.metrics.items() if "_stderr" not in name),
-                      flush=True)
+                print(
+                    f"evaluated step {evaluated.step} in {evaluated.seconds:.1f} s: "
+                    + ", ".join(
+                        f"{name} {value:.4g}" for name, value in evaluated.metrics.items() if "_stderr" not in name
+                    ),
+                    flush=True,
+                )
             tasks = list(evaluated.failed)
             if not tasks:
                 return
-            reason = "; ".join(f"{t}: {r}" for t, r in evaluated.failed.items()) if len(tasks) > 1 else evaluated.failed[tasks[0]]
+            reason = (
+                "; ".join(f"{t}: {r}" for t, r in evaluated.failed.items())
+                if len(tasks) > 1
+                else evaluated.failed[tasks[0]]
+            )
         if not self._closed:
             self.mlflow.record_event(EvalFailed(time.time(), step, tasks, reason))
 

@@ -48,8 +48,16 @@ from wildtrain.config.system import ElasticConfig
 from wildtrain.elastic.connections import GroupConnections
 from wildtrain.elastic.membership import Membership, must_abandon
 from wildtrain.elastic.peer_state import Mirrors
-from wildtrain.elastic.rendezvous import (Heartbeat, announce_node, announce_start, ask_to_join, latest, member_name,
-                                          register_group, report_error)
+from wildtrain.elastic.rendezvous import (
+    Heartbeat,
+    announce_node,
+    announce_start,
+    ask_to_join,
+    latest,
+    member_name,
+    register_group,
+    report_error,
+)
 from wildtrain.engine import clone_world_group, destroy_process_groups, import_deepspeed
 from wildtrain.train import collectives
 
@@ -88,9 +96,19 @@ class Member:
     placement slot asks to join the group's running generation (`joining`). `form` makes
     each generation's process groups, replacing Ray's."""
 
-    def __init__(self, address: tuple[str, int], token: str, name: str, group_size: int, node_id: str,
-                 cfg: ElasticConfig, backend: str, control_timeout_s: float, registers: bool = False,
-                 joined: bool = False) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        token: str,
+        name: str,
+        group_size: int,
+        node_id: str,
+        cfg: ElasticConfig,
+        backend: str,
+        control_timeout_s: float,
+        registers: bool = False,
+        joined: bool = False,
+    ) -> None:
         self.address, self.token = address, token
         host, port = address
         self._base = base = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
@@ -122,17 +140,43 @@ class Member:
         self._groups_lock = threading.Lock()
 
     @classmethod
-    def of_ray_worker(cls, address: tuple[str, int], ray_rank: int, ray_world_size: int, node_id: str,
-                      cfg: ElasticConfig, backend: str, control_timeout_s: float) -> "Member":
+    def of_ray_worker(
+        cls,
+        address: tuple[str, int],
+        ray_rank: int,
+        ray_world_size: int,
+        node_id: str,
+        cfg: ElasticConfig,
+        backend: str,
+        control_timeout_s: float,
+    ) -> "Member":
         """Made by every worker of a group Ray started, right after Ray formed its process
         groups (the group's token goes over them); its rank 0 registers the group."""
         token = f"group-{collectives.broadcast_object(new_attempt_token())}"
-        return cls(address, token, member_name(ray_rank), ray_world_size, node_id, cfg, backend, control_timeout_s,
-                   registers=ray_rank == 0)
+        return cls(
+            address,
+            token,
+            member_name(ray_rank),
+            ray_world_size,
+            node_id,
+            cfg,
+            backend,
+            control_timeout_s,
+            registers=ray_rank == 0,
+        )
 
     @classmethod
-    def joining(cls, address: tuple[str, int], token: str, name: str, group_size: int, node_id: str,
-                cfg: ElasticConfig, backend: str, control_timeout_s: float) -> "Member":
+    def joining(
+        cls,
+        address: tuple[str, int],
+        token: str,
+        name: str,
+        group_size: int,
+        node_id: str,
+        cfg: ElasticConfig,
+        backend: str,
+        control_timeout_s: float,
+    ) -> "Member":
         """A worker started on a lost member's slot of the group registered under `token`,
         made as soon as its process runs: it says it is getting ready, so that a joiner that
         asks meanwhile waits to join with it. It asks itself (`ask`) once ready, and the members
@@ -169,8 +213,13 @@ class Member:
         with self.connections, self._given_up_if_superseded(m):  # every group of this generation, DeepSpeed's too
             # A store connection of the groups' own: hung up with theirs (`_given_up_if_superseded`).
             store = dist.TCPStore(*self.address, is_master=False, timeout=timedelta(seconds=60))
-            dist.init_process_group(self.backend, store=dist.PrefixStore(f"{self.token}/g{m.generation}", store),
-                                    rank=rank, world_size=world, timeout=timeout)
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore(f"{self.token}/g{m.generation}", store),
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
+            )
             clone_world_group(import_deepspeed(), timeout)
             collectives.open_control_group(self.control_timeout_s)
             # The mirrors' exchange goes on beside the next step (`generations.PeerCommits`): on
@@ -288,8 +337,10 @@ class Member:
                 if self.membership.generation:
                     # Found dead while alive (a stall longer than elastic.dead_after_s): the
                     # others went on; Ray restarts this worker's group at its next poll.
-                    raise LeftOut(f"{self.name} was left out of generation {newest.generation} "
-                                       f"(silent for over {self.cfg.dead_after_s:g} s)")
+                    raise LeftOut(
+                        f"{self.name} was left out of generation {newest.generation} "
+                        f"(silent for over {self.cfg.dead_after_s:g} s)"
+                    )
             time.sleep(_POLL_S)
 
     def _arrive(self, m: Membership) -> None:

@@ -60,8 +60,9 @@ class Joiners:
     def start(self, worker_group, rank: int, token: str, group_size: int) -> None:
         group, bundle = ray_compat.worker_slot(worker_group, rank)
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
-        self.running[rank] = self._start(f"{rendezvous.member_name(rank)}.{self.started + 1}", token, group_size,
-                                         strategy)
+        self.running[rank] = self._start(
+            f"{rendezvous.member_name(rank)}.{self.started + 1}", token, group_size, strategy
+        )
 
     def start_spare(self, token: str, group_size: int) -> str:
         """Start a spare: a joiner on no slot of the group's, placed by Ray where a worker's
@@ -74,8 +75,11 @@ class Joiners:
         resources = dict(self.inputs.worker_resources)
         self.started += 1
         actor = Joiner.options(
-            num_cpus=resources.pop("CPU", 0), num_gpus=resources.pop("GPU", 0), resources=resources,
-            scheduling_strategy=strategy, runtime_env={"env_vars": self.env_vars},
+            num_cpus=resources.pop("CPU", 0),
+            num_gpus=resources.pop("GPU", 0),
+            resources=resources,
+            scheduling_strategy=strategy,
+            runtime_env={"env_vars": self.env_vars},
         ).remote()
         return _Running(actor, actor.run.remote(self.inputs, token, name, group_size), name)
 

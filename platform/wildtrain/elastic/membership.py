@@ -21,15 +21,21 @@ class Membership:
         return self.members.index(member) if member in self.members else None
 
 
-def stale(beats: Mapping[str, float], now: float, dead_after_s: float, error_at: Optional[float] = None,
-          confirm_s: float = 0.0) -> frozenset[str]:
+def stale(
+    beats: Mapping[str, float],
+    now: float,
+    dead_after_s: float,
+    error_at: Optional[float] = None,
+    confirm_s: float = 0.0,
+) -> frozenset[str]:
     """The members found dead, from their last heartbeats (a time.time() each): silent for
     longer than `dead_after_s`, or, once a collective failed at `error_at`, silent since then
     for `confirm_s`. A failed collective says someone left but not who; the heartbeats that
     continue after it say who did not, sooner than the silence that has to cover a hang."""
     after_error = error_at is not None and now - error_at > confirm_s
-    return frozenset(member for member, beat in beats.items()
-                     if now - beat > dead_after_s or (after_error and beat < error_at))
+    return frozenset(
+        member for member, beat in beats.items() if now - beat > dead_after_s or (after_error and beat < error_at)
+    )
 
 
 class NoMembersLeft(RuntimeError):
@@ -37,14 +43,20 @@ class NoMembersLeft(RuntimeError):
     restore the run (Ray restarts the worker group)."""
 
 
-def next_membership(current: Membership, dead: Iterable[str], joiners: Sequence[str],
-                    errored_for_s: Optional[float] = None, confirm_s: float = 0.0,
-                    capacity: Optional[int] = None) -> Optional[Membership]:
+def next_membership(
+    current: Membership,
+    dead: Iterable[str],
+    joiners: Sequence[str],
+    errored_for_s: Optional[float] = None,
+    confirm_s: float = 0.0,
+    capacity: Optional[int] = None,
+) -> Optional[Membership]:
     """The next generation, or None while the current one should stand.
 
     Survivors keep their order, so rank 0 stays rank 0 while it lives; joiners (in the order
     they asked) follow, as many as `capacity` members leaves room for: the others wait as
-    spares, ready, and take the place of the next member lost. A collective that failed `errored_for_s` ago without anyone found dead
+    spares, ready, and take the place of the next member lost. A collective that failed `errored_for_s` ago without
+    anyone found dead
     re-forms the same members, but only after `confirm_s`, the time `stale` takes to find a
     dead member after a failed collective: re-forming earlier could include a member that is
     dead but not yet found, and the new group's rendezvous would wait for it until it timed
@@ -53,14 +65,16 @@ def next_membership(current: Membership, dead: Iterable[str], joiners: Sequence[
     survivors = tuple(m for m in current.members if m not in dead)
     joining = tuple(dict.fromkeys(j for j in joiners if j not in current.members and j not in dead))
     if capacity is not None:
-        joining = joining[:max(0, capacity - len(survivors))]
+        joining = joining[: max(0, capacity - len(survivors))]
     members = survivors + joining
     if members == current.members:
         if errored_for_s is None or errored_for_s < confirm_s:
             return None
     if not members:
-        raise NoMembersLeft(f"generation {current.generation}: every member ({', '.join(current.members)}) is dead "
-                           "and none asked to join; only a checkpoint can restore this run")
+        raise NoMembersLeft(
+            f"generation {current.generation}: every member ({', '.join(current.members)}) is dead "
+            "and none asked to join; only a checkpoint can restore this run"
+        )
     return Membership(current.generation + 1, members)
 
 
@@ -95,13 +109,17 @@ def plan_sync(steps: Sequence[int]) -> StateSync:
     was in it, so that step is good) while another saw it fail. More than one apart means the
     state of some member is not the group's, and carrying on would diverge silently."""
     if not steps or max(steps) < 0:
-        raise ValueError(f"no rank of the new group holds any state (steps {list(steps)}): a new group starts "
-                         "from a checkpoint or from step 0, not from a peer")
+        raise ValueError(
+            f"no rank of the new group holds any state (steps {list(steps)}): a new group starts "
+            "from a checkpoint or from step 0, not from a peer"
+        )
     top = max(steps)
     behind = [(rank, s) for rank, s in enumerate(steps) if 0 <= s < top - 1]
     if behind:
-        raise ValueError(f"ranks {behind} (rank, step) are more than one step behind step {top}: survivors can "
-                         "differ only by the step in flight")
+        raise ValueError(
+            f"ranks {behind} (rank, step) are more than one step behind step {top}: survivors can "
+            "differ only by the step in flight"
+        )
     return StateSync(source=steps.index(top), step=top, needed=any(s != top for s in steps))
 
 
@@ -111,8 +129,10 @@ def micro_batches(global_batch: int, world: int, rank: int, micro_batch: int) ->
     accumulation), so the global batch, and with the same data order the losses, do not
     depend on the world size."""
     if not 0 <= rank < world or world > global_batch or micro_batch < 1:
-        raise ValueError(f"rank {rank} of world {world}, global batch {global_batch}, micro batch {micro_batch}: "
-                         "need 0 <= rank < world <= global batch and micro batch >= 1")
+        raise ValueError(
+            f"rank {rank} of world {world}, global batch {global_batch}, micro batch {micro_batch}: "
+            "need 0 <= rank < world <= global batch and micro batch >= 1"
+        )
     # The first global_batch % world ranks take one row more.
     base, extra = divmod(global_batch, world)
     start = rank * base + min(rank, extra)
@@ -189,6 +209,8 @@ def plan_repartition(held: Sequence[Optional[Mapping[tuple[int, int, int], Colle
     layout = max(found)
     step = max(found[layout])
     missing = sorted(set(range(layout[1])) - set(found[layout][step]))
-    raise RedundancyLost(f"partitions {missing} of generation {layout[0]}'s {layout[1]} ranks are held nowhere "
-                         f"alive at step {step} (an owner and its mirror's holder both left): only a checkpoint "
-                         "restores this run")
+    raise RedundancyLost(
+        f"partitions {missing} of generation {layout[0]}'s {layout[1]} ranks are held nowhere "
+        f"alive at step {step} (an owner and its mirror's holder both left): only a checkpoint "
+        "restores this run"
+    )

@@ -22,13 +22,19 @@ from wildtrain.layout import checkpoint_stores
 from wildtrain.worker_report import WorkerReport, rank_zero
 
 
-def missed_commits(candidates: Sequence[Candidate], after_step: int, through_step: int,
-                   noticed: set[int]) -> list[str]:
+def missed_commits(candidates: Sequence[Candidate], after_step: int, through_step: int, noticed: set[int]) -> list[str]:
     """The notices ("<store URI>/<name>") of the committed checkpoints among `candidates` of a
     step after `after_step` and up to `through_step` that no report noticed (`noticed`: their
     steps), oldest first and, per checkpoint, the primary's copy first, as rank 0 lists them."""
-    late = [c for c in candidates if c.manifest is not None and c.problem is None and c.step is not None
-            and after_step < c.step <= through_step and c.step not in noticed]
+    late = [
+        c
+        for c in candidates
+        if c.manifest is not None
+        and c.problem is None
+        and c.step is not None
+        and after_step < c.step <= through_step
+        and c.step not in noticed
+    ]
     return [f"{c.store}/{c.name}" for c in sorted(late, key=lambda c: (c.step, c.name, c.store_index))]
 
 
@@ -66,11 +72,16 @@ class MissedCommits(ray_compat.ReportCallback):
             self._listing = None
             late = missed_commits(listing.found, listing.after_step, listing.through_step, self.noticed)
             if late:
-                print(f"noticed late (rank 0 was lost before its report of them was collected): {', '.join(late)}",
-                      flush=True)
+                print(
+                    f"noticed late (rank 0 was lost before its report of them was collected): {', '.join(late)}",
+                    flush=True,
+                )
                 metrics[0]["committed_checkpoints"] = [*late, *report.committed_checkpoints]
-        self.noticed |= {step for step in (step_of(notice.rsplit("/", 1)[-1])
-                                           for notice in metrics[0]["committed_checkpoints"]) if step is not None}
+        self.noticed |= {
+            step
+            for step in (step_of(notice.rsplit("/", 1)[-1]) for notice in metrics[0]["committed_checkpoints"])
+            if step is not None
+        }
         if self.first_restored is None:
             self.first_restored = report.startup.restored_step if report.startup is not None else 0
         elif self._listing is None and (restored_step := restored_after_a_loss(report)) is not None:

@@ -43,8 +43,9 @@ def has_room_for_another_worker(per_worker: dict[str, float], excluded: set[str]
     return room_for_another_worker(ray_compat.available_resources_per_node(), per_worker, excluded, keep_free_cpus)
 
 
-def room_for_another_worker(free: dict[str, dict[str, float]], per_worker: dict[str, float], excluded: set[str],
-                            keep_free_cpus: float) -> bool:
+def room_for_another_worker(
+    free: dict[str, dict[str, float]], per_worker: dict[str, float], excluded: set[str], keep_free_cpus: float
+) -> bool:
     """Whether one node that is not excluded has a worker's resources free (node id →
     resources free) and the cluster keeps `keep_free_cpus` CPUs free beside it: the CPUs
     Ray Data's reads need, free for a moment between two read tasks. A group grown into
@@ -94,6 +95,9 @@ class ResourceView:
             error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
             if error not in self._logged:
                 self._logged.add(error)
-                print(f"refreshing Ray's resource view failed ({error}); Ray refreshes it every 20 s "
-                      f"by itself and wildtrain keeps retrying", flush=True)
+                print(
+                    f"refreshing Ray's resource view failed ({error}); Ray refreshes it every 20 s "
+                    f"by itself and wildtrain keeps retrying",
+                    flush=True,
+                )
             return False

@@ -79,8 +79,9 @@ def partitioned_groups(engine) -> list[PartitionedGroup]:
     return [PartitionedGroup(fp32, flat, group) for fp32, flat, group in zip(fp32s, flats, params, strict=True)]
 
 
-def host_copy(engine, into: Optional[torch.Tensor] = None, stream: Optional["torch.cuda.Stream"] = None
-              ) -> tuple[torch.Tensor, list[int]]:
+def host_copy(
+    engine, into: Optional[torch.Tensor] = None, stream: Optional["torch.cuda.Stream"] = None
+) -> tuple[torch.Tensor, list[int]]:
     """A host copy of this rank's partition of a ZeRO-1/2 `engine`'s parameter groups, laid end
     to end in one [3, n] buffer (fp32 weights, exp_avg, exp_avg_sq), and each group's n. Written
     into `into` where it has that shape (a buffer reused step after step: one copy a value and
@@ -120,8 +121,9 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> tor
         try:
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         except RuntimeError as error:  # cudaHostAlloc: out of page-locked memory
-            warnings.warn(f"wildtrain: a mirror's host buffer could not be pinned ({error}); pageable instead",
-                          stacklevel=2)
+            warnings.warn(
+                f"wildtrain: a mirror's host buffer could not be pinned ({error}); pageable instead", stacklevel=2
+            )
     return torch.empty(shape, dtype=dtype)
 
 
@@ -230,8 +232,10 @@ class Mirrors:
         def send():
             return dist.isend(sent, group=self.group, group_dst=self._neighbour(rank, 1))
 
-        self._in_flight = [send() if copied is None else _SendWhenCopied(copied, send),
-                           dist.irecv(received, group=self.group, group_src=self._neighbour(rank, -1))]
+        self._in_flight = [
+            send() if copied is None else _SendWhenCopied(copied, send),
+            dist.irecv(received, group=self.group, group_src=self._neighbour(rank, -1)),
+        ]
         self._received = (step, received, sizes)
 
     def _copy_stream(self, engine) -> Optional["torch.cuda.Stream"]:
@@ -359,7 +363,7 @@ class Mirrors:
         kept = self.snapshots.setdefault(key, {})
         kept[step] = list(buffer.split(sizes, dim=1))
         self._buffers[(*key, step)] = buffer
-        for old in sorted(kept)[:-self.keep_steps]:
+        for old in sorted(kept)[: -self.keep_steps]:
             del kept[old]
             # Settled long ago (an exchange settles the last one first): nothing reads or sends it.
             dropped = self._buffers.pop((*key, old), None)
@@ -378,12 +382,14 @@ def load_state(engine, full: list[torch.Tensor], step: int, samples_per_step: in
     for index, group in enumerate(partitioned_groups(engine)):
         fp32, numel = group.fp32, group.numel
         if full[index].shape[1] < numel:
-            raise ValueError(f"parameter group {index}: {full[index].shape[1]} values of state for {numel} "
-                             "parameters; the state is of another model")
+            raise ValueError(
+                f"parameter group {index}: {full[index].shape[1]} values of state for {numel} "
+                "parameters; the state is of another model"
+            )
         state = full[index][:, :numel].to(fp32.device)  # each layout pads a group's flat buffer at its end
         padded = F.pad(state, (0, group.flat.numel() - numel))
         size = fp32.numel()
-        mine = padded[:, rank * size:(rank + 1) * size]
+        mine = padded[:, rank * size : (rank + 1) * size]
         with torch.no_grad():
             fp32.copy_(mine[0])
             group.flat[:numel].copy_(state[0])

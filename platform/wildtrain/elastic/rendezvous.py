@@ -120,8 +120,15 @@ class RendezvousOwner:
     members re-form anyway (`membership.joiners_due`). Keeps when each worker asked (`asked`)
     and when each generation was published (`published`: generation -> (time, members))."""
 
-    def __init__(self, store: dist.Store, initial: int, dead_after_s: float, confirm_s: float,
-                 join_batch_s: float = 0.0, capacity: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        initial: int,
+        dead_after_s: float,
+        confirm_s: float,
+        join_batch_s: float = 0.0,
+        capacity: Optional[int] = None,
+    ) -> None:
         self.store, self.initial, self.capacity = store, initial, capacity
         self.dead_after_s, self.confirm_s, self.join_batch_s = dead_after_s, confirm_s, join_batch_s
         self.current = Membership(0, ())
@@ -164,8 +171,14 @@ class RendezvousOwner:
                 waiting = [self._asked_seen[j] for j in joiners if j not in current.members]
                 if waiting and not joiners_due(waiting, len(self._getting_ready(now)), now, self.join_batch_s):
                     joiners = []
-            nxt = next_membership(current, dead, joiners, None if error_at is None else now - error_at,
-                                  self.confirm_s, capacity=self.capacity)
+            nxt = next_membership(
+                current,
+                dead,
+                joiners,
+                None if error_at is None else now - error_at,
+                self.confirm_s,
+                capacity=self.capacity,
+            )
             if nxt is None:
                 self._publish_spares(now)
                 return None
@@ -200,8 +213,11 @@ class RendezvousOwner:
 
     def _getting_ready(self, now: float) -> list[str]:
         """The joiners that started and have not asked yet, still beating."""
-        return [name for name, started_at in self.started.items()
-                if name not in self.asked and now - self._last_beat(name, started_at) <= self.dead_after_s]
+        return [
+            name
+            for name, started_at in self.started.items()
+            if name not in self.asked and now - self._last_beat(name, started_at) <= self.dead_after_s
+        ]
 
     def _last_beat(self, name: str, before_any: float) -> float:
         """When `name` last beat; `before_any` where no beat has come yet."""
@@ -248,11 +264,17 @@ class RendezvousServer:
     `ending` (under its group's prefix) at the run's last step: from then on the workers
     stop beating as they exit, which is no death."""
 
-    def __init__(self, host: str, dead_after_s: float, confirm_s: float, join_batch_s: float = 0.0,
-                 turn_s: float = 0.01) -> None:
+    def __init__(
+        self, host: str, dead_after_s: float, confirm_s: float, join_batch_s: float = 0.0, turn_s: float = 0.01
+    ) -> None:
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         self.host, self.port = host, self.store.port
-        self.dead_after_s, self.confirm_s, self.join_batch_s, self.turn_s = dead_after_s, confirm_s, join_batch_s, turn_s
+        self.dead_after_s, self.confirm_s, self.join_batch_s, self.turn_s = (
+            dead_after_s,
+            confirm_s,
+            join_batch_s,
+            turn_s,
+        )
         self.owner: Optional[RendezvousOwner] = None
         self._groups = 0
         self._stopped = threading.Event()
@@ -266,8 +288,14 @@ class RendezvousServer:
                 token, world = self.store.get(f"group/{groups}").decode().split()
                 self._groups = groups
                 # Ray placed the group for `world` workers: joiners take lost members' places only.
-                self.owner = RendezvousOwner(dist.PrefixStore(token, self.store), int(world), self.dead_after_s,
-                                             self.confirm_s, self.join_batch_s, capacity=int(world))
+                self.owner = RendezvousOwner(
+                    dist.PrefixStore(token, self.store),
+                    int(world),
+                    self.dead_after_s,
+                    self.confirm_s,
+                    self.join_batch_s,
+                    capacity=int(world),
+                )
                 self.store.set("current", token)
             if self.owner is not None:
                 try:

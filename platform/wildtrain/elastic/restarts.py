@@ -56,15 +56,23 @@ def classify_restart(error: BaseException | None) -> Restart:
     if fatal:
         return Restart("failure", json.loads(fatal[1]), planned=False, fatal=True)
     # Every rank raises UnhealthyNodes with the same results (`train.monitor.Monitor`): one rank's are logged.
-    found = [json.loads(m) for m in re.findall(rf"^{re.escape(UnhealthyNodes.MARKER)} (\{{.*\}})$", per_worker, re.MULTILINE)]
+    found = [
+        json.loads(m) for m in re.findall(rf"^{re.escape(UnhealthyNodes.MARKER)} (\{{.*\}})$", per_worker, re.MULTILINE)
+    ]
     if found:
         nodes = sorted({node for f in found for node in f["nodes"]})
         at = time.time()
-        excluded = [NodeExcluded(at, node, f"node {node} failed the pre-flight health check; left out of the run")
-                    for node in nodes]
+        excluded = [
+            NodeExcluded(at, node, f"node {node} failed the pre-flight health check; left out of the run")
+            for node in nodes
+        ]
         checks = [from_dict(check) for check in found[0]["checks"]]
-        return Restart("failure", f"health check failed on node(s) {', '.join(nodes)}; left out of the run",
-                       planned=True, events=checks + excluded)
+        return Restart(
+            "failure",
+            f"health check failed on node(s) {', '.join(nodes)}; left out of the run",
+            planned=True,
+            events=checks + excluded,
+        )
     cause = worker_error_cause(ray_compat.worker_failures(error))
     return Restart("failure", cause or (text.splitlines()[0][:500] if text else ""), planned=False)
 
@@ -121,8 +129,9 @@ _GROUP_STATES = ("RUNNING", "PREEMPTING")
 _WAITING_STATES = ("INITIALIZING", "RESTARTING", "RESCHEDULING")
 # Every state of Ray Train's controller (2.60); those not named above either start a group
 # (SCHEDULING), resize one (RESIZING), or end the run.
-CONTROLLER_STATES = _GROUP_STATES + _WAITING_STATES + (
-    "SCHEDULING", "RESIZING", "SHUTTING_DOWN", "ERRORED", "FINISHED", "ABORTED")
+CONTROLLER_STATES = (
+    _GROUP_STATES + _WAITING_STATES + ("SCHEDULING", "RESIZING", "SHUTTING_DOWN", "ERRORED", "FINISHED", "ABORTED")
+)
 
 
 def interpret(previous: ray_compat.ControllerState, current: ray_compat.ControllerState) -> Transition:
@@ -141,11 +150,22 @@ def interpret(previous: ray_compat.ControllerState, current: ray_compat.Controll
         restart = classify_restart(error)
         # Like Ray's own policy, only workers' failures count; a group that could not
         # start in time is the capacity wait's business.
-        return Transition(restart.kind, restart, error, lost_process=ray_compat.lost_a_worker_process(error),
-                          counted=ray_compat.counts_as_failure(error) and not restart.planned, again=again)
+        return Transition(
+            restart.kind,
+            restart,
+            error,
+            lost_process=ray_compat.lost_a_worker_process(error),
+            counted=ray_compat.counts_as_failure(error) and not restart.planned,
+            again=again,
+        )
     if name == "RESCHEDULING" and previous.name == "SCHEDULING":
-        return Transition("start_failed", classify_restart(error), error, workers=previous.workers,
-                          timed_out=ray_compat.start_timed_out(error))
+        return Transition(
+            "start_failed",
+            classify_restart(error),
+            error,
+            workers=previous.workers,
+            timed_out=ray_compat.start_timed_out(error),
+        )
     return Transition("waiting", again=again)
 
 
@@ -210,8 +230,11 @@ class CapacityClock:
     def attempt_failed(self, now: float, size: int, timed_out: bool) -> "CapacityClock":
         clock = replace(self.waiting(now), attempt_started=None)
         if timed_out and size > self.min_workers and size not in self.forgiven_sizes:
-            return replace(clock, waiting_since=clock.waiting_since + (now - self.attempt_started),
-                           forgiven_sizes=self.forgiven_sizes | {size})
+            return replace(
+                clock,
+                waiting_since=clock.waiting_since + (now - self.attempt_started),
+                forgiven_sizes=self.forgiven_sizes | {size},
+            )
         if clock.no_room_since is None:
             clock = replace(clock, no_room_since=self.attempt_started)
         return clock
@@ -255,8 +278,9 @@ def decide(t: Transition, budget: FailureBudget, capacity: CapacityClock, now: f
     if t.restart is not None and budget.is_new(t.error):
         return _after_failure(t, budget, capacity)
     # Another turn of the controller's loop.
-    return RestartDecision(budget, capacity.no_room(now) if t.again else capacity, refresh=True, paced=True,
-                           bounded=True)
+    return RestartDecision(
+        budget, capacity.no_room(now) if t.again else capacity, refresh=True, paced=True, bounded=True
+    )
 
 
 def _after_failure(t: Transition, budget: FailureBudget, capacity: CapacityClock) -> RestartDecision:
@@ -267,8 +291,15 @@ def _after_failure(t: Transition, budget: FailureBudget, capacity: CapacityClock
         return RestartDecision(budget, capacity, exclude=exclude, end=t.restart.cause)
     budget = budget.after(t.error, counts=t.counted)
     if budget.exceeded:
-        return RestartDecision(budget, capacity, exclude=exclude, end=(
-            f"elastic.max_failures: {budget.failures} failures, more than the {budget.max_failures} "
-            f"allowed; the last: {t.restart.cause[:300]}"))
-    return RestartDecision(budget, capacity, exclude=exclude, await_lost_nodes=t.lost_process, refresh=True,
-                           bounded=True)
+        return RestartDecision(
+            budget,
+            capacity,
+            exclude=exclude,
+            end=(
+                f"elastic.max_failures: {budget.failures} failures, more than the {budget.max_failures} "
+                f"allowed; the last: {t.restart.cause[:300]}"
+            ),
+        )
+    return RestartDecision(
+        budget, capacity, exclude=exclude, await_lost_nodes=t.lost_process, refresh=True, bounded=True
+    )

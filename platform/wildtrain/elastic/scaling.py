@@ -50,8 +50,10 @@ def trains_on_gpu(cfg: Config) -> bool:
     """The resolved `cluster.use_gpu`. Unresolved, it is a bug: read as false it would train
     on CPU without a word, which is what resolving it prevents."""
     if cfg.cluster.use_gpu is None:
-        raise RuntimeError("cluster.use_gpu is still unset (auto): resolve_device() decides it against the cluster "
-                           "before anything uses it")
+        raise RuntimeError(
+            "cluster.use_gpu is still unset (auto): resolve_device() decides it against the cluster "
+            "before anything uses it"
+        )
     return cfg.cluster.use_gpu
 
 
@@ -60,8 +62,9 @@ def workers_held(node: Mapping[str, float], per_worker: Mapping[str, float]) -> 
     return int(min(node.get(name, 0.0) // amount for name, amount in per_worker.items() if amount > 0))
 
 
-def choose_placement(strategy: str, per_worker: Mapping[str, float], nodes: list[Mapping[str, float]],
-                     in_process: bool) -> str:
+def choose_placement(
+    strategy: str, per_worker: Mapping[str, float], nodes: list[Mapping[str, float]], in_process: bool
+) -> str:
     """The worker group's placement strategy: `strategy` (`cluster.placement_strategy`) unless
     it is auto. A PACK group's bundle whose node died fits the other nodes by their totals,
     and Ray 2.60's GCS retries it without pause until a node can take it, a core of the
@@ -127,8 +130,10 @@ def largest_group(total: dict[str, float], per_worker: dict[str, float], max_wor
 
 def scaling_config(cfg: Config) -> ScalingConfig:
     if cfg.cluster.placement_strategy == "auto":
-        raise RuntimeError("cluster.placement_strategy is still auto: resolve_placement() decides it against the "
-                           "cluster before Ray Train gets it")
+        raise RuntimeError(
+            "cluster.placement_strategy is still auto: resolve_placement() decides it against the "
+            "cluster before Ray Train gets it"
+        )
     return ScalingConfig(
         num_workers=(cfg.elastic.min_workers, cfg.elastic.max_workers),
         use_gpu=trains_on_gpu(cfg),
@@ -181,8 +186,10 @@ def shortfall(cfg: Config, need: Mapping[str, float], total: Mapping[str, float]
     else a capacity error naming elastic.min_workers."""
     wait = f"{cfg.elastic.capacity_wait_s:g} s"
     if need.get("GPU", 0) > 0 and total.get("GPU", 0) == 0:
-        return ConfigError(f"cluster.use_gpu: true, but the cluster has offered no GPU for {wait}; unset it to train "
-                           f"on what the cluster offers (cluster.use_gpu=null), or add GPU nodes")
+        return ConfigError(
+            f"cluster.use_gpu: true, but the cluster has offered no GPU for {wait}; unset it to train "
+            f"on what the cluster offers (cluster.use_gpu=null), or add GPU nodes"
+        )
     wanted = ", ".join(f"{amount:g} {name}" for name, amount in need.items())
     offered = ", ".join(f"{total.get(name, 0):g} {name}" for name in need)
     return CapacityError(
@@ -215,8 +222,10 @@ def wait_for_capacity(cfg: Config) -> None:
     spare = total.get("CPU", 0) - size * per_worker.get("CPU", 0)
     if spare < reserved:
         if cfg.eval.tasks:
-            left_for = (f"Ray Data's reads (data.read_cpus {cfg.data.read_cpus:g}) and an evaluation "
-                        f"(eval.num_cpus {cfg.eval.num_cpus:g}), which need {reserved:g}; training would wait for its data")
+            left_for = (
+                f"Ray Data's reads (data.read_cpus {cfg.data.read_cpus:g}) and an evaluation "
+                f"(eval.num_cpus {cfg.eval.num_cpus:g}), which need {reserved:g}; training would wait for its data"
+            )
         else:
             left_for = f"Ray Data's reads, which need {reserved:g} (data.read_cpus); the run would wait forever"
         raise CapacityError(

@@ -14,5 +14,8 @@ Ray is not installed, need not import Ray."""
 # clears: every later default group's heartbeat monitor would dump, and then end the process
 # TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (8 minutes) after the re-form (read in the source;
 # tests/gpu/test_in_process_nccl.py's survivors step again after that, shortened).
-SURVIVOR_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-                "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "50"}
+SURVIVOR_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "50",
+}

@@ -29,12 +29,14 @@ def start_rendezvous(cfg: Config) -> Optional[rendezvous.RendezvousServer]:
     address: the workers reach the driver as they reach the Ray head."""
     if not cfg.elastic.in_process:
         return None
-    return rendezvous.RendezvousServer(ray.util.get_node_ip_address(), cfg.elastic.dead_after_s, cfg.elastic.confirm_s,
-                                       cfg.elastic.join_batch_s)
+    return rendezvous.RendezvousServer(
+        ray.util.get_node_ip_address(), cfg.elastic.dead_after_s, cfg.elastic.confirm_s, cfg.elastic.join_batch_s
+    )
 
 
-def survivor_callbacks(cfg: Config, server: Optional[rendezvous.RendezvousServer], inputs: LoopInputs,
-                       env_vars: dict[str, str]) -> list:
+def survivor_callbacks(
+    cfg: Config, server: Optional[rendezvous.RendezvousServer], inputs: LoopInputs, env_vars: dict[str, str]
+) -> list:
     """The controller callbacks that keep a group's survivors (none without a rendezvous),
     and start a joiner (`Joiners`, with the workers' `inputs` and `env_vars`) on each lost
     member's placement slot, and elastic.spares more on spare capacity. The survivors' verdict
@@ -46,9 +48,18 @@ def survivor_callbacks(cfg: Config, server: Optional[rendezvous.RendezvousServer
     def room_for_a_spare() -> bool:
         return has_room_for_another_worker(inputs.worker_resources, excluded_nodes(cfg.run.name), spare_cpus(cfg))
 
-    return [KeepSurvivors(server.host, server.port, decide_s=cfg.elastic.confirm_s + 5.0, replace=False,
-                          joiners=Joiners(inputs, env_vars), spares=cfg.elastic.spares,
-                          full_size=cfg.elastic.max_workers, room_for_a_spare=room_for_a_spare)]
+    return [
+        KeepSurvivors(
+            server.host,
+            server.port,
+            decide_s=cfg.elastic.confirm_s + 5.0,
+            replace=False,
+            joiners=Joiners(inputs, env_vars),
+            spares=cfg.elastic.spares,
+            full_size=cfg.elastic.max_workers,
+            room_for_a_spare=room_for_a_spare,
+        )
+    ]
 
 
 def goes_on_without(lost: set[int], masked: set[int], everyone: list[int], replace: bool, relays: bool) -> bool:
@@ -89,8 +100,17 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
       worker's node is dead (before, the slot still points at it and the replacement dies with
       it). The gates widen again when the owner's generation is whole."""
 
-    def __init__(self, host: str, port: int, decide_s: float, replace: bool, joiners: Optional[Joiners] = None,
-                 spares: int = 0, full_size: int = 0, room_for_a_spare: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        decide_s: float,
+        replace: bool,
+        joiners: Optional[Joiners] = None,
+        spares: int = 0,
+        full_size: int = 0,
+        room_for_a_spare: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.host, self.port, self.decide_s, self.replace = host, port, decide_s, replace
         self.joiners = joiners
         self.spares, self.full_size, self.room_for_a_spare = spares, full_size, room_for_a_spare
@@ -156,8 +176,11 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
         lost = {r for r, e in worker_group_status.errors.items() if ray_compat.worker_lost(e)}
         if lost - self.masked:
             self.say_members_died(rendezvous.member_name(r) for r in lost - self.masked)
-        if (lost - self.masked and goes_on_without(lost, self.masked, everyone, self.replace, self.joiners is not None)
-                and not lost & self.join_failed.keys()):
+        if (
+            lost - self.masked
+            and goes_on_without(lost, self.masked, everyone, self.replace, self.joiners is not None)
+            and not lost & self.join_failed.keys()
+        ):
             self._decide(lost, everyone)
         if not self.replace:
             ray_compat.mask_worker_deaths(worker_group_status, self.masked - {self.relay_rank})
@@ -192,15 +215,19 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
             if survivors:  # else a joiner's reports count (`_relay`)
                 ray_compat.narrow_report_gates(self.worker_group, survivors, barrier=self.replace)
             self.narrowed = True
-            print(f"ranks {sorted(self.masked)} left the worker group, which goes on without them: "
-                  f"reports of ranks {survivors or 'none: a joiner reports'} count", flush=True)
+            print(
+                f"ranks {sorted(self.masked)} left the worker group, which goes on without them: "
+                f"reports of ranks {survivors or 'none: a joiner reports'} count",
+                flush=True,
+            )
             if self.joiners is not None:
                 for rank in sorted(newly):  # a slot's earlier joiner may be a member already
                     self._start_joiner(rank)
         if self.replace:
             nodes = {rendezvous.node_of(store, rendezvous.member_name(r)) for r in lost}
             while time.monotonic() < deadline + self.decide_s and any(
-                    n["Alive"] for n in ray.nodes() if n["NodeID"] in nodes):
+                n["Alive"] for n in ray.nodes() if n["NodeID"] in nodes
+            ):
                 time.sleep(0.1)
             self.masked -= lost  # their ranks come back with the replacements
 
@@ -225,13 +252,17 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
         if self.relay_rank is None:
             self.relay_rank = min(self.masked)
             ray_compat.narrow_report_gates(self.worker_group, [self.relay_rank], barrier=False)
-            print(f"no Ray Train worker is left in the group: its rank 0, the joiner {self.reporter}, reports "
-                  f"through rank {self.relay_rank}'s slot", flush=True)
+            print(
+                f"no Ray Train worker is left in the group: its rank 0, the joiner {self.reporter}, reports "
+                f"through rank {self.relay_rank}'s slot",
+                flush=True,
+            )
         reporting = self.reporter is not None and self.joiners.runs(self.reporter)
         if self.relayed or reporting:
             self.reporter_missing_since = None
-            ray_compat.relay_report(self.worker_group, status, self.relay_rank,
-                                    self.relayed.pop(0) if self.relayed else None)
+            ray_compat.relay_report(
+                self.worker_group, status, self.relay_rank, self.relayed.pop(0) if self.relayed else None
+            )
             return
         if self.reporter in self.finished:
             ray_compat.mask_worker_deaths(status, {self.relay_rank})  # the run's end: finished
@@ -240,15 +271,18 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
         if time.monotonic() - self.reporter_missing_since < self.decide_s:
             ray_compat.relay_report(self.worker_group, status, self.relay_rank, None)
             return
-        failed = RuntimeError(f"the joiner that reported for the group ({self.reporter}) was lost, and no member "
-                              "took its place: the group restarts from the checkpoint")
+        failed = RuntimeError(
+            f"the joiner that reported for the group ({self.reporter}) was lost, and no member "
+            "took its place: the group restarts from the checkpoint"
+        )
         print(failed, flush=True)
         self.masked.discard(self.relay_rank)
         self.join_failed[self.relay_rank] = failed  # shown in place of its Ray worker's death
 
     def _start_joiner(self, rank: int) -> None:
-        self.joiners.start(self.worker_group, rank, rendezvous.current_token(self._client()),
-                           len(self.worker_group.get_workers()))
+        self.joiners.start(
+            self.worker_group, rank, rendezvous.current_token(self._client()), len(self.worker_group.get_workers())
+        )
 
     def _keep_spares(self) -> None:
         """Start a spare where fewer than `spares` joiners run outside the group's members (one
@@ -268,8 +302,10 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
                 self.say_members_died([name])
             elif self.spare_failed is None:
                 self.spare_failed = (str(error).strip().splitlines() or [""])[-1][:300]
-                print(f"the spare {name} failed, so no spare is started again in this run: {self.spare_failed}",
-                      flush=True)
+                print(
+                    f"the spare {name} failed, so no spare is started again in this run: {self.spare_failed}",
+                    flush=True,
+                )
         if self.spare_failed is not None or len(self.worker_group.get_workers()) < self.full_size:
             return
         token = rendezvous.current_token(self._client())
@@ -296,8 +332,10 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
                 self.say_members_died([name])
                 self._start_joiner(rank)
             else:
-                failed = RuntimeError(f"the worker that joined on rank {rank}'s slot failed, so the group "
-                                      f"restarts instead: {(str(error).strip().splitlines() or [''])[-1][:300]}")
+                failed = RuntimeError(
+                    f"the worker that joined on rank {rank}'s slot failed, so the group "
+                    f"restarts instead: {(str(error).strip().splitlines() or [''])[-1][:300]}"
+                )
                 print(failed, flush=True)
                 self.masked.discard(rank)
                 self.join_failed[rank] = failed

@@ -80,8 +80,10 @@ class TaskFolder:
                 continue
             size += file.stat().st_size
             if size > MAX_FOLDER_BYTES:
-                raise ConfigError(f"{key}: {root} holds more than the {MAX_FOLDER_BYTES // 2**20} MiB an evaluation "
-                                  "carries to its node; keep large data where every node reads it")
+                raise ConfigError(
+                    f"{key}: {root} holds more than the {MAX_FOLDER_BYTES // 2**20} MiB an evaluation "
+                    "carries to its node; keep large data where every node reads it"
+                )
             files[relative.as_posix()] = file.read_bytes()
         return cls(str(root), files)
 
@@ -141,8 +143,9 @@ def _no_stderr() -> Iterator[None]:
             os.close(saved)
 
 
-def run_tasks(model_dir: Path, tasks: Sequence[str], settings: EvalConfig, folder: Optional[TaskFolder],
-              workdir: Path) -> tuple[dict[str, dict], dict[str, str]]:
+def run_tasks(
+    model_dir: Path, tasks: Sequence[str], settings: EvalConfig, folder: Optional[TaskFolder], workdir: Path
+) -> tuple[dict[str, dict], dict[str, str]]:
     """The Transformers model in `model_dir` evaluated on each task in turn, on the GPU
     where there is one: lm-eval's results by task, and the reasons of the tasks that failed
     (a task whose data cannot be read costs its own metrics only). `folder` is written into
@@ -157,14 +160,19 @@ def run_tasks(model_dir: Path, tasks: Sequence[str], settings: EvalConfig, folde
         manager = task_manager(tasks, include, "eval.tasks")
         cuda = torch.cuda.is_available()
         # bf16 on a GPU, as evaluations of large models run; the exported fp32 weights on a CPU.
-        model = HFLM(pretrained=str(model_dir), dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu",
-                     batch_size=settings.batch_size)
+        model = HFLM(
+            pretrained=str(model_dir),
+            dtype="bfloat16" if cuda else "float32",
+            device="cuda" if cuda else "cpu",
+            batch_size=settings.batch_size,
+        )
         results, failed = {}, {}
         for task in tasks:
             try:
                 with _no_stderr():
-                    results[task] = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=manager,
-                                                            limit=settings.limit, log_samples=False)
+                    results[task] = lm_eval.simple_evaluate(
+                        model=model, tasks=[task], task_manager=manager, limit=settings.limit, log_samples=False
+                    )
             except Exception as e:  # noqa: BLE001 - any task's failure is that task's alone
                 reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
                 # Named where the user put the files, not in the copy evaluated here.

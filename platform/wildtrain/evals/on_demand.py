@@ -27,14 +27,16 @@ class Logged:
     unsent: Optional[Path]  # the records MLflow did not take in time (`Tracker.close`); None: all
 
 
-def evaluate_checkpoint(cfg: Config, step: Optional[int], tasks: Optional[Sequence[str]],
-                        say: Callable[[str], None]) -> Logged:
+def evaluate_checkpoint(
+    cfg: Config, step: Optional[int], tasks: Optional[Sequence[str]], say: Callable[[str], None]
+) -> Logged:
     """Evaluate run.name's checkpoint of `step` (None: the newest committed) on `tasks`
     (None: eval.tasks) on the cluster of cluster.ray_address, and log the results."""
     info = run_info(cfg)
     at = committed_step(info, step)
-    plan = plan_evaluation(cfg.eval, cfg.eval.tasks if tasks is None else tasks,
-                           "eval.tasks" if tasks is None else "--tasks")
+    plan = plan_evaluation(
+        cfg.eval, cfg.eval.tasks if tasks is None else tasks, "eval.tasks" if tasks is None else "--tasks"
+    )
     check_reachable(cfg.tracking.uri)
     import ray
     from ray.exceptions import GetTimeoutError
@@ -48,8 +50,9 @@ def evaluate_checkpoint(cfg: Config, step: Optional[int], tasks: Optional[Sequen
         evaluated = ray.get(ref, timeout=cfg.eval.timeout_s)
     except GetTimeoutError:
         ray.cancel(ref, force=True)
-        raise EvalError(f"the evaluation of {cfg.run.name} step {at} took longer than eval.timeout_s "
-                        f"({cfg.eval.timeout_s:g} s)") from None
+        raise EvalError(
+            f"the evaluation of {cfg.run.name} step {at} took longer than eval.timeout_s ({cfg.eval.timeout_s:g} s)"
+        ) from None
     except ray.exceptions.RayError as e:
         raise EvalError(f"the evaluation of {cfg.run.name} step {at} failed: {failure_reason(e)}") from e
     tracker = Tracker(cfg.tracking.uri, info.mlflow_run_id, RunLayout.of(cfg).tracking / "eval")

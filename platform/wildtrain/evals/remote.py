@@ -25,8 +25,11 @@ ARTIFACT_DIR = "evals"
 # The task's process logs to the console of whoever submitted it (the training run's):
 # Transformers' and Datasets' progress bars would bury its progress lines (lm-eval's:
 # `harness.run_tasks`).
-_QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-              "TRANSFORMERS_VERBOSITY": "error"}
+_QUIET_ENV = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+}
 
 
 @dataclass(frozen=True)
@@ -85,12 +88,20 @@ def evaluate(run: RunInfo, step: Optional[int], plan: EvalPlan) -> Evaluated:
     with tempfile.TemporaryDirectory(prefix=f"eval-{run.name}-", dir=staging) as folder:
         exported = export_checkpoint(run, str(Path(folder, "model")), step)
         (Path(folder) / "tasks").mkdir()
-        results, failed = run_tasks(Path(exported.location), plan.tasks, plan.settings, plan.folder,
-                                    Path(folder) / "tasks")
-    metrics = {name: value for task in plan.tasks if task in results for name, value in harness_metrics(results[task]).items()}
-    return Evaluated(exported.step, exported.checkpoint, metrics,
-                     {task: json.dumps(result, indent=1, default=str) for task, result in results.items()}, failed,
-                     time.monotonic() - started)
+        results, failed = run_tasks(
+            Path(exported.location), plan.tasks, plan.settings, plan.folder, Path(folder) / "tasks"
+        )
+    metrics = {
+        name: value for task in plan.tasks if task in results for name, value in harness_metrics(results[task]).items()
+    }
+    return Evaluated(
+        exported.step,
+        exported.checkpoint,
+        metrics,
+        {task: json.dumps(result, indent=1, default=str) for task, result in results.items()},
+        failed,
+        time.monotonic() - started,
+    )
 
 
 def yield_to_training() -> None:
@@ -117,13 +128,20 @@ def submit(run: RunInfo, step: Optional[int], plan: EvalPlan):
 
     resources = eval_resources(plan.settings, ray.cluster_resources().get("GPU", 0.0))
     task = ray.remote(max_calls=1)(evaluate).options(
-        num_cpus=resources.num_cpus, num_gpus=resources.num_gpus, max_retries=0,
+        num_cpus=resources.num_cpus,
+        num_gpus=resources.num_gpus,
+        max_retries=0,
         name=f"wildtrain-eval-{run.name}-step{step if step is not None else 'newest'}",
         # DeepSpeed (the export's checkpoint reading) told there is no GPU, as a CPU worker is;
         # the checkpoint read from the store this process reaches, not the one (if any) of
         # the node the task lands on.
-        runtime_env={"env_vars": {**_QUIET_ENV, **({} if resources.num_gpus else {"DS_ACCELERATOR": "cpu"}),
-                                  **storage.handover_env(run.cfg.storage)}},
+        runtime_env={
+            "env_vars": {
+                **_QUIET_ENV,
+                **({} if resources.num_gpus else {"DS_ACCELERATOR": "cpu"}),
+                **storage.handover_env(run.cfg.storage),
+            }
+        },
     )
     return task.remote(run, step, plan)
 

@@ -55,7 +55,8 @@ def hf_architecture(model: ModelConfig, eos_id: int) -> HFArchitecture:
     if model.attention == "prefix_lm":
         raise NotExpressible(
             "model.attention=prefix_lm: Transformers has no decoder whose inputs attend to each other "
-            "bidirectionally; exported as a causal model it would compute differently, so it is not exported")
+            "bidirectionally; exported as a causal model it would compute differently, so it is not exported"
+        )
     config = dict(
         vocab_size=model.vocab_size,
         hidden_size=model.dim,
@@ -76,10 +77,12 @@ def hf_architecture(model: ModelConfig, eos_id: int) -> HFArchitecture:
         dtype="float32",
     )
     if model.attention_window is None:
-        return HFArchitecture("llama", config | {"architectures": ["LlamaForCausalLM"], "attention_bias": False,
-                                                 "mlp_bias": False})
-    return HFArchitecture("mistral", config | {"architectures": ["MistralForCausalLM"],
-                                               "sliding_window": model.attention_window})
+        return HFArchitecture(
+            "llama", config | {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "mlp_bias": False}
+        )
+    return HFArchitecture(
+        "mistral", config | {"architectures": ["MistralForCausalLM"], "sliding_window": model.attention_window}
+    )
 
 
 # wildtrain's parameter names -> Transformers' (Llama's and Mistral's are the same).
@@ -123,8 +126,10 @@ def hf_state_dict(model: ModelConfig, weights: Mapping[str, torch.Tensor]) -> di
     expected = {f"layers.{i}.{leaf}" for i in range(model.n_layers) for leaf in _LAYER_NAMES} | set(_NAMES)
     missing, unknown = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
     if missing or unknown:
-        raise ValueError(f"the checkpoint's weights do not fit model {model.name!r}: "
-                         f"missing {missing[:5] or 'none'}, unexpected {unknown[:5] or 'none'}")
+        raise ValueError(
+            f"the checkpoint's weights do not fit model {model.name!r}: "
+            f"missing {missing[:5] or 'none'}, unexpected {unknown[:5] or 'none'}"
+        )
     kv_heads = model.n_kv_heads or model.n_heads
     scaled = scaling(model)
     converted = {}

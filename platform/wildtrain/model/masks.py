@@ -30,27 +30,37 @@ def causal(b, h, q_idx, kv_idx):
 
 def document(doc_ids: torch.Tensor) -> MaskMod:
     """No attention across document boundaries within a packed row."""
+
     def same_document(b, h, q_idx, kv_idx):
         return doc_ids[b, q_idx] == doc_ids[b, kv_idx]
+
     return same_document
 
 
 def bidirectional(prefix: torch.Tensor) -> MaskMod:
     """Prefix positions see each other (within the row: `and` it with `document`)."""
+
     def both_in_prefix(b, h, q_idx, kv_idx):
         return prefix[b, q_idx] & prefix[b, kv_idx]
+
     return both_in_prefix
 
 
 def sliding_window(window: int) -> MaskMod:
     """Only the `window` latest positions, itself included."""
+
     def recent(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < window
+
     return recent
 
 
-def mask_mod(kind: str, doc_ids: Optional[torch.Tensor] = None, prefix: Optional[torch.Tensor] = None,
-             window: Optional[int] = None) -> MaskMod:
+def mask_mod(
+    kind: str,
+    doc_ids: Optional[torch.Tensor] = None,
+    prefix: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+) -> MaskMod:
     """The composed mask of `model.attention` (and `model.attention_window`). Prefix-LM is
     per document: a document's inputs attend to each other, its targets to its inputs and
     its earlier targets."""
@@ -79,8 +89,15 @@ def dense(mod: MaskMod, batch: int, length: int, device: torch.device) -> torch.
 # error (cudaErrorInvalidAddressSpace) that poisoned the process; built eagerly, as
 # tests/gpu/test_attention_cuda.py's FlexAttention-against-SDPA check builds it, both agreed.
 @torch.compiler.disable
-def build(kind: str, window: Optional[int], doc_ids: Optional[torch.Tensor], prefix: Optional[torch.Tensor],
-          batch: int, length: int, device: torch.device) -> Mask:
+def build(
+    kind: str,
+    window: Optional[int],
+    doc_ids: Optional[torch.Tensor],
+    prefix: Optional[torch.Tensor],
+    batch: int,
+    length: int,
+    device: torch.device,
+) -> Mask:
     """What `Attention` runs for one batch: None (plain causal, SDPA's flash path), a
     FlexAttention block mask on CUDA, or a dense boolean mask elsewhere."""
     if kind == "causal" and window is None:

@@ -1,7 +1,8 @@
 """A Llama-style decoder-only transformer in plain PyTorch.
 
 Pre-norm blocks of RMSNorm -> masked self-attention (`model.attention`: causal, per
-document or prefix-LM, see `masks`; rotary positions, optional grouped-query attention) and RMSNorm -> SwiGLU MLP; a final RMSNorm and an untied
+document or prefix-LM, see `masks`; rotary positions, optional grouped-query attention) and RMSNorm -> SwiGLU MLP; a
+final RMSNorm and an untied
 output head; no biases.
 
 Parametrized by muP against a base (proxy) model when `model.base_*` give its shape
@@ -42,8 +43,15 @@ def ffn_hidden_dim(cfg: ModelConfig) -> int:
 
 
 # The blocks' matrices, by their names in a block.
-HIDDEN = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w3",
-          "feed_forward.w2")
+HIDDEN = (
+    "attention.wq",
+    "attention.wk",
+    "attention.wv",
+    "attention.wo",
+    "feed_forward.w1",
+    "feed_forward.w3",
+    "feed_forward.w2",
+)
 
 
 def fan_ins(dim: int, ffn_dim: int) -> dict[str, int]:
@@ -138,8 +146,9 @@ class Attention(nn.Module):
         if isinstance(mask, BlockMask):
             out = _compiled_flex_attention()(q, k, v, block_mask=mask, scale=self.scale, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                                                 enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=gqa
+            )
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -209,16 +218,26 @@ class Transformer(nn.Module):
         """The blocks' matrices, each with its name in a block (`HIDDEN`): what muP gives an
         init and learning rate scaled by its fan-in (the embedding, norms and output head
         keep theirs)."""
-        return [(name.removesuffix(".weight"), p) for block in self.layers for name, p in block.named_parameters()
-                if name.removesuffix(".weight") in HIDDEN]
+        return [
+            (name.removesuffix(".weight"), p)
+            for block in self.layers
+            for name, p in block.named_parameters()
+            if name.removesuffix(".weight") in HIDDEN
+        ]
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None,
-                loss_mask: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None,
-                positions: Optional[torch.Tensor] = None, prefix: Optional[torch.Tensor] = None,
-                attention: Optional[str] = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: Optional[torch.Tensor] = None,
+        loss_mask: Optional[torch.Tensor] = None,
+        doc_ids: Optional[torch.Tensor] = None,
+        positions: Optional[torch.Tensor] = None,
+        prefix: Optional[torch.Tensor] = None,
+        attention: Optional[str] = None,
+    ) -> torch.Tensor:
         """Logits [B, T, vocab], or the cross-entropy against `targets` when given.
 
         `doc_ids` and `prefix` [B, T] are what `model.attention` masks by (see `masks`), or
@@ -235,8 +254,15 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[None, :T], self.rope_sin[None, :T]
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        mask = masks.build(attention or self.cfg.attention, self.cfg.attention_window, doc_ids,
-                           None if prefix is None else prefix.bool(), B, T, tokens.device)
+        mask = masks.build(
+            attention or self.cfg.attention,
+            self.cfg.attention_window,
+            doc_ids,
+            None if prefix is None else prefix.bool(),
+            B,
+            T,
+            tokens.device,
+        )
         h = self.tok_embeddings(tokens)
         for block in self.layers:
             if self.cfg.activation_checkpointing and self.training:

@@ -16,21 +16,37 @@ import pyarrow.fs as pafs
 from wildtrain import storage
 from wildtrain.config import StorageConfig
 from wildtrain.services.process import (
-    HOST, ServiceError, free_port, free_port_with_offset, private_dir, stop_process, wait_until,
+    HOST,
+    ServiceError,
+    free_port,
+    free_port_with_offset,
+    private_dir,
+    stop_process,
+    wait_until,
 )
 
 # `weed mini` runs a master, volume server, filer, S3 gateway and admin server, each with an
 # HTTP and a gRPC port; unset ports default to fixed numbers (gRPC: HTTP + 10000), so a second
 # store on the same machine would collide. Only the S3 port is chosen by the caller.
 WEED_INTERNAL_PORTS = (
-    "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
-    "filer.port", "filer.port.grpc", "s3.port.grpc",
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port.grpc",
 )
 # The admin server's maintenance worker dials the admin HTTP port + 10000 whatever
 # -admin.port.grpc says (seaweedfs 4.48), so the admin gRPC port is left at that default.
 WEED_GRPC_OFFSET = 10000
-WEED_DISABLED = ("-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                 "-master.telemetry=false")
+WEED_DISABLED = (
+    "-admin.ui=false",
+    "-webdav=false",
+    "-s3.port.iceberg=0",
+    "-s3.port.lance=0",
+    "-master.telemetry=false",
+)
 
 
 @dataclass
@@ -77,9 +93,16 @@ def start_object_store(root: Path, port: int, bucket: str = "wildtrain", timeout
     access_key, secret_key = object_store_keys()
     process = subprocess.Popen(
         [
-            weed_cli(), "mini", f"-dir={data_dir}", f"-ip={HOST}", f"-ip.bind={HOST}", f"-bucket={bucket}",
-            f"-s3.port={port}", *(f"-{name}={free_port()}" for name in WEED_INTERNAL_PORTS),
-            f"-admin.port={free_port_with_offset(WEED_GRPC_OFFSET)}", *WEED_DISABLED,
+            weed_cli(),
+            "mini",
+            f"-dir={data_dir}",
+            f"-ip={HOST}",
+            f"-ip.bind={HOST}",
+            f"-bucket={bucket}",
+            f"-s3.port={port}",
+            *(f"-{name}={free_port()}" for name in WEED_INTERNAL_PORTS),
+            f"-admin.port={free_port_with_offset(WEED_GRPC_OFFSET)}",
+            *WEED_DISABLED,
         ],
         # SeaweedFS takes its admin identity from these variables: never from the command line,
         # which every user of the machine can read.

@@ -71,16 +71,15 @@ def wait_healthy(url: str, process: subprocess.Popen | None, log: Path, timeout_
     wait_until(lambda: is_healthy(url), f"{url} did not answer", process, log, timeout_s)
 
 
-def wait_until(ready: Callable[[], bool], failure: str, process: subprocess.Popen | None, log: Path,
-               timeout_s: float) -> None:
+def wait_until(
+    ready: Callable[[], bool], failure: str, process: subprocess.Popen | None, log: Path, timeout_s: float
+) -> None:
     """Poll `ready` until it holds; if `process` exits first or time runs out, raise with the
     end of its log, which says why far better than a timeout does."""
     deadline = time.monotonic() + timeout_s
     while not ready():
         if process is not None and process.poll() is not None:
-            raise ServiceError(
-                f"{' '.join(process.args[:4])} exited with {process.returncode}; see {log}{_tail(log)}"
-            )
+            raise ServiceError(f"{' '.join(process.args[:4])} exited with {process.returncode}; see {log}{_tail(log)}")
         if time.monotonic() > deadline:
             raise ServiceError(f"{failure} within {timeout_s:g} s; see {log}{_tail(log)}")
         time.sleep(0.2)

@@ -16,8 +16,9 @@ from wildtrain.services.state import DEFAULT_STATE_DIR, recorded_address
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-def choose_ray_address(configured: Optional[str], environ_address: Optional[str],
-                       recorded: Optional[str], state_file: Path) -> str:
+def choose_ray_address(
+    configured: Optional[str], environ_address: Optional[str], recorded: Optional[str], state_file: Path
+) -> str:
     """The cluster a run joins: `cluster.ray_address`, else $RAY_ADDRESS, else the head
     `wildtrain up` recorded in `state_file`. Never a private Ray started on the spot: its
     CPUs would be whatever this machine has, not what the run was sized for, and a run that
@@ -33,8 +34,9 @@ def choose_ray_address(configured: Optional[str], environ_address: Optional[str]
 
 
 def ray_address(configured: Optional[str], state_dir: Path = DEFAULT_STATE_DIR) -> str:
-    return choose_ray_address(configured, os.environ.get("RAY_ADDRESS"), recorded_address(state_dir),
-                              state_dir / "services.json")
+    return choose_ray_address(
+        configured, os.environ.get("RAY_ADDRESS"), recorded_address(state_dir), state_dir / "services.json"
+    )
 
 
 def is_loopback(address: str) -> bool:

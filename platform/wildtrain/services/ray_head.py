@@ -106,40 +106,74 @@ def ray_head_command(ports: RayPorts, num_cpus: int, temp_dir: Path, num_gpus: i
     counted, with as many `trainer` resources for conf/cluster/gpu.yaml's workers."""
     trainer = ["--resources", json.dumps({TRAINER_RESOURCE: num_gpus})] if num_gpus else []
     return [
-        ray_cli(), "start", "--head", "--disable-usage-stats",
-        "--node-ip-address", HOST, "--port", str(ports.gcs),
-        "--include-dashboard", "true", "--dashboard-host", HOST, "--dashboard-port", str(ports.dashboard),
-        "--dashboard-agent-listen-port", str(ports.dashboard_agent),
-        "--dashboard-agent-grpc-port", str(ports.dashboard_agent_grpc),
-        "--runtime-env-agent-port", str(ports.runtime_env_agent),
-        "--metrics-export-port", str(ports.metrics_export),
-        "--ray-client-server-port", str(ports.client_server),
-        "--node-manager-port", str(ports.node_manager),
-        "--object-manager-port", str(ports.object_manager),
+        ray_cli(),
+        "start",
+        "--head",
+        "--disable-usage-stats",
+        "--node-ip-address",
+        HOST,
+        "--port",
+        str(ports.gcs),
+        "--include-dashboard",
+        "true",
+        "--dashboard-host",
+        HOST,
+        "--dashboard-port",
+        str(ports.dashboard),
+        "--dashboard-agent-listen-port",
+        str(ports.dashboard_agent),
+        "--dashboard-agent-grpc-port",
+        str(ports.dashboard_agent_grpc),
+        "--runtime-env-agent-port",
+        str(ports.runtime_env_agent),
+        "--metrics-export-port",
+        str(ports.metrics_export),
+        "--ray-client-server-port",
+        str(ports.client_server),
+        "--node-manager-port",
+        str(ports.node_manager),
+        "--object-manager-port",
+        str(ports.object_manager),
         # 0: ports the OS picks, instead of the 10002-19999 range every `ray start` shares.
-        "--min-worker-port", "0", "--max-worker-port", "0",
-        "--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), *trainer,
-        "--system-config", json.dumps(NODE_HEALTH_CHECKS),
+        "--min-worker-port",
+        "0",
+        "--max-worker-port",
+        "0",
+        "--num-cpus",
+        str(num_cpus),
+        "--num-gpus",
+        str(num_gpus),
+        *trainer,
+        "--system-config",
+        json.dumps(NODE_HEALTH_CHECKS),
         # Its own temp dir: its sessions, sockets and discovery file apart from any other
         # Ray's, and what `stop_ray_head` finds its processes by.
-        "--temp-dir", str(temp_dir),
+        "--temp-dir",
+        str(temp_dir),
     ]
 
 
-def start_ray_head(ports: RayPorts, num_cpus: int, temp_dir: Path, env: dict[str, str] | None = None,
-                   num_gpus: int = 0) -> str:
+def start_ray_head(
+    ports: RayPorts, num_cpus: int, temp_dir: Path, env: dict[str, str] | None = None, num_gpus: int = 0
+) -> str:
     """A Ray head on 127.0.0.1 only, with its dashboard and jobs API, token authentication
     on, its files under `temp_dir` (absolute and short: Ray's socket paths must fit 107
     bytes); `env` is added to the environment of its processes. Returns the GCS address."""
-    metric_ports = {"AUTOSCALER_METRIC_PORT": str(ports.autoscaler_metrics),
-                    "DASHBOARD_METRIC_PORT": str(ports.dashboard_metrics)}
+    metric_ports = {
+        "AUTOSCALER_METRIC_PORT": str(ports.autoscaler_metrics),
+        "DASHBOARD_METRIC_PORT": str(ports.dashboard_metrics),
+    }
     # Ray's own helpers that find "the" cluster without an address (Ray Train's placement
     # group cleaner asks the state API) pick the newest of all Ray instances on the machine
     # unless RAY_ADDRESS names theirs: beside a test cluster they removed the wrong group's
     # placement group. Every process of the head inherits its own address.
     own_address = {"RAY_ADDRESS": f"{HOST}:{ports.gcs}"}
-    done = subprocess.run(ray_head_command(ports, num_cpus, temp_dir, num_gpus), capture_output=True, text=True,
-                          env={**token_auth_env(), **LOOPBACK_ONLY_ENV, **metric_ports, **own_address, **(env or {})})
+    done = subprocess.run(
+        ray_head_command(ports, num_cpus, temp_dir, num_gpus),
+        capture_output=True,
+        text=True,
+        env={**token_auth_env(), **LOOPBACK_ONLY_ENV, **metric_ports, **own_address, **(env or {})},
+    )
     if done.returncode != 0:
         stop_ray_head(temp_dir, f"{HOST}:{ports.gcs}")
         raise ServiceError(f"`ray start --head` failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")

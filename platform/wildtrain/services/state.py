@@ -60,9 +60,15 @@ def use_local_object_store(state_dir: Path = DEFAULT_STATE_DIR) -> Optional[str]
     return os.environ.get("AWS_ENDPOINT_URL")
 
 
-def up(state_dir: Path = DEFAULT_STATE_DIR, ray_ports: RayPorts = RayPorts(), mlflow_port: int = 5000,
-       num_cpus: int | None = None, object_store_port: int = 8333, bucket: str = "wildtrain",
-       num_gpus: int | None = None) -> Services:
+def up(
+    state_dir: Path = DEFAULT_STATE_DIR,
+    ray_ports: RayPorts = RayPorts(),
+    mlflow_port: int = 5000,
+    num_cpus: int | None = None,
+    object_store_port: int = 8333,
+    bucket: str = "wildtrain",
+    num_gpus: int | None = None,
+) -> Services:
     """Start what is not running (see the package's docstring); `num_gpus`: the GPUs the head
     declares, by default all that `local_gpus` finds."""
     state_file = state_dir / "services.json"

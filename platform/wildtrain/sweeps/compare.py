@@ -63,7 +63,7 @@ def smooth(values: Sequence[float], weight: float = SMOOTHING) -> list[float]:
 
 
 def ranking_metric(trials: Sequence[TrialRecord]) -> str:
-    """"val/loss" when every finished trial has a finite validation loss, else "loss"."""
+    """ "val/loss" when every finished trial has a finite validation loss, else "loss"."""
     finished = [t for t in trials if t.status == "FINISHED" and not t.stopped_early]
     validated = all(t.val_loss is not None and math.isfinite(t.val_loss) for t in finished)
     return "val/loss" if finished and validated else "loss"
@@ -83,7 +83,9 @@ def rank(trials: Sequence[TrialRecord], metric: Optional[str] = None) -> list[Ra
         score = scores[t.name]
         return t.status == "FINISHED" and not t.stopped_early and score is not None and math.isfinite(score)
 
-    ranked_trials = sorted((t for t in trials if rankable(t)), key=lambda t: (round(scores[t.name], LOSS_DECIMALS), t.name))
+    ranked_trials = sorted(
+        (t for t in trials if rankable(t)), key=lambda t: (round(scores[t.name], LOSS_DECIMALS), t.name)
+    )
     out, place = [], 0
     for i, t in enumerate(ranked_trials):
         shown = round(scores[t.name], LOSS_DECIMALS)
@@ -92,8 +94,13 @@ def rank(trials: Sequence[TrialRecord], metric: Optional[str] = None) -> list[Ra
             place = i + 1
         out.append(Ranked(place, t, finals[t.name], f"tie with {', '.join(ties)}" if ties else "", scores[t.name]))
     for t in sorted((t for t in trials if not rankable(t)), key=lambda t: t.name):
-        note = (f"stopped early: {t.stopped_early}" if t.stopped_early
-                else t.status.lower() if t.status != "FINISHED" else f"no finite {metric}")
+        note = (
+            f"stopped early: {t.stopped_early}"
+            if t.stopped_early
+            else t.status.lower()
+            if t.status != "FINISHED"
+            else f"no finite {metric}"
+        )
         out.append(Ranked(None, t, finals[t.name], note, scores[t.name]))
     return out
 
@@ -135,10 +142,18 @@ def table_text(sweep: str, ranked: Sequence[Ranked], keys: Sequence[str]) -> str
     by_validation = ranking_metric([r.trial for r in ranked]) == "val/loss"
     header = ("rank", "trial", *keys, "val loss", "loss", "tokens/s", "MFU", "goodput", "peak GB", "note")
     rows = [header] + [
-        (str(r.place) if r.place is not None else "-", r.trial.name, *(dict(r.trial.values)[k] for k in keys),
-         show(r.trial.val_loss, f".{LOSS_DECIMALS}f"), show(r.final_loss, f".{LOSS_DECIMALS}f"),
-         show(r.trial.tokens_per_s, ".0f"), show(r.trial.mfu, ".2%"), show(r.trial.goodput, ".1%"),
-         show(r.trial.peak_memory_gb, ".2f"), r.note)
+        (
+            str(r.place) if r.place is not None else "-",
+            r.trial.name,
+            *(dict(r.trial.values)[k] for k in keys),
+            show(r.trial.val_loss, f".{LOSS_DECIMALS}f"),
+            show(r.final_loss, f".{LOSS_DECIMALS}f"),
+            show(r.trial.tokens_per_s, ".0f"),
+            show(r.trial.mfu, ".2%"),
+            show(r.trial.goodput, ".1%"),
+            show(r.trial.peak_memory_gb, ".2f"),
+            r.note,
+        )
         for r in ranked
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -150,8 +165,9 @@ def table_text(sweep: str, ranked: Sequence[Ranked], keys: Sequence[str]) -> str
         values = " ".join(f"{k}={v}" for k, v in winner.trial.values)
         lines.append(f"best: {winner.trial.name} ({values})" + (f", {winner.note}" if winner.note else ""))
     lines.append(f"effect of each swept key (mean {by} of the ranked trials with that value):")
-    lines += [f"  {e.key}={e.value}: {show(e.mean_loss, f'.{LOSS_DECIMALS}f')} (n={e.trials})"
-              for e in effects(ranked, keys)]
+    lines += [
+        f"  {e.key}={e.value}: {show(e.mean_loss, f'.{LOSS_DECIMALS}f')} (n={e.trials})" for e in effects(ranked, keys)
+    ]
     odd = differing_data([r.trial for r in ranked])
     if odd:
         lines.append(f"warning: trained on other data than {ranked[0].trial.name}: {', '.join(odd)}")

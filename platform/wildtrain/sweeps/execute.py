@@ -90,8 +90,11 @@ def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Opt
     client = Client(tracking.uri)
     experiment_id = client.experiment_id(tracking.experiment)
     parent = open_parent(client, experiment_id, plan)
-    done = {run.data.tags[TRIAL_TAG] for run in trial_runs(client, [experiment_id], plan.name)
-            if run.info.status == "FINISHED"}
+    done = {
+        run.data.tags[TRIAL_TAG]
+        for run in trial_runs(client, [experiment_id], plan.name)
+        if run.info.status == "FINISHED"
+    }
     todo = [t for t in plan.trials if t.hash not in done]
     skipped = tuple(t.run_name for t in plan.trials if t.hash in done)
     if not todo:
@@ -127,8 +130,13 @@ class _Running:
     last_line: str = ""
 
 
-def _run_trials(trials: Sequence[Trial], parallel: int, tags: Callable[[Trial], dict[str, str]], sweep: str,
-                say: Callable[[str], None]) -> tuple[list[str], list[str]]:
+def _run_trials(
+    trials: Sequence[Trial],
+    parallel: int,
+    tags: Callable[[Trial], dict[str, str]],
+    sweep: str,
+    say: Callable[[str], None],
+) -> tuple[list[str], list[str]]:
     """Each trial in a `wildtrain train` process, at most `parallel` at once; (ran, failed)."""
     waiting = list(trials)
     running: list[_Running] = []
@@ -146,7 +154,9 @@ def _run_trials(trials: Sequence[Trial], parallel: int, tags: Callable[[Trial], 
             if finished.process.returncode == 0:
                 ran.append(finished.trial.run_name)
             else:  # the next trial may still run; the sweep ends failed
-                failed.append(f"{finished.trial.run_name}: {finished.last_line or f'exit {finished.process.returncode}'}")
+                failed.append(
+                    f"{finished.trial.run_name}: {finished.last_line or f'exit {finished.process.returncode}'}"
+                )
                 say(f"sweep {sweep}: trial {finished.trial.run_name} failed; going on with the next")
     except KeyboardInterrupt:
         _stop(running, interrupt=False)  # Ctrl-C reached the trials too
@@ -160,7 +170,11 @@ def _run_trials(trials: Sequence[Trial], parallel: int, tags: Callable[[Trial], 
 def _start(trial: Trial, tags: dict[str, str], say: Callable[[str], None], ended: queue.Queue) -> _Running:
     process = subprocess.Popen(
         [sys.executable, "-m", "wildtrain", "train", *trial.args, f"run.tags={json.dumps(tags)}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     running = _Running(trial, process)
 
     def relay() -> None:
@@ -217,27 +231,39 @@ def open_parent(client: Client, experiment_id: str, plan: SweepPlan) -> str:
         params = existing.data.params
         for name, value, option in ((GRID_PARAM, grid, "--grid"), (OVERRIDES_PARAM, overrides, "overrides")):
             if params.get(name) != value:
-                raise SweepError(f"sweep {plan.name!r} already exists with other {option} ({params.get(name)}, "
-                                 f"now {value}); give this one another name")
+                raise SweepError(
+                    f"sweep {plan.name!r} already exists with other {option} ({params.get(name)}, "
+                    f"now {value}); give this one another name"
+                )
         recorded = {name: value for name, value in params.items() if name.startswith(ARGS_PARAM)}
         if recorded != args:
-            raise SweepError(f"sweep {plan.name!r} already exists with other trials (another --budget-tokens, "
-                             "or recorded before each trial's arguments were); give this one another name")
+            raise SweepError(
+                f"sweep {plan.name!r} already exists with other trials (another --budget-tokens, "
+                "or recorded before each trial's arguments were); give this one another name"
+            )
         return existing.info.run_id
     run_id = client.create_run(experiment_id, plan.name, {SWEEP_TAG: plan.name, ROLE_TAG: "parent"})
-    client.log_params(run_id, {GRID_PARAM: grid, OVERRIDES_PARAM: overrides, "sweep.trials": str(len(plan.trials)),
-                               **args})
+    client.log_params(
+        run_id, {GRID_PARAM: grid, OVERRIDES_PARAM: overrides, "sweep.trials": str(len(plan.trials)), **args}
+    )
     return run_id
 
 
 def trial_tags(parent_run_id: str, sweep: str, trial: Trial) -> dict[str, str]:
-    return {"mlflow.parentRunId": parent_run_id, SWEEP_TAG: sweep, ROLE_TAG: "trial", TRIAL_TAG: trial.hash,
-            **{VALUE_TAG + key: value for key, value in trial.values}}
+    return {
+        "mlflow.parentRunId": parent_run_id,
+        SWEEP_TAG: sweep,
+        ROLE_TAG: "trial",
+        TRIAL_TAG: trial.hash,
+        **{VALUE_TAG + key: value for key, value in trial.values},
+    }
 
 
 def swept_values(run) -> tuple[tuple[str, str], ...]:
     """A trial run's (swept key, value), from its tags."""
-    return tuple((key[len(VALUE_TAG):], value) for key, value in sorted(run.data.tags.items()) if key.startswith(VALUE_TAG))
+    return tuple(
+        (key[len(VALUE_TAG) :], value) for key, value in sorted(run.data.tags.items()) if key.startswith(VALUE_TAG)
+    )
 
 
 def grid_keys(parent_run) -> list[str]:

@@ -35,7 +35,9 @@ class Law:
         # In floats that overflow to inf: a bootstrap law fitted badly (from a few points) may
         # predict beyond float range far from its data, and its interval then says so.
         with np.errstate(over="ignore"):
-            return float(self.E + self.A * np.power(np.float64(n), -self.alpha) + self.B * np.power(np.float64(d), -self.beta))
+            return float(
+                self.E + self.A * np.power(np.float64(n), -self.alpha) + self.B * np.power(np.float64(d), -self.beta)
+            )
 
 
 @dataclass(frozen=True)
@@ -59,10 +61,17 @@ def _objective(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_l: n
     weights = np.exp(terms - predicted)  # d predicted / d term: a softmax
     r = predicted - log_l
     small = np.abs(r) <= HUBER_DELTA
-    loss = np.sum(np.where(small, 0.5 * r ** 2, HUBER_DELTA * (np.abs(r) - 0.5 * HUBER_DELTA)))
+    loss = np.sum(np.where(small, 0.5 * r**2, HUBER_DELTA * (np.abs(r) - 0.5 * HUBER_DELTA)))
     slope = np.clip(r, -HUBER_DELTA, HUBER_DELTA)
-    grad = np.array([np.sum(slope * weights[0]), np.sum(slope * weights[1]), -np.sum(slope * weights[0] * log_n),
-                     -np.sum(slope * weights[1] * log_d), np.sum(slope * weights[2])])
+    grad = np.array(
+        [
+            np.sum(slope * weights[0]),
+            np.sum(slope * weights[1]),
+            -np.sum(slope * weights[0] * log_n),
+            -np.sum(slope * weights[1] * log_d),
+            np.sum(slope * weights[2]),
+        ]
+    )
     return float(loss), grad
 
 
@@ -71,8 +80,9 @@ def _fit(log_n, log_d, log_l, starts, options=None) -> np.ndarray:
 
     best = None
     for start in starts:
-        result = minimize(_objective, np.array(start), args=(log_n, log_d, log_l), method="L-BFGS-B", jac=True,
-                          options=options)
+        result = minimize(
+            _objective, np.array(start), args=(log_n, log_d, log_l), method="L-BFGS-B", jac=True, options=options
+        )
         if best is None or result.fun < best.fun:
             best = result
     return best.x
@@ -94,22 +104,34 @@ def _interval(values: Sequence[float], level: float) -> tuple[float, float]:
     return float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail))
 
 
-def fit_law(params: Sequence[float], tokens: Sequence[float], losses: Sequence[float], bootstrap: int = 100,
-            seed: int = 0, level: float = 0.9) -> Fitted:
+def fit_law(
+    params: Sequence[float],
+    tokens: Sequence[float],
+    losses: Sequence[float],
+    bootstrap: int = 100,
+    seed: int = 0,
+    level: float = 0.9,
+) -> Fitted:
     """The law through (N, D, loss) points, with `level` bootstrap intervals: each resample
     of the points is fitted from the full fit's optimum, as a grid per resample would cost
     the grid's size again for little change."""
-    n, d, l = (np.asarray(x, dtype=float) for x in (params, tokens, losses))
-    if len(l) < MIN_POINTS or len(set(n)) < 2 or len(set(d)) < 2 or not np.all(np.isfinite(l)):
-        raise FitError(f"a loss-vs-compute fit needs at least {MIN_POINTS} points (the best finished trial at a "
-                       f"model size and token count) with finite losses over several of each; got {len(l)} points, "
-                       f"{len(set(n))} sizes, {len(set(d))} token counts")
-    log_n, log_d, log_l = np.log(n), np.log(d), np.log(l)
+    n, d, loss = (np.asarray(x, dtype=float) for x in (params, tokens, losses))
+    if len(loss) < MIN_POINTS or len(set(n)) < 2 or len(set(d)) < 2 or not np.all(np.isfinite(loss)):
+        raise FitError(
+            f"a loss-vs-compute fit needs at least {MIN_POINTS} points (the best finished trial at a "
+            f"model size and token count) with finite losses over several of each; got {len(loss)} points, "
+            f"{len(set(n))} sizes, {len(set(d))} token counts"
+        )
+    log_n, log_d, log_l = np.log(n), np.log(d), np.log(loss)
     theta = _fit(log_n, log_d, log_l, _STARTS)
     rng = np.random.default_rng(seed)
     laws = []
     for _ in range(bootstrap):
-        pick = rng.integers(0, len(l), len(l))
+        pick = rng.integers(0, len(loss), len(loss))
         laws.append(_law(_fit(log_n[pick], log_d[pick], log_l[pick], [theta], _FROM_OPTIMUM)))
-    return Fitted(_law(theta), _interval([law.alpha for law in laws], level), _interval([law.beta for law in laws], level),
-                  tuple(laws))
+    return Fitted(
+        _law(theta),
+        _interval([law.alpha for law in laws], level),
+        _interval([law.beta for law in laws], level),
+        tuple(laws),
+    )

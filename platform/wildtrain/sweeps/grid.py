@@ -96,8 +96,14 @@ def steps_for_budget(tokens: int, global_batch_size: int, seq_len: int) -> int:
     return max(1, math.ceil(tokens / (global_batch_size * seq_len)))
 
 
-def plan_sweep(name: str, grid_specs: Sequence[str], overrides: Sequence[str], steps: Optional[int] = None,
-               budget_tokens: Optional[int] = None, conf_dir: Optional[Path] = None) -> SweepPlan:
+def plan_sweep(
+    name: str,
+    grid_specs: Sequence[str],
+    overrides: Sequence[str],
+    steps: Optional[int] = None,
+    budget_tokens: Optional[int] = None,
+    conf_dir: Optional[Path] = None,
+) -> SweepPlan:
     """Every trial of the sweep, its config loaded and validated (a `ConfigError` names the
     key, prefixed with the trial). Trials are ordered with the first --grid key slowest.
     `budget_tokens` gives each trial the steps for that many tokens, so trials with other
@@ -124,7 +130,9 @@ def plan_sweep(name: str, grid_specs: Sequence[str], overrides: Sequence[str], s
         trial_overrides = [*common, *(f"{key}={value}" for key, value in values)]
         cfg = _load(trial_overrides, values, conf_dir)
         if budget_tokens is not None:
-            trial_overrides.append(f"train.steps={steps_for_budget(budget_tokens, cfg.train.global_batch_size, cfg.data.seq_len)}")
+            trial_overrides.append(
+                f"train.steps={steps_for_budget(budget_tokens, cfg.train.global_batch_size, cfg.data.seq_len)}"
+            )
             cfg = _load(trial_overrides, values, conf_dir)
         digest = trial_hash(cfg)
         cfg.run.name = f"{name}-{digest}"
@@ -143,6 +151,8 @@ def _load(overrides: list[str], values: tuple[tuple[str, str], ...], conf_dir: O
 
 def dry_run_text(plan: SweepPlan) -> str:
     lines = [f"sweep {plan.name}: {len(plan.trials)} trials over {', '.join(plan.keys)}"]
-    lines += [f"  {trial.hash}  {trial.run_name}  {trial.label()}  (train.steps={trial.cfg.train.steps})"
-              for trial in plan.trials]
+    lines += [
+        f"  {trial.hash}  {trial.run_name}  {trial.label()}  (train.steps={trial.cfg.train.steps})"
+        for trial in plan.trials
+    ]
     return "\n".join(lines) + "\n"

@@ -33,15 +33,18 @@ class Prediction:
 
     def text(self) -> str:
         law = self.fitted.law
-        return (f"L(N, D) = {law.E:.3f} + {law.A:.4g} / N^{law.alpha:.3f} + {law.B:.4g} / D^{law.beta:.3f}\n"
-                f"  alpha {law.alpha:.3f} (90% {self.fitted.alpha_interval[0]:.3f}..{self.fitted.alpha_interval[1]:.3f}), "
-                f"beta {law.beta:.3f} (90% {self.fitted.beta_interval[0]:.3f}..{self.fitted.beta_interval[1]:.3f})\n"
-                f"predicted loss at N={self.params:.4g} parameters, D={self.tokens:.4g} tokens: {self.loss:.4f} "
-                f"(90% {self.interval[0]:.4f}..{self.interval[1]:.4f})\n")
+        return (
+            f"L(N, D) = {law.E:.3f} + {law.A:.4g} / N^{law.alpha:.3f} + {law.B:.4g} / D^{law.beta:.3f}\n"
+            f"  alpha {law.alpha:.3f} (90% {self.fitted.alpha_interval[0]:.3f}..{self.fitted.alpha_interval[1]:.3f}), "
+            f"beta {law.beta:.3f} (90% {self.fitted.beta_interval[0]:.3f}..{self.fitted.beta_interval[1]:.3f})\n"
+            f"predicted loss at N={self.params:.4g} parameters, D={self.tokens:.4g} tokens: {self.loss:.4f} "
+            f"(90% {self.interval[0]:.4f}..{self.interval[1]:.4f})\n"
+        )
 
 
-def predict_promoted(uri: str, sweep: str, to: Sequence[str], overrides: Sequence[str] = (),
-                     conf_dir: Optional[Path] = None) -> Prediction:
+def predict_promoted(
+    uri: str, sweep: str, to: Sequence[str], overrides: Sequence[str] = (), conf_dir: Optional[Path] = None
+) -> Prediction:
     """Fit the sweep's finished trials (`fit_points`: parameters from their configs, tokens
     and final loss from MLflow) and predict the run `promote` would write with `to`."""
     parent, _, trials = fetch_sweep(uri, sweep)
@@ -56,8 +59,9 @@ def predict_promoted(uri: str, sweep: str, to: Sequence[str], overrides: Sequenc
     return Prediction(fitted, n, d, fitted.law.predict(n, d), fitted.predict_interval(n, d))
 
 
-def fit_points(trials: Sequence[compare.TrialRecord], params: Mapping[str, int],
-               metric: str) -> tuple[list[int], list[float], list[float]]:
+def fit_points(
+    trials: Sequence[compare.TrialRecord], params: Mapping[str, int], metric: str
+) -> tuple[list[int], list[float], list[float]]:
     """(N, D, loss) of the law's points: at each model size and token count, the trial with
     the lowest `final_loss`. The law is the loss at the best settings: a trial at a worse
     learning rate, say, lies on another curve, and would pull the fit to it."""
@@ -79,4 +83,4 @@ def final_loss(trial: compare.TrialRecord, metric: str) -> Optional[float]:
         return trial.val_loss
     if not trial.loss:
         return None
-    return statistics.fmean(trial.loss[-max(1, round(len(trial.loss) * FINAL_SHARE)):])
+    return statistics.fmean(trial.loss[-max(1, round(len(trial.loss) * FINAL_SHARE)) :])

@@ -9,9 +9,8 @@ Runs returned (`get_run`, `search_runs`) are MLflow's own `Run` objects, read by
 
 from __future__ import annotations
 
-import json
-
 import contextlib
+import json
 import os
 import urllib.error
 import urllib.request
@@ -139,8 +138,13 @@ class Client:
         except MlflowException:
             return None
 
-    def search_runs(self, experiment_ids: Optional[Sequence[str]], query: str, newest_first: bool = False,
-                    page_size: int = _PAGE_SIZE) -> Iterator:
+    def search_runs(
+        self,
+        experiment_ids: Optional[Sequence[str]],
+        query: str,
+        newest_first: bool = False,
+        page_size: int = _PAGE_SIZE,
+    ) -> Iterator:
         """The runs matching `query` (MLflow's search syntax) in `experiment_ids` (None: in
         every experiment), by start time; read a page of `page_size` at a time, as the
         caller goes on (`next(...)` reads one page)."""
@@ -168,15 +172,17 @@ class Client:
         from mlflow.entities import Metric
 
         for i in range(0, len(rows), METRICS_PER_REQUEST):
-            self._client.log_batch(run_id, metrics=[Metric(key, value, at, step)
-                                                    for key, value, at, step in rows[i:i + METRICS_PER_REQUEST]])
+            self._client.log_batch(
+                run_id,
+                metrics=[Metric(key, value, at, step) for key, value, at, step in rows[i : i + METRICS_PER_REQUEST]],
+            )
 
     def log_params(self, run_id: str, params: dict[str, str]) -> None:
         from mlflow.entities import Param
 
         items = [Param(key, value) for key, value in params.items()]
         for i in range(0, len(items), _PARAMS_PER_BATCH):
-            self._client.log_batch(run_id, params=items[i:i + _PARAMS_PER_BATCH])
+            self._client.log_batch(run_id, params=items[i : i + _PARAMS_PER_BATCH])
 
     def set_tag(self, run_id: str, key: str, value: str) -> None:
         self._client.set_tag(run_id, key, value)
@@ -200,10 +206,19 @@ class Client:
         from mlflow.entities import Dataset, DatasetInput, InputTag
         from mlflow.exceptions import MlflowException
 
-        inputs = [DatasetInput(Dataset(name=uri, digest=sha256[:16], source_type="wildtrain-manifest",
-                                       source=f"{uri}/manifest.json", profile=json.dumps({"bad_records": bad})),
-                               tags=[InputTag("mlflow.data.context", "training")])
-                  for uri, sha256, bad in datasets]
+        inputs = [
+            DatasetInput(
+                Dataset(
+                    name=uri,
+                    digest=sha256[:16],
+                    source_type="wildtrain-manifest",
+                    source=f"{uri}/manifest.json",
+                    profile=json.dumps({"bad_records": bad}),
+                ),
+                tags=[InputTag("mlflow.data.context", "training")],
+            )
+            for uri, sha256, bad in datasets
+        ]
         for attempt in range(_DATASET_ATTEMPTS):
             try:
                 self._client.log_inputs(run_id, datasets=inputs)
@@ -232,8 +247,9 @@ class Client:
 
     # The model registry.
 
-    def register_version(self, name: str, source: str, run_id: Optional[str], tags: dict[str, str],
-                         description: str) -> str:
+    def register_version(
+        self, name: str, source: str, run_id: Optional[str], tags: dict[str, str], description: str
+    ) -> str:
         """A new version of the registered model `name` (created if there is none; another
         caller may create it at the same time); its version number. `Refused` if MLflow refuses."""
         from mlflow.exceptions import MlflowException
@@ -244,8 +260,7 @@ class Client:
             except MlflowException as e:
                 if e.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
-            version = self._client.create_model_version(name, source, run_id=run_id, tags=tags,
-                                                        description=description)
+            version = self._client.create_model_version(name, source, run_id=run_id, tags=tags, description=description)
         return str(version.version)
 
 

@@ -37,8 +37,14 @@ def mlflow_key(name: str) -> str:
 
 
 # An attempt's first report: where its start-up went (bench/startup.py), logged as startup/<key>.
-STARTUP_METRICS = ("worker_started_at", "attempt_started_at", "health_checked_at", "restored_at", "engine_build_s",
-                   "first_step_at")
+STARTUP_METRICS = (
+    "worker_started_at",
+    "attempt_started_at",
+    "health_checked_at",
+    "restored_at",
+    "engine_build_s",
+    "first_step_at",
+)
 
 
 def read_events(uri: str, run_id: str, folder: str) -> list[Event]:

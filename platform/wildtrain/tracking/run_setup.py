@@ -30,9 +30,11 @@ def open_run(cfg: Config, run_id: Optional[str], tags: Optional[dict[str, str]] 
         return run.info.experiment_id, run_id
 
     experiment_id = client.experiment_id(cfg.tracking.experiment)
-    run_id = client.create_run(experiment_id, cfg.run.name,
-                               {CLUSTER_TAG: cfg.cluster.name, CLUSTERS_TAG: f",{cfg.cluster.name},",
-                                **cfg.run.tags, **(tags or {})})
+    run_id = client.create_run(
+        experiment_id,
+        cfg.run.name,
+        {CLUSTER_TAG: cfg.cluster.name, CLUSTERS_TAG: f",{cfg.cluster.name},", **cfg.run.tags, **(tags or {})},
+    )
     # Everyone who can read the experiment sees params: no user:password from a URI in them.
     client.log_params(run_id, {key: redact(str(value))[:_PARAM_CHARS] for key, value in flatten(cfg).items()})
     client.log_text(run_id, redact(to_yaml(cfg)), "config.yaml")

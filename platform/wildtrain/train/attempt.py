@@ -46,8 +46,8 @@ from wildtrain.train.drills import Drills
 from wildtrain.train.generations import InProcess, Leftovers, PeerCommits, Unreported
 from wildtrain.train.growth import GrowthCheck
 from wildtrain.train.monitor import Monitor
-from wildtrain.train.samples import SampleRecorder
 from wildtrain.train.reporting import ReportCadence
+from wildtrain.train.samples import SampleRecorder
 from wildtrain.train.schedule import At
 from wildtrain.train.step import DeviceBatches, StepMetrics, Window, train_step
 from wildtrain.train.validation import Validator
@@ -84,8 +84,9 @@ class Attempt:
 
         torch.manual_seed(cfg.train.seed)
         # From here to the first step (health check, restore, engine build) under the start-up bound.
-        self.watchdog = HangWatchdog(cfg.monitor.hang_timeout_s, cfg.monitor.startup_timeout_s,
-                                     RunLayout.of(cfg).hangs, rank, cfg.storage)
+        self.watchdog = HangWatchdog(
+            cfg.monitor.hang_timeout_s, cfg.monitor.startup_timeout_s, RunLayout.of(cfg).hangs, rank, cfg.storage
+        )
         try:
             self._build(inputs, device, left)
         except BaseException:
@@ -106,8 +107,9 @@ class Attempt:
         # It reads doc_ids only for an objective or a mask that needs them.
         objective = Objective.of(cfg, inputs.data.tokenizer)
         if left is None:
-            self.engine, self.state, self.restored = checkpointing.build_and_restore(cfg, self.plan, world_size, rank,
-                                                                                       stores, device)
+            self.engine, self.state, self.restored = checkpointing.build_and_restore(
+                cfg, self.plan, world_size, rank, stores, device
+            )
             self.stream = self._open_stream(inputs, objective, self.state.step)
             self.known_good = [self.restored.candidate.key] if self.restored.candidate else []
         else:
@@ -120,12 +122,14 @@ class Attempt:
         self.state.world_size = world_size
         self.commits = PeerCommits(self.in_process, self.state, self.monitor.nodes) if self.in_process else None
         if self.in_process is not None:
-            self.monitor.events.append(Formed(time.time(), self.in_process.generation.number, self.state.step,
-                                              list(self.monitor.nodes)))
+            self.monitor.events.append(
+                Formed(time.time(), self.in_process.generation.number, self.state.step, list(self.monitor.nodes))
+            )
         background, shm_events = checkpointing.save_mode(cfg, rank, world_size, self.monitor.nodes)
         self.monitor.events += shm_events
-        self.reports_collected = (ray_compat.reports_collected if self.reports_to_ray else
-                                  RELAY.empty if rank == 0 else lambda: True)
+        self.reports_collected = (
+            ray_compat.reports_collected if self.reports_to_ray else RELAY.empty if rank == 0 else lambda: True
+        )
         token = collectives.broadcast_object(new_attempt_token())
         self.saver = self._saver(left.saving if left else None, stores, background, device, token)
         self.samples = SampleRecorder(cfg, rank) if cfg.data.record_samples else None
@@ -142,55 +146,87 @@ class Attempt:
         self.startup: Optional[Startup] = None  # the attempt's start-up timings, until a report carries them
         self.tokens_per_step = self.plan.global_batch_size * cfg.data.seq_len
         peak = device_peak(device, cfg.cluster.peak_flops_per_device)
-        self.window = StepMetrics(self.tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len), peak, world_size,
-                                  device, data_wait=self.stream)
+        self.window = StepMetrics(
+            self.tokens_per_step,
+            flops_per_token(cfg.model, cfg.data.seq_len),
+            peak,
+            world_size,
+            device,
+            data_wait=self.stream,
+        )
         # Each step's rows become the objective's examples (a pure function of the step and
         # the rows), copied to the device while the step before it trains.
-        self.batches = DeviceBatches((self.stream.next_step() for _ in range(cfg.train.steps - self.state.step)), device,
-                                     tokens=lambda step: objective.rows(step.step, step.sample_ids, step.tokens,
-                                                                        step.doc_ids))
+        self.batches = DeviceBatches(
+            (self.stream.next_step() for _ in range(cfg.train.steps - self.state.step)),
+            device,
+            tokens=lambda step: objective.rows(step.step, step.sample_ids, step.tokens, step.doc_ids),
+        )
         member = self.in_process.member if self.in_process else None
         short_of_members = member is not None and world_size < member.group_size
         # Drills (chaos.*), off by default.
-        self.drills = Drills(cfg, rank, self.state.step, joiner=not self.reports_to_ray,
-                             slowed=self.monitor.slowed_by_chaos, short_of_members=short_of_members,
-                             spares_waiting=member.spares_waiting if member else None)
+        self.drills = Drills(
+            cfg,
+            rank,
+            self.state.step,
+            joiner=not self.reports_to_ray,
+            slowed=self.monitor.slowed_by_chaos,
+            short_of_members=short_of_members,
+            spares_waiting=member.spares_waiting if member else None,
+        )
         # A generation that lost members grows back by the workers the controller starts on
         # their placement slots once Ray placed those again (`elastic.survivors`).
-        self.growth = GrowthCheck(world_size < cfg.elastic.max_workers, rank, inputs.worker_resources,
-                                  cfg.elastic.resize_check_interval_s, cfg.run.name, spare_cpus(cfg),
-                                  joiners=member.joiners_waiting if member else None,
-                                  awaiting_joiners=short_of_members)
+        self.growth = GrowthCheck(
+            world_size < cfg.elastic.max_workers,
+            rank,
+            inputs.worker_resources,
+            cfg.elastic.resize_check_interval_s,
+            cfg.run.name,
+            spare_cpus(cfg),
+            joiners=member.joiners_waiting if member else None,
+            awaiting_joiners=short_of_members,
+        )
         # This layout's first mirrors, before its first step: a death during it is recovered from them.
         self.commit(flush=True)
 
-    def _saver(self, handed: Union[AsyncSaver, SaveProcess, None], stores, background: str, device: torch.device,
-               token: str) -> AsyncSaver:
+    def _saver(
+        self, handed: Union[AsyncSaver, SaveProcess, None], stores, background: str, device: torch.device, token: str
+    ) -> AsyncSaver:
         """This attempt's saver: at a hand-over to joiners the last generation's, regrouped (its
         save in flight, if any, commits as that generation's); else a new one, in the idle save
         process the last attempt left where there is one."""
         if isinstance(handed, AsyncSaver) and handed.background == background:
-            handed.regroup(rank=self.rank, world_size=self.world_size, attempt=token,
-                           reports_collected=self.reports_collected)
+            handed.regroup(
+                rank=self.rank, world_size=self.world_size, attempt=token, reports_collected=self.reports_collected
+            )
             return handed
         if isinstance(handed, AsyncSaver):
             handed = handed.close_keeping_process(timeout_s=0)
         cfg = self.cfg
         return AsyncSaver(
-            stores, cfg.checkpoint.staging_dir, rank=self.rank, world_size=self.world_size, attempt=token,
-            policy=cfg.checkpoint.policy, timeout_s=cfg.checkpoint.timeout_s,
+            stores,
+            cfg.checkpoint.staging_dir,
+            rank=self.rank,
+            world_size=self.world_size,
+            attempt=token,
+            policy=cfg.checkpoint.policy,
+            timeout_s=cfg.checkpoint.timeout_s,
             verify_upload=cfg.checkpoint.verify_upload,
             retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
-            known_good=self.known_good, commit_when_released=True,
-            reports_collected=self.reports_collected, background=background, device=device, process=handed,
+            known_good=self.known_good,
+            commit_when_released=True,
+            reports_collected=self.reports_collected,
+            background=background,
+            device=device,
+            process=handed,
             # Started after the first step: its imports would take CPU from every rank's start.
             defer_process=True,
         )
 
     def _open_stream(self, inputs: LoopInputs, objective: Objective, from_step: int) -> RankStream:
         """This rank's rows from `from_step` on, read from now on in the background."""
-        stream = RankStream(inputs.data.datasets, self.cfg, self.rank, self.world_size, from_step=from_step,
-                            doc_ids=not objective.plain)
+        stream = RankStream(
+            inputs.data.datasets, self.cfg, self.rank, self.world_size, from_step=from_step, doc_ids=not objective.plain
+        )
         stream.start()
         return stream
 
@@ -202,7 +238,9 @@ class Attempt:
     def re_formed_at_the_end(self) -> bool:
         """Whether this attempt was re-formed in-process after the run's last step committed
         (a member died in that step's report): the report is all that is left of the run."""
-        return self.in_process is not None and self.in_process.left is not None and self.state.step == self.cfg.train.steps
+        return (
+            self.in_process is not None and self.in_process.left is not None and self.state.step == self.cfg.train.steps
+        )
 
     def close(self, keep_save_process: bool = False) -> Optional[SaveProcess]:
         """Stop what this attempt started (its watchdog, and where built, its stream and its
@@ -233,18 +271,31 @@ class Attempt:
         """Drop this attempt at a committed step for the next generation, which workers joined (`MembersJoining`):
         what it needs of this one, its saver too (every member of it is in the next: a save in flight commits)."""
         self._stop_reading()
-        resize = Resize(time.time(), self.world_size, self.state.step, f"workers joined the group of {self.world_size}",
-                        list(self.monitor.nodes))
+        resize = Resize(
+            time.time(),
+            self.world_size,
+            self.state.step,
+            f"workers joined the group of {self.world_size}",
+            list(self.monitor.nodes),
+        )
         return self.commits.leftovers(resize, self._take_unreported(), self.known_good, saving=self.saver)
 
     def _take_unreported(self, through: Optional[int] = None) -> Unreported:
         """What the reports have not carried yet (the windows up to step `through`), taken."""
         windows = [w for w in self.windows if through is None or w.metrics["step"] <= through]
         saves = checkpointing.saves_report(self.saver.drain())
-        unreported = Unreported(self.resolved + self.window.resolve(windows),
-                                self.carried_events + self.monitor.take_events() + saves.events,
-                                self.carried_commits + list(saves.committed), saves.metrics)
-        self.windows, self.resolved, self.carried_events, self.carried_commits = self.windows[len(windows):], [], [], []
+        unreported = Unreported(
+            self.resolved + self.window.resolve(windows),
+            self.carried_events + self.monitor.take_events() + saves.events,
+            self.carried_commits + list(saves.committed),
+            saves.metrics,
+        )
+        self.windows, self.resolved, self.carried_events, self.carried_commits = (
+            self.windows[len(windows) :],
+            [],
+            [],
+            [],
+        )
         return unreported
 
     def step(self) -> At:
@@ -252,8 +303,10 @@ class Attempt:
         try:
             rows, batch = next(self.batches)
         except ShardCorrupt as e:
-            raise RunCannotContinue(f"{e}; to train on without it, resubmit with data.skip_bad_shards=true "
-                                    "and data.allow_order_change=true (the rows of later steps change)") from None
+            raise RunCannotContinue(
+                f"{e}; to train on without it, resubmit with data.skip_bad_shards=true "
+                "and data.allow_order_change=true (the rows of later steps change)"
+            ) from None
         self.drills.before_step(self.state.step + 1)
         started = time.perf_counter()
         train_step(self.engine, self.plan, rows, self.window, self.drills.slow_forward_s)
@@ -288,20 +341,31 @@ class Attempt:
         cfg, state = self.cfg, self.state
         # Every optimizer step applied exactly once across restarts, or nothing is saved.
         if self.engine.global_steps != state.step:
-            raise RuntimeError(f"DeepSpeed counted {self.engine.global_steps} optimizer steps where the run is at {state.step}")
+            raise RuntimeError(
+                f"DeepSpeed counted {self.engine.global_steps} optimizer steps where the run is at {state.step}"
+            )
         must_commit = checkpointing.must_commit(at, regrow)
         # A save that must commit waits on storage up to checkpoint.timeout_s, longer than a hang.
-        commit_wait = (self.watchdog.waiting(f"the commit of step {state.step}", up_to_s=cfg.checkpoint.timeout_s)
-                       if must_commit else contextlib.nullcontext())
+        commit_wait = (
+            self.watchdog.waiting(f"the commit of step {state.step}", up_to_s=cfg.checkpoint.timeout_s)
+            if must_commit
+            else contextlib.nullcontext()
+        )
         with self.window.timed("checkpoint_stall"), commit_wait:
             # The last save is retried; a regrow's is not: training on at this size is no loss.
-            committed = checkpointing.save(self.saver, self.engine, cfg, state, self.world_size,
-                                           must_commit=must_commit, retry=at.last)
+            committed = checkpointing.save(
+                self.saver, self.engine, cfg, state, self.world_size, must_commit=must_commit, retry=at.last
+            )
         if regrow and not committed:
             # Regrowing now would restart from an older checkpoint and redo steps, and a
             # regrow is no failure, so storage trouble plus free room would loop.
-            self.monitor.events.append(RegrowPostponed(
-                time.time(), state.step, f"the checkpoint of step {state.step} did not commit; training on at this size"))
+            self.monitor.events.append(
+                RegrowPostponed(
+                    time.time(),
+                    state.step,
+                    f"the checkpoint of step {state.step} did not commit; training on at this size",
+                )
+            )
             return False
         if at.last and not committed:
             restored = self.restored.candidate
@@ -354,9 +418,15 @@ class Attempt:
         where a lone member lost before the controller took it would have taken it along."""
         state = self.state
         if logs:
-            window = self.window.close(step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size,
-                                       lr=self.engine.get_lr()[0], epoch=(state.step - 1) // self.data.steps_per_epoch,
-                                       **self._membership_metrics(), **self.validated)
+            window = self.window.close(
+                step=state.step,
+                tokens_seen=state.tokens_seen,
+                world_size=self.world_size,
+                lr=self.engine.get_lr()[0],
+                epoch=(state.step - 1) // self.data.steps_per_epoch,
+                **self._membership_metrics(),
+                **self.validated,
+            )
             self.windows.append(window)
             self.validated = {}
             self._judge(window)
@@ -365,18 +435,26 @@ class Attempt:
                 self.carried_events += self.in_process.recovered(self.restored_at, self.restored_step)
         elif at.first:
             # What the controller needs to split this attempt's recovery (and start-up) time into its parts.
-            self.startup = Startup(restored_step=self.restored_step, **dataclasses.asdict(self.restored.timing),
-                                   worker_started_at=psutil.Process().create_time(), attempt_started_at=self.started_at,
-                                   health_checked_at=self.health_checked_at, restored_at=self.restored_at,
-                                   first_step_at=time.time())
+            self.startup = Startup(
+                restored_step=self.restored_step,
+                **dataclasses.asdict(self.restored.timing),
+                worker_started_at=psutil.Process().create_time(),
+                attempt_started_at=self.started_at,
+                health_checked_at=self.health_checked_at,
+                restored_at=self.restored_at,
+                first_step_at=time.time(),
+            )
         # Time blocked here is the report's, never the step's: its own badput in goodput.
         with self.window.timed("report_wait"):
             # The run's end, a regrow and a divergence (which ends the run) cannot go on without
             # their report; every other report waits for a step at which no rank's previous
             # one is still queued.
             looking = self.reports.looks(at, saving)
-            if (not must_commit and not self.diverged
-                    and (hold or not looking or not collectives.all_ranks(self.reports_collected()))):
+            if (
+                not must_commit
+                and not self.diverged
+                and (hold or not looking or not collectives.all_ranks(self.reports_collected()))
+            ):
                 return
             # In-process, only committed steps' windows go: another may be trained again (`PeerCommits`).
             committed = self.commits.committed if self.commits is not None else state.step
@@ -386,13 +464,25 @@ class Attempt:
                 self.monitor.export(windows[-1])
             if self.startup is not None:
                 events = self.restored.events + events
-            send = (ray.train.report if self.in_process is None else
-                    ray_compat.report_without_barrier if self.reports_to_ray else RELAY.put)
-            send(WorkerReport(
-                step=state.step, tokens_seen=state.tokens_seen, world_size=self.world_size, windows=tuple(windows),
-                events=tuple(events), checkpoint=unreported.checkpoint_metrics,
-                committed_checkpoints=tuple(unreported.committed), startup=self.startup,
-            ).to_dict())
+            send = (
+                ray.train.report
+                if self.in_process is None
+                else ray_compat.report_without_barrier
+                if self.reports_to_ray
+                else RELAY.put
+            )
+            send(
+                WorkerReport(
+                    step=state.step,
+                    tokens_seen=state.tokens_seen,
+                    world_size=self.world_size,
+                    windows=tuple(windows),
+                    events=tuple(events),
+                    checkpoint=unreported.checkpoint_metrics,
+                    committed_checkpoints=tuple(unreported.committed),
+                    startup=self.startup,
+                ).to_dict()
+            )
             self.startup = None
             self.reports.sent(state.step, self._steps_per_poll(windows))
         # Every rank's previous report had been collected (or this one waited for its turn);

@@ -24,7 +24,14 @@ from wildtrain.checkpoint.store import CommitError, Store
 from wildtrain.config import CheckpointConfig, Config, config_hash
 from wildtrain.elastic.peer_state import Mirrors, load_state
 from wildtrain.engine import build_engine, build_model
-from wildtrain.events import CheckpointFailed, CheckpointFallback, CheckpointPartial, CheckpointSkipped, Event, ShmTooSmall
+from wildtrain.events import (
+    CheckpointFailed,
+    CheckpointFallback,
+    CheckpointPartial,
+    CheckpointSkipped,
+    Event,
+    ShmTooSmall,
+)
 from wildtrain.model import param_count
 from wildtrain.train import collectives
 from wildtrain.train.schedule import At, every
@@ -48,8 +55,9 @@ class Restored:
     events: list[CheckpointFallback]  # committed checkpoints passed over, and why
 
 
-def build_and_restore(cfg: Config, plan: BatchPlan, world_size: int, rank: int, stores: list[Store],
-                      device: torch.device):
+def build_and_restore(
+    cfg: Config, plan: BatchPlan, world_size: int, rank: int, stores: list[Store], device: torch.device
+):
     """The engine with the newest good committed checkpoint loaded, the state saved with it,
     and what the restore did. A checkpoint saved at another world size is loaded from its
     universal copy in the store, which rank 0 makes unless the controller made it ahead.
@@ -68,8 +76,9 @@ def build_and_restore(cfg: Config, plan: BatchPlan, world_size: int, rank: int, 
         copy = None
         if rank == 0:
             try:
-                copy = reshard.convert_in_store(store, candidate.name, candidate.manifest, cfg.checkpoint.staging_dir,
-                                                in_process=True)
+                copy = reshard.convert_in_store(
+                    store, candidate.name, candidate.manifest, cfg.checkpoint.staging_dir, in_process=True
+                )
             except Exception as e:  # the candidate is passed over like one that fails verification
                 copy = f"converting it to the universal format failed: {e}"
         copy = collectives.broadcast_object(copy)
@@ -80,12 +89,22 @@ def build_and_restore(cfg: Config, plan: BatchPlan, world_size: int, rank: int, 
 
     local = tempfile.mkdtemp(prefix=f"wildtrain-restore-rank{rank}-")
     try:
-        restored = restore(stores, local, rank=rank, world_size=world_size, agree=collectives.all_ranks,
-                           listing=lambda list_them: collectives.broadcast_object(list_them() if rank == 0 else None),
-                           universal_copy=universal_copy)
+        restored = restore(
+            stores,
+            local,
+            rank=rank,
+            world_size=world_size,
+            agree=collectives.all_ranks,
+            listing=lambda list_them: collectives.broadcast_object(list_them() if rank == 0 else None),
+            universal_copy=universal_copy,
+        )
         if restored is None:
             engine = new_engine()
-            return engine, TrainState(world_size=world_size), Restored(None, RestoreTiming(0.0, 0.0, engine_build_s), [])
+            return (
+                engine,
+                TrainState(world_size=world_size),
+                Restored(None, RestoreTiming(0.0, 0.0, engine_build_s), []),
+            )
         events = [CheckpointFallback(time.time(), s.store, s.name, s.step, s.reason) for s in restored.skipped]
         state = TrainState.from_json(checkpoint.read_client_state(restored.folder))
         universal_load = needs_universal(restored.manifest, world_size)
@@ -93,8 +112,9 @@ def build_and_restore(cfg: Config, plan: BatchPlan, world_size: int, rank: int, 
         (universal.load if universal_load else checkpoint.load)(engine, restored.folder, restored.manifest.tag)
     finally:
         shutil.rmtree(local, ignore_errors=True)
-    timing = RestoreTiming(restore_s=time.perf_counter() - started - reshard_s, reshard_s=reshard_s,
-                           engine_build_s=engine_build_s)
+    timing = RestoreTiming(
+        restore_s=time.perf_counter() - started - reshard_s, reshard_s=reshard_s, engine_build_s=engine_build_s
+    )
     return engine, state, Restored(restored.candidate, timing, events)
 
 
@@ -114,8 +134,7 @@ def gather_from_peers(mirrors: Mirrors, states: dict[int, TrainState], world_siz
     step is whole); `states`: this rank's committed steps (a joiner has none)."""
     started = time.perf_counter()
     repartition, full = mirrors.gather(fresh=False)
-    state = next(held[repartition.step] for held in collectives.all_gather_object(states)
-                 if repartition.step in held)
+    state = next(held[repartition.step] for held in collectives.all_gather_object(states) if repartition.step in held)
     return HeldByPeers(replace(state, world_size=world_size), full, time.perf_counter() - started)
 
 
@@ -125,8 +144,11 @@ def restore_from_peers(cfg: Config, plan: BatchPlan, device: torch.device, held:
     started = time.perf_counter()
     engine, engine_build_s = timed_engine(cfg, plan, device)
     load_state(engine, held.full, held.state.step, plan.global_batch_size)
-    timing = RestoreTiming(restore_s=held.gather_s + time.perf_counter() - started - engine_build_s, reshard_s=0.0,
-                           engine_build_s=engine_build_s)
+    timing = RestoreTiming(
+        restore_s=held.gather_s + time.perf_counter() - started - engine_build_s,
+        reshard_s=0.0,
+        engine_build_s=engine_build_s,
+    )
     return engine, held.state, Restored(None, timing, [])
 
 
@@ -138,8 +160,9 @@ def timed_engine(cfg: Config, plan: BatchPlan, device: torch.device, load_univer
     return engine, time.perf_counter() - building
 
 
-def save_mode(cfg: Config, rank: int, world_size: int, nodes: list[str],
-              shm_free: Callable[[], Optional[int]] = shm.shm_free) -> tuple[str, list[ShmTooSmall]]:
+def save_mode(
+    cfg: Config, rank: int, world_size: int, nodes: list[str], shm_free: Callable[[], Optional[int]] = shm.shm_free
+) -> tuple[str, list[ShmTooSmall]]:
     """Where this rank's saves run: `checkpoint.background`, unless that is "process" and the
     host copies of the checkpoint parts of every rank on this node (`nodes`: each rank's node)
     would not fit in its /dev/shm (checkpoint/shm.py); then "thread", said on this worker's
@@ -148,8 +171,9 @@ def save_mode(cfg: Config, rank: int, world_size: int, nodes: list[str],
     the next rank's stands in."""
     param_bytes = 2 if cfg.cluster.use_gpu else 4  # bf16 on CUDA, fp32 elsewhere (engine.deepspeed_config)
     on_node = [r for r, node in enumerate(nodes) if node == nodes[rank]]
-    needed = shm.shm_needed(shm.capture_bytes(param_count(cfg.model), param_bytes, cfg.deepspeed.zero_stage,
-                                              world_size, r) for r in on_node)
+    needed = shm.shm_needed(
+        shm.capture_bytes(param_count(cfg.model), param_bytes, cfg.deepspeed.zero_stage, world_size, r) for r in on_node
+    )
     mode = shm.choose_mode(cfg.checkpoint.background, shm_free(), needed)
     if mode.reason:
         print(f"rank {rank} on node {nodes[rank]}: {mode.reason}", flush=True)
@@ -157,8 +181,14 @@ def save_mode(cfg: Config, rank: int, world_size: int, nodes: list[str],
     events = {}  # a node's ranks see the same room and need: one event per node
     for node, m in zip(nodes, modes):
         if m.reason and node not in events:
-            events[node] = ShmTooSmall(time.time(), node, [r for r, n in enumerate(nodes) if n == node], m.free,
-                                       m.needed, f"node {node}: {m.reason}")
+            events[node] = ShmTooSmall(
+                time.time(),
+                node,
+                [r for r, n in enumerate(nodes) if n == node],
+                m.free,
+                m.needed,
+                f"node {node}: {m.reason}",
+            )
     return mode.mode, list(events.values())
 
 
@@ -178,16 +208,22 @@ def must_commit(at: At, regrow: bool) -> bool:
     return at.last or regrow
 
 
-def save(saver: AsyncSaver, engine, cfg: Config, state: TrainState, world_size: int, must_commit: bool,
-         retry: bool = False) -> bool:
+def save(
+    saver: AsyncSaver, engine, cfg: Config, state: TrainState, world_size: int, must_commit: bool, retry: bool = False
+) -> bool:
     """Capture this rank's part of the checkpoint and let it commit in the background. With
     `must_commit` (the last step, a planned regrow) wait for the commit, and with `retry`
     try a save that failed again, with backoff, for up to checkpoint.timeout_s in all;
     whether it committed (the same answer on every rank). Without, False: the commit is yet
     to come."""
-    meta = CheckpointMeta(step=state.step, tag=f"step_{state.step}", world_size=world_size,
-                          zero_stage=cfg.deepspeed.zero_stage, data_position={"step": state.step, "seed": cfg.train.seed},
-                          config_hash=config_hash(cfg))
+    meta = CheckpointMeta(
+        step=state.step,
+        tag=f"step_{state.step}",
+        world_size=world_size,
+        zero_stage=cfg.deepspeed.zero_stage,
+        data_position={"step": state.step, "seed": cfg.train.seed},
+        config_hash=config_hash(cfg),
+    )
     if not must_commit:
         # Skipping is collective: one rank still busy with the previous save skips it for all.
         skip = collectives.any_rank(saver.admission().action == "skip")
@@ -226,7 +262,8 @@ class SavesReport:
 def saves_report(outcomes: list[SaveOutcome]) -> SavesReport:
     events: list[Event] = [
         _NOT_SAVED[o.status](time.time(), o.step, o.name, o.reason, o.failure, str(o.disk_full) if o.disk_full else "")
-        for o in outcomes if o.status != "saved"
+        for o in outcomes
+        if o.status != "saved"
     ]
     committed = [f"{store}/{o.name}" for o in outcomes if o.status in ("saved", "partial") for store in o.stored]
     return SavesReport(save_policy.metrics(outcomes), committed, events)

@@ -278,8 +278,9 @@ class PeerWatch:
 
 
 @contextlib.contextmanager
-def failing_together(rank: int, together: tuple[type[BaseException], ...] = (),
-                     store: Optional[dist.Store] = None) -> Iterator[PeerWatch]:
+def failing_together(
+    rank: int, together: tuple[type[BaseException], ...] = (), store: Optional[dist.Store] = None
+) -> Iterator[PeerWatch]:
     """Run the attempt's body so that an exception on this rank ends the attempt on every
     rank: its reason goes to the others (`PeerWatch`, through `store` if given), and an error
     this rank meets because another failed is raised as `PeerFailed` with that rank's reason.

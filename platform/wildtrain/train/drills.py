@@ -17,8 +17,17 @@ class Drills:
     rank slowed by chaos.slow_*; `short_of_members`: an in-process generation smaller than
     its group was formed; `spares_waiting`: an in-process group's count of ready spares."""
 
-    def __init__(self, cfg: Config, rank: int, restored_step: int, *, joiner: bool, slowed: bool,
-                 short_of_members: bool, spares_waiting: Optional[Callable[[], int]] = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        rank: int,
+        restored_step: int,
+        *,
+        joiner: bool,
+        slowed: bool,
+        short_of_members: bool,
+        spares_waiting: Optional[Callable[[], int]] = None,
+    ) -> None:
         chaos = cfg.chaos
         self.cfg, self.rank = cfg, rank
         self.fails_as_joiner = joiner and chaos.fail_joiner
@@ -32,8 +41,10 @@ class Drills:
         """The least time of the next step: chaos.short_step_s while the group trains short of a
         member or of a spare (elastic.spares), else chaos.min_step_s."""
         chaos = self.cfg.chaos
-        short = chaos.short_step_s > 0 and (self.short_of_members or (
-            self.spares_waiting is not None and self.spares_waiting() < self.cfg.elastic.spares))
+        short = chaos.short_step_s > 0 and (
+            self.short_of_members
+            or (self.spares_waiting is not None and self.spares_waiting() < self.cfg.elastic.spares)
+        )
         return max(chaos.min_step_s, chaos.short_step_s) if short else chaos.min_step_s
 
     def before_step(self, step: int) -> None:

@@ -74,5 +74,7 @@ def check_storage(drivers: storage.StorageView, cfg: Config) -> None:
     another store, or none."""
     differs = storage.StorageView.here(cfg.storage).differences(drivers)
     if differs:
-        raise RunCannotContinue(f"storage: a worker on {ray.util.get_node_ip_address()} resolves s3:// unlike "
-                                f"the driver: {'; '.join(differs)}")
+        raise RunCannotContinue(
+            f"storage: a worker on {ray.util.get_node_ip_address()} resolves s3:// unlike "
+            f"the driver: {'; '.join(differs)}"
+        )

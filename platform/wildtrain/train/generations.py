@@ -17,7 +17,6 @@ from wildtrain.train import collectives
 from wildtrain.train.state import TrainState
 from wildtrain.train.step import StepMetrics
 
-
 _SHARED = ("windows", "events", "committed", "known_good", "interruption")  # `Leftovers.of_rank_zero`
 
 
@@ -43,7 +42,9 @@ class Leftovers:
         on every rank of the next generation (a collective at its start). A joiner has none of
         them, and the controller logs rank 0's reports: where rank 0's node takes one before the
         controller collected it, the next rank's report stands in, and must carry the same."""
-        return dataclasses.replace(self, **collectives.broadcast_object({name: getattr(self, name) for name in _SHARED}))
+        return dataclasses.replace(
+            self, **collectives.broadcast_object({name: getattr(self, name) for name in _SHARED})
+        )
 
     def without_saves_in_flight(self) -> Leftovers:
         """These, where a member was lost before the next attempt took them: a save in flight
@@ -54,8 +55,9 @@ class Leftovers:
 
     @classmethod
     def joiner(cls, save_process: Optional[SaveProcess]) -> "Leftovers":
-        return cls(states={}, windows=[], events=[], committed=[], known_good=[], interruption=None,
-                   saving=save_process)
+        return cls(
+            states={}, windows=[], events=[], committed=[], known_good=[], interruption=None, saving=save_process
+        )
 
 
 @dataclass(frozen=True)
@@ -82,12 +84,16 @@ class InProcess:
     def recovered(self, restored_at: float, restored_step: int) -> list[Event]:
         """The interruption this re-formed attempt recovered from, and its recovery, at its first step."""
         interruption = self.left.interruption
-        done = recovered(interruption, self.generation.formed_at, restored_at, restored_step,
-                         self.generation.world_size)
+        done = recovered(
+            interruption, self.generation.formed_at, restored_at, restored_step, self.generation.world_size
+        )
         if self.generation.rank == 0:
-            print(f"re-formed in-process at world size {done.world_size_after} from step {restored_step} in "
-                  f"{done.recovery_s:.1f} s (rendezvous {done.restart_s:.1f} s, state from peers "
-                  f"{done.restore_s:.1f} s); {done.steps_lost} steps redone", flush=True)
+            print(
+                f"re-formed in-process at world size {done.world_size_after} from step {restored_step} in "
+                f"{done.recovery_s:.1f} s (rendezvous {done.restart_s:.1f} s, state from peers "
+                f"{done.restore_s:.1f} s); {done.steps_lost} steps redone",
+                flush=True,
+            )
         return [interruption, done]
 
 
@@ -125,7 +131,7 @@ class PeerCommits:
             self.committed = settled
         self._pending = None if flush else state.step
         self.states[state.step] = dataclasses.replace(state)
-        for old in sorted(self.states)[:-self.mirrors.keep_steps]:
+        for old in sorted(self.states)[: -self.mirrors.keep_steps]:
             del self.states[old]
 
     def flush(self) -> None:
@@ -136,33 +142,70 @@ class PeerCommits:
         collectives.all_ranks(True)  # no rank leaves before every rank's exchange is done
         self.committed, self._pending = self._pending, None
 
-    def failure(self, error: BaseException, failed_at: float, state: TrainState, world_size: int, nodes: list[str],
-                left: Optional[Leftovers]) -> Interrupted:
+    def failure(
+        self,
+        error: BaseException,
+        failed_at: float,
+        state: TrainState,
+        world_size: int,
+        nodes: list[str],
+        left: Optional[Leftovers],
+    ) -> Interrupted:
         """The interruption of an attempt that lost a member to `error` at `failed_at`: `left`'s
         where it never stepped (the same outage). A step trained but not committed yet is
         trained again: lost, in the failure's accounting."""
         if max(self.states) > self.restored_step or left is None or left.interruption is None:
-            return Failure(failed_at, world_size, state.step,
-                           f"a member left the group of {world_size}: {str(error).splitlines()[0][:200]}", nodes)
+            return Failure(
+                failed_at,
+                world_size,
+                state.step,
+                f"a member left the group of {world_size}: {str(error).splitlines()[0][:200]}",
+                nodes,
+            )
         return left.interruption
 
-    def leftovers(self, interruption: Interrupted, unreported: Unreported, known_good: list[tuple[str, str]],
-                  saving: Union[AsyncSaver, SaveProcess, None]) -> Leftovers:
+    def leftovers(
+        self,
+        interruption: Interrupted,
+        unreported: Unreported,
+        known_good: list[tuple[str, str]],
+        saving: Union[AsyncSaver, SaveProcess, None],
+    ) -> Leftovers:
         """What the next generation needs of this attempt, dropped at its last committed step."""
         self.mirrors.forget_after(max(self.states))
-        return Leftovers(states=dict(self.states), windows=unreported.windows, events=unreported.events,
-                         committed=unreported.committed, known_good=known_good, interruption=interruption,
-                         saving=saving)
+        return Leftovers(
+            states=dict(self.states),
+            windows=unreported.windows,
+            events=unreported.events,
+            committed=unreported.committed,
+            known_good=known_good,
+            interruption=interruption,
+            saving=saving,
+        )
 
 
-def recovered(interruption: Interrupted, formed_at: float, restored_at: float, restored_step: int, world_size: int,
-              now: Optional[float] = None) -> Recovered:
+def recovered(
+    interruption: Interrupted,
+    formed_at: float,
+    restored_at: float,
+    restored_step: int,
+    world_size: int,
+    now: Optional[float] = None,
+) -> Recovered:
     """The recovery from `interruption` of an attempt re-formed in-process whose generation formed at
     `formed_at`, whose state was rebuilt from its peers by `restored_at` at `restored_step`, and
     whose first step is done `now`: for the run's timeline and goodput, as a restarted group's
     (`tracking.controller.timeline`)."""
     now = time.time() if now is None else now
-    return Recovered(now, interruption.KIND, interruption.world_size, world_size,
-                     restart_s=formed_at - interruption.at, restore_s=restored_at - formed_at, reshard_s=0.0,
-                     recovery_s=now - interruption.at, restored_step=restored_step,
-                     steps_lost=max(0, interruption.last_step - restored_step))
+    return Recovered(
+        now,
+        interruption.KIND,
+        interruption.world_size,
+        world_size,
+        restart_s=formed_at - interruption.at,
+        restore_s=restored_at - formed_at,
+        reshard_s=0.0,
+        recovery_s=now - interruption.at,
+        restored_step=restored_step,
+        steps_lost=max(0, interruption.last_step - restored_step),
+    )

@@ -27,9 +27,17 @@ class GrowthCheck:
     slot is open (`awaiting_joiners`) the group grows only by them: the room a returning
     node brings is Ray's to place that slot on, and a restart would take it first."""
 
-    def __init__(self, below_max: bool, rank: int, per_worker: dict, interval_s: float, run_name: str,
-                 data_cpus: float, joiners: Optional[Callable[[], bool]] = None,
-                 awaiting_joiners: bool = False) -> None:
+    def __init__(
+        self,
+        below_max: bool,
+        rank: int,
+        per_worker: dict,
+        interval_s: float,
+        run_name: str,
+        data_cpus: float,
+        joiners: Optional[Callable[[], bool]] = None,
+        awaiting_joiners: bool = False,
+    ) -> None:
         self.below_max = below_max
         self.rank = rank
         self.per_worker = per_worker

@@ -101,10 +101,26 @@ def judge(ranks: list[RankHealth], allreduce_gb_per_s: float, min_ratio: float, 
     checks = []
     for r in ranks:
         ratio = r.matmul_flops_per_s / median if median > 0 else 1.0
-        checks.append(HealthCheck(at, "matmul", r.rank, r.node, passed=ratio >= min_ratio,
-                                  detail=f"{r.matmul_flops_per_s / 1e9:.1f} GFLOP/s, {ratio:.2f}x the group median"))
-    checks.append(HealthCheck(at, "allreduce", -1, "group", passed=True,
-                              detail=f"{allreduce_gb_per_s:.2f} GB/s bus bandwidth, {len(ranks)} ranks"))
+        checks.append(
+            HealthCheck(
+                at,
+                "matmul",
+                r.rank,
+                r.node,
+                passed=ratio >= min_ratio,
+                detail=f"{r.matmul_flops_per_s / 1e9:.1f} GFLOP/s, {ratio:.2f}x the group median",
+            )
+        )
+    checks.append(
+        HealthCheck(
+            at,
+            "allreduce",
+            -1,
+            "group",
+            passed=True,
+            detail=f"{allreduce_gb_per_s:.2f} GB/s bus bandwidth, {len(ranks)} ranks",
+        )
+    )
     return checks
 
 

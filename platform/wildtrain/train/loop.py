@@ -61,9 +61,15 @@ def train_loop(inputs: LoopInputs) -> None:
         with collectives.failing_together(context.get_world_rank(), together):
             train(Attempt(inputs, device))
         return
-    member = Member.of_ray_worker(inputs.rendezvous, context.get_world_rank(), context.get_world_size(),
-                                  ray.get_runtime_context().get_node_id(), cfg.elastic, backend(cfg),
-                                  control_timeout_s(cfg))
+    member = Member.of_ray_worker(
+        inputs.rendezvous,
+        context.get_world_rank(),
+        context.get_world_size(),
+        ray.get_runtime_context().get_node_id(),
+        cfg.elastic,
+        backend(cfg),
+        control_timeout_s(cfg),
+    )
     # A rank's own failure goes through the driver's store: Ray's lives in rank 0's process,
     # which the generations outlive.
     with collectives.failing_together(context.get_world_rank(), together, member.store) as watch:
@@ -95,17 +101,21 @@ def train(attempt: Attempt) -> None:
             if attempt.diverged:
                 break  # a diverged trial's checkpoint is worth nothing: no last save
             if regrow:
-                raise PlannedRegrow(f"room for more than {attempt.world_size} workers; "
-                                    f"regrowing from the checkpoint of step {attempt.state.step}")
+                raise PlannedRegrow(
+                    f"room for more than {attempt.world_size} workers; "
+                    f"regrowing from the checkpoint of step {attempt.state.step}"
+                )
             if growth is Growth.JOIN:
-                raise MembersJoining(f"workers ask to join the group of {attempt.world_size} after step "
-                                     f"{attempt.state.step}")
+                raise MembersJoining(
+                    f"workers ask to join the group of {attempt.world_size} after step {attempt.state.step}"
+                )
     finally:
         attempt.watchdog.stop()
 
 
-def join_in_process(inputs: LoopInputs, token: str, name: str, group_size: int, first_read: Future,
-                    called_at: float) -> None:
+def join_in_process(
+    inputs: LoopInputs, token: str, name: str, group_size: int, first_read: Future, called_at: float
+) -> None:
     """A worker the controller started on a lost member's placement slot (`elastic.survivors`):
     it joins the group registered under `token` as `name` and trains in its generations from
     the state the members hold. No Ray Train worker: its generation's rank 0 reports.
@@ -118,15 +128,26 @@ def join_in_process(inputs: LoopInputs, token: str, name: str, group_size: int, 
     if trains_on_gpu(cfg):
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
-    member = Member.joining(inputs.rendezvous, token, name, group_size, ray.get_runtime_context().get_node_id(),
-                            cfg.elastic, backend(cfg), control_timeout_s(cfg))
+    member = Member.joining(
+        inputs.rendezvous,
+        token,
+        name,
+        group_size,
+        ray.get_runtime_context().get_node_id(),
+        cfg.elastic,
+        backend(cfg),
+        control_timeout_s(cfg),
+    )
     try:
         left = ready_to_join(inputs, device, first_read)
         started_at, asked_at = psutil.Process().create_time(), time.time()
-        print(f"{name} asks to join, {asked_at - started_at:.1f} s after its process started: "
-              f"{called_at - started_at:.1f} s until Ray called it (its worker process), "
-              f"{asked_at - called_at:.1f} s getting ready (the imports of torch, Ray Train, the engine's, "
-              f"and the first read beside them)", flush=True)
+        print(
+            f"{name} asks to join, {asked_at - started_at:.1f} s after its process started: "
+            f"{called_at - started_at:.1f} s until Ray called it (its worker process), "
+            f"{asked_at - called_at:.1f} s getting ready (the imports of torch, Ray Train, the engine's, "
+            f"and the first read beside them)",
+            flush=True,
+        )
         member.ask()
         train_generations(inputs, device, member, left, lambda: None)
     finally:
@@ -148,8 +169,13 @@ def ready_to_join(inputs: LoopInputs, device: torch.device, first_read: Future) 
     return Leftovers.joiner(save_process)
 
 
-def train_generations(inputs: LoopInputs, device: torch.device, member: Member, left: Optional[Leftovers],
-                      peer_failure: Callable[[], Optional[str]]) -> None:
+def train_generations(
+    inputs: LoopInputs,
+    device: torch.device,
+    member: Member,
+    left: Optional[Leftovers],
+    peer_failure: Callable[[], Optional[str]],
+) -> None:
     """Train `member` in the generations of its worker group's membership: where a member is
     lost, drop the attempt, form the next generation and go on from the state the members
     hold; where workers join, hand the state over to the generation that includes them.

@@ -32,8 +32,9 @@ class Monitor:
         # Rank 0's results on every rank: where rank 0's node takes its report before the
         # controller collected it, the next rank's stands in.
         self.events: list[Event] = collectives.broadcast_object(self._preflight()) if check_health else []
-        self.unhealthy_nodes: list[str] = (health.nodes_to_exclude(self.events, cfg.elastic.min_workers)
-                                           if cfg.monitor.exclude_unhealthy else [])
+        self.unhealthy_nodes: list[str] = (
+            health.nodes_to_exclude(self.events, cfg.elastic.min_workers) if cfg.monitor.exclude_unhealthy else []
+        )
         self.live = LiveGauges(cfg.run.name, rank)
 
     def _preflight(self) -> list[HealthCheck]:
@@ -67,8 +68,11 @@ class StragglerWatch:
     def __init__(self, cfg: Config, nodes: list[str]) -> None:
         self.every, self.nodes = cfg.monitor.straggler_every, nodes
         # None: the busy times cannot show a straggler (the driver records why, once).
-        self.detector = (None if cannot_observe(cfg.deepspeed.zero_stage)
-                         else StragglerDetector(cfg.monitor.straggler_factor, cfg.monitor.straggler_patience))
+        self.detector = (
+            None
+            if cannot_observe(cfg.deepspeed.zero_stage)
+            else StragglerDetector(cfg.monitor.straggler_factor, cfg.monitor.straggler_patience)
+        )
         self.busy_at_last_check = 0.0
 
     def step_done(self, step: int, window: StepMetrics) -> list[Straggler]:
@@ -78,9 +82,18 @@ class StragglerWatch:
         gathered = collectives.all_gather_floats(busy_s - self.busy_at_last_check)
         self.busy_at_last_check = busy_s
         at = time.time()
-        return [Straggler(at, step, slow.rank, self.nodes[slow.rank], round(slow.factor, 2), slow.intervals,
-                          f"rank {slow.rank} on node {self.nodes[slow.rank]} {slow.factor:.1f}x slower than the median")
-                for slow in self.detector.observe([float(t) for t in gathered])]
+        return [
+            Straggler(
+                at,
+                step,
+                slow.rank,
+                self.nodes[slow.rank],
+                round(slow.factor, 2),
+                slow.intervals,
+                f"rank {slow.rank} on node {self.nodes[slow.rank]} {slow.factor:.1f}x slower than the median",
+            )
+            for slow in self.detector.observe([float(t) for t in gathered])
+        ]
 
 
 class LiveGauges:
@@ -94,8 +107,11 @@ class LiveGauges:
 
         tags = {"run": run, "rank": str(rank)}
         self.gauges = {
-            key: Gauge(f"wildtrain_{key.replace('/', '_')}", description=f"wildtrain {key} of the newest report",
-                       tag_keys=tuple(tags)).set_default_tags(tags)
+            key: Gauge(
+                f"wildtrain_{key.replace('/', '_')}",
+                description=f"wildtrain {key} of the newest report",
+                tag_keys=tuple(tags),
+            ).set_default_tags(tags)
             for key in self.KEYS
         }
 

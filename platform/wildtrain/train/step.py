@@ -30,7 +30,8 @@ B = TypeVar("B")
 
 class DeviceBatches(Generic[B]):
     """The batches of `host` (numpy int32: rows × seq_len+1 tokens, or an objective's rows ×
-    fields × seq_len, see `train_step`), as int64 tensors on `device`, one step ahead: taking batch k issues the copy of batch k+1, so the copy and
+    fields × seq_len, see `train_step`), as int64 tensors on `device`, one step ahead: taking batch k issues the copy
+    of batch k+1, so the copy and
     the host's reading of the next batch overlap step k.
 
     On CUDA each batch goes through a reused pinned host buffer (a pageable copy cannot be
@@ -40,8 +41,9 @@ class DeviceBatches(Generic[B]):
     loop's `Step`, with its sample ids); `next()` returns (device tokens, that item).
     Exceptions of `host` (a corrupt shard) surface from the `next()` that prefetches."""
 
-    def __init__(self, host: Iterator[B], device: torch.device,
-                 tokens: Callable[[B], np.ndarray] = lambda batch: batch) -> None:
+    def __init__(
+        self, host: Iterator[B], device: torch.device, tokens: Callable[[B], np.ndarray] = lambda batch: batch
+    ) -> None:
         self.host = host
         self.device = device
         self.tokens = tokens
@@ -139,8 +141,15 @@ class StepMetrics:
     DEVICE_PHASES = ("forward", "backward", "optimizer")
     PHASES = DEVICE_PHASES + ("checkpoint_stall", "report_wait", "eval")
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: Optional[Peak], world_size: int,
-                 device: torch.device, data_wait: Optional[DataWait] = None) -> None:
+    def __init__(
+        self,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak: Optional[Peak],
+        world_size: int,
+        device: torch.device,
+        data_wait: Optional[DataWait] = None,
+    ) -> None:
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.peak = peak
@@ -235,7 +244,9 @@ class StepMetrics:
         }
         if self.peak is not None:
             metrics["mfu"] = mfu(self.flops_per_token, tokens_per_s, self.peak, self.world_size)
-        window = Window(metrics, loss.detach(), self.phase_s, self._pending, steps, settled=self.settled_loss is not None)
+        window = Window(
+            metrics, loss.detach(), self.phase_s, self._pending, steps, settled=self.settled_loss is not None
+        )
         self._reset()
         return window
 
@@ -246,8 +257,13 @@ class StepMetrics:
         if not windows:
             return []
         unsettled = [w.loss for w in windows if not w.settled]
-        means = iter(collectives.mean_over_ranks(torch.stack([loss.to(unsettled[-1].device) for loss in unsettled]))
-                     .cpu().tolist() if unsettled else [])
+        means = iter(
+            collectives.mean_over_ranks(torch.stack([loss.to(unsettled[-1].device) for loss in unsettled]))
+            .cpu()
+            .tolist()
+            if unsettled
+            else []
+        )
         pending = [p for w in windows for p in w.pending]
         if pending:
             pending[-1][2].synchronize()
@@ -257,8 +273,11 @@ class StepMetrics:
             phase_s = dict(window.phase_s)
             for phase, start, end in window.pending:
                 phase_s[phase] += start.elapsed_time(end) / 1000
-            resolved.append(window.metrics | {"loss": loss}
-                            | {f"time/{phase}_s": seconds / window.steps for phase, seconds in phase_s.items()})
+            resolved.append(
+                window.metrics
+                | {"loss": loss}
+                | {f"time/{phase}_s": seconds / window.steps for phase, seconds in phase_s.items()}
+            )
         return resolved
 
     def flush(self, **extra) -> dict:
@@ -274,15 +293,19 @@ def model_inputs(micro_batch: torch.Tensor) -> dict[str, torch.Tensor]:
     return dict(zip(FIELDS, micro_batch.unbind(1)))
 
 
-def train_step(engine, plan: BatchPlan, tokens: torch.Tensor, metrics: StepMetrics, slow_forward_s: float = 0.0) -> None:
+def train_step(
+    engine, plan: BatchPlan, tokens: torch.Tensor, metrics: StepMetrics, slow_forward_s: float = 0.0
+) -> None:
     """One optimizer step of the DeepSpeed `engine` on this rank's `tokens` (on the engine's
     device, see `model_inputs`): forward, backward and `engine.step()` per micro-batch of the
     plan; DeepSpeed applies the optimizer at the last. `slow_forward_s` is a chaos drill's
     delay per forward pass (chaos.slow_step_s), counted as forward time."""
     rows = plan.micro_batch_size * plan.grad_accum_steps
     if tokens.shape[0] != rows:
-        raise ValueError(f"a step of this plan trains {rows} rows per rank "
-                         f"({plan.grad_accum_steps} micro-batches of {plan.micro_batch_size}), got {tokens.shape[0]}")
+        raise ValueError(
+            f"a step of this plan trains {rows} rows per rank "
+            f"({plan.grad_accum_steps} micro-batches of {plan.micro_batch_size}), got {tokens.shape[0]}"
+        )
     for micro_batch in tokens.split(plan.micro_batch_size):
         with metrics.timed("forward"):
             if slow_forward_s:

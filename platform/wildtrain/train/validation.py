@@ -49,6 +49,7 @@ def batch_counts(sets: list[ValidationSet], world_size: int, micro_batch: int) -
 def metrics(names: list[str], sums: np.ndarray) -> dict[str, float]:
     """`val/loss`, `val/bpb` and `val/<name>/loss`, `val/<name>/bpb` from per-set sums of
     (loss in nats, tokens, bytes). Pure."""
+
     def scores(nll: float, tokens: float, nbytes: float) -> tuple[float, float]:
         return nll / max(tokens, 1.0), nll / math.log(2) / max(nbytes, 1.0)
 
@@ -108,8 +109,11 @@ class Validator:
             tokens, doc_ids = (torch.from_numpy(np.concatenate(column)).long() for column in zip(*parts))
             for start in range(0, len(tokens), self.micro_batch):
                 done += 1
-                yield (index, tokens[start:start + self.micro_batch].to(self.device),
-                       doc_ids[start:start + self.micro_batch].to(self.device))
+                yield (
+                    index,
+                    tokens[start : start + self.micro_batch].to(self.device),
+                    doc_ids[start : start + self.micro_batch].to(self.device),
+                )
         padding = torch.zeros(1, self.cfg.data.seq_len + 1, dtype=torch.long, device=self.device)
         for _ in range(self.passes - done):
             yield None, padding, padding

@@ -58,17 +58,29 @@ class HangWatchdog:
     `exit` ends the process (tests pass their own); the watchdog stops by itself once the
     thread that created it (the training function's) has ended, however it ended."""
 
-    def __init__(self, timeout_s: float, startup_timeout_s: float, dump_folder: str, rank: int,
-                 config: StorageConfig, exit: Callable[[int], object] = os._exit) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        startup_timeout_s: float,
+        dump_folder: str,
+        rank: int,
+        config: StorageConfig,
+        exit: Callable[[int], object] = os._exit,
+    ) -> None:
         self.timeout_s = timeout_s
         self.dump_folder = dump_folder
         self.rank = rank
         self.config = config
         self.exit = exit
         self.step = 0
-        self._bound = Bound(time.monotonic(), startup_timeout_s, lambda stalled: (
-            f"rank {rank}: no optimizer step for {stalled:.0f} s since the worker started "
-            f"(monitor.startup_timeout_s={startup_timeout_s:g})"))
+        self._bound = Bound(
+            time.monotonic(),
+            startup_timeout_s,
+            lambda stalled: (
+                f"rank {rank}: no optimizer step for {stalled:.0f} s since the worker started "
+                f"(monitor.startup_timeout_s={startup_timeout_s:g})"
+            ),
+        )
         self._owner = threading.current_thread()
         self._stop = threading.Event()
         bounds = [t for t in (timeout_s, startup_timeout_s) if t > 0]
@@ -78,9 +90,14 @@ class HangWatchdog:
 
     def progress(self, step: int) -> None:
         self.step = step
-        self._bound = Bound(time.monotonic(), self.timeout_s, lambda stalled: (
-            f"rank {self.rank}: no optimizer step for {stalled:.0f} s after step {step} "
-            f"(monitor.hang_timeout_s={self.timeout_s:g})"))
+        self._bound = Bound(
+            time.monotonic(),
+            self.timeout_s,
+            lambda stalled: (
+                f"rank {self.rank}: no optimizer step for {stalled:.0f} s after step {step} "
+                f"(monitor.hang_timeout_s={self.timeout_s:g})"
+            ),
+        )
 
     @contextlib.contextmanager
     def waiting(self, what: str, up_to_s: float):
@@ -90,9 +107,14 @@ class HangWatchdog:
         Its end counts as progress: the bound that was in force starts over."""
         outer = self._bound
         bound_s = up_to_s + self.timeout_s if self.timeout_s > 0 else 0.0  # hang_timeout_s=0: no watch
-        self._bound = Bound(time.monotonic(), bound_s, lambda stalled: (
-            f"rank {self.rank}: {what} still not done after {stalled:.0f} s (after step {self.step}); "
-            f"its bound is {up_to_s:g} s plus monitor.hang_timeout_s={self.timeout_s:g}"))
+        self._bound = Bound(
+            time.monotonic(),
+            bound_s,
+            lambda stalled: (
+                f"rank {self.rank}: {what} still not done after {stalled:.0f} s (after step {self.step}); "
+                f"its bound is {up_to_s:g} s plus monitor.hang_timeout_s={self.timeout_s:g}"
+            ),
+        )
         try:
             yield
         finally:

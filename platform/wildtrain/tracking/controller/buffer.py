@@ -62,9 +62,17 @@ class TrackingBuffer:
     """Ordered records from any thread to `send` on a background thread; `put` never
     waits on `send`."""
 
-    def __init__(self, send: Callable[[dict], None], folder: Path, *, capacity: int = 10_000,
-                 backoff: Backoff = Backoff(), is_transient: Callable[[BaseException], bool] = lambda e: True,
-                 on_outage: Optional[Callable[[Outage], None]] = None, name: str = "tracking") -> None:
+    def __init__(
+        self,
+        send: Callable[[dict], None],
+        folder: Path,
+        *,
+        capacity: int = 10_000,
+        backoff: Backoff = Backoff(),
+        is_transient: Callable[[BaseException], bool] = lambda e: True,
+        on_outage: Optional[Callable[[Outage], None]] = None,
+        name: str = "tracking",
+    ) -> None:
         self._send = send
         self.folder = Path(folder)
         self.capacity = capacity

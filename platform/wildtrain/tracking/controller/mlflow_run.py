@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from wildtrain import ray_compat, storage
 from wildtrain.config import StorageConfig
-from wildtrain.events import Event, HealthCheck, Hang, Interrupted, Recovered, StoppedEarly
+from wildtrain.events import Event, Hang, HealthCheck, Interrupted, Recovered, StoppedEarly
+from wildtrain.layout import rank_of_hang_dump
 from wildtrain.tracking.controller.buffer import Outage, TrackingBuffer
 from wildtrain.tracking.controller.timeline import Timeline
 from wildtrain.tracking.mlflow_client import METRICS_PER_REQUEST, Client, bound_requests, is_transient
 from wildtrain.tracking.record import EVENTS_DIR, STARTUP_METRICS, STOPPED_EARLY_TAG, mlflow_key
-from wildtrain.layout import rank_of_hang_dump
 from wildtrain.worker_report import rank_zero
 
 if TYPE_CHECKING:  # the driver hands the controller's reading of its states in: tracking sits below elastic
@@ -32,9 +32,24 @@ if TYPE_CHECKING:  # the driver hands the controller's reading of its states in:
 # What the controller logs of rank 0's reports, besides every `checkpoint/*` (per save);
 # `time/*` are means per step over the report's window.
 TRAINING_METRICS = (
-    "step", "loss", "lr", "tokens_seen", "tokens_per_s", "step_time_s", "world_size", "epoch", "mfu",
-    "time/data_wait_s", "time/forward_s", "time/backward_s", "time/optimizer_s", "time/checkpoint_stall_s",
-    "time/report_wait_s", "time/eval_s", "memory/peak_gb", "spares",
+    "step",
+    "loss",
+    "lr",
+    "tokens_seen",
+    "tokens_per_s",
+    "step_time_s",
+    "world_size",
+    "epoch",
+    "mfu",
+    "time/data_wait_s",
+    "time/forward_s",
+    "time/backward_s",
+    "time/optimizer_s",
+    "time/checkpoint_stall_s",
+    "time/report_wait_s",
+    "time/eval_s",
+    "memory/peak_gb",
+    "spares",
 )
 
 # In the controller, a request to a stopped server fails after this long, once: the
@@ -59,9 +74,17 @@ def _event_records(run_id: str, event: Event, step: int) -> list[dict]:
     # Buffered events are named within the same millisecond (a health check's, one per
     # rank): the counter keeps each its own file, in the order they happened.
     return [
-        {"op": "text", "run_id": run_id, "path": f"{EVENTS_DIR}/{now:.3f}-{next(_EVENT_COUNTER):06d}-{event.KIND}.json",
-         "text": json.dumps(event.to_dict(), indent=1)},
-        {"op": "metrics", "run_id": run_id, "metrics": [[mlflow_key(f"elastic/{event.KIND}"), 1.0, int(now * 1000), step]]},
+        {
+            "op": "text",
+            "run_id": run_id,
+            "path": f"{EVENTS_DIR}/{now:.3f}-{next(_EVENT_COUNTER):06d}-{event.KIND}.json",
+            "text": json.dumps(event.to_dict(), indent=1),
+        },
+        {
+            "op": "metrics",
+            "run_id": run_id,
+            "metrics": [[mlflow_key(f"elastic/{event.KIND}"), 1.0, int(now * 1000), step]],
+        },
     ]
 
 
@@ -93,8 +116,9 @@ class Tracker:
         self.run_id = run_id
         self.step = 0  # the newest step logged: where an outage event is marked
         client = Client(uri)
-        self._buffer = TrackingBuffer(lambda record: _send(client, record), folder, is_transient=is_transient,
-                                      on_outage=self._outage)
+        self._buffer = TrackingBuffer(
+            lambda record: _send(client, record), folder, is_transient=is_transient, on_outage=self._outage
+        )
 
     def metrics(self, values: dict[str, float], step: int, at: Optional[float] = None) -> None:
         """Log `values` at `step`, stamped `at` (wall-clock seconds; default: now)."""
@@ -106,12 +130,15 @@ class Tracker:
         controller and the server more than the step itself on a small machine. A record is
         one request: retried whole."""
         now = time.time()
-        rows = [[mlflow_key(key), float(value), int((now if at is None else at) * 1000), step]
-                for values, step, at in points for key, value in values.items()]
+        rows = [
+            [mlflow_key(key), float(value), int((now if at is None else at) * 1000), step]
+            for values, step, at in points
+            for key, value in values.items()
+        ]
         if points:
             self.step = max(self.step, max(step for _, step, _ in points))
         for i in range(0, len(rows), METRICS_PER_REQUEST):
-            self._buffer.put({"op": "metrics", "run_id": self.run_id, "metrics": rows[i:i + METRICS_PER_REQUEST]})
+            self._buffer.put({"op": "metrics", "run_id": self.run_id, "metrics": rows[i : i + METRICS_PER_REQUEST]})
 
     def event(self, event: Event, step: int) -> None:
         for record in _event_records(self.run_id, event, step):
@@ -124,15 +151,19 @@ class Tracker:
         self._buffer.put({"op": "text", "run_id": self.run_id, "path": path, "text": text})
 
     def terminated(self, status: str) -> None:
-        self._buffer.put({"op": "terminated", "run_id": self.run_id, "status": status,
-                          "end_time": int(time.time() * 1000)})
+        self._buffer.put(
+            {"op": "terminated", "run_id": self.run_id, "status": status, "end_time": int(time.time() * 1000)}
+        )
 
     def close(self, timeout_s: float) -> Optional[Path]:
         """Send what is left within `timeout_s`; the file of what could not be (None: all was)."""
         unsent = self._buffer.close(timeout_s)
         if unsent is not None:
-            print(f"warning: MLflow did not take every record within {timeout_s:g} s; they are kept in "
-                  f"{unsent} and sent first by the run's next submission", flush=True)
+            print(
+                f"warning: MLflow did not take every record within {timeout_s:g} s; they are kept in "
+                f"{unsent} and sent first by the run's next submission",
+                flush=True,
+            )
         return unsent
 
     def _outage(self, outage: Outage) -> None:
@@ -143,8 +174,11 @@ class Tracker:
 
 def _numbers(values: dict, keys: tuple[str, ...]) -> dict[str, float]:
     """The numbers among `values` named in `keys`, and the validation metrics (`val/...`)."""
-    return {key: value for key, value in values.items()
-            if (key in keys or key.startswith("val/")) and isinstance(value, (int, float))}
+    return {
+        key: value
+        for key, value in values.items()
+        if (key in keys or key.startswith("val/")) and isinstance(value, (int, float))
+    }
 
 
 class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, ray_compat.WorkerGroupCallback):
@@ -154,9 +188,15 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
     It uses Ray Train's developer callback hooks rather than `UserCallback`, which sees
     reports but not the controller's state changes that mark failures and resizes."""
 
-    def __init__(self, uri: str, run_id: str,
-                 interpret: Callable[[ray_compat.ControllerState, ray_compat.ControllerState], Transition],
-                 hang_dumps: str, storage_config: StorageConfig, folder: Path) -> None:
+    def __init__(
+        self,
+        uri: str,
+        run_id: str,
+        interpret: Callable[[ray_compat.ControllerState, ray_compat.ControllerState], Transition],
+        hang_dumps: str,
+        storage_config: StorageConfig,
+        folder: Path,
+    ) -> None:
         self.uri = uri
         self.run_id = run_id
         self.folder = folder  # see `RunLayout.tracking`
@@ -205,7 +245,9 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
             self._log_event(event, event.last_step)
             self.tracking.metrics({"elastic/nodes": 0}, event.last_step)
             self._attach_hang_dumps(event.last_step, event.nodes)
-            print(f"{kind} after step {event.last_step} at world size {event.world_size}: {transition.cause}", flush=True)
+            print(
+                f"{kind} after step {event.last_step} at world size {event.world_size}: {transition.cause}", flush=True
+            )
         # Once per failed group, even within one outage: a failed health check's results, the nodes left out.
         for carried in transition.events:
             self._log_event(carried, self.timeline.last_step)
@@ -216,18 +258,23 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
         recovery = self.timeline.reported(report)
         # Each window closed at a log step since the last report, at its step and at the time
         # the worker closed it: the report itself may come a poll later (train/attempt.py).
-        self.tracking.metric_points([(_numbers(window, TRAINING_METRICS), int(window["step"]), window["at"])
-                                     for window in report.windows])
+        self.tracking.metric_points(
+            [(_numbers(window, TRAINING_METRICS), int(window["step"]), window["at"]) for window in report.windows]
+        )
         values = dict(report.checkpoint)
         if report.startup is not None:
             values |= {f"startup/{key}": getattr(report.startup, key) for key in STARTUP_METRICS}
         if recovery is not None:
-            values |= {f"elastic/{key}": value for key, value in asdict(recovery).items()
-                       if key != "at" and isinstance(value, (int, float))}
+            values |= {
+                f"elastic/{key}": value
+                for key, value in asdict(recovery).items()
+                if key != "at" and isinstance(value, (int, float))
+            }
             self._log_event(recovery, step)
             print(
                 f"recovered at world size {recovery.world_size_after} from step {recovery.restored_step} "
-                f"in {recovery.recovery_s:.1f} s (restart {recovery.restart_s:.1f} s, restore {recovery.restore_s:.1f} s, "
+                f"in {recovery.recovery_s:.1f} s (restart {recovery.restart_s:.1f} s, "
+                f"restore {recovery.restore_s:.1f} s, "
                 f"reshard {recovery.reshard_s:.1f} s); {recovery.steps_lost} steps redone",
                 flush=True,
             )
@@ -254,8 +301,11 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
             self.tracking.text(text, f"hangs/{name}")
             reasons.append(text.splitlines()[0] if text else "")
         dumped = {rank_of_hang_dump(name) for name in dumps}
-        silent = [{"rank": rank, "node": node, "pid": self.worker_pids[rank] if rank < len(self.worker_pids) else None}
-                  for rank, node in enumerate(nodes) if rank not in dumped]
+        silent = [
+            {"rank": rank, "node": node, "pid": self.worker_pids[rank] if rank < len(self.worker_pids) else None}
+            for rank, node in enumerate(nodes)
+            if rank not in dumped
+        ]
         reason = reasons[0] + "".join(
             f"; rank {s['rank']} (pid {s['pid']} on node {s['node']}) wrote no stacks: stopped, or stuck outside Python"
             for s in silent

@@ -30,8 +30,9 @@ class Timeline:
         the same outage."""
         if self.pending is not None:
             return None
-        self.pending = {"failure": Failure, "resize": Resize}[kind](at, self.world_size, self.last_step, cause,
-                                                                     list(self.nodes))
+        self.pending = {"failure": Failure, "resize": Resize}[kind](
+            at, self.world_size, self.last_step, cause, list(self.nodes)
+        )
         self.events.append(self.pending)
         return self.pending
 

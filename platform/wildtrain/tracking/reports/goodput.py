@@ -32,8 +32,19 @@ EVAL = "eval"
 STALLED = "stalled"
 STOPPED = "stopped"
 UNREPORTED = "unreported"
-BADPUT_CAUSES = (STARTUP, WAITING, RESTORE, LOST, CHECKPOINT_STALL, DATA_WAIT, REPORT_WAIT, EVAL, STALLED, STOPPED,
-                 UNREPORTED)
+BADPUT_CAUSES = (
+    STARTUP,
+    WAITING,
+    RESTORE,
+    LOST,
+    CHECKPOINT_STALL,
+    DATA_WAIT,
+    REPORT_WAIT,
+    EVAL,
+    STALLED,
+    STOPPED,
+    UNREPORTED,
+)
 
 # An instant that several intervals claim (clocks of different hosts disagree, an outage
 # reported twice) counts once, for the first claimant here: badput before productive, so
@@ -145,7 +156,8 @@ def account(events: Sequence[GoodputEvent], now: float) -> Goodput:
        - a `Steps` window: its steps that were later redone are LOST (its tail: the newest
          steps); the rest is DATA_WAIT then REPORT_WAIT at its start, EVAL then
          CHECKPOINT_STALL at its end, STALLED before those (see `stalled_s`) and PRODUCTIVE
-         between, each part scaled to the steps kept. Parts larger than the window (clock noise) are cut to fit it. A step
+         between, each part scaled to the steps kept. Parts larger than the window (clock noise) are cut to fit it. A
+         step
          is redone when an attempt that starts at or after the window's end restored an
          older step, or a window that starts at or after its end runs it again.
        - RESTORE for `restore_s + reshard_s` from an `AttemptStarted`;
@@ -205,8 +217,11 @@ def _partition(events: Sequence[GoodputEvent], now: float) -> tuple[list[int], l
 
     claims = _claims(events)
     phases = _phases(events)
-    bounds = sorted({origin, end} | {t for s, e, _ in claims for t in (s, e) if origin < t < end}
-                    | {t for t, _, _ in phases if origin < t < end})
+    bounds = sorted(
+        {origin, end}
+        | {t for s, e, _ in claims for t in (s, e) if origin < t < end}
+        | {t for t, _, _ in phases if origin < t < end}
+    )
     deltas = sorted([(s, 1, cause) for s, _, cause in claims] + [(e, -1, cause) for _, e, cause in claims])
     active = collections.Counter()
     causes: list[str] = []
@@ -225,8 +240,9 @@ def _partition(events: Sequence[GoodputEvent], now: float) -> tuple[list[int], l
 
 
 def _check(e: GoodputEvent) -> None:
-    if isinstance(e, Steps) and (e.last < e.first or e.end < e.start
-                                 or min(e.data_wait_s, e.checkpoint_stall_s, e.report_wait_s, e.eval_s) < 0):
+    if isinstance(e, Steps) and (
+        e.last < e.first or e.end < e.start or min(e.data_wait_s, e.checkpoint_stall_s, e.report_wait_s, e.eval_s) < 0
+    ):
         raise ValueError(f"{e}: needs first <= last, start <= end and parts >= 0")
     if isinstance(e, CapacityWait) and e.end < e.start:
         raise ValueError(f"{e}: ends before it starts")
@@ -245,8 +261,10 @@ def _claims(events: Sequence[GoodputEvent]) -> list[tuple[int, int, str]]:
 
     # Anything that starts at or after a window's end and resumes at or below one of its
     # steps shows that step redone: suffix minima of the resumed-from step by start time.
-    markers = sorted([(_tick(e.at), e.restored_step) for e in events if isinstance(e, AttemptStarted)]
-                     + [(_tick(e.start), e.first - 1) for e in events if isinstance(e, Steps)])
+    markers = sorted(
+        [(_tick(e.at), e.restored_step) for e in events if isinstance(e, AttemptStarted)]
+        + [(_tick(e.start), e.first - 1) for e in events if isinstance(e, Steps)]
+    )
     marker_ticks = [t for t, _ in markers]
     kept_below = [float("inf")] * (len(markers) + 1)
     for i in range(len(markers) - 1, -1, -1):

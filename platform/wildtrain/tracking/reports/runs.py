@@ -39,8 +39,19 @@ CHECKPOINT_SAVE_S = mlflow_key("checkpoint/save_s")  # per save
 # From the controller: the distinct nodes of the worker group when it starts, 0 when it stops.
 NODES = mlflow_key("elastic/nodes")
 WORLD_SIZE = mlflow_key("world_size")  # per report, like step_time_s: stalls are judged per world size
-HISTORY_KEYS = ("loss", STEP_TIME, MFU, DATA_WAIT, CHECKPOINT_STALL, REPORT_WAIT, EVAL, CHECKPOINT_BYTES,
-                CHECKPOINT_SAVE_S, NODES, WORLD_SIZE)
+HISTORY_KEYS = (
+    "loss",
+    STEP_TIME,
+    MFU,
+    DATA_WAIT,
+    CHECKPOINT_STALL,
+    REPORT_WAIT,
+    EVAL,
+    CHECKPOINT_BYTES,
+    CHECKPOINT_SAVE_S,
+    NODES,
+    WORLD_SIZE,
+)
 
 
 @dataclass(frozen=True)
@@ -81,12 +92,19 @@ def parts_on(record: RunRecord, cluster: str) -> list[RunRecord]:
             continue
         # The last stay keeps everything from its start on, the run's final events included.
         until = starts[i + 1] if i + 1 < len(starts) else math.inf
-        parts.append(RunRecord(
-            run_id=record.run_id, name=f"{record.name} (part {i + 1} of {len(where)})", started_at=start,
-            ended_at=record.ended_at if until == math.inf else until,
-            history={key: tuple(s for s in samples if start <= s.at < until) for key, samples in record.history.items()},
-            events=tuple(e for e in record.events if start <= e.at < until), cluster=stay,
-        ))
+        parts.append(
+            RunRecord(
+                run_id=record.run_id,
+                name=f"{record.name} (part {i + 1} of {len(where)})",
+                started_at=start,
+                ended_at=record.ended_at if until == math.inf else until,
+                history={
+                    key: tuple(s for s in samples if start <= s.at < until) for key, samples in record.history.items()
+                },
+                events=tuple(e for e in record.events if start <= e.at < until),
+                cluster=stay,
+            )
+        )
     return parts
 
 
@@ -156,14 +174,27 @@ def _step_windows(history: History, events: Sequence[goodput.GoodputEvent]) -> l
     windows = []
     previous: Optional[Sample] = None
     for report in history.get(STEP_TIME, ()):
-        same_attempt = (previous is not None and report.step > previous.step
-                        and bisect.bisect_right(boundaries, previous.at) == bisect.bisect_right(boundaries, report.at))
+        same_attempt = (
+            previous is not None
+            and report.step > previous.step
+            and bisect.bisect_right(boundaries, previous.at) == bisect.bisect_right(boundaries, report.at)
+        )
         steps = report.step - previous.step if same_attempt else 1
         start = previous.at if same_attempt else report.at - report.value
         key = (report.at, report.step)
-        windows.append(Steps(report.step - steps + 1, report.step, start, report.at,
-                             steps * data_wait.get(key, 0.0), steps * stall.get(key, 0.0), world_size.get(key, 0),
-                             steps * report_wait.get(key, 0.0), steps * evaluating.get(key, 0.0)))
+        windows.append(
+            Steps(
+                report.step - steps + 1,
+                report.step,
+                start,
+                report.at,
+                steps * data_wait.get(key, 0.0),
+                steps * stall.get(key, 0.0),
+                world_size.get(key, 0),
+                steps * report_wait.get(key, 0.0),
+                steps * evaluating.get(key, 0.0),
+            )
+        )
         previous = report
     return windows
 
@@ -184,7 +215,9 @@ def summarize(record: RunRecord, now: float) -> RunStats:
         checkpoint_bytes=math.fsum(s.value for s in record.history.get(CHECKPOINT_BYTES, ())),
         checkpoint_save_s=math.fsum(s.value for s in record.history.get(CHECKPOINT_SAVE_S, ())),
         health_passed=sum(e.passed for e in health),
-        health_failed=tuple(f"{e.node}: {e.check}" + (f" ({e.detail})" if e.detail else "") for e in health if not e.passed),
+        health_failed=tuple(
+            f"{e.node}: {e.check}" + (f" ({e.detail})" if e.detail else "") for e in health if not e.passed
+        ),
     )
 
 
@@ -226,25 +259,41 @@ def _row(label: str, runs: Sequence[RunStats]) -> CardRow:
 
 def card_text(cluster: str, runs: Sequence[RunStats]) -> str:
     """The card as a table, where all runs' time went, and every failed health check."""
+
     def show(value: Optional[float], spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
     header = ("run", "MFU", "goodput", "failures", "fail/node-day", "MTTR s", "ckpt MB/s", "health ok")
     table = [header] + [
-        (row.label, show(row.mfu, ".1%"), format(row.goodput, ".1%"), str(row.failures),
-         show(row.failures_per_node_day, ".2f"), show(row.mttr_s, ".1f"), show(row.checkpoint_mb_per_s, ".1f"),
-         f"{row.health_passed}/{row.health_checks}")
+        (
+            row.label,
+            show(row.mfu, ".1%"),
+            format(row.goodput, ".1%"),
+            str(row.failures),
+            show(row.failures_per_node_day, ".2f"),
+            show(row.mttr_s, ".1f"),
+            show(row.checkpoint_mb_per_s, ".1f"),
+            f"{row.health_passed}/{row.health_checks}",
+        )
         for row in cluster_card(runs)
     ]
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     lines = [f"cluster {cluster}: {len(runs)} runs"]
-    lines += ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-              for line in table]
+    lines += [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+        for line in table
+    ]
     wall = math.fsum(run.goodput.wall_s for run in runs)
     if wall > 0:
         badput = {cause: math.fsum(run.goodput.badput_s[cause] for run in runs) for cause in goodput.BADPUT_CAUSES}
-        lines.append("badput: " + ", ".join(f"{cause} {seconds / wall:.1%}"
-                                            for cause, seconds in sorted(badput.items(), key=lambda kv: -kv[1]) if seconds > 0))
+        lines.append(
+            "badput: "
+            + ", ".join(
+                f"{cause} {seconds / wall:.1%}"
+                for cause, seconds in sorted(badput.items(), key=lambda kv: -kv[1])
+                if seconds > 0
+            )
+        )
     lines += [f"failed health check in {run.name}: {failure}" for run in runs for failure in run.health_failed]
     return "\n".join(lines) + "\n"
 
@@ -270,7 +319,9 @@ def plot_run(history: History, events: Sequence[goodput.GoodputEvent], path: Pat
         ax.plot([x(s.at) for s in samples], [s.value * factor for s in samples], marker=".", color="tab:blue")
         ax.set_ylabel(label)
     times = [origin + (now - origin) * i / 400 for i in range(401)]
-    goodput_ax.plot([x(t) for t in times], [100.0 * g for g in goodput.goodput_over_time(events, now, times)], color="tab:green")
+    goodput_ax.plot(
+        [x(t) for t in times], [100.0 * g for g in goodput.goodput_over_time(events, now, times)], color="tab:green"
+    )
     goodput_ax.set_ylabel("goodput % (since start)")
     goodput_ax.set_ylim(0, 100)
     goodput_ax.set_xlabel(f"{unit} since the run started")
@@ -295,22 +346,34 @@ def fetch_cluster(uri: str, cluster: str) -> list[RunRecord]:
     before or after a move), oldest first."""
     client = Client(uri)
     # LIKE's `_` matches any character: the exact test is on the tag's items.
-    return [_record(client, run) for run in client.search_runs(None, f"tags.`{CLUSTERS_TAG}` LIKE '%,{cluster},%'")
-            if cluster in run.data.tags[CLUSTERS_TAG].split(",")]
+    return [
+        _record(client, run)
+        for run in client.search_runs(None, f"tags.`{CLUSTERS_TAG}` LIKE '%,{cluster},%'")
+        if cluster in run.data.tags[CLUSTERS_TAG].split(",")
+    ]
 
 
 def _record(client: Client, run) -> RunRecord:
     run_id = run.info.run_id
     history = {
-        key: tuple(Sample(m.timestamp / 1000, int(m.step), float(m.value))
-                   for m in sorted(client.metric_history(run_id, key), key=lambda m: (m.timestamp, m.step)))
+        key: tuple(
+            Sample(m.timestamp / 1000, int(m.step), float(m.value))
+            for m in sorted(client.metric_history(run_id, key), key=lambda m: (m.timestamp, m.step))
+        )
         for key in HISTORY_KEYS
     }
     with tempfile.TemporaryDirectory(prefix="wildtrain-report-") as folder:
         events = tuple(read_events(client.uri, run_id, folder))
     ended = run.info.end_time / 1000 if run.info.status != "RUNNING" and run.info.end_time else None
-    return RunRecord(run_id, run.info.run_name, run.info.start_time / 1000, ended, history, events,
-                     run.data.tags.get(CLUSTER_TAG, ""))
+    return RunRecord(
+        run_id,
+        run.info.run_name,
+        run.info.start_time / 1000,
+        ended,
+        history,
+        events,
+        run.data.tags.get(CLUSTER_TAG, ""),
+    )
 
 
 def find_run(uri: str, name_or_id: str) -> str:
@@ -318,16 +381,19 @@ def find_run(uri: str, name_or_id: str) -> str:
     client = Client(uri)
     run = client.run_or_none(name_or_id)
     if run is None:
-        run = next(client.search_runs(None, f"attributes.run_name = '{name_or_id}'", newest_first=True, page_size=1),
-                   None)
+        run = next(
+            client.search_runs(None, f"attributes.run_name = '{name_or_id}'", newest_first=True, page_size=1), None
+        )
     if run is None:
         raise LookupError(f"no MLflow run named or with the id {name_or_id!r} at {uri}")
     return run.info.run_id
 
 
 def goodput_text(result: goodput.Goodput) -> str:
-    lines = [f"goodput {result.goodput:.1%} of {result.wall_s:.0f} s wall time",
-             f"  {'productive':<18}{result.productive_s:9.1f} s"]
+    lines = [
+        f"goodput {result.goodput:.1%} of {result.wall_s:.0f} s wall time",
+        f"  {'productive':<18}{result.productive_s:9.1f} s",
+    ]
     lines += [f"  {cause:<18}{seconds:9.1f} s" for cause, seconds in result.badput_s.items() if seconds > 0]
     return "\n".join(lines)
 
@@ -363,6 +429,9 @@ def summary_figure(tags: Mapping[str, str], key: str) -> Optional[float]:
 def report_cluster(uri: str, cluster: str) -> str:
     """The cluster's report card as text."""
     now = time.time()
-    runs = [summarize(part, part.ended_at if part.ended_at is not None else now)
-            for record in fetch_cluster(uri, cluster) for part in parts_on(record, cluster)]
+    runs = [
+        summarize(part, part.ended_at if part.ended_at is not None else now)
+        for record in fetch_cluster(uri, cluster)
+        for part in parts_on(record, cluster)
+    ]
     return card_text(cluster, runs)

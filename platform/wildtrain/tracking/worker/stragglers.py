@@ -22,10 +22,12 @@ def cannot_observe(zero_stage: int) -> Optional[str]:
     """Why busy times cannot show a straggler at this ZeRO stage; None where they can."""
     if zero_stage != 3:
         return None
-    return ("straggler checks are off under ZeRO-3 (deepspeed.zero_stage=3): every layer's forward starts with an "
-            "all-gather of its parameters, where fast ranks wait for the slowest, so every rank's busy time is the "
-            "slowest one's and no rank would ever be flagged; a device already slow when a worker group starts "
-            "still fails its health check (monitor.health_min_ratio)")
+    return (
+        "straggler checks are off under ZeRO-3 (deepspeed.zero_stage=3): every layer's forward starts with an "
+        "all-gather of its parameters, where fast ranks wait for the slowest, so every rank's busy time is the "
+        "slowest one's and no rank would ever be flagged; a device already slow when a worker group starts "
+        "still fails its health check (monitor.health_min_ratio)"
+    )
 
 
 @dataclass(frozen=True)
