@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit integration bench up down clean browser
+.PHONY: demo test lint unit integration bench up down clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,7 +52,7 @@ browser:
 # unbuffered (-u) to keep a traceback after what was printed before it. `tee` outlives
 # a Ctrl-C (-i) to take pytest's teardown lines, and keeps reading where writing them out
 # fails, so that pytest never fails on its output.
-test: $(STAMP) browser
+test: $(STAMP) browser lint
 	@log=$$(mktemp); drills_log=$$(mktemp); drills_status=$$(mktemp); \
 	nice -n 19 $(BIN)/python -m pytest tests/unit tests/gpu tests/integration -m "standalone or untimed or not integration" \
 		-q -ra --durations=10 -p no:cacheprovider >$$log 2>&1 & rest=$$!; \
@@ -63,6 +63,12 @@ test: $(STAMP) browser
 	[ $$drills -eq 0 ] || { echo "--- the drills' pytest exited $$drills; its last lines:"; tail -n 12 $$drills_log; }; \
 	rm -f $$log $$drills_log $$drills_status; \
 	test $$drills -eq 0 -a $$others -eq 0
+
+# Style (ruff), the import layers (import-linter's contracts in pyproject.toml) and the docs site
+# (--strict: a broken link or anchor fails), before any test starts.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q
