@@ -1,4 +1,4 @@
-"""What a run records, split by the process it runs in (ARCHITECTURE.md):
+"""What a run records, split by the process it runs in (docs/architecture.md):
 
 - `worker/`: the maths the training workers do on their own measurements (MFU, stragglers);
   no MLflow here, workers never call it.
