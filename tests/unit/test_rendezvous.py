@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from tests.helpers.waiting import wait_for
 from wildtrain import services
+from wildtrain.elastic import rendezvous
 from wildtrain.elastic.membership import Membership
 from wildtrain.elastic.rendezvous import (
     Heartbeat,
@@ -344,3 +345,12 @@ def test_a_joiner_that_has_not_beaten_yet_counts_from_its_request_and_is_read_on
     for name in ("w0", "w1", "w2"):
         beat(store, name, at=105.0)
     assert owner.turn(now=105.0) == Membership(3, ("w0", "w1", "w2"))
+
+
+def test_a_read_of_more_keys_than_a_batch_takes_is_split_and_keeps_their_order(store, monkeypatch):
+    monkeypatch.setattr(rendezvous, "READ_BATCH", 16)
+    counting = CountingStore(store)
+    keys = [f"k{i}" for i in range(40)]
+    store.multi_set(keys, [str(i) for i in range(40)])
+    assert rendezvous.read_all(counting, keys) == [str(i).encode() for i in range(40)]
+    assert counting.calls == 3

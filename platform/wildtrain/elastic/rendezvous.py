@@ -24,6 +24,9 @@ import torch.distributed as dist
 
 from wildtrain.elastic.membership import Membership, NoMembersLeft, joiners_due, next_membership, stale
 
+# The most keys one batched read asks for: TCPStore's multi_get slows faster than linearly in its keys past this.
+READ_BATCH = 1024
+
 
 def latest(store: dist.Store) -> Membership:
     """The newest generation published in `store` (generation 0, no members: none yet)."""
@@ -120,8 +123,9 @@ class RendezvousOwner:
     members re-form anyway (`membership.joiners_due`). Keeps when each worker asked (`asked`)
     and when each generation was published (`published`: generation -> (time, members)).
 
-    A turn's round trips to the store do not grow with the members: their heartbeats come in
-    one batched read (`multi_get`), and so do the entries added since the last turn."""
+    A turn's round trips to the store grow with the members a thousandth as fast as one read
+    per member would: their heartbeats come in batched reads (`read_all`), and so do the
+    entries added since the last turn."""
 
     def __init__(
         self,
@@ -215,7 +219,7 @@ class RendezvousOwner:
         if self._seen[kind] == last:
             return []
         # Like `get`, a batched read waits for an entry whose counter was taken but not yet set.
-        values = self.store.multi_get([f"{kind}/{n}" for n in range(last + 1, self._seen[kind] + 1)])
+        values = read_all(self.store, [f"{kind}/{n}" for n in range(last + 1, self._seen[kind] + 1)])
         entries = []
         for value in values:
             name, at = value.decode().split()
@@ -238,7 +242,7 @@ class RendezvousOwner:
         return list(names)
 
     def _read_beats(self, names: list[str]) -> dict[str, float]:
-        """The last heartbeat of each of `names` that has beaten, in one batched read; a name
+        """The last heartbeat of each of `names` that has beaten, in batched reads; a name
         not seen beating yet costs a `check` until its first beat (one for all when all have)."""
         unseen = [n for n in names if n not in self._beating]
         if unseen and self.store.check([f"hb/{n}" for n in unseen]):
@@ -248,7 +252,7 @@ class RendezvousOwner:
         beating = [n for n in names if n in self._beating]
         if not beating:
             return {}
-        return dict(zip(beating, map(float, self.store.multi_get([f"hb/{n}" for n in beating]))))
+        return dict(zip(beating, map(float, read_all(self.store, [f"hb/{n}" for n in beating]))))
 
     def _last_beat(self, name: str, before_any: float) -> float:
         """When `name` last beat, as read at the start of this turn; `before_any` where no beat has come yet."""
@@ -266,6 +270,11 @@ class RendezvousOwner:
             if generation not in self._errors and self.store.check([key]):
                 self._errors[generation] = float(self.store.get(key))
         return min((self._errors[g] for g in generations if g in self._errors), default=None)
+
+
+def read_all(store: dist.Store, keys: list[str]) -> list[bytes]:
+    """The values of `keys` (each must exist, or be about to), in batched reads of at most `READ_BATCH` keys."""
+    return [value for i in range(0, len(keys), READ_BATCH) for value in store.multi_get(keys[i : i + READ_BATCH])]
 
 
 def register_group(store: dist.Store, token: str, world: int) -> None:
