@@ -130,9 +130,7 @@ def sender(port: int, token: str, names: list[str], threads: int, per_node: int,
             counts[slot + index] = beats
             time.sleep(max(0.0, round_start + HEARTBEAT_S - time.time()))
 
-    workers = [
-        threading.Thread(target=run, args=(i, names[i::threads])) for i in range(threads) if names[i::threads]
-    ]
+    workers = [threading.Thread(target=run, args=(i, names[i::threads])) for i in range(threads) if names[i::threads]]
     for w in workers:
         w.start()
     for w in workers:
