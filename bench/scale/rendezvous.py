@@ -191,10 +191,10 @@ def point(module: ModuleType, n: int, senders: int, threads: int, per_node: int,
         time.sleep(0.005)
     second = server.owner.published.get(2, (None, ()))[1] if server.owner else ()
     false_deaths = len(set(names) - set(second) - {victim}) if published else None
+    server.stop()  # first: members that stop beating while it still turns would be found dead
     plan[STOP] = 0.0
     for p in procs:
         p.join(timeout=30)
-    server.stop()
     return {
         "n": n,
         "formed_s": formed_s,
