@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from tests.helpers.waiting import wait_for
 from wildtrain import services
+from wildtrain.elastic import rendezvous
 from wildtrain.elastic.membership import Membership
 from wildtrain.elastic.rendezvous import (
     Heartbeat,
@@ -294,3 +295,62 @@ def test_a_spare_whose_node_died_takes_no_place(store):
     assert store.get("spares") == b"1"
     assert owner.turn(now=106.1) == Membership(2, ("w0", "w2")), "silent for over dead_after_s: not taken in"
     assert store.get("spares") == b"0"
+
+
+class CountingStore:
+    """A store that counts the round trips made through it."""
+
+    def __init__(self, store) -> None:
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("members", [4, 64])
+def test_a_turn_reads_every_heartbeat_in_one_round_trip_whatever_the_members(store, members):
+    """The owner turns every 10 ms: a turn whose round trips grew with the members fell behind
+    at a thousand of them (issue 60)."""
+    counting = CountingStore(store)
+    owner = RendezvousOwner(counting, initial=members, dead_after_s=DEAD_AFTER_S, confirm_s=CONFIRM_S)
+    names = [member_name(rank) for rank in range(members)]
+    for name in names:
+        ask_to_join(store, name)
+        beat(store, name, at=100.0)
+    assert owner.turn(now=100.0) == Membership(1, tuple(names))
+    for name in names[1:]:
+        beat(store, name, at=101.0)
+    counting.calls = 0
+    assert owner.turn(now=101.0) is None
+    assert counting.calls == 4  # the starts and joins counters, the error key, every heartbeat at once
+    report_error(store, 1, at=101.0)
+    for name in names[1:]:
+        beat(store, name, at=101.6)
+    assert owner.turn(now=101.6) == Membership(2, tuple(names[1:]))
+
+
+def test_a_joiner_that_has_not_beaten_yet_counts_from_its_request_and_is_read_once_it_beats(store):
+    owner = first_generation(store)
+    ask_to_join(store, "j1", at=101.0)
+    assert owner.turn(now=101.0) == Membership(2, ("w0", "w1", "w2", "j1"))  # no beat yet: alive since asking
+    for name in ("w0", "w1", "w2", "j1"):
+        beat(store, name, at=102.9)
+    assert owner.turn(now=103.1) is None  # j1's first beat is read, not its request's time
+    for name in ("w0", "w1", "w2"):
+        beat(store, name, at=105.0)
+    assert owner.turn(now=105.0) == Membership(3, ("w0", "w1", "w2"))
+
+
+def test_a_read_of_more_keys_than_a_batch_takes_is_split_and_keeps_their_order(store, monkeypatch):
+    monkeypatch.setattr(rendezvous, "READ_BATCH", 16)
+    counting = CountingStore(store)
+    keys = [f"k{i}" for i in range(40)]
+    store.multi_set(keys, [str(i) for i in range(40)])
+    assert rendezvous.read_all(counting, keys) == [str(i).encode() for i in range(40)]
+    assert counting.calls == 3

@@ -63,7 +63,8 @@ def next_membership(
     out."""
     dead = set(dead)
     survivors = tuple(m for m in current.members if m not in dead)
-    joining = tuple(dict.fromkeys(j for j in joiners if j not in current.members and j not in dead))
+    members_now = set(current.members)
+    joining = tuple(dict.fromkeys(j for j in joiners if j not in members_now and j not in dead))
     if capacity is not None:
         joining = joining[: max(0, capacity - len(survivors))]
     members = survivors + joining
