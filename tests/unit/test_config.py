@@ -181,3 +181,66 @@ def test_in_process_recovery_needs_a_zero_stage_whose_partitions_the_peers_mirro
     with pytest.raises(ConfigError, match=rf"^elastic\.in_process: .*ZeRO-1 and ZeRO-2.*zero_stage is {stage}"):
         load_config(["elastic.in_process=true", f"deepspeed.zero_stage={stage}"])
     load_config(["elastic.in_process=true", "deepspeed.zero_stage=2"])
+
+
+# Values that crashed a run's workers, trained silently wrong, or were taken for another
+# value (n_kv_heads=0 for n_heads), accepted before each setting declared what it allows.
+NEWLY_REFUSED = [
+    (["model.n_heads=0"], "model.n_heads: must be positive, got 0"),
+    (["model.dim=96", "model.n_heads=32"], "model.n_heads: 32 heads split model.dim (96) into heads of 3, an odd size"),
+    (["model.vocab_size=0"], "model.vocab_size: must be positive, got 0"),
+    (["model.n_layers=0"], "model.n_layers: must be positive, got 0"),
+    (["model.n_kv_heads=0"], "model.n_kv_heads: must be positive or null, got 0"),
+    (["model.ffn_dim=-1"], "model.ffn_dim: must be positive or null, got -1"),
+    (["model.multiple_of=0"], "model.multiple_of: must be positive, got 0"),
+    (["model.rope_theta=0"], "model.rope_theta: must be positive, got 0.0"),
+    (["model.norm_eps=-1e-5"], "model.norm_eps: must be at least 0, got -1e-05"),
+    (["model.hidden_init_std=0"], "model.hidden_init_std: must be positive or null, got 0.0"),
+    (["model.init_std=nan"], "model.init_std: must be positive, got nan"),
+    (["optim.lr=0"], "optim.lr: must be positive, got 0.0"),
+    (["optim.lr=-1"], "optim.lr: must be positive, got -1.0"),
+    (["optim.min_lr=-1e-4"], "optim.min_lr: must be at least 0, got -0.0001"),
+    (["optim.warmup_steps=-1"], "optim.warmup_steps: must be at least 0, got -1"),
+    (["optim.weight_decay=-0.1"], "optim.weight_decay: must be at least 0, got -0.1"),
+    (["optim.beta1=1"], "optim.beta1: must be at least 0 and below 1, got 1.0"),
+    (["optim.beta2=-0.5"], "optim.beta2: must be at least 0 and below 1, got -0.5"),
+    (["optim.eps=-1e-8"], "optim.eps: must be at least 0, got -1e-08"),
+    (["optim.grad_clip=-1"], "optim.grad_clip: must be 0 (off) or positive, got -1.0"),
+    (["data.datasets=[]"], "data.datasets: must be non-empty, got []"),
+    (["data.datasets.0.uri=''"], "data.datasets.0.uri: must be non-empty, got ''"),
+    (["data.datasets.0.weight=0"], "data.datasets.0.weight: must be positive, got 0.0"),
+    (["data.seq_len=0"], "data.seq_len: must be positive, got 0"),
+    (["data.read_cpus=-1"], "data.read_cpus: must be at least 0, got -1.0"),
+    (["data.prefetch_blocks=-1"], "data.prefetch_blocks: must be at least 0, got -1"),
+    (["train.seed=-1"], "train.seed: must be at least 0, got -1"),
+    (["elastic.max_failures=-2"], "elastic.max_failures: must be -1 (no limit) or at least 0, got -2"),
+    (["cluster.peak_flops_per_device=0"], "cluster.peak_flops_per_device: must be positive or null, got 0.0"),
+    (["monitor.health_min_ratio=1.5"], "monitor.health_min_ratio: must be between 0 and 1 (inclusive), got 1.5"),
+    (["storage.max_attempts=-1"], "storage.max_attempts: must be at least 0, got -1"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", NEWLY_REFUSED)
+def test_a_value_outside_what_its_setting_declares_is_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides)
+    assert str(e.value).startswith(message)
+
+
+def test_the_limits_of_the_new_declarations_are_themselves_allowed():
+    cfg = load_config(
+        [
+            "optim.min_lr=0",
+            "optim.warmup_steps=0",
+            "optim.weight_decay=0",
+            "optim.beta1=0",
+            "optim.grad_clip=0",
+            "train.seed=0",
+            "elastic.max_failures=-1",
+            "monitor.health_min_ratio=1",
+            "storage.max_attempts=0",
+            "model.dim=96",
+            "model.n_heads=3",
+        ]
+    )
+    assert (cfg.optim.grad_clip, cfg.elastic.max_failures, cfg.model.dim // cfg.model.n_heads) == (0.0, -1, 32)

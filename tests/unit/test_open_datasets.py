@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.datasets import write_dataset
-from wildtrain.config import load_config
+from wildtrain.config import ConfigError, load_config
 from wildtrain.data.dataset import DataError, open_datasets
 
 SEQ_LEN = 16
@@ -84,7 +84,8 @@ def test_too_few_rows_for_one_global_batch(tmp_path):
 
 
 def test_weights_must_be_positive(dataset):
-    with pytest.raises(DataError, match=r"^data.datasets.0.weight: must be positive"):
+    # The config refuses it before anything opens (the weight's declaration in config/training.py).
+    with pytest.raises(ConfigError, match=r"^data.datasets.0.weight: must be positive"):
         open_datasets(_config((dataset, 0)))
 
 

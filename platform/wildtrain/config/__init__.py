@@ -35,6 +35,7 @@ from wildtrain.config.overrides import (
     check_item_numbers,
     explain,
     group_layer,
+    layer_keys,
     move_renamed,
     read_yaml,
     split_overrides,
@@ -157,15 +158,7 @@ def load_config(overrides: list[str] = (), conf_dir: Optional[Path] = None) -> C
 
 def group_keys(group: str, choice: str, conf_dir: Optional[Path] = None) -> list[str]:
     """The dotted keys conf/<group>/<choice>.yaml sets: `model.dim`, `model.n_layers`, ..."""
-
-    def keys(data: dict, prefix: str) -> list[str]:
-        return [
-            k
-            for key, value in data.items()
-            for k in (keys(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [f"{prefix}{key}"])
-        ]
-
-    return keys(group_layer(conf_dir or default_conf_dir(), group, choice), "")
+    return layer_keys(group_layer(conf_dir or default_conf_dir(), group, choice))
 
 
 def to_yaml(cfg: Config) -> str:

@@ -1,18 +1,22 @@
-"""Checks across sections, after each section has checked its own keys."""
+"""Checks of a whole config: every value against its declaration (config/allowed.py), then
+each section's relations between its fields, then the relations across sections."""
 
 from __future__ import annotations
 
 from dataclasses import fields
 
 from wildtrain.batching import unservable_world_sizes
+from wildtrain.config.allowed import check_declared
 from wildtrain.config.errors import ConfigError
 from wildtrain.config.schema import Config
 
 
 def validate(cfg: Config) -> None:
-    """What the types alone cannot express: each section's own checks, then those across them."""
+    """What the types alone cannot express. The declared values come first, so that the
+    relations only ever see values in range (`dim % n_heads` a positive n_heads)."""
+    check_declared(cfg)
     for section in (getattr(cfg, f.name) for f in fields(cfg)):
-        if hasattr(section, "validate"):  # sections whose keys any value of their type suits have none
+        if hasattr(section, "validate"):  # sections without relations between their fields have none
             section.validate()
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds model.max_seq_len ({cfg.model.max_seq_len})")

@@ -116,6 +116,15 @@ def group_layer(conf_dir: Path, group: str, choice: str) -> dict:
     return data if path.read_text().startswith(GLOBAL_PACKAGE) else {group: data}
 
 
+def layer_keys(layer: dict, prefix: str = "") -> list[str]:
+    """The dotted keys a layer sets (`model.dim`, ...); a list counts as one key."""
+    return [
+        k
+        for key, value in layer.items()
+        for k in (layer_keys(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [f"{prefix}{key}"])
+    ]
+
+
 def _required(declared: Any) -> Any:
     """`X` of `Optional[X]`; any other type as it is."""
     if typing.get_origin(declared) in (typing.Union, types.UnionType):

@@ -1,13 +1,16 @@
 """The sections of where and how a run runs: its name and storage, the cluster, elasticity,
-checkpoints, monitoring, tracking, object storage and injected faults. Each validates its
-own keys."""
+checkpoints, monitoring, tracking, object storage and injected faults. Each field's comment
+is its meaning in the configuration reference (config/reference.py), `setting(...)` its
+valid values (config/allowed.py); a section's `validate()` checks the relations between its
+fields."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-from wildtrain.config.errors import ConfigError, one_of, positive, zero_or_positive
+from wildtrain.config.allowed import setting
+from wildtrain.config.errors import ConfigError
 
 SAVE_POLICIES = ("skip", "queue")
 SAVE_BACKGROUNDS = ("process", "thread")
@@ -16,9 +19,10 @@ PLACEMENT_STRATEGIES = ("auto", "PACK", "SPREAD", "STRICT_SPREAD", "NODE_BUNDLES
 
 @dataclass
 class RunSectionConfig:
-    """The `run:` section. Not `RunConfig`, the name of Ray Train's settings of a whole run,
-    which the driver uses beside this."""
+    """The `run:` section: the run's name and where its state lives. (Not `RunConfig`, the
+    name of Ray Train's settings of a whole run, which the driver uses beside this.)"""
 
+    # The run's name: its folder in run.storage, its MLflow run, and what a resubmission resumes.
     name: str = "demo"
     # Where checkpoints and run state live: a local path or an object-store URI. Not
     # relative to the current directory: a job's working directory is deleted after it.
@@ -26,14 +30,13 @@ class RunSectionConfig:
     # MLflow tags the run is created with: `wildtrain promote` records where a promoted run
     # came from (sweep, trial, config hash, data manifests) here.
     tags: dict[str, str] = field(default_factory=dict)
-    # The liveness lease (wildtrain.lease): the driver renews it this often, and each renewal
-    # holds for lease_expire_s, so a dead driver's run is free after at most that long, and a
-    # live one looks dead only once three renewals in a row are missed (a storage hiccup).
-    lease_renew_s: float = 30.0
+    # How often the driver renews the run's liveness lease (wildtrain.lease), and how long each
+    # renewal holds. A dead driver's run is free after at most lease_expire_s, and a live one
+    # looks dead only once three renewals in a row are missed (a storage hiccup).
+    lease_renew_s: float = setting(30.0, gt=0)
     lease_expire_s: float = 90.0
 
     def validate(self) -> None:
-        positive("run.lease_renew_s", self.lease_renew_s)
         if self.lease_expire_s <= self.lease_renew_s:
             raise ConfigError(
                 f"run.lease_expire_s: must be above run.lease_renew_s ({self.lease_renew_s:g}), "
@@ -43,19 +46,23 @@ class RunSectionConfig:
 
 @dataclass
 class DeepSpeedConfig:
-    zero_stage: int = 1
+    """The `deepspeed:` section; presets in conf/deepspeed/."""
 
-    def validate(self) -> None:
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"deepspeed.zero_stage: must be 0, 1, 2 or 3, got {self.zero_stage}")
+    # ZeRO's stage: 0 partitions nothing, 1 the optimizer state, 2 also the gradients, 3 also
+    # the parameters.
+    zero_stage: int = setting(1, choices=(0, 1, 2, 3))
 
 
 @dataclass
 class ElasticConfig:
-    min_workers: int = 1
-    max_workers: int = 2
+    """The `elastic:` section: the sizes a run trains at, and how it recovers when workers die."""
+
+    # The fewest and the most workers the group trains with: it shrinks as nodes die, down to
+    # min_workers, and grows back up to max_workers as they return.
+    min_workers: int = setting(1, gt=0)
+    max_workers: int = setting(2, gt=0)
     # Failures (worker or node deaths) tolerated before the run gives up; -1: no limit.
-    max_failures: int = 3
+    max_failures: int = setting(3, ge=0, special=(-1, "no limit"))
     # How long a worker group's start waits for room for its workers (their placement group)
     # before Ray Train retries at the size it then sees. Where the room exists, the placement
     # takes well under a second; a longer wait means the size does not fit, most often
@@ -63,7 +70,7 @@ class ElasticConfig:
     # default made a node's loss cost 74 s, 10 s made it 37.5 s (measured). 30 s leaves a
     # loaded GCS room; a start that fits but is slow afterwards (actors, runtime env) is not
     # bounded by it.
-    worker_start_timeout_s: float = 30.0
+    worker_start_timeout_s: float = setting(30.0, gt=0)
     # How often a healthy, smaller-than-max group looks for room to grow (at its next log
     # step after this). A look is two GCS reads on rank 0, 1.3 ms on this loaded 2-core
     # machine (measured), so looking every 2 s costs under 0.1% of one process; at 60 s a
@@ -79,58 +86,46 @@ class ElasticConfig:
     # 1800 s. Waits that are long by nature (a rank converting a checkpoint while the
     # others wait, a save that must commit) go over a separate group bounded by
     # monitor.startup_timeout_s and checkpoint.timeout_s (train/collectives.py).
-    collective_timeout_s: float = 300.0
+    collective_timeout_s: float = setting(300.0, gt=0)
     # How long to wait for the cluster to offer `min_workers` workers before giving up: at
     # submission, and whenever no worker group runs (see elastic.restarts.CapacityClock for what
     # counts). A node's death alone spends ~5 s in the node grace, up to ~30 s of Ray still
     # counting the dead node, and a start attempt of the smallest group that times out on
     # that stale view (elastic.worker_start_timeout_s): about 65 s at the defaults, so 120 s
     # ends a run only when capacity is really gone, not while a smaller group starts.
-    capacity_wait_s: float = 120.0
-    # Recovery in seconds (issue 24): when a worker other than rank 0 dies, the survivors
-    # re-form their process group at the smaller size in their own processes and take the
-    # dead rank's ZeRO partition from a peer's host memory, instead of Ray restarting every
-    # worker from the last checkpoint; a returning node's worker joins them. Each rank mirrors
-    # its partition after every step to its successor on a ring that keeps the mirror off the
-    # rank's node where the nodes allow (elastic.peer_state, membership.mirror_ring). Rank 0's
-    # death and a partition lost with its mirror still restart from the checkpoint. Off by
-    # default: the README's elastic section says why.
+    capacity_wait_s: float = setting(120.0, gt=0)
+    # Recover from a worker's death in seconds, in the survivors' processes, instead of Ray
+    # restarting every worker from the last checkpoint (issue 24). The survivors re-form their
+    # process group at the smaller size and take the dead rank's ZeRO partition from a peer's
+    # host memory; a returning node's worker joins them. Each rank mirrors its partition after
+    # every step to its successor on a ring that keeps the mirror off the rank's node where the
+    # nodes allow (elastic.peer_state, membership.mirror_ring). A partition lost with its
+    # mirror still restarts from the checkpoint. Off by default: the README's elastic section
+    # says why.
     in_process: bool = False
     # In-process membership (elastic.rendezvous): how often each worker beats its heart in the
     # driver's store, how long a silent one is taken for dead (a hung one: nothing fails), and
     # how long one silent since a failed collective (the error comes within milliseconds of a
-    # death but does not say who died). What the drills here measured (bench/recovery_spike.py).
-    heartbeat_s: float = 0.1
-    dead_after_s: float = 10.0
-    confirm_s: float = 0.5
+    # death but does not say who died).
+    heartbeat_s: float = setting(0.1, gt=0)
+    dead_after_s: float = setting(10.0, gt=0)
+    confirm_s: float = setting(0.5, gt=0)
     # Joiners that come seconds apart join in one re-form: one that asked waits while another
     # is still getting ready (its process started on a returned node, its imports and first
     # read under way), for up to this long after it asked. The members train on meanwhile;
     # each re-form stops all of them (~1 s here), a wait only idles the waiting joiner. A
-    # joiner took 8-14 s from its process's start to its request on this 2-core machine
-    # (bench/joiner_ready.py), so two nodes back within ~10 s of each other share one re-form.
+    # joiner took 8-14 s from its process's start to its request on this 2-core machine, so
+    # two nodes back within ~10 s of each other share one re-form.
     # 0: take each joiner in as it asks.
-    join_batch_s: float = 10.0
+    join_batch_s: float = setting(10.0, gt=0, special=(0, "each joiner as it asks"))
     # Workers kept started and ready beside a group of elastic.max_workers (elastic.in_process):
     # each on spare capacity (a node the group does not use), its imports done and its data
     # read, waiting. A member's death re-forms the group with a spare in its place, at the
     # same size, where a worker started on a returned node takes 14-38 s to be ready here
     # (bench/recovery.py); a returned node's worker becomes the next spare. 0: none.
-    spares: int = 0
+    spares: int = setting(0, gt=0, special=(0, "none"))
 
     def validate(self) -> None:
-        for key in (
-            "min_workers",
-            "worker_start_timeout_s",
-            "collective_timeout_s",
-            "capacity_wait_s",
-            "heartbeat_s",
-            "dead_after_s",
-            "confirm_s",
-        ):
-            positive(f"elastic.{key}", getattr(self, key))
-        zero_or_positive("elastic.join_batch_s", self.join_batch_s, "each joiner as it asks")
-        zero_or_positive("elastic.spares", self.spares, "none")
         if self.spares and not self.in_process:
             raise ConfigError(
                 f"elastic.spares: {self.spares} spares need elastic.in_process=true (a spare joins "
@@ -144,44 +139,47 @@ class ElasticConfig:
 
 @dataclass
 class ClusterConfig:
+    """The `cluster:` section: what each worker holds on the cluster; presets in conf/cluster/."""
+
+    # The cluster's name, recorded with the run (`wildtrain report --cluster` reads it).
     name: str = "local"
-    # None: RAY_ADDRESS, else the head `wildtrain up` recorded in .wildtrain/services.json,
-    # else the run stops and says to run `wildtrain up`: never a private Ray started on the
-    # spot, whose CPUs the workers could take all of, leaving Ray Data none.
+    # The Ray cluster to join; None: RAY_ADDRESS, else the head `wildtrain up` recorded in
+    # .wildtrain/services.json, else the run stops and says to run `wildtrain up`. Never a
+    # private Ray started on the spot, whose CPUs the workers could take all of, leaving Ray
+    # Data none.
     ray_address: Optional[str] = None
-    cpus_per_worker: int = 1
-    # One GPU per worker, NCCL between them; false: CPU workers over gloo. None: whatever the
-    # cluster offers, decided once by the driver when it joins (GPUs if it has any) and
-    # handed to the workers resolved. Where the cluster has GPUs, training on CPU takes an
+    # Logical CPUs each worker holds: at least one, as a worker that holds nothing would fit
+    # any node any number of times.
+    cpus_per_worker: int = setting(1, gt=0)
+    # true: one GPU per worker, NCCL between them; false: CPU workers over gloo; None: whatever
+    # the cluster offers. None is decided once by the driver when it joins (GPUs if it has
+    # any) and handed to the workers resolved. Where the cluster has GPUs, training on CPU takes an
     # explicit false; a true where it has none fails after elastic.capacity_wait_s.
     use_gpu: Optional[bool] = None
     # Custom Ray resources each worker also needs, to keep workers on the nodes that
     # offer them (e.g. {"trainer": 1} on GPU nodes, not on a CPU-only head).
     worker_resources: dict[str, float] = field(default_factory=dict)
-    # How Ray places the worker group's bundles (Ray Train's ScalingConfig.placement_strategy):
-    # PACK (Ray's default) fills a node before the next; STRICT_SPREAD puts each worker on a
-    # node of its own, and a group larger than the nodes cannot start; NODE_BUNDLES (wildtrain's)
-    # puts each node's workers in one bundle, STRICT_SPREAD. With elastic.in_process, a PACK
-    # group's lost bundles fit the nodes left by their totals, and Ray's GCS retries them
-    # without pause while the group runs smaller (bench/pg_storm.py); in the other two they fit
-    # no node left, and Ray waits for a node to register. auto: decided by the driver once the
-    # cluster can hold the group (`scaling.choose_placement`): NODE_BUNDLES with
+    # How Ray places the worker group's bundles (Ray Train's ScalingConfig.placement_strategy);
+    # auto: the driver decides once the cluster can hold the group. PACK (Ray's default) fills
+    # a node before the next; STRICT_SPREAD puts each worker on a node of its own, and a group
+    # larger than the nodes cannot start; NODE_BUNDLES (wildtrain's) puts each node's workers
+    # in one bundle, STRICT_SPREAD. With elastic.in_process, a PACK group's lost bundles fit
+    # the nodes left by their totals, and Ray's GCS retries them without pause while the group
+    # runs smaller (bench/pg_storm.py); in the other two they fit no node left, and Ray waits
+    # for a node to register. auto (`scaling.choose_placement`) picks NODE_BUNDLES with
     # elastic.in_process, else STRICT_SPREAD where no node can hold two workers (PACK would
     # place them alike), else PACK.
-    placement_strategy: str = "auto"
+    placement_strategy: str = setting("auto", choices=PLACEMENT_STRATEGIES)
     # Peak FLOP/s of one device for MFU; None: looked up by device name (measured on CPU).
-    peak_flops_per_device: Optional[float] = None
-
-    def validate(self) -> None:
-        # A worker that holds nothing would fit any node any number of times.
-        positive("cluster.cpus_per_worker", self.cpus_per_worker)
-        one_of("cluster.placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
+    peak_flops_per_device: Optional[float] = setting(None, gt=0)
 
 
 @dataclass
 class CheckpointConfig:
+    """The `checkpoint:` section: when a run saves, where, and what it keeps."""
+
     # Steps between saves; the last step always saves.
-    every: int = 20
+    every: int = setting(20, gt=0)
     # Where committed checkpoints live; None: <run.storage>/<run.name>/checkpoints.
     store: Optional[str] = None
     # A second store (another bucket or provider) every checkpoint is also committed to;
@@ -190,43 +188,38 @@ class CheckpointConfig:
     # Local folder for each rank's files between capture and upload.
     staging_dir: str = "/tmp/wildtrain-staging"
     # A save due while the previous one is still in flight: "skip" it, or "queue" it.
-    policy: str = "skip"
+    policy: str = setting("skip", choices=SAVE_POLICIES)
     # A save not committed within this time is recorded as failed; training goes on.
-    timeout_s: float = 1800.0
+    timeout_s: float = setting(1800.0, gt=0)
     # Read every uploaded file back and compare its sha256 (restore always checks).
     verify_upload: bool = True
     # Keep the newest `keep_last` committed checkpoints, plus every step that is a multiple
     # of `keep_every` (0: none) for good.
-    keep_last: int = 2
-    keep_every: int = 0
+    keep_last: int = setting(2, gt=0)
+    keep_every: int = setting(0, gt=0, special=(0, "off"))
     # Where a save's upload, hashing and verification run: "process" (a child of the
     # worker, so training keeps the GIL; see checkpoint/async_save.py) or "thread" (no
     # second process: for a worker that cannot spawn one).
-    background: str = "process"
+    background: str = setting("process", choices=SAVE_BACKGROUNDS)
     # Convert each committed checkpoint to the universal format in the background (on the
     # head, in checkpoint.staging_dir) and commit the copy beside it, so a resize finds it
     # ready: right where the head's CPUs idle beside GPU training, wrong on a CPU-only
     # cluster, where the conversion takes cores from training: conf/cluster/'s files set it.
     reshard_ahead: bool = True
 
-    def validate(self) -> None:
-        for key in ("every", "keep_last", "timeout_s"):
-            positive(f"checkpoint.{key}", getattr(self, key))
-        zero_or_positive("checkpoint.keep_every", self.keep_every, "off")
-        one_of("checkpoint.policy", self.policy, SAVE_POLICIES)
-        one_of("checkpoint.background", self.background, SAVE_BACKGROUNDS)
-
 
 @dataclass
 class MonitorConfig:
+    """The `monitor:` section: stragglers, the pre-flight health check, and hangs."""
+
     # Every `straggler_every` steps the ranks' busy times are compared; a rank slower than
     # the median by `straggler_factor` in `straggler_patience` checks in a row is flagged.
-    straggler_every: int = 10
-    straggler_factor: float = 1.5
-    straggler_patience: int = 3
+    straggler_every: int = setting(10, gt=0)
+    straggler_factor: float = setting(1.5, gt=0)
+    straggler_patience: int = setting(3, gt=0)
     # A rank whose matmul rate in the pre-flight check of a new worker group is below this
     # share of the group's median fails the check (a `health` event in MLflow).
-    health_min_ratio: float = 0.5
+    health_min_ratio: float = setting(0.5, ge=0, le=1)
     # Leave the nodes that fail the pre-flight check out of the run: the group re-forms
     # without them (a Ray label selector on node ids), unless that would leave fewer than
     # elastic.min_workers workers. Off: a failed check is only recorded.
@@ -234,18 +227,13 @@ class MonitorConfig:
     # No optimizer step for this long: dump every thread's stack and fail the attempt, so the
     # group restarts from the last checkpoint (0: off). A save that must commit (the last
     # step, a planned regrow) may wait checkpoint.timeout_s on top of it.
-    hang_timeout_s: float = 600.0
-    # The same, from a worker's start to its first optimizer step (0: off): the health check,
-    # the restore with any resharding (21 s for a 95M model on 2 CPU cores here, growing
-    # with the model) and compilation (minutes for large models) come before it. 30 min leaves
-    # room for checkpoints far larger than the measured ones; raise it for slower restores.
-    startup_timeout_s: float = 1800.0
-
-    def validate(self) -> None:
-        for key in ("straggler_every", "straggler_factor", "straggler_patience"):
-            positive(f"monitor.{key}", getattr(self, key))
-        zero_or_positive("monitor.hang_timeout_s", self.hang_timeout_s, "off")
-        zero_or_positive("monitor.startup_timeout_s", self.startup_timeout_s, "off")
+    hang_timeout_s: float = setting(600.0, gt=0, special=(0, "off"))
+    # No first optimizer step this long after a worker's start: the same as hang_timeout_s
+    # (0: off). The health check, the restore with any resharding (21 s for a 95M model on 2
+    # CPU cores here, growing with the model) and compilation (minutes for large models) come
+    # before it: 30 min leaves room for checkpoints far larger than the measured ones; raise
+    # it for slower restores.
+    startup_timeout_s: float = setting(1800.0, gt=0, special=(0, "off"))
 
 
 @dataclass
@@ -280,7 +268,11 @@ class ChaosConfig:
 
 @dataclass
 class TrackingConfig:
+    """The `tracking:` section: the MLflow server runs are recorded in."""
+
+    # The MLflow tracking server's URI.
     uri: str = "http://127.0.0.1:5000"
+    # The MLflow experiment the run is recorded under.
     experiment: str = "wildtrain"
 
 
@@ -290,9 +282,10 @@ class StorageConfig:
 
     # An S3-compatible endpoint such as http://127.0.0.1:8333; None: $AWS_ENDPOINT_URL, else AWS.
     endpoint: Optional[str] = None
+    # The S3 region.
     region: str = "us-east-1"
     # The names of the variables holding the keys, never the keys: configs are logged to MLflow.
     access_key_env: str = "AWS_ACCESS_KEY_ID"
     secret_key_env: str = "AWS_SECRET_ACCESS_KEY"
     # Attempts per request, with backoff, before an unreachable store is an error.
-    max_attempts: int = 5
+    max_attempts: int = setting(5, ge=0)
