@@ -69,6 +69,7 @@ test: $(STAMP) browser lint
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $$(mktemp -d)
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q
