@@ -328,7 +328,9 @@ def resize_to(decision, workers: int) -> None:
 
 def worker_failures(error: Optional[BaseException]) -> dict[int, BaseException]:
     """Each failed worker's exception, by rank, of a worker group's failure; none for
-    another error (a group that could not start, or None)."""
+    another error (a group that could not start, or None). An exception the training
+    function raised is the one it raised, with its fields: the worker pickles it to the
+    controller with its traceback's text, and Ray unwraps it (`WorkerGroupPollStatus.errors`)."""
     return error.worker_failures if isinstance(error, WorkerGroupError) else {}
 
 

@@ -7,9 +7,11 @@ import inspect
 import logging
 import re
 import threading
+import time
 import types
 from pathlib import Path
 
+from ray import cloudpickle as ray_cloudpickle
 from ray._common import utils as ray_common_utils
 from ray._private import state as private_state
 from ray._private import worker as private_worker
@@ -25,6 +27,7 @@ from ray.train.v2._internal.execution.scaling_policy.scaling_policy import Resiz
 from ray.train.v2._internal.execution.worker_group.placement_group_handle import PlacementGroupHandle
 from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
 from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState
+from ray.train.v2._internal.execution.worker_group.thread_runner import ThreadRunner
 from ray.train.v2._internal.execution.worker_group.worker import Worker
 from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
 from ray.train.v2.api import data_parallel_trainer
@@ -32,6 +35,8 @@ from ray.train.v2.api.exceptions import ControllerError
 
 from wildtrain import ray_compat
 from wildtrain.elastic import restarts
+from wildtrain.elastic.signals import UnhealthyNodes
+from wildtrain.events import HealthCheck
 from wildtrain.ray_compat import (
     ControllerState,
     WorkerGroupStartupTimeoutError,
@@ -121,6 +126,25 @@ def test_the_errors_of_a_failed_group_read_as_ray_makes_them():
     assert not ray_compat.start_timed_out(crashed) and not ray_compat.start_timed_out(None)
     assert ray_compat.lost_a_worker_process(lost) and ray_compat.lost_a_worker_process(hung)
     assert not ray_compat.lost_a_worker_process(crashed) and not ray_compat.lost_a_worker_process(timed_out)
+
+
+def test_a_workers_exception_reaches_the_controller_as_the_one_it_raised():
+    """The controller reads signals by their type and fields (`elastic.restarts.classify_restart`),
+    never from text: Ray must hand it each worker's exception itself, not its traceback's text."""
+    check = HealthCheck(1.0, "matmul", 1, "slow", False, "0.2x")
+
+    def train_fn():
+        raise UnhealthyNodes(["slow"], [check])
+
+    runner = ThreadRunner()  # how a Ray Train worker runs the training function
+    runner.run(train_fn)
+    while runner.is_running():
+        time.sleep(0.01)
+    # The worker's poll answers with its status, serialized across to the controller.
+    status = ray_cloudpickle.loads(ray_cloudpickle.dumps(WorkerStatus(running=False, error=runner.get_error())))
+    failed = WorkerGroupPollStatus({0: status}).get_worker_group_error()
+    (raised,) = ray_compat.worker_failures(failed).values()
+    assert isinstance(raised, UnhealthyNodes) and (raised.nodes, raised.checks) == (["slow"], [check])
 
 
 def test_a_resize_decision_is_read_and_resized_where_ray_reads_its_size_after_the_hook():

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.reports import first_report, report
-from wildtrain.events import Event, HealthCheck, Moved
+from wildtrain.events import Event, Failure, HealthCheck, Moved
 from wildtrain.tracking.controller.timeline import Timeline
 from wildtrain.tracking.reports.goodput import (
     BADPUT_CAUSES,
@@ -49,7 +49,7 @@ def recorded_events() -> list[Event]:
     timeline.group_started(["a", "b"])
     for step in (1, 5, 10):
         timeline.reported(report(step, 2))
-    timeline.interrupted("failure", at=1035.0, cause="node b died")
+    timeline.interrupted(Failure, at=1035.0, cause="node b died")
     timeline.group_started(["a"])
     timeline.reported(
         first_report(9, 1, restored_step=8, started_at=1045.0, first_step_at=1052.0, restore_s=3.0, reshard_s=2.0)

@@ -3,34 +3,54 @@ the controller's state means, what the restart policy does about it, and how man
 the nodes that are not left out can hold. Ray's errors as its controller holds them; no
 Ray cluster, no time passing."""
 
-from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
+import pickle
+
+from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
+from ray.train.v2.api.exceptions import ControllerError
 
 from wildtrain.elastic.nodes import room_for_another_worker, workers_that_fit
 from wildtrain.elastic.restarts import (
     CapacityClock,
     FailureBudget,
     Restart,
+    RestartKind,
     Transition,
+    TransitionKind,
     classify_restart,
     decide,
     interpret,
 )
-from wildtrain.elastic.signals import PeerFailed, PlannedRegrow, UnhealthyNodes
-from wildtrain.events import HealthCheck, NodeExcluded
+from wildtrain.elastic.signals import (
+    FinalCheckpointFailed,
+    PeerFailed,
+    PlannedRegrow,
+    RunCannotContinue,
+    UnhealthyNodes,
+)
+from wildtrain.events import Failure, HealthCheck, NodeExcluded, Resize
 from wildtrain.ray_compat import ControllerState, UserExceptionWithTraceback, WorkerGroupStartupTimeoutError
 
+FAILURE, RESIZE = RestartKind.FAILURE, RestartKind.RESIZE
 
-def _worker_group_error(*worker_errors: BaseException) -> WorkerGroupError:
-    """What the controller holds: each worker's traceback text, and a summary of them all
-    that Ray truncates."""
-    tracebacks = {
-        rank: f"Traceback (most recent call last):\n  ...\n{type(e).__module__}.{type(e).__name__}: {e}"
+
+def _worker_group_error(*worker_errors: BaseException):
+    """What the controller holds, made as Ray makes it: each worker's poll answers with its
+    exception and traceback text, pickled across to the controller, which makes the group's
+    error (a summary it truncates, and each worker's exception) from them."""
+    statuses = {
+        rank: pickle.loads(
+            pickle.dumps(
+                WorkerStatus(
+                    running=False,
+                    error=UserExceptionWithTraceback(
+                        e, f"Traceback (most recent call last):\n  ...\n{type(e).__module__}.{type(e).__name__}: {e}"
+                    ),
+                )
+            )
+        )
         for rank, e in enumerate(worker_errors)
     }
-    summary = "\n".join(f"[Rank {rank} Error Snippet]:\n{text[:40]}..." for rank, text in tracebacks.items())
-    return WorkerGroupError(
-        summary, {rank: UserExceptionWithTraceback(worker_errors[rank], text) for rank, text in tracebacks.items()}
-    )
+    return WorkerGroupPollStatus(statuses).get_worker_group_error()
 
 
 def test_a_failed_health_check_restarts_as_planned_and_names_the_nodes_to_leave_out():
@@ -38,7 +58,7 @@ def test_a_failed_health_check_restarts_as_planned_and_names_the_nodes_to_leave_
     # Every rank raises, with the same results: they are logged once.
     error = _worker_group_error(UnhealthyNodes(["slow"], checks), UnhealthyNodes(["slow"], checks))
     restart = classify_restart(error)
-    assert restart.kind == "failure" and restart.planned
+    assert restart.kind is FAILURE and restart.planned
     assert "slow" in restart.cause
     assert restart.events[:2] == checks
     (excluded,) = restart.events[2:]  # once, though both ranks name the node
@@ -47,10 +67,10 @@ def test_a_failed_health_check_restarts_as_planned_and_names_the_nodes_to_leave_
 
 def test_planned_regrows_and_real_failures_are_told_apart():
     regrow = classify_restart(_worker_group_error(PlannedRegrow("room for more than 1 workers")))
-    assert (regrow.kind, regrow.planned) == ("resize", True)
+    assert (regrow.kind, regrow.planned) == (RESIZE, True)
     crash = classify_restart(_worker_group_error(ValueError("bad batch")))
-    assert (crash.kind, crash.planned, crash.events) == ("failure", False, [])
-    assert crash.cause == "rank 0: builtins.ValueError: bad batch"
+    assert (crash.kind, crash.planned, crash.events) == (FAILURE, False, [])
+    assert crash.cause == "rank 0: bad batch"
     assert "bad batch" in str(_worker_group_error(ValueError("bad batch")).worker_failures[0])
     assert not classify_restart(None).planned
 
@@ -58,13 +78,11 @@ def test_planned_regrows_and_real_failures_are_told_apart():
 def test_the_cause_of_a_failure_is_the_failed_ranks_error_not_its_peers_stopping_for_it():
     error = _worker_group_error(PeerFailed(0, "rank 1: ShardCorrupt: shard-3 is gone"), OSError("shard-3 is gone"))
     restart = classify_restart(error)
-    assert (restart.kind, restart.planned) == ("failure", False)
-    assert restart.cause == "rank 1: builtins.OSError: shard-3 is gone"
+    assert (restart.kind, restart.planned) == (FAILURE, False)
+    assert restart.cause == "rank 1: shard-3 is gone"
 
 
 def test_peer_failed_survives_pickling_as_ray_sends_it_to_the_controller():
-    import pickle
-
     stopped = pickle.loads(pickle.dumps(PeerFailed(2, "rank 0: out of memory")))
     assert (stopped.rank, stopped.reason) == (2, "rank 0: out of memory")
     assert str(stopped) == str(PeerFailed(2, "rank 0: out of memory"))
@@ -84,18 +102,12 @@ def test_workers_that_fit_leave_out_excluded_nodes_and_count_the_scarcest_resour
 
 
 def test_unhealthy_nodes_survives_pickling_as_ray_sends_it_to_the_controller():
-    import pickle
-
     check = HealthCheck(1.0, "matmul", 1, "slow", False, "0.2x")
     error = pickle.loads(pickle.dumps(UnhealthyNodes(["slow"], [check])))
     assert (error.nodes, error.checks) == (["slow"], [check])
 
 
 def test_an_error_a_restart_cannot_help_ends_the_run_with_its_message():
-    import pickle
-
-    from wildtrain.elastic.signals import FinalCheckpointFailed, RunCannotContinue
-
     final = FinalCheckpointFailed(60, "s3://b/run/checkpoints/step_000000040-ab")
     restart = classify_restart(_worker_group_error(final, pickle.loads(pickle.dumps(final))))
     assert restart.fatal and not restart.planned
@@ -104,6 +116,23 @@ def test_an_error_a_restart_cannot_help_ends_the_run_with_its_message():
     shard = classify_restart(_worker_group_error(RunCannotContinue("shard s3://b/d/shard-1.parquet: gone")))
     assert shard.fatal and shard.cause == "shard s3://b/d/shard-1.parquet: gone"
     assert not classify_restart(_worker_group_error(ValueError("bad batch"))).fatal
+
+
+def test_a_signal_is_the_exception_a_worker_raised_not_text_that_looks_like_one():
+    # A worker's error that repeats a signal's text, or names one (as Ray's summary of the
+    # group's tracebacks then does), is a failure like any other.
+    lookalikes = _worker_group_error(
+        RuntimeError(str(RunCannotContinue("shard gone"))),
+        RuntimeError(f"{PlannedRegrow.__name__}: room for more workers"),
+        RuntimeError(str(UnhealthyNodes(["slow"], []))),
+    )
+    assert PlannedRegrow.__name__ in str(lookalikes)
+    restart = classify_restart(lookalikes)
+    assert (restart.kind, restart.planned, restart.fatal, restart.events) == (FAILURE, False, False, [])
+    assert restart.cause == "rank 0: shard gone"
+    # An error that is no worker group's failure carries no worker's exception.
+    not_a_group = classify_restart(RuntimeError(str(RunCannotContinue("shard gone"))))
+    assert (not_a_group.kind, not_a_group.fatal, not_a_group.cause) == (FAILURE, False, "shard gone")
 
 
 def test_room_to_grow_leaves_the_data_reads_their_cpus():
@@ -123,42 +152,51 @@ RUNNING = ControllerState("RUNNING")
 def test_interpret_tells_a_failure_from_a_regrow_and_from_the_controller_waiting_with_it():
     crash = _worker_group_error(ValueError("bad batch"))
     failure = interpret(RUNNING, ControllerState("RESTARTING", crash))
-    assert (failure.kind, failure.interruption, failure.counted, failure.again) == ("failure", "failure", True, False)
-    assert failure.cause == "rank 0: builtins.ValueError: bad batch" and failure.error is crash
+    assert (failure.kind, failure.interruption, failure.counted, failure.again) == (
+        TransitionKind.FAILURE,
+        Failure,
+        True,
+        False,
+    )
+    assert failure.cause == "rank 0: bad batch" and failure.error is crash
     restarting = ControllerState("RESTARTING", crash)
     assert interpret(restarting, restarting).again, "no room: the controller's loop turns in the same state"
 
     regrow = interpret(RUNNING, ControllerState("RESTARTING", _worker_group_error(PlannedRegrow("room for 2"))))
-    assert (regrow.kind, regrow.interruption, regrow.counted) == ("resize", "resize", False)
+    assert (regrow.kind, regrow.interruption, regrow.counted) == (TransitionKind.RESIZE, Resize, False)
     unhealthy = interpret(RUNNING, ControllerState("RESTARTING", _worker_group_error(UnhealthyNodes(["slow"], []))))
-    assert (unhealthy.kind, unhealthy.counted) == ("failure", False)
+    assert (unhealthy.kind, unhealthy.counted) == (TransitionKind.FAILURE, False)
     assert [e.node for e in unhealthy.events if isinstance(e, NodeExcluded)] == ["slow"]
     ray_resize = interpret(RUNNING, ControllerState("RESIZING", workers=3))
-    assert (ray_resize.kind, ray_resize.restart, ray_resize.interruption) == ("resize", None, "resize")
+    assert (ray_resize.kind, ray_resize.restart, ray_resize.interruption) == (TransitionKind.RESIZE, None, Resize)
 
 
 def test_interpret_follows_a_start_and_its_failure():
     start = interpret(ControllerState("RESTARTING"), ControllerState("SCHEDULING", workers=2))
-    assert (start.kind, start.workers, start.interruption) == ("start", 2, None)
+    assert (start.kind, start.workers, start.interruption) == (TransitionKind.START, 2, None)
     timed_out = ControllerError(WorkerGroupStartupTimeoutError(num_workers=2))
     failed = interpret(ControllerState("SCHEDULING", workers=2), ControllerState("RESCHEDULING", timed_out))
     assert (failed.kind, failed.workers, failed.timed_out, failed.counted, failed.interruption) == (
-        "start_failed",
+        TransitionKind.START_FAILED,
         2,
         True,
         False,
-        "failure",
+        Failure,
     )
     rescheduling = ControllerState("RESCHEDULING", timed_out)
-    assert interpret(rescheduling, rescheduling) == Transition("waiting", again=True)
-    assert interpret(ControllerState("SCHEDULING", workers=1), RUNNING) == Transition("running")
-    assert interpret(RUNNING, ControllerState("SHUTTING_DOWN")).kind == "finish"
+    assert interpret(rescheduling, rescheduling) == Transition(TransitionKind.WAITING, again=True)
+    assert interpret(ControllerState("SCHEDULING", workers=1), RUNNING) == Transition(TransitionKind.RUNNING)
+    assert interpret(RUNNING, ControllerState("SHUTTING_DOWN")).kind is TransitionKind.FINISH
     assert interpret(ControllerState("INITIALIZING"), ControllerState("INITIALIZING")).again
 
 
 def _failure(cause: str = "rank 0: bad batch", counted: bool = True, **fields) -> Transition:
     return Transition(
-        "failure", Restart("failure", cause, planned=not counted), RuntimeError(cause), counted=counted, **fields
+        TransitionKind.FAILURE,
+        Restart(FAILURE, cause, planned=not counted),
+        RuntimeError(cause),
+        counted=counted,
+        **fields,
     )
 
 
@@ -180,27 +218,36 @@ def test_a_failure_is_counted_once_and_its_restart_sized_for_what_is_alive():
 
 
 def test_a_failed_health_check_leaves_its_nodes_out_and_a_hopeless_failure_ends_the_run():
-    excluded = Restart("failure", "health check failed", planned=True, events=[NodeExcluded(1.0, "slow", "")])
-    t = Transition("failure", excluded, RuntimeError("unhealthy"))
+    excluded = Restart(FAILURE, "health check failed", planned=True, events=[NodeExcluded(1.0, "slow", "")])
+    t = Transition(TransitionKind.FAILURE, excluded, RuntimeError("unhealthy"))
     assert decide(t, FailureBudget(-1), CapacityClock(1), now=0.0).exclude == {"slow"}
-    fatal = Transition("failure", Restart("failure", "shard gone", planned=False, fatal=True), RuntimeError("x"))
+    fatal = Transition(
+        TransitionKind.FAILURE, Restart(FAILURE, "shard gone", planned=False, fatal=True), RuntimeError("x")
+    )
     decision = decide(fatal, FailureBudget(-1), CapacityClock(1), now=0.0)
     assert decision.end == "shard gone" and not decision.refresh
 
 
 def test_a_wait_for_room_is_timed_from_the_first_turn_that_found_none_until_a_group_runs():
     clock = decide(_failure(), FailureBudget(-1), CapacityClock(1), now=100.0).capacity
-    turn = decide(Transition("waiting", again=True), FailureBudget(-1), clock, now=101.0)
+    turn = decide(Transition(TransitionKind.WAITING, again=True), FailureBudget(-1), clock, now=101.0)
     assert turn.capacity.no_room_since == 100.0 and turn.paced
-    start = decide(Transition("start", workers=1), FailureBudget(-1), turn.capacity, now=130.0)
+    start = decide(Transition(TransitionKind.START, workers=1), FailureBudget(-1), turn.capacity, now=130.0)
     assert not start.refresh and not start.bounded and start.capacity.attempt_started == 130.0
-    running = decide(Transition("running"), FailureBudget(-1), start.capacity, now=135.0)
+    running = decide(Transition(TransitionKind.RUNNING), FailureBudget(-1), start.capacity, now=135.0)
     assert running.waited_s == 35.0 and running.capacity.waited_s(200.0) == 0.0
-    assert decide(Transition("running"), FailureBudget(-1), running.capacity, now=136.0).waited_s is None
+    assert decide(Transition(TransitionKind.RUNNING), FailureBudget(-1), running.capacity, now=136.0).waited_s is None
 
 
 def test_a_failed_start_above_the_minimum_is_forgiven_once_per_size():
-    clock = decide(Transition("start", workers=2), FailureBudget(-1), CapacityClock(1).waiting(0.0), now=10.0).capacity
-    failed = decide(Transition("start_failed", workers=2, timed_out=True), FailureBudget(-1), clock, now=40.0)
+    clock = decide(
+        Transition(TransitionKind.START, workers=2), FailureBudget(-1), CapacityClock(1).waiting(0.0), now=10.0
+    ).capacity
+    failed = decide(
+        Transition(TransitionKind.START_FAILED, workers=2, timed_out=True), FailureBudget(-1), clock, now=40.0
+    )
     assert failed.refresh and failed.bounded and failed.capacity.waited_s(40.0) == 10.0
-    assert decide(Transition("finish"), FailureBudget(-1), failed.capacity, now=50.0).capacity == failed.capacity
+    assert (
+        decide(Transition(TransitionKind.FINISH), FailureBudget(-1), failed.capacity, now=50.0).capacity
+        == failed.capacity
+    )

@@ -6,6 +6,7 @@ config, MLflow's params or a repr."""
 from __future__ import annotations
 
 import pytest
+from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
 
 from wildtrain import storage
 from wildtrain.config import StorageConfig, flatten, load_config, redact, to_yaml
@@ -121,7 +122,8 @@ def test_a_worker_that_resolves_unlike_the_driver_ends_the_run_in_one_line(envir
     assert message.startswith("storage: a worker on ") and "\n" not in message
     assert message.endswith(f"resolves s3:// unlike the driver: endpoint http://10.0.0.9:9000, the driver's {SEAWEED}")
     # Not restarted into the same error: the controller ends the run with the line.
-    restart = classify_restart(RuntimeError(str(raised.value)))
+    failed = WorkerGroupPollStatus({0: WorkerStatus(running=False, error=raised.value)}).get_worker_group_error()
+    restart = classify_restart(failed)
     assert restart.fatal and restart.cause == message
 
 

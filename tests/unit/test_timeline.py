@@ -1,5 +1,5 @@
 from tests.helpers.reports import first_report, report
-from wildtrain.events import Failure
+from wildtrain.events import Failure, Resize
 from wildtrain.tracking.controller.timeline import Timeline
 
 
@@ -9,11 +9,11 @@ def test_a_failure_and_its_recovery_are_split_into_parts():
     timeline.reported(first_report(1, 2, 0, 0.0, 1.0))
     for step in range(2, 7):
         timeline.reported(report(step, 2))
-    event = timeline.interrupted("failure", at=100.0, cause="node-b died")
+    event = timeline.interrupted(Failure, at=100.0, cause="node-b died")
     assert isinstance(event, Failure)
     assert event.last_step == 6 and event.world_size == 2 and event.nodes == ["node-a", "node-b"]
     # the controller retries once more before the group is back: still one outage
-    assert timeline.interrupted("failure", at=105.0) is None
+    assert timeline.interrupted(Failure, at=105.0) is None
 
     timeline.group_started(["node-a"])
     recovery = timeline.reported(first_report(5, 1, 4, 110.0, 118.0))
@@ -34,9 +34,9 @@ def test_steps_lost_count_from_the_newest_report_of_the_interrupted_attempt():
     timeline.group_started(["a", "b"])
     for step in range(1, 11):
         timeline.reported(report(step, 2))
-    timeline.interrupted("failure", at=0.0)
+    timeline.interrupted(Failure, at=0.0)
     timeline.reported(first_report(9, 1, 8, 1.0, 2.0))  # restored from step 8: 2 lost
     timeline.reported(report(10, 1))
-    timeline.interrupted("resize", at=3.0)
+    timeline.interrupted(Resize, at=3.0)
     recovery = timeline.reported(first_report(11, 2, 10, 4.0, 5.0))
     assert recovery.kind == "resize" and recovery.steps_lost == 0

@@ -6,23 +6,29 @@ Ray's states and errors are read through `ray_compat` only."""
 
 from __future__ import annotations
 
+import enum
 import functools
-import json
-import re
 import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from wildtrain import ray_compat
 from wildtrain.elastic.signals import PeerFailed, PlannedRegrow, RunCannotContinue, UnhealthyNodes
-from wildtrain.events import Event, NodeExcluded, from_dict
+from wildtrain.events import Event, Failure, Interrupted, NodeExcluded, Resize
+
+
+class RestartKind(enum.Enum):
+    """Why a worker group stops: its workers failed, or it restarts at another size."""
+
+    FAILURE = "failure"
+    RESIZE = "resize"
 
 
 @dataclass(frozen=True)
 class Restart:
     """Why the controller restarts a worker group (see `classify_restart`)."""
 
-    kind: str  # "failure" or "resize"
+    kind: RestartKind
     cause: str
     # wildtrain's own decision (a planned regrow, leaving out unhealthy nodes), not a fault
     # of the workers: not counted against elastic.max_failures.
@@ -32,12 +38,12 @@ class Restart:
     fatal: bool = False
 
 
-def worker_error_cause(per_worker: dict) -> str:
-    """`rank N: <its exception's line>` of the first worker whose failure is its own (not a
-    `PeerFailed`); "" when there is none."""
+def worker_error_cause(per_worker: dict[int, BaseException]) -> str:
+    """`rank N: <its exception's last line>` of the first worker whose failure is its own
+    (not a `PeerFailed`); "" when there is none."""
     for rank, failure in sorted(per_worker.items()):
         text = str(failure).strip()
-        if not text or PeerFailed.MARKER in text:
+        if not text or isinstance(failure, PeerFailed):
             continue
         return f"rank {rank}: {text.splitlines()[-1][:500]}"
     return ""
@@ -45,58 +51,68 @@ def worker_error_cause(per_worker: dict) -> str:
 
 @functools.lru_cache(maxsize=16)
 def classify_restart(error: BaseException | None) -> Restart:
-    """Why the controller is restarting the group, from its error: Ray's summary of the
-    workers' exceptions (truncated), and each worker's own traceback text, whole. Cached
-    by the error's identity: the controller's callbacks each ask, and get one answer."""
-    text = str(error).strip() if error is not None else ""
-    per_worker = "\n".join(str(failure) for failure in ray_compat.worker_failures(error).values())
-    if PlannedRegrow.__name__ in text + per_worker:
-        return Restart("resize", "room for more workers", planned=True)
-    fatal = re.search(rf"^{re.escape(RunCannotContinue.MARKER)} (\".*\")$", text + "\n" + per_worker, re.MULTILINE)
-    if fatal:
-        return Restart("failure", json.loads(fatal[1]), planned=False, fatal=True)
-    # Every rank raises UnhealthyNodes with the same results (`train.monitor.Monitor`): one rank's are logged.
-    found = [
-        json.loads(m) for m in re.findall(rf"^{re.escape(UnhealthyNodes.MARKER)} (\{{.*\}})$", per_worker, re.MULTILINE)
-    ]
-    if found:
-        nodes = sorted({node for f in found for node in f["nodes"]})
+    """Why the controller is restarting the group, from its error: each worker's exception as
+    it raised it (`ray_compat.worker_failures`), read by its type. Cached by the error's
+    identity: the controller's callbacks each ask, and get one answer."""
+    per_worker = ray_compat.worker_failures(error)
+    failures = [failure for _, failure in sorted(per_worker.items())]
+    if any(isinstance(failure, PlannedRegrow) for failure in failures):
+        return Restart(RestartKind.RESIZE, "room for more workers", planned=True)
+    fatal = next((failure for failure in failures if isinstance(failure, RunCannotContinue)), None)
+    if fatal is not None:
+        return Restart(RestartKind.FAILURE, fatal.message, planned=False, fatal=True)
+    unhealthy = [failure for failure in failures if isinstance(failure, UnhealthyNodes)]
+    if unhealthy:
+        nodes = sorted({node for failure in unhealthy for node in failure.nodes})
         at = time.time()
         excluded = [
             NodeExcluded(at, node, f"node {node} failed the pre-flight health check; left out of the run")
             for node in nodes
         ]
-        checks = [from_dict(check) for check in found[0]["checks"]]
+        # Every rank raises UnhealthyNodes with the same results (`train.monitor.Monitor`): one rank's are logged.
         return Restart(
-            "failure",
+            RestartKind.FAILURE,
             f"health check failed on node(s) {', '.join(nodes)}; left out of the run",
             planned=True,
-            events=checks + excluded,
+            events=[*unhealthy[0].checks, *excluded],
         )
-    cause = worker_error_cause(ray_compat.worker_failures(error))
-    return Restart("failure", cause or (text.splitlines()[0][:500] if text else ""), planned=False)
+    text = str(error).strip() if error is not None else ""
+    cause = worker_error_cause(per_worker)
+    return Restart(RestartKind.FAILURE, cause or (text.splitlines()[0][:500] if text else ""), planned=False)
+
+
+class TransitionKind(enum.Enum):
+    """What a change of the controller's state means (see `Transition`)."""
+
+    START = "start"
+    RUNNING = "running"
+    FAILURE = "failure"
+    RESIZE = "resize"
+    START_FAILED = "start_failed"
+    WAITING = "waiting"
+    FINISH = "finish"
 
 
 @dataclass(frozen=True)
 class Transition:
     """What one change of the controller's state means (`interpret`). `kind`:
 
-    - "start": the controller starts a group of `workers` (SCHEDULING);
-    - "running": a group runs (RUNNING; PREEMPTING, while it drains);
-    - "failure": a running group failed (RESTARTING); `restart` says why. While the cluster
+    - START: the controller starts a group of `workers` (SCHEDULING);
+    - RUNNING: a group runs (RUNNING; PREEMPTING, while it drains);
+    - FAILURE: a running group failed (RESTARTING); `restart` says why. While the cluster
       lacks room, the controller re-enters RESTARTING, with the same error, at every turn
       of its loop (`again`): the failure is the first entry's;
-    - "resize": a running group stops to restart at another size: a planned regrow
+    - RESIZE: a running group stops to restart at another size: a planned regrow
       (RESTARTING, `restart` says so), or Ray's own resize (RESIZING, no `restart`: off in
       wildtrain, where growing is the workers' decision);
-    - "start_failed": the start of a group of `workers` failed (RESCHEDULING); `timed_out`
+    - START_FAILED: the start of a group of `workers` failed (RESCHEDULING); `timed_out`
       if its workers found no room in time;
-    - "waiting": the controller has no group and waits for a scaling decision
+    - WAITING: the controller has no group and waits for a scaling decision
       (INITIALIZING, or RESCHEDULING again);
-    - "finish": shutting down, or done.
+    - FINISH: shutting down, or done.
     """
 
-    kind: str
+    kind: TransitionKind
     restart: Optional[Restart] = None
     # Ray's error; its identity tells a new failure from one seen again.
     error: Optional[BaseException] = field(default=None, compare=False, repr=False)
@@ -117,10 +133,15 @@ class Transition:
         return self.restart.events if self.restart is not None else []
 
     @property
-    def interruption(self) -> Optional[str]:
-        """What the run's timeline records: "failure" or "resize"; None when no group stopped
-        or failed to start."""
-        return {"failure": "failure", "start_failed": "failure", "resize": "resize"}.get(self.kind)
+    def interruption(self) -> Optional[type[Interrupted]]:
+        """The event the run's timeline records (`Failure`, `Resize`); None when no group
+        stopped or failed to start."""
+        return _INTERRUPTIONS.get(self.kind)
+
+
+_INTERRUPTIONS = {TransitionKind.FAILURE: Failure, TransitionKind.START_FAILED: Failure, TransitionKind.RESIZE: Resize}
+# A restart's transition: of the same kind.
+_RESTART_TRANSITIONS = {RestartKind.FAILURE: TransitionKind.FAILURE, RestartKind.RESIZE: TransitionKind.RESIZE}
 
 
 # Controller states in which a worker group exists and runs (or drains), and those in which
@@ -138,20 +159,20 @@ def interpret(previous: ray_compat.ControllerState, current: ray_compat.Controll
     """What the change from `previous` to `current` means."""
     name, error = current.name, current.error
     if name in _GROUP_STATES:
-        return Transition("running")
+        return Transition(TransitionKind.RUNNING)
     if name == "RESIZING":
-        return Transition("resize", workers=current.workers)
+        return Transition(TransitionKind.RESIZE, workers=current.workers)
     if name == "SCHEDULING":
-        return Transition("start", workers=current.workers)
+        return Transition(TransitionKind.START, workers=current.workers)
     if name not in _WAITING_STATES:
-        return Transition("finish")
+        return Transition(TransitionKind.FINISH)
     again = previous.name == name and previous.error is error
     if name == "RESTARTING":
         restart = classify_restart(error)
         # Like Ray's own policy, only workers' failures count; a group that could not
         # start in time is the capacity wait's business.
         return Transition(
-            restart.kind,
+            _RESTART_TRANSITIONS[restart.kind],
             restart,
             error,
             lost_process=ray_compat.lost_a_worker_process(error),
@@ -160,13 +181,13 @@ def interpret(previous: ray_compat.ControllerState, current: ray_compat.Controll
         )
     if name == "RESCHEDULING" and previous.name == "SCHEDULING":
         return Transition(
-            "start_failed",
+            TransitionKind.START_FAILED,
             classify_restart(error),
             error,
             workers=previous.workers,
             timed_out=ray_compat.start_timed_out(error),
         )
-    return Transition("waiting", again=again)
+    return Transition(TransitionKind.WAITING, again=again)
 
 
 @dataclass(frozen=True)
@@ -264,15 +285,15 @@ class RestartDecision:
 def decide(t: Transition, budget: FailureBudget, capacity: CapacityClock, now: float) -> RestartDecision:
     """The restart policy (`controller.RestartPolicy` says what it is for) for transition
     `t` at time.monotonic() `now`."""
-    if t.kind == "running":
+    if t.kind is TransitionKind.RUNNING:
         waited_s = None if capacity.no_room_since is None else now - capacity.no_room_since
         return RestartDecision(budget, capacity.running(), waited_s)
-    if t.kind == "start":
+    if t.kind is TransitionKind.START:
         return RestartDecision(budget, capacity.attempt(now))
-    if t.kind == "finish" or (t.kind == "resize" and t.restart is None):
+    if t.kind is TransitionKind.FINISH or (t.kind is TransitionKind.RESIZE and t.restart is None):
         return RestartDecision(budget, capacity)
     capacity = capacity.waiting(now)
-    if t.kind == "start_failed":
+    if t.kind is TransitionKind.START_FAILED:
         # Too big a group for a stale view, most often: let the next decision see what is alive.
         return RestartDecision(budget, capacity.attempt_failed(now, t.workers, t.timed_out), refresh=True, bounded=True)
     if t.restart is not None and budget.is_new(t.error):

@@ -1,14 +1,12 @@
 """What workers and the controller tell each other beyond Ray's own states: a worker
 raises one of these to ask for a planned restart (a regrow, leaving out unhealthy nodes) or
 to end the run, and the controller classifies each restart from the error Ray hands it
-(`restarts.classify_restart`). Ray keeps only the text of workers' exceptions, so what must
-reach the controller rides in the text after a marker. Workers import this module: it
-imports no Ray.
+(`restarts.classify_restart`). Ray pickles each worker's exception to the controller whole
+(`ray_compat.worker_failures`), so the controller reads their typed fields: each must pickle.
+Workers import this module: it imports no Ray.
 """
 
 from __future__ import annotations
-
-import json
 
 from wildtrain.events import HealthCheck
 
@@ -34,17 +32,11 @@ class MembersJoining(RuntimeError):
 class RunCannotContinue(RuntimeError):
     """Raised by a worker when restarting the group cannot help (a shard that went bad, a
     final checkpoint that cannot commit): the controller ends the run with this message
-    instead of restarting into the same error until the failure budget is spent. Ray keeps
-    only the text of workers' exceptions, so the message rides in it after `MARKER`."""
-
-    MARKER = "wildtrain-cannot-continue:"
+    instead of restarting into the same error until the failure budget is spent."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(f"{message}\n{self.MARKER} {json.dumps(message)}")
+        super().__init__(message)
         self.message = message
-
-    def __reduce__(self):  # Ray pickles it to the controller; the default would pass the marker twice
-        return type(self), (self.message,)
 
 
 class FinalCheckpointFailed(RunCannotContinue):
@@ -67,20 +59,16 @@ class FinalCheckpointFailed(RunCannotContinue):
 class UnhealthyNodes(RuntimeError):
     """Raised by every worker of a group whose pre-flight health check failed nodes, with
     monitor.exclude_unhealthy on: the controller leaves those nodes out and the group
-    re-forms without them. Ray keeps only the text of workers' exceptions, so the check's
-    results ride in it, as one JSON line after `MARKER`."""
-
-    MARKER = "wildtrain-health-check:"
+    re-forms without them. `checks`: the check's results, for the controller to log."""
 
     def __init__(self, nodes: list[str], checks: list[HealthCheck]) -> None:
-        results = {"nodes": nodes, "checks": [check.to_dict() for check in checks]}
         super().__init__(
             f"the health check failed on node(s) {', '.join(nodes)}; re-forming the group without them "
-            f"(monitor.exclude_unhealthy)\n{self.MARKER} {json.dumps(results)}"
+            "(monitor.exclude_unhealthy)"
         )
         self.nodes, self.checks = nodes, checks
 
-    def __reduce__(self):  # Ray pickles it to the controller; the default would pass only the text
+    def __reduce__(self):  # the default would pass the text as `nodes`
         return type(self), (self.nodes, self.checks)
 
 
@@ -89,10 +77,8 @@ class PeerFailed(RuntimeError):
     failed (`collectives.failing_together`): the failed rank's own error is the restart's
     cause, and this one says only that the rank stopped for it."""
 
-    MARKER = "wildtrain-peer-failed:"
-
     def __init__(self, rank: int, reason: str) -> None:
-        super().__init__(f"{self.MARKER} rank {rank} stopped because another rank failed: {reason}")
+        super().__init__(f"rank {rank} stopped because another rank failed: {reason}")
         self.rank, self.reason = rank, reason
 
     def __reduce__(self):

@@ -246,7 +246,8 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
             self.tracking.metrics({"elastic/nodes": 0}, event.last_step)
             self._attach_hang_dumps(event.last_step, event.nodes)
             print(
-                f"{kind} after step {event.last_step} at world size {event.world_size}: {transition.cause}", flush=True
+                f"{event.KIND} after step {event.last_step} at world size {event.world_size}: {transition.cause}",
+                flush=True,
             )
         # Once per failed group, even within one outage: a failed health check's results, the nodes left out.
         for carried in transition.events:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from wildtrain.events import Event, Failure, Interrupted, Recovered, Resize
+from wildtrain.events import Event, Interrupted, Recovered
 from wildtrain.worker_report import WorkerReport
 
 
@@ -24,15 +24,13 @@ class Timeline:
         self.nodes = nodes
         self.world_size = len(nodes)
 
-    def interrupted(self, kind: str, at: float, cause: str = "") -> Optional[Interrupted]:
-        """The event for a new interruption ("failure" or "resize"); None while one is
+    def interrupted(self, kind: type[Interrupted], at: float, cause: str = "") -> Optional[Interrupted]:
+        """The event of `kind` (`Failure`, `Resize`) for a new interruption; None while one is
         already being recovered from, since a second before the group recovered belongs to
         the same outage."""
         if self.pending is not None:
             return None
-        self.pending = {"failure": Failure, "resize": Resize}[kind](
-            at, self.world_size, self.last_step, cause, list(self.nodes)
-        )
+        self.pending = kind(at, self.world_size, self.last_step, cause, list(self.nodes))
         self.events.append(self.pending)
         return self.pending
 
