@@ -39,7 +39,8 @@ from wildtrain.tracking.mlflow_client import Client, check_reachable, run_url
 from wildtrain.tracking.reports import runs as report
 from wildtrain.tracking.run_setup import open_run
 from wildtrain.tracking.worker.stragglers import cannot_observe
-from wildtrain.train.entry import LoopInputs, worker_main
+from wildtrain.train.entry import joiner_main, worker_main
+from wildtrain.worker_inputs import LoopInputs
 
 
 class RunFailed(RuntimeError):
@@ -145,7 +146,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
             # commits a lost rank 0 did not report are noticed before any callback acts on notices.
             callbacks=[
                 StorageSettings(storage_env),
-                *survivor_callbacks(cfg, rendezvous, inputs, worker_env),
+                *survivor_callbacks(cfg, rendezvous, inputs, worker_env, joiner_main),
                 MissedCommits(cfg),
                 ProgressCallback(cfg.train.steps),
                 mlflow,

@@ -42,15 +42,14 @@ from wildtrain.engine import import_ahead
 from wildtrain.tracking.worker.mfu import device_peak
 from wildtrain.train import checkpointing, collectives
 from wildtrain.train.attempt import Attempt
-from wildtrain.train.entry import LoopInputs, check_storage
 from wildtrain.train.generations import InProcess, Leftovers
 from wildtrain.train.growth import Growth
 from wildtrain.train.schedule import At
+from wildtrain.worker_inputs import LoopInputs
 
 
 def train_loop(inputs: LoopInputs) -> None:
     cfg = inputs.cfg
-    check_storage(inputs.storage_view, cfg)
     collectives.open_control_group(control_timeout_s(cfg))
     # Raised by every rank at the same step: nobody's failure.
     together = (PlannedRegrow, UnhealthyNodes, FinalCheckpointFailed, RedundancyLost, MembersJoining)
