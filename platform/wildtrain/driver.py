@@ -28,7 +28,6 @@ from wildtrain.data.pins import OrderPins, order_changes, order_pins
 from wildtrain.elastic import scaling
 from wildtrain.elastic.controller import StorageSettings, controller_callbacks
 from wildtrain.elastic.missed_commits import MissedCommits
-from wildtrain.elastic.nodes import alive_node_totals
 from wildtrain.elastic.restarts import interpret
 from wildtrain.elastic.survivors import start_rendezvous, survivor_callbacks
 from wildtrain.events import DataOrderChanged, ShardSkipped, Started, Stopped, StragglerCheckOff
@@ -261,7 +260,7 @@ def _finish(cfg: Config, run_id: str, status: str) -> None:
 
 def resolve_device(cfg: Config) -> Config:
     """`cfg` with `cluster.use_gpu` decided against the cluster this process joined
-    (`scaling.choose_device`); where that leaves its GPUs idle, says so in one line."""
+    (`resources.choose_device`); where that leaves its GPUs idle, says so in one line."""
     cfg, choice = scaling.resolve_device(cfg, ray.cluster_resources())
     if choice.note:
         print(choice.note, flush=True)
@@ -271,7 +270,7 @@ def resolve_device(cfg: Config) -> Config:
 def resolve_placement(cfg: Config) -> Config:
     """`cfg` with `cluster.placement_strategy` decided against the nodes of the cluster this
     process joined (`scaling.choose_placement`); says so where auto spreads the workers."""
-    resolved = scaling.resolve_placement(cfg, list(alive_node_totals().values()))
+    resolved = scaling.resolve_placement(cfg, list(ray_compat.alive_node_totals().values()))
     said = AUTO_PLACEMENT.get(resolved.cluster.placement_strategy)
     if cfg.cluster.placement_strategy == "auto" and said:
         print(f"cluster.placement_strategy=auto: {said}", flush=True)
