@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -77,7 +76,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
     finished = _finished_before(cfg, record.get("mlflow_run_id"))
     if finished is not None:
         return finished
-    dashboard_url = connect_ray(cfg)
+    dashboard_url = services.connect_ray(cfg.cluster.ray_address)
     cfg = resolve_device(cfg)
     scaling.wait_for_capacity(cfg)
     cfg = resolve_placement(cfg)
@@ -282,15 +281,3 @@ AUTO_PLACEMENT = {
     "STRICT_SPREAD": "STRICT_SPREAD (no node holds two workers)",
     "NODE_BUNDLES": "NODE_BUNDLES (each node's workers in a bundle of their own, for elastic.in_process)",
 }
-
-
-def connect_ray(cfg: Config) -> Optional[str]:
-    """Join the chosen cluster (see `services.choose_ray_address`) unless this process already
-    has (a test fixture, a caller with its own `ray.init`); the dashboard URL."""
-    if not ray.is_initialized():
-        # Ray's INFO lines say it is connecting and where the dashboard is: printed by the run.
-        ray.init(address=services.ray_address(cfg.cluster.ray_address), logging_level=logging.WARNING)
-    url = ray_compat.dashboard_url()
-    if not url:
-        return None
-    return redact(url if url.startswith("http") else f"http://{url}")
