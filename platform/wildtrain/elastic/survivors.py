@@ -1,7 +1,7 @@
 """The controller's side of in-process recovery (issue 24): a worker group that keeps its
 survivors when a worker dies, instead of Ray Train restarting every worker, and a worker
 started on the dead one's placement slot that joins them once Ray places that slot again
-(`elastic.joiners`). The workers' side is `elastic.in_process`, `elastic.rendezvous`,
+(`elastic.joiners`). The workers' side is `train.in_process`, `elastic.rendezvous`,
 `elastic.peer_state`, `elastic.connections` and `elastic.relay`."""
 
 from __future__ import annotations
