@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -28,7 +27,6 @@ from wildtrain.data.pins import OrderPins, order_changes, order_pins
 from wildtrain.elastic import scaling
 from wildtrain.elastic.controller import StorageSettings, controller_callbacks
 from wildtrain.elastic.missed_commits import MissedCommits
-from wildtrain.elastic.nodes import alive_node_totals
 from wildtrain.elastic.restarts import interpret
 from wildtrain.elastic.survivors import start_rendezvous, survivor_callbacks
 from wildtrain.events import DataOrderChanged, ShardSkipped, Started, Stopped, StragglerCheckOff
@@ -39,7 +37,8 @@ from wildtrain.tracking.mlflow_client import Client, check_reachable, run_url
 from wildtrain.tracking.reports import runs as report
 from wildtrain.tracking.run_setup import open_run
 from wildtrain.tracking.worker.stragglers import cannot_observe
-from wildtrain.train.entry import LoopInputs, worker_main
+from wildtrain.train.entry import joiner_main, worker_main
+from wildtrain.worker_inputs import LoopInputs
 
 
 class RunFailed(RuntimeError):
@@ -77,7 +76,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
     finished = _finished_before(cfg, record.get("mlflow_run_id"))
     if finished is not None:
         return finished
-    dashboard_url = connect_ray(cfg)
+    dashboard_url = services.connect_ray(cfg.cluster.ray_address)
     cfg = resolve_device(cfg)
     scaling.wait_for_capacity(cfg)
     cfg = resolve_placement(cfg)
@@ -145,7 +144,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
             # commits a lost rank 0 did not report are noticed before any callback acts on notices.
             callbacks=[
                 StorageSettings(storage_env),
-                *survivor_callbacks(cfg, rendezvous, inputs, worker_env),
+                *survivor_callbacks(cfg, rendezvous, inputs, worker_env, joiner_main),
                 MissedCommits(cfg),
                 ProgressCallback(cfg.train.steps),
                 mlflow,
@@ -260,7 +259,7 @@ def _finish(cfg: Config, run_id: str, status: str) -> None:
 
 def resolve_device(cfg: Config) -> Config:
     """`cfg` with `cluster.use_gpu` decided against the cluster this process joined
-    (`scaling.choose_device`); where that leaves its GPUs idle, says so in one line."""
+    (`resources.choose_device`); where that leaves its GPUs idle, says so in one line."""
     cfg, choice = scaling.resolve_device(cfg, ray.cluster_resources())
     if choice.note:
         print(choice.note, flush=True)
@@ -270,7 +269,7 @@ def resolve_device(cfg: Config) -> Config:
 def resolve_placement(cfg: Config) -> Config:
     """`cfg` with `cluster.placement_strategy` decided against the nodes of the cluster this
     process joined (`scaling.choose_placement`); says so where auto spreads the workers."""
-    resolved = scaling.resolve_placement(cfg, list(alive_node_totals().values()))
+    resolved = scaling.resolve_placement(cfg, list(ray_compat.alive_node_totals().values()))
     said = AUTO_PLACEMENT.get(resolved.cluster.placement_strategy)
     if cfg.cluster.placement_strategy == "auto" and said:
         print(f"cluster.placement_strategy=auto: {said}", flush=True)
@@ -282,15 +281,3 @@ AUTO_PLACEMENT = {
     "STRICT_SPREAD": "STRICT_SPREAD (no node holds two workers)",
     "NODE_BUNDLES": "NODE_BUNDLES (each node's workers in a bundle of their own, for elastic.in_process)",
 }
-
-
-def connect_ray(cfg: Config) -> Optional[str]:
-    """Join the chosen cluster (see `services.choose_ray_address`) unless this process already
-    has (a test fixture, a caller with its own `ray.init`); the dashboard URL."""
-    if not ray.is_initialized():
-        # Ray's INFO lines say it is connecting and where the dashboard is: printed by the run.
-        ray.init(address=services.ray_address(cfg.cluster.ray_address), logging_level=logging.WARNING)
-    url = ray_compat.dashboard_url()
-    if not url:
-        return None
-    return redact(url if url.startswith("http") else f"http://{url}")

@@ -45,6 +45,8 @@ from ray.train.v2.api import data_parallel_trainer as _trainer_module
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 from ray.util.placement_group import PlacementGroup, placement_group
 
+from wildtrain.resources import node_bundles, workers_held
+
 # Ray Train's developer callback hooks (the controller's state changes, worker-group starts,
 # reports) and what wildtrain reads of its controller's states, scaling decisions and errors,
 # for the elastic policy and MLflow; the errors its worker groups fail with, for tests to
@@ -185,16 +187,14 @@ def _module_attribute(module, name: str, value):
 
 class NodeBundleWorkerGroup(WorkerGroup):
     """Ray Train's worker group placed a bundle a node, STRICT_SPREAD (NODE_BUNDLES): each
-    holds one node's workers (`scaling.node_bundles`), each worker placed in it by index. A
+    holds one node's workers (`resources.node_bundles`), each worker placed in it by index. A
     bundle lost with its node then fits no node left, and Ray 2.60's GCS waits for a node to
     register rather than retrying it without pause (bench/pg_storm.py --several)."""
 
     def _create_placement_group(self, scaling_config, worker_group_context):
-        from wildtrain.elastic import nodes, scaling  # here: nodes imports this module
-
         per_worker = worker_group_context.resources_per_worker
-        held = [scaling.workers_held(totals, per_worker) for totals in nodes.alive_node_totals().values()]
-        self._bundle_sizes = scaling.node_bundles(worker_group_context.num_workers, held)
+        held = [workers_held(totals, per_worker) for totals in alive_node_totals().values()]
+        self._bundle_sizes = node_bundles(worker_group_context.num_workers, held)
         bundles = [{name: amount * size for name, amount in per_worker.items()} for size in self._bundle_sizes]
         # Ray Train's label selectors are per worker (the nodes left out: elastic.controller.NodeExclusion).
         selectors = worker_group_context.label_selector
@@ -242,6 +242,11 @@ def kv_get(key: str, namespace: str) -> Optional[bytes]:
 
 def kv_put(key: str, value: str, namespace: str) -> None:
     internal_kv._internal_kv_put(key, value, overwrite=True, namespace=namespace)
+
+
+def alive_node_totals() -> dict[str, dict[str, float]]:
+    """The total resources of each node Ray counts alive, by node id."""
+    return {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
 
 
 def available_resources_per_node() -> dict[str, dict[str, float]]:

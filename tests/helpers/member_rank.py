@@ -41,9 +41,9 @@ import torch
 import torch.distributed as dist
 
 from wildtrain.config.system import ElasticConfig
-from wildtrain.elastic.in_process import Member, Superseded
 from wildtrain.elastic.rendezvous import current_group, current_token, latest
 from wildtrain.train import collectives
+from wildtrain.train.in_process import Member, Superseded
 
 _FIRST = ["formed 1 w0,w1", "all-reduced 2"]
 _ALONE = _FIRST + ["lost True", "formed 2 w0", "all-reduced 1"]

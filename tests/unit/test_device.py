@@ -11,12 +11,13 @@ import sys
 import pytest
 import torch
 
-from wildtrain import services
+from wildtrain import resources, services
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
 from wildtrain.config import ConfigError, load_config
 from wildtrain.elastic import scaling
-from wildtrain.elastic.scaling import DeviceChoice, choose_device, resolve_device, shortfall, trains_on_gpu
+from wildtrain.elastic.scaling import resolve_device, shortfall, trains_on_gpu
 from wildtrain.elastic.signals import CapacityError
+from wildtrain.resources import DeviceChoice, choose_device
 
 
 @pytest.mark.parametrize(
@@ -195,4 +196,4 @@ def test_auto_placement_leaves_no_lost_bundle_that_fits_a_node_left(nodes, chose
     ],
 )
 def test_node_bundles_put_each_nodes_workers_in_a_bundle_of_their_own(workers, held, sizes):
-    assert scaling.node_bundles(workers, held) == sizes
+    assert resources.node_bundles(workers, held) == sizes

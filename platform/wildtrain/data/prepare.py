@@ -17,10 +17,9 @@ resumes where it stopped; manifest.json, written last, marks the dataset complet
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
@@ -40,6 +39,7 @@ from wildtrain.data.manifest import (
     verify_shard,
     write_manifest,
 )
+from wildtrain.data.parts import Part, PartResult
 from wildtrain.data.progress import Progress, ReadSoFar, Reporter
 from wildtrain.data.records import Partition
 from wildtrain.data.tokenizer import HFTokenizer, Tokenizer, bpe_vocab_size, get_tokenizer, train_bpe
@@ -69,42 +69,6 @@ class PrepareConfig:
     executor: str = "ray"  # ray: a task per partition on the cluster | local: one after another, here
     progress_every: float = 30.0  # seconds between progress lines when stderr is no terminal
     storage: StorageConfig = field(default_factory=StorageConfig)
-
-
-@dataclass
-class Part:
-    """A partition's part record: what it was prepared from (`key`) and what it holds."""
-
-    key: dict
-    shards: list[Shard]
-    validation: list[Shard]
-    documents: int
-    bad_records: int
-    tokens: int  # ids tokenized, end-of-document ids included, before the tail is dropped
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1) + "\n"
-
-    @classmethod
-    def from_json(cls, text: str) -> "Part":
-        data = json.loads(text)
-        return cls(
-            **{
-                **data,
-                "shards": [Shard(**s) for s in data["shards"]],
-                "validation": [Shard(**s) for s in data["validation"]],
-            }
-        )
-
-
-@dataclass
-class PartResult:
-    index: int
-    part: Part
-    written: list[str]
-    unchanged: list[str]
-    read: bool  # tokenized by this run, rather than found stored and verified
-    cpu_s: float  # the task's CPU time, tokenizer threads included
 
 
 @dataclass

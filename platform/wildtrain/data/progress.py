@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from wildtrain.data.prepare import PartResult
+from wildtrain.data.parts import PartResult
 
 
 class Progress:

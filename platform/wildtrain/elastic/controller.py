@@ -21,7 +21,6 @@ from wildtrain.checkpoint.store import Store, read_manifest
 from wildtrain.config import Config
 from wildtrain.elastic.nodes import (
     ResourceView,
-    alive_node_totals,
     alive_nodes,
     exclude_nodes,
     excluded_nodes,
@@ -30,6 +29,7 @@ from wildtrain.elastic.nodes import (
 from wildtrain.elastic.restarts import CapacityClock, FailureBudget, decide, interpret
 from wildtrain.elastic.signals import CapacityError
 from wildtrain.events import EvalFailed, EvalSkipped, Event, Waiting
+from wildtrain.ray_compat import alive_node_totals
 from wildtrain.worker_report import rank_zero
 
 # How long the end of a run waits for a conversion ahead of a resize to commit.

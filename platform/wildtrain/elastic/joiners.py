@@ -5,16 +5,17 @@ their side)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from wildtrain import ray_compat
 from wildtrain.elastic import rendezvous
+from wildtrain.worker_inputs import LoopInputs
 
-if TYPE_CHECKING:
-    from wildtrain.train.entry import LoopInputs
+# A joiner's function (`train.entry.joiner_main`), handed down by the driver: elastic sits below train.
+JoinerMain = Callable[[LoopInputs, str, str, int], None]
 
 
 @ray.remote(max_restarts=0, max_concurrency=2)
@@ -23,9 +24,7 @@ class Joiner:
     group's in-process generations on a lost member's placement slot (`join_in_process`),
     and the controller takes its reports while it trains (`take_reports`: a second thread)."""
 
-    def run(self, inputs: LoopInputs, token: str, name: str, group_size: int) -> None:
-        from wildtrain.train.entry import joiner_main
-
+    def run(self, joiner_main: JoinerMain, inputs: LoopInputs, token: str, name: str, group_size: int) -> None:
         joiner_main(inputs, token, name, group_size)
 
     def take_reports(self) -> list[dict]:
@@ -51,8 +50,8 @@ class Joiners:
     placed that bundle again (a node came back or was added): until then it waits, and costs
     nothing. A spare asks for them anywhere (`start_spare`)."""
 
-    def __init__(self, inputs: LoopInputs, env_vars: dict[str, str]) -> None:
-        self.inputs, self.env_vars = inputs, env_vars
+    def __init__(self, inputs: LoopInputs, env_vars: dict[str, str], joiner_main: JoinerMain) -> None:
+        self.inputs, self.env_vars, self.joiner_main = inputs, env_vars, joiner_main
         self.started = 0
         self.running: dict[int, _Running] = {}  # by the Ray rank of the lost member
         self.spares: dict[str, _Running] = {}  # by member name
@@ -81,7 +80,7 @@ class Joiners:
             scheduling_strategy=strategy,
             runtime_env={"env_vars": self.env_vars},
         ).remote()
-        return _Running(actor, actor.run.remote(self.inputs, token, name, group_size), name)
+        return _Running(actor, actor.run.remote(self.joiner_main, self.inputs, token, name, group_size), name)
 
     def ended(self) -> dict[int, Ended]:
         """The slots' joiners whose run ended since the last look, by the lost member's rank."""

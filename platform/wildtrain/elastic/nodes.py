@@ -10,7 +10,7 @@ from typing import Callable
 import ray
 
 from wildtrain import ray_compat
-from wildtrain.elastic.scaling import workers_held
+from wildtrain.resources import workers_held
 
 
 def excluded_nodes(run_name: str) -> set[str]:
@@ -57,11 +57,6 @@ def room_for_another_worker(
 def alive_nodes() -> set[str]:
     """The ids of the nodes Ray counts alive."""
     return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
-
-
-def alive_node_totals() -> dict[str, dict[str, float]]:
-    """The total resources of each node Ray counts alive, by node id."""
-    return {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
 
 
 def refresh_resource_view() -> None:

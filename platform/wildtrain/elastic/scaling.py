@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
-from typing import Mapping, Optional
+from dataclasses import replace
+from typing import Mapping
 
 import ray
 from ray.train import FailureConfig, ScalingConfig
@@ -15,26 +15,7 @@ from ray.train import FailureConfig, ScalingConfig
 from wildtrain.config import Config, ConfigError
 from wildtrain.elastic.signals import CapacityError
 from wildtrain.elastic.survivor_env import SURVIVOR_ENV
-
-
-@dataclass(frozen=True)
-class DeviceChoice:
-    use_gpu: bool
-    # One line for the user where the choice leaves the cluster's GPUs idle.
-    note: Optional[str] = None
-
-
-def choose_device(use_gpu: Optional[bool], cluster_gpus: float) -> DeviceChoice:
-    """Whether the workers train on GPUs, from `cluster.use_gpu` and the GPUs the cluster
-    offers: unset (None), on GPUs exactly when it offers some. Training on CPU beside
-    offered GPUs takes an explicit `use_gpu=false` (said in one line); an explicit true on a
-    cluster without GPUs stands here, and `wait_for_capacity` refuses it if none come."""
-    if use_gpu is None:
-        return DeviceChoice(cluster_gpus > 0)
-    if not use_gpu and cluster_gpus > 0:
-        gpus = f"{cluster_gpus:g} GPU{'' if cluster_gpus == 1 else 's'}"
-        return DeviceChoice(False, f"cluster.use_gpu=false: training on CPU, beside the cluster's {gpus}")
-    return DeviceChoice(use_gpu)
+from wildtrain.resources import DeviceChoice, choose_device, workers_held
 
 
 def resolve_device(cfg: Config, cluster: Mapping[str, float]) -> tuple[Config, DeviceChoice]:
@@ -57,11 +38,6 @@ def trains_on_gpu(cfg: Config) -> bool:
     return cfg.cluster.use_gpu
 
 
-def workers_held(node: Mapping[str, float], per_worker: Mapping[str, float]) -> int:
-    """How many workers of `per_worker` a node of total resources `node` holds."""
-    return int(min(node.get(name, 0.0) // amount for name, amount in per_worker.items() if amount > 0))
-
-
 def choose_placement(
     strategy: str, per_worker: Mapping[str, float], nodes: list[Mapping[str, float]], in_process: bool
 ) -> str:
@@ -81,24 +57,6 @@ def choose_placement(
     if most > 0 and in_process:
         return "NODE_BUNDLES"
     return "STRICT_SPREAD" if most == 1 else "PACK"
-
-
-def node_bundles(workers: int, held: list[int]) -> list[int]:
-    """How many of `workers` workers each bundle of a NODE_BUNDLES group holds, on nodes
-    that hold `held` workers each: the largest nodes filled first, a bundle a node. Workers
-    beyond what the nodes hold go in bundles of the largest node's size, placed once such
-    nodes join."""
-    sizes, left = [], workers
-    for size in sorted((h for h in held if h > 0), reverse=True):
-        if left == 0:
-            break
-        sizes.append(min(size, left))
-        left -= sizes[-1]
-    largest = max(held, default=0) or 1
-    while left > 0:
-        sizes.append(min(largest, left))
-        left -= sizes[-1]
-    return sizes
 
 
 def resolve_placement(cfg: Config, nodes: list[Mapping[str, float]]) -> Config:

@@ -1,4 +1,4 @@
-"""The environment of an in-process GPU worker (`elastic.in_process`), set by the driver
+"""The environment of an in-process GPU worker (`train.in_process`), set by the driver
 (`scaling.worker_env`). Imports nothing: the controller, which imports the driver's side, need
 not import the engine and torch._dynamo that `in_process` does, and the GPU drills, run where
 Ray is not installed, need not import Ray."""

@@ -1,27 +1,25 @@
 """The controller's side of in-process recovery (issue 24): a worker group that keeps its
 survivors when a worker dies, instead of Ray Train restarting every worker, and a worker
 started on the dead one's placement slot that joins them once Ray places that slot again
-(`elastic.joiners`). The workers' side is `elastic.in_process`, `elastic.rendezvous`,
+(`elastic.joiners`). The workers' side is `train.in_process`, `elastic.rendezvous`,
 `elastic.peer_state`, `elastic.connections` and `elastic.relay`."""
 
 from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import ray
 
 from wildtrain import ray_compat
 from wildtrain.config import Config
 from wildtrain.elastic import rendezvous
-from wildtrain.elastic.joiners import Joiners
+from wildtrain.elastic.joiners import JoinerMain, Joiners
 from wildtrain.elastic.nodes import excluded_nodes, has_room_for_another_worker
 from wildtrain.elastic.scaling import spare_cpus
+from wildtrain.worker_inputs import LoopInputs
 from wildtrain.worker_report import rank_zero
-
-if TYPE_CHECKING:
-    from wildtrain.train.entry import LoopInputs
 
 
 def start_rendezvous(cfg: Config) -> Optional[rendezvous.RendezvousServer]:
@@ -35,7 +33,11 @@ def start_rendezvous(cfg: Config) -> Optional[rendezvous.RendezvousServer]:
 
 
 def survivor_callbacks(
-    cfg: Config, server: Optional[rendezvous.RendezvousServer], inputs: LoopInputs, env_vars: dict[str, str]
+    cfg: Config,
+    server: Optional[rendezvous.RendezvousServer],
+    inputs: LoopInputs,
+    env_vars: dict[str, str],
+    joiner_main: JoinerMain,
 ) -> list:
     """The controller callbacks that keep a group's survivors (none without a rendezvous),
     and start a joiner (`Joiners`, with the workers' `inputs` and `env_vars`) on each lost
@@ -54,7 +56,7 @@ def survivor_callbacks(
             server.port,
             decide_s=cfg.elastic.confirm_s + 5.0,
             replace=False,
-            joiners=Joiners(inputs, env_vars),
+            joiners=Joiners(inputs, env_vars, joiner_main),
             spares=cfg.elastic.spares,
             full_size=cfg.elastic.max_workers,
             room_for_a_spare=room_for_a_spare,

@@ -41,9 +41,9 @@ def evaluate_checkpoint(
     import ray
     from ray.exceptions import GetTimeoutError
 
-    from wildtrain.driver import connect_ray
+    from wildtrain.services import connect_ray
 
-    connect_ray(cfg)
+    connect_ray(cfg.cluster.ray_address)
     say(f"evaluating {cfg.run.name} step {at} on {', '.join(plan.tasks)}")
     ref = submit(info, step, plan)
     try:

@@ -17,9 +17,9 @@ from typing import Optional, Sequence
 
 from wildtrain import storage
 from wildtrain.config import ConfigError, EvalConfig
-from wildtrain.elastic.scaling import choose_device
 from wildtrain.evals.harness import TaskFolder, harness_metrics, name_part, run_tasks, task_manager
 from wildtrain.export import RunInfo, export_checkpoint
+from wildtrain.resources import choose_device
 
 ARTIFACT_DIR = "evals"
 # The task's process logs to the console of whoever submitted it (the training run's):

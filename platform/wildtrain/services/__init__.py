@@ -20,6 +20,7 @@ from wildtrain.services.object_store import ObjectStore, start_object_store
 from wildtrain.services.process import HOST, ServiceError, free_port, is_healthy, private_dir, stop_process
 from wildtrain.services.ray_client import (
     choose_ray_address,
+    connect_ray,
     dashboard_text,
     is_loopback,
     prepare_ray_client,
@@ -64,6 +65,7 @@ __all__ = [
     "ServiceError",
     "Services",
     "choose_ray_address",
+    "connect_ray",
     "dashboard_text",
     "down",
     "free_port",

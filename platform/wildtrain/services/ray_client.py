@@ -1,14 +1,16 @@
 """What a process that joins a Ray cluster needs: which head (`ray_address`), the settings
 to reach it before Ray is imported (`prepare_ray_client`), and how its dashboard is
-signed in to (`dashboard_text`)."""
+signed in to (`dashboard_text`); joining it (`connect_ray`)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
 from typing import Optional
 
+from wildtrain.config import redact
 from wildtrain.services.process import ServiceError
 from wildtrain.services.ray_head import LOOPBACK_ONLY_ENV, ray_cli
 from wildtrain.services.state import DEFAULT_STATE_DIR, recorded_address
@@ -56,6 +58,23 @@ def prepare_ray_client(configured: Optional[str], state_dir: Path = DEFAULT_STAT
         os.environ.update(LOOPBACK_ONLY_ENV)
     if address == recorded_address(state_dir):
         os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
+def connect_ray(configured: Optional[str]) -> Optional[str]:
+    """Join the chosen cluster (`cluster.ray_address` as `configured`, see `choose_ray_address`)
+    unless this process already has (a test fixture, a caller with its own `ray.init`); the
+    dashboard URL."""
+    import ray  # here: `prepare_ray_client` must run before Ray is imported
+
+    from wildtrain import ray_compat
+
+    if not ray.is_initialized():
+        # Ray's INFO lines say it is connecting and where the dashboard is: printed by the run.
+        ray.init(address=ray_address(configured), logging_level=logging.WARNING)
+    url = ray_compat.dashboard_url()
+    if not url:
+        return None
+    return redact(url if url.startswith("http") else f"http://{url}")
 
 
 def token_command() -> str:

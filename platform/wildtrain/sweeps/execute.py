@@ -103,10 +103,10 @@ def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Opt
     if parallel is None:
         import ray
 
-        from wildtrain.driver import connect_ray
         from wildtrain.elastic.scaling import resolve_device
+        from wildtrain.services import connect_ray
 
-        connect_ray(todo[0].cfg)
+        connect_ray(todo[0].cfg.cluster.ray_address)
         total = ray.cluster_resources()
         # Each trial as its own driver will size it: on the GPUs, where the cluster offers them.
         parallel = trial_slots(total, [trial_need(resolve_device(t.cfg, total)[0]) for t in todo])

@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import time
 import warnings
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
 import psutil
 import ray.train
@@ -52,10 +52,8 @@ from wildtrain.train.schedule import At
 from wildtrain.train.step import DeviceBatches, StepMetrics, Window, train_step
 from wildtrain.train.validation import Validator
 from wildtrain.train.watchdog import HangWatchdog
+from wildtrain.worker_inputs import LoopInputs
 from wildtrain.worker_report import Startup, WorkerReport
-
-if TYPE_CHECKING:
-    from wildtrain.train.entry import LoopInputs
 
 
 class Attempt:

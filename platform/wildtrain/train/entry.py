@@ -1,39 +1,25 @@
-"""What the driver hands Ray Train: the function every worker runs and its inputs, and the
-function of a joiner (`elastic.joiners`). The driver and the controller pickle them by
-reference, so they import this module and not train/loop.py, whose imports (the engine, the
-model, torch._dynamo: 1.3 s of the driver's start here) only a worker needs."""
+"""What the driver hands Ray Train: the function every worker runs (its inputs:
+`wildtrain.worker_inputs`), and the function of a joiner (`elastic.joiners`). The driver
+and the controller pickle them by reference, so they import this module and not
+train/loop.py, whose imports (the engine, the model, torch._dynamo: 1.3 s of the driver's
+start here) only a worker needs."""
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Optional
 
 import ray
 
 from wildtrain import storage
 from wildtrain.config import Config
-from wildtrain.data.dataset import OpenedData
 from wildtrain.elastic.signals import RunCannotContinue
-
-
-@dataclass(frozen=True)
-class LoopInputs:
-    """What the driver hands every worker: the run's config, its opened datasets, what
-    one worker holds on its node (to look for room for another), and where the driver's
-    s3:// URIs went."""
-
-    cfg: Config
-    data: OpenedData
-    worker_resources: dict[str, float]
-    storage_view: storage.StorageView
-    # The driver's rendezvous (host, port) with elastic.in_process, else None.
-    rendezvous: Optional[tuple[str, int]] = None
+from wildtrain.worker_inputs import LoopInputs
 
 
 def worker_main(inputs: LoopInputs) -> None:
     """Every worker's training function: `train.loop.train_loop`, imported where it runs."""
+    check_storage(inputs.storage_view, inputs.cfg)  # before it reads
     from wildtrain.train.loop import train_loop
 
     train_loop(inputs)

@@ -11,9 +11,9 @@ from typing import Optional, Union
 
 from wildtrain.checkpoint.async_save import AsyncSaver
 from wildtrain.checkpoint.save_process import SaveProcess
-from wildtrain.elastic.in_process import Generation, Member
 from wildtrain.events import Event, Failure, Interrupted, Recovered
 from wildtrain.train import collectives
+from wildtrain.train.in_process import Generation, Member
 from wildtrain.train.state import TrainState
 from wildtrain.train.step import StepMetrics
 

@@ -11,7 +11,7 @@ peers leave the collective they wait in instead of waiting out its timeout.
 
 With elastic.in_process a member's death does not end the worker group: the survivors drop
 their attempt, form the next generation of their membership at the smaller size
-(`elastic.in_process`) and build the next attempt from the state their peers mirrored,
+(`train.in_process`) and build the next attempt from the state their peers mirrored,
 in the same processes (`train_generations`). Each step's ZeRO partitions are mirrored on the
 ring successors while the next step trains, and a step commits once every mirror of it is in
 place (with the next step's commit, or at once where it saves): no committed step is redone,
@@ -34,7 +34,6 @@ import torch
 
 from wildtrain.checkpoint.save_process import SaveProcess
 from wildtrain.config import Config
-from wildtrain.elastic.in_process import Member
 from wildtrain.elastic.membership import RedundancyLost
 from wildtrain.elastic.scaling import backend, trains_on_gpu
 from wildtrain.elastic.signals import FinalCheckpointFailed, MembersJoining, PlannedRegrow, UnhealthyNodes
@@ -42,15 +41,15 @@ from wildtrain.engine import import_ahead
 from wildtrain.tracking.worker.mfu import device_peak
 from wildtrain.train import checkpointing, collectives
 from wildtrain.train.attempt import Attempt
-from wildtrain.train.entry import LoopInputs, check_storage
 from wildtrain.train.generations import InProcess, Leftovers
 from wildtrain.train.growth import Growth
+from wildtrain.train.in_process import Member
 from wildtrain.train.schedule import At
+from wildtrain.worker_inputs import LoopInputs
 
 
 def train_loop(inputs: LoopInputs) -> None:
     cfg = inputs.cfg
-    check_storage(inputs.storage_view, cfg)
     collectives.open_control_group(control_timeout_s(cfg))
     # Raised by every rank at the same step: nobody's failure.
     together = (PlannedRegrow, UnhealthyNodes, FinalCheckpointFailed, RedundancyLost, MembersJoining)

@@ -14,7 +14,7 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from wildtrain import ray_compat, storage
 from wildtrain.config import StorageConfig
@@ -26,8 +26,23 @@ from wildtrain.tracking.mlflow_client import METRICS_PER_REQUEST, Client, bound_
 from wildtrain.tracking.record import EVENTS_DIR, STARTUP_METRICS, STOPPED_EARLY_TAG, mlflow_key
 from wildtrain.worker_report import rank_zero
 
-if TYPE_CHECKING:  # the driver hands the controller's reading of its states in: tracking sits below elastic
-    from wildtrain.elastic.restarts import Transition
+
+class StateReading(Protocol):
+    """What the callback reads of the meaning of a change of the controller's state
+    (`elastic.restarts.Transition`): the driver hands the reading in, since tracking sits below elastic."""
+
+    @property
+    def interruption(self) -> Optional[type[Interrupted]]: ...
+
+    @property
+    def again(self) -> bool: ...
+
+    @property
+    def cause(self) -> str: ...
+
+    @property
+    def events(self) -> list[Event]: ...
+
 
 # What the controller logs of rank 0's reports, besides every `checkpoint/*` (per save);
 # `time/*` are means per step over the report's window.
@@ -192,7 +207,7 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
         self,
         uri: str,
         run_id: str,
-        interpret: Callable[[ray_compat.ControllerState, ray_compat.ControllerState], Transition],
+        interpret: Callable[[ray_compat.ControllerState, ray_compat.ControllerState], StateReading],
         hang_dumps: str,
         storage_config: StorageConfig,
         folder: Path,

@@ -28,6 +28,10 @@ at an NCCL error or timeout, and torch's debugging dump after one would too:
 A generation's groups live on a prefix of their own in the store, so no key of a broken
 group is read again; its default group is made by this module, not by Ray Train, and
 DeepSpeed's groups are released with it.
+
+It is the trainer's, beside the collectives whose control group it opens and aborts; the
+protocol it takes part in (the rendezvous, the membership's decisions, the mirrors, the
+connections) is `elastic`'s, below it.
 """
 
 from __future__ import annotations
