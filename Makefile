@@ -69,7 +69,9 @@ test: $(STAMP) browser lint
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $$(mktemp -d)
+	$(BIN)/lint-imports
+	site=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $$site; \
+		status=$$?; rm -rf $$site; exit $$status
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q
