@@ -377,13 +377,12 @@ def worker_slot(worker_group, rank: int) -> tuple[PlacementGroup, int]:
     return worker_group._worker_group_state.placement_group_handle.placement_group, worker.placement_group_bundle_index
 
 
-def narrow_report_gates(worker_group, ranks: list[int], barrier: bool = True) -> None:
-    """Let the reports of `ranks` alone through Ray Train's report gates, the controller's
-    consolidation and (`barrier`, with rank 0 among `ranks`: `report_without_barrier`) the
-    workers' barrier, as Ray 2.60 narrows both for a preempted node's lost workers."""
+def narrow_report_gates(worker_group, ranks: list[int]) -> None:
+    """Let the reports of `ranks` alone through the controller's report consolidation, as Ray
+    2.60 narrows it for a preempted node's lost workers. Ray's other gate, the workers'
+    barrier, is left as it is: an in-process group's workers report past it
+    (`report_without_barrier`)."""
     _report_handler(worker_group).set_required_ranks(ranks)
-    if barrier:
-        worker_group.set_required_barrier_ranks(ranks)
 
 
 def relay_report(worker_group, poll_status, rank: int, metrics: Optional[dict]) -> None:

@@ -281,8 +281,8 @@ def test_a_stuck_worker_group_start_can_still_be_ended():
 
 def test_a_worker_death_can_be_masked_and_the_report_gates_narrowed_where_ray_reads_them():
     """What keeps a group going without a dead worker (`elastic.survivors`): its status masked
-    in the poll's callbacks, before the controller decides on it; Ray's two report gates
-    (consolidation, barrier) narrowed to the survivors, as Ray narrows them for a preemption."""
+    in the poll's callbacks, before the controller decides on it; Ray's report consolidation
+    narrowed to the survivors, as Ray narrows it for a preemption."""
     from ray.train.v2._internal.execution.checkpoint.report_handler import ReportCallbackHandler
     from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
 
@@ -302,22 +302,10 @@ def test_a_worker_death_can_be_masked_and_the_report_gates_narrowed_where_ray_re
     poll = inspect.getsource(WorkerGroup.poll_status)
     assert poll.index("callback.after_worker_group_poll_status") < poll.index("return worker_group_poll_status")
 
-    class Group:  # the two parts of a WorkerGroup that narrowing touches
-        def __init__(self):
-            self._callbacks = [ReportCallbackHandler(report_callbacks=[])]
-            self.barrier = None
-
-        def set_required_barrier_ranks(self, ranks):
-            self.barrier = ranks
-
-    group = Group()
-    ray_compat.narrow_report_gates(group, [0, 2])
-    assert group._callbacks[0]._get_required_ranks() == [0, 2] and group.barrier == [0, 2]
-    group = Group()
-    ray_compat.narrow_report_gates(group, [1, 2], barrier=False)  # workers that report past the barrier
-    assert group._callbacks[0]._get_required_ranks() == [1, 2] and group.barrier is None
+    group = types.SimpleNamespace(_callbacks=[ReportCallbackHandler(report_callbacks=[])])  # what narrowing touches
+    ray_compat.narrow_report_gates(group, [1, 2])
+    assert group._callbacks[0]._get_required_ranks() == [1, 2]
     assert "self._callbacks = " in inspect.getsource(WorkerGroup.__init__)
-    assert list(inspect.signature(WorkerGroup.set_required_barrier_ranks).parameters) == ["self", "ranks"]
 
 
 def test_a_report_past_the_barrier_lands_in_rays_result_queue_in_order_as_ray_s_own_report_would(monkeypatch):

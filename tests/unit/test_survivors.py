@@ -50,7 +50,7 @@ class StandInJoiners:
 
 class Group:
     """The parts of Ray Train's worker group the controller's side touches: its report
-    consolidation (Ray's own `ReportCallbackHandler`), its barrier and its workers."""
+    consolidation (Ray's own `ReportCallbackHandler`) and its workers."""
 
     def __init__(self, size: int, report_callbacks: list) -> None:
         self.size = size
@@ -62,9 +62,6 @@ class Group:
 
     def get_workers(self) -> list:
         return [None] * self.size
-
-    def set_required_barrier_ranks(self, ranks) -> None:
-        raise AssertionError("an in-process group's workers report past the barrier")
 
 
 def report(step: int) -> _TrainingReport:

@@ -181,7 +181,7 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
             self.masked |= dropped
             survivors = [r for r in everyone if r not in self.masked]
             if survivors:  # else a joiner's reports count (`_relay`)
-                ray_compat.narrow_report_gates(self.worker_group, survivors, barrier=False)
+                ray_compat.narrow_report_gates(self.worker_group, survivors)
             print(
                 f"ranks {sorted(self.masked)} left the worker group, which goes on without them: "
                 f"reports of ranks {survivors or 'none: a joiner reports'} count",
@@ -210,7 +210,7 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
             return
         if self.relay_rank is None:
             self.relay_rank = min(self.masked)
-            ray_compat.narrow_report_gates(self.worker_group, [self.relay_rank], barrier=False)
+            ray_compat.narrow_report_gates(self.worker_group, [self.relay_rank])
             print(
                 f"no Ray Train worker is left in the group: its rank 0, the joiner {self.reporter}, reports "
                 f"through rank {self.relay_rank}'s slot",
