@@ -85,5 +85,15 @@ up: $(STAMP)
 down: $(STAMP)
 	$(BIN)/wildtrain down
 
+# Each bench's purpose (its docstring's first line) and the command that runs it (its Usage
+# line; a helper of the others has none). Lists them only: a bench takes minutes and its own
+# services, so each is run by hand.
+bench:
+	@for f in bench/*.py bench/*.sh; do \
+		case $$f in *.py) line=$$(sed -n '1s/^"""//p' $$f) ;; *) line=$$(sed -n '2s/^# //p' $$f) ;; esac; \
+		echo "$$f: $${line%\"\"\"}"; \
+		sed -n 's/^\(# \)\{0,1\}Usage: /    /p' $$f | head -n 1; \
+	done
+
 clean:
 	rm -rf $(VENV) .wildtrain .pytest_cache

@@ -1,7 +1,7 @@
 """Attention masks and objectives: kernel time per mask, then training tokens/s per objective.
 
-    python bench/attention.py                 # on the GPU machine: B=8, 16 heads, 4096 tokens, d=128, bf16; 1.3b
-    python bench/attention.py --device cpu    # a tiny shape, so the script does not rot
+Usage: python bench/attention.py                 # on the GPU machine: B=8, 16 heads, 4096 tokens, d=128, bf16; 1.3b
+       python bench/attention.py --device cpu    # a tiny shape (tests/integration/test_bench_scripts.py runs it)
 
 Table 1, forward + backward of one attention call, per mask: causal SDPA (the flash path
 plain causal runs on), FlexAttention with the document and the prefix-LM block masks (the

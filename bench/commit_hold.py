@@ -1,12 +1,15 @@
-"""How soon a checkpoint whose parts are all in commits once what held it lets go, and how
-often the store is read meanwhile (`checkpoint.store.commit_when_complete`).
+"""How soon a held checkpoint commits once let go, and how often the store is read meanwhile.
+
+The checkpoint's parts are all in; what is timed is `checkpoint.store.commit_when_complete`.
 
 Rank 0 commits a checkpoint only once the controller has collected its step's report
-(`AsyncSaver.release`), which happens at the controller's next poll (`elastic.poll_interval_s`,
-2 s): every save waits for it. Each trial writes a one-rank checkpoint's part record into a
-local store, holds the commit for a given time, and measures from the hold's end to the
-commit; with `--reference-rev`, the same trials run against that revision's
-`commit_when_complete` too, in the same process.
+(`AsyncSaver.release`), which happens at the controller's next poll
+(`elastic.poll_interval_s`, 2 s): every save waits for it. Each trial writes a one-rank
+checkpoint's part record into a local store, holds the commit for a given time, and measures
+from the hold's end to the commit; with `--reference-rev`, the same trials run against that
+revision's `commit_when_complete` too, in the same process: the reference a change is
+measured against. Prints one table row per revision: the holds, the commit's delay after
+each, their median, and the store polls of each trial.
 
 Usage: PYTHONPATH=platform .venv/bin/python bench/commit_hold.py [--reference-rev REV] [--holds 0.5 1 1.7 2.5 3.3 4]
 """

@@ -11,6 +11,8 @@ Starts a SeaweedFS object store and a local Ray instance, writes a synthetic pre
      and mid-epoch (what every restart and resize pays again);
   3. the data-wait share of step time in a short tiny-model training run on the same stack.
 
+bench/sync_interference.py reuses its synthetic dataset (`write_synthetic`).
+
 Usage: .venv/bin/python bench/data_throughput.py [--tokens 64e6] [--repeats 3] [--skip-training]
 """
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The wheels a GPU machine without a package registry needs to run tests/gpu,
-# bench/gpu_smoke.py and bench/mfu.py (bench/gpu_all.sh installs them there), in one folder.
+# A helper of bench/gpu_all.sh, no benchmark: the wheels a GPU machine needs, in one folder.
 #
-#   bash bench/device_carry.sh [--python-version 3.12] [--out .carry]
+# Usage: bash bench/device_carry.sh [--python-version 3.12] [--out .carry]
 #
+# A GPU machine without a package registry needs them to run tests/gpu and the GPU benches
+# (bench/gpu_all.sh installs them there). Prints the wheels' count and size beside the
+# working tree's, against the 64 MiB a device call carries.
 # That machine has Python 3.12, torch (+ its own requirements), numpy and pyarrow; this is
 # everything else the GPU path imports: DeepSpeed (an sdist, built here as a pure-Python
 # wheel with DS_BUILD_OPS=0: its ops compile on first use there), its requirements, OmegaConf

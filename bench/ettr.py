@@ -1,10 +1,11 @@
-"""ETTR under chaos (issue 24): a tiny run on a local fake cluster (a head and two
-one-worker nodes, `bench/recovery.py`'s) whose worker nodes die every `--kill-every-min`
-minutes from its submission and come back `--return-after-min` later, on wildtrain's
-default config. Prints the run's effective training time ratio (goodput: productive
-seconds over wall seconds, from its own accounting, `wildtrain report`), the badput by
-cause, the interruptions that happened, and where the first attempt's start-up went
-(`bench/startup.py`'s phases).
+"""ETTR under chaos (issue 24): restart against in-process recovery as worker nodes die on a schedule.
+
+A tiny run on a local fake cluster (a head and two one-worker nodes, `bench/recovery.py`'s)
+whose worker nodes die every `--kill-every-min` minutes from its submission and come back
+`--return-after-min` later, on wildtrain's default config. Prints the run's effective
+training time ratio (goodput: productive seconds over wall seconds, from its own accounting,
+`wildtrain report`), the badput by cause, the interruptions that happened, and where the
+first attempt's start-up went (`bench/startup.py`'s phases).
 
 The run must outlast the chaos schedule for every death to land: `--steps` is a step count,
 not a duration; the table says how many deaths landed and how long the run took. Here (2

@@ -4,7 +4,9 @@ Trains `make demo`'s run (`experiment=tiny`: 60 steps, two workers) with each se
 `--settings` (a `;`-separated list of override groups, `,` between the overrides of one),
 one after the other, `--repeats` times in alternating order, and prints the median share of
 the run's logged span spent scoring the validation set (goodput's `eval` cause) and its
-steps/s. The goal: the shipped setting at or under 2%.
+steps/s. The settings are read against one another; the default's `eval.every=0`
+(validation at the last step only) is the least a run validates. The goal: the shipped
+setting at or under 2%.
 
 Usage: .venv/bin/python bench/eval_share.py [--repeats 2] [--settings "eval.every=20;eval.every=0"]
 """

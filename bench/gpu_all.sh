@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Every GPU check of the project, in parts (PARTS: all of them take two calls of the GPU
-# machine's 10 minutes each, the README's Tests section says which), on a machine with torch,
+# Every GPU check of the project: tests/gpu and the GPU benches, then one table of results.
+#
+# Usage: bash bench/gpu_all.sh [--device cuda|cpu] [--carry DIR] [--logs DIR]
+#
+# A runner, no benchmark of its own: each bench it runs compares what its docstring says.
+# It runs in parts (PARTS: all of them take two calls of the GPU machine's 10 minutes each,
+# the README's Tests section says which), on a machine with torch,
 # numpy and pyarrow but no package registry, no Ray and no network: installs the wheels of
 # bench/device_carry.sh, runs tests/gpu (the in-process recovery drills on NCCL in a part of
 # their own: a drill that hangs must not take the others' time), bench/gpu_smoke.py,
 # bench/mfu.py, bench/reform_compile.py and bench/mirror_cost.py, each bounded by `timeout`,
 # and ends with one table: each part's status, seconds and key figures.
-#
-#   bash bench/gpu_all.sh [--device cuda|cpu] [--carry DIR] [--logs DIR]
 #
 # --device cpu runs the same parts in a few CPU steps (tests/gpu then only collects and
 # skips): the test suite runs it so that this script works the day a GPU is lent.

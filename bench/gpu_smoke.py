@@ -1,11 +1,13 @@
-"""GPU smoke test: the factored training step through DeepSpeed, then an async checkpoint
-restored exactly, on one device, with no network and no Ray.
+"""GPU smoke test: train through DeepSpeed, save asynchronously, and restore exactly.
 
-For each ZeRO stage (1 and 3): build the model (`engine.build_model`, partitioned under
-ZeRO-3) and the engine, train `--steps` steps of `train.step.train_step` on batches copied
-by `DeviceBatches`, save through `AsyncSaver` into a local folder store, restore the
-committed checkpoint into a fresh engine, and compare fp32 weights, both Adam moments, the
-step counts and the LR exactly. Exits 1 on any mismatch or failed save.
+On one device, with no network and no Ray. For each ZeRO stage (1 and 3): build the model
+(`engine.build_model`, partitioned under ZeRO-3) and the engine, train `--steps` steps of
+`train.step.train_step` on batches copied by `DeviceBatches`, save through `AsyncSaver` into
+a local folder store, restore the committed checkpoint into a fresh engine, and compare fp32
+weights, both Adam moments, the step counts and the LR exactly: the reference is the saved
+state itself. Prints a row per stage (losses, first step, tokens/s, the save's stall and
+time, the restore's time, whether it restored exactly). Exits 1 on any mismatch or failed
+save.
 
 Usage: python bench/gpu_smoke.py [--device cuda|cpu] [--steps 50] [--preset 125m] [--stages 1,3]
 (CPU defaults: the tiny preset, short sequences; the test suite runs it with --steps 3.)

@@ -1,12 +1,15 @@
-"""What elastic.in_process costs a step when nothing fails: each step's commit
-(`generations.PeerCommits.commit`: the rank's ZeRO partition copied to host memory and sent
-to its ring successor, `elastic.peer_state.Mirrors`, then the all-reduce of the step's loss)
-against the same steps without it, as the restart path trains. The commit as it was, waiting
-for the step's own exchange before that all-reduce, and as it is, waiting only for the
-step before's (the exchange goes on beside the next step). Side by side in one run: two
-gloo ranks, each a real DeepSpeed ZeRO-1 engine (wildtrain's `build_engine`), blocks of
-steps of each variant in turn; every step timed on both ranks from a barrier, the slower
-rank's time kept.
+"""What elastic.in_process costs a step when nothing fails, against the restart path's steps.
+
+Each step's commit (`generations.PeerCommits.commit`: the rank's ZeRO partition copied to
+host memory and sent to its ring successor, `elastic.peer_state.Mirrors`, then the
+all-reduce of the step's loss) against the same steps without it, as the restart path
+trains. The commit as it was, waiting for the step's own exchange before that all-reduce,
+and as it is, waiting only for the step before's (the exchange goes on beside the next
+step). Side by side in one run: two gloo ranks, each a real DeepSpeed ZeRO-1 engine
+(wildtrain's `build_engine`), blocks of steps of each variant in turn; every step timed on
+both ranks from a barrier, the slower rank's time kept. Prints a row per model shape: the
+parameters, what a rank mirrors a step, and each variant's median step time, the in-process
+ones also as a ratio to the restart path's (the reference).
 
 On this CPU the exchange's transfer competes with the step for the same two cores, so it
 costs the step about as much beside it as after it; `--idle-step-s S` sleeps S seconds in

@@ -1,6 +1,8 @@
-"""What the GPU bench scripts share: one process, one device, a torch.distributed group of
-one (DeepSpeed needs a group), no Ray. Import it before DeepSpeed: on CPU, DeepSpeed picks
-its accelerator from DS_ACCELERATOR when it is first imported."""
+"""A helper of bench/gpu_smoke.py and bench/mfu.py, no benchmark: one process, one device.
+
+What those GPU bench scripts share: a torch.distributed group of one (DeepSpeed needs a
+group), no Ray. Import it before DeepSpeed: on CPU, DeepSpeed picks its accelerator from
+DS_ACCELERATOR when it is first imported."""
 
 from __future__ import annotations
 

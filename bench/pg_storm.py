@@ -27,7 +27,7 @@ worker slot a spare holds (`elastic.spares`: an actor outside the group, where a
 resources are free beyond it). The lost bundle fits that node by its totals, though not by
 what is free there, so the GCS may retry it at once as in the PACK rows.
 
-    PYTHONPATH=platform .venv/bin/python bench/pg_storm.py [--phase-s 15] [--several] [--spare]
+Usage: PYTHONPATH=platform .venv/bin/python bench/pg_storm.py [--phase-s 15] [--several] [--spare]
 """
 
 from __future__ import annotations

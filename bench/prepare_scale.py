@@ -1,5 +1,6 @@
-"""Preparation at scale: is the driver a ceiling? `prepare` on Ray tasks against a plain
-single-process `tokenizers` loop over the same files.
+"""Preparation at scale: `prepare` on Ray tasks against a plain single-process `tokenizers` loop.
+
+Is the driver a ceiling? Both run over the same files.
 
 Writes a synthetic JSONL corpus of `--files` files (`--mb` MB in all) to a temporary folder,
 then for each tokenizer (byte-level, and a BPE of `--vocab` ids trained beforehand on a

@@ -1,5 +1,7 @@
-"""What every bench script prints as it goes (setup, each mode, each save): a long silence
-reads as a hang."""
+"""A helper of the bench scripts (most import it), no benchmark: lines stamped as they go.
+
+What every bench script prints as it goes (setup, each mode, each save), each line with the
+seconds since the script started: a long silence reads as a hang."""
 
 from __future__ import annotations
 

@@ -33,6 +33,9 @@ as `wildtrain up` sets them). Prints one row per interruption:
     GCS cores   the head's GCS's CPU from the node's removal to its return (a lost placement
                 bundle that fits a node left is retried without pause: bench/pg_storm.py)
 
+Its fake cluster and services are also what bench/ettr.py, bench/recovery_joins.py and
+bench/tiny_runs.py build on.
+
 Usage: .venv/bin/python bench/recovery.py [--steps 60] [--only "wildtrain tuned" "in-process" ...]
 """
 

@@ -1,6 +1,7 @@
-"""The in-process re-forms bench/recovery.py does not stage, in one run on a fake cluster of
-three one-worker nodes (elastic.in_process, Ray's metrics off, the tiny model at 24 rows a
-step so that 1, 2 and 3 workers share it evenly):
+"""In-process re-forms bench/recovery.py does not stage: two returns seconds apart, a death in a join.
+
+In one run on a fake cluster of three one-worker nodes (elastic.in_process, Ray's metrics
+off, the tiny model at 24 rows a step so that 1, 2 and 3 workers share it evenly):
 
     two returns seconds apart   rank 2's node, then rank 1's, removed once the run trains
                                 without the one before (3 -> 2 -> 1); then two nodes added

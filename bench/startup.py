@@ -1,5 +1,7 @@
-"""Where start-up goes: from submitting `wildtrain train experiment=tiny` to its first
-optimizer step, on a new stack (cold) and again on the same stack (warm).
+"""Where start-up goes, from `wildtrain train experiment=tiny` to its first step: cold against warm.
+
+From submitting the run to its first optimizer step, on a new stack (cold) and again on the
+same stack (warm).
 
 First, on its own, DeepSpeed's comm start in a process group of one on CPU as DeepSpeed
 does it (JIT-building its shared-memory op, with an empty and then a filled torch extensions
@@ -28,6 +30,8 @@ Then, also on its own, a checkpoint saver's first save from the saver's start, i
 whose main script imports Ray as a Ray worker's does: its save child spawned as wildtrain
 spawns it (`save_process._main_script_hidden`) against the same child running the parent's
 main script first, as multiprocessing's spawn does by default.
+
+bench/ettr.py reads a run's start-up phases with it (`start_up_phases`).
 
 Usage: .venv/bin/python bench/startup.py [--steps 10]
 """

@@ -1,11 +1,12 @@
 """A bulk sync next to a training run that reads the same store: what it costs the run.
 
 Starts a SeaweedFS store holding a synthetic prepared dataset (bench/data_throughput.py's)
-and a bulk folder (random checkpoint-like parts). A stand-in for a training rank reads
-its batches from the store as Ray Data's read tasks do (one Parquet row group per step,
-pyarrow) and spends a fixed compute per step (a torch matmul); meanwhile `wildtrain sync`
-copies the bulk folder out of the same store to a local folder, uncapped or capped. Prints
-the median step time and data wait per step for each case, and the sync's rate.
+and a bulk folder (random checkpoint-like parts). A stand-in for a training rank reads its
+batches from the store as Ray Data's read tasks do (one Parquet row group per step, pyarrow)
+and spends a fixed compute per step (a torch matmul); meanwhile `wildtrain sync` copies the
+bulk folder out of the same store to a local folder, uncapped or capped. Prints the median
+step time and data wait per step for each case (the case without a sync is the reference),
+and the sync's rate.
 
 On one machine the store, rclone and the reader share the CPUs and the loopback: this
 measures that contention, not a provider's network; the ratio between rows is the point.

@@ -1,5 +1,7 @@
-"""What the benches that time whole tiny runs share: an object store, an MLflow server, the
-tiny corpus prepared, a local fake cluster, and a run's steps/s read back from MLflow.
+"""A helper of bench/eval_interference.py, eval_share.py and report_cadence.py, no benchmark.
+
+What those benches, which time whole tiny runs, share: an object store, an MLflow server,
+the tiny corpus prepared, a local fake cluster, and a run's steps/s read back from MLflow.
 
 steps/s is the steps between the first and the last window the run logged, over the time
 between them (the workers stamp each window when it closes): start-up and the end of the

@@ -19,8 +19,7 @@ from typing import Optional
 import ray
 from ray.exceptions import RayActorError
 from ray.experimental import internal_kv
-from ray.train.torch import TorchConfig, TorchTrainer
-from ray.train.torch.config import _TorchBackend
+from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.exceptions import (
     UserExceptionWithTraceback,
@@ -38,7 +37,7 @@ from ray.train.v2._internal.execution.checkpoint.report_handler import ReportCal
 from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.controller import state as _states
 from ray.train.v2._internal.execution.training_report import _TrainingReport
-from ray.train.v2._internal.execution.worker_group import DefaultPlacementGroupHandle, ReplicaGroup, WorkerGroup
+from ray.train.v2._internal.execution.worker_group import DefaultPlacementGroupHandle, WorkerGroup
 from ray.train.v2._internal.execution.worker_group.poll import WorkerStatus
 from ray.train.v2._internal.util import invoke_context_managers
 from ray.train.v2.api import data_parallel_trainer as _trainer_module
@@ -77,7 +76,6 @@ __all__ = [
     "quiet_report_log",
     "refresh_train_resource_view",
     "relay_report",
-    "ReplacingTorchConfig",
     "report_without_barrier",
     "reports_collected",
     "resize_request",
@@ -386,13 +384,12 @@ def worker_slot(worker_group, rank: int) -> tuple[PlacementGroup, int]:
     return worker_group._worker_group_state.placement_group_handle.placement_group, worker.placement_group_bundle_index
 
 
-def narrow_report_gates(worker_group, ranks: list[int], barrier: bool = True) -> None:
-    """Let the reports of `ranks` alone through Ray Train's report gates, the controller's
-    consolidation and (`barrier`, with rank 0 among `ranks`: `report_without_barrier`) the
-    workers' barrier, as Ray 2.60 narrows both for a preempted node's lost workers."""
+def narrow_report_gates(worker_group, ranks: list[int]) -> None:
+    """Let the reports of `ranks` alone through the controller's report consolidation, as Ray
+    2.60 narrows it for a preempted node's lost workers. Ray's other gate, the workers'
+    barrier, is left as it is: an in-process group's workers report past it
+    (`report_without_barrier`)."""
     _report_handler(worker_group).set_required_ranks(ranks)
-    if barrier:
-        worker_group.set_required_barrier_ranks(ranks)
 
 
 def relay_report(worker_group, poll_status, rank: int, metrics: Optional[dict]) -> None:
@@ -423,25 +420,3 @@ def show_worker_errors(poll_status, errors: dict[int, Exception]) -> None:
     for rank, error in errors.items():
         if poll_status.worker_statuses[rank].error is not None:
             poll_status.worker_statuses[rank] = WorkerStatus(running=False, error=error)
-
-
-class _ReplacingBackend(_TorchBackend):
-    """Ray Train's torch backend with one replica group per worker: a worker that fails is
-    replaced alone, on its placement group's slot, while the others run on (Ray 2.60's
-    torchft path: the controller's `_replace_bad_workers`). Each replica group gets a
-    process group of its own (of one): the group across workers is the training function's."""
-
-    has_replica_groups = True
-
-    def on_start(self, worker_group, backend_config) -> None:
-        groups = [worker_group] if isinstance(worker_group, ReplicaGroup) else worker_group.get_replica_groups()
-        for group in groups:
-            super().on_start(group, backend_config)
-
-
-class ReplacingTorchConfig(TorchConfig):
-    """A `TorchConfig` whose failed workers Ray replaces one by one (`_ReplacingBackend`)."""
-
-    @property
-    def backend_cls(self):
-        return _ReplacingBackend

@@ -39,7 +39,6 @@ from tests.helpers.ranks import start_ranks
 from wildtrain import engine as engines
 from wildtrain.batching import BatchPlan
 from wildtrain.config import Config, ModelConfig
-from wildtrain.elastic.membership import micro_batches
 from wildtrain.elastic.peer_state import Mirrors, load_state, partition
 from wildtrain.engine import build_engine, import_deepspeed, lr_at
 from wildtrain.model.transformer import Transformer
@@ -84,12 +83,14 @@ def engine_at(cfg: Config, world: int, device: torch.device):
 
 
 def train(engine, step: int, device: torch.device) -> float:
-    """One optimizer step on this rank's rows of the global batch; the loss over the group."""
+    """One optimizer step on this rank's rows of the global batch, one row a micro-batch (every
+    world size here divides the global batch); the loss over the group."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     rows = batch(step).to(device)
+    share = GLOBAL_BATCH // world
     total = 0.0
-    for micro in micro_batches(GLOBAL_BATCH, world, rank, 1):
-        x = rows[micro.start : micro.stop]
+    for row in range(rank * share, (rank + 1) * share):
+        x = rows[row : row + 1]
         loss = engine(x[:, :-1], targets=x[:, 1:])
         engine.backward(loss)
         engine.step()

@@ -8,14 +8,11 @@ from wildtrain.elastic.membership import (
     NoMembersLeft,
     RedundancyLost,
     Repartition,
-    StateSync,
     joiners_due,
-    micro_batches,
     mirror_ring,
     must_abandon,
     next_membership,
     plan_repartition,
-    plan_sync,
     stale,
 )
 
@@ -74,37 +71,6 @@ def test_after_a_failed_collective_a_member_silent_since_is_dead_sooner():
 def test_only_a_departure_abandons_a_collective_in_flight():
     assert must_abandon(THREE, Membership(5, ("w0", "w2")))
     assert not must_abandon(THREE, Membership(5, ("w0", "w1", "w2", "w3")))
-
-
-def test_the_state_comes_from_the_lowest_rank_at_the_highest_step():
-    assert plan_sync([7, 7, 7]) == StateSync(source=0, step=7, needed=False)
-    sync = plan_sync([6, 7, -1])
-    assert (sync.source, sync.step, sync.needed) == (1, 7, True)
-    assert plan_sync([7, 7, -1]).source == 0
-
-
-def test_survivors_more_than_a_step_apart_or_no_state_at_all_are_refused():
-    with pytest.raises(ValueError, match=r"ranks \[\(0, 5\)\]"):
-        plan_sync([5, 7])
-    with pytest.raises(ValueError, match="holds any state"):
-        plan_sync([-1, -1])
-
-
-@pytest.mark.parametrize("global_batch,world,micro", [(6, 3, 2), (6, 2, 2), (7, 3, 2), (6, 1, 4), (5, 5, 1)])
-def test_the_ranks_cover_the_global_batch_once_in_order(global_batch, world, micro):
-    shares = [micro_batches(global_batch, world, rank, micro) for rank in range(world)]
-    rows = [row for share in shares for mb in share for row in mb]
-    assert rows == list(range(global_batch))
-    assert all(1 <= len(mb) <= micro for share in shares for mb in share)
-    sizes = [sum(map(len, share)) for share in shares]
-    assert max(sizes) - min(sizes) <= 1
-
-
-def test_a_smaller_world_gives_each_rank_more_accumulation():
-    assert micro_batches(6, 3, 1, 2) == (range(2, 4),)
-    assert micro_batches(6, 2, 1, 2) == (range(3, 5), range(5, 6))
-    with pytest.raises(ValueError, match="rank 3 of world 3"):
-        micro_batches(6, 3, 3, 2)
 
 
 def held(*partitions):

@@ -304,10 +304,9 @@ def test_a_stuck_worker_group_start_can_still_be_ended():
 
 
 def test_a_worker_death_can_be_masked_and_the_report_gates_narrowed_where_ray_reads_them():
-    """What keeps a group going without a dead worker (bench/recovery_spike_ray.py): its
-    status masked in the poll's callbacks, before the controller decides on it; Ray's two
-    report gates (consolidation, barrier) narrowed to the survivors, as Ray narrows them for
-    a preemption."""
+    """What keeps a group going without a dead worker (`elastic.survivors`): its status masked
+    in the poll's callbacks, before the controller decides on it; Ray's report consolidation
+    narrowed to the survivors, as Ray narrows it for a preemption."""
     from ray.train.v2._internal.execution.checkpoint.report_handler import ReportCallbackHandler
     from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
 
@@ -327,22 +326,10 @@ def test_a_worker_death_can_be_masked_and_the_report_gates_narrowed_where_ray_re
     poll = inspect.getsource(WorkerGroup.poll_status)
     assert poll.index("callback.after_worker_group_poll_status") < poll.index("return worker_group_poll_status")
 
-    class Group:  # the two parts of a WorkerGroup that narrowing touches
-        def __init__(self):
-            self._callbacks = [ReportCallbackHandler(report_callbacks=[])]
-            self.barrier = None
-
-        def set_required_barrier_ranks(self, ranks):
-            self.barrier = ranks
-
-    group = Group()
-    ray_compat.narrow_report_gates(group, [0, 2])
-    assert group._callbacks[0]._get_required_ranks() == [0, 2] and group.barrier == [0, 2]
-    group = Group()
-    ray_compat.narrow_report_gates(group, [1, 2], barrier=False)  # workers that report past the barrier
-    assert group._callbacks[0]._get_required_ranks() == [1, 2] and group.barrier is None
+    group = types.SimpleNamespace(_callbacks=[ReportCallbackHandler(report_callbacks=[])])  # what narrowing touches
+    ray_compat.narrow_report_gates(group, [1, 2])
+    assert group._callbacks[0]._get_required_ranks() == [1, 2]
     assert "self._callbacks = " in inspect.getsource(WorkerGroup.__init__)
-    assert list(inspect.signature(WorkerGroup.set_required_barrier_ranks).parameters) == ["self", "ranks"]
 
 
 def test_a_report_past_the_barrier_lands_in_rays_result_queue_in_order_as_ray_s_own_report_would(monkeypatch):
@@ -388,24 +375,3 @@ def test_a_report_past_the_barrier_lands_in_rays_result_queue_in_order_as_ray_s_
         "self._wait_then_report(training_report, report_call_index)"
     )
     assert "if 0 not in expected" in inspect.getsource(train_context.SynchronizationActor.set_required_ranks)
-
-
-def test_a_backend_with_one_replica_group_per_worker_has_its_failed_workers_replaced_alone(monkeypatch):
-    """`ReplacingTorchConfig` turns on Ray 2.60's replica-group path (the controller replaces
-    a failing replica group's workers and leaves the others running) with each worker its own
-    group, and starts torch's backend once per replica group, as Ray's torchft backend does."""
-    from ray.train.torch.config import _TorchBackend
-    from ray.train.v2._internal.execution.worker_group import ReplicaGroup
-    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
-
-    config = ray_compat.ReplacingTorchConfig(backend="gloo")
-    assert config.backend_cls.has_replica_groups is True and config.backend == "gloo"
-    controller = inspect.getsource(TrainController)
-    assert "backend_cls.has_replica_groups" in controller and "self._replace_bad_workers(poll_status)" in controller
-    assert callable(WorkerGroup.get_replica_groups) and callable(WorkerGroup.replace_replica_group)
-
-    started = []
-    monkeypatch.setattr(_TorchBackend, "on_start", lambda self, group, cfg: started.append(group))
-    replacement = ReplicaGroup.__new__(ReplicaGroup)  # as the controller's replacement hands it
-    config.backend_cls().on_start(replacement, config)
-    assert started == [replacement]

@@ -14,28 +14,9 @@ from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollSt
 
 from wildtrain import ray_compat, services
 from wildtrain.elastic.joiners import Ended
-from wildtrain.elastic.survivors import KeepSurvivors, goes_on_without
+from wildtrain.elastic.survivors import KeepSurvivors
 from wildtrain.ray_compat import WorkerHealthCheckFailedError
 from wildtrain.worker_report import WorkerReport
-
-
-def test_a_group_goes_on_without_any_rank_rank_0_included_while_a_ray_train_worker_is_left():
-    assert goes_on_without({0}, set(), [0, 1, 2], replace=False, relays=False)
-    assert goes_on_without({1}, set(), [0, 1], replace=False, relays=False)
-    assert goes_on_without({0, 2}, set(), [0, 1, 2], replace=False, relays=False)
-
-
-def test_a_death_that_leaves_only_joiners_goes_on_only_where_their_reports_are_relayed():
-    # Rank 1 was lost before (a joiner took its place); rank 0's death leaves no Ray Train
-    # worker to report: only the controller's relay of a joiner's reports carries the group on.
-    assert not goes_on_without({0}, {1}, [0, 1], replace=False, relays=False)
-    assert not goes_on_without({0, 1}, set(), [0, 1], replace=False, relays=False)
-    assert goes_on_without({0}, {1}, [0, 1], replace=False, relays=True)
-
-
-def test_rays_replacement_path_keeps_its_report_barrier_and_so_rank_0():
-    assert not goes_on_without({0}, set(), [0, 1, 2], replace=True, relays=True)
-    assert goes_on_without({2}, set(), [0, 1, 2], replace=True, relays=False)
 
 
 class StandInJoiners:
@@ -69,7 +50,7 @@ class StandInJoiners:
 
 class Group:
     """The parts of Ray Train's worker group the controller's side touches: its report
-    consolidation (Ray's own `ReportCallbackHandler`), its barrier and its workers."""
+    consolidation (Ray's own `ReportCallbackHandler`) and its workers."""
 
     def __init__(self, size: int, report_callbacks: list) -> None:
         self.size = size
@@ -81,9 +62,6 @@ class Group:
 
     def get_workers(self) -> list:
         return [None] * self.size
-
-    def set_required_barrier_ranks(self, ranks) -> None:
-        raise AssertionError("an in-process group's workers report past the barrier")
 
 
 def report(step: int) -> _TrainingReport:
@@ -124,7 +102,7 @@ def group_of_two():
         services.HOST, services.free_port(), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
     )
     joiners, consolidated = StandInJoiners(), Consolidated()
-    keep = KeepSurvivors(services.HOST, store.port, decide_s=0.0, replace=False, joiners=joiners)
+    keep = KeepSurvivors(services.HOST, store.port, decide_s=0.0, joiners=joiners)
     keep.store = lambda: store
     group = Group(2, [keep, consolidated])
     keep.after_worker_group_start(group)

@@ -106,16 +106,16 @@ class ElasticConfig:
     # In-process membership (elastic.rendezvous): how often each worker beats its heart in the
     # driver's store, how long a silent one is taken for dead (a hung one: nothing fails), and
     # how long one silent since a failed collective (the error comes within milliseconds of a
-    # death but does not say who died).
+    # death but does not say who died). confirm_s spans several heartbeats, so one late beat drops no one.
     heartbeat_s: float = setting(0.1, gt=0)
     dead_after_s: float = setting(10.0, gt=0)
     confirm_s: float = setting(0.5, gt=0)
     # Joiners that come seconds apart join in one re-form: one that asked waits while another
     # is still getting ready (its process started on a returned node, its imports and first
     # read under way), for up to this long after it asked. The members train on meanwhile;
-    # each re-form stops all of them (~1 s here), a wait only idles the waiting joiner. A
-    # joiner took 8-14 s from its process's start to its request on this 2-core machine, so
-    # two nodes back within ~10 s of each other share one re-form.
+    # each re-form stops all of them, a wait only idles the waiting joiner. A
+    # joiner's process start, imports and first read take seconds, so nodes that return close
+    # together share one re-form.
     # 0: take each joiner in as it asks.
     join_batch_s: float = setting(10.0, gt=0, special=(0, "each joiner as it asks"))
     # Workers kept started and ready beside a group of elastic.max_workers (elastic.in_process):

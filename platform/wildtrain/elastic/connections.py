@@ -4,9 +4,9 @@ group breaks, and free the peers that wait on it (issue 24: survivors re-form in
 A gloo wait ends at its timeout or when its connection closes. A peer blocked in a
 collective with this rank, not with the dead one, is freed by nothing else: gloo's `abort()`
 frees no wait in progress (not even this rank's own), and `destroy_process_group` closes the
-connections only once nothing refers to the group any more, which DeepSpeed's engine does
-(bench/recovery_spike.py --zero 1, rank 0 or 2 killed of three: the other survivor waited out
-the 10 s collective timeout; with the hang-up, 0.9 s from the death to the next step).
+connections only once nothing refers to the group any more, which DeepSpeed's engine does.
+Without the hang-up, a survivor blocked on another survivor waits out the whole collective
+timeout.
 
 A Ray worker holds TCP connections of its own (to the GCS, to other workers), so "every socket
 but the store's" will not do: `GroupConnections` records the sockets that appeared while the

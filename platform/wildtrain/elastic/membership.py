@@ -1,6 +1,6 @@
 """Who trains in the next generation of an in-process elastic group, and from whose state.
 
-The decisions of bench/recovery_spike.py (issue 24), kept pure so that they can be tested
+The decisions of in-process recovery (issue 24), kept pure so that they can be tested
 without processes: workers stay alive across a resize, and a resize is a new generation of
 the process group (a new TCPStore prefix) whose members are the survivors, in their old
 order, followed by the workers that asked to join.
@@ -92,53 +92,6 @@ def must_abandon(current: Membership, newer: Membership) -> bool:
     generation that only adds joiners lets the step finish first (the group re-forms at its
     boundary)."""
     return not set(current.members) <= set(newer.members)
-
-
-@dataclass(frozen=True)
-class StateSync:
-    source: int  # the rank whose model and optimizer state every rank takes
-    step: int  # the optimizer steps that state has taken
-    needed: bool  # false: every rank holds that state already
-
-
-def plan_sync(steps: Sequence[int]) -> StateSync:
-    """From whom the ranks of a new generation take their state; `steps[rank]` is how many
-    optimizer steps each has taken, -1 for a joiner that holds none.
-
-    The source is the lowest rank at the highest step. Survivors differ by at most one step:
-    one finished the all-reduce of the step in flight when a peer died (every rank's gradient
-    was in it, so that step is good) while another saw it fail. More than one apart means the
-    state of some member is not the group's, and carrying on would diverge silently."""
-    if not steps or max(steps) < 0:
-        raise ValueError(
-            f"no rank of the new group holds any state (steps {list(steps)}): a new group starts "
-            "from a checkpoint or from step 0, not from a peer"
-        )
-    top = max(steps)
-    behind = [(rank, s) for rank, s in enumerate(steps) if 0 <= s < top - 1]
-    if behind:
-        raise ValueError(
-            f"ranks {behind} (rank, step) are more than one step behind step {top}: survivors can "
-            "differ only by the step in flight"
-        )
-    return StateSync(source=steps.index(top), step=top, needed=any(s != top for s in steps))
-
-
-def micro_batches(global_batch: int, world: int, rank: int, micro_batch: int) -> tuple[range, ...]:
-    """The rows of the global batch that `rank` of `world` computes, in micro-batches of at
-    most `micro_batch` rows: a smaller world gives each rank a larger share (more
-    accumulation), so the global batch, and with the same data order the losses, do not
-    depend on the world size."""
-    if not 0 <= rank < world or world > global_batch or micro_batch < 1:
-        raise ValueError(
-            f"rank {rank} of world {world}, global batch {global_batch}, micro batch {micro_batch}: "
-            "need 0 <= rank < world <= global batch and micro batch >= 1"
-        )
-    # The first global_batch % world ranks take one row more.
-    base, extra = divmod(global_batch, world)
-    start = rank * base + min(rank, extra)
-    stop = start + base + (rank < extra)
-    return tuple(range(s, min(s + micro_batch, stop)) for s in range(start, stop, micro_batch))
 
 
 # A ZeRO partition's identity: the generation whose layout cut it (a resize re-cuts every

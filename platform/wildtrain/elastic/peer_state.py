@@ -328,8 +328,8 @@ class Mirrors:
         builds from the seed). Raises `RedundancyLost` on every rank alike.
 
         Only what the ranks hold is pickled; each partition goes out as one tensor from its
-        holder. A gather of the partitions as objects pads every share to the largest and
-        pickles it through `torch.save`: 4-5x slower (bench/peer_gather.py)."""
+        holder. A gather of the partitions as objects would pad every share to the largest and
+        pickle it through `torch.save`, moving and copying far more than the partitions."""
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         offers: list = [None] * world
         dist.all_gather_object(offers, None if fresh else (self.held(), self._cuts()), group=self.group)

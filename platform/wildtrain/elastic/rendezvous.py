@@ -57,8 +57,7 @@ def beat(store: dist.Store, name: str, at: Optional[float] = None) -> None:
 
 
 def member_name(rank: int) -> str:
-    """The member a Ray Train worker of `rank` is: a replacement takes the dead worker's rank,
-    and so its name."""
+    """The member that the Ray Train worker of `rank` is (`ray_rank` reads the rank back)."""
     return f"w{rank}"
 
 
@@ -73,7 +72,8 @@ def is_ray_worker(member: str) -> bool:
 
 
 def announce_node(store: dist.Store, name: str, node_id: str) -> None:
-    """Say which Ray node the worker `name` runs on (for the controller: see `KeepSurvivors`)."""
+    """Say which Ray node the worker `name` runs on, for the drills and benches that take a
+    member's node down (`node_of`)."""
     store.set(f"node/{name}", node_id)
 
 

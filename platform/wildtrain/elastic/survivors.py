@@ -55,23 +55,12 @@ def survivor_callbacks(
             server.host,
             server.port,
             decide_s=cfg.elastic.confirm_s + 5.0,
-            replace=False,
             joiners=Joiners(inputs, env_vars, joiner_main),
             spares=cfg.elastic.spares,
             full_size=cfg.elastic.max_workers,
             room_for_a_spare=room_for_a_spare,
         )
     ]
-
-
-def goes_on_without(lost: set[int], masked: set[int], everyone: list[int], replace: bool, relays: bool) -> bool:
-    """Whether a group whose Ray Train workers of `masked` were already lost (joiners may have
-    taken their places) can go on without those of `lost` too. Ray collects reports from its
-    workers only, so one must be left unless the controller `relays` a joiner's
-    (`elastic.relay`); and with `replace`, rank 0 must be (`KeepSurvivors`)."""
-    if replace:
-        return 0 not in lost and bool(set(everyone) - masked - lost)
-    return relays or bool(set(everyone) - masked - lost)
 
 
 class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
@@ -81,39 +70,33 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
     After each poll whose errors include a worker's death (`ray_compat.worker_lost`), it
     waits up to `decide_s` for the rendezvous owner (`elastic.rendezvous`, its store at
     `host:port`) to publish a generation of the current worker group without that worker;
-    past that, the error stands and Ray restarts the group (the fallback). So does, with
-    `replace`, rank 0's death (its workers report through Ray's barrier, which needs rank 0).
-    Once dropped, the report gates wait for the survivors only (`narrow_report_gates`): the
-    lowest surviving rank is the generation's rank 0 (`rendezvous.ray_rank`), whose report
-    the controller's callbacks read first. Once no Ray Train worker is left, the joiner that
-    is rank 0 reports through the slot of the lowest lost rank (`_relay`). And then either
+    past that, the error stands and Ray restarts the group (the fallback). Once dropped, the
+    report gates wait for the survivors only (`narrow_report_gates`): the lowest surviving
+    rank is the generation's rank 0 (`rendezvous.ray_rank`), whose report the controller's
+    callbacks read first. Ray collects reports from its own workers only: once none is left,
+    the joiner that is rank 0 reports through the slot of the lowest lost rank (`_relay`).
 
-    - the death is masked for good (`replace` off: the group goes on smaller), and a `Joiner`
-      waits for the worker's placement slot (`joiners`): once Ray has placed it again, the
-      joiner asks to join and the survivors take it in at their next log step, in-process. It
-      is no Ray Train worker and never reports (its generation's rank 0 reports every rank's
-      metrics), so the gates stay narrowed. With `spares`, a group of `full_size` workers keeps
-      that many joiners more started and ready, where `room_for_a_spare()` says the cluster
-      has a worker's resources free beside what the data reads need: the owner puts one in
-      the dead member's place in the re-form that drops it, and the joiner on the dead
-      member's slot, once its node is back, waits as the next spare; or
-    - it is handed on for Ray to replace that one worker on its placement slot (`replace`,
-      with `ray_compat.ReplacingTorchConfig`; bench/recovery_spike_ray.py), once Ray knows the
-      worker's node is dead (before, the slot still points at it and the replacement dies with
-      it). The gates widen again when the owner's generation is whole."""
+    The death is masked for good (the group goes on smaller), and a `Joiner` waits for the
+    worker's placement slot (`joiners`): once Ray has placed it again, the joiner asks to join
+    and the survivors take it in at their next log step, in-process. It is no Ray Train worker
+    and never reports (its generation's rank 0 reports every rank's metrics), so the gates
+    stay narrowed. With `spares`, a group of `full_size` workers keeps that many joiners more
+    started and ready, where `room_for_a_spare()` says the cluster has a worker's resources
+    free beside what the data reads need: the owner puts one in the dead member's place in
+    the re-form that drops it, and the joiner on the dead member's slot, once its node is
+    back, waits as the next spare."""
 
     def __init__(
         self,
         host: str,
         port: int,
         decide_s: float,
-        replace: bool,
-        joiners: Optional[Joiners] = None,
+        joiners: Joiners,
         spares: int = 0,
         full_size: int = 0,
         room_for_a_spare: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.host, self.port, self.decide_s, self.replace = host, port, decide_s, replace
+        self.host, self.port, self.decide_s = host, port, decide_s
         self.joiners = joiners
         self.spares, self.full_size, self.room_for_a_spare = spares, full_size, room_for_a_spare
         self.spare_failed: Optional[str] = None  # a spare raised: no more are started (one line said)
@@ -122,7 +105,6 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
         self.masked: set[int] = set()
         # Ranks whose joiner raised, with its error: their deaths stand, shown as that error.
         self.join_failed: dict[int, Exception] = {}
-        self.narrowed = False  # the report gates wait for the survivors only
         self._store = None  # `_client`
         self._relay_state()
 
@@ -152,42 +134,28 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
         # A new group: every rank is in it, and its reports gate again on every rank (Ray's own).
         self.worker_group = worker_group
         self.masked, self.join_failed = set(), {}
-        self.narrowed = False
         self._relay_state()
         if self.spares:
             self._token_before = rendezvous.current_token(self._client())
 
     def before_worker_group_shutdown(self, worker_group) -> None:
-        if self.joiners is not None:
-            self.joiners.stop()  # Ray removes the group's placement group, and with it theirs
+        self.joiners.stop()  # Ray removes the group's placement group, and with it theirs
 
     def after_report(self, training_report, metrics) -> None:
         self.reported_step = rank_zero(metrics).step
 
     def after_worker_group_poll_status(self, worker_group_status) -> None:
         everyone = list(range(len(worker_group_status.worker_statuses)))
-        if self.joiners is not None:
-            self._take_relayed(everyone)  # before the joiners that ended are reaped: their last reports too
-            self._look_after_joiners()
-            self._keep_spares()
-        if self.replace and self.narrowed and len(rendezvous.latest(self.store()).members) == len(everyone):
-            # The replacement joined the survivors' group: its reports count again.
-            ray_compat.narrow_report_gates(self.worker_group, everyone)
-            self.narrowed = False
-            print("the worker group is whole again: every rank's reports count", flush=True)
+        self._take_relayed(everyone)  # before the joiners that ended are reaped: their last reports too
+        self._look_after_joiners()
+        self._keep_spares()
         lost = {r for r, e in worker_group_status.errors.items() if ray_compat.worker_lost(e)}
         if lost - self.masked:
             self.say_members_died(rendezvous.member_name(r) for r in lost - self.masked)
-        if (
-            lost - self.masked
-            and goes_on_without(lost, self.masked, everyone, self.replace, self.joiners is not None)
-            and not lost & self.join_failed.keys()
-        ):
+        if lost - self.masked and not lost & self.join_failed.keys():
             self._decide(lost, everyone)
-        if not self.replace:
-            ray_compat.mask_worker_deaths(worker_group_status, self.masked - {self.relay_rank})
-        if self.joiners is not None:
-            self._relay(worker_group_status, everyone)
+        ray_compat.mask_worker_deaths(worker_group_status, self.masked - {self.relay_rank})
+        self._relay(worker_group_status, everyone)
         ray_compat.show_worker_errors(worker_group_status, self.join_failed)
 
     def say_members_died(self, names: Iterable[str]) -> None:
@@ -215,23 +183,14 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
             self.masked |= dropped
             survivors = [r for r in everyone if r not in self.masked]
             if survivors:  # else a joiner's reports count (`_relay`)
-                ray_compat.narrow_report_gates(self.worker_group, survivors, barrier=self.replace)
-            self.narrowed = True
+                ray_compat.narrow_report_gates(self.worker_group, survivors)
             print(
                 f"ranks {sorted(self.masked)} left the worker group, which goes on without them: "
                 f"reports of ranks {survivors or 'none: a joiner reports'} count",
                 flush=True,
             )
-            if self.joiners is not None:
-                for rank in sorted(newly):  # a slot's earlier joiner may be a member already
-                    self._start_joiner(rank)
-        if self.replace:
-            nodes = {rendezvous.node_of(store, rendezvous.member_name(r)) for r in lost}
-            while time.monotonic() < deadline + self.decide_s and any(
-                n["Alive"] for n in ray.nodes() if n["NodeID"] in nodes
-            ):
-                time.sleep(0.1)
-            self.masked -= lost  # their ranks come back with the replacements
+            for rank in sorted(newly):  # a slot's earlier joiner may be a member already
+                self._start_joiner(rank)
 
     def _take_relayed(self, everyone: list[int]) -> None:
         """Where no Ray Train worker is left, take the reports of the joiner that is rank 0 in
@@ -253,7 +212,7 @@ class KeepSurvivors(ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
             return
         if self.relay_rank is None:
             self.relay_rank = min(self.masked)
-            ray_compat.narrow_report_gates(self.worker_group, [self.relay_rank], barrier=False)
+            ray_compat.narrow_report_gates(self.worker_group, [self.relay_rank])
             print(
                 f"no Ray Train worker is left in the group: its rank 0, the joiner {self.reporter}, reports "
                 f"through rank {self.relay_rank}'s slot",
