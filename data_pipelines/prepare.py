@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Optional
 
 import click
 
 from wildtrain import services
 from wildtrain.config import StorageConfig
 from wildtrain.data.manifest import DataError
-from wildtrain.data.prepare import EXECUTORS, PrepareConfig, prepare
+from wildtrain.data.prepare import EXECUTORS, VAL_FRACTION, PrepareConfig, prepare
 from wildtrain.storage import StorageError
 
 
@@ -46,10 +47,10 @@ from wildtrain.storage import StorageError
 @click.option(
     "--val-fraction",
     type=float,
-    default=PrepareConfig.val_fraction,
-    show_default=True,
+    default=None,
+    show_default=f"{VAL_FRACTION}, more of a small input",
     help="The share of documents held out for validation, chosen by a hash of each document's text "
-    "(a rerun holds out the same ones), raised for a small input to fill a few rows; 0: none.",
+    "(a rerun holds out the same ones); 0: none.",
 )
 @click.option(
     "--skip-bad-records",
@@ -99,7 +100,7 @@ def main(
     text_field: str,
     rows_per_shard: int,
     rows_per_group: int,
-    val_fraction: float,
+    val_fraction: Optional[float],
     skip_bad_records: bool,
     max_record_mb: int,
     partition_mb: int,
@@ -140,6 +141,8 @@ def main(
         f"{sum(s.rows for s in manifest.validation)} rows of {len(manifest.validation)} shards"
         if manifest.validation
         else ", no validation rows (--val-fraction 0)"
+        if result.val_share == 0
+        else f", no validation rows: the {result.held_out} documents held out fill none (--val-fraction holds out more)"
     )
     bad = (
         f", {sum(manifest.bad_records.values())} bad records skipped in {len(manifest.bad_records)} files"

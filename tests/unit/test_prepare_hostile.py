@@ -245,12 +245,25 @@ def test_a_share_is_held_out_by_default_and_none_at_val_fraction_0(tmp_path):
     assert few.val_share > 0.005 and sum(s.rows for s in few.manifest.validation) >= 1
 
 
-def test_the_validation_share_has_a_floor_of_a_few_rows_and_a_cap():
-    assert val_share(0.005, 10**9, 1024) == 0.005
-    assert val_share(0.005, 100_000, 127) == 8 * 128 / 100_000
-    assert val_share(0.005, 1000, 127) == 0.1
-    assert val_share(0.3, 1000, 127) == 0.3  # asked for more than the cap: as asked
+def test_the_default_validation_share_has_a_floor_of_a_few_rows_and_a_cap_and_a_given_one_is_kept():
+    assert val_share(None, 10**9, 1024) == 0.005
+    assert val_share(None, 100_000, 127) == 8 * 128 / 100_000
+    assert val_share(None, 1000, 127) == 0.05
+    assert val_share(0.001, 1000, 127) == 0.001
     assert val_share(0.0, 1000, 127) == 0.0
+
+
+def test_the_default_share_of_an_input_of_a_few_documents_may_fill_no_row_and_says_so(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:3]))
+    result = prepare(PrepareConfig(input=str(path), output=str(tmp_path / "out"), **{**SETTINGS, "seq_len": 16}))
+    assert result.manifest.validation == [] and result.val_share == 0.05
+    with pytest.raises(DataError, match=r"^val_fraction: 0.05 of .* held out too little text to fill one row"):
+        prepare(
+            PrepareConfig(
+                input=str(path), output=str(tmp_path / "out"), val_fraction=0.05, **{**SETTINGS, "seq_len": 16}
+            )
+        )
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -79,7 +79,7 @@ def test_bytes_that_are_not_utf8_are_named_by_line(tmp_path):
 
 
 def test_compressed_and_arrow_inputs_give_the_shards_plain_jsonl_gives(tmp_path):
-    # A share above the floor of a small input, which counts stored (compressed) bytes.
+    # A share given: the default one of a small input grows with its stored (compressed) size.
     settings = {**SETTINGS, "val_fraction": 0.05}
     plain = prepare(
         PrepareConfig(input=str(write_jsonl(tmp_path / "c.jsonl", TEXTS)), output=str(tmp_path / "plain"), **settings)

@@ -52,10 +52,10 @@ log = logging.getLogger(__name__)
 PARTS = "parts"  # the folder of part records under the dataset root
 EXECUTORS = ("ray", "local")
 VAL_FRACTION = 0.005  # the share of documents held out for validation unless told otherwise
-# A share is raised for a small input until it holds out about this many rows of text at one
-# byte per token (a quarter as many of a BPE's), up to VAL_CAP of the documents.
+# The default share is raised for a small input until it holds out about this many rows of
+# text at one byte per token (a quarter as many of a BPE's), up to VAL_CAP of the documents.
 VAL_FLOOR_ROWS = 8
-VAL_CAP = 0.1
+VAL_CAP = 0.05
 
 
 @dataclass
@@ -68,9 +68,10 @@ class PrepareConfig:
     rows_per_shard: int = 8192
     rows_per_group: int = 1024  # Parquet row group: the unit a training reader fetches
     # Documents held out for validation, by a hash of their text (`held_out`): a rerun, or
-    # the same corpus in another order, holds out the same ones; at least a few rows' worth
-    # of a small input (`val_share`). 0: none.
-    val_fraction: float = VAL_FRACTION
+    # the same corpus in another order, holds out the same ones. 0: none. None: VAL_FRACTION,
+    # raised for a small input (`val_share`), and no validation rows where that fills none;
+    # a share given that fills no row stops the preparation.
+    val_fraction: Optional[float] = None
     # Count and skip records that are not UTF-8, not JSON, lack the text field or are longer
     # than max_record_bytes, and unreadable Parquet and Arrow files, rather than stop at the
     # first, naming it.
@@ -156,12 +157,9 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         raise DataError(
             f"input: {cfg.input} holds no text that fills one row of seq_len + 1 = {cfg.seq_len + 1} tokens"
         )
-    if cfg.val_fraction and not validation:
-        share = (
-            f"{asked}" if cfg.val_fraction == asked else f"{asked}, raised to {cfg.val_fraction:.3g} for a small input,"
-        )
+    if asked is not None and cfg.val_fraction and not validation:
         raise DataError(
-            f"val_fraction: {share} of {cfg.input} held out too little text to fill one row "
+            f"val_fraction: {asked} of {cfg.input} held out too little text to fill one row "
             f"of seq_len + 1 = {cfg.seq_len + 1} tokens; hold out more, or none with --val-fraction 0"
         )
     manifest = Manifest(
@@ -197,13 +195,14 @@ def partitions(cfg: PrepareConfig) -> list[Partition]:
     return records.split(files, cfg.partition_bytes, scheme)
 
 
-def val_share(fraction: float, input_bytes: int, seq_len: int) -> float:
-    """The share of documents held out for validation: `fraction`, raised for an input so small
-    that it would hold out fewer than VAL_FLOOR_ROWS rows of one byte per token, up to VAL_CAP;
-    0 stays 0. Of the input's size alone, so a rerun holds out the same documents. Pure."""
-    if fraction == 0:
-        return 0.0
-    return max(fraction, min(VAL_FLOOR_ROWS * (seq_len + 1) / max(input_bytes, 1), VAL_CAP))
+def val_share(fraction: Optional[float], input_bytes: int, seq_len: int) -> float:
+    """The share of documents held out for validation: `fraction` as given; by default
+    VAL_FRACTION, raised for an input so small that it would hold out fewer than VAL_FLOOR_ROWS
+    rows of one byte per token, up to VAL_CAP. Of the input's stored size alone (compressed,
+    for a compressed file), so a rerun holds out the same documents. Pure."""
+    if fraction is not None:
+        return fraction
+    return max(VAL_FRACTION, min(VAL_FLOOR_ROWS * (seq_len + 1) / max(input_bytes, 1), VAL_CAP))
 
 
 def held_out(text: str, fraction: float) -> bool:
@@ -470,7 +469,7 @@ def _validate(cfg: PrepareConfig) -> None:
     for key in ("partition_bytes", "max_record_bytes"):
         if getattr(cfg, key) < 1:
             raise DataError(f"{key}: must be positive, got {getattr(cfg, key)}")
-    if not 0 <= cfg.val_fraction < 1:
+    if cfg.val_fraction is not None and not 0 <= cfg.val_fraction < 1:
         raise DataError(f"val_fraction: must be at least 0 and below 1, got {cfg.val_fraction}")
     if cfg.rows_per_shard * (cfg.seq_len + 1) >= 2**31:
         # Parquet list offsets are int32: a shard column holds fewer than 2**31 ids.
