@@ -192,7 +192,8 @@ def _lines(fs: pafs.FileSystem, part: Partition, max_bytes: int) -> Iterator[tup
             position += len(chunk)
             at = 0
             while True:
-                end = chunk.find(b"\n", at) if chunk else (len(chunk) if length else -1)
+                # At the end of the file, a last line without its newline ends there.
+                end = chunk.find(b"\n", at) if chunk else (0 if length else -1)
                 if end < 0:
                     break
                 length += end - at
