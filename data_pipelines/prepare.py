@@ -137,7 +137,7 @@ def main(
         sys.exit(1)
     manifest = result.manifest
     held_out = (
-        f", {result.held_out} documents ({result.val_share:.3g} of them) held out for validation in "
+        f", {result.held_out} documents held out for validation (a share of {result.val_share:.3g}) in "
         f"{sum(s.rows for s in manifest.validation)} rows of {len(manifest.validation)} shards"
         if manifest.validation
         else ", no validation rows (--val-fraction 0)"

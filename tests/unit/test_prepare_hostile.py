@@ -288,7 +288,7 @@ def test_the_command_skips_and_counts_every_hostile_input_and_says_what_it_held_
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     bad = sum(count for _, _, count in HOSTILE.values())
     assert f"{bad} bad records skipped in {len(HOSTILE)} files" in done.stdout
-    assert "documents (0.005 of them) held out for validation in" in done.stdout
+    assert "documents held out for validation (a share of 0.005) in" in done.stdout
 
 
 def test_a_run_whose_data_holds_no_validation_rows_has_a_line_to_say_so():
