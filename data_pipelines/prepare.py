@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Optional
 
 import click
 
 from wildtrain import services
 from wildtrain.config import StorageConfig
 from wildtrain.data.manifest import DataError
-from wildtrain.data.prepare import PrepareConfig, prepare
+from wildtrain.data.prepare import EXECUTORS, VAL_FRACTION, PrepareConfig, prepare
 from wildtrain.storage import StorageError
 
 
@@ -46,16 +47,25 @@ from wildtrain.storage import StorageError
 @click.option(
     "--val-fraction",
     type=float,
-    default=PrepareConfig.val_fraction,
-    show_default=True,
+    default=None,
+    show_default=f"{VAL_FRACTION}, more of a small input",
     help="The share of documents held out for validation, chosen by a hash of each document's text "
-    "(a rerun holds out the same ones).",
+    "(a rerun holds out the same ones); 0: none.",
 )
 @click.option(
     "--skip-bad-records",
     is_flag=True,
-    help="Skip records that are not UTF-8, not JSON or lack the text field, counting them per file in "
-    "the manifest, rather than stop at the first.",
+    help="Skip records that are not UTF-8, not JSON, lack the text field or are longer than --max-record-mb, "
+    "and Parquet or Arrow files that cannot be read, counting them per file in the manifest, rather than "
+    "stop at the first.",
+)
+@click.option(
+    "--max-record-mb",
+    type=click.IntRange(min=1),
+    default=PrepareConfig.max_record_bytes >> 20,
+    show_default=True,
+    help="The longest record (a JSONL line, a .txt file, a Parquet or Arrow text) read as one document; "
+    "a longer one is a bad record.",
 )
 @click.option(
     "--partition-mb",
@@ -75,6 +85,13 @@ from wildtrain.storage import StorageError
     show_default=True,
     help="Attempts per object-store request before giving up.",
 )
+@click.option(
+    "--executor",
+    type=click.Choice(EXECUTORS),
+    default=PrepareConfig.executor,
+    show_default=True,
+    help="ray: a task per partition on the cluster; local: one partition after another in this process.",
+)
 def main(
     input_uri: str,
     output: str,
@@ -83,18 +100,21 @@ def main(
     text_field: str,
     rows_per_shard: int,
     rows_per_group: int,
-    val_fraction: float,
+    val_fraction: Optional[float],
     skip_bad_records: bool,
+    max_record_mb: int,
     partition_mb: int,
     endpoint: str | None,
     region: str,
     max_attempts: int,
+    executor: str,
 ) -> None:
     """Write INPUT's documents to OUTPUT as Parquet shards of packed rows plus manifest.json.
     Rerunning writes only missing or changed shards."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     services.use_local_object_store()
-    _quiet_ray_of_the_run()
+    if executor == "ray":
+        _quiet_ray_of_the_run()
     cfg = PrepareConfig(
         input=input_uri,
         output=output,
@@ -105,7 +125,9 @@ def main(
         rows_per_group=rows_per_group,
         val_fraction=val_fraction,
         skip_bad_records=skip_bad_records,
+        max_record_bytes=max_record_mb << 20,
         partition_bytes=partition_mb << 20,
+        executor=executor,
         storage=StorageConfig(endpoint=endpoint, region=region, max_attempts=max_attempts),
     )
     try:
@@ -115,9 +137,12 @@ def main(
         sys.exit(1)
     manifest = result.manifest
     held_out = (
-        f", {sum(s.rows for s in manifest.validation)} rows held out in {len(manifest.validation)} validation shards"
+        f", {result.held_out} documents held out for validation (a share of {result.val_share:.3g}) in "
+        f"{sum(s.rows for s in manifest.validation)} rows of {len(manifest.validation)} shards"
         if manifest.validation
-        else ""
+        else ", no validation rows (--val-fraction 0)"
+        if result.val_share == 0
+        else f", no validation rows: the {result.held_out} documents held out fill none (--val-fraction holds out more)"
     )
     bad = (
         f", {sum(manifest.bad_records.values())} bad records skipped in {len(manifest.bad_records)} files"

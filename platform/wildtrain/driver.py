@@ -40,6 +40,8 @@ from wildtrain.tracking.worker.stragglers import cannot_observe
 from wildtrain.train.entry import joiner_main, worker_main
 from wildtrain.worker_inputs import LoopInputs
 
+NO_VALIDATION_TAG = "wildtrain.no_validation"  # on a run whose data holds no validation rows: the line it said
+
 
 class RunFailed(RuntimeError):
     pass
@@ -100,6 +102,9 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
     tracking.log_datasets(
         run_id, [(uri, sha256, bad) for (uri, _, sha256), bad in zip(pins.datasets, data.bad_records)]
     )
+    if data.no_validation:
+        print(data.no_validation, flush=True)
+        tracking.set_tag(run_id, NO_VALIDATION_TAG, data.no_validation)
     if order_changed:
         log_event(tracking, run_id, DataOrderChanged(time.time(), order_changed, "; ".join(order_changed)), step=0)
     for skipped in data.skipped_shards:

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration
 
 CORPUS = REPO / "tests/assets/tiny_corpus.jsonl"
 SEQ_LEN = 128
-SETTINGS = {"seq_len": SEQ_LEN, "rows_per_shard": 500, "rows_per_group": 128}
+SETTINGS = {"seq_len": SEQ_LEN, "rows_per_shard": 500, "rows_per_group": 128, "val_fraction": 0}
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,13 @@ def test_text_files_are_one_document_each_with_a_trained_bpe(bucket, tmp_path):
     output = f"{bucket}/bpe"
     result = prepare(
         PrepareConfig(
-            input=str(tmp_path), output=output, seq_len=64, tokenizer="bpe:400", rows_per_shard=100, rows_per_group=50
+            input=str(tmp_path),
+            output=output,
+            seq_len=64,
+            tokenizer="bpe:400",
+            rows_per_shard=100,
+            rows_per_group=50,
+            val_fraction=0,
         )
     )
     manifest = result.manifest
@@ -313,7 +319,7 @@ def test_held_out_documents_become_validation_shards_chosen_by_their_text(bucket
     from wildtrain.data.prepare import held_out
 
     output = f"{bucket}/held-out"
-    cfg = PrepareConfig(input=str(CORPUS), output=output, val_fraction=0.1, **SETTINGS)
+    cfg = PrepareConfig(input=str(CORPUS), output=output, **{**SETTINGS, "val_fraction": 0.1})
     result = prepare(cfg)
     manifest = result.manifest
     assert manifest.validation and all(s.path.startswith("validation-") for s in manifest.validation)

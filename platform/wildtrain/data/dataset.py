@@ -44,6 +44,17 @@ class OpenedData:
     # Records each dataset's preparation skipped as unreadable (its manifest's bad_records), in order.
     bad_records: list[int] = field(default_factory=list)
 
+    @property
+    def no_validation(self) -> Optional[str]:
+        """The line a run without validation rows says at its start, where no val/loss would
+        otherwise go missing silently; None when it has some."""
+        if self.validation:
+            return None
+        return (
+            "no validation set: the datasets hold out no documents and data.validation names none, so no "
+            "val/loss is logged (prepare with --val-fraction above 0, or name data.validation)"
+        )
+
 
 def open_datasets(cfg: Config) -> OpenedData:
     datasets, skipped, tokenizer, hashes, held_out, bad_records = [], [], None, [], [], []

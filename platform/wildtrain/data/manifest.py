@@ -119,6 +119,16 @@ def write_manifest(root_uri: str, manifest: Manifest, config: Optional[StorageCo
     return storage.write_if_changed(storage.join(root_uri, MANIFEST), manifest.to_json().encode(), config)
 
 
+def retract_manifest(root_uri: str, config: Optional[StorageConfig] = None) -> None:
+    """Remove manifest.json, if there is one, before anything it describes is written again:
+    an unfinished preparation is a root without a manifest, never one whose manifest is wrong."""
+    uri = storage.join(root_uri, MANIFEST)
+    fs, path = storage.filesystem(uri, config)
+    with storage.errors(uri, config):
+        if fs.get_file_info(path).type == pafs.FileType.File:
+            fs.delete_file(path)
+
+
 def read_manifest(root_uri: str, config: Optional[StorageConfig] = None) -> Manifest:
     uri = storage.join(root_uri, MANIFEST)
     text = storage.read_text(uri, config)

@@ -19,6 +19,7 @@ class Part:
     documents: int
     bad_records: int
     tokens: int  # ids tokenized, end-of-document ids included, before the tail is dropped
+    held_out: int  # of `documents`, for validation
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1) + "\n"

@@ -10,8 +10,10 @@ A row never spans two partitions: each partition drops its tail that fills no ro
 
 The same input and settings give byte-identical shards under the same names, so a rerun
 writes only the shards that are missing or differ from what is stored; a partition whose
-part record matches and whose shards verify is not read again, so an interrupted run
-resumes where it stopped; manifest.json, written last, marks the dataset complete.
+part record matches (the same settings and the same input bytes, by sha256) and whose shards
+verify is not read again, so an interrupted run resumes where it stopped. manifest.json,
+written last, marks the dataset complete; a partition about to be written again removes it
+first, so a run that stops on the way never leaves a manifest naming shards it rewrote.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
@@ -35,6 +37,7 @@ from wildtrain.data.manifest import (
     Manifest,
     Shard,
     encode_shard,
+    retract_manifest,
     verify,
     verify_shard,
     write_manifest,
@@ -48,6 +51,11 @@ log = logging.getLogger(__name__)
 
 PARTS = "parts"  # the folder of part records under the dataset root
 EXECUTORS = ("ray", "local")
+VAL_FRACTION = 0.005  # the share of documents held out for validation unless told otherwise
+# The default share is raised for a small input until it holds out about this many rows of
+# text at one byte per token (a quarter as many of a BPE's), up to VAL_CAP of the documents.
+VAL_FLOOR_ROWS = 8
+VAL_CAP = 0.05
 
 
 @dataclass
@@ -60,11 +68,15 @@ class PrepareConfig:
     rows_per_shard: int = 8192
     rows_per_group: int = 1024  # Parquet row group: the unit a training reader fetches
     # Documents held out for validation, by a hash of their text (`held_out`): a rerun, or
-    # the same corpus in another order, holds out the same ones. 0: none.
-    val_fraction: float = 0.0
-    # Count and skip records that are not UTF-8, not JSON or lack the text field, rather
-    # than stop at the first, naming it.
+    # the same corpus in another order, holds out the same ones. 0: none. None: VAL_FRACTION,
+    # raised for a small input (`val_share`), and no validation rows where that fills none;
+    # a share given that fills no row stops the preparation.
+    val_fraction: Optional[float] = None
+    # Count and skip records that are not UTF-8, not JSON, lack the text field or are longer
+    # than max_record_bytes, and unreadable Parquet and Arrow files, rather than stop at the
+    # first, naming it.
     skip_bad_records: bool = False
+    max_record_bytes: int = records.MAX_RECORD_BYTES
     partition_bytes: int = 256 << 20  # a plain JSONL or Parquet file larger than this is read in ranges of it
     executor: str = "ray"  # ray: a task per partition on the cluster | local: one after another, here
     progress_every: float = 30.0  # seconds between progress lines when stderr is no terminal
@@ -77,12 +89,20 @@ class PrepareResult:
     written: list[str]  # shards written by this run
     unchanged: list[str]  # shards already stored byte for byte
     parts: list[PartResult] = field(default_factory=list)
+    val_share: float = 0.0  # of the documents, held out for validation (`val_share`)
+
+    @property
+    def held_out(self) -> int:
+        """Documents held out for validation."""
+        return sum(r.part.held_out for r in self.parts)
 
 
 def prepare(cfg: PrepareConfig) -> PrepareResult:
     _validate(cfg)
     storage.probe(cfg.output, cfg.storage)
     parts = partitions(cfg)
+    asked = cfg.val_fraction
+    cfg = replace(cfg, val_fraction=val_share(asked, sum(p.bytes for p in parts), cfg.seq_len))
     tokenizer = _tokenizer(cfg, parts)
     progress = Progress(sum(p.bytes for p in parts), len(parts), cfg.progress_every)
     run = _run_ray if cfg.executor == "ray" else _run_local
@@ -100,10 +120,10 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         raise DataError(
             f"input: {cfg.input} holds no text that fills one row of seq_len + 1 = {cfg.seq_len + 1} tokens"
         )
-    if cfg.val_fraction and not validation:
+    if asked is not None and cfg.val_fraction and not validation:
         raise DataError(
-            f"val_fraction: {cfg.val_fraction} of {cfg.input} held out too little text to fill one row "
-            f"of seq_len + 1 = {cfg.seq_len + 1} tokens; hold out more"
+            f"val_fraction: {asked} of {cfg.input} held out too little text to fill one row "
+            f"of seq_len + 1 = {cfg.seq_len + 1} tokens; hold out more, or none with --val-fraction 0"
         )
     manifest = Manifest(
         seq_len=cfg.seq_len,
@@ -122,6 +142,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         [path for r in results for path in r.written],
         [path for r in results for path in r.unchanged],
         results,
+        cfg.val_fraction,
     )
 
 
@@ -137,20 +158,32 @@ def partitions(cfg: PrepareConfig) -> list[Partition]:
     return records.split(files, cfg.partition_bytes, scheme)
 
 
+def val_share(fraction: Optional[float], input_bytes: int, seq_len: int) -> float:
+    """The share of documents held out for validation: `fraction` as given; by default
+    VAL_FRACTION, raised for an input so small that it would hold out fewer than VAL_FLOOR_ROWS
+    rows of one byte per token, up to VAL_CAP. Of the input's stored size alone (compressed,
+    for a compressed file), so a rerun holds out the same documents. Pure."""
+    if fraction is not None:
+        return fraction
+    return max(VAL_FRACTION, min(VAL_FLOOR_ROWS * (seq_len + 1) / max(input_bytes, 1), VAL_CAP))
+
+
 def held_out(text: str, fraction: float) -> bool:
     """Whether a document is held out for validation: its text's sha256, read as a number in
     [0, 1), is below `fraction`, the same on every run and in any order of the corpus."""
     return fraction > 0 and int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") < fraction * 2**64
 
 
-def part_key(cfg: PrepareConfig, tokenizer: Tokenizer, part: Partition) -> dict:
-    """What a partition's shards follow from: a stored part record with another key is stale."""
+def part_key(cfg: PrepareConfig, tokenizer: Tokenizer, part: Partition, sha256: str) -> dict:
+    """What a partition's shards follow from (`sha256`: of its bytes): a stored part record
+    with another key is stale."""
     return {
         "format": FORMAT,
         "input": part.name,
         "start": part.start,
         "stop": part.stop,
         "size": part.size,
+        "sha256": sha256,
         "seq_len": cfg.seq_len,
         "tokenizer": tokenizer.describe(),
         "text_field": cfg.text_field,
@@ -158,6 +191,7 @@ def part_key(cfg: PrepareConfig, tokenizer: Tokenizer, part: Partition) -> dict:
         "rows_per_group": cfg.rows_per_group,
         "val_fraction": cfg.val_fraction,
         "skip_bad_records": cfg.skip_bad_records,
+        "max_record_bytes": cfg.max_record_bytes,
     }
 
 
@@ -172,17 +206,19 @@ def prepare_part(
     stored part record has the same key and its shards verify. `on_batch(bytes, documents,
     tokens, shards written)` follows the reading."""
     started = time.process_time()
-    key = part_key(cfg, tokenizer, part)
+    fs, _ = storage.filesystem(cfg.input, cfg.storage)
+    with storage.errors(part.name, cfg.storage):
+        key = part_key(cfg, tokenizer, part, records.digest(fs, part))
     record_uri = storage.join(cfg.output, PARTS, f"{index:05d}.json")
     stored = _stored(cfg, record_uri, key)
     if stored is not None:
         paths = [s.path for s in stored.shards + stored.validation]
         return PartResult(index, stored, [], paths, False, time.process_time() - started)
-    fs, _ = storage.filesystem(cfg.input, cfg.storage)
+    retract_manifest(cfg.output, cfg.storage)
     packers = {held: RowPacker(cfg.seq_len, tokenizer.eos_id, cfg.rows_per_shard) for held in (False, True)}
     shards: dict[bool, list[Shard]] = {False: [], True: []}
     written, unchanged = [], []
-    documents = bad = tokens = 0
+    documents = bad = tokens = held_documents = 0
 
     def write(held: bool, packed: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
         for rows, doc_ids in packed:
@@ -194,7 +230,9 @@ def prepare_part(
             shards[held].append(shard)
 
     with storage.errors(part.name, cfg.storage):
-        for texts, skipped, read in records.read(fs, part, cfg.text_field, cfg.skip_bad_records):
+        for texts, skipped, read in records.read(
+            fs, part, cfg.text_field, cfg.skip_bad_records, max_bytes=cfg.max_record_bytes
+        ):
             bad += skipped
             documents += len(texts)
             batch_tokens, shards_before = 0, len(written)
@@ -203,6 +241,7 @@ def prepare_part(
                 batch_tokens = len(ids) + len(texts)
                 batch = pa.LargeListArray.from_arrays(np.concatenate([[0], np.cumsum(lengths)]), ids)
                 held = np.fromiter((held_out(t, cfg.val_fraction) for t in texts), bool, count=len(texts))
+                held_documents += int(held.sum())
                 for flag in (False, True):
                     chosen = batch.filter(pa.array(held == flag))
                     if len(chosen):
@@ -212,7 +251,7 @@ def prepare_part(
                 on_batch(read, len(texts), batch_tokens, len(written) - shards_before)
     for flag in (False, True):
         write(flag, packers[flag].finish())
-    result = Part(key, shards[False], shards[True], documents, bad, tokens)
+    result = Part(key, shards[False], shards[True], documents, bad, tokens, held_documents)
     storage.write_if_changed(record_uri, result.to_json().encode(), cfg.storage)
     return PartResult(index, result, written, unchanged, True, time.process_time() - started)
 
@@ -366,7 +405,10 @@ def _tokenizer(cfg: PrepareConfig, parts: list[Partition]) -> Tokenizer:
     else:
         tokenizer = get_tokenizer(cfg.tokenizer, cfg.storage)
     if isinstance(tokenizer, HFTokenizer):
-        storage.write_if_changed(storage.join(cfg.output, TOKENIZER), tokenizer.json.encode(), cfg.storage)
+        uri, data = storage.join(cfg.output, TOKENIZER), tokenizer.json.encode()
+        if storage.read_bytes(uri, cfg.storage) != data:
+            retract_manifest(cfg.output, cfg.storage)  # it names the tokenizer.json by sha256
+            storage.write_bytes(uri, data, cfg.storage)
     return tokenizer
 
 
@@ -375,7 +417,9 @@ def _texts(cfg: PrepareConfig, parts: list[Partition]) -> Iterator[str]:
     fs, _ = storage.filesystem(cfg.input, cfg.storage)
     for part in parts:
         with storage.errors(part.name, cfg.storage):
-            for texts, _, _ in records.read(fs, part, cfg.text_field, cfg.skip_bad_records):
+            for texts, _, _ in records.read(
+                fs, part, cfg.text_field, cfg.skip_bad_records, max_bytes=cfg.max_record_bytes
+            ):
                 yield from texts
 
 
@@ -385,9 +429,10 @@ def _validate(cfg: PrepareConfig) -> None:
             raise DataError(f"{key}: must be positive, got {getattr(cfg, key)}")
     if cfg.executor not in EXECUTORS:
         raise DataError(f"executor: {cfg.executor!r} is none of {', '.join(EXECUTORS)}")
-    if cfg.partition_bytes < 1:
-        raise DataError(f"partition_bytes: must be positive, got {cfg.partition_bytes}")
-    if not 0 <= cfg.val_fraction < 1:
+    for key in ("partition_bytes", "max_record_bytes"):
+        if getattr(cfg, key) < 1:
+            raise DataError(f"{key}: must be positive, got {getattr(cfg, key)}")
+    if cfg.val_fraction is not None and not 0 <= cfg.val_fraction < 1:
         raise DataError(f"val_fraction: must be at least 0 and below 1, got {cfg.val_fraction}")
     if cfg.rows_per_shard * (cfg.seq_len + 1) >= 2**31:
         # Parquet list offsets are int32: a shard column holds fewer than 2**31 ids.

@@ -45,7 +45,7 @@ def evaluate_checkpoint(
 
     connect_ray(cfg.cluster.ray_address)
     say(f"evaluating {cfg.run.name} step {at} on {', '.join(plan.tasks)}")
-    ref = submit(info, step, plan)
+    ref = submit(info, at, plan)  # the step announced, not whichever is newest when the task runs
     try:
         evaluated = ray.get(ref, timeout=cfg.eval.timeout_s)
     except GetTimeoutError:
