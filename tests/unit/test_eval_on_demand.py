@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-import wildtrain.driver
+import wildtrain.services
 from wildtrain.evals import on_demand
 
 
@@ -21,7 +21,7 @@ def test_eval_without_a_step_submits_the_step_it_announces(monkeypatch):
     monkeypatch.setattr(on_demand, "committed_step", lambda info, step: 40 if step is None else step)
     monkeypatch.setattr(on_demand, "plan_evaluation", lambda *_: types.SimpleNamespace(tasks=("hellaswag",)))
     monkeypatch.setattr(on_demand, "check_reachable", lambda uri: None)
-    monkeypatch.setattr(wildtrain.driver, "connect_ray", lambda cfg: None)
+    monkeypatch.setattr(wildtrain.services, "connect_ray", lambda address: None)
 
     def submit(info, step, plan):
         submitted.append(step)
@@ -32,6 +32,7 @@ def test_eval_without_a_step_submits_the_step_it_announces(monkeypatch):
         run=types.SimpleNamespace(name="tiny"),
         eval=types.SimpleNamespace(tasks=("hellaswag",)),
         tracking=types.SimpleNamespace(uri="http://mlflow"),
+        cluster=types.SimpleNamespace(ray_address=None),
     )
     with pytest.raises(Submitted):
         on_demand.evaluate_checkpoint(cfg, None, None, said.append)
