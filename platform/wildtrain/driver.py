@@ -22,8 +22,8 @@ from ray.train.torch import TorchConfig
 
 from wildtrain import lease, ray_compat, services, storage
 from wildtrain.checkpoint.restore import newest_committed
-from wildtrain.config import Config, config_hash, redact
-from wildtrain.data.dataset import DataError, open_datasets
+from wildtrain.config import Config, config_hash, flatten, redact, to_yaml
+from wildtrain.data.dataset import DataError, OpenedData, open_datasets
 from wildtrain.data.pins import OrderPins, order_changes, order_pins
 from wildtrain.elastic import scaling
 from wildtrain.elastic.controller import StorageSettings, controller_callbacks
@@ -59,7 +59,7 @@ def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
     """Train `cfg` to its last step; `tags` go on the MLflow run when it is created. Refused
     (`lease.LeaseError`) before anything starts while another driver holds the run's lease."""
     started_at = time.time()
-    with lease.Keeper(cfg, RunLayout.of(cfg).lease) as keeper:
+    with lease.Keeper(cfg.run, cfg.cluster.name, cfg.storage, RunLayout.of(cfg.run, cfg.checkpoint).lease) as keeper:
         return _run(cfg, tags, started_at, keeper)
 
 
@@ -67,11 +67,11 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
     # The storage settings everything below checks the run's data and record with: every
     # process of the run gets them, whatever its node's environment holds.
     storage_env, storage_view = storage.handover_env(cfg.storage), storage.StorageView.here(cfg.storage)
-    data = open_datasets(cfg)
+    data = open_data(cfg)
     evaluation = _plan_evaluation(cfg)
-    layout = RunLayout.of(cfg)
+    layout = RunLayout.of(cfg.run, cfg.checkpoint)
     record = json.loads(storage.read_text(layout.record, cfg.storage) or "{}")
-    pins = order_pins(cfg, data)
+    pins = order_pins(cfg.data, cfg.train, data)
     order_changed = _check_order(cfg, record, pins)
     check_reachable(cfg.tracking.uri)
     finished = _finished_before(cfg, record.get("mlflow_run_id"))
@@ -83,7 +83,15 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
     cfg = resolve_placement(cfg)
 
     keeper.acquire()  # the first write: nothing is written before the checks above pass
-    experiment_id, run_id = open_run(cfg, record.get("mlflow_run_id"), tags)
+    experiment_id, run_id = open_run(
+        cfg.tracking,
+        cfg.run,
+        cfg.cluster.name,
+        record.get("mlflow_run_id"),
+        tags,
+        params=flatten(cfg),
+        config_yaml=to_yaml(cfg),
+    )
     storage.write_text(
         layout.record,
         json.dumps(
@@ -183,6 +191,19 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
     )
 
 
+def open_data(cfg: Config) -> OpenedData:
+    """The run's datasets, checked against what its model, objective, global batch and early
+    stopping ask of them (`open_datasets`)."""
+    return open_datasets(
+        cfg.data,
+        cfg.storage,
+        model=cfg.model,
+        train=cfg.train,
+        objective=cfg.objective,
+        needs_validation=cfg.early_stop.enabled and cfg.early_stop.metric == "val/loss",
+    )
+
+
 def _plan_evaluation(cfg: Config):
     """The evaluations beside training (eval.tasks), their tasks checked before Ray starts."""
     if not cfg.eval.tasks:
@@ -214,7 +235,7 @@ def _finished_before(cfg: Config, run_id: Optional[str]) -> Optional[RunSummary]
     time since the run ended into the run's goodput (0.3% after one such resubmission)."""
     if run_id is None:
         return None
-    newest = newest_committed(checkpoint_stores(cfg))
+    newest = newest_committed(checkpoint_stores(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage))
     if newest is None or newest.step is None or newest.step < cfg.train.steps:
         return None
     run = Client(cfg.tracking.uri).run_or_none(run_id)
@@ -237,7 +258,7 @@ def _finished_before(cfg: Config, run_id: Optional[str]) -> Optional[RunSummary]
 
 def _newest_checkpoint(cfg: Config) -> Optional[str]:
     """The committed checkpoint a resubmission would try first."""
-    newest = newest_committed(checkpoint_stores(cfg))
+    newest = newest_committed(checkpoint_stores(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage))
     return storage.join(newest.store, newest.name) if newest else None
 
 
@@ -245,7 +266,7 @@ def _finish(cfg: Config, run_id: str, status: str) -> None:
     """Close the MLflow run and attach where its compute went (goodput, plot); a report that
     fails is a warning, never the run's failure. A server that is down by now holds the
     end up for a bounded time: what it did not take waits in a local file (printed)."""
-    tracking = Tracker(cfg.tracking.uri, run_id, RunLayout.of(cfg).tracking)
+    tracking = Tracker(cfg.tracking.uri, run_id, RunLayout.of(cfg.run, cfg.checkpoint).tracking)
     tracking.event(Stopped(time.time(), status), step=0)
     tracking.terminated(status)
     if tracking.close(FLUSH_TIMEOUT_S) is not None:

@@ -179,7 +179,8 @@ def test_an_unknown_task_is_named_before_anything_is_submitted(run):
 
 def test_a_step_without_a_committed_checkpoint_is_named_with_the_committed_ones(run, tmp_path):
     done = wildtrain("eval", "r", "--step", "3", "--tasks", TASK, *run)
-    store = RunLayout.of(load_config([*run, "run.name=r"])).checkpoint_uris[0]
+    cfg = load_config([*run, "run.name=r"])
+    store = RunLayout.of(cfg.run, cfg.checkpoint).checkpoint_uris[0]
     assert one_line(done, 1) == f"wildtrain: run 'r' has no committed checkpoint at step 3 in {store} (committed: 4)"
 
 

@@ -57,7 +57,7 @@ def running_job(cluster: Cluster, run: str) -> Optional[str]:
 
 
 def newest_step(cfg: Config) -> Optional[int]:
-    candidate = newest_committed(checkpoint_stores(cfg))
+    candidate = newest_committed(checkpoint_stores(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage))
     return candidate.step if candidate else None
 
 
@@ -100,7 +100,10 @@ def move(
     named = [*overrides, f"run.name={run}"]
     # Both configs load before anything stops: a bad override fails here, naming its key.
     src_cfg, dst_cfg = (load_config(c.run_overrides() + named) for c in (src, dst))
-    src_layout, dst_layout = RunLayout.of(src_cfg), RunLayout.of(dst_cfg)
+    src_layout, dst_layout = (
+        RunLayout.of(src_cfg.run, src_cfg.checkpoint),
+        RunLayout.of(dst_cfg.run, dst_cfg.checkpoint),
+    )
     if src_cfg.checkpoint.store or src_cfg.checkpoint.replica:
         raise ConfigError(
             "checkpoint.store/checkpoint.replica: move copies <run.storage>/<run.name>/ only; "

@@ -18,7 +18,7 @@ from wildtrain.checkpoint.format import step_of
 from wildtrain.checkpoint.restore import Candidate, list_candidates
 from wildtrain.config import Config
 from wildtrain.events import Recovered
-from wildtrain.layout import checkpoint_stores
+from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.worker_report import WorkerReport, rank_zero
 
 
@@ -92,7 +92,9 @@ class MissedCommits(ray_compat.ReportCallback):
 
         def run() -> None:
             try:
-                listing.found = list_candidates(checkpoint_stores(self.cfg))
+                listing.found = list_candidates(
+                    checkpoint_stores(RunLayout.of(self.cfg.run, self.cfg.checkpoint), self.cfg.storage)
+                )
             except Exception as e:  # the notices are lost, as they were before this looked
                 print(f"looking for checkpoints committed unnoticed failed: {e}", flush=True)
             finally:

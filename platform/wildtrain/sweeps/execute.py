@@ -79,14 +79,14 @@ def trial_slots(total: Mapping[str, float], needs: Sequence[Mapping[str, float]]
 def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Optional[int] = None) -> SweepOutcome:
     """Run the trials not finished yet, `parallel` at once (default: `trial_slots` of the
     cluster); each trial's output goes to `say`, prefixed with its name."""
-    from wildtrain.data.dataset import open_datasets
+    from wildtrain.driver import open_data
 
     tracking = plan.trials[0].cfg.tracking
     check_reachable(tracking.uri)
     # What every trial needs, checked once: a sweep on data that is not there fails here, in
     # one line, rather than once per trial.
     for cfg in {json.dumps([d.uri for d in t.cfg.data.datasets]): t.cfg for t in plan.trials}.values():
-        open_datasets(cfg)
+        open_data(cfg)
     client = Client(tracking.uri)
     experiment_id = client.experiment_id(tracking.experiment)
     parent = open_parent(client, experiment_id, plan)

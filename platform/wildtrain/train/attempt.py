@@ -85,7 +85,11 @@ class Attempt:
         torch.manual_seed(cfg.train.seed)
         # From here to the first step (health check, restore, engine build) under the start-up bound.
         self.watchdog = HangWatchdog(
-            cfg.monitor.hang_timeout_s, cfg.monitor.startup_timeout_s, RunLayout.of(cfg).hangs, rank, cfg.storage
+            cfg.monitor.hang_timeout_s,
+            cfg.monitor.startup_timeout_s,
+            RunLayout.of(cfg.run, cfg.checkpoint).hangs,
+            rank,
+            cfg.storage,
         )
         try:
             self._build(inputs, device, left)
@@ -102,10 +106,10 @@ class Attempt:
         if self.monitor.unhealthy_nodes:
             raise UnhealthyNodes(self.monitor.unhealthy_nodes, self.monitor.take_events())
         self.health_checked_at = time.time()
-        stores = checkpoint_stores(cfg)
+        stores = checkpoint_stores(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage)
         # The data position is the step: the stream starts where the restored model stopped.
         # It reads doc_ids only for an objective or a mask that needs them.
-        objective = Objective.of(cfg, inputs.data.tokenizer)
+        objective = Objective.of(cfg.objective, cfg.train, cfg.model, inputs.data.tokenizer)
         if left is None:
             self.engine, self.state, self.restored = checkpointing.build_and_restore(
                 cfg, self.plan, world_size, rank, stores, device
@@ -225,7 +229,14 @@ class Attempt:
     def _open_stream(self, inputs: LoopInputs, objective: Objective, from_step: int) -> RankStream:
         """This rank's rows from `from_step` on, read from now on in the background."""
         stream = RankStream(
-            inputs.data.datasets, self.cfg, self.rank, self.world_size, from_step=from_step, doc_ids=not objective.plain
+            inputs.data.datasets,
+            self.cfg.data,
+            self.cfg.train,
+            self.cfg.storage,
+            self.rank,
+            self.world_size,
+            from_step=from_step,
+            doc_ids=not objective.plain,
         )
         stream.start()
         return stream

@@ -18,7 +18,7 @@ class SampleRecorder:
     folder holds the batches of the run's final lineage."""
 
     def __init__(self, cfg: Config, rank: int) -> None:
-        self.layout = RunLayout.of(cfg)
+        self.layout = RunLayout.of(cfg.run, cfg.checkpoint)
         self.rank = rank
         self.storage = cfg.storage
 
