@@ -35,6 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers.models import engine_settings
 from tests.helpers.ranks import start_ranks
 from wildtrain import engine as engines
 from wildtrain.batching import BatchPlan
@@ -80,7 +81,7 @@ def engine_at(cfg: Config, world: int, device: torch.device):
     plan = BatchPlan(world, 1, GLOBAL_BATCH // world)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return build_engine(cfg, plan, Transformer(cfg.model).to(device), device)
+        return build_engine(engine_settings(cfg), plan, Transformer(cfg.model).to(device), device)
 
 
 def train(engine, step: int, device: torch.device) -> float:

@@ -47,6 +47,7 @@ def _overrides(root: str, case: str) -> list[str]:
 
 def _train_and_save(rank: int, world_size: int, port: int, root: str) -> None:
     _init_process(rank, world_size, port)
+    from tests.helpers.models import engine_settings
     from wildtrain import engine as engines
     from wildtrain.batching import batch_plan
     from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
@@ -71,7 +72,10 @@ def _train_and_save(rank: int, world_size: int, port: int, root: str) -> None:
         plan = batch_plan(4, 2, world_size)
         torch.manual_seed(0)
         engine = engines.build_engine(
-            cfg, plan, engines.build_model(cfg, plan, torch.device("cpu")), torch.device("cpu")
+            engine_settings(cfg),
+            plan,
+            engines.build_model(engine_settings(cfg), plan, torch.device("cpu")),
+            torch.device("cpu"),
         )
         assert (type(engine.optimizer).__name__ == "BF16_Optimizer") == bf16, type(engine.optimizer)
         saver = AsyncSaver(
@@ -115,8 +119,8 @@ def _full_params(engine) -> dict:
     }
 
 
-def _on_cuda(on_cpu, cfg, plan, on_cuda, load_universal=False):
-    return on_cpu(cfg, plan, True, load_universal)
+def _on_cuda(on_cpu, deepspeed, optim, plan, on_cuda, load_universal=False):
+    return on_cpu(deepspeed, optim, plan, True, load_universal)
 
 
 def wildtrain(*args: str) -> Result:

@@ -116,6 +116,7 @@ BUILD_ON_CPU = """
 import os
 import sys
 import torch
+from tests.helpers.models import engine_settings
 from wildtrain.engine import build_engine, build_model, import_deepspeed
 from wildtrain.batching import batch_plan
 from wildtrain.config import Config, ModelConfig
@@ -129,7 +130,7 @@ for stage in (1, 3):
     cfg.deepspeed.zero_stage = stage
     plan = batch_plan(2, 1, 1)
     device = torch.device("cpu")
-    engine = build_engine(cfg, plan, build_model(cfg, plan, device), device)
+    engine = build_engine(engine_settings(cfg), plan, build_model(engine_settings(cfg), plan, device), device)
     params = list(engine.module.parameters())
     dtypes = {p.dtype for p in params} | {getattr(p, "ds_tensor", p).dtype for p in params}
     fused = any(g.get("fused") for g in engine.optimizer.optimizer.param_groups)
