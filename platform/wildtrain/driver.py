@@ -13,7 +13,7 @@ import functools
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import ray
@@ -79,7 +79,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
         return finished
     dashboard_url = connect_ray(cfg)
     cfg = resolve_device(cfg)
-    scaling.wait_for_capacity(cfg)
+    scaling.wait_for_capacity(cfg.cluster, cfg.elastic, cfg.data, cfg.eval)
     cfg = resolve_placement(cfg)
 
     keeper.acquire()  # the first write: nothing is written before the checks above pass
@@ -123,30 +123,30 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
     if dashboard_url:
         print(f"Ray dashboard:  {services.dashboard_text(dashboard_url, services.uses_token_auth())}", flush=True)
 
-    scaling.controller_env(cfg)
+    scaling.controller_env(cfg.elastic)
     run_fs, run_path = storage.filesystem(storage.resolve(cfg.run.storage), cfg.storage)
     mlflow = MlflowCallback(cfg.tracking.uri, run_id, interpret, layout.hangs, cfg.storage, layout.tracking)
     rendezvous = start_rendezvous(cfg)
     ray_compat.keep_ray_data_stats_here()  # not on a worker's node, which may die
-    worker_env = {**scaling.worker_env(cfg), **storage_env}
+    worker_env = {**scaling.worker_env(cfg.cluster, cfg.elastic), **storage_env}
     inputs = LoopInputs(
         cfg,
         data,
-        scaling.worker_resources(cfg),
+        scaling.worker_resources(cfg.cluster),
         storage_view,
         rendezvous=(rendezvous.host, rendezvous.port) if rendezvous else None,
     )
     trainer = ray_compat.TrainerWithoutDatasets(
         # Typed inputs rather than Ray's `train_loop_config` dict.
         functools.partial(worker_main, inputs),
-        scaling_config=scaling.scaling_config(cfg),
-        torch_config=TorchConfig(backend=scaling.backend(cfg), timeout_s=int(cfg.elastic.collective_timeout_s)),
+        scaling_config=scaling.scaling_config(cfg.cluster, cfg.elastic),
+        torch_config=TorchConfig(backend=scaling.backend(cfg.cluster), timeout_s=int(cfg.elastic.collective_timeout_s)),
         run_config=RunConfig(
             name=cfg.run.name,
             # An explicit filesystem: Ray's own would not know the object store's endpoint.
             storage_path=run_path,
             storage_filesystem=run_fs,
-            failure_config=scaling.failure_config(cfg),
+            failure_config=scaling.failure_config(),
             # Ray hands the list to the controller as one argument: the elastic callbacks'
             # events go through the same MLflow callback, not a copy of it.
             # Survivors are kept (or not) before any other callback sees a poll's errors, and
@@ -164,7 +164,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
             # Ray Train's per-report INFO lines would drown the progress lines.
             logging_config=LoggingConfig(log_level="WARNING"),
         ),
-        bundle_per_node=scaling.node_bundled(cfg),
+        bundle_per_node=scaling.node_bundled(cfg.cluster),
     )
     try:
         trainer.fit()
@@ -282,16 +282,18 @@ def _finish(cfg: Config, run_id: str, status: str) -> None:
 def resolve_device(cfg: Config) -> Config:
     """`cfg` with `cluster.use_gpu` decided against the cluster this process joined
     (`scaling.choose_device`); where that leaves its GPUs idle, says so in one line."""
-    cfg, choice = scaling.resolve_device(cfg, ray.cluster_resources())
+    cluster, choice = scaling.resolve_device(cfg.cluster, ray.cluster_resources())
     if choice.note:
         print(choice.note, flush=True)
-    return cfg
+    return replace(cfg, cluster=cluster)
 
 
 def resolve_placement(cfg: Config) -> Config:
     """`cfg` with `cluster.placement_strategy` decided against the nodes of the cluster this
     process joined (`scaling.choose_placement`); says so where auto spreads the workers."""
-    resolved = scaling.resolve_placement(cfg, list(alive_node_totals().values()))
+    resolved = replace(
+        cfg, cluster=scaling.resolve_placement(cfg.cluster, cfg.elastic, list(alive_node_totals().values()))
+    )
     said = AUTO_PLACEMENT.get(resolved.cluster.placement_strategy)
     if cfg.cluster.placement_strategy == "auto" and said:
         print(f"cluster.placement_strategy=auto: {said}", flush=True)

@@ -88,8 +88,13 @@ def test_eval_settings_are_refused_naming_the_key(override, message):
 def test_an_evaluation_takes_a_gpu_where_the_cluster_offers_them_and_training_leaves_its_cpus():
     assert eval_resources(EvalConfig(num_cpus=2), cluster_gpus=8).describe() == "1 GPU and 2 CPUs"
     assert eval_resources(EvalConfig(), cluster_gpus=0).describe() == "1 CPU"
-    assert spare_cpus(load_config(["eval.num_cpus=2"])) == 1  # no tasks: nothing held for evaluations
-    assert spare_cpus(load_config(["eval.num_cpus=2", "eval.tasks=[x]"])) == 3
+    assert spare_cpus(*_data_and_eval("eval.num_cpus=2")) == 1  # no tasks: nothing held for evaluations
+    assert spare_cpus(*_data_and_eval("eval.num_cpus=2", "eval.tasks=[x]")) == 3
+
+
+def _data_and_eval(*overrides: str) -> tuple:
+    cfg = load_config(list(overrides))
+    return cfg.data, cfg.eval
 
 
 def _yielded_threads(started_before: threading.Event, queue) -> None:

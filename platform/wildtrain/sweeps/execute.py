@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 from wildtrain.config import Config, redact
@@ -60,8 +60,8 @@ def trial_need(cfg: Config) -> dict[str, float]:
     """What a trial holds at its full size: `max_workers` workers and its data reads."""
     from wildtrain.elastic.scaling import data_cpus, worker_resources
 
-    need = {name: amount * cfg.elastic.max_workers for name, amount in worker_resources(cfg).items()}
-    need["CPU"] = need.get("CPU", 0.0) + data_cpus(cfg)
+    need = {name: amount * cfg.elastic.max_workers for name, amount in worker_resources(cfg.cluster).items()}
+    need["CPU"] = need.get("CPU", 0.0) + data_cpus(cfg.data)
     return need
 
 
@@ -109,7 +109,9 @@ def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Opt
         connect_ray(todo[0].cfg)
         total = ray.cluster_resources()
         # Each trial as its own driver will size it: on the GPUs, where the cluster offers them.
-        parallel = trial_slots(total, [trial_need(resolve_device(t.cfg, total)[0]) for t in todo])
+        parallel = trial_slots(
+            total, [trial_need(replace(t.cfg, cluster=resolve_device(t.cfg.cluster, total)[0])) for t in todo]
+        )
     say(f"sweep {plan.name}: {len(todo)} trials to run, {parallel} at a time")
     client.set_running(parent)
     try:

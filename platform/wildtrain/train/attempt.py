@@ -219,7 +219,7 @@ class Attempt:
             inputs.worker_resources,
             cfg.elastic.resize_check_interval_s,
             cfg.run.name,
-            spare_cpus(cfg),
+            spare_cpus(cfg.data, cfg.eval),
             joiners=member.joiners_waiting if member else None,
             awaiting_joiners=short_of_members,
         )
