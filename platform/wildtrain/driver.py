@@ -154,7 +154,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
             callbacks=[
                 StorageSettings(storage_env),
                 *survivor_callbacks(cfg, rendezvous, inputs, worker_env),
-                MissedCommits(cfg),
+                MissedCommits(layout, cfg.storage),
                 ProgressCallback(cfg.train.steps),
                 mlflow,
                 *controller_callbacks(cfg, mlflow, evaluation),
