@@ -71,8 +71,8 @@ def batch(step: int) -> torch.Tensor:
 def train_in_gpu_precision() -> None:
     """The engine's DeepSpeed config from here on is the one it has on GPUs, on the CPU."""
     on_device = engines.deepspeed_config
-    engines.deepspeed_config = lambda cfg, plan, on_cuda, load_universal=False: on_device(
-        cfg, plan, True, load_universal
+    engines.deepspeed_config = lambda deepspeed, optim, plan, on_cuda, load_universal=False: on_device(
+        deepspeed, optim, plan, True, load_universal
     )
 
 
