@@ -167,7 +167,7 @@ def model_table() -> None:
                 f"model.attention={attention}",
             ]
         )
-        built = Objective.of(cfg, ByteTokenizer().describe())
+        built = Objective.of(cfg.objective, cfg.train, cfg.model, ByteTokenizer().describe())
         torch.manual_seed(0)
         model = Transformer(replace(cfg.model, max_seq_len=max(seq_len, cfg.model.max_seq_len))).to(DEVICE)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=ON_CUDA)

@@ -52,7 +52,7 @@ from wildtrain.checkpoint.format import checkpoint_name  # noqa: E402
 from wildtrain.checkpoint.restore import restore  # noqa: E402
 from wildtrain.checkpoint.store import Store, commit, commit_when_complete, upload, write_part  # noqa: E402
 from wildtrain.config import config_hash, load_config  # noqa: E402
-from wildtrain.engine import build_engine, import_deepspeed  # noqa: E402
+from wildtrain.engine import EngineSettings, build_engine, import_deepspeed  # noqa: E402
 from wildtrain.model import Transformer, param_count  # noqa: E402
 
 
@@ -91,7 +91,12 @@ def main() -> None:
     torch.manual_seed(0)
     device = torch.device("cuda" if ON_CUDA else "cpu")
     model = Transformer(cfg.model).to(device)
-    engine = build_engine(cfg, batch_plan(1, 1, 1), model, device)
+    engine = build_engine(
+        EngineSettings(cfg.model, cfg.optim, cfg.deepspeed, cfg.train.steps, cfg.elastic.collective_timeout_s),
+        batch_plan(1, 1, 1),
+        model,
+        device,
+    )
     tokens = torch.randint(0, cfg.model.vocab_size, (1, args.seq_len + 1), device=device)
 
     def step() -> float:

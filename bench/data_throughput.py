@@ -37,11 +37,11 @@ import ray  # noqa: E402
 
 from wildtrain import storage  # noqa: E402
 from wildtrain.config import load_config  # noqa: E402
-from wildtrain.data.dataset import open_datasets  # noqa: E402
 from wildtrain.data.manifest import Manifest, encode_shard, write_manifest  # noqa: E402
 from wildtrain.data.prepare import PrepareConfig, prepare  # noqa: E402
 from wildtrain.data.stream import TOKENS, RankStream, columns  # noqa: E402
 from wildtrain.data.tokenizer import ByteTokenizer  # noqa: E402
+from wildtrain.driver import open_data  # noqa: E402
 from wildtrain.tracking.record import mlflow_key  # noqa: E402
 
 SEQ_LEN = 1024
@@ -113,7 +113,9 @@ def plain_pyarrow(root: str, shard_paths: tuple[str, ...]) -> Pass:
 def ray_data_epoch(datasets, cfg) -> Pass:
     """One rank (of one) streaming the whole epoch through RankStream."""
     started = time.perf_counter()
-    stream = RankStream(datasets.datasets, cfg, rank=0, world_size=1, from_step=0, doc_ids=False)
+    stream = RankStream(
+        datasets.datasets, cfg.data, cfg.train, cfg.storage, rank=0, world_size=1, from_step=0, doc_ids=False
+    )
     tokens = stream.next_step().tokens.size
     first = (tokens, time.perf_counter() - started)
     for _ in range(datasets.steps_per_epoch - 1):
@@ -123,7 +125,9 @@ def ray_data_epoch(datasets, cfg) -> Pass:
 
 def first_batch(datasets, cfg, from_step: int) -> float:
     started = time.perf_counter()
-    RankStream(datasets.datasets, cfg, rank=0, world_size=1, from_step=from_step, doc_ids=False).next_step()
+    RankStream(
+        datasets.datasets, cfg.data, cfg.train, cfg.storage, rank=0, world_size=1, from_step=from_step, doc_ids=False
+    ).next_step()
     return time.perf_counter() - started
 
 
@@ -188,7 +192,7 @@ def main() -> None:
                 "train.micro_batch_size=4",
             ]
         )
-        datasets = open_datasets(cfg)
+        datasets = open_data(cfg)
         passes: dict[str, list[Pass]] = {PLAIN: [], RAY_DATA: []}
         for repeat in range(1, args.repeats + 1):
             for name, run in (

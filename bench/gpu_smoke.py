@@ -50,7 +50,7 @@ from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta  # noqa: 
 from wildtrain.checkpoint.restore import restore  # noqa: E402
 from wildtrain.checkpoint.store import Store  # noqa: E402
 from wildtrain.config import load_config  # noqa: E402
-from wildtrain.engine import build_engine, build_model, import_deepspeed  # noqa: E402
+from wildtrain.engine import EngineSettings, build_engine, build_model, import_deepspeed  # noqa: E402
 from wildtrain.model import flops_per_token, param_count  # noqa: E402
 from wildtrain.train.step import DeviceBatches, StepMetrics, train_step  # noqa: E402
 
@@ -103,9 +103,10 @@ def run_stage(stage: int, work: Path) -> dict:
         ]
     )
     plan = batch_plan(batch, batch, 1)
+    settings = EngineSettings(cfg.model, cfg.optim, cfg.deepspeed, cfg.train.steps, cfg.elastic.collective_timeout_s)
     say(f"ZeRO-{stage}: building the engine")
     torch.manual_seed(0)
-    engine = build_engine(cfg, plan, build_model(cfg, plan, device), device)
+    engine = build_engine(settings, plan, build_model(settings, plan, device), device)
     say(
         f"ZeRO-{stage}: {preset} ({param_count(cfg.model) / 1e6:.1f}M parameters), batch {batch}x{seq_len}, "
         f"{'compiled' if engine.is_compiled else 'eager'}, {device}"
@@ -161,7 +162,7 @@ def run_stage(stage: int, work: Path) -> dict:
     started = time.perf_counter()
     restored = restore([store], str(work / f"restore-zero{stage}"), rank=0, world_size=1)
     torch.manual_seed(1)  # another init: a load that restored nothing would show
-    fresh = build_engine(cfg, plan, build_model(cfg, plan, device), device)
+    fresh = build_engine(settings, plan, build_model(settings, plan, device), device)
     checkpoint.load(fresh, restored.folder, restored.manifest.tag)
     restore_s = time.perf_counter() - started
     wrong = differences(saved, snapshot(fresh))

@@ -57,7 +57,7 @@ from wildtrain.batching import batch_plan  # noqa: E402
 from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta  # noqa: E402
 from wildtrain.checkpoint.store import Store  # noqa: E402
 from wildtrain.config import Config, load_config  # noqa: E402
-from wildtrain.engine import build_engine, build_model, import_deepspeed, lr_at  # noqa: E402
+from wildtrain.engine import EngineSettings, build_engine, build_model, import_deepspeed, lr_at  # noqa: E402
 from wildtrain.model import Transformer, flops_per_token, param_count  # noqa: E402
 from wildtrain.tracking.worker.mfu import Peak, device_peak, mfu  # noqa: E402
 from wildtrain.train.step import DeviceBatches, StepMetrics, train_step  # noqa: E402
@@ -116,10 +116,11 @@ def ours(preset: str, peak: Peak):
     """Our engine's row, and the engine (for the checkpoint stall)."""
     cfg = _config(preset)
     plan = batch_plan(BATCH, BATCH, 1)
+    settings = EngineSettings(cfg.model, cfg.optim, cfg.deepspeed, cfg.train.steps, cfg.elastic.collective_timeout_s)
     say("  wildtrain: building the DeepSpeed engine")
     _reset_memory()
     torch.manual_seed(0)
-    engine = build_engine(cfg, plan, build_model(cfg, plan, DEVICE), DEVICE)
+    engine = build_engine(settings, plan, build_model(settings, plan, DEVICE), DEVICE)
     tokens = _tokens(cfg)
     window = StepMetrics(BATCH * SEQ_LEN, flops_per_token(cfg.model, SEQ_LEN), peak, 1, DEVICE)
     for step, (batch, _) in enumerate(DeviceBatches((tokens for _ in range(WARMUP + ARGS.steps)), DEVICE), start=1):

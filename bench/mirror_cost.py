@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 from wildtrain.batching import BatchPlan
 from wildtrain.config import load_config
 from wildtrain.elastic.peer_state import Mirrors
-from wildtrain.engine import build_engine, clone_world_group, import_deepspeed
+from wildtrain.engine import EngineSettings, build_engine, clone_world_group, import_deepspeed
 from wildtrain.model.transformer import Transformer
 
 WORLD, SEQ_LEN = 2, 128
@@ -82,7 +82,12 @@ def engine_of(dim: int, layers: int, batch: int, device: torch.device):
     model = Transformer(cfg.model).to(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = build_engine(cfg, BatchPlan(WORLD, 1, batch), model, device)
+        engine = build_engine(
+            EngineSettings(cfg.model, cfg.optim, cfg.deepspeed, cfg.train.steps, cfg.elastic.collective_timeout_s),
+            BatchPlan(WORLD, 1, batch),
+            model,
+            device,
+        )
     return engine, cfg.model.vocab_size, sum(p.numel() for p in model.parameters())
 
 

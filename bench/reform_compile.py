@@ -29,7 +29,7 @@ from torch._dynamo.utils import counters
 
 from wildtrain.batching import BatchPlan
 from wildtrain.config import load_config
-from wildtrain.engine import build_engine, build_model, import_deepspeed
+from wildtrain.engine import EngineSettings, build_engine, build_model, import_deepspeed
 from wildtrain.services import free_port
 
 
@@ -59,12 +59,13 @@ def main() -> None:
         [f"model={args.preset}", "deepspeed.zero_stage=1", "model.compile=true", f"data.seq_len={args.seq_len}"]
     )
     plan = BatchPlan(1, 1, 2)
+    settings = EngineSettings(cfg.model, cfg.optim, cfg.deepspeed, cfg.train.steps, cfg.elastic.collective_timeout_s)
     tokens = torch.randint(0, cfg.model.vocab_size, (1, args.seq_len + 1), device=device)
     header = f"{'engine':>6} {'build s':>8} {'first step s':>13} {'frames compiled':>16}"
     print(header + "\n" + "-" * len(header))
     for i in range(args.engines):
         started = time.perf_counter()
-        engine = build_engine(cfg, plan, build_model(cfg, plan, device), device)
+        engine = build_engine(settings, plan, build_model(settings, plan, device), device)
         built = time.perf_counter()
         frames = counters["frames"]["ok"]
         loss = engine(tokens[:, :-1], targets=tokens[:, 1:])

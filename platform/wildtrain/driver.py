@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import ray
@@ -21,8 +21,8 @@ from ray.train.torch import TorchConfig
 
 from wildtrain import lease, ray_compat, services, storage
 from wildtrain.checkpoint.restore import newest_committed
-from wildtrain.config import Config, config_hash, redact
-from wildtrain.data.dataset import DataError, open_datasets
+from wildtrain.config import Config, config_hash, flatten, redact, to_yaml
+from wildtrain.data.dataset import DataError, OpenedData, open_datasets
 from wildtrain.data.pins import OrderPins, order_changes, order_pins
 from wildtrain.elastic import scaling
 from wildtrain.elastic.controller import StorageSettings, controller_callbacks
@@ -60,7 +60,7 @@ def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
     """Train `cfg` to its last step; `tags` go on the MLflow run when it is created. Refused
     (`lease.LeaseError`) before anything starts while another driver holds the run's lease."""
     started_at = time.time()
-    with lease.Keeper(cfg, RunLayout.of(cfg).lease) as keeper:
+    with lease.Keeper(cfg.run, cfg.cluster.name, cfg.storage, RunLayout.of(cfg.run, cfg.checkpoint).lease) as keeper:
         return _run(cfg, tags, started_at, keeper)
 
 
@@ -68,11 +68,11 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
     # The storage settings everything below checks the run's data and record with: every
     # process of the run gets them, whatever its node's environment holds.
     storage_env, storage_view = storage.handover_env(cfg.storage), storage.StorageView.here(cfg.storage)
-    data = open_datasets(cfg)
+    data = open_data(cfg)
     evaluation = _plan_evaluation(cfg)
-    layout = RunLayout.of(cfg)
+    layout = RunLayout.of(cfg.run, cfg.checkpoint)
     record = json.loads(storage.read_text(layout.record, cfg.storage) or "{}")
-    pins = order_pins(cfg, data)
+    pins = order_pins(cfg.data, cfg.train, data)
     order_changed = _check_order(cfg, record, pins)
     check_reachable(cfg.tracking.uri)
     finished = _finished_before(cfg, record.get("mlflow_run_id"))
@@ -80,11 +80,19 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
         return finished
     dashboard_url = services.connect_ray(cfg.cluster.ray_address)
     cfg = resolve_device(cfg)
-    scaling.wait_for_capacity(cfg)
+    scaling.wait_for_capacity(cfg.cluster, cfg.elastic, cfg.data, cfg.eval)
     cfg = resolve_placement(cfg)
 
     keeper.acquire()  # the first write: nothing is written before the checks above pass
-    experiment_id, run_id = open_run(cfg, record.get("mlflow_run_id"), tags)
+    experiment_id, run_id = open_run(
+        cfg.tracking,
+        cfg.run,
+        cfg.cluster.name,
+        record.get("mlflow_run_id"),
+        tags,
+        params=flatten(cfg),
+        config_yaml=to_yaml(cfg),
+    )
     storage.write_text(
         layout.record,
         json.dumps(
@@ -119,30 +127,30 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
     if dashboard_url:
         print(f"Ray dashboard:  {services.dashboard_text(dashboard_url, services.uses_token_auth())}", flush=True)
 
-    scaling.controller_env(cfg)
+    scaling.controller_env(cfg.elastic)
     run_fs, run_path = storage.filesystem(storage.resolve(cfg.run.storage), cfg.storage)
     mlflow = MlflowCallback(cfg.tracking.uri, run_id, interpret, layout.hangs, cfg.storage, layout.tracking)
     rendezvous = start_rendezvous(cfg)
     ray_compat.keep_ray_data_stats_here()  # not on a worker's node, which may die
-    worker_env = {**scaling.worker_env(cfg), **storage_env}
+    worker_env = {**scaling.worker_env(cfg.cluster, cfg.elastic), **storage_env}
     inputs = LoopInputs(
         cfg,
         data,
-        scaling.worker_resources(cfg),
+        scaling.worker_resources(cfg.cluster),
         storage_view,
         rendezvous=(rendezvous.host, rendezvous.port) if rendezvous else None,
     )
     trainer = ray_compat.TrainerWithoutDatasets(
         # Typed inputs rather than Ray's `train_loop_config` dict.
         functools.partial(worker_main, inputs),
-        scaling_config=scaling.scaling_config(cfg),
-        torch_config=TorchConfig(backend=scaling.backend(cfg), timeout_s=int(cfg.elastic.collective_timeout_s)),
+        scaling_config=scaling.scaling_config(cfg.cluster, cfg.elastic),
+        torch_config=TorchConfig(backend=scaling.backend(cfg.cluster), timeout_s=int(cfg.elastic.collective_timeout_s)),
         run_config=RunConfig(
             name=cfg.run.name,
             # An explicit filesystem: Ray's own would not know the object store's endpoint.
             storage_path=run_path,
             storage_filesystem=run_fs,
-            failure_config=scaling.failure_config(cfg),
+            failure_config=scaling.failure_config(),
             # Ray hands the list to the controller as one argument: the elastic callbacks'
             # events go through the same MLflow callback, not a copy of it.
             # Survivors are kept (or not) before any other callback sees a poll's errors, and
@@ -150,7 +158,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
             callbacks=[
                 StorageSettings(storage_env),
                 *survivor_callbacks(cfg, rendezvous, inputs, worker_env, joiner_main),
-                MissedCommits(cfg),
+                MissedCommits(layout, cfg.storage),
                 ProgressCallback(cfg.train.steps),
                 mlflow,
                 *controller_callbacks(cfg, mlflow, evaluation),
@@ -160,7 +168,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
             # Ray Train's per-report INFO lines would drown the progress lines.
             logging_config=LoggingConfig(log_level="WARNING"),
         ),
-        bundle_per_node=scaling.node_bundled(cfg),
+        bundle_per_node=scaling.node_bundled(cfg.cluster),
     )
     try:
         trainer.fit()
@@ -184,6 +192,19 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
         checkpoint=_newest_checkpoint(cfg),
         # The newest value of each metric: Ray Train's result only knows checkpointed reports.
         final_metrics=tracking.get_run(run_id).data.metrics,
+    )
+
+
+def open_data(cfg: Config) -> OpenedData:
+    """The run's datasets, checked against what its model, objective, global batch and early
+    stopping ask of them (`open_datasets`)."""
+    return open_datasets(
+        cfg.data,
+        cfg.storage,
+        model=cfg.model,
+        train=cfg.train,
+        objective=cfg.objective,
+        needs_validation=cfg.early_stop.watches_validation,
     )
 
 
@@ -218,7 +239,7 @@ def _finished_before(cfg: Config, run_id: Optional[str]) -> Optional[RunSummary]
     time since the run ended into the run's goodput (0.3% after one such resubmission)."""
     if run_id is None:
         return None
-    newest = newest_committed(checkpoint_stores(cfg))
+    newest = newest_committed(checkpoint_stores(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage))
     if newest is None or newest.step is None or newest.step < cfg.train.steps:
         return None
     run = Client(cfg.tracking.uri).run_or_none(run_id)
@@ -241,7 +262,7 @@ def _finished_before(cfg: Config, run_id: Optional[str]) -> Optional[RunSummary]
 
 def _newest_checkpoint(cfg: Config) -> Optional[str]:
     """The committed checkpoint a resubmission would try first."""
-    newest = newest_committed(checkpoint_stores(cfg))
+    newest = newest_committed(checkpoint_stores(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage))
     return storage.join(newest.store, newest.name) if newest else None
 
 
@@ -249,7 +270,7 @@ def _finish(cfg: Config, run_id: str, status: str) -> None:
     """Close the MLflow run and attach where its compute went (goodput, plot); a report that
     fails is a warning, never the run's failure. A server that is down by now holds the
     end up for a bounded time: what it did not take waits in a local file (printed)."""
-    tracking = Tracker(cfg.tracking.uri, run_id, RunLayout.of(cfg).tracking)
+    tracking = Tracker(cfg.tracking.uri, run_id, RunLayout.of(cfg.run, cfg.checkpoint).tracking)
     tracking.event(Stopped(time.time(), status), step=0)
     tracking.terminated(status)
     if tracking.close(FLUSH_TIMEOUT_S) is not None:
@@ -265,16 +286,18 @@ def _finish(cfg: Config, run_id: str, status: str) -> None:
 def resolve_device(cfg: Config) -> Config:
     """`cfg` with `cluster.use_gpu` decided against the cluster this process joined
     (`resources.choose_device`); where that leaves its GPUs idle, says so in one line."""
-    cfg, choice = scaling.resolve_device(cfg, ray.cluster_resources())
+    cluster, choice = scaling.resolve_device(cfg.cluster, ray.cluster_resources())
     if choice.note:
         print(choice.note, flush=True)
-    return cfg
+    return replace(cfg, cluster=cluster)
 
 
 def resolve_placement(cfg: Config) -> Config:
     """`cfg` with `cluster.placement_strategy` decided against the nodes of the cluster this
     process joined (`scaling.choose_placement`); says so where auto spreads the workers."""
-    resolved = scaling.resolve_placement(cfg, list(ray_compat.alive_node_totals().values()))
+    resolved = replace(
+        cfg, cluster=scaling.resolve_placement(cfg.cluster, cfg.elastic, list(ray_compat.alive_node_totals().values()))
+    )
     said = AUTO_PLACEMENT.get(resolved.cluster.placement_strategy)
     if cfg.cluster.placement_strategy == "auto" and said:
         print(f"cluster.placement_strategy=auto: {said}", flush=True)

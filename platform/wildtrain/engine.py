@@ -7,12 +7,13 @@ import importlib
 import math
 import os
 import sys
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
 from wildtrain.batching import BatchPlan
-from wildtrain.config import Config, OptimConfig
+from wildtrain.config import DeepSpeedConfig, ModelConfig, OptimConfig
 from wildtrain.model import Transformer
 
 
@@ -57,13 +58,27 @@ def zero_optimization(stage: int, on_cuda: bool) -> dict:
     return zero
 
 
-def deepspeed_config(cfg: Config, plan: BatchPlan, on_cuda: bool, load_universal: bool = False) -> dict:
+@dataclass(frozen=True)
+class EngineSettings:
+    """What an engine is built from: the model, optimizer and ZeRO sections, the run's length
+    (where the learning-rate schedule ends) and the collectives' timeout."""
+
+    model: ModelConfig
+    optim: OptimConfig
+    deepspeed: DeepSpeedConfig
+    steps: int  # train.steps
+    collective_timeout_s: float  # elastic.collective_timeout_s
+
+
+def deepspeed_config(
+    deepspeed: DeepSpeedConfig, optim: OptimConfig, plan: BatchPlan, on_cuda: bool, load_universal: bool = False
+) -> dict:
     ds = {
         "train_batch_size": plan.global_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum_steps,
-        "gradient_clipping": cfg.optim.grad_clip,
-        "zero_optimization": zero_optimization(cfg.deepspeed.zero_stage, on_cuda),
+        "gradient_clipping": optim.grad_clip,
+        "zero_optimization": zero_optimization(deepspeed.zero_stage, on_cuda),
         "steps_per_print": 10**9,  # progress is ours to print, once, from the controller
         "wall_clock_breakdown": False,
     }
@@ -179,30 +194,31 @@ def destroy_process_groups(deepspeed) -> None:
         deepspeed.comm.destroy_process_group()
 
 
-def compiles(cfg: Config, on_cuda: bool) -> bool:
+def compiles(model: ModelConfig, deepspeed: DeepSpeedConfig, on_cuda: bool) -> bool:
     """Whether the engine compiles the model: `model.compile` where set; unset, on CUDA
     except under ZeRO-3, whose per-module hooks (gathering each layer's parameters before it
     runs, releasing them after) break the compiled graph at every layer, leaving pieces too
     small to repay their compile time. To be revisited with a GPU measurement."""
-    if cfg.model.compile is not None:
-        return cfg.model.compile
-    return on_cuda and cfg.deepspeed.zero_stage != 3
+    if model.compile is not None:
+        return model.compile
+    return on_cuda and deepspeed.zero_stage != 3
 
 
-def build_model(cfg: Config, plan: BatchPlan, device: torch.device) -> Transformer:
+def build_model(settings: EngineSettings, plan: BatchPlan, device: torch.device) -> Transformer:
     """The model for `build_engine` on `device` (the worker's training device). Under ZeRO-3
     it is built partitioned (DeepSpeed's zero.Init, on the device DeepSpeed trains on): each
     rank holds only its shard, where a plain build would hold the whole fp32 model on every
     rank first (84 GB for the 21b preset), at every restart. The weights are those of the
     plain build with the same seed: rank 0 draws them one parameter at a time, gathered, and
     the others receive its draw."""
-    if cfg.deepspeed.zero_stage != 3:
-        return Transformer(cfg.model)
+    if settings.deepspeed.zero_stage != 3:
+        return Transformer(settings.model)
     deepspeed = import_deepspeed()
     import torch.distributed as dist
 
-    with deepspeed.zero.Init(config_dict_or_path=deepspeed_config(cfg, plan, on_cuda=device.type == "cuda")):
-        model = Transformer(cfg.model)  # its own init ran on empty shards: drawn again below
+    zero = deepspeed_config(settings.deepspeed, settings.optim, plan, on_cuda=device.type == "cuda")
+    with deepspeed.zero.Init(config_dict_or_path=zero):
+        model = Transformer(settings.model)  # its own init ran on empty shards: drawn again below
     for param, init in model.initializers():
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
             if dist.get_rank() == 0:
@@ -241,7 +257,11 @@ def param_groups(model: Transformer, optim: OptimConfig) -> list[dict]:
 
 
 def build_engine(
-    cfg: Config, plan: BatchPlan, model: torch.nn.Module, device: torch.device, load_universal: bool = False
+    settings: EngineSettings,
+    plan: BatchPlan,
+    model: torch.nn.Module,
+    device: torch.device,
+    load_universal: bool = False,
 ):
     """Wrap `model` (from `build_model`) in a DeepSpeed engine for `device` (the worker's
     training device) with AdamW and the warm-up + cosine schedule, compiled when `compiles`
@@ -252,28 +272,26 @@ def build_engine(
     fused kernel: one launch for all parameters instead of several per tensor."""
     deepspeed = import_deepspeed()
 
-    on_cuda = device.type == "cuda"
+    on_cuda, optim = device.type == "cuda", settings.optim
     optimizer = torch.optim.AdamW(
-        param_groups(model, cfg.optim),
-        lr=cfg.optim.lr,
-        betas=(cfg.optim.beta1, cfg.optim.beta2),
-        eps=cfg.optim.eps,
+        param_groups(model, optim),
+        lr=optim.lr,
+        betas=(optim.beta1, optim.beta2),
+        eps=optim.eps,
         fused=on_cuda,
     )
     # LambdaLR multiplies each group's base lr; dividing by lr keeps lr_at the single source
     # of truth, and the muP groups at their multiples of it.
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_at(step, cfg.optim, cfg.train.steps) / cfg.optim.lr
-    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, optim, settings.steps) / optim.lr)
     if torch.distributed.is_initialized():
-        clone_world_group(deepspeed, timedelta(seconds=cfg.elastic.collective_timeout_s))
+        clone_world_group(deepspeed, timedelta(seconds=settings.collective_timeout_s))
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
         lr_scheduler=schedule,
-        config=deepspeed_config(cfg, plan, on_cuda=on_cuda, load_universal=load_universal),
+        config=deepspeed_config(settings.deepspeed, optim, plan, on_cuda=on_cuda, load_universal=load_universal),
     )
-    if compiles(cfg, on_cuda):
+    if compiles(settings.model, settings.deepspeed, on_cuda):
         # The engine's compile, not torch.compile(model): it compiles the module in place,
         # so parameter names (and checkpoints) are those of an uncompiled run, and it keeps
         # ZeRO-3's parameter hooks outside the graph. The first steps pay for compiling.

@@ -72,7 +72,7 @@ def open_run(name: str, overrides: Sequence[str] = ()) -> RunInfo:
 def run_info(cfg: Config) -> RunInfo:
     """The run `cfg` names (run.name), where it puts it: what it trained, from its record."""
     name = cfg.run.name
-    layout = RunLayout.of(cfg)
+    layout = RunLayout.of(cfg.run, cfg.checkpoint)
     text = storage.read_text(layout.record, cfg.storage)
     if text is None:
         raise ExportError(
@@ -160,7 +160,7 @@ class Checkpoint:
 def read_checkpoint(run: RunInfo, step: Optional[int] = None) -> Checkpoint:
     """The newest committed checkpoint of the run whose files verify (at `step`, if given),
     downloaded into checkpoint.staging_dir and read (see the module docstring)."""
-    stores = checkpoint_stores(run.cfg)
+    stores = checkpoint_stores(RunLayout.of(run.cfg.run, run.cfg.checkpoint), run.cfg.storage)
     Path(run.cfg.checkpoint.staging_dir).mkdir(parents=True, exist_ok=True)
     local = tempfile.mkdtemp(prefix=f"export-{run.name}-", dir=run.cfg.checkpoint.staging_dir)
     try:
@@ -196,7 +196,7 @@ def committed_step(run: RunInfo, step: Optional[int] = None) -> int:
     """The step of the run's newest committed checkpoint (or `step`, if one is committed
     there), from the stores' listing: for a check before the work, which `read_checkpoint`
     (verifying the files) does."""
-    stores = checkpoint_stores(run.cfg)
+    stores = checkpoint_stores(RunLayout.of(run.cfg.run, run.cfg.checkpoint), run.cfg.storage)
     with storage.errors(stores[0].uri, run.cfg.storage):
         steps = [c.step for c in list_candidates(stores) if c.manifest is not None and step in (None, c.step)]
     if not steps:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from wildtrain import storage
 from wildtrain.checkpoint.store import Store
-from wildtrain.config import Config, ModelConfig, RunSectionConfig
+from wildtrain.config import CheckpointConfig, ModelConfig, RunSectionConfig, StorageConfig
 
 _HANG_DUMP = re.compile(r"-rank(\d+)\.txt$")
 
@@ -33,17 +33,15 @@ class RunLayout:
     tracking: Path
 
     @classmethod
-    def of(cls, cfg: Config) -> "RunLayout":
-        root = storage.join(storage.resolve(cfg.run.storage), cfg.run.name)
-        primary = cfg.checkpoint.store or storage.join(root, "checkpoints")
+    def of(cls, run: RunSectionConfig, checkpoint: CheckpointConfig) -> "RunLayout":
+        root = storage.join(storage.resolve(run.storage), run.name)
+        primary = checkpoint.store or storage.join(root, "checkpoints")
         # Unsent records go to a local disk even when the run's folder is in an object
         # store: they must survive the MLflow outage they wait out, not add a dependency.
-        local_runs = (
-            root if "://" not in root else storage.join(storage.resolve(RunSectionConfig.storage), cfg.run.name)
-        )
+        local_runs = root if "://" not in root else storage.join(storage.resolve(RunSectionConfig.storage), run.name)
         return cls(
             root,
-            (primary,) + ((cfg.checkpoint.replica,) if cfg.checkpoint.replica else ()),
+            (primary,) + ((checkpoint.replica,) if checkpoint.replica else ()),
             Path(local_runs) / "tracking",
         )
 
@@ -71,9 +69,9 @@ class RunLayout:
         return storage.join(self.samples, f"step_{step:08d}.json")
 
 
-def checkpoint_stores(cfg: Config) -> list[Store]:
+def checkpoint_stores(layout: RunLayout, config: StorageConfig) -> list[Store]:
     """The checkpoint stores of the run, primary first, reached with the run's storage config."""
-    return [Store.from_uri(uri, cfg.storage) for uri in RunLayout.of(cfg).checkpoint_uris]
+    return [Store.from_uri(uri, config) for uri in layout.checkpoint_uris]
 
 
 def hang_dump_name(rank: int) -> str:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from wildtrain import storage
-from wildtrain.config import Config, StorageConfig
+from wildtrain.config import RunSectionConfig, StorageConfig
 
 # Set by `wildtrain submit` in the job's environment: the job a lease belongs to, which
 # `wildtrain move` stops and may then release the lease of.
@@ -134,10 +134,10 @@ def release_for(uri: str, config: StorageConfig, holder: Holder) -> bool:
 class Keeper:
     """The lease of one driver: `acquire` before the run starts, `release` when it ends."""
 
-    def __init__(self, cfg: Config, uri: str):
-        self.run, self.uri, self.config = cfg.run.name, uri, cfg.storage
-        self.renew_s, self.expire_s = cfg.run.lease_renew_s, cfg.run.lease_expire_s
-        self.holder = Holder.here(cfg.cluster.name)
+    def __init__(self, run: RunSectionConfig, cluster: str, config: StorageConfig, uri: str):
+        self.run, self.uri, self.config = run.name, uri, config
+        self.renew_s, self.expire_s = run.lease_renew_s, run.lease_expire_s
+        self.holder = Holder.here(cluster)
         self._stop = threading.Event()
         self._written = False
         self._thread: Optional[threading.Thread] = None

@@ -47,6 +47,7 @@ def test_flex_and_sdpa_agree_in_bf16(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_masks_in_the_compiled_engine_forward_match_the_dense_path(cuda_group, kind):
     pytest.importorskip("deepspeed")
+    from tests.helpers.models import engine_settings
     from wildtrain.batching import batch_plan
     from wildtrain.config import load_config
     from wildtrain.engine import build_engine, build_model
@@ -69,7 +70,7 @@ def test_masks_in_the_compiled_engine_forward_match_the_dense_path(cuda_group, k
     plan = batch_plan(B, B, 1)
     torch.manual_seed(0)
     cuda = torch.device("cuda", torch.cuda.current_device())
-    engine = build_engine(cfg, plan, build_model(cfg, plan, cuda), cuda)
+    engine = build_engine(engine_settings(cfg), plan, build_model(engine_settings(cfg), plan, cuda), cuda)
     assert engine.is_compiled and engine.bfloat16_enabled()
     doc_ids, prefix = batch()
     tokens = torch.randint(0, cfg.model.vocab_size, (B, T), device="cuda")

@@ -65,6 +65,7 @@ def test_batches_reach_the_device_through_pinned_buffers(cuda_group):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_the_step_trains_in_bf16_on_the_gpu(cuda_group, stage):
     pytest.importorskip("deepspeed")
+    from tests.helpers.models import engine_settings
     from wildtrain.batching import batch_plan
     from wildtrain.config import Config, ModelConfig
     from wildtrain.engine import build_engine, build_model
@@ -80,10 +81,10 @@ def test_the_step_trains_in_bf16_on_the_gpu(cuda_group, stage):
     cfg.train.global_batch_size, cfg.train.micro_batch_size = BATCH, BATCH // 2
     plan = batch_plan(BATCH, BATCH // 2, 1)
     torch.manual_seed(0)
-    model = build_model(cfg, plan, cuda_group)
+    model = build_model(engine_settings(cfg), plan, cuda_group)
     if stage == 3:  # built partitioned, on the GPU
         assert all(p.numel() == 0 and p.ds_tensor.device == cuda_group for p in model.parameters())
-    engine = build_engine(cfg, plan, model, cuda_group)
+    engine = build_engine(engine_settings(cfg), plan, model, cuda_group)
     assert engine.is_compiled, "on by default on CUDA under ZeRO-1; asked for under ZeRO-3"
     assert engine.bfloat16_enabled()
     # bf16 weights; gradients summed over micro-batches and reduced over ranks in fp32.

@@ -78,7 +78,7 @@ def train(stage: int, rank: int, world_size: int, device: torch.device) -> dict:
 
     from wildtrain.batching import batch_plan
     from wildtrain.config import Config, ModelConfig
-    from wildtrain.engine import build_engine, build_model
+    from wildtrain.engine import EngineSettings, build_engine, build_model
     from wildtrain.train.step import DeviceBatches, StepMetrics, train_step
 
     cfg = Config()
@@ -90,8 +90,9 @@ def train(stage: int, rank: int, world_size: int, device: torch.device) -> dict:
     cfg.train.global_batch_size, cfg.train.micro_batch_size = global_batch, ROWS_PER_RANK
     cfg.optim.warmup_steps = 1
     plan = batch_plan(global_batch, ROWS_PER_RANK, world_size)
+    settings = EngineSettings(cfg.model, cfg.optim, cfg.deepspeed, cfg.train.steps, cfg.elastic.collective_timeout_s)
     torch.manual_seed(0)
-    engine = build_engine(cfg, plan, build_model(cfg, plan, device), device)
+    engine = build_engine(settings, plan, build_model(settings, plan, device), device)
     tokens = np.random.default_rng(stage).integers(0, cfg.model.vocab_size, (global_batch, SEQ_LEN + 1), dtype=np.int32)
     rows = tokens if world_size == 1 else tokens[rank * ROWS_PER_RANK : (rank + 1) * ROWS_PER_RANK]
     window = StepMetrics(len(rows) * SEQ_LEN, 1.0, None, world_size, device)

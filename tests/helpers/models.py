@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from wildtrain.config import ModelConfig
+from wildtrain.config import Config, ModelConfig
+from wildtrain.engine import EngineSettings
 from wildtrain.model import Transformer
 
 
@@ -20,3 +21,8 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
             else:
                 param.normal_(0, 0.1)
     return model.eval()
+
+
+def engine_settings(cfg: Config) -> EngineSettings:
+    """What `cfg` builds an engine from, as the worker composes it."""
+    return EngineSettings(cfg.model, cfg.optim, cfg.deepspeed, cfg.train.steps, cfg.elastic.collective_timeout_s)

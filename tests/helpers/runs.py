@@ -12,7 +12,7 @@ import numpy as np
 
 from tests.helpers.datasets import write_dataset
 from wildtrain.checkpoint.store import commit, upload
-from wildtrain.config import Config, ModelConfig, load_config
+from wildtrain.config import Config, ModelConfig, flatten, load_config, to_yaml
 from wildtrain.data.pins import OrderPins
 from wildtrain.data.tokenizer import ByteTokenizer
 from wildtrain.layout import RunLayout, run_record
@@ -40,7 +40,7 @@ def make_run(
     }
     if record_model:
         record |= run_record(model, tokenizer or ByteTokenizer().describe())
-    path = Path(RunLayout.of(cfg).record)
+    path = Path(RunLayout.of(cfg.run, cfg.checkpoint).record)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record))
     return cfg
@@ -51,10 +51,15 @@ def mlflow_run(cfg: Config, artifacts: Path) -> str:
     experiment's artifacts in `artifacts`: not MLflow's default, ./mlruns of the checkout."""
     from mlflow.tracking import MlflowClient
 
+    MlflowClient(cfg.tracking.uri).create_experiment(cfg.tracking.experiment, artifact_location=str(artifacts))
+    return open_mlflow_run(cfg, None)[1]
+
+
+def open_mlflow_run(cfg: Config, run_id: Optional[str]) -> tuple[str, str]:
+    """`run_setup.open_run` as the driver calls it for `cfg`: (experiment id, run id)."""
     from wildtrain.tracking.run_setup import open_run
 
-    MlflowClient(cfg.tracking.uri).create_experiment(cfg.tracking.experiment, artifact_location=str(artifacts))
-    return open_run(cfg, None)[1]
+    return open_run(cfg.tracking, cfg.run, cfg.cluster.name, run_id, params=flatten(cfg), config_yaml=to_yaml(cfg))
 
 
 def commit_checkpoint(cfg: Config, tmp_path: Path, step: int, committed: bool = True) -> None:
@@ -63,7 +68,7 @@ def commit_checkpoint(cfg: Config, tmp_path: Path, step: int, committed: bool = 
     local = tmp_path / f"ckpt{step}"
     (local / f"step_{step}").mkdir(parents=True)
     (local / f"step_{step}" / "mp_rank_00_model_states.pt").write_bytes(b"not read by these tests")
-    store, name = RunLayout.of(cfg).checkpoint_uris[0], f"step_{step:09d}-ab"
+    store, name = RunLayout.of(cfg.run, cfg.checkpoint).checkpoint_uris[0], f"step_{step:09d}-ab"
     files = upload(str(local), store, name)
     if committed:
         commit(

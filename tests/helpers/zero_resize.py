@@ -35,6 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers.models import engine_settings
 from tests.helpers.ranks import start_ranks
 from wildtrain import engine as engines
 from wildtrain.batching import BatchPlan
@@ -69,8 +70,8 @@ def batch(step: int) -> torch.Tensor:
 def train_in_gpu_precision() -> None:
     """The engine's DeepSpeed config from here on is the one it has on GPUs, on the CPU."""
     on_device = engines.deepspeed_config
-    engines.deepspeed_config = lambda cfg, plan, on_cuda, load_universal=False: on_device(
-        cfg, plan, True, load_universal
+    engines.deepspeed_config = lambda deepspeed, optim, plan, on_cuda, load_universal=False: on_device(
+        deepspeed, optim, plan, True, load_universal
     )
 
 
@@ -79,7 +80,7 @@ def engine_at(cfg: Config, world: int, device: torch.device):
     plan = BatchPlan(world, 1, GLOBAL_BATCH // world)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return build_engine(cfg, plan, Transformer(cfg.model).to(device), device)
+        return build_engine(engine_settings(cfg), plan, Transformer(cfg.model).to(device), device)
 
 
 def train(engine, step: int, device: torch.device) -> float:

@@ -31,6 +31,7 @@ from wildtrain.clusters.move import move, newest_step
 from wildtrain.clusters.submit import follow_job, submit
 from wildtrain.config import load_config
 from wildtrain.events import Moved
+from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.tracking.record import read_events
 from wildtrain.tracking.reports import runs as report
 
@@ -258,7 +259,8 @@ def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_sam
         working_dir=REPO,
     )
     a_cfg = load_config(a.run_overrides() + ["experiment=tiny", f"run.name={run}"])
-    wait_for(lambda: newest_step(a_cfg), f"the first checkpoint of {run} on a", 300)
+    a_stores = checkpoint_stores(RunLayout.of(a_cfg.run, a_cfg.checkpoint), a_cfg.storage)
+    wait_for(lambda: newest_step(a_stores), f"the first checkpoint of {run} on a", 300)
 
     started = time.monotonic()
     done = move(

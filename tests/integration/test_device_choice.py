@@ -46,9 +46,12 @@ def config(*extra: str):
 def test_unset_trains_on_the_gpus_the_cluster_offers_and_cpu_takes_an_explicit_false(gpu_node, capsys):
     cfg = driver.resolve_device(config())
     assert cfg.cluster.use_gpu is True
-    scaling.wait_for_capacity(cfg)  # a worker's GPU and CPU, and a CPU for the data: there
+    scaling.wait_for_capacity(
+        cfg.cluster, cfg.elastic, cfg.data, cfg.eval
+    )  # a worker's GPU and CPU, and a CPU for the data: there
     # cluster=gpu: workers only where `trainer` is offered, as `wildtrain up` now offers it.
-    scaling.wait_for_capacity(driver.resolve_device(config("cluster=gpu", "cluster.cpus_per_worker=1")))
+    cfg = driver.resolve_device(config("cluster=gpu", "cluster.cpus_per_worker=1"))
+    scaling.wait_for_capacity(cfg.cluster, cfg.elastic, cfg.data, cfg.eval)
     assert capsys.readouterr().out == "", "nothing to say"
 
     cfg = driver.resolve_device(config("cluster.use_gpu=false"))
@@ -58,7 +61,7 @@ def test_unset_trains_on_the_gpus_the_cluster_offers_and_cpu_takes_an_explicit_f
 
 def test_unset_on_a_cluster_without_gpus_trains_on_cpu(ray_cluster):
     cfg = driver.resolve_device(config())
-    assert cfg.cluster.use_gpu is False and scaling.worker_env(cfg) == {"DS_ACCELERATOR": "cpu"}
+    assert cfg.cluster.use_gpu is False and scaling.worker_env(cfg.cluster, cfg.elastic) == {"DS_ACCELERATOR": "cpu"}
 
 
 def test_use_gpu_true_without_gpus_exits_2_naming_the_key_after_the_wait(ray_cluster, mlflow_url, tmp_path):

@@ -203,7 +203,7 @@ def lose_a_rank_and_return_a_node(cluster, run: BackgroundRun, servers: list, ra
     ends, on a loaded 2-core machine (seen: 48 s from its process's start to its request,
     beside the reference run, on a day this machine imported slowly; the node was removed at
     step 19)."""
-    samples = Path(RunLayout.of(run.cfg).sample_file(3))
+    samples = Path(RunLayout.of(run.cfg.run, run.cfg.checkpoint).sample_file(3))
     wait_for(samples.exists, "step 3 at world size 2", 300)
     first = first_generation_nodes(servers)
     return first, lose_and_return(cluster, samples.parent, first[rank])

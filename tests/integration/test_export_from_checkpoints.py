@@ -47,11 +47,12 @@ def _overrides(root: str, case: str) -> list[str]:
 
 def _train_and_save(rank: int, world_size: int, port: int, root: str) -> None:
     _init_process(rank, world_size, port)
+    from tests.helpers.models import engine_settings
     from wildtrain import engine as engines
     from wildtrain.batching import batch_plan
     from wildtrain.checkpoint.async_save import AsyncSaver, CheckpointMeta
     from wildtrain.config import load_config
-    from wildtrain.layout import checkpoint_stores
+    from wildtrain.layout import RunLayout, checkpoint_stores
     from wildtrain.train.state import TrainState
 
     token = ["ab12"]
@@ -71,11 +72,14 @@ def _train_and_save(rank: int, world_size: int, port: int, root: str) -> None:
         plan = batch_plan(4, 2, world_size)
         torch.manual_seed(0)
         engine = engines.build_engine(
-            cfg, plan, engines.build_model(cfg, plan, torch.device("cpu")), torch.device("cpu")
+            engine_settings(cfg),
+            plan,
+            engines.build_model(engine_settings(cfg), plan, torch.device("cpu")),
+            torch.device("cpu"),
         )
         assert (type(engine.optimizer).__name__ == "BF16_Optimizer") == bf16, type(engine.optimizer)
         saver = AsyncSaver(
-            checkpoint_stores(cfg),
+            checkpoint_stores(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage),
             f"{root}/staging/rank{rank}",
             rank=rank,
             world_size=world_size,
@@ -115,8 +119,8 @@ def _full_params(engine) -> dict:
     }
 
 
-def _on_cuda(on_cpu, cfg, plan, on_cuda, load_universal=False):
-    return on_cpu(cfg, plan, True, load_universal)
+def _on_cuda(on_cpu, deepspeed, optim, plan, on_cuda, load_universal=False):
+    return on_cpu(deepspeed, optim, plan, True, load_universal)
 
 
 def wildtrain(*args: str) -> Result:
@@ -196,10 +200,10 @@ def test_a_universal_copy_in_the_store_is_read_instead_of_the_partitions(trained
     from wildtrain.checkpoint import reshard
     from wildtrain.checkpoint.restore import newest_committed
     from wildtrain.export import export_checkpoint, open_run
-    from wildtrain.layout import checkpoint_stores
+    from wildtrain.layout import RunLayout, checkpoint_stores
 
     run = open_run("zero3", _overrides(str(trained), "zero3")[1:])
-    newest = newest_committed(checkpoint_stores(run.cfg))
+    newest = newest_committed(checkpoint_stores(RunLayout.of(run.cfg.run, run.cfg.checkpoint), run.cfg.storage))
     # As the controller does ahead of a resize (in a subprocess there: here in this one, for time).
     reshard.convert_in_store(newest.store, newest.name, newest.manifest, str(trained / "staging"), in_process=True)
     exported = export_checkpoint(run, str(trained / "out-zero3-universal"))

@@ -13,12 +13,12 @@ import uuid
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.helpers.runs import open_mlflow_run
 from wildtrain.config import StorageConfig, load_config
 from wildtrain.elastic.restarts import interpret
 from wildtrain.tracking.controller.mlflow_run import MlflowCallback
 from wildtrain.tracking.mlflow_client import run_url
 from wildtrain.tracking.reports.runs import report_run
-from wildtrain.tracking.run_setup import open_run
 from wildtrain.worker_report import WorkerReport
 
 pytestmark = pytest.mark.integration
@@ -73,7 +73,7 @@ def finished_run(mlflow_url: str, tmp_path) -> tuple[str, str]:
             "run.name=ui",
         ]
     )
-    experiment_id, run_id = open_run(cfg, None)
+    experiment_id, run_id = open_mlflow_run(cfg, None)
     callback = MlflowCallback(
         mlflow_url, run_id, interpret, str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking"
     )

@@ -58,7 +58,7 @@ def _run(rank: int, world_size: int, port: int, root: str) -> None:
         model = Transformer(cfg.model)
         optimizer = torch.optim.AdamW(param_groups(model, cfg.optim), lr=cfg.optim.lr)
         engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=deepspeed_config(cfg, plan, on_cuda=True)
+            model=model, optimizer=optimizer, config=deepspeed_config(cfg.deepspeed, cfg.optim, plan, on_cuda=True)
         )
         losses = []
         for _ in range(STEPS):

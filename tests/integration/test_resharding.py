@@ -44,13 +44,16 @@ def _config(stage: int):
 
 
 def _engine(cfg, world_size: int, load_universal: bool = False):
+    from tests.helpers.models import engine_settings
     from wildtrain.batching import batch_plan
     from wildtrain.engine import build_engine
     from wildtrain.model import Transformer
 
     plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
     torch.manual_seed(1234)  # the untrained init: a load that restores nothing shows
-    return build_engine(cfg, plan, Transformer(cfg.model), torch.device("cpu"), load_universal=load_universal), plan
+    return build_engine(
+        engine_settings(cfg), plan, Transformer(cfg.model), torch.device("cpu"), load_universal=load_universal
+    ), plan
 
 
 def _init_process(rank: int, world_size: int, port: int) -> None:

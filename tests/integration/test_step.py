@@ -103,18 +103,15 @@ def _validation_data(root: Path):
 
 
 def _validate(cfg, data, rank: int, world_size: int, engine) -> dict:
-    from dataclasses import replace
-
     from wildtrain.train.validation import Validator
 
-    cfg = replace(
-        cfg, data=replace(cfg.data, seq_len=SEQ_LEN), eval=replace(cfg.eval, micro_batch_size=VALIDATION_MICRO_BATCH)
-    )
-    return Validator(cfg, data, rank, world_size, torch.device("cpu")).evaluate(engine)
+    validator = Validator(data, SEQ_LEN, VALIDATION_MICRO_BATCH, cfg.storage, rank, world_size, torch.device("cpu"))
+    return validator.evaluate(engine)
 
 
 def _run(rank: int, world_size: int, port: int, root: str) -> None:
     _init_process(rank, world_size, port)
+    from tests.helpers.models import engine_settings
     from wildtrain.batching import batch_plan
     from wildtrain.engine import build_engine, build_model
     from wildtrain.model import flops_per_token
@@ -131,14 +128,14 @@ def _run(rank: int, world_size: int, port: int, root: str) -> None:
         cfg = _config(stage)
         plan = batch_plan(GLOBAL_BATCH, MICRO_BATCH, world_size)
         torch.manual_seed(0)
-        model = build_model(cfg, plan, torch.device("cpu"))
+        model = build_model(engine_settings(cfg), plan, torch.device("cpu"))
         # Built partitioned: each rank holds a shard of every parameter and no full one.
         partitioned = (
             all(p.numel() == 0 and 0 < p.ds_tensor.numel() < p.ds_numel for p in model.parameters())
             if stage == 3
             else None
         )
-        engine = build_engine(cfg, plan, model, torch.device("cpu"))
+        engine = build_engine(engine_settings(cfg), plan, model, torch.device("cpu"))
         validated = _validate(cfg, validation, rank, world_size, engine)  # the initial weights
         per_rank = GLOBAL_BATCH // world_size
         mine = rows[rank * per_rank : (rank + 1) * per_rank]

@@ -20,7 +20,7 @@ from tests.helpers.ray_clusters import start_cluster
 from wildtrain import storage
 from wildtrain.checkpoint.restore import newest_committed
 from wildtrain.config import StorageConfig, load_config
-from wildtrain.layout import checkpoint_stores
+from wildtrain.layout import RunLayout, checkpoint_stores
 
 # Nothing timed, on a Ray of its own: `make test` runs it beside the drills.
 pytestmark = [pytest.mark.integration, pytest.mark.untimed]
@@ -87,7 +87,7 @@ def test_a_cluster_without_the_store_trains_on_the_one_the_driver_resolved(
     for name, value in object_store.env().items():
         monkeypatch.setenv(name, value)
     cfg = load_config(overrides)
-    newest = newest_committed(checkpoint_stores(cfg))
+    newest = newest_committed(checkpoint_stores(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage))
     assert newest is not None and newest.manifest.step == 4
     # The keys went to the run's processes, and nowhere a user reads.
     client = MlflowClient(mlflow_url)

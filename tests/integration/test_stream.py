@@ -60,6 +60,11 @@ def _config() -> Config:
     return cfg
 
 
+def _sections(cfg: Config) -> tuple:
+    """What a stream reads of the config: the data, train and storage sections."""
+    return cfg.data, cfg.train, cfg.storage
+
+
 def _expected(step: int, rank: int, world_size: int) -> np.ndarray:
     """The row ids (shard*1000 + row in shard) the order gives the rank at a run step."""
     plan = plan_epoch([Source(ROW_GROUPS)], GLOBAL_BATCH, SEED, 0)
@@ -88,7 +93,7 @@ def test_every_rank_reads_the_rows_the_order_names(
     for rank in range(world_size):
         # doc_ids read only where asked for: a plain causal run reads half the bytes.
         with_doc_ids = world_size == 2
-        reader = RankStream([dataset], _config(), rank, world_size, from_step, doc_ids=with_doc_ids)
+        reader = RankStream([dataset], *_sections(_config()), rank, world_size, from_step, doc_ids=with_doc_ids)
         for step in range(from_step, from_step + steps):
             rows = reader.next_step()
             assert rows.tokens.shape == (GLOBAL_BATCH // world_size, SEQ_LEN + 1)
@@ -115,7 +120,7 @@ def test_a_closed_stream_stops_reading_ahead(ray_cluster, tmp_path, monkeypatch)
     cfg = _config()
     cfg.data.prefetch_blocks = 1
     before = _executors()
-    reader = RankStream([_write(tmp_path, ((1,) * 400, (1,) * 400))], cfg, 0, 2, 0, doc_ids=False)
+    reader = RankStream([_write(tmp_path, ((1,) * 400, (1,) * 400))], *_sections(cfg), 0, 2, 0, doc_ids=False)
     for _ in range(2):
         reader.next_step()
     reading = {t for t in _executors() - before if t.is_alive()}
@@ -135,7 +140,7 @@ def test_a_shard_that_goes_bad_mid_run_is_one_error_naming_it(ray_cluster, datas
     shutil.copytree(dataset.root, copy)
     broken = Dataset(str(copy), dataset.shard_paths, dataset.source)
     (copy / dataset.shard_paths[1]).write_bytes(b"not parquet any more")  # rewritten under the run
-    reader = RankStream([broken], _config(), 0, 1, 0, doc_ids=True)
+    reader = RankStream([broken], *_sections(_config()), 0, 1, 0, doc_ids=True)
     with pytest.raises(ShardCorrupt, match=rf"^shard {copy}/shard-00001.parquet: row group \d unreadable"):
         for _ in range(5):  # one epoch reads every shard
             reader.next_step()
@@ -152,10 +157,10 @@ def test_a_started_stream_reads_before_its_first_step_is_asked_for(ray_cluster, 
     cfg.data.prefetch_blocks = 1  # the reads stay held back, and their executor alive, until training takes rows
     data = _write(tmp_path, ((1,) * 400, (1,) * 400))
     before = _executors()
-    started = RankStream([data], cfg, 1, 2, 3, doc_ids=False)
+    started = RankStream([data], *_sections(cfg), 1, 2, 3, doc_ids=False)
     started.start()
     wait_for(lambda: any(t.is_alive() for t in _executors() - before), "the started stream's reads")
-    plain = RankStream([data], cfg, 1, 2, 3, doc_ids=False)
+    plain = RankStream([data], *_sections(cfg), 1, 2, 3, doc_ids=False)
     for _ in range(4):
         expected, got = plain.next_step(), started.next_step()
         assert got.step == expected.step
@@ -171,7 +176,7 @@ def test_a_stream_closed_while_it_starts_stops_reading(ray_cluster, tmp_path, mo
     cfg = _config()
     cfg.data.prefetch_blocks = 1
     before, starts_before = _executors(), _starts()
-    reader = RankStream([_write(tmp_path, ((1,) * 400, (1,) * 400))], cfg, 0, 2, 0, doc_ids=False)
+    reader = RankStream([_write(tmp_path, ((1,) * 400, (1,) * 400))], *_sections(cfg), 0, 2, 0, doc_ids=False)
     reader.start()
     reader.close()
     wait_for(lambda: not any(t.is_alive() for t in _starts() - starts_before), "the start to end")
@@ -185,7 +190,9 @@ def test_a_started_stream_raises_its_reading_error_at_the_first_step(ray_cluster
     broken.mkdir()
     for path in dataset.shard_paths:
         (broken / path).write_bytes(b"not parquet")
-    reader = RankStream([Dataset(str(broken), dataset.shard_paths, dataset.source)], _config(), 0, 1, 0, doc_ids=False)
+    reader = RankStream(
+        [Dataset(str(broken), dataset.shard_paths, dataset.source)], *_sections(_config()), 0, 1, 0, doc_ids=False
+    )
     reader.start()
     with pytest.raises(ShardCorrupt, match=rf"^shard {broken}/shard-0000\d.parquet"):
         reader.next_step()
@@ -198,11 +205,11 @@ def test_a_warm_up_read_leaves_nothing_reading(ray_cluster, tmp_path, monkeypatc
     cfg.data.prefetch_blocks = 1
     before = _executors()
     data = _write(tmp_path, ((1,) * 400, (1,) * 400))
-    stream.warm_up([data], cfg)
+    stream.warm_up([data], *_sections(cfg))
     wait_for(lambda: not any(t.is_alive() for t in _executors() - before), "the warm-up's executor to stop")
     # It did read: a shard gone bad fails it.
     (tmp_path / data.shard_paths[0]).write_bytes(b"not parquet")
     from wildtrain.data.manifest import ShardCorrupt
 
     with pytest.raises(ShardCorrupt):
-        stream.warm_up([data], cfg)
+        stream.warm_up([data], *_sections(cfg))

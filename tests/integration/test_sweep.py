@@ -14,6 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO
+from tests.helpers.runs import open_mlflow_run
 from wildtrain.config import load_config
 from wildtrain.model.transformer import scaling
 from wildtrain.sweeps.execute import SWEEP_TAG, run_sweep
@@ -24,7 +25,6 @@ from wildtrain.sweeps.promote import promote
 from wildtrain.sweeps.report import report_sweep
 from wildtrain.tracking.record import STOPPED_EARLY_TAG
 from wildtrain.tracking.reports.runs import report_cluster
-from wildtrain.tracking.run_setup import open_run
 
 pytestmark = pytest.mark.integration
 
@@ -166,7 +166,7 @@ def test_promote_writes_a_frozen_scaled_experiment_whose_run_carries_the_provena
     text = promotion.path.read_text()
     assert "# Provenance" in text and best.run_name in text
     # The run it starts is created with the provenance as MLflow tags.
-    _, run_id = open_run(cfg, None)
+    _, run_id = open_mlflow_run(cfg, None)
     tags = MlflowClient(mlflow_url).get_run(run_id).data.tags
     assert tags["wildtrain.promoted_from.sweep"] == plan.name
     assert tags["wildtrain.promoted_from.trial_hash"] == best.hash

@@ -119,7 +119,7 @@ def test_a_two_worker_run_sent_with_ray_job_submit_trains_tracks_and_checkpoints
     plots = {a.path: a.file_size for a in client.list_artifacts(run_id, "report")}
     assert plots.get("report/run.png", 0) > 1000
 
-    newest = storage.join(*newest_committed(checkpoint_stores(cfg)).key)
+    newest = storage.join(*newest_committed(checkpoint_stores(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage)).key)
     fs, checkpoint = storage.filesystem(newest)
     assert newest.startswith(f"{runs}/{cfg.run.name}/checkpoints/step_000000008-")
     with fs.open_input_stream(f"{checkpoint}/manifest.json") as f:
@@ -137,7 +137,7 @@ def test_a_two_worker_run_sent_with_ray_job_submit_trains_tracks_and_checkpoints
         assert json.loads(f.read())["step"] == 8
 
     # The controller converted a committed checkpoint in the background and committed the copy.
-    [store] = checkpoint_stores(cfg)
+    [store] = checkpoint_stores(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage)
     copies = [c for c in (reshard.find_universal(store, n) for n in committed_names(store)) if c]
     assert copies, "no universal copy committed beside a checkpoint"
     _, copy = copies[0]
@@ -188,7 +188,7 @@ def test_a_second_driver_is_refused_while_a_run_trains_and_the_resubmitted_run_f
     ), second.stderr
     assert "Traceback" not in second.stderr
     assert first.returncode == 0 and "step 16/16" in output, output[-3000:]
-    held = json.loads((Path(RunLayout.of(cfg).root) / "lease.json").read_text())
+    held = json.loads((Path(RunLayout.of(cfg.run, cfg.checkpoint).root) / "lease.json").read_text())
     assert held["holder"]["pid"] == first.pid and held["released_at"] is not None  # its end released it
 
     client = MlflowClient(mlflow_url)
@@ -202,11 +202,17 @@ def test_a_second_driver_is_refused_while_a_run_trains_and_the_resubmitted_run_f
         driver.run(load_config([*overrides, "train.steps=20", "train.seed=1"]))
 
     # The newest checkpoint damaged where only its checksum can tell: same size, other bytes.
-    newest = Path(storage.join(*newest_committed(checkpoint_stores(cfg)).key))
+    newest = Path(
+        storage.join(*newest_committed(checkpoint_stores(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage)).key)
+    )
     assert newest.name.startswith("step_000000016-")
     # The one before it the fallback must land on: step 12 unless a loaded machine skipped
     # periodic saves while an earlier one was still being written (the last step's never is).
-    earlier = max(c.step for c in list_candidates(checkpoint_stores(cfg)) if c.manifest is not None and c.step < 16)
+    earlier = max(
+        c.step
+        for c in list_candidates(checkpoint_stores(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage))
+        if c.manifest is not None and c.step < 16
+    )
     damaged = newest / "step_16" / "mp_rank_00_model_states.pt"
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -227,7 +233,9 @@ def test_a_second_driver_is_refused_while_a_run_trains_and_the_resubmitted_run_f
     # Submitted once more, finished: reported as it stands, no worker started, nothing logged.
     again = driver.run(load_config([*overrides, "train.steps=18"]))
     assert again.run_id == run.info.run_id and again.final_metrics["step"] == 18
-    assert again.checkpoint.endswith(newest_committed(checkpoint_stores(cfg)).name)
+    assert again.checkpoint.endswith(
+        newest_committed(checkpoint_stores(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage)).name
+    )
     assert read_events(mlflow_url, run.info.run_id, str(tmp_path / "events-again")) == events
     assert len(client.get_metric_history(run.info.run_id, "loss")) == len(steps)
 

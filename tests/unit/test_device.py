@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -45,50 +46,56 @@ def test_the_resolved_config_is_what_scaling_and_the_workers_get():
     cfg = load_config(["experiment=tiny"])
     assert cfg.cluster.use_gpu is None, "conf/cluster/local.yaml leaves it to the cluster"
     with pytest.raises(RuntimeError, match="cluster.use_gpu"):
-        scaling.worker_resources(cfg)  # read unresolved, None would train on CPU without a word
+        scaling.worker_resources(cfg.cluster)  # read unresolved, None would train on CPU without a word
 
-    on_gpus, _ = resolve_device(cfg, {"CPU": 16.0, "GPU": 2.0})
-    assert on_gpus.cluster.use_gpu is True and cfg.cluster.use_gpu is None, "a copy, not an edit"
+    on_gpus, _ = resolve_device(cfg.cluster, {"CPU": 16.0, "GPU": 2.0})
+    assert on_gpus.use_gpu is True and cfg.cluster.use_gpu is None, "a copy, not an edit"
     assert scaling.worker_resources(on_gpus) == {"CPU": 1, "GPU": 1}
-    assert scaling.worker_env(on_gpus) == {}, "Ray Train's NCCL error handling: a failed group ends the process"
-    on_gpus.elastic.in_process = True
-    survivor = scaling.worker_env(on_gpus)
+    assert scaling.worker_env(on_gpus, cfg.elastic) == {}, (
+        "Ray Train's NCCL error handling: a failed group ends the process"
+    )
+    in_process = replace(cfg.elastic, in_process=True)
+    survivor = scaling.worker_env(on_gpus, in_process)
     assert survivor["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2", "survivors outlive their groups"
     assert survivor["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0", "and torch's dump after their groups' errors"
     with pytest.raises(RuntimeError, match="cluster.placement_strategy"):
-        scaling.scaling_config(on_gpus)  # auto, read unresolved
+        scaling.scaling_config(on_gpus, in_process)  # auto, read unresolved
     eight_gpus = {"CPU": 64.0, "GPU": 8.0}
-    bundled = scaling.resolve_placement(on_gpus, [eight_gpus, eight_gpus])
-    assert scaling.scaling_config(bundled).use_gpu
+    bundled = scaling.resolve_placement(on_gpus, in_process, [eight_gpus, eight_gpus])
+    assert scaling.scaling_config(bundled, in_process).use_gpu
     assert scaling.node_bundled(bundled), "in-process on nodes of several: a bundle a node"
-    assert scaling.scaling_config(bundled).placement_strategy == "STRICT_SPREAD", "what Ray places the bundles by"
-    on_gpus.elastic.in_process = False
-    packed = scaling.resolve_placement(on_gpus, [eight_gpus, eight_gpus])
-    assert scaling.scaling_config(packed).placement_strategy == "PACK", "Ray's default, where a node holds several"
+    assert scaling.scaling_config(bundled, in_process).placement_strategy == "STRICT_SPREAD", (
+        "what Ray places the bundles by"
+    )
+    restarting = replace(cfg.elastic, in_process=False)
+    packed = scaling.resolve_placement(on_gpus, restarting, [eight_gpus, eight_gpus])
+    assert scaling.scaling_config(packed, restarting).placement_strategy == "PACK", (
+        "Ray's default, where a node holds several"
+    )
     assert not scaling.node_bundled(packed)
-    on_gpus.cluster.placement_strategy = "STRICT_SPREAD"
-    assert scaling.scaling_config(on_gpus).placement_strategy == "STRICT_SPREAD"
+    spread = replace(on_gpus, placement_strategy="STRICT_SPREAD")
+    assert scaling.scaling_config(spread, restarting).placement_strategy == "STRICT_SPREAD"
 
-    on_cpu, choice = resolve_device(cfg, {"CPU": 16.0})
+    on_cpu, choice = resolve_device(cfg.cluster, {"CPU": 16.0})
     assert not trains_on_gpu(on_cpu) and choice.note is None
     assert scaling.worker_resources(on_cpu) == {"CPU": 1}
-    assert scaling.worker_env(on_cpu) == {"DS_ACCELERATOR": "cpu"}
+    assert scaling.worker_env(on_cpu, cfg.elastic) == {"DS_ACCELERATOR": "cpu"}
 
 
 def test_cluster_gpu_asks_for_what_wildtrain_up_declares():
-    cfg, _ = resolve_device(load_config(["experiment=tiny", "cluster=gpu"]), {})
-    per_worker = scaling.worker_resources(cfg)
+    cluster, _ = resolve_device(load_config(["experiment=tiny", "cluster=gpu"]).cluster, {})
+    per_worker = scaling.worker_resources(cluster)
     assert per_worker["GPU"] == 1 and per_worker[services.TRAINER_RESOURCE] == 1
 
 
 def test_a_wait_for_gpus_that_never_came_names_cluster_use_gpu():
-    cfg, _ = resolve_device(load_config(["experiment=tiny", "cluster.use_gpu=true", "elastic.capacity_wait_s=5"]), {})
+    cfg = load_config(["experiment=tiny", "cluster.use_gpu=true", "elastic.capacity_wait_s=5"])
     need = {"CPU": 2.0, "GPU": 1.0}
-    error = shortfall(cfg, need, {"CPU": 8.0})
+    error = shortfall(cfg.elastic, cfg.data, cfg.eval, need, {"CPU": 8.0})
     assert isinstance(error, ConfigError)
     assert str(error).startswith("cluster.use_gpu: true, but the cluster has offered no GPU for 5 s")
     # Some GPUs, too few for min_workers: a capacity problem, as for CPUs.
-    error = shortfall(cfg, {"CPU": 2.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 1.0})
+    error = shortfall(cfg.elastic, cfg.data, cfg.eval, {"CPU": 2.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 1.0})
     assert isinstance(error, CapacityError) and str(error).startswith("elastic.min_workers: ")
 
 
@@ -117,7 +124,7 @@ BUILD_ON_CPU = """
 import os
 import sys
 import torch
-from wildtrain.engine import build_engine, build_model, import_deepspeed
+from wildtrain.engine import EngineSettings, build_engine, build_model, import_deepspeed
 from wildtrain.batching import batch_plan
 from wildtrain.config import Config, ModelConfig
 
@@ -130,7 +137,8 @@ for stage in (1, 3):
     cfg.deepspeed.zero_stage = stage
     plan = batch_plan(2, 1, 1)
     device = torch.device("cpu")
-    engine = build_engine(cfg, plan, build_model(cfg, plan, device), device)
+    settings = EngineSettings(cfg.model, cfg.optim, cfg.deepspeed, cfg.train.steps, cfg.elastic.collective_timeout_s)
+    engine = build_engine(settings, plan, build_model(settings, plan, device), device)
     params = list(engine.module.parameters())
     dtypes = {p.dtype for p in params} | {getattr(p, "ds_tensor", p).dtype for p in params}
     fused = any(g.get("fused") for g in engine.optimizer.optimizer.param_groups)

@@ -56,13 +56,13 @@ def test_deepspeed_config_follows_plan_and_device():
     cfg = Config()
     cfg.deepspeed.zero_stage = 2
     plan = batch_plan(16, 4, 2)
-    cpu = deepspeed_config(cfg, plan, on_cuda=False)
+    cpu = deepspeed_config(cfg.deepspeed, cfg.optim, plan, on_cuda=False)
     assert cpu["train_batch_size"] == 16
     assert cpu["train_micro_batch_size_per_gpu"] == 4 and cpu["gradient_accumulation_steps"] == 2
     assert cpu["zero_optimization"] == {"stage": 2}
     assert cpu["gradient_clipping"] == cfg.optim.grad_clip
     assert "bf16" not in cpu  # fp32 on CPU
-    assert deepspeed_config(cfg, plan, on_cuda=True)["bf16"] == {"enabled": True}
+    assert deepspeed_config(cfg.deepspeed, cfg.optim, plan, on_cuda=True)["bf16"] == {"enabled": True}
 
 
 PRESETS = sorted(p.stem for p in (PACKAGE_CONF_DIR / "model").glob("*.yaml"))
@@ -87,7 +87,7 @@ def deepspeed_reads():
 def test_deepspeed_reads_our_precision_and_overlap_for_every_preset_and_stage(deepspeed_reads, preset, stage, on_cuda):
     cfg = load_config([f"model={preset}", f"deepspeed={stage}"])
     plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, 1)
-    read = deepspeed_reads(deepspeed_config(cfg, plan, on_cuda))
+    read = deepspeed_reads(deepspeed_config(cfg.deepspeed, cfg.optim, plan, on_cuda))
     assert read.zero_optimization_stage == cfg.deepspeed.zero_stage
     assert (read.train_batch_size, read.train_micro_batch_size_per_gpu, read.gradient_accumulation_steps) == (
         plan.global_batch_size,
@@ -126,7 +126,7 @@ def test_deepspeed_reads_our_precision_and_overlap_for_every_preset_and_stage(de
 def test_compile_is_on_for_cuda_except_under_zero3_unless_set(stage, compile, on_cuda, compiled):
     cfg = Config()
     cfg.deepspeed.zero_stage, cfg.model.compile = stage, compile
-    assert compiles(cfg, on_cuda) is compiled
+    assert compiles(cfg.model, cfg.deepspeed, on_cuda) is compiled
 
 
 START_COMM = """
@@ -202,7 +202,7 @@ print(get_accelerator().device_name())
 GRADIENT_GROUP_TIMEOUT = """
 import datetime, torch
 import torch.distributed as dist
-from wildtrain.engine import build_engine, build_model
+from wildtrain.engine import EngineSettings, build_engine, build_model
 from wildtrain.batching import batch_plan
 from wildtrain.config import Config, ModelConfig
 
@@ -213,7 +213,8 @@ cfg.model = ModelConfig(dim=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_le
 cfg.deepspeed.zero_stage = 1
 cfg.elastic.collective_timeout_s = 77
 plan = batch_plan(2, 1, 1)
-engine = build_engine(cfg, plan, build_model(cfg, plan, torch.device("cpu")), torch.device("cpu"))
+settings = EngineSettings(cfg.model, cfg.optim, cfg.deepspeed, cfg.train.steps, cfg.elastic.collective_timeout_s)
+engine = build_engine(settings, plan, build_model(settings, plan, torch.device("cpu")), torch.device("cpu"))
 group = engine.optimizer.dp_process_group
 print("reduces over", group.size(), "ranks with timeout", group._get_backend(torch.device("cpu")).options._timeout)
 """

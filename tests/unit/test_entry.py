@@ -26,12 +26,13 @@ from wildtrain.train import entry
 class Begun(Exception):
     pass
 
-def begin(datasets, cfg):
+def begin(datasets, data, train, config):
     raise Begun(sorted(set(WORKERS_ONLY) & set(sys.modules)), datasets)
 
 stream.warm_up_ahead = begin
 entry.check_storage = lambda drivers, cfg: None
-inputs = types.SimpleNamespace(cfg=None, storage_view=None, data=types.SimpleNamespace(datasets=["the datasets"]))
+cfg = types.SimpleNamespace(data=None, train=None, storage=None)
+inputs = types.SimpleNamespace(cfg=cfg, storage_view=None, data=types.SimpleNamespace(datasets=["the datasets"]))
 try:
     entry.joiner_main(inputs, "token", "member.2", 2)
 except Begun as begun:

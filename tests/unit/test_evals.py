@@ -88,8 +88,13 @@ def test_eval_settings_are_refused_naming_the_key(override, message):
 def test_an_evaluation_takes_a_gpu_where_the_cluster_offers_them_and_training_leaves_its_cpus():
     assert eval_resources(EvalConfig(num_cpus=2), cluster_gpus=8).describe() == "1 GPU and 2 CPUs"
     assert eval_resources(EvalConfig(), cluster_gpus=0).describe() == "1 CPU"
-    assert spare_cpus(load_config(["eval.num_cpus=2"])) == 1  # no tasks: nothing held for evaluations
-    assert spare_cpus(load_config(["eval.num_cpus=2", "eval.tasks=[x]"])) == 3
+    assert spare_cpus(*_data_and_eval("eval.num_cpus=2")) == 1  # no tasks: nothing held for evaluations
+    assert spare_cpus(*_data_and_eval("eval.num_cpus=2", "eval.tasks=[x]")) == 3
+
+
+def _data_and_eval(*overrides: str) -> tuple:
+    cfg = load_config(list(overrides))
+    return cfg.data, cfg.eval
 
 
 def _yielded_threads(started_before: threading.Event, queue) -> None:
@@ -179,7 +184,8 @@ def test_an_unknown_task_is_named_before_anything_is_submitted(run):
 
 def test_a_step_without_a_committed_checkpoint_is_named_with_the_committed_ones(run, tmp_path):
     done = wildtrain("eval", "r", "--step", "3", "--tasks", TASK, *run)
-    store = RunLayout.of(load_config([*run, "run.name=r"])).checkpoint_uris[0]
+    cfg = load_config([*run, "run.name=r"])
+    store = RunLayout.of(cfg.run, cfg.checkpoint).checkpoint_uris[0]
     assert one_line(done, 1) == f"wildtrain: run 'r' has no committed checkpoint at step 3 in {store} (committed: 4)"
 
 

@@ -61,7 +61,7 @@ def test_a_step_without_a_committed_checkpoint_lists_the_committed_ones(tmp_path
     cfg = make_run(tmp_path, where)
     commit_checkpoint(cfg, tmp_path, 4)
     commit_checkpoint(cfg, tmp_path, 8, committed=False)  # a save that never committed
-    store = RunLayout.of(cfg).checkpoint_uris[0]
+    store = RunLayout.of(cfg.run, cfg.checkpoint).checkpoint_uris[0]
     for step in (8, 3):
         done = wildtrain("export", "r", "--step", str(step), "--out", str(tmp_path / "out"), *where)
         assert one_line(done) == (

@@ -56,17 +56,25 @@ def _cfg(tmp_path, *extra: str):
     return load_config([f"run.storage={tmp_path}", "run.name=r", "cluster.name=a", *extra])
 
 
+def _uri(cfg) -> str:
+    return RunLayout.of(cfg.run, cfg.checkpoint).lease
+
+
+def _keeper(cfg, uri=None) -> Keeper:
+    return Keeper(cfg.run, cfg.cluster.name, cfg.storage, uri or _uri(cfg))
+
+
 def _read(cfg) -> Lease:
-    with open(RunLayout.of(cfg).lease) as f:
+    with open(_uri(cfg)) as f:
         return Lease.from_json(f.read())
 
 
 def test_a_driver_writes_renews_and_releases_its_lease(tmp_path, monkeypatch):
     monkeypatch.setattr(lease, "SETTLE_S", 0.0)
     cfg = _cfg(tmp_path, "run.lease_renew_s=0.05", "run.lease_expire_s=0.5")
-    keeper = Keeper(cfg, RunLayout.of(cfg).lease)
+    keeper = _keeper(cfg)
     with keeper:
-        assert not os.path.exists(RunLayout.of(cfg).lease)  # checked, not yet taken
+        assert not os.path.exists(_uri(cfg))  # checked, not yet taken
         keeper.acquire()
         first = _read(cfg)
         assert (first.holder.host, first.holder.pid, first.holder.cluster) == (socket.gethostname(), os.getpid(), "a")
@@ -75,34 +83,34 @@ def test_a_driver_writes_renews_and_releases_its_lease(tmp_path, monkeypatch):
         assert renewed.holder == first.holder and renewed.expires_at == pytest.approx(renewed.renewed_at + 0.5)
     released = _read(cfg)
     assert released.holder == first.holder and released.released_at is not None
-    assert lease.check("r", RunLayout.of(cfg).lease, cfg.storage).free
+    assert lease.check("r", _uri(cfg), cfg.storage).free
 
 
 def test_a_second_driver_is_refused_while_the_first_holds_the_lease_and_not_after_it_expires(tmp_path, monkeypatch):
     monkeypatch.setattr(lease, "SETTLE_S", 0.0)
     cfg = _cfg(tmp_path, "run.lease_renew_s=0.05", "run.lease_expire_s=1")
-    first = Keeper(cfg, RunLayout.of(cfg).lease)
+    first = _keeper(cfg)
     first.acquire()
     with pytest.raises(LeaseError, match=rf"^run 'r' is live: pid {os.getpid()} on .* holds its lease until"):
-        with Keeper(cfg, RunLayout.of(cfg).lease):
+        with _keeper(cfg):
             pass
     # The first driver dies: nothing renews, nothing releases.
     first._stop.set()
     first._thread.join()
-    wait_for(lambda: lease.check("r", RunLayout.of(cfg).lease, cfg.storage).free, "the lease's expiry")
-    second = Keeper(cfg, RunLayout.of(cfg).lease)
+    wait_for(lambda: lease.check("r", _uri(cfg), cfg.storage).free, "the lease's expiry")
+    second = _keeper(cfg)
     with second:
         second.acquire()
         assert _read(cfg).holder == second.holder
     # The dead driver's late release (or renewal) must not touch the new holder's lease.
-    assert not lease.release_for(RunLayout.of(cfg).lease, cfg.storage, first.holder)
+    assert not lease.release_for(_uri(cfg), cfg.storage, first.holder)
 
 
 def test_a_driver_that_lost_its_lease_stops_renewing_rather_than_take_it_back(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(lease, "SETTLE_S", 0.0)
     cfg = _cfg(tmp_path, "run.lease_renew_s=0.05", "run.lease_expire_s=0.3")
-    uri = RunLayout.of(cfg).lease
-    keeper = Keeper(cfg, uri)
+    uri = _uri(cfg)
+    keeper = _keeper(cfg, uri)
     keeper.acquire()
     taken = Lease(OTHER, time.time(), time.time() + 60)
     with open(uri, "w") as f:
@@ -116,12 +124,12 @@ def test_a_driver_that_lost_its_lease_stops_renewing_rather_than_take_it_back(tm
 
 def test_a_lease_file_that_does_not_parse_is_named(tmp_path):
     cfg = _cfg(tmp_path)
-    uri = RunLayout.of(cfg).lease
+    uri = _uri(cfg)
     os.makedirs(os.path.dirname(uri))
     with open(uri, "w") as f:
         json.dump({"holder": "?"}, f)
     with pytest.raises(LeaseError, match=rf"^{uri}: not a lease"):
-        Keeper(cfg, uri).acquire()
+        _keeper(cfg, uri).acquire()
 
 
 def test_a_lease_that_would_expire_between_renewals_is_a_config_error():
@@ -131,8 +139,8 @@ def test_a_lease_that_would_expire_between_renewals_is_a_config_error():
 
 def test_submit_refuses_a_run_live_on_the_cluster_and_names_its_job_in_the_job_env(tmp_path):
     cfg = _cfg(tmp_path)
-    os.makedirs(RunLayout.of(cfg).root)
-    with open(RunLayout.of(cfg).lease, "w") as f:
+    os.makedirs(RunLayout.of(cfg.run, cfg.checkpoint).root)
+    with open(_uri(cfg), "w") as f:
         f.write(Lease(OTHER, time.time(), time.time() + 60).to_json())
     cluster = registry.load(REPO / "ray_clusters" / "clusters.yaml").get("local")
     with pytest.raises(LeaseError, match=r"^local: run 'r' is live: pid 4242 on head-node"):
@@ -144,7 +152,7 @@ def test_submit_refuses_a_run_live_on_the_cluster_and_names_its_job_in_the_job_e
 def test_of_two_drivers_that_take_the_lease_at_once_one_is_refused(tmp_path):
     # Both read no lease, both write within SETTLE_S: the read back settles who won.
     cfg = _cfg(tmp_path)
-    keepers = [Keeper(cfg, RunLayout.of(cfg).lease) for _ in range(2)]
+    keepers = [_keeper(cfg) for _ in range(2)]
     outcomes: list = [None, None]
 
     def take(i: int) -> None:

@@ -101,7 +101,7 @@ def test_a_document_masked_row_computes_each_document_as_if_alone():
 
 def test_targets_only_loss_gives_prefix_positions_exactly_zero_gradient():
     cfg = load_config(["train.objective=ul2", "model.attention=prefix_lm"])
-    objective = Objective.of(cfg, ByteTokenizer().describe())
+    objective = Objective.of(cfg.objective, cfg.train, cfg.model, ByteTokenizer().describe())
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, (2, 61)).astype(np.int32)
     doc_ids = np.repeat(np.array([[0] * 25 + [1] * 36]), 2, axis=0).astype(np.int32)

@@ -66,10 +66,10 @@ def noticing(step: int, *checkpoints: str) -> WorkerReport:
 
 def test_a_commit_whose_notice_was_lost_with_rank_zero_is_noticed_after_the_recovery(tmp_path):
     cfg = load_config([f"run.storage={tmp_path / 'runs'}", "run.name=r"])
-    primary = RunLayout.of(cfg).checkpoint_uris[0]
+    primary = RunLayout.of(cfg.run, cfg.checkpoint).checkpoint_uris[0]
     commit_checkpoint(cfg, tmp_path, 2)  # a resubmission's: restored from, not this run's to notice
     commit_checkpoint(cfg, tmp_path, 4)
-    callback = MissedCommits(cfg)
+    callback = MissedCommits(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage)
     assert polls(
         callback,
         [
@@ -95,13 +95,15 @@ def test_a_commit_whose_notice_was_lost_with_rank_zero_is_noticed_after_the_reco
     assert seen == late + [f"{primary}/step_000000012-ab"]
     # Once only.
     assert polls(callback, [report(step, 1)]) == [[]]
-    assert sorted(c.step for c in list_candidates(checkpoint_stores(cfg))) == [2, 4, 8, 10, 12]
+    assert sorted(
+        c.step for c in list_candidates(checkpoint_stores(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage))
+    ) == [2, 4, 8, 10, 12]
 
 
 def test_a_restarted_groups_first_report_looks_too(tmp_path):
     cfg = load_config([f"run.storage={tmp_path / 'runs'}", "run.name=r"])
-    primary = RunLayout.of(cfg).checkpoint_uris[0]
-    callback = MissedCommits(cfg)
+    primary = RunLayout.of(cfg.run, cfg.checkpoint).checkpoint_uris[0]
+    callback = MissedCommits(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage)
     commit_checkpoint(cfg, tmp_path, 4)
     polls(callback, [first_report(1, 2, restored_step=0, started_at=0.0, first_step_at=1.0), report(5, 2)])
     # The group restarts from step 4, whose notice its lost rank 0 took with it.

@@ -10,10 +10,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.helpers.reports import first_report
+from tests.helpers.runs import open_mlflow_run
 from wildtrain.config import StorageConfig
 from wildtrain.elastic.restarts import interpret
 from wildtrain.events import Resize, StoppedEarly, TrackingOutage
-from wildtrain.tracking import mlflow_client, record, run_setup
+from wildtrain.tracking import mlflow_client, record
 from wildtrain.tracking.controller import mlflow_run
 from wildtrain.tracking.controller.mlflow_run import MlflowCallback, Tracker
 from wildtrain.tracking.record import mlflow_key, read_events
@@ -98,9 +99,9 @@ def test_a_run_reopened_on_another_cluster_is_tagged_with_every_cluster_it_train
             ["experiment=tiny", f"tracking.uri={uri}", "tracking.experiment=moves", f"cluster.name={cluster}"]
         )
 
-    _, run_id = run_setup.open_run(on("a"), None)
+    _, run_id = open_mlflow_run(on("a"), None)
     for cluster in ("b", "b", "a"):  # moved to b, resubmitted there, moved back
-        run_setup.open_run(on(cluster), run_id)
+        open_mlflow_run(on(cluster), run_id)
     tags = MlflowClient(uri).get_run(run_id).data.tags
     assert (tags[record.CLUSTER_TAG], tags[record.CLUSTERS_TAG]) == ("a", ",a,b,")
 
@@ -178,7 +179,7 @@ def test_the_experiment_wildtrain_creates_opens_in_the_mlflow_uis_model_training
     monkeypatch.chdir(tmp_path)  # MLflow's default artifact root of a new experiment: ./mlruns
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = load_config(["experiment=tiny", f"tracking.uri={uri}", "tracking.experiment=new"])
-    experiment_id, run_id = run_setup.open_run(cfg, None)
+    experiment_id, run_id = open_mlflow_run(cfg, None)
     # What MLflow 3's UI reads and its kind switch writes: not the GenAI view of traces.
     assert MlflowClient(uri).get_experiment(experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     # MLflow 3.17 follows its own switch, not the tag: the address wildtrain prints asks.

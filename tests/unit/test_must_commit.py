@@ -10,7 +10,7 @@ from tests.helpers.faulty_fs import Faults, faulty_filesystem
 from wildtrain.checkpoint.async_save import AsyncSaver
 from wildtrain.checkpoint.restore import list_candidates
 from wildtrain.checkpoint.store import Store
-from wildtrain.config import Config
+from wildtrain.config import Config, config_hash
 from wildtrain.train import checkpointing
 from wildtrain.train.state import TrainState
 
@@ -39,6 +39,12 @@ def failing_store(tmp_path):
     return faults, Store(faulty_filesystem(pafs.LocalFileSystem(), faults), str(tmp_path / "store"), "store")
 
 
+def _settings(cfg: Config) -> checkpointing.SaveSettings:
+    return checkpointing.SaveSettings(
+        cfg.deepspeed.zero_stage, cfg.train.seed, config_hash(cfg), cfg.checkpoint.timeout_s
+    )
+
+
 def saver_for(tmp_path, store) -> AsyncSaver:
     return thread_saver([store], str(tmp_path / "staging"), rank=0, world_size=1, attempt="a1", timeout_s=30)
 
@@ -53,7 +59,7 @@ def test_the_last_save_is_retried_until_it_commits(tmp_path, failing_store, monk
     faults.fail_next = 2  # two tries fail, the third commits
     saver = saver_for(tmp_path, store)
     cfg = Config()
-    assert checkpointing.save(saver, FakeEngine(), cfg, TrainState(step=60), 1, must_commit=True, retry=True)
+    assert checkpointing.save(saver, FakeEngine(), _settings(cfg), TrainState(step=60), 1, must_commit=True, retry=True)
     # Each try has a folder of its own, so an earlier try's part records cannot mislead the next.
     assert committed(store) == ["step_000000060-a1t3"]
     assert [o.status for o in saver.drain()] == ["failed", "failed", "saved"]
@@ -64,7 +70,9 @@ def test_a_regrow_save_that_fails_is_tried_once(tmp_path, failing_store):
     faults, store = failing_store
     faults.fail_next = 1
     saver = saver_for(tmp_path, store)
-    assert not checkpointing.save(saver, FakeEngine(), Config(), TrainState(step=40), 1, must_commit=True, retry=False)
+    assert not checkpointing.save(
+        saver, FakeEngine(), _settings(Config()), TrainState(step=40), 1, must_commit=True, retry=False
+    )
     assert committed(store) == [] and [o.status for o in saver.drain()] == ["failed"]
 
 
@@ -75,6 +83,6 @@ def test_the_last_save_gives_up_at_checkpoint_timeout(tmp_path, failing_store, m
     cfg = Config()
     cfg.checkpoint.timeout_s = 1.0
     assert not checkpointing.save(
-        saver_for(tmp_path, store), FakeEngine(), cfg, TrainState(step=60), 1, must_commit=True, retry=True
+        saver_for(tmp_path, store), FakeEngine(), _settings(cfg), TrainState(step=60), 1, must_commit=True, retry=True
     )
     assert committed(store) == []

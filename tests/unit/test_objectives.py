@@ -4,6 +4,7 @@ they are a pure function of (seed, step, sample id, row), whatever rank builds t
 from __future__ import annotations
 
 from collections import Counter
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -18,8 +19,9 @@ SENTINELS = set(BYTE.sentinels)
 F = {name: i for i, name in enumerate(FIELDS)}
 
 
-def objective(*overrides: str) -> Objective:
-    return Objective.of(load_config(list(overrides)), BYTE.describe())
+def objective(*overrides: str, tokenizer: Optional[dict] = None) -> Objective:
+    cfg = load_config(list(overrides))
+    return Objective.of(cfg.objective, cfg.train, cfg.model, tokenizer or BYTE.describe())
 
 
 def packed(rows: int, seq_len: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -150,8 +152,8 @@ def test_ul2r_preset_and_bad_objectives_name_their_key():
 
 def test_a_dataset_without_reserved_ids_is_refused_for_ul2_only():
     old = {"kind": "byte", "vocab_size": 257, "eos_id": 256}
-    Objective.of(load_config([]), old)  # causal needs nothing reserved
+    objective(tokenizer=old)  # causal needs nothing reserved
     with pytest.raises(DataError, match=r"^objective.denoisers.0.mode: \[NLU\] is not a reserved token"):
-        Objective.of(load_config(["train.objective=ul2"]), old)
+        objective("train.objective=ul2", tokenizer=old)
     with pytest.raises(DataError, match=r"^train.objective: ul2's span denoisers need sentinel ids"):
-        Objective.of(load_config(["train.objective=ul2", "objective.denoisers=[{mode: null}]"]), old)
+        objective("train.objective=ul2", "objective.denoisers=[{mode: null}]", tokenizer=old)

@@ -8,7 +8,8 @@ import pytest
 
 from tests.helpers.datasets import write_dataset
 from wildtrain.config import ConfigError, load_config
-from wildtrain.data.dataset import DataError, open_datasets
+from wildtrain.data.dataset import DataError
+from wildtrain.driver import open_data
 
 SEQ_LEN = 16
 
@@ -27,7 +28,7 @@ def _config(*datasets, extra=()):
 
 
 def test_a_good_dataset_opens_with_its_row_groups(dataset):
-    opened = open_datasets(_config((dataset, 1)))
+    opened = open_data(_config((dataset, 1)))
     (only,) = opened.datasets
     assert only.shard_paths == ("shard-00000.parquet", "shard-00001.parquet", "shard-00002.parquet")
     assert only.source.row_groups == ((8,) * 5,) * 3
@@ -37,21 +38,21 @@ def test_a_good_dataset_opens_with_its_row_groups(dataset):
 
 def test_seq_len_other_than_the_datasets_names_the_key(dataset):
     with pytest.raises(DataError, match=r"^data.datasets.0.uri: prepared with seq_len 16, but data.seq_len is 32"):
-        open_datasets(_config((dataset, 1), extra=["data.seq_len=32", "model.max_seq_len=64"]))
+        open_data(_config((dataset, 1), extra=["data.seq_len=32", "model.max_seq_len=64"]))
 
 
 def test_tokenizer_larger_than_the_model_names_the_key(dataset):
     with pytest.raises(
         DataError, match=r"^data.datasets.0.uri: its byte tokenizer has 320 ids, more than model.vocab_size \(200\)"
     ):
-        open_datasets(_config((dataset, 1), extra=["model.vocab_size=200"]))
+        open_data(_config((dataset, 1), extra=["model.vocab_size=200"]))
 
 
 def test_missing_shard_names_it_or_is_skipped_when_configured(dataset):
     (dataset / "shard-00001.parquet").unlink()
     with pytest.raises(DataError, match=r"^data.datasets.0.uri: shard shard-00001.parquet: missing .*skip_bad_shards"):
-        open_datasets(_config((dataset, 1)))
-    opened = open_datasets(_config((dataset, 1), extra=["data.skip_bad_shards=true"]))
+        open_data(_config((dataset, 1)))
+    opened = open_data(_config((dataset, 1), extra=["data.skip_bad_shards=true"]))
     assert opened.datasets[0].source.row_groups[1] == ()
     assert opened.steps_per_epoch == 80 // 8
     assert len(opened.skipped_shards) == 1 and "shard-00001.parquet: " in opened.skipped_shards[0]
@@ -62,9 +63,9 @@ def test_corrupt_shard_is_found_by_its_checksum(dataset):
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF  # same size: only the checksum can tell
     shard.write_bytes(bytes(data))
-    open_datasets(_config((dataset, 1)))  # sizes and footers only: not noticed
+    open_data(_config((dataset, 1)))  # sizes and footers only: not noticed
     with pytest.raises(DataError, match=r"shard shard-00002.parquet: sha256 does not match the manifest"):
-        open_datasets(_config((dataset, 1), extra=["data.verify_checksums=true"]))
+        open_data(_config((dataset, 1), extra=["data.verify_checksums=true"]))
 
 
 def test_mixture_of_differently_tokenized_datasets_is_refused(dataset, tmp_path):
@@ -73,20 +74,20 @@ def test_mixture_of_differently_tokenized_datasets_is_refused(dataset, tmp_path)
     manifest = (other / "manifest.json").read_text().replace('"vocab_size": 320', '"vocab_size": 250')
     (other / "manifest.json").write_text(manifest)
     with pytest.raises(DataError, match=r"^data.datasets.1.uri: tokenized with"):
-        open_datasets(_config((dataset, 1), (other, 1)))
+        open_data(_config((dataset, 1), (other, 1)))
 
 
 def test_too_few_rows_for_one_global_batch(tmp_path):
     small = tmp_path / "small"
     write_dataset(small, [np.zeros((6, SEQ_LEN + 1), dtype=np.int32)], rows_per_group=8)
     with pytest.raises(DataError, match=r"^data.datasets: 6 rows in all, fewer than one global batch"):
-        open_datasets(_config((small, 1)))
+        open_data(_config((small, 1)))
 
 
 def test_weights_must_be_positive(dataset):
     # The config refuses it before anything opens (the weight's declaration in config/training.py).
     with pytest.raises(ConfigError, match=r"^data.datasets.0.weight: must be positive"):
-        open_datasets(_config((dataset, 0)))
+        open_data(_config((dataset, 0)))
 
 
 def test_held_out_shards_and_validation_datasets_are_the_validation_set(tmp_path, dataset):
@@ -97,15 +98,15 @@ def test_held_out_shards_and_validation_datasets_are_the_validation_set(tmp_path
         rows_per_group=8,
         validation=[rng.integers(0, 256, (5, SEQ_LEN + 1), dtype=np.int32)],
     )
-    opened = open_datasets(_config((tmp_path / "web", 1), extra=[f"data.validation=[{{uri: {dataset}}}]"]))
+    opened = open_data(_config((tmp_path / "web", 1), extra=[f"data.validation=[{{uri: {dataset}}}]"]))
     assert [(v.name, v.rows) for v in opened.validation] == [("web", 5), ("data", 120)]
     assert opened.token_bytes[:256].sum() == 256 and opened.token_bytes[256:].sum() == 0
-    assert not open_datasets(_config((dataset, 1))).validation
+    assert not open_data(_config((dataset, 1))).validation
 
 
 def test_watching_the_validation_loss_without_a_validation_set_names_the_key(dataset):
     with pytest.raises(DataError, match=r"^early_stop.metric: val/loss needs a validation set"):
-        open_datasets(_config((dataset, 1), extra=["early_stop.enabled=true", "early_stop.metric=val/loss"]))
+        open_data(_config((dataset, 1), extra=["early_stop.enabled=true", "early_stop.metric=val/loss"]))
 
 
 def test_a_missing_validation_shard_stops_the_run_naming_it(tmp_path):
@@ -118,4 +119,4 @@ def test_a_missing_validation_shard_stops_the_run_naming_it(tmp_path):
     )
     (tmp_path / "web" / "validation-00000.parquet").unlink()
     with pytest.raises(DataError, match=r"^data.datasets.0.uri: shard validation-00000.parquet: missing"):
-        open_datasets(_config((tmp_path / "web", 1)))
+        open_data(_config((tmp_path / "web", 1)))

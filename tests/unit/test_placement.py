@@ -78,7 +78,7 @@ def host_rows(cfg: Config, step: int) -> np.ndarray:
     rng = np.random.default_rng(step)
     tokens = rng.integers(0, 256, (ROWS, SEQ_LEN + 1)).astype(np.int32)
     doc_ids = np.sort(rng.integers(0, 3, (ROWS, SEQ_LEN + 1)), axis=1).astype(np.int32)
-    objective = Objective.of(cfg, ByteTokenizer().describe())
+    objective = Objective.of(cfg.objective, cfg.train, cfg.model, ByteTokenizer().describe())
     return objective.rows(step, np.arange(ROWS) + step * ROWS, tokens, doc_ids)
 
 

@@ -12,12 +12,19 @@ import textwrap
 import pytest
 
 from tests.conftest import REPO
+from tests.helpers.models import engine_settings
 from tests.helpers.ranks import spawned_pair
 from wildtrain.checkpoint.shm import capture_bytes, choose_mode, shm_free, shm_needed
 from wildtrain.config import load_config
 from wildtrain.events import ShmTooSmall, from_dict
 from wildtrain.model import param_count
 from wildtrain.train.checkpointing import save_mode
+
+
+def _engine(cfg) -> tuple:
+    """What `save_mode` reads of `cfg`: the engine's settings, checkpoint.background, cluster.use_gpu."""
+    return engine_settings(cfg), cfg.checkpoint.background, bool(cfg.cluster.use_gpu)
+
 
 GiB = 2**30
 
@@ -62,7 +69,7 @@ def test_a_worker_with_a_small_shm_saves_in_a_thread_and_tells_the_controller(ca
     cfg = load_config(["model=125m"])
     assert cfg.checkpoint.background == "process"
 
-    mode, events = save_mode(cfg, rank=0, world_size=1, nodes=["node-a"], shm_free=lambda: 64 * 2**20)
+    mode, events = save_mode(*_engine(cfg), rank=0, world_size=1, nodes=["node-a"], shm_free=lambda: 64 * 2**20)
 
     assert mode == "thread"
     [event] = events
@@ -76,7 +83,9 @@ def test_a_worker_with_a_small_shm_saves_in_a_thread_and_tells_the_controller(ca
 
 def _choose(rank: int, results) -> None:
     free = 64 * 2**20 if rank == 1 else 64 * GiB  # node-b's /dev/shm is small
-    results.put((rank, save_mode(load_config(["model=125m"]), rank, 2, ["node-a", "node-b"], shm_free=lambda: free)))
+    results.put(
+        (rank, save_mode(*_engine(load_config(["model=125m"])), rank, 2, ["node-a", "node-b"], shm_free=lambda: free))
+    )
 
 
 def test_every_rank_tells_the_controller_of_a_small_shm_on_any_node():
@@ -93,10 +102,10 @@ def test_every_rank_tells_the_controller_of_a_small_shm_on_any_node():
 
 def test_a_worker_with_room_keeps_the_process_quietly(capsys):
     cfg = load_config(["model=125m"])
-    assert save_mode(cfg, 0, 1, ["node-a"], shm_free=lambda: 64 * GiB) == ("process", [])
-    assert save_mode(cfg, 0, 1, ["node-a"], shm_free=lambda: None) == ("process", [])
+    assert save_mode(*_engine(cfg), 0, 1, ["node-a"], shm_free=lambda: 64 * GiB) == ("process", [])
+    assert save_mode(*_engine(cfg), 0, 1, ["node-a"], shm_free=lambda: None) == ("process", [])
     cfg.checkpoint.background = "thread"
-    assert save_mode(cfg, 0, 1, ["node-a"], shm_free=lambda: 0) == ("thread", [])
+    assert save_mode(*_engine(cfg), 0, 1, ["node-a"], shm_free=lambda: 0) == ("thread", [])
     assert capsys.readouterr().out == ""
 
 

@@ -46,7 +46,7 @@ def test_zero3_turns_the_check_off_with_a_reason_the_run_records():
 
 def _watch(rank: int, results) -> None:
     cfg = load_config(["monitor.straggler_every=2", "monitor.straggler_patience=2", "monitor.straggler_factor=1.5"])
-    watch = StragglerWatch(cfg, ["node-a", "node-b"])
+    watch = StragglerWatch(cfg.monitor, cfg.deepspeed.zero_stage, ["node-a", "node-b"])
     busy_s, events = 0.0, []
     for step in range(1, 7):
         busy_s += 0.1 if rank == 0 else 0.5  # two ranks: above 1.5x their median is above 3x the other

@@ -29,9 +29,8 @@ def test_each_trial_args_load_its_config():
 
 def test_as_many_trials_run_at_once_as_the_cluster_holds_at_their_full_size():
     # As the sweep sizes them: each trial's device resolved against the cluster (no GPU here).
-    cfg, _ = resolve_device(
-        load_config(["experiment=tiny", "elastic.max_workers=2", "data.read_cpus=1"]), {"CPU": 10.0}
-    )
+    cfg = load_config(["experiment=tiny", "elastic.max_workers=2", "data.read_cpus=1"])
+    cfg = dataclasses.replace(cfg, cluster=resolve_device(cfg.cluster, {"CPU": 10.0})[0])
     assert trial_need(cfg) == {"CPU": 3.0}
     gpu = load_config(["experiment=tiny", "elastic.max_workers=8", "elastic.min_workers=8", "cluster=gpu"])
     assert trial_need(gpu) == {"CPU": 8 * 8 + gpu.data.read_cpus, "GPU": 8.0, "trainer": 8.0}

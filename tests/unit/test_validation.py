@@ -64,7 +64,9 @@ def test_a_validator_takes_the_byte_table_read_only_as_ray_hands_it_over_and_war
     data = OpenedData([], 1, ByteTokenizer().describe(), validation=[_set("a", [[3]])], token_bytes=table)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        validator = Validator(load_config(["experiment=tiny"]), data, 0, 1, torch.device("cpu"))
+        cfg = load_config(["experiment=tiny"])
+        micro_batch = cfg.eval.micro_batch_size or cfg.train.micro_batch_size
+        validator = Validator(data, cfg.data.seq_len, micro_batch, cfg.storage, 0, 1, torch.device("cpu"))
     assert validator.token_bytes.tolist() == table.tolist()
     # Its own copy, never a view of the read-only buffer (torch warns of one only once a process).
     assert validator.token_bytes.data_ptr() != table.ctypes.data

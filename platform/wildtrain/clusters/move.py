@@ -28,11 +28,12 @@ from typing import Callable, Optional
 
 from wildtrain import lease, storage
 from wildtrain.checkpoint.restore import newest_committed
+from wildtrain.checkpoint.store import Store
 from wildtrain.clusters import jobs_api
 from wildtrain.clusters.registry import Cluster
 from wildtrain.clusters.submit import Submitted, submit
 from wildtrain.clusters.sync import Location, SyncResult, sync
-from wildtrain.config import Config, ConfigError, load_config
+from wildtrain.config import ConfigError, load_config
 from wildtrain.events import Moved
 from wildtrain.layout import RunLayout, checkpoint_stores
 
@@ -56,25 +57,32 @@ def running_job(cluster: Cluster, run: str) -> Optional[str]:
     return None
 
 
-def newest_step(cfg: Config) -> Optional[int]:
-    candidate = newest_committed(checkpoint_stores(cfg))
+def newest_step(stores: list[Store]) -> Optional[int]:
+    candidate = newest_committed(stores)
     return candidate.step if candidate else None
 
 
 def stop_after_next_commit(
-    cluster: Cluster, job_id: str, cfg: Config, timeout_s: float, poll_s: float, say: Callable[[str], None]
+    cluster: Cluster,
+    job_id: str,
+    run: str,
+    stores: list[Store],
+    timeout_s: float,
+    poll_s: float,
+    say: Callable[[str], None],
 ) -> Optional[int]:
-    """Wait for a checkpoint newer than the newest now, then stop the job and wait for its end."""
-    before = newest_step(cfg)
-    say(f"waiting for the next checkpoint of {cfg.run.name} on {cluster.name} (newest now: step {before})")
+    """Wait for a checkpoint of `run` newer than the newest in `stores` now, then stop the job
+    and wait for its end."""
+    before = newest_step(stores)
+    say(f"waiting for the next checkpoint of {run} on {cluster.name} (newest now: step {before})")
     client = jobs_api.client(cluster)
     deadline = time.monotonic() + timeout_s
-    while (newest := newest_step(cfg)) == before:
+    while (newest := newest_step(stores)) == before:
         if str(client.get_job_status(job_id).value) not in ACTIVE:
             break  # it ended by itself: nothing newer will come
         if time.monotonic() > deadline:
             raise jobs_api.ClusterError(
-                f"{cluster.name}: no checkpoint of {cfg.run.name} committed within "
+                f"{cluster.name}: no checkpoint of {run} committed within "
                 f"{timeout_s:g} s after step {before}; the job {job_id} still runs"
             )
         time.sleep(poll_s)
@@ -100,7 +108,10 @@ def move(
     named = [*overrides, f"run.name={run}"]
     # Both configs load before anything stops: a bad override fails here, naming its key.
     src_cfg, dst_cfg = (load_config(c.run_overrides() + named) for c in (src, dst))
-    src_layout, dst_layout = RunLayout.of(src_cfg), RunLayout.of(dst_cfg)
+    src_layout, dst_layout = (
+        RunLayout.of(src_cfg.run, src_cfg.checkpoint),
+        RunLayout.of(dst_cfg.run, dst_cfg.checkpoint),
+    )
     if src_cfg.checkpoint.store or src_cfg.checkpoint.replica:
         raise ConfigError(
             "checkpoint.store/checkpoint.replica: move copies <run.storage>/<run.name>/ only; "
@@ -118,7 +129,12 @@ def move(
     on_dst = lease.check(run, dst_layout.lease, dst_cfg.storage)
     if not on_dst.free:
         raise lease.LeaseError(f"{dst.name}: {on_dst.why}")
-    step = stop_after_next_commit(src, job, src_cfg, checkpoint_timeout_s, poll_s, say) if job else newest_step(src_cfg)
+    src_stores = checkpoint_stores(src_layout, src_cfg.storage)
+    step = (
+        stop_after_next_commit(src, job, run, src_stores, checkpoint_timeout_s, poll_s, say)
+        if job
+        else newest_step(src_stores)
+    )
     if job and (stopped := lease.read(src_layout.lease, src_cfg.storage)) and stopped.holder.job == job:
         # Its driver ended with the job, killed perhaps before it could release the lease.
         lease.release_for(src_layout.lease, src_cfg.storage, stopped.holder)
@@ -130,7 +146,7 @@ def move(
         on_copied=lambda path: say(f"copied {path}"),
     )
     _record_move(
-        src_cfg,
+        src_cfg.tracking.uri,
         json.loads(record)["mlflow_run_id"],
         Moved(time.time(), src.name, dst.name, step, synced.copied_bytes),
         step or 0,
@@ -139,8 +155,8 @@ def move(
     return MoveResult(job, step, synced, submitted)
 
 
-def _record_move(cfg: Config, run_id: str, event: Moved, step: int) -> None:
+def _record_move(tracking_uri: str, run_id: str, event: Moved, step: int) -> None:
     from wildtrain.tracking.controller.mlflow_run import log_event
     from wildtrain.tracking.mlflow_client import Client
 
-    log_event(Client(cfg.tracking.uri), run_id, event, step)
+    log_event(Client(tracking_uri), run_id, event, step)

@@ -82,7 +82,7 @@ def refuse_live(cluster: Cluster, cfg: Config) -> None:
     """Raise `lease.LeaseError` while another driver holds the lease of `cfg`'s run. Where the
     cluster's store does not answer from here, the job's driver checks it there instead."""
     try:
-        verdict = lease.check(cfg.run.name, RunLayout.of(cfg).lease, cfg.storage)
+        verdict = lease.check(cfg.run.name, RunLayout.of(cfg.run, cfg.checkpoint).lease, cfg.storage)
     except storage.StorageError:
         return
     if not verdict.free:

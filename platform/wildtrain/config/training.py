@@ -269,6 +269,11 @@ class DenoiserConfig:
     # tokenizer, e.g. [NLU], [NLG], [S2S]); None: no mode token.
     mode: Optional[str] = None
 
+    @property
+    def watches_validation(self) -> bool:
+        """Whether early stopping judges the validation loss, so the run's data must hold some."""
+        return self.enabled and self.metric == "val/loss"
+
     def validate(self, key: str) -> None:
         if self.kind == "span" and not self.mean_span >= 1:
             raise ConfigError(f"{key}.mean_span: must be at least 1 for a span denoiser, got {self.mean_span}")

@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 
 from wildtrain import storage
-from wildtrain.config import Config
+from wildtrain.config import DataConfig, ModelConfig, ObjectiveConfig, StorageConfig, TrainConfig
 from wildtrain.data.manifest import MANIFEST, DataError, Manifest, Shard, verify_shard
 from wildtrain.data.objectives import Objective
 from wildtrain.data.order import Source, plan_epoch
@@ -56,14 +56,26 @@ class OpenedData:
         )
 
 
-def open_datasets(cfg: Config) -> OpenedData:
+def open_datasets(
+    data: DataConfig,
+    config: StorageConfig,
+    *,
+    model: ModelConfig,
+    train: TrainConfig,
+    objective: ObjectiveConfig,
+    needs_validation: bool,
+) -> OpenedData:
+    """The datasets of `data` read with `config`, checked against what the rest of the run
+    asks of them: token ids within `model.vocab_size`, the reserved ids of the objective
+    (`Objective.of`), one global batch of `train` at least, and a validation set where
+    `needs_validation` (early stopping on the validation loss)."""
     datasets, skipped, tokenizer, hashes, held_out, bad_records = [], [], None, [], [], []
-    for index, spec in enumerate(cfg.data.datasets):
+    for index, spec in enumerate(data.datasets):
         key = f"data.datasets.{index}.uri"
-        root, manifest, text = _manifest(cfg, key, spec.uri)
+        root, manifest, text = _manifest(config, key, spec.uri)
         hashes.append(hashlib.sha256(text.encode()).hexdigest())
         bad_records.append(sum(manifest.bad_records.values()))
-        _check_fits(cfg, key, manifest)
+        _check_fits(data, model, key, manifest)
         if tokenizer is not None and manifest.tokenizer != tokenizer:
             raise DataError(f"{key}: tokenized with {manifest.tokenizer}, data.datasets.0 with {tokenizer}")
         tokenizer = manifest.tokenizer
@@ -73,10 +85,10 @@ def open_datasets(cfg: Config) -> OpenedData:
         row_groups = []
         for shard in manifest.shards:
             try:
-                verify_shard(root, shard, manifest.seq_len + 1, cfg.data.verify_checksums, cfg.storage)
+                verify_shard(root, shard, manifest.seq_len + 1, data.verify_checksums, config)
                 row_groups.append(tuple(shard.row_groups))
             except DataError as e:
-                if not cfg.data.skip_bad_shards:
+                if not data.skip_bad_shards:
                     raise DataError(f"{key}: {e} (set data.skip_bad_shards=true to train without it)") from None
                 skipped.append(f"{root}/{shard.path}: {e}")
                 row_groups.append(())
@@ -85,25 +97,27 @@ def open_datasets(cfg: Config) -> OpenedData:
             raise DataError(f"{key}: no usable rows in {root}")
         datasets.append(Dataset(root, tuple(s.path for s in manifest.shards), source))
         if manifest.validation:
-            held_out.append((root, _verified(cfg, key, root, manifest, manifest.validation)))
+            held_out.append((root, _verified(data, config, key, root, manifest, manifest.validation)))
 
-    for index, spec in enumerate(cfg.data.validation):
+    for index, spec in enumerate(data.validation):
         key = f"data.validation.{index}.uri"
-        root, manifest, _ = _manifest(cfg, key, spec.uri)
-        _check_fits(cfg, key, manifest)
+        root, manifest, _ = _manifest(config, key, spec.uri)
+        _check_fits(data, model, key, manifest)
         if manifest.tokenizer != tokenizer:
             raise DataError(f"{key}: tokenized with {manifest.tokenizer}, the training data with {tokenizer}")
-        held_out.append((root, _verified(cfg, key, root, manifest, manifest.shards + manifest.validation)))
+        held_out.append((root, _verified(data, config, key, root, manifest, manifest.shards + manifest.validation)))
 
-    Objective.of(cfg, tokenizer)  # the objective's reserved ids are in the tokenizer, or the run stops here
-    steps = plan_epoch([d.source for d in datasets], cfg.train.global_batch_size, cfg.train.seed, 0).steps
+    Objective.of(
+        objective, train, model, tokenizer
+    )  # the objective's reserved ids are in the tokenizer, or the run stops here
+    steps = plan_epoch([d.source for d in datasets], train.global_batch_size, train.seed, 0).steps
     if steps == 0:
         rows = sum(d.source.rows for d in datasets)
         raise DataError(
             f"data.datasets: {rows} rows in all, fewer than one global batch "
-            f"(train.global_batch_size={cfg.train.global_batch_size})"
+            f"(train.global_batch_size={train.global_batch_size})"
         )
-    if cfg.early_stop.enabled and cfg.early_stop.metric == "val/loss" and not held_out:
+    if needs_validation and not held_out:
         raise DataError(
             "early_stop.metric: val/loss needs a validation set: prepare the data with --val-fraction, "
             "or name validation datasets in data.validation"
@@ -112,13 +126,13 @@ def open_datasets(cfg: Config) -> OpenedData:
         ValidationSet(name, root, tuple(shards))
         for name, (root, shards) in zip(names_for([root for root, _ in held_out]), held_out)
     ]
-    token_bytes = dataset_tokenizer(datasets[0].root, tokenizer, cfg.storage).token_bytes() if validation else None
+    token_bytes = dataset_tokenizer(datasets[0].root, tokenizer, config).token_bytes() if validation else None
     return OpenedData(datasets, steps, tokenizer, skipped, hashes, validation, token_bytes, bad_records)
 
 
-def _manifest(cfg: Config, key: str, uri: str) -> tuple[str, Manifest, str]:
+def _manifest(config: StorageConfig, key: str, uri: str) -> tuple[str, Manifest, str]:
     root = storage.resolve(uri)
-    text = storage.read_text(storage.join(root, MANIFEST), cfg.storage)
+    text = storage.read_text(storage.join(root, MANIFEST), config)
     if text is None:
         raise DataError(
             f"{key}: no {MANIFEST} at {root}; prepare the dataset first: "
@@ -127,23 +141,25 @@ def _manifest(cfg: Config, key: str, uri: str) -> tuple[str, Manifest, str]:
     return root, Manifest.from_json(text, storage.join(root, MANIFEST)), text
 
 
-def _verified(cfg: Config, key: str, root: str, manifest: Manifest, shards: list[Shard]) -> list[Shard]:
+def _verified(
+    data: DataConfig, config: StorageConfig, key: str, root: str, manifest: Manifest, shards: list[Shard]
+) -> list[Shard]:
     """`shards`, each checked against the manifest: a validation shard that went bad stops
     the run (a validation set missing a part would not compare with the runs before)."""
     for shard in shards:
         try:
-            verify_shard(root, shard, manifest.seq_len + 1, cfg.data.verify_checksums, cfg.storage)
+            verify_shard(root, shard, manifest.seq_len + 1, data.verify_checksums, config)
         except DataError as e:
             raise DataError(f"{key}: {e}") from None
     return shards
 
 
-def _check_fits(cfg: Config, key: str, manifest: Manifest) -> None:
-    if manifest.seq_len != cfg.data.seq_len:
-        raise DataError(f"{key}: prepared with seq_len {manifest.seq_len}, but data.seq_len is {cfg.data.seq_len}")
+def _check_fits(data: DataConfig, model: ModelConfig, key: str, manifest: Manifest) -> None:
+    if manifest.seq_len != data.seq_len:
+        raise DataError(f"{key}: prepared with seq_len {manifest.seq_len}, but data.seq_len is {data.seq_len}")
     vocab = manifest.tokenizer["vocab_size"]
-    if vocab > cfg.model.vocab_size:
+    if vocab > model.vocab_size:
         raise DataError(
             f"{key}: its {manifest.tokenizer['kind']} tokenizer has {vocab} ids, more than "
-            f"model.vocab_size ({cfg.model.vocab_size})"
+            f"model.vocab_size ({model.vocab_size})"
         )

@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from wildtrain.config import Config
+from wildtrain.config import ModelConfig, ObjectiveConfig, TrainConfig
 from wildtrain.data.manifest import DataError
 from wildtrain.data.tokenizer import MODE_TOKENS
 
@@ -67,18 +67,20 @@ class Objective:
     per_document_positions: bool
 
     @classmethod
-    def of(cls, cfg: Config, tokenizer: dict) -> "Objective":
-        """The run's objective, with its reserved ids from the dataset's tokenizer (the
-        manifest's record of it); `DataError` naming the key when the dataset lacks them."""
-        kind = cfg.train.objective
+    def of(cls, objective: ObjectiveConfig, train: TrainConfig, model: ModelConfig, tokenizer: dict) -> "Objective":
+        """The run's objective (`train.objective`, configured by `objective`, its seed
+        `train.seed`, its positions per document unless `model.attention` is causal), with its
+        reserved ids from the dataset's tokenizer (the manifest's record of it); `DataError`
+        naming the key when the dataset lacks them."""
+        kind = train.objective
         if kind == "causal":
             denoisers = ()
         elif kind == "prefix_lm":
-            denoisers = (Denoiser("S", "prefix", 0.0, cfg.objective.prefix_target, 1.0, None),)
+            denoisers = (Denoiser("S", "prefix", 0.0, objective.prefix_target, 1.0, None),)
         else:
             modes = tokenizer.get("modes", {})
             denoisers = []
-            for i, d in enumerate(cfg.objective.denoisers):
+            for i, d in enumerate(objective.denoisers):
                 if d.mode is not None and d.mode not in modes:
                     raise DataError(
                         f"objective.denoisers.{i}.mode: {d.mode} is not a reserved token of the dataset's "
@@ -98,7 +100,7 @@ class Objective:
                 "records none; prepare the dataset again with this version of data_pipelines/prepare.py "
                 "(or give its tokenizer.json <extra_id_N> tokens)"
             )
-        return cls(kind, denoisers, sentinels, tokenizer["eos_id"], cfg.train.seed, cfg.model.attention != "causal")
+        return cls(kind, denoisers, sentinels, tokenizer["eos_id"], train.seed, model.attention != "causal")
 
     @property
     def plain(self) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from wildtrain.config import Config
+from wildtrain.config import DataConfig, TrainConfig
 from wildtrain.data.dataset import OpenedData
 
 
@@ -42,14 +42,14 @@ class OrderPins:
         )
 
 
-def order_pins(cfg: Config, data: OpenedData) -> OrderPins:
+def order_pins(data: DataConfig, train: TrainConfig, opened: OpenedData) -> OrderPins:
+    """The order's pins of the datasets `opened` from `data`, drawn with `train`'s seed and
+    global batch."""
     datasets = tuple(
         (d.root, float(spec.weight), sha)
-        for d, spec, sha in zip(data.datasets, cfg.data.datasets, data.manifest_sha256)
+        for d, spec, sha in zip(opened.datasets, data.datasets, opened.manifest_sha256)
     )
-    return OrderPins(
-        cfg.train.seed, cfg.train.global_batch_size, cfg.data.seq_len, datasets, tuple(sorted(data.skipped_shards))
-    )
+    return OrderPins(train.seed, train.global_batch_size, data.seq_len, datasets, tuple(sorted(opened.skipped_shards)))
 
 
 def order_changes(pinned: Optional[OrderPins], now: OrderPins) -> list[str]:

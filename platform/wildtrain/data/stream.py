@@ -29,7 +29,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from wildtrain import storage
-from wildtrain.config import Config, StorageConfig
+from wildtrain.config import DataConfig, StorageConfig, TrainConfig
 from wildtrain.data.manifest import DataError, ShardCorrupt
 from wildtrain.data.order import Segment, Source, Unit, plan_epoch, rank_segments, rank_streams, row_order, split_step
 
@@ -260,21 +260,21 @@ def _runs(streams: np.ndarray, steps: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def warm_up(datasets: list[Dataset], cfg: Config) -> None:
+def warm_up(datasets: list[Dataset], data: DataConfig, train: TrainConfig, config: StorageConfig) -> None:
     """Read the first step's rows of a world of one, and drop them. A process's first read
     through Ray Data takes ~2 s here (its imports, the executor's start, worker processes for
     the read tasks) against 0.05 s for a read after it: a worker that joins a running group
     does this before it asks to join, not while the members wait for its first step."""
-    stream = RankStream(datasets, cfg, 0, 1, 0, doc_ids=False)
+    stream = RankStream(datasets, data, train, config, 0, 1, 0, doc_ids=False)
     try:
         stream.next_step()
     finally:
         stream.close()
 
 
-def warm_up_ahead(datasets: list[Dataset], cfg: Config) -> Future:
+def warm_up_ahead(datasets: list[Dataset], data: DataConfig, train: TrainConfig, config: StorageConfig) -> Future:
     """`warm_up`, begun in a thread of its own: the future of its end."""
-    return _in_a_thread("wildtrain-first-read", warm_up, datasets, cfg)
+    return _in_a_thread("wildtrain-first-read", warm_up, datasets, data, train, config)
 
 
 def _in_a_thread(name: str, read, *args) -> Future:
@@ -293,16 +293,25 @@ class RankStream:
     or before it with `start()`."""
 
     def __init__(
-        self, datasets: list[Dataset], cfg: Config, rank: int, world_size: int, from_step: int, *, doc_ids: bool
+        self,
+        datasets: list[Dataset],
+        data: DataConfig,
+        train: TrainConfig,
+        config: StorageConfig,
+        rank: int,
+        world_size: int,
+        from_step: int,
+        *,
+        doc_ids: bool,
     ) -> None:
         self.datasets = datasets
         self.read = columns(doc_ids)
-        self.cfg = cfg
+        self.data, self.train, self.config = data, train, config
         self.rank = rank
         self.world_size = world_size
         self.sources = [d.source for d in datasets]
-        self.steps_per_epoch = plan_epoch(self.sources, cfg.train.global_batch_size, cfg.train.seed, 0).steps
-        self.streams = rank_streams(rank, world_size, cfg.train.global_batch_size)
+        self.steps_per_epoch = plan_epoch(self.sources, train.global_batch_size, train.seed, 0).steps
+        self.streams = rank_streams(rank, world_size, train.global_batch_size)
         self.step = from_step
         self.wait_s = 0.0
         self._epoch = -1
@@ -330,19 +339,19 @@ class RankStream:
 
     def _start_epoch(self, epoch: int, step_in_epoch: int) -> None:
         self._close_blocks()  # the last epoch's reads, which may still run ahead
-        cfg = self.cfg
-        plan = plan_epoch(self.sources, cfg.train.global_batch_size, cfg.train.seed, epoch)
-        segments = rank_segments(plan, self.rank, self.world_size, cfg.train.global_batch_size, step_in_epoch)
+        data, train = self.data, self.train
+        plan = plan_epoch(self.sources, train.global_batch_size, train.seed, epoch)
+        segments = rank_segments(plan, self.rank, self.world_size, train.global_batch_size, step_in_epoch)
         ds = epoch_dataset(
             self.datasets,
             segments,
-            cfg.train.seed,
+            train.seed,
             epoch,
-            cfg.data.seq_len,
+            data.seq_len,
             self.read,
-            cfg.data.read_cpus,
-            cfg.data.prefetch_blocks,
-            cfg.storage,
+            data.read_cpus,
+            data.prefetch_blocks,
+            self.config,
         )
         # No prefetch here: Ray Data's iterator holds back the first batch until its prefetch
         # window is full, which every restart would wait for; the executor reads ahead anyway.

@@ -16,9 +16,9 @@ from typing import Optional, Sequence
 from wildtrain import ray_compat
 from wildtrain.checkpoint.format import step_of
 from wildtrain.checkpoint.restore import Candidate, list_candidates
-from wildtrain.config import Config
+from wildtrain.config import StorageConfig
 from wildtrain.events import Recovered
-from wildtrain.layout import checkpoint_stores
+from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.worker_report import WorkerReport, rank_zero
 
 
@@ -57,8 +57,8 @@ class MissedCommits(ray_compat.ReportCallback):
     Goes before every callback that acts on notices. A listing that fails only costs its
     notices; one still running when the run ends is left."""
 
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
+    def __init__(self, layout: RunLayout, config: StorageConfig) -> None:
+        self.layout, self.config = layout, config  # where the run's checkpoints are listed
         # The step the run's first report restored (None before it): what it restored is no
         # notice of this run's.
         self.first_restored: Optional[int] = None
@@ -92,7 +92,7 @@ class MissedCommits(ray_compat.ReportCallback):
 
         def run() -> None:
             try:
-                listing.found = list_candidates(checkpoint_stores(self.cfg))
+                listing.found = list_candidates(checkpoint_stores(self.layout, self.config))
             except Exception as e:  # the notices are lost, as they were before this looked
                 print(f"looking for checkpoints committed unnoticed failed: {e}", flush=True)
             finally:

@@ -48,7 +48,9 @@ def survivor_callbacks(
         return []
 
     def room_for_a_spare() -> bool:
-        return has_room_for_another_worker(inputs.worker_resources, excluded_nodes(cfg.run.name), spare_cpus(cfg))
+        return has_room_for_another_worker(
+            inputs.worker_resources, excluded_nodes(cfg.run.name), spare_cpus(cfg.data, cfg.eval)
+        )
 
     return [
         KeepSurvivors(

@@ -55,6 +55,6 @@ def evaluate_checkpoint(
         ) from None
     except ray.exceptions.RayError as e:
         raise EvalError(f"the evaluation of {cfg.run.name} step {at} failed: {failure_reason(e)}") from e
-    tracker = Tracker(cfg.tracking.uri, info.mlflow_run_id, RunLayout.of(cfg).tracking / "eval")
+    tracker = Tracker(cfg.tracking.uri, info.mlflow_run_id, RunLayout.of(cfg.run, cfg.checkpoint).tracking / "eval")
     log_evaluation(tracker, evaluated)
     return Logged(evaluated, info.mlflow_run_id, tracker.close(FLUSH_TIMEOUT_S))

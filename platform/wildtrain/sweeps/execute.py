@@ -23,10 +23,11 @@ import signal
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 from wildtrain.config import Config, redact
+from wildtrain.data.dataset import open_datasets
 from wildtrain.sweeps.compare import TrialRecord
 from wildtrain.sweeps.grid import SweepPlan, Trial
 from wildtrain.tracking.mlflow_client import Client, check_reachable
@@ -60,8 +61,8 @@ def trial_need(cfg: Config) -> dict[str, float]:
     """What a trial holds at its full size: `max_workers` workers and its data reads."""
     from wildtrain.elastic.scaling import data_cpus, worker_resources
 
-    need = {name: amount * cfg.elastic.max_workers for name, amount in worker_resources(cfg).items()}
-    need["CPU"] = need.get("CPU", 0.0) + data_cpus(cfg)
+    need = {name: amount * cfg.elastic.max_workers for name, amount in worker_resources(cfg.cluster).items()}
+    need["CPU"] = need.get("CPU", 0.0) + data_cpus(cfg.data)
     return need
 
 
@@ -79,14 +80,19 @@ def trial_slots(total: Mapping[str, float], needs: Sequence[Mapping[str, float]]
 def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Optional[int] = None) -> SweepOutcome:
     """Run the trials not finished yet, `parallel` at once (default: `trial_slots` of the
     cluster); each trial's output goes to `say`, prefixed with its name."""
-    from wildtrain.data.dataset import open_datasets
-
     tracking = plan.trials[0].cfg.tracking
     check_reachable(tracking.uri)
     # What every trial needs, checked once: a sweep on data that is not there fails here, in
     # one line, rather than once per trial.
     for cfg in {json.dumps([d.uri for d in t.cfg.data.datasets]): t.cfg for t in plan.trials}.values():
-        open_datasets(cfg)
+        open_datasets(
+            cfg.data,
+            cfg.storage,
+            model=cfg.model,
+            train=cfg.train,
+            objective=cfg.objective,
+            needs_validation=cfg.early_stop.watches_validation,
+        )
     client = Client(tracking.uri)
     experiment_id = client.experiment_id(tracking.experiment)
     parent = open_parent(client, experiment_id, plan)
@@ -109,7 +115,9 @@ def run_sweep(plan: SweepPlan, say: Callable[[str], None] = print, parallel: Opt
         connect_ray(todo[0].cfg.cluster.ray_address)
         total = ray.cluster_resources()
         # Each trial as its own driver will size it: on the GPUs, where the cluster offers them.
-        parallel = trial_slots(total, [trial_need(resolve_device(t.cfg, total)[0]) for t in todo])
+        parallel = trial_slots(
+            total, [trial_need(replace(t.cfg, cluster=resolve_device(t.cfg.cluster, total)[0])) for t in todo]
+        )
     say(f"sweep {plan.name}: {len(todo)} trials to run, {parallel} at a time")
     client.set_running(parent)
     try:

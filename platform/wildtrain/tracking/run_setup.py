@@ -6,9 +6,9 @@ Runs that start together (a sweep's trials) race on MLflow's unique keys here; t
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
-from wildtrain.config import Config, flatten, redact, to_yaml
+from wildtrain.config import RunSectionConfig, TrackingConfig, redact
 from wildtrain.tracking.mlflow_client import Client
 from wildtrain.tracking.record import CLUSTER_TAG, CLUSTERS_TAG
 
@@ -16,26 +16,36 @@ from wildtrain.tracking.record import CLUSTER_TAG, CLUSTERS_TAG
 _PARAM_CHARS = 6000
 
 
-def open_run(cfg: Config, run_id: Optional[str], tags: Optional[dict[str, str]] = None) -> tuple[str, str]:
-    """(experiment id, run id): the run `run_id` reopened, or a new run with the config
-    logged and tagged with `run.tags` and `tags` (a sweep's parent run id and trial)."""
-    client = Client(cfg.tracking.uri)
+def open_run(
+    tracking: TrackingConfig,
+    run: RunSectionConfig,
+    cluster: str,
+    run_id: Optional[str],
+    tags: Optional[dict[str, str]] = None,
+    *,
+    params: Mapping[str, object],
+    config_yaml: str,
+) -> tuple[str, str]:
+    """(experiment id, run id): the run `run_id` reopened, or a new run on `cluster` with the
+    config logged (`params`, its flattened keys, and `config_yaml`) and tagged with `run.tags`
+    and `tags` (a sweep's parent run id and trial)."""
+    client = Client(tracking.uri)
     if run_id is not None:
-        run = client.get_run(run_id)
+        reopened = client.get_run(run_id)
         client.set_running(run_id)
-        visited = run.data.tags.get(CLUSTERS_TAG, ",")
-        if f",{cfg.cluster.name}," not in visited:  # resumed on another cluster: moved
-            client.set_tag(run_id, CLUSTERS_TAG, f"{visited}{cfg.cluster.name},")
-        client.set_tag(run_id, CLUSTER_TAG, cfg.cluster.name)
-        return run.info.experiment_id, run_id
+        visited = reopened.data.tags.get(CLUSTERS_TAG, ",")
+        if f",{cluster}," not in visited:  # resumed on another cluster: moved
+            client.set_tag(run_id, CLUSTERS_TAG, f"{visited}{cluster},")
+        client.set_tag(run_id, CLUSTER_TAG, cluster)
+        return reopened.info.experiment_id, run_id
 
-    experiment_id = client.experiment_id(cfg.tracking.experiment)
+    experiment_id = client.experiment_id(tracking.experiment)
     run_id = client.create_run(
         experiment_id,
-        cfg.run.name,
-        {CLUSTER_TAG: cfg.cluster.name, CLUSTERS_TAG: f",{cfg.cluster.name},", **cfg.run.tags, **(tags or {})},
+        run.name,
+        {CLUSTER_TAG: cluster, CLUSTERS_TAG: f",{cluster},", **run.tags, **(tags or {})},
     )
     # Everyone who can read the experiment sees params: no user:password from a URI in them.
-    client.log_params(run_id, {key: redact(str(value))[:_PARAM_CHARS] for key, value in flatten(cfg).items()})
-    client.log_text(run_id, redact(to_yaml(cfg)), "config.yaml")
+    client.log_params(run_id, {key: redact(str(value))[:_PARAM_CHARS] for key, value in params.items()})
+    client.log_text(run_id, redact(config_yaml), "config.yaml")
     return experiment_id, run_id

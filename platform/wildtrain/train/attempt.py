@@ -30,12 +30,14 @@ from wildtrain.checkpoint.async_save import AsyncSaver
 from wildtrain.checkpoint.format import new_attempt_token
 from wildtrain.checkpoint.retention import RetentionPolicy
 from wildtrain.checkpoint.save_process import SaveProcess
+from wildtrain.config import config_hash
 from wildtrain.data.manifest import ShardCorrupt
 from wildtrain.data.objectives import Objective
 from wildtrain.data.stream import RankStream
 from wildtrain.elastic.relay import RELAY
 from wildtrain.elastic.scaling import spare_cpus
 from wildtrain.elastic.signals import FinalCheckpointFailed, RunCannotContinue, UnhealthyNodes
+from wildtrain.engine import EngineSettings
 from wildtrain.events import Event, Formed, RegrowPostponed, Resize, StoppedEarly
 from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.model import flops_per_token
@@ -79,11 +81,22 @@ class Attempt:
             world_size, rank = in_process.generation.world_size, in_process.generation.rank
         self.world_size, self.rank = world_size, rank
         self.plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+        self.layout = RunLayout.of(cfg.run, cfg.checkpoint)
+        self.engine_settings = EngineSettings(
+            cfg.model, cfg.optim, cfg.deepspeed, cfg.train.steps, cfg.elastic.collective_timeout_s
+        )
+        self.save_settings = checkpointing.SaveSettings(
+            cfg.deepspeed.zero_stage, cfg.train.seed, config_hash(cfg), cfg.checkpoint.timeout_s
+        )
 
         torch.manual_seed(cfg.train.seed)
         # From here to the first step (health check, restore, engine build) under the start-up bound.
         self.watchdog = HangWatchdog(
-            cfg.monitor.hang_timeout_s, cfg.monitor.startup_timeout_s, RunLayout.of(cfg).hangs, rank, cfg.storage
+            cfg.monitor.hang_timeout_s,
+            cfg.monitor.startup_timeout_s,
+            self.layout.hangs,
+            rank,
+            cfg.storage,
         )
         try:
             self._build(inputs, device, left)
@@ -96,17 +109,26 @@ class Attempt:
         # The health check first: a group that is about to re-form without a node should not
         # download and load a checkpoint before it finds out. Survivors re-formed in-process
         # trained together a step ago.
-        self.monitor = Monitor(cfg, rank, device, check_health=left is None)
+        self.monitor = Monitor(
+            cfg.monitor,
+            cfg.chaos,
+            rank,
+            device,
+            run_name=cfg.run.name,
+            min_workers=cfg.elastic.min_workers,
+            zero_stage=cfg.deepspeed.zero_stage,
+            check_health=left is None,
+        )
         if self.monitor.unhealthy_nodes:
             raise UnhealthyNodes(self.monitor.unhealthy_nodes, self.monitor.take_events())
         self.health_checked_at = time.time()
-        stores = checkpoint_stores(cfg)
+        stores = checkpoint_stores(self.layout, cfg.storage)
         # The data position is the step: the stream starts where the restored model stopped.
         # It reads doc_ids only for an objective or a mask that needs them.
-        objective = Objective.of(cfg, inputs.data.tokenizer)
+        objective = Objective.of(cfg.objective, cfg.train, cfg.model, inputs.data.tokenizer)
         if left is None:
             self.engine, self.state, self.restored = checkpointing.build_and_restore(
-                cfg, self.plan, world_size, rank, stores, device
+                self.engine_settings, cfg.checkpoint.staging_dir, self.plan, world_size, rank, stores, device
             )
             self.stream = self._open_stream(inputs, objective, self.state.step)
             self.known_good = [self.restored.candidate.key] if self.restored.candidate else []
@@ -114,7 +136,9 @@ class Attempt:
             held = checkpointing.gather_from_peers(self.in_process.member.mirrors, left.states, world_size)
             # The step is known before the engine is built: the first step's rows are read meanwhile.
             self.stream = self._open_stream(inputs, objective, held.state.step)
-            self.engine, self.state, self.restored = checkpointing.restore_from_peers(cfg, self.plan, device, held)
+            self.engine, self.state, self.restored = checkpointing.restore_from_peers(
+                self.engine_settings, self.plan, device, held
+            )
             self.known_good = left.known_good
         self.restored_at, self.restored_step = time.time(), self.state.step
         self.state.world_size = world_size
@@ -123,14 +147,16 @@ class Attempt:
             self.monitor.events.append(
                 Formed(time.time(), self.in_process.generation.number, self.state.step, list(self.monitor.nodes))
             )
-        background, shm_events = checkpointing.save_mode(cfg, rank, world_size, self.monitor.nodes)
+        background, shm_events = checkpointing.save_mode(
+            self.engine_settings, cfg.checkpoint.background, cfg.cluster.use_gpu, rank, world_size, self.monitor.nodes
+        )
         self.monitor.events += shm_events
         self.reports_collected = (
             ray_compat.reports_collected if self.reports_to_ray else RELAY.empty if rank == 0 else lambda: True
         )
         token = collectives.broadcast_object(new_attempt_token())
         self.saver = self._saver(left.saving if left else None, stores, background, device, token)
-        self.samples = SampleRecorder(cfg, rank) if cfg.data.record_samples else None
+        self.samples = SampleRecorder(self.layout, cfg.storage, rank) if cfg.data.record_samples else None
         self.diverged = False
         self.windows: list[Window] = []  # closed at log steps, not yet reported
         # Resolved and not yet reported: the windows an attempt dropped by a re-form left, but
@@ -138,7 +164,19 @@ class Attempt:
         self.resolved: list[dict] = [w for w in left.windows if w["step"] <= self.restored_step] if left else []
         self.carried_events: list[Event] = list(left.events) if left else []
         self.carried_commits: list[str] = list(left.committed) if left else []
-        self.validator = Validator(cfg, inputs.data, rank, world_size, device) if inputs.data.validation else None
+        self.validator = (
+            Validator(
+                inputs.data,
+                cfg.data.seq_len,
+                cfg.eval.micro_batch_size or cfg.train.micro_batch_size,
+                cfg.storage,
+                rank,
+                world_size,
+                device,
+            )
+            if inputs.data.validation
+            else None
+        )
         self.validated: dict[str, float] = {}  # this step's validation metrics, for its window
         self.reports = ReportCadence(cfg.train.log_every)
         self.startup: Optional[Startup] = None  # the attempt's start-up timings, until a report carries them
@@ -179,7 +217,7 @@ class Attempt:
             inputs.worker_resources,
             cfg.elastic.resize_check_interval_s,
             cfg.run.name,
-            spare_cpus(cfg),
+            spare_cpus(cfg.data, cfg.eval),
             joiners=member.joiners_waiting if member else None,
             awaiting_joiners=short_of_members,
         )
@@ -223,7 +261,14 @@ class Attempt:
     def _open_stream(self, inputs: LoopInputs, objective: Objective, from_step: int) -> RankStream:
         """This rank's rows from `from_step` on, read from now on in the background."""
         stream = RankStream(
-            inputs.data.datasets, self.cfg, self.rank, self.world_size, from_step=from_step, doc_ids=not objective.plain
+            inputs.data.datasets,
+            self.cfg.data,
+            self.cfg.train,
+            self.cfg.storage,
+            self.rank,
+            self.world_size,
+            from_step=from_step,
+            doc_ids=not objective.plain,
         )
         stream.start()
         return stream
@@ -352,7 +397,7 @@ class Attempt:
         with self.window.timed("checkpoint_stall"), commit_wait:
             # The last save is retried; a regrow's is not: training on at this size is no loss.
             committed = checkpointing.save(
-                self.saver, self.engine, cfg, state, self.world_size, must_commit=must_commit, retry=at.last
+                self.saver, self.engine, self.save_settings, state, self.world_size, must_commit, retry=at.last
             )
         if regrow and not committed:
             # Regrowing now would restart from an older checkpoint and redo steps, and a

@@ -21,9 +21,9 @@ from wildtrain.checkpoint.format import needs_universal
 from wildtrain.checkpoint.restore import Candidate, restore
 from wildtrain.checkpoint.save_policy import SaveOutcome
 from wildtrain.checkpoint.store import CommitError, Store
-from wildtrain.config import CheckpointConfig, Config, config_hash
+from wildtrain.config import CheckpointConfig
 from wildtrain.elastic.peer_state import Mirrors, load_state
-from wildtrain.engine import build_engine, build_model
+from wildtrain.engine import EngineSettings, build_engine, build_model
 from wildtrain.events import (
     CheckpointFailed,
     CheckpointFallback,
@@ -56,18 +56,25 @@ class Restored:
 
 
 def build_and_restore(
-    cfg: Config, plan: BatchPlan, world_size: int, rank: int, stores: list[Store], device: torch.device
+    settings: EngineSettings,
+    staging_dir: str,
+    plan: BatchPlan,
+    world_size: int,
+    rank: int,
+    stores: list[Store],
+    device: torch.device,
 ):
-    """The engine with the newest good committed checkpoint loaded, the state saved with it,
-    and what the restore did. A checkpoint saved at another world size is loaded from its
-    universal copy in the store, which rank 0 makes unless the controller made it ahead.
-    `device`: the worker's training device."""
+    """The engine of `settings` with the newest good committed checkpoint loaded, the state
+    saved with it, and what the restore did. A checkpoint saved at another world size is
+    loaded from its universal copy in the store, which rank 0 makes (staged in `staging_dir`,
+    checkpoint.staging_dir) unless the controller made it ahead. `device`: the worker's
+    training device."""
     started = time.perf_counter()
     reshard_s = engine_build_s = 0.0
 
     def new_engine(load_universal: bool = False):
         nonlocal engine_build_s
-        engine, engine_build_s = timed_engine(cfg, plan, device, load_universal)
+        engine, engine_build_s = timed_engine(settings, plan, device, load_universal)
         return engine
 
     def universal_copy(store: Store, candidate: Candidate):
@@ -76,9 +83,7 @@ def build_and_restore(
         copy = None
         if rank == 0:
             try:
-                copy = reshard.convert_in_store(
-                    store, candidate.name, candidate.manifest, cfg.checkpoint.staging_dir, in_process=True
-                )
+                copy = reshard.convert_in_store(store, candidate.name, candidate.manifest, staging_dir, in_process=True)
             except Exception as e:  # the candidate is passed over like one that fails verification
                 copy = f"converting it to the universal format failed: {e}"
         copy = collectives.broadcast_object(copy)
@@ -138,11 +143,11 @@ def gather_from_peers(mirrors: Mirrors, states: dict[int, TrainState], world_siz
     return HeldByPeers(replace(state, world_size=world_size), full, time.perf_counter() - started)
 
 
-def restore_from_peers(cfg: Config, plan: BatchPlan, device: torch.device, held: HeldByPeers):
+def restore_from_peers(settings: EngineSettings, plan: BatchPlan, device: torch.device, held: HeldByPeers):
     """What `build_and_restore` returns, from the state the members of a re-formed group
     kept (`gather_from_peers`) rather than from a checkpoint."""
     started = time.perf_counter()
-    engine, engine_build_s = timed_engine(cfg, plan, device)
+    engine, engine_build_s = timed_engine(settings, plan, device)
     load_state(engine, held.full, held.state.step, plan.global_batch_size)
     timing = RestoreTiming(
         restore_s=held.gather_s + time.perf_counter() - started - engine_build_s,
@@ -152,29 +157,37 @@ def restore_from_peers(cfg: Config, plan: BatchPlan, device: torch.device, held:
     return engine, held.state, Restored(None, timing, [])
 
 
-def timed_engine(cfg: Config, plan: BatchPlan, device: torch.device, load_universal: bool = False):
+def timed_engine(settings: EngineSettings, plan: BatchPlan, device: torch.device, load_universal: bool = False):
     """A new engine for `plan` (its model built on `device`), and the seconds its build took:
     a restore's timing counts them apart."""
     building = time.perf_counter()
-    engine = build_engine(cfg, plan, build_model(cfg, plan, device), device, load_universal=load_universal)
+    engine = build_engine(settings, plan, build_model(settings, plan, device), device, load_universal=load_universal)
     return engine, time.perf_counter() - building
 
 
 def save_mode(
-    cfg: Config, rank: int, world_size: int, nodes: list[str], shm_free: Callable[[], Optional[int]] = shm.shm_free
+    settings: EngineSettings,
+    background: str,
+    on_gpu: bool,
+    rank: int,
+    world_size: int,
+    nodes: list[str],
+    shm_free: Callable[[], Optional[int]] = shm.shm_free,
 ) -> tuple[str, list[ShmTooSmall]]:
-    """Where this rank's saves run: `checkpoint.background`, unless that is "process" and the
+    """Where this rank's saves run, for the engine of `settings` on GPUs or not (`on_gpu`):
+    `background` (checkpoint.background), unless that is "process" and the
     host copies of the checkpoint parts of every rank on this node (`nodes`: each rank's node)
     would not fit in its /dev/shm (checkpoint/shm.py); then "thread", said on this worker's
     stdout and as an event per such node for the controller (a collective): on every rank
     alike, since where rank 0's node takes its report before the controller collected it,
     the next rank's stands in."""
-    param_bytes = 2 if cfg.cluster.use_gpu else 4  # bf16 on CUDA, fp32 elsewhere (engine.deepspeed_config)
+    param_bytes = 2 if on_gpu else 4  # bf16 on CUDA, fp32 elsewhere (engine.deepspeed_config)
     on_node = [r for r, node in enumerate(nodes) if node == nodes[rank]]
     needed = shm.shm_needed(
-        shm.capture_bytes(param_count(cfg.model), param_bytes, cfg.deepspeed.zero_stage, world_size, r) for r in on_node
+        shm.capture_bytes(param_count(settings.model), param_bytes, settings.deepspeed.zero_stage, world_size, r)
+        for r in on_node
     )
-    mode = shm.choose_mode(cfg.checkpoint.background, shm_free(), needed)
+    mode = shm.choose_mode(background, shm_free(), needed)
     if mode.reason:
         print(f"rank {rank} on node {nodes[rank]}: {mode.reason}", flush=True)
     modes = collectives.all_gather_object(mode)
@@ -208,8 +221,24 @@ def must_commit(at: At, regrow: bool) -> bool:
     return at.last or regrow
 
 
+@dataclass(frozen=True)
+class SaveSettings:
+    """What every checkpoint of the run is saved with from its config."""
+
+    zero_stage: int  # deepspeed.zero_stage
+    seed: int  # train.seed, recorded with the data position
+    config_hash: str  # the run's config's (`config.config_hash`)
+    timeout_s: float  # checkpoint.timeout_s: how long a save that must commit may take
+
+
 def save(
-    saver: AsyncSaver, engine, cfg: Config, state: TrainState, world_size: int, must_commit: bool, retry: bool = False
+    saver: AsyncSaver,
+    engine,
+    settings: SaveSettings,
+    state: TrainState,
+    world_size: int,
+    must_commit: bool,
+    retry: bool = False,
 ) -> bool:
     """Capture this rank's part of the checkpoint and let it commit in the background. With
     `must_commit` (the last step, a planned regrow) wait for the commit, and with `retry`
@@ -220,16 +249,16 @@ def save(
         step=state.step,
         tag=f"step_{state.step}",
         world_size=world_size,
-        zero_stage=cfg.deepspeed.zero_stage,
-        data_position={"step": state.step, "seed": cfg.train.seed},
-        config_hash=config_hash(cfg),
+        zero_stage=settings.zero_stage,
+        data_position={"step": state.step, "seed": settings.seed},
+        config_hash=settings.config_hash,
     )
     if not must_commit:
         # Skipping is collective: one rank still busy with the previous save skips it for all.
         skip = collectives.any_rank(saver.admission().action == "skip")
         saver.save_engine(engine, meta, state.to_json(), blocked_elsewhere=skip)
         return False
-    deadline = time.monotonic() + cfg.checkpoint.timeout_s
+    deadline = time.monotonic() + settings.timeout_s
     backoff_s = FIRST_COMMIT_RETRY_S
     while True:
         # Queued behind a save in flight; skipped only when a staging disk is full.

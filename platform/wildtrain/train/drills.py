@@ -52,7 +52,7 @@ class Drills:
         there (a marker in the run's folder): the restarted group passes it."""
         if step != self.fails_at_step:
             return
-        marker = RunLayout.of(self.cfg).chaos_failed
+        marker = RunLayout.of(self.cfg.run, self.cfg.checkpoint).chaos_failed
         if storage.read_text(marker, self.cfg.storage) is None:
             storage.write_text(marker, f"rank {self.rank}, step {step}", self.cfg.storage)
             drill = "chaos.fail_joiner" if self.fails_as_joiner else "chaos.fail_rank"

@@ -50,7 +50,7 @@ def begin_first_read(inputs: LoopInputs) -> Future:
 
     from wildtrain.data import stream
 
-    return stream.warm_up_ahead(inputs.data.datasets, inputs.cfg)
+    return stream.warm_up_ahead(inputs.data.datasets, inputs.cfg.data, inputs.cfg.train, inputs.cfg.storage)
 
 
 def check_storage(drivers: storage.StorageView, cfg: Config) -> None:

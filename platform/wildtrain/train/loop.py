@@ -54,7 +54,7 @@ def train_loop(inputs: LoopInputs) -> None:
     # Raised by every rank at the same step: nobody's failure.
     together = (PlannedRegrow, UnhealthyNodes, FinalCheckpointFailed, RedundancyLost, MembersJoining)
     # Ray Train set this worker's CUDA device: NCCL's collectives and the batches go there.
-    device = ray.train.torch.get_device() if trains_on_gpu(cfg) else torch.device("cpu")
+    device = ray.train.torch.get_device() if trains_on_gpu(cfg.cluster) else torch.device("cpu")
     context = ray.train.get_context()
     if inputs.rendezvous is None:
         with collectives.failing_together(context.get_world_rank(), together):
@@ -66,7 +66,7 @@ def train_loop(inputs: LoopInputs) -> None:
         context.get_world_size(),
         ray.get_runtime_context().get_node_id(),
         cfg.elastic,
-        backend(cfg),
+        backend(cfg.cluster),
         control_timeout_s(cfg),
     )
     # A rank's own failure goes through the driver's store: Ray's lives in rank 0's process,
@@ -124,7 +124,7 @@ def join_in_process(
     # Ray shows the actor its slot's one GPU as device 0, where Ray Train sets a worker's device itself.
     os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed reads it
     device = torch.device("cpu")
-    if trains_on_gpu(cfg):
+    if trains_on_gpu(cfg.cluster):
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
     member = Member.joining(
@@ -134,7 +134,7 @@ def join_in_process(
         group_size,
         ray.get_runtime_context().get_node_id(),
         cfg.elastic,
-        backend(cfg),
+        backend(cfg.cluster),
         control_timeout_s(cfg),
     )
     try:

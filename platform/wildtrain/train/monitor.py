@@ -8,7 +8,7 @@ import time
 import ray
 import torch
 
-from wildtrain.config import Config
+from wildtrain.config import ChaosConfig, MonitorConfig
 from wildtrain.events import Event, HealthCheck, Straggler
 from wildtrain.tracking.worker.stragglers import StragglerDetector, cannot_observe
 from wildtrain.train import collectives, health
@@ -22,31 +22,43 @@ class Monitor:
     group's members trained together a step ago (survivors re-formed in-process), and a
     check would lengthen their recovery by its seconds."""
 
-    def __init__(self, cfg: Config, rank: int, device: torch.device, check_health: bool = True) -> None:
-        self.cfg = cfg
+    def __init__(
+        self,
+        monitor: MonitorConfig,
+        chaos: ChaosConfig,
+        rank: int,
+        device: torch.device,
+        *,
+        run_name: str,
+        min_workers: int,
+        zero_stage: int,
+        check_health: bool = True,
+    ) -> None:
+        """`run_name` labels the live numbers; `min_workers` (elastic.min_workers) bounds the
+        nodes left out; `zero_stage` decides whether stragglers can be seen."""
+        self.settings, self.chaos = monitor, chaos
         self.rank = rank
         self.device = device
         self.nodes = collectives.all_gather_object(ray.get_runtime_context().get_node_id())
-        self.stragglers = StragglerWatch(cfg, self.nodes)
-        self.slowed_by_chaos = cfg.chaos.slows(rank, ray.get_runtime_context().get_node_labels())
+        self.stragglers = StragglerWatch(monitor, zero_stage, self.nodes)
+        self.slowed_by_chaos = chaos.slows(rank, ray.get_runtime_context().get_node_labels())
         # Rank 0's results on every rank: where rank 0's node takes its report before the
         # controller collected it, the next rank's stands in.
         self.events: list[Event] = collectives.broadcast_object(self._preflight()) if check_health else []
         self.unhealthy_nodes: list[str] = (
-            health.nodes_to_exclude(self.events, cfg.elastic.min_workers) if cfg.monitor.exclude_unhealthy else []
+            health.nodes_to_exclude(self.events, min_workers) if monitor.exclude_unhealthy else []
         )
-        self.live = LiveGauges(cfg.run.name, rank)
+        self.live = LiveGauges(run_name, rank)
 
     def _preflight(self) -> list[HealthCheck]:
         """The new group's health check (train/health.py); its results, judged on rank 0."""
-        cfg = self.cfg
-        drill_s = cfg.chaos.slow_step_s if self.slowed_by_chaos else 0.0
+        drill_s = self.chaos.slow_step_s if self.slowed_by_chaos else 0.0
         rates = collectives.all_gather_floats(health.measure_matmul(self.device, drill_s))
         bandwidth = health.measure_allreduce(self.device)
         if self.rank != 0:
             return []
         ranks = [health.RankHealth(r, self.nodes[r], float(rate)) for r, rate in enumerate(rates)]
-        return health.judge(ranks, bandwidth, cfg.monitor.health_min_ratio, time.time())
+        return health.judge(ranks, bandwidth, self.settings.health_min_ratio, time.time())
 
     def step_done(self, step: int, window: StepMetrics) -> None:
         self.events += self.stragglers.step_done(step, window)
@@ -65,13 +77,13 @@ class StragglerWatch:
     logs rank 0's reports; where rank 0's node takes one before the controller collected it,
     the next rank's report stands in, and carries the same stragglers."""
 
-    def __init__(self, cfg: Config, nodes: list[str]) -> None:
-        self.every, self.nodes = cfg.monitor.straggler_every, nodes
+    def __init__(self, monitor: MonitorConfig, zero_stage: int, nodes: list[str]) -> None:
+        self.every, self.nodes = monitor.straggler_every, nodes
         # None: the busy times cannot show a straggler (the driver records why, once).
         self.detector = (
             None
-            if cannot_observe(cfg.deepspeed.zero_stage)
-            else StragglerDetector(cfg.monitor.straggler_factor, cfg.monitor.straggler_patience)
+            if cannot_observe(zero_stage)
+            else StragglerDetector(monitor.straggler_factor, monitor.straggler_patience)
         )
         self.busy_at_last_check = 0.0
 

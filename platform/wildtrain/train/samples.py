@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from wildtrain import storage
-from wildtrain.config import Config
+from wildtrain.config import StorageConfig
 from wildtrain.layout import RunLayout
 from wildtrain.train import collectives
 
@@ -17,10 +17,10 @@ class SampleRecorder:
     from all ranks in rank order); a step redone after a restore overwrites its file, so the
     folder holds the batches of the run's final lineage."""
 
-    def __init__(self, cfg: Config, rank: int) -> None:
-        self.layout = RunLayout.of(cfg)
+    def __init__(self, layout: RunLayout, config: StorageConfig, rank: int) -> None:
+        self.layout = layout
         self.rank = rank
-        self.storage = cfg.storage
+        self.storage = config
 
     def record(self, step: int, ids: np.ndarray) -> None:
         gathered = collectives.all_gather_object(ids.tolist())

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from wildtrain.config import Config, EvalConfig
+from wildtrain.config import EvalConfig, StorageConfig
 from wildtrain.data.dataset import OpenedData
 from wildtrain.data.validation import ValidationSet, rank_share, read_share
 from wildtrain.train import collectives
@@ -63,13 +63,24 @@ def metrics(names: list[str], sums: np.ndarray) -> dict[str, float]:
 class Validator:
     """One rank's part of every validation of an attempt: its rows are read at the first."""
 
-    def __init__(self, cfg: Config, data: OpenedData, rank: int, world_size: int, device: torch.device) -> None:
-        self.cfg = cfg
+    def __init__(
+        self,
+        data: OpenedData,
+        seq_len: int,
+        micro_batch: int,
+        config: StorageConfig,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+    ) -> None:
+        """`data`'s validation sets of rows of `seq_len` (data.seq_len), read with `config` and
+        scored `micro_batch` rows at a time (eval.micro_batch_size, else train's)."""
+        self.seq_len, self.config = seq_len, config
         self.sets = data.validation
         self.rank = rank
         self.world_size = world_size
         self.device = device
-        self.micro_batch = cfg.eval.micro_batch_size or cfg.train.micro_batch_size
+        self.micro_batch = micro_batch
         self.passes = max(batch_counts(self.sets, world_size, self.micro_batch))
         # A copy: the table reaches a worker read-only (Ray hands numpy arrays over without a
         # copy), and torch.from_numpy warned of that on every worker of every run.
@@ -100,7 +111,7 @@ class Validator:
         """(set index or None for padding, tokens, doc_ids) on the device, `self.passes` of them."""
         if self._rows is None:
             share = rank_share(self.sets, self.rank, self.world_size)
-            self._rows = read_share(self.sets, share, self.cfg.data.seq_len, self.cfg.storage)
+            self._rows = read_share(self.sets, share, self.seq_len, self.config)
         done = 0
         for index in range(len(self.sets)):
             parts = [(t, d) for i, t, d in self._rows if i == index]
@@ -114,6 +125,6 @@ class Validator:
                     tokens[start : start + self.micro_batch].to(self.device),
                     doc_ids[start : start + self.micro_batch].to(self.device),
                 )
-        padding = torch.zeros(1, self.cfg.data.seq_len + 1, dtype=torch.long, device=self.device)
+        padding = torch.zeros(1, self.seq_len + 1, dtype=torch.long, device=self.device)
         for _ in range(self.passes - done):
             yield None, padding, padding
