@@ -247,6 +247,11 @@ class EarlyStopConfig:
     # ("val/loss") at every validation (eval.every), which needs a validation set.
     metric: str = setting("loss", choices=EARLY_STOP_METRICS)
 
+    @property
+    def watches_validation(self) -> bool:
+        """Whether early stopping judges the validation loss, so the run's data must hold some."""
+        return self.enabled and self.metric == "val/loss"
+
 
 @dataclass
 class DenoiserConfig:
@@ -268,11 +273,6 @@ class DenoiserConfig:
     # The mode token put first in its examples, by name (a reserved token of the dataset's
     # tokenizer, e.g. [NLU], [NLG], [S2S]); None: no mode token.
     mode: Optional[str] = None
-
-    @property
-    def watches_validation(self) -> bool:
-        """Whether early stopping judges the validation loss, so the run's data must hold some."""
-        return self.enabled and self.metric == "val/loss"
 
     def validate(self, key: str) -> None:
         if self.kind == "span" and not self.mean_span >= 1:
