@@ -122,7 +122,8 @@ def upload(
         remote = store.path(name, rel)
         doing = f"uploading {local} to {store.describe(name, rel)}"
         on_progress(doing)
-        store.fs.create_dir(remote.rsplit("/", 1)[0], recursive=True)
+        if storage.has_folders(store.fs):
+            store.fs.create_dir(remote.rsplit("/", 1)[0], recursive=True)
         with open(local, "rb") as src, store.fs.open_output_stream(remote) as out:
             size, sha = _hash_through(src, out.write, deadline, doing)
         entries.append(FileEntry(rel, size, sha))
@@ -139,7 +140,6 @@ def write_part(store: StoreLike, name: str, rank: int, files: Sequence[FileEntry
     instead of waiting out its deadline for a part that will never come."""
     store = as_store(store)
     record = json.dumps({"rank": rank, "files": [asdict(f) for f in files], "failed": failed}).encode()
-    store.fs.create_dir(store.path(name, PARTS_DIR), recursive=True)
     storage.write_atomic(store.fs, store.path(name, PARTS_DIR, f"rank_{rank:05d}.json"), record)
 
 
