@@ -207,10 +207,16 @@ def write_if_changed(uri: str, data: bytes, config: Optional[StorageConfig] = No
     return True
 
 
+def has_folders(fs: pafs.FileSystem) -> bool:
+    """Whether a file needs its folder made first: not in an object store, where pyarrow's
+    `create_dir` writes a marker object for every level of the path, at every call."""
+    return not isinstance(fs, (pafs.S3FileSystem, pafs.GcsFileSystem))
+
+
 def write_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
     """Write `data` to `path` so that readers see all of it or none of it, and a write that
     fails leaves what was there before."""
-    if isinstance(fs, (pafs.S3FileSystem, pafs.GcsFileSystem)):
+    if not has_folders(fs):
         # An object appears only once its upload completes, so a plain put is already
         # atomic; a rename would be a second, server-side copy of every byte.
         with fs.open_output_stream(path) as f:

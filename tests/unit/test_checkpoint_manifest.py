@@ -26,6 +26,7 @@ from wildtrain.checkpoint.store import (
     Store,
     commit,
     commit_when_complete,
+    poll_parts,
     read_manifest,
     upload,
     verify,
@@ -256,6 +257,37 @@ def test_a_commit_held_once_its_parts_are_in_reads_the_store_once_and_asks_again
     assert errors == {} and committed == [(FileEntry("latest", 4, "a" * 64),)]
     assert len(polls) == 1
     assert waits == [HELD_POLL_S] * 8
+
+
+def test_waiting_for_parts_reads_each_part_record_once(tmp_path, store, monkeypatch):
+    # Rank 0 polls until the last part is in: reading every record again at each poll would
+    # make the wait's requests grow with the ranks times the polls.
+    name = checkpoint_name(100, "a")
+    for rank in range(3):
+        write_part(store, name, rank, [FileEntry(f"r{rank}", 4, "a" * 64)])
+    reads = []
+    real_read = store_module._read_text
+    monkeypatch.setattr(store_module, "_read_text", lambda store, path: reads.append(path) or real_read(store, path))
+    polls = iter([None, None, lambda: write_part(store, name, 3, [FileEntry("r3", 4, "a" * 64)])])
+
+    def wait(seconds):
+        late_part = next(polls, None)
+        if late_part:
+            late_part()
+
+    errors = commit_when_complete([(store, time.monotonic() + WAIT_S)], name, 4, lambda store, files: None, wait=wait)
+
+    assert errors == {}
+    assert sorted(path.rsplit("/", 1)[1] for path in reads) == [f"rank_{rank:05d}.json" for rank in range(4)]
+
+
+def test_a_part_record_written_again_is_read_again(tmp_path, store):
+    name = checkpoint_name(100, "a")
+    cache = {}
+    write_part(store, name, 0, [FileEntry("r0", 4, "a" * 64)])
+    assert poll_parts(store, name, 2, cache).missing == (1,)
+    write_part(store, name, 0, [], failed="connection reset")
+    assert poll_parts(store, name, 2, cache).failed == ("rank 0: connection reset",)
 
 
 def test_a_commit_that_fails_against_a_store_is_retried_with_the_stores_backoff(tmp_path, store):

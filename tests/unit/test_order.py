@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wildtrain.data.order import Source, plan_epoch, rank_segments, row_order, split_step
+from wildtrain.data.order import Source, epoch_steps, plan_epoch, rank_segments, row_order, split_step
 
 SEED = 3
 
@@ -101,3 +101,17 @@ def test_split_step_counts_epochs():
     assert split_step(0, 10) == (0, 0)
     assert split_step(25, 10) == (2, 5)
     np.testing.assert_raises(ValueError, split_step, 3, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=3), min_size=1, max_size=3), min_size=1, max_size=3
+    ),
+    st.lists(st.floats(0.1, 3.0), min_size=3, max_size=3),
+    st.integers(1, 12),
+    st.integers(0, 3),
+)
+def test_the_steps_of_an_epoch_need_no_plan(shapes, weights, global_batch, epoch):
+    sources = [Source(tuple(tuple(s) for s in shape), weight) for shape, weight in zip(shapes, weights)]
+    assert epoch_steps(sources, global_batch) == plan_epoch(sources, global_batch, SEED, epoch).steps

@@ -129,3 +129,27 @@ def test_a_deleted_checkpoint_takes_its_universal_copies_with_it(tmp_path):
 
     assert copies_of(store, names[0]) == [] and not (tmp_path / "store" / names[0]).exists()
     assert copies_of(store, names[1]) == [f"{names[1]}.uc3d4"]
+
+
+def test_a_folder_the_store_lists_after_its_objects_are_gone_does_not_stop_retention(tmp_path):
+    import pyarrow.fs as pafs
+
+    from tests.helpers.faulty_fs import Faults, FaultyHandler
+
+    class EmptiedFolderListed(FaultyHandler):
+        # SeaweedFS lists a folder whose objects were all deleted, and answers 404 for deleting it.
+        def delete_dir(self, path):
+            if path.endswith(ghost):
+                raise FileNotFoundError(f"Path does not exist '{path}/'")
+            super().delete_dir(path)
+
+    local = Store.from_uri(str(tmp_path / "store"))
+    names = [_commit(tmp_path, local, step) for step in (10, 20, 30)]
+    ghost = checkpoint_name(5, "a")
+    (tmp_path / "store" / ghost).mkdir()
+    store = Store(pafs.PyFileSystem(EmptiedFolderListed(pafs.LocalFileSystem(), Faults())), local.root, local.uri)
+
+    plan = apply_retention(store, RetentionPolicy(keep_last=2), good=set())
+
+    assert set(plan.delete) == {names[0], ghost}
+    assert sorted(c.name for c in list_candidates([local]) if c.manifest) == names[1:]

@@ -7,8 +7,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from wildtrain.config import Config
+from wildtrain.data import stream
 from wildtrain.data.order import Source, plan_epoch, rank_segments
-from wildtrain.data.stream import _runs, task_units
+from wildtrain.data.stream import Dataset, RankStream, _runs, task_units
 
 ROW_BYTES = 10
 
@@ -54,3 +56,19 @@ def test_runs_split_a_block_where_the_stream_changes_or_a_step_is_skipped():
     assert _runs(streams, steps) == [(0, 3), (3, 5), (5, 7), (7, 8)]
     assert _runs(np.array([0, 0]), np.array([1, 3])) == [(0, 1), (1, 2)]
     assert _runs(np.array([2]), np.array([7])) == [(0, 1)]
+
+
+def test_opening_a_rank_stream_in_a_later_epoch_plans_that_epoch_alone(monkeypatch):
+    # A plan of a 100,000-shard manifest costs seconds of CPU on every rank: opening a stream
+    # must not plan epoch 0 for the epoch's length besides the epoch it starts in.
+    planned = []
+    monkeypatch.setattr(stream, "plan_epoch", lambda *args: planned.append(args[3]) or plan_epoch(*args))
+    monkeypatch.setattr(stream, "epoch_dataset", lambda *args: type("Read", (), {"iter_batches": lambda *a, **k: []})())
+    cfg = Config()
+    cfg.train.global_batch_size, cfg.train.seed = 4, 5
+    source = Source(((3, 4), (5,)))  # 12 rows: 3 steps of 4 an epoch
+    opened = RankStream(
+        [Dataset("root", ("a", "b"), source)], cfg.data, cfg.train, cfg.storage, 1, 2, from_step=7, doc_ids=False
+    )
+    opened._start_epoch(*stream.split_step(opened.step, opened.steps_per_epoch))
+    assert planned == [2]

@@ -92,7 +92,10 @@ def delete_checkpoint(store: StoreLike, name: str) -> None:
         manifest = store.path(folder, MANIFEST)
         if store.fs.get_file_info(manifest).is_file:
             store.fs.delete_file(manifest)
-        store.fs.delete_dir(store.path(folder))
+        try:
+            store.fs.delete_dir(store.path(folder))
+        except FileNotFoundError:
+            pass  # SeaweedFS goes on listing a folder whose objects are all deleted, and refuses to delete it
 
 
 def apply_retention(store: StoreLike, policy: RetentionPolicy, good: Collection[str]) -> RetentionPlan:

@@ -122,7 +122,8 @@ def upload(
         remote = store.path(name, rel)
         doing = f"uploading {local} to {store.describe(name, rel)}"
         on_progress(doing)
-        store.fs.create_dir(remote.rsplit("/", 1)[0], recursive=True)
+        if storage.has_folders(store.fs):
+            store.fs.create_dir(remote.rsplit("/", 1)[0], recursive=True)
         with open(local, "rb") as src, store.fs.open_output_stream(remote) as out:
             size, sha = _hash_through(src, out.write, deadline, doing)
         entries.append(FileEntry(rel, size, sha))
@@ -139,7 +140,6 @@ def write_part(store: StoreLike, name: str, rank: int, files: Sequence[FileEntry
     instead of waiting out its deadline for a part that will never come."""
     store = as_store(store)
     record = json.dumps({"rank": rank, "files": [asdict(f) for f in files], "failed": failed}).encode()
-    store.fs.create_dir(store.path(name, PARTS_DIR), recursive=True)
     storage.write_atomic(store.fs, store.path(name, PARTS_DIR, f"rank_{rank:05d}.json"), record)
 
 
@@ -156,22 +156,34 @@ class Parts:
     files: tuple[FileEntry, ...]  # every rank's files, once none is missing or failed
 
 
-def poll_parts(store: StoreLike, name: str, world_size: int) -> Parts:
-    """The part records of checkpoint `name` as they stand now."""
+# A part record as read, by file name, with the size and modification time it was listed with.
+PartCache = dict[str, tuple[tuple[int, Any], tuple[list[FileEntry], str]]]
+
+
+def poll_parts(store: StoreLike, name: str, world_size: int, cache: Optional[PartCache] = None) -> Parts:
+    """The part records of checkpoint `name` as they stand now. With `cache` (kept by the
+    caller across polls of one checkpoint), a record is read again only when the listing
+    shows it with another size or time, so that waiting for N parts reads each about once."""
     store = as_store(store)
+    cache = {} if cache is None else cache
     infos = store.fs.get_file_info(pafs.FileSelector(store.path(name, PARTS_DIR), allow_not_found=True))
-    present = {info.base_name for info in infos if info.base_name.endswith(".json")}
+    present = {info.base_name: (info.size, info.mtime) for info in infos if info.base_name.endswith(".json")}
     records: dict[int, tuple[list[FileEntry], str]] = {}
     for rank in range(world_size):
-        if f"rank_{rank:05d}.json" not in present:
+        record = f"rank_{rank:05d}.json"
+        if record not in present:
             continue
-        where = store.describe(name, PARTS_DIR, f"rank_{rank:05d}.json")
-        text = _read_text(store, store.path(name, PARTS_DIR, f"rank_{rank:05d}.json"))
+        if record in cache and cache[record][0] == present[record]:
+            records[rank] = cache[record][1]
+            continue
+        where = store.describe(name, PARTS_DIR, record)
+        text = _read_text(store, store.path(name, PARTS_DIR, record))
         try:
             raw = json.loads(text or "")
             records[rank] = ([FileEntry(**f) for f in raw["files"]], raw.get("failed", ""))
         except (ValueError, TypeError, KeyError) as e:
             raise ManifestError(f"{where}: not a part record: {e}") from None
+        cache[record] = (present[record], records[rank])
     missing = tuple(r for r in range(world_size) if r not in records)
     failed = tuple(f"rank {rank}: {why}" for rank, (_, why) in sorted(records.items()) if why)
     if missing or failed:
@@ -216,6 +228,7 @@ def commit_when_complete(
     still pending is given up (`Cancelled`). Returns the errors by store URI; the stores
     without one were committed."""
     pending = {store.uri: (store, deadline) for store, deadline in targets}
+    read: dict[str, PartCache] = {uri: {} for uri in pending}  # the part records read so far, by store URI
     complete: dict[str, tuple[FileEntry, ...]] = {}  # by store URI: every part in, as read
     failing: set[str] = set()  # the stores whose last request failed: polled with the backoff again
     errors: dict[str, Exception] = {}
@@ -225,7 +238,7 @@ def commit_when_complete(
             failing.discard(uri)
             try:
                 if uri not in complete:
-                    parts = poll_parts(store, name, world_size)
+                    parts = poll_parts(store, name, world_size, read[uri])
                     if parts.failed:
                         raise PartFailed(f"{store.describe(name)}: " + "; ".join(parts.failed))
                     if not parts.missing:

@@ -72,15 +72,25 @@ def _rng(seed: int, *key: int) -> np.random.Generator:
     return np.random.default_rng([seed, *key])
 
 
-def epoch_units(sources: list[Source], seed: int, epoch: int) -> list[Unit]:
+def _wanted(sources: list[Source]) -> list[int]:
+    """The rows each source gives every epoch: its weight's share of all sources' rows."""
     total_rows = sum(s.rows for s in sources)
     total_weight = sum(s.weight for s in sources)
+    return [round(total_rows * source.weight / total_weight) for source in sources]
+
+
+def epoch_steps(sources: list[Source], global_batch_size: int) -> int:
+    """S, the steps of every epoch (`plan_epoch(...).steps`), without planning one: an epoch
+    takes the same rows from each source whatever its order."""
+    return sum(_wanted(sources)) // global_batch_size
+
+
+def epoch_units(sources: list[Source], seed: int, epoch: int) -> list[Unit]:
     units: list[Unit] = []
-    for index, source in enumerate(sources):
+    for index, (source, wanted) in enumerate(zip(sources, _wanted(sources))):
         groups = [
             (shard, group, rows) for shard, sizes in enumerate(source.row_groups) for group, rows in enumerate(sizes)
         ]
-        wanted = round(total_rows * source.weight / total_weight)
         if not groups:
             raise ValueError(f"dataset {index} of the mixture has no rows")
         order = _rng(seed, epoch, index).permutation(len(groups))

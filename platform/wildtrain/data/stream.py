@@ -31,7 +31,17 @@ import numpy as np
 from wildtrain import storage
 from wildtrain.config import DataConfig, StorageConfig, TrainConfig
 from wildtrain.data.manifest import DataError, ShardCorrupt
-from wildtrain.data.order import Segment, Source, Unit, plan_epoch, rank_segments, rank_streams, row_order, split_step
+from wildtrain.data.order import (
+    Segment,
+    Source,
+    Unit,
+    epoch_steps,
+    plan_epoch,
+    rank_segments,
+    rank_streams,
+    row_order,
+    split_step,
+)
 
 STREAM, STEP, TOKENS, DOC_IDS, SAMPLE_IDS = "stream", "step", "tokens", "doc_ids", "sample_ids"
 
@@ -310,7 +320,7 @@ class RankStream:
         self.rank = rank
         self.world_size = world_size
         self.sources = [d.source for d in datasets]
-        self.steps_per_epoch = plan_epoch(self.sources, train.global_batch_size, train.seed, 0).steps
+        self.steps_per_epoch = epoch_steps(self.sources, train.global_batch_size)
         self.streams = rank_streams(rank, world_size, train.global_batch_size)
         self.step = from_step
         self.wait_s = 0.0
