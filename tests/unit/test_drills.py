@@ -1,17 +1,27 @@
-"""The chaos.* drills of an attempt: the pace a step keeps, and the failure that fires once per run."""
+"""The chaos.* drills of an attempt: the pace a step keeps, a slow forward pass, and the failure that fires once
+per run."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+import torch
 
 from wildtrain.config import load_config
 from wildtrain.train.drills import Drills
 
 
 def drills(
-    tmp_path, *overrides, rank=0, restored_step=0, joiner=False, short_of_members=False, spares_waiting=None
+    tmp_path,
+    *overrides,
+    rank=0,
+    restored_step=0,
+    joiner=False,
+    slowed=False,
+    model=None,
+    short_of_members=False,
+    spares_waiting=None,
 ) -> Drills:
     cfg = load_config(["experiment=tiny", f"run.storage={tmp_path}", "run.name=drills", *overrides])
     return Drills(
@@ -19,7 +29,8 @@ def drills(
         rank,
         restored_step,
         joiner=joiner,
-        slowed=False,
+        slowed=slowed,
+        model=model if model is not None else torch.nn.Identity(),
         short_of_members=short_of_members,
         spares_waiting=spares_waiting,
     )
@@ -55,6 +66,23 @@ def test_pace_sleeps_only_what_the_step_has_not_taken(tmp_path):
     began = time.perf_counter()
     paced.pace(started - 10)  # a step that already took longer
     assert time.perf_counter() - began < 0.1
+
+
+def test_a_slowed_rank_sleeps_in_every_training_forward_pass_of_its_model(tmp_path):
+    def forward_s(model: torch.nn.Module) -> float:
+        started = time.perf_counter()
+        model(torch.zeros(1, 2))
+        return time.perf_counter() - started
+
+    slowed = torch.nn.Linear(2, 2)
+    drills(tmp_path, "chaos.slow_rank=0", "chaos.slow_step_s=0.2", slowed=True, model=slowed)
+    assert forward_s(slowed) >= 0.2 and forward_s(slowed) >= 0.2
+    assert forward_s(slowed.eval()) < 0.2  # validation's forward passes keep their pace
+    # A rank the monitor did not find slowed, or a drill without a delay, leaves its model alone.
+    for overrides, slowed_by_chaos in ((("chaos.slow_step_s=0.2",), False), ((), True)):
+        model = torch.nn.Linear(2, 2)
+        drills(tmp_path, *overrides, slowed=slowed_by_chaos, model=model)
+        assert not model._forward_pre_hooks
 
 
 def test_a_rank_fails_its_step_once_per_run_and_a_restarted_group_passes_it(tmp_path):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+import torch
+
 from wildtrain import storage
 from wildtrain.config import Config
 from wildtrain.layout import RunLayout
@@ -14,8 +16,9 @@ from wildtrain.layout import RunLayout
 class Drills:
     """This rank's drills in one attempt. `joiner`: the rank joined an in-process group (its
     attempts' first steps are where chaos.fail_joiner fails); `slowed`: the monitor found the
-    rank slowed by chaos.slow_*; `short_of_members`: an in-process generation smaller than
-    its group was formed; `spares_waiting`: an in-process group's count of ready spares."""
+    rank slowed by chaos.slow_*, whose every training forward pass through `model` then sleeps
+    chaos.slow_step_s; `short_of_members`: an in-process generation smaller than its group was
+    formed; `spares_waiting`: an in-process group's count of ready spares."""
 
     def __init__(
         self,
@@ -25,13 +28,15 @@ class Drills:
         *,
         joiner: bool,
         slowed: bool,
+        model: torch.nn.Module,
         short_of_members: bool,
         spares_waiting: Optional[Callable[[], int]] = None,
     ) -> None:
         chaos = cfg.chaos
         self.cfg, self.rank = cfg, rank
         self.fails_as_joiner = joiner and chaos.fail_joiner
-        self.slow_forward_s = chaos.slow_step_s if slowed else 0.0
+        if slowed and chaos.slow_step_s > 0:
+            model.register_forward_pre_hook(slow_forward(chaos.slow_step_s))
         self.fails_at_step = chaos.fail_at_step if rank == chaos.fail_rank else 0
         if self.fails_as_joiner:
             self.fails_at_step = restored_step + 1  # its first step here
@@ -61,3 +66,16 @@ class Drills:
     def pace(self, started: float) -> None:
         """Make the step begun at `started` (perf_counter) last at least the drill's pace."""
         time.sleep(max(0.0, self.step_s() - (time.perf_counter() - started)))
+
+
+def slow_forward(seconds: float) -> Callable[[torch.nn.Module, tuple], None]:
+    """A forward pre-hook that sleeps `seconds` in training mode: a straggler's delay, counted
+    as the step's forward time, where validation (in eval mode) keeps its own. Kept out of any
+    compiled graph, so that it sleeps at every call."""
+
+    @torch.compiler.disable
+    def sleep(module: torch.nn.Module, args: tuple) -> None:
+        if module.training:
+            time.sleep(seconds)
+
+    return sleep
