@@ -311,7 +311,7 @@ class Attempt:
         self.drills.before_step(self.state.step + 1)
         started = time.perf_counter()
         train_step(self.engine, self.plan, rows, self.window)
-        self.drills.pace(started)
+        self.drills.after_step(self.state.step + 1, started)
         state = self.state
         if state.step == self.restored_step:
             # The optimizer's state exists from the first step on: the first save's host

@@ -1,5 +1,5 @@
-"""The chaos.* drills an attempt runs (off by default): a slow rank, a rank or a joiner that
-fails once per run, and a least time per step for drills that act mid-run."""
+"""The chaos.* drills an attempt runs (off by default): a slow rank, and a rank or a joiner
+that fails once per run; and the per-step hook (train/hooks.py) that tests pace drills with."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from wildtrain import storage
 from wildtrain.config import Config
 from wildtrain.layout import RunLayout
+from wildtrain.train import hooks
 
 
 class Drills:
@@ -41,16 +42,7 @@ class Drills:
         if self.fails_as_joiner:
             self.fails_at_step = restored_step + 1  # its first step here
         self.short_of_members, self.spares_waiting = short_of_members, spares_waiting
-
-    def step_s(self) -> float:
-        """The least time of the next step: chaos.short_step_s while the group trains short of a
-        member or of a spare (elastic.spares), else chaos.min_step_s."""
-        chaos = self.cfg.chaos
-        short = chaos.short_step_s > 0 and (
-            self.short_of_members
-            or (self.spares_waiting is not None and self.spares_waiting() < self.cfg.elastic.spares)
-        )
-        return max(chaos.min_step_s, chaos.short_step_s) if short else chaos.min_step_s
+        self.step_hook = hooks.from_env()
 
     def before_step(self, step: int) -> None:
         """Raise mid-step where this rank's drill fails `step`, the first time the run gets
@@ -63,9 +55,14 @@ class Drills:
             drill = "chaos.fail_joiner" if self.fails_as_joiner else "chaos.fail_rank"
             raise RuntimeError(f"chaos drill: rank {self.rank} fails in step {step} ({drill})")
 
-    def pace(self, started: float) -> None:
-        """Make the step begun at `started` (perf_counter) last at least the drill's pace."""
-        time.sleep(max(0.0, self.step_s() - (time.perf_counter() - started)))
+    def after_step(self, step: int, started: float) -> None:
+        """Call the step hook, if one is set, on `step`, begun at `started` (perf_counter)."""
+        if self.step_hook is None:
+            return
+        wanted = self.cfg.elastic.spares
+        spares_ready = self.spares_waiting() if self.spares_waiting is not None and wanted else None
+        short = hooks.trains_short(self.short_of_members, spares_ready, wanted)
+        self.step_hook(hooks.StepDone(step, self.rank, started, short))
 
 
 def slow_forward(seconds: float) -> Callable[[torch.nn.Module, tuple], None]:
