@@ -70,6 +70,7 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from tests.helpers.chaos import BackgroundRun  # noqa: E402
+from tests.helpers.pacing import Pace  # noqa: E402
 from wildtrain.config import load_config  # noqa: E402
 from wildtrain.data.prepare import PrepareConfig, prepare  # noqa: E402
 from wildtrain.events import Failure, Formed, Interrupted, Recovered  # noqa: E402
@@ -114,7 +115,8 @@ SCENARIOS = {
     # size through the death, and the returned node's worker waits as the next spare. Paced so
     # that the return's worker gets ready before the run's end.
     "in-process + spare": dict(
-        overrides=["elastic.in_process=true", "elastic.spares=1", "chaos.min_step_s=0.2"],
+        overrides=["elastic.in_process=true", "elastic.spares=1"],
+        pace=Pace(min_step_s=0.2),
         system_config=services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF,
         spares=1,
     ),
@@ -232,12 +234,13 @@ def run_scenario(
     spares: int = 0,
     workers_per_node: int = 1,
     victims: Optional[tuple[int, ...]] = None,
+    pace: Optional[Pace] = None,
 ) -> list[dict]:
     """The node of each rank of `victims` (of the newest in-process generation; the last rank's
     by default) removed in turn, each added back once the group trains smaller, and the next
-    removed once it trains at full size again."""
+    removed once it trains at full size again; the steps paced by `pace` (tests/helpers/pacing.py)."""
     if spares:
-        return run_spare_scenario(name, overrides, system_config, mlflow_url, steps, root, load)
+        return run_spare_scenario(name, overrides, system_config, mlflow_url, steps, root, load, pace)
     full, smaller = 2 * workers_per_node, workers_per_node
     say(f"{name}: starting a fake cluster of a head and two nodes of {workers_per_node} worker(s)")
     causes, gcs_cores = [], {}  # when each node was removed or added; the GCS's cores after each removal
@@ -245,7 +248,7 @@ def run_scenario(
     with fake_cluster(system_config, workers_per_node=workers_per_node) as cluster:
         cfg = run_config(name, overrides, mlflow_url, steps, root)
         say(f"{name}: training {steps} steps at world size {full}")
-        run = BackgroundRun(cfg)
+        run = BackgroundRun(cfg, pace)
         run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6", 600)
         for n, rank in enumerate(victims or (full - 1,)):
             if n:
@@ -323,7 +326,14 @@ def run_scenario(
 
 
 def run_spare_scenario(
-    name: str, overrides: list[str], system_config: dict, mlflow_url: str, steps: int, root: Path, load: "LoadSampler"
+    name: str,
+    overrides: list[str],
+    system_config: dict,
+    mlflow_url: str,
+    steps: int,
+    root: Path,
+    load: "LoadSampler",
+    pace: Optional[Pace],
 ) -> list[dict]:
     """A group of two beside a third node's spare (elastic.spares=1): rank 1's node removed once
     the spare is ready, and added back once the spare took its place. Rows: the death (the
@@ -333,7 +343,7 @@ def run_spare_scenario(
     with fake_cluster(system_config, worker_nodes=3) as cluster:
         cfg = run_config(name, overrides, mlflow_url, steps, root)
         say(f"{name}: training {steps} steps at world size 2, waiting for the spare to be ready")
-        run = BackgroundRun(cfg)
+        run = BackgroundRun(cfg, pace)
         run.wait_until(lambda h: h and h[-1].value == 1, "a spare ready", 600, key="system/spares")
         victim = rank_node(cluster, run, mlflow_url, root, 1)
         killed_at = time.time()
@@ -478,6 +488,7 @@ def main() -> None:
                 scenario.get("spares", 0),
                 scenario.get("workers_per_node", 1),
                 scenario.get("victims"),
+                scenario.get("pace"),
             )
 
     columns = [

@@ -37,6 +37,7 @@ from wildtrain.tracking.mlflow_client import Client, check_reachable, run_url
 from wildtrain.tracking.reports import runs as report
 from wildtrain.tracking.run_setup import open_run
 from wildtrain.tracking.worker.stragglers import cannot_observe
+from wildtrain.train import hooks
 from wildtrain.train.entry import joiner_main, worker_main
 from wildtrain.worker_inputs import LoopInputs
 
@@ -56,15 +57,20 @@ class RunSummary:
     final_metrics: dict
 
 
-def run(cfg: Config, tags: Optional[dict[str, str]] = None) -> RunSummary:
-    """Train `cfg` to its last step; `tags` go on the MLflow run when it is created. Refused
-    (`lease.LeaseError`) before anything starts while another driver holds the run's lease."""
+def run(cfg: Config, tags: Optional[dict[str, str]] = None, step_hook: Optional[str] = None) -> RunSummary:
+    """Train `cfg` to its last step; `tags` go on the MLflow run when it is created; every
+    worker calls `step_hook` (train/hooks.py; by default $WILDTRAIN_STEP_HOOK) after each
+    step. Refused (`lease.LeaseError`) before anything starts while another driver holds the
+    run's lease."""
     started_at = time.time()
+    hook_env = hooks.worker_env(step_hook)
     with lease.Keeper(cfg.run, cfg.cluster.name, cfg.storage, RunLayout.of(cfg.run, cfg.checkpoint).lease) as keeper:
-        return _run(cfg, tags, started_at, keeper)
+        return _run(cfg, tags, started_at, keeper, hook_env)
 
 
-def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper: lease.Keeper) -> RunSummary:
+def _run(
+    cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper: lease.Keeper, hook_env: dict[str, str]
+) -> RunSummary:
     # The storage settings everything below checks the run's data and record with: every
     # process of the run gets them, whatever its node's environment holds.
     storage_env, storage_view = storage.handover_env(cfg.storage), storage.StorageView.here(cfg.storage)
@@ -132,7 +138,7 @@ def _run(cfg: Config, tags: Optional[dict[str, str]], started_at: float, keeper:
     mlflow = MlflowCallback(cfg.tracking.uri, run_id, interpret, layout.hangs, cfg.storage, layout.tracking)
     rendezvous = start_rendezvous(cfg)
     ray_compat.keep_ray_data_stats_here()  # not on a worker's node, which may die
-    worker_env = {**scaling.worker_env(cfg.cluster, cfg.elastic), **storage_env}
+    worker_env = {**scaling.worker_env(cfg.cluster, cfg.elastic), **storage_env, **hook_env}
     inputs = LoopInputs(
         cfg,
         data,

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 from mlflow.tracking import MlflowClient
 
+from tests.helpers.pacing import Pace
 from wildtrain import driver
 from wildtrain.config import Config
 
@@ -21,23 +22,25 @@ HEAD_SLOT = "wildtrain_head"
 # The training that runs moved between clusters (test_clusters) and resized (test_elastic)
 # must reproduce, step for step: UL2 under document masks, the objective with the most moving
 # parts (random corruption per document, reserved ids, a mask and positions from doc_ids),
-# validated every 10 steps, checkpointed every 4, and half a second a step, so that 40 steps
-# outlast a move, or a node's death, its detection and its return.
+# validated every 10 steps, checkpointed every 4, and half a second a step (UNINTERRUPTED_PACE),
+# so that 40 steps outlast a move, or a node's death, its detection and its return.
 UNINTERRUPTED_STEPS = 40
 UNINTERRUPTED = (
     f"train.steps={UNINTERRUPTED_STEPS}",
     "train.log_every=1",
     "checkpoint.every=4",
     "eval.every=10",
-    "chaos.min_step_s=0.5",
     "train.objective=ul2",
     "model.attention=document",
 )
+UNINTERRUPTED_PACE = Pace(min_step_s=0.5)
 
 
 @dataclass
 class BackgroundRun:
     cfg: Config
+    # The drill's pace, kept by every worker of the run (tests/helpers/pacing.py); none: unpaced.
+    pace: Optional[Pace] = None
     summary: Optional[driver.RunSummary] = None
     error: Optional[BaseException] = None
     thread: threading.Thread = field(init=False)
@@ -49,7 +52,7 @@ class BackgroundRun:
 
     def _run(self) -> None:
         try:
-            self.summary = driver.run(self.cfg)
+            self.summary = driver.run(self.cfg, step_hook=self.pace.spec() if self.pace else None)
         except BaseException as e:  # handed to the waiting thread
             self.error = e
 

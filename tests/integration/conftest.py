@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from tests.conftest import REPO
-from tests.helpers.chaos import HEAD_SLOT, UNINTERRUPTED, BackgroundRun
+from tests.helpers.chaos import HEAD_SLOT, UNINTERRUPTED, UNINTERRUPTED_PACE, BackgroundRun
 from tests.helpers.ray_clusters import start_cluster
 from wildtrain import services
 from wildtrain.config import load_config
@@ -127,7 +127,8 @@ def uninterrupted(tmp_path_factory, mlflow_url, tiny_dataset) -> BackgroundRun:
                 "elastic.max_workers=1",
                 *UNINTERRUPTED,
             ]
-        )
+        ),
+        pace=UNINTERRUPTED_PACE,
     )
 
 

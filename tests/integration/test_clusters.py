@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO
 from tests.helpers.chaos import UNINTERRUPTED, UNINTERRUPTED_STEPS
+from tests.helpers.pacing import Pace
 from tests.helpers.ray_clusters import WORKER_NICENESS
 from tests.helpers.waiting import wait_for
 from wildtrain import cli, lease, services, storage
@@ -240,7 +241,8 @@ def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_sam
     # the losses to match. Paced on a at a second a step (the pace changes no loss), so the
     # move lands mid-run however fast the machine trains: at `uninterrupted`'s half second a
     # loaded machine's move (its commit wait, the job's stop) outlasted the run on a. B only
-    # has to finish: unpaced.
+    # has to finish: unpaced. The pace is the job's environment, as a cluster's hotfix sets it.
+    paced_a = Pace(min_step_s=1.0).on(a)
     steps = UNINTERRUPTED_STEPS
     common = [*UNINTERRUPTED, "elastic.max_workers=1", f"tracking.uri={mlflow_url}", "tracking.experiment=moves"]
     data_on = {name: f"{c.entry.storage.data}/tiny" for name, c in (("a", a), ("b", b))}
@@ -248,14 +250,8 @@ def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_sam
     # B trains on its own copy of the data, as it would on another provider.
     wildtrain("sync", "a:data/tiny", "b:data/tiny", "--registry", str(two_clusters.path))
     submit(
-        a,
-        [
-            "experiment=tiny",
-            f"data.datasets=[{{uri: {data_on['a']}}}]",
-            f"run.name={run}",
-            *common,
-            "chaos.min_step_s=1.0",
-        ],
+        paced_a,
+        ["experiment=tiny", f"data.datasets=[{{uri: {data_on['a']}}}]", f"run.name={run}", *common],
         working_dir=REPO,
     )
     a_cfg = load_config(a.run_overrides() + ["experiment=tiny", f"run.name={run}"])
@@ -267,7 +263,7 @@ def test_a_run_moved_mid_training_continues_on_b_with_the_same_losses_in_the_sam
         run,
         a,
         b,
-        ["experiment=tiny", f"data.datasets=[{{uri: {data_on['b']}}}]", *common, "chaos.min_step_s=0"],
+        ["experiment=tiny", f"data.datasets=[{{uri: {data_on['b']}}}]", *common],
         working_dir=REPO,
         poll_s=0.2,
     )

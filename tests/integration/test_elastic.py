@@ -5,6 +5,7 @@ are rebuilt from (seed, step, sample id) by whichever rank reads the row."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import tempfile
@@ -19,7 +20,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray.util.state import list_actors
 
-from tests.helpers.chaos import UNINTERRUPTED, BackgroundRun
+from tests.helpers.chaos import UNINTERRUPTED, UNINTERRUPTED_PACE, BackgroundRun
 from tests.helpers.chaos import UNINTERRUPTED_STEPS as STEPS
 from tests.helpers.waiting import wait_for
 from wildtrain import driver, ray_compat
@@ -92,7 +93,9 @@ def test_node_dies_and_returns_without_changing_what_is_trained(
     client = MlflowClient(mlflow_url)
     # `uninterrupted` is the same training, never resized. (The same losses at any world size
     # is the promise under test.)
-    run = BackgroundRun(elastic_config(f"elastic-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true"))
+    run = BackgroundRun(
+        elastic_config(f"elastic-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true"), UNINTERRUPTED_PACE
+    )
     run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6 at world size 2", 300)
     # A committed checkpoint for the shrink to reshard (the first save's commit may trail step 6).
     checkpoints = tmp_path / "runs" / run.cfg.run.name / "checkpoints"
@@ -187,9 +190,9 @@ def trained_at(samples: Path, world_size: int, steps: int = 1) -> bool:
 
 
 # The in-process drills' pace, which changes no loss: a joiner must join, or a spare be
-# ready, before the run's end. Only the steps short of a member or a spare are paced: the
+# ready, before the run's end. Only the steps short of a member or a spare take longer: the
 # others keep UNINTERRUPTED's.
-JOIN_PACE = "chaos.short_step_s=4"
+JOIN_PACE = dataclasses.replace(UNINTERRUPTED_PACE, short_step_s=4)
 
 
 def lose_a_rank_and_return_a_node(cluster, run: BackgroundRun, servers: list, rank: int) -> tuple[list[str], object]:
@@ -235,8 +238,8 @@ def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(
             ON_WORKER_NODES,
             "data.record_samples=true",
             "elastic.in_process=true",
-            JOIN_PACE,
-        )
+        ),
+        JOIN_PACE,
     )
     events = functools.partial(run_events, run, mlflow_url, tmp_path)
     first, returned = lose_a_rank_and_return_a_node(cluster, run, rendezvous_servers, rank=0)
@@ -309,9 +312,8 @@ def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(
     third = cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
     cluster.wait_for_nodes()
     run = BackgroundRun(
-        elastic_config(
-            f"spare-{tmp_path.name}", ON_WORKER_NODES, "elastic.in_process=true", "elastic.spares=1", JOIN_PACE
-        )
+        elastic_config(f"spare-{tmp_path.name}", ON_WORKER_NODES, "elastic.in_process=true", "elastic.spares=1"),
+        JOIN_PACE,
     )
     events = functools.partial(run_events, run, mlflow_url, tmp_path)
     # MLflow's view, as the assertions below read it: the gauge is logged at log steps, and
@@ -369,8 +371,8 @@ def test_a_joiner_that_fails_falls_back_to_a_restart_from_the_checkpoint(
             "data.record_samples=true",
             "elastic.in_process=true",
             "chaos.fail_joiner=true",
-            JOIN_PACE,
-        )
+        ),
+        JOIN_PACE,
     )
     events = functools.partial(run_events, run, mlflow_url, tmp_path)
     first, returned = lose_a_rank_and_return_a_node(cluster, run, rendezvous_servers, rank=1)
@@ -448,7 +450,8 @@ def test_a_run_left_without_nodes_stops_and_keeps_its_checkpoints(worker_nodes, 
     run = BackgroundRun(
         elastic_config(
             f"stranded-{tmp_path.name}", ON_WORKER_NODES, "elastic.capacity_wait_s=8", "elastic.max_failures=-1"
-        )
+        ),
+        UNINTERRUPTED_PACE,
     )
     checkpoints = tmp_path / "runs" / run.cfg.run.name / "checkpoints"
     wait_for(lambda: list(checkpoints.glob("step_000000004-*/manifest.json")), "commit of step 4", 300)

@@ -14,6 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.helpers.chaos import BackgroundRun
+from tests.helpers.pacing import Pace
 from wildtrain import driver
 from wildtrain.events import Failure, Hang, HealthCheck, NodeExcluded, Recovered, Started, Straggler
 from wildtrain.tracking.record import mlflow_key, read_events
@@ -118,7 +119,6 @@ def test_a_slow_rank_is_flagged_a_failing_one_named_as_the_cause_and_a_stopped_o
         "train.log_every=1",
         "checkpoint.every=5",
         "monitor.hang_timeout_s=10",
-        "chaos.min_step_s=0.5",
         "chaos.fail_rank=1",
         "chaos.fail_at_step=3",
         "chaos.slow_rank=1",
@@ -127,7 +127,7 @@ def test_a_slow_rank_is_flagged_a_failing_one_named_as_the_cause_and_a_stopped_o
         "monitor.straggler_patience=2",
         "monitor.straggler_factor=1.5",
     )
-    run = BackgroundRun(cfg)
+    run = BackgroundRun(cfg, Pace(min_step_s=0.5))
     # No checkpoint before step 5: the second attempt starts from step 0, and its step 6 is
     # the first step 6 logged.
     run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6", 300)

@@ -15,6 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.helpers.chaos import BackgroundRun
+from tests.helpers.pacing import Pace
 from wildtrain import services
 from wildtrain.events import TrackingOutage
 from wildtrain.tracking.record import mlflow_key, read_events
@@ -53,10 +54,9 @@ def test_a_stopped_mlflow_server_costs_no_training_time_and_loses_no_metric(
         f"train.log_every={LOG_EVERY}",
         f"checkpoint.every={steps}",
         "elastic.poll_interval_s=2",
-        "chaos.min_step_s=0.33",
         "elastic.max_workers=1",
     )
-    run = BackgroundRun(cfg)
+    run = BackgroundRun(cfg, Pace(min_step_s=0.33))
     run.wait_until(
         lambda reports: any(m.step >= 2 * LOG_EVERY for m in reports),
         "the first reports",

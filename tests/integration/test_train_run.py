@@ -5,6 +5,7 @@ job with `ray job submit`, and resubmitted from its checkpoints."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from mlflow.tracking import MlflowClient
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from tests.conftest import REPO
+from tests.helpers.pacing import Pace
 from tests.helpers.waiting import wait_for
 from wildtrain import driver, services, storage
 from wildtrain.checkpoint import STATE_FILE, reshard
@@ -162,17 +164,18 @@ def test_a_second_driver_is_refused_while_a_run_trains_and_the_resubmitted_run_f
     # One worker: neither promise depends on the world size, and a worker's start is most of a
     # tiny run's CPU time. Half a second a step: it still trains while the second driver starts.
     # Checkpoints every 4 steps; the run logs its first step, then every 2nd.
-    overrides = [*tiny_overrides, "elastic.max_workers=1", "chaos.min_step_s=0.5"]
+    overrides = [*tiny_overrides, "elastic.max_workers=1"]
+    pace = Pace(min_step_s=0.5)
     first_run = [*overrides, "train.steps=16"]
     train = [sys.executable, "-m", "wildtrain", "train", *first_run]
     cfg = load_config(first_run)
     log = tmp_path / "first.log"
     with log.open("w") as out:
-        first = subprocess.Popen(train, stdout=out, stderr=subprocess.STDOUT)
+        first = subprocess.Popen(train, stdout=out, stderr=subprocess.STDOUT, env=os.environ | pace.env())
     try:
         # Printed once the run is the first's: its lease taken, its MLflow run opened.
         wait_for(lambda: "MLflow run:" in log.read_text(), "first driver's MLflow run line", timeout_s=120, every_s=0.1)
-        second = subprocess.run(train, capture_output=True, text=True, timeout=120)
+        second = subprocess.run(train, capture_output=True, text=True, timeout=120, env=os.environ | pace.env())
         assert first.poll() is None, "the first driver must still train while the second is refused"
         first.wait(timeout=480)
     finally:
@@ -199,7 +202,7 @@ def test_a_second_driver_is_refused_while_a_run_trains_and_the_resubmitted_run_f
     assert run.info.status == "FINISHED"
     # Another seed would resume step 16 in another data order: refused before Ray starts.
     with pytest.raises(DataError, match=r"train\.seed: 0 -> 1.*data\.allow_order_change=true"):
-        driver.run(load_config([*overrides, "train.steps=20", "train.seed=1"]))
+        driver.run(load_config([*overrides, "train.steps=20", "train.seed=1"]), step_hook=pace.spec())
 
     # The newest checkpoint damaged where only its checksum can tell: same size, other bytes.
     newest = Path(
@@ -217,7 +220,7 @@ def test_a_second_driver_is_refused_while_a_run_trains_and_the_resubmitted_run_f
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    resubmitted = driver.run(load_config([*overrides, "train.steps=18"]))
+    resubmitted = driver.run(load_config([*overrides, "train.steps=18"]), step_hook=pace.spec())
     assert resubmitted.run_id == run.info.run_id
     assert client.get_run(run.info.run_id).info.status == "FINISHED"
     events = read_events(mlflow_url, run.info.run_id, str(tmp_path / "events"))
@@ -231,7 +234,7 @@ def test_a_second_driver_is_refused_while_a_run_trains_and_the_resubmitted_run_f
     assert sorted(steps) == sorted([1, *range(2, 17, 2), *resumed])
 
     # Submitted once more, finished: reported as it stands, no worker started, nothing logged.
-    again = driver.run(load_config([*overrides, "train.steps=18"]))
+    again = driver.run(load_config([*overrides, "train.steps=18"]), step_hook=pace.spec())
     assert again.run_id == run.info.run_id and again.final_metrics["step"] == 18
     assert again.checkpoint.endswith(
         newest_committed(checkpoint_stores(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage)).name

@@ -350,12 +350,12 @@ def test_the_early_stop_rules_best_loss_survives_a_restart_through_the_checkpoin
     assert TrainState.from_json('{"step": 12, "tokens_seen": 96, "world_size": 2}').best_loss == math.inf
 
 
-# Hashes of the moved keys' old spelling, pinned anew at each new key or default (one changes
-# every hash: it may change what a trial trains): first at 7ba7460, before train.checkpoint_every,
-# cluster.reshard_ahead and cluster.capacity_wait_s moved to checkpoint.every,
-# checkpoint.reshard_ahead and elastic.capacity_wait_s; last with cluster.placement_strategy's
-# default, auto (PACK before: with it spelled out, the hashes are those pinned before).
-PINNED = {"trial": "5d3413272c", "config": "b35fbac7ad6ced8a"}
+# Hashes of the moved keys' old spelling, pinned anew at each new, removed key or default (one
+# changes every hash: it may change what a trial trains): first at 7ba7460, before
+# train.checkpoint_every, cluster.reshard_ahead and cluster.capacity_wait_s moved to
+# checkpoint.every, checkpoint.reshard_ahead and elastic.capacity_wait_s; last without
+# chaos.min_step_s and chaos.short_step_s (tests pace their drills with tests/helpers/pacing.py).
+PINNED = {"trial": "150128001d", "config": "17642909b964631e"}
 MOVED_OLD = ["train.checkpoint_every=7", "cluster.reshard_ahead=false", "cluster.capacity_wait_s=33"]
 MOVED_NEW = ["checkpoint.every=7", "checkpoint.reshard_ahead=false", "elastic.capacity_wait_s=33"]
 

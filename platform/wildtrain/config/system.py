@@ -245,14 +245,6 @@ class ChaosConfig:
     slow_rank: int = -1
     slow_node_label: Optional[str] = None
     slow_step_s: float = 0.0
-    # Every step of every rank takes at least this long (0: as long as it takes): a pace for
-    # drills that act mid-run, which a faster machine would otherwise run past.
-    min_step_s: float = 0.0
-    # While an in-process group (elastic.in_process) trains short of the members it was
-    # formed with, or of its spares (elastic.spares), every step takes at least this long:
-    # a drill's joiner or spare, however slowly this machine starts it, is then in before
-    # the run ends, and the steps once it is keep their own pace.
-    short_step_s: float = 0.0
     # This rank (-1: none) raises in the middle of step `fail_at_step` while its peers go on
     # into the step's collectives, as a CUDA OOM or a corrupt shard on one rank does; once
     # per run (it leaves a marker in the run's folder), so the restarted group passes it.

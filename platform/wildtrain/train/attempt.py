@@ -206,6 +206,7 @@ class Attempt:
             self.state.step,
             joiner=not self.reports_to_ray,
             slowed=self.monitor.slowed_by_chaos,
+            model=self.engine.module,
             short_of_members=short_of_members,
             spares_waiting=member.spares_waiting if member else None,
         )
@@ -352,8 +353,8 @@ class Attempt:
             ) from None
         self.drills.before_step(self.state.step + 1)
         started = time.perf_counter()
-        train_step(self.engine, self.plan, rows, self.window, self.drills.slow_forward_s)
-        self.drills.pace(started)
+        train_step(self.engine, self.plan, rows, self.window)
+        self.drills.after_step(self.state.step + 1, started)
         state = self.state
         if state.step == self.restored_step:
             # The optimizer's state exists from the first step on: the first save's host

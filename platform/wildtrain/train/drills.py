@@ -1,21 +1,25 @@
-"""The chaos.* drills an attempt runs (off by default): a slow rank, a rank or a joiner that
-fails once per run, and a least time per step for drills that act mid-run."""
+"""The chaos.* drills an attempt runs (off by default): a slow rank, and a rank or a joiner
+that fails once per run; and the per-step hook (train/hooks.py) that tests pace drills with."""
 
 from __future__ import annotations
 
 import time
 from typing import Callable, Optional
 
+import torch
+
 from wildtrain import storage
 from wildtrain.config import Config
 from wildtrain.layout import RunLayout
+from wildtrain.train import hooks
 
 
 class Drills:
     """This rank's drills in one attempt. `joiner`: the rank joined an in-process group (its
     attempts' first steps are where chaos.fail_joiner fails); `slowed`: the monitor found the
-    rank slowed by chaos.slow_*; `short_of_members`: an in-process generation smaller than
-    its group was formed; `spares_waiting`: an in-process group's count of ready spares."""
+    rank slowed by chaos.slow_*, whose every training forward pass through `model` then sleeps
+    chaos.slow_step_s; `short_of_members`: an in-process generation smaller than its group was
+    formed; `spares_waiting`: an in-process group's count of ready spares."""
 
     def __init__(
         self,
@@ -25,27 +29,20 @@ class Drills:
         *,
         joiner: bool,
         slowed: bool,
+        model: torch.nn.Module,
         short_of_members: bool,
         spares_waiting: Optional[Callable[[], int]] = None,
     ) -> None:
         chaos = cfg.chaos
         self.cfg, self.rank = cfg, rank
         self.fails_as_joiner = joiner and chaos.fail_joiner
-        self.slow_forward_s = chaos.slow_step_s if slowed else 0.0
+        if slowed and chaos.slow_step_s > 0:
+            model.register_forward_pre_hook(slow_forward(chaos.slow_step_s))
         self.fails_at_step = chaos.fail_at_step if rank == chaos.fail_rank else 0
         if self.fails_as_joiner:
             self.fails_at_step = restored_step + 1  # its first step here
         self.short_of_members, self.spares_waiting = short_of_members, spares_waiting
-
-    def step_s(self) -> float:
-        """The least time of the next step: chaos.short_step_s while the group trains short of a
-        member or of a spare (elastic.spares), else chaos.min_step_s."""
-        chaos = self.cfg.chaos
-        short = chaos.short_step_s > 0 and (
-            self.short_of_members
-            or (self.spares_waiting is not None and self.spares_waiting() < self.cfg.elastic.spares)
-        )
-        return max(chaos.min_step_s, chaos.short_step_s) if short else chaos.min_step_s
+        self.step_hook = hooks.from_env()
 
     def before_step(self, step: int) -> None:
         """Raise mid-step where this rank's drill fails `step`, the first time the run gets
@@ -58,6 +55,24 @@ class Drills:
             drill = "chaos.fail_joiner" if self.fails_as_joiner else "chaos.fail_rank"
             raise RuntimeError(f"chaos drill: rank {self.rank} fails in step {step} ({drill})")
 
-    def pace(self, started: float) -> None:
-        """Make the step begun at `started` (perf_counter) last at least the drill's pace."""
-        time.sleep(max(0.0, self.step_s() - (time.perf_counter() - started)))
+    def after_step(self, step: int, started: float) -> None:
+        """Call the step hook, if one is set, on `step`, begun at `started` (perf_counter)."""
+        if self.step_hook is None:
+            return
+        wanted = self.cfg.elastic.spares
+        spares_ready = self.spares_waiting() if self.spares_waiting is not None and wanted else None
+        short = hooks.trains_short(self.short_of_members, spares_ready, wanted)
+        self.step_hook(hooks.StepDone(step, self.rank, started, short))
+
+
+def slow_forward(seconds: float) -> Callable[[torch.nn.Module, tuple], None]:
+    """A forward pre-hook that sleeps `seconds` in training mode: a straggler's delay, counted
+    as the step's forward time, where validation (in eval mode) keeps its own. Kept out of any
+    compiled graph, so that it sleeps at every call."""
+
+    @torch.compiler.disable
+    def sleep(module: torch.nn.Module, args: tuple) -> None:
+        if module.training:
+            time.sleep(seconds)
+
+    return sleep

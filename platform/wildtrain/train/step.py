@@ -293,13 +293,10 @@ def model_inputs(micro_batch: torch.Tensor) -> dict[str, torch.Tensor]:
     return dict(zip(FIELDS, micro_batch.unbind(1)))
 
 
-def train_step(
-    engine, plan: BatchPlan, tokens: torch.Tensor, metrics: StepMetrics, slow_forward_s: float = 0.0
-) -> None:
+def train_step(engine, plan: BatchPlan, tokens: torch.Tensor, metrics: StepMetrics) -> None:
     """One optimizer step of the DeepSpeed `engine` on this rank's `tokens` (on the engine's
     device, see `model_inputs`): forward, backward and `engine.step()` per micro-batch of the
-    plan; DeepSpeed applies the optimizer at the last. `slow_forward_s` is a chaos drill's
-    delay per forward pass (chaos.slow_step_s), counted as forward time."""
+    plan; DeepSpeed applies the optimizer at the last."""
     rows = plan.micro_batch_size * plan.grad_accum_steps
     if tokens.shape[0] != rows:
         raise ValueError(
@@ -308,8 +305,6 @@ def train_step(
         )
     for micro_batch in tokens.split(plan.micro_batch_size):
         with metrics.timed("forward"):
-            if slow_forward_s:
-                time.sleep(slow_forward_s)
             loss = engine(**model_inputs(micro_batch))
         with metrics.timed("backward"):
             engine.backward(loss)
