@@ -241,8 +241,8 @@ def _check_order(cfg: Config, record: dict, pins: OrderPins) -> list[str]:
 def _finished_before(cfg: Config, run_id: Optional[str]) -> Optional[RunSummary]:
     """The summary of a run that an earlier submission trained to `train.steps` and ended
     FINISHED, else None. Such a resubmission (`make demo` run again) has nothing to train:
-    starting the worker group to find that out took ~20 s here, and put that start and the
-    time since the run ended into the run's goodput (0.3% after one such resubmission)."""
+    starting the worker group to find that out took most of a run's start-up, and put that
+    start and the time since the run ended into the run's goodput (docs/benchmarks.md)."""
     if run_id is None:
         return None
     newest = newest_committed(checkpoint_stores(RunLayout.of(cfg.run, cfg.checkpoint), cfg.storage))

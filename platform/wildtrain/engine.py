@@ -100,8 +100,8 @@ def deepspeed_config(
 def import_deepspeed():
     """`deepspeed`, set never to build its shared-memory comm op (`deepspeed_shm_comm`).
 
-    On CPU, DeepSpeed's comm backend JIT-builds that C++ op when it starts: 25-35 s of every
-    worker start here (torch rebuilds it whenever the build flags differ between processes),
+    On CPU, DeepSpeed's comm backend JIT-builds that C++ op when it starts, slowly and at every
+    worker start (torch rebuilds it whenever the build flags differ between processes; bench/startup.py),
     under a file lock in ~/.cache/torch_extensions that a worker killed mid-build leaves
     behind for every later start to wait on forever. Only DeepSpeed's inference all-reduce
     uses the op; training's collectives go through torch.distributed either way. DeepSpeed
@@ -109,13 +109,13 @@ def import_deepspeed():
     in one dict so that edits to it hold.
 
     DeepSpeed's autotuner imports MLflow whenever it is installed, for its own tuning runs,
-    which wildtrain never starts: 1.4 s of every worker's start here. A worker that has not
+    which wildtrain never starts: a second of every worker's start (docs/benchmarks.md). A worker that has not
     imported MLflow itself imports DeepSpeed with MLflow hidden (a `None` in `sys.modules`
     fails that import, which the autotuner takes as "not installed"), then unhidden.
 
     DeepSpeed's ZeRO optimizers import its Muon module when the engine is built; its kernels
-    are decorated with `torch.compile`, and decorating resolves the inductor backend: 1.2 s
-    of every worker's start here (py-spy, under the engine build), for an optimizer wildtrain
+    are decorated with `torch.compile`, and decorating resolves the inductor backend: a second
+    of every worker's start (py-spy, under the engine build; docs/benchmarks.md), for an optimizer wildtrain
     never uses. The module is imported once with `torch.compile` as the identity, so its
     kernels stay uncompiled and every later import finds it loaded.
 
@@ -144,8 +144,8 @@ def import_deepspeed():
 
 def import_ahead() -> None:
     """Import what a process's first engine build would: DeepSpeed, and torch._dynamo, which
-    torch.optim imports when the first optimizer is made (0.8 of a 1.0 s first build here,
-    against 0.02 s for every build after). A worker that joins a running group does it before
+    torch.optim imports when the first optimizer is made (most of a first build, against
+    milliseconds for every build after: docs/benchmarks.md). A worker that joins a running group does it before
     it asks to join, where the members would otherwise wait for it."""
     import_deepspeed()
     import torch._dynamo  # noqa: F401

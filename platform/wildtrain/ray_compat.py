@@ -144,8 +144,8 @@ def quiet_ray_data() -> None:
 def keep_ray_data_stats_here() -> None:
     """Start Ray Data's stats actor (one per cluster, detached) on this process's node unless
     one is alive. Ray Data pins it to the node of the first process that reads, a worker's:
-    when that node dies, a new one starts beside the survivors as they re-form (3 CPU-seconds
-    here). The driver's node lives as long as the run."""
+    when that node dies, a new one starts beside the survivors as they re-form, taking CPU
+    from them (docs/benchmarks.md). The driver's node lives as long as the run."""
     from ray.data._internal.stats import get_or_create_stats_actor  # Ray Data's import only where used
 
     get_or_create_stats_actor()
@@ -153,10 +153,11 @@ def keep_ray_data_stats_here() -> None:
 
 class TrainerWithoutDatasets(TorchTrainer):
     """Ray Train's TorchTrainer, less the dataset manager it starts for every worker group
-    whether or not it was given datasets: a process of its own importing Ray Train, ~3
-    CPU-seconds of every attempt's start here (py-spy), and wildtrain's workers read their
-    datasets themselves (`data.stream`), never through `get_dataset_shard`. With
-    `bundle_per_node`, its worker groups place a bundle a node (`NodeBundleWorkerGroup`)."""
+    whether or not it was given datasets: a process of its own importing Ray Train, CPU
+    taken from every attempt's start (docs/decisions/ray-internals.md), and wildtrain's
+    workers read their datasets themselves (`data.stream`), never through
+    `get_dataset_shard`. With `bundle_per_node`, its worker groups place a bundle a node
+    (`NodeBundleWorkerGroup`)."""
 
     def __init__(self, *args, bundle_per_node: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)

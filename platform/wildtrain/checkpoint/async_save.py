@@ -11,17 +11,17 @@ thread hands each save to the child and relays what it asks (whether a step's re
 collected) and tells (what it is doing, its deadline).
 
 Why a process: in a thread, the background half takes the GIL (pickling, the Python loops of
-hashing and copying) in turns with training: on 2 busy CPU cores steps ran 2.84x as long
-during a save in a thread, 0.94x in a process (bench/save_interference.py; the README's
-Checkpoints section has the rest). The child keeps training's priority unless `nice` says
-otherwise: a niced save took many times longer there, and later saves were skipped meanwhile.
+hashing and copying) in turns with training, which on busy cores slows training's steps far
+more than a process does (bench/save_interference.py; figures on docs/benchmarks.md). The child
+keeps training's priority unless `nice` says otherwise: a niced save took many times longer
+there, and later saves were skipped meanwhile.
 The host buffers are in shared memory (on CUDA also page-locked, as torch's DCP staging does)
 and reused; one child per saver, spawned with it or handed over from the last one (its
 imports take seconds); scripts that make a saver need the spawn's `__main__` guard.
 
-Not DeepSpeed's own save to a local folder, uploaded after: serializing is most of a save
-(stall 4.2-5.7 s against 0.14 s for the capture, 125m, bench/checkpoint_stall.py; on one H200
-18.5 s against 0.29 s for 15.7 GB, DESIGN.md). The price is host memory: one copy of this
+Not DeepSpeed's own save to a local folder, uploaded after: serializing is most of a save,
+and it stalls training many times longer than the capture (bench/checkpoint_stall.py; figures
+on docs/benchmarks.md, checkpoints and GPUs). The price is host memory: one copy of this
 rank's part, two while one is queued. Storage problems never raise into training: every save
 ends as one `SaveOutcome` (`save_policy` also decides a save due while one is in flight); the
 next save is the retry. A storage call that never returns is bounded by killing the child

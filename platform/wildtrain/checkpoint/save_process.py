@@ -158,8 +158,8 @@ class _ToParent:
 def _main_script_hidden():
     """A spawned child runs its parent's main script first, as `__mp_main__`, where it names
     none by module: in a Ray worker that is Ray's `default_worker.py`, whose imports (Ray's)
-    took 3.4 s of the child's start under a run's start-up here, for nothing the child uses
-    (`_serve` and the jobs import what they need). With a bare `__main__` while it starts,
+    were most of the child's start (bench/startup.py), for nothing the child uses (`_serve`
+    and the jobs import what they need). With a bare `__main__` while it starts,
     multiprocessing has no script to hand the child."""
     main = sys.modules["__main__"]
     sys.modules["__main__"] = types.ModuleType("__main__")
@@ -171,8 +171,8 @@ def _main_script_hidden():
 
 def _serve(conn, lifeline, parent_pid: int, nice: int) -> None:
     # The first job unpickles DeepSpeed's state, and DeepSpeed's autotuner imports MLflow
-    # whenever it is installed (1.1 s of the child's start here), which the child never uses:
-    # a `None` fails that import, as `engine.import_deepspeed` does for the trainer.
+    # whenever it is installed, a second of the child's start (docs/benchmarks.md) that the
+    # child never uses: a `None` fails that import, as `engine.import_deepspeed` does for the trainer.
     sys.modules["mlflow"] = None
     os.nice(nice)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the process group is the parent's to handle

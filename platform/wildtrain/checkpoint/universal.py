@@ -56,11 +56,11 @@ def convert(folder: str, tag: str, *, in_process: bool = False) -> str:
 
     `in_process` runs DeepSpeed's converter in this process rather than in a new Python:
     right in a worker restoring inside a restart, which imports torch and DeepSpeed anyway
-    and does nothing else meanwhile (the tiny model's conversion took 21.3 s as a
-    subprocess, 2.3 s in process, on this loaded 2-core machine: the rest is the new
-    interpreter's imports). Wrong in a long-lived process that does other work (the
-    controller): the conversion would hold the GIL against it for minutes on a large
-    model, and its output could not be kept apart from the process's own."""
+    and does nothing else meanwhile (a small model's conversion in a new interpreter is
+    mostly that interpreter's imports: docs/benchmarks.md, checkpoints). Wrong in a
+    long-lived process that does other work (the controller): the conversion would hold the
+    GIL against it for minutes on a large model, and its output could not be kept apart
+    from the process's own."""
     utag = universal_tag(tag)
     target = Path(folder) / utag
     if is_converted(folder, tag):

@@ -65,16 +65,16 @@ class ElasticConfig:
     max_failures: int = setting(3, ge=0, special=(-1, "no limit"))
     # How long a worker group's start waits for room for its workers (their placement group)
     # before Ray Train retries at the size it then sees. Where the room exists, the placement
-    # takes well under a second; a longer wait means the size does not fit, most often
-    # because Ray still counts a dead node (~30 s after the death, measured here). Ray's 60 s
-    # default made a node's loss cost 74 s, 10 s made it 37.5 s (measured). 30 s leaves a
-    # loaded GCS room; a start that fits but is slow afterwards (actors, runtime env) is not
+    # is quick; a longer wait means the size does not fit, most often because Ray still counts
+    # a dead node for a while after its death, and every second of this wait then adds to a
+    # node's loss (Ray's default and its cost: docs/decisions/recovery.md). The default leaves
+    # a loaded GCS room; a start that fits but is slow afterwards (actors, runtime env) is not
     # bounded by it.
     worker_start_timeout_s: float = setting(30.0, gt=0)
     # How often a healthy, smaller-than-max group looks for room to grow (at its next log
-    # step after this). A look is two GCS reads on rank 0, 1.3 ms on this loaded 2-core
-    # machine (measured), so looking every 2 s costs under 0.1% of one process; at 60 s a
-    # node that came back idled 30 s on average before the group noticed it.
+    # step after this). A look is two GCS reads on rank 0, so looking often costs rank 0
+    # next to nothing (docs/benchmarks.md); a node that came back idles half this interval
+    # on average before the group notices it.
     resize_check_interval_s: float = 2.0
     # How often the controller polls its workers: the delay before a dead worker is
     # noticed, and before a report reaches MLflow. Ray Train queues one report per worker
@@ -89,10 +89,10 @@ class ElasticConfig:
     collective_timeout_s: float = setting(300.0, gt=0)
     # How long to wait for the cluster to offer `min_workers` workers before giving up: at
     # submission, and whenever no worker group runs (see elastic.restarts.CapacityClock for what
-    # counts). A node's death alone spends ~5 s in the node grace, up to ~30 s of Ray still
-    # counting the dead node, and a start attempt of the smallest group that times out on
-    # that stale view (elastic.worker_start_timeout_s): about 65 s at the defaults, so 120 s
-    # ends a run only when capacity is really gone, not while a smaller group starts.
+    # counts). A node's death alone spends the node grace, the time Ray still counts the dead
+    # node, and a start attempt of the smallest group that times out on that stale view
+    # (elastic.worker_start_timeout_s); the default, about twice their sum, ends a run only
+    # when capacity is really gone, not while a smaller group starts.
     capacity_wait_s: float = setting(120.0, gt=0)
     # Recover from a worker's death in seconds, in the survivors' processes, instead of Ray
     # restarting every worker from the last checkpoint (issue 24). The survivors re-form their
@@ -121,8 +121,8 @@ class ElasticConfig:
     # Workers kept started and ready beside a group of elastic.max_workers (elastic.in_process):
     # each on spare capacity (a node the group does not use), its imports done and its data
     # read, waiting. A member's death re-forms the group with a spare in its place, at the
-    # same size, where a worker started on a returned node takes 14-38 s to be ready here
-    # (bench/recovery.py); a returned node's worker becomes the next spare. 0: none.
+    # same size, where a worker started on a returned node takes many seconds to be ready
+    # (docs/benchmarks.md, spares); a returned node's worker becomes the next spare. 0: none.
     spares: int = setting(0, gt=0, special=(0, "none"))
 
     def validate(self) -> None:
@@ -229,10 +229,10 @@ class MonitorConfig:
     # step, a planned regrow) may wait checkpoint.timeout_s on top of it.
     hang_timeout_s: float = setting(600.0, gt=0, special=(0, "off"))
     # No first optimizer step this long after a worker's start: the same as hang_timeout_s
-    # (0: off). The health check, the restore with any resharding (21 s for a 95M model on 2
-    # CPU cores here, growing with the model) and compilation (minutes for large models) come
-    # before it: 30 min leaves room for checkpoints far larger than the measured ones; raise
-    # it for slower restores.
+    # (0: off). The health check, the restore with any resharding (growing with the model:
+    # docs/benchmarks.md, checkpoints) and compilation (minutes for large models) come before
+    # it: the default leaves room for checkpoints far larger than the measured ones; raise it
+    # for slower restores.
     startup_timeout_s: float = setting(1800.0, gt=0, special=(0, "off"))
 
 

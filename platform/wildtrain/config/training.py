@@ -63,7 +63,7 @@ class ModelConfig:
     base_head_dim: Optional[int] = setting(None, gt=0)
     base_n_layers: Optional[int] = setting(None, gt=0)
     # torch.compile the model; None: on CUDA except under ZeRO-3, never on CPU. On CUDA it is
-    # worth ~1.5x in tokens/s, but ZeRO-3's per-module parameter hooks break the graph at every
+    # worth much throughput (docs/benchmarks.md), but ZeRO-3's per-module parameter hooks break the graph at every
     # layer (engine.compiles; unmeasured there: set true to compile anyway); on CPU compiling
     # costs more than a test or demo run gains.
     compile: Optional[bool] = None
@@ -131,7 +131,7 @@ class DataConfig:
     skip_bad_shards: bool = False
     # Logical CPUs each Ray Data read task holds, and the most a rank's reads hold at once.
     # Fractions run more reads at once but make Ray start (and reap) a worker process per
-    # extra task: 0.25 was 7x slower than 1 here.
+    # extra task, which costs more than the reads gain (docs/benchmarks.md, data).
     read_cpus: float = setting(1.0, ge=0)
     # Read tasks' blocks (about 16 MiB of rows each) Ray Data holds ahead of training, per rank.
     prefetch_blocks: int = setting(4, ge=0)

@@ -54,11 +54,11 @@ def columns(doc_ids: bool) -> tuple[str, ...]:
 
 
 # Tokens one read task reads, in bytes. Opening a shard (a HEAD and a footer read) and
-# starting a Ray task each cost about as much as reading a 1 MiB row group here: one task per
-# row group ran at 0.3x a plain pyarrow loop (bench/data_throughput.py).
+# starting a Ray task each cost about as much as reading a row group, so a task reads many
+# (bench/data_throughput.py; docs/benchmarks.md, data).
 READ_TASK_BYTES = 16 << 20
-# Shards a read task reads at once. A task's CPU time was a quarter of its wall time here,
-# the rest waiting on the store, so a few requests in flight keep its one CPU busy.
+# Shards a read task reads at once. A task spends most of its wall time waiting on the
+# store (docs/benchmarks.md, data), so a few requests in flight keep its one CPU busy.
 READ_THREADS = 4
 
 
@@ -272,8 +272,8 @@ def _runs(streams: np.ndarray, steps: np.ndarray) -> list[tuple[int, int]]:
 
 def warm_up(datasets: list[Dataset], data: DataConfig, train: TrainConfig, config: StorageConfig) -> None:
     """Read the first step's rows of a world of one, and drop them. A process's first read
-    through Ray Data takes ~2 s here (its imports, the executor's start, worker processes for
-    the read tasks) against 0.05 s for a read after it: a worker that joins a running group
+    through Ray Data takes seconds (its imports, the executor's start, worker processes for
+    the read tasks) where a read after it takes milliseconds: a worker that joins a running group
     does this before it asks to join, not while the members wait for its first step."""
     stream = RankStream(datasets, data, train, config, 0, 1, 0, doc_ids=False)
     try:

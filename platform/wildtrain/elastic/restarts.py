@@ -222,7 +222,7 @@ class CapacityClock:
     slowly, ends the wait): while Ray's scaling policy sees room for fewer than min_workers,
     and through start attempts that failed. One kind of failed attempt is not counted: one
     for more than min_workers workers that timed out waiting for room, the first time at
-    its size. After a node dies, Ray's resource view still counts it for up to ~30 s, so the
+    its size. After a node dies, Ray's resource view still counts it for a while, so the
     first attempt may be sized for a group that cannot fit while a smaller one can; its
     time says nothing about the capacity for min_workers. A second timed-out attempt at the
     same size counts (the view is not merely stale), so the wait stays bounded."""

@@ -97,7 +97,7 @@ class TaskFolder:
 def task_manager(tasks: Sequence[str], include_path: Optional[Path], key: str):
     """An lm-eval TaskManager that knows every one of `tasks`; an unknown one is refused,
     naming `key`. Only the tasks of `include_path` where they are all there: lm-eval's own
-    index (~14,000 tasks) costs about 12 s of CPU to build."""
+    index of every task it ships costs seconds of CPU to build (docs/benchmarks.md)."""
     from lm_eval import __version__
     from lm_eval.tasks import TaskManager
 

@@ -108,8 +108,8 @@ def yield_to_training() -> None:
     """Every thread of this process runs only on CPU time no other process wants (Linux's
     SCHED_IDLE), where the evaluation shares a node's cores with training (its CPU work on a
     GPU node; all of it on a CPU one). Niceness was not enough: Ray runs training's workers
-    at nice 15, and at nice 19 an evaluation still took 30% of a contended core from them
-    (steps/s 0.925x in bench/eval_interference.py). Per thread, as Linux schedules threads:
+    at nice 15, and at nice 19 an evaluation still took a share of a contended core from them
+    (bench/eval_interference.py; docs/benchmarks.md). Per thread, as Linux schedules threads:
     Ray's own were started before the task ran; those started later inherit it."""
     if not hasattr(os, "SCHED_IDLE"):
         os.nice(19)  # not Linux: the lowest priority it offers

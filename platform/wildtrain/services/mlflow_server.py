@@ -10,8 +10,8 @@ from pathlib import Path
 from wildtrain.services.process import HOST, ServiceError, private_dir, stop_process, wait_healthy
 
 # MLflow's server starts a job runner with eight Huey consumer processes for its GenAI jobs
-# (LLM judges, trace roll-ups), which wildtrain never submits: each imports MLflow, together
-# about 40 s of CPU at every start and a gigabyte of memory for as long as the server runs.
+# (LLM judges, trace roll-ups), which wildtrain never submits: each imports MLflow, which
+# costs CPU at every start and memory for as long as the server runs (docs/benchmarks.md).
 MLFLOW_SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 

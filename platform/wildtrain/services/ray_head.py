@@ -55,8 +55,8 @@ def token_auth_env() -> dict[str, str]:
     is the one wildtrain is installed in."""
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     env = {**os.environ, "RAY_AUTH_MODE": "token", "PATH": path}
-    # Where Ray looks for a token, in its order. The CLI costs seconds of a 2-core machine's
-    # CPU per call (a Ray import), so it runs only when there is none yet.
+    # Where Ray looks for a token, in its order. The CLI imports Ray at every call, so it runs
+    # only when there is none yet.
     token_file = Path(env.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
     if not env.get("RAY_AUTH_TOKEN") and not token_file.is_file():
         subprocess.run([ray_cli(), "get-auth-token", "--generate"], env=env, capture_output=True, check=True)
@@ -213,8 +213,8 @@ def _names(arg: str, folder: Path) -> bool:
 def stop_ray_head(temp_dir: Path, gcs_address: str, timeout_s: float = 15.0) -> None:
     """Stop one head and nothing else. (`ray stop` stops every Ray of the user on the machine:
     it has no notion of one cluster.) The GCS goes last: terminated together with its clients,
-    the GCS and the autoscaler's monitor outlived SIGTERM by 20 s and more (Ray 2.60), where
-    each wave alone exits within seconds."""
+    the GCS and the autoscaler's monitor kept running long after SIGTERM (Ray 2.60), where
+    each wave alone exits promptly (docs/benchmarks.md)."""
     processes = ray_head_processes(temp_dir, gcs_address)
     gcs = [p for p in processes if _process_name(p) == "gcs_server"]
     for wave in ([p for p in processes if p not in gcs], gcs):

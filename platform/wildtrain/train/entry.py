@@ -1,8 +1,8 @@
 """What the driver hands Ray Train: the function every worker runs (its inputs:
 `wildtrain.worker_inputs`), and the function of a joiner (`elastic.joiners`). The driver
 and the controller pickle them by reference, so they import this module and not
-train/loop.py, whose imports (the engine, the model, torch._dynamo: 1.3 s of the driver's
-start here) only a worker needs."""
+train/loop.py, whose imports (the engine, the model, torch._dynamo: a second or more of the
+driver's start, docs/benchmarks.md) only a worker needs."""
 
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ def worker_main(inputs: LoopInputs) -> None:
 def joiner_main(inputs: LoopInputs, token: str, name: str, group_size: int) -> None:
     """A joiner's function: `train.loop.join_in_process`, imported where it runs. Its first read
     through Ray Data begins before that import, not after it: the read mostly waits for Ray to
-    start its read tasks' processes (2-3 s here), which import beside the loop's imports (torch,
-    Ray Train, the model's torch._dynamo: 3-4 s of a core), and a joiner is ready to join once
-    both are done."""
+    start its read tasks' processes, which import beside the loop's imports (torch, Ray Train,
+    the model's torch._dynamo), each seconds long (docs/benchmarks.md), and a joiner is ready
+    to join once both are done."""
     called_at = time.time()
     check_storage(inputs.storage_view, inputs.cfg)  # before it reads
     first_read = begin_first_read(inputs)
@@ -42,7 +42,7 @@ def joiner_main(inputs: LoopInputs, token: str, name: str, group_size: int) -> N
 def begin_first_read(inputs: LoopInputs) -> Future:
     """A process's first read through Ray Data (`data.stream.warm_up`), begun in a thread of its
     own: the future of its end."""
-    # Ray Train's trainer module first, on this thread (0.3 s, no torch): it imports the 61
+    # Ray Train's trainer module first, on this thread (quick: no torch): it imports the
     # modules of Ray Data's executor that the read's thread imports too, and two threads that
     # import the same modules at once can fail on a circular import between them. Past it,
     # the read's thread and the loop's imports import none of the same modules here.

@@ -32,7 +32,7 @@ class RankHealth:
 @dataclass(frozen=True)
 class Burst:
     """How much work the check times on one kind of device. Each burst runs for a fixed
-    time rather than a fixed count: twenty 512³ fp32 matmuls take ~0.1 ms on an H200,
+    time rather than a fixed count: twenty 512³ fp32 matmuls are ~0.1 ms of an H200's peak,
     launch jitter and not a measurement, and would exclude healthy GPUs."""
 
     matmul_size: int
@@ -44,8 +44,8 @@ class Burst:
 
 def burst_for(device_type: str) -> Burst:
     if device_type == "cuda":
-        # bf16 on the tensor cores, as training runs; 8192³ is ~1 ms there, so the budget
-        # holds ~100 of them. 64 MB is past the size where NCCL reaches its bus bandwidth.
+        # bf16 on the tensor cores, as training runs; 8192³ is ~1 ms at an H200's peak, so the
+        # budget holds ~100 of them. 64 MB is past the size where NCCL reaches its bus bandwidth.
         return Burst(8192, torch.bfloat16, 0.1, 64 << 20, 5)
     # A CPU rank (gloo) has no bf16 matmul worth timing; 4 MB keeps the all-reduce short
     # on the few cores a CPU worker has.

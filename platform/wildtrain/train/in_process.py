@@ -272,7 +272,7 @@ class Member:
     def _given_up_if_superseded(self, m: Membership) -> Iterator[None]:
         """While `m`'s groups form, give them up for the next generation if one comes that drops
         a member of `m`: a member that died after it arrived would hold every other in the
-        groups' connection waits until the collective timeout (seen: 300 s, then a restart
+        groups' connection waits until the collective timeout (elastic.collective_timeout_s, then a restart
         from the checkpoint). Its connections hung up, the formation fails at once: `Superseded`."""
         formed, superseded = threading.Event(), threading.Event()
 
@@ -376,5 +376,5 @@ class Member:
         if self.membership.generation == 0:
             # What is alive before the first generation (the imports, Ray's worker, the run's
             # inputs) lives as long as the process: frozen out of the collector's sight, the
-            # collection at each later re-form takes 1 ms here instead of 0.2-0.9 s.
+            # collection at each later re-form takes milliseconds instead of most of a second (docs/benchmarks.md).
             gc.freeze()

@@ -154,8 +154,8 @@ def join_in_process(
 
 
 def ready_to_join(inputs: LoopInputs, device: torch.device, first_read: Future) -> Leftovers:
-    """What a process's first attempt does for the first time, and slowly (1-2 s each here,
-    against milliseconds after), done by a joiner before it asks to join, where the members
+    """What a process's first attempt does for the first time, and slowly (seconds each,
+    against milliseconds after: docs/benchmarks.md), done by a joiner before it asks to join, where the members
     would otherwise wait for it: the first engine build's imports, its save process's start,
     Ray Data's first read (`first_read`, under way), and the device's peak FLOP/s (measured on
     a CPU). The save process imports in a process of its own, and the first read mostly waits
