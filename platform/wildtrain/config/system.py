@@ -30,10 +30,10 @@ class RunSectionConfig:
     # MLflow tags the run is created with: `wildtrain promote` records where a promoted run
     # came from (sweep, trial, config hash, data manifests) here.
     tags: dict[str, str] = field(default_factory=dict)
-    # How often the driver renews the run's liveness lease (wildtrain.lease), and how long each
-    # renewal holds. A dead driver's run is free after at most lease_expire_s, and a live one
-    # looks dead only once three renewals in a row are missed (a storage hiccup).
+    # How often the driver renews the run's liveness lease (wildtrain.lease).
     lease_renew_s: float = setting(30.0, gt=0)
+    # How long each renewal of the lease holds: a dead driver's run is free after at most this,
+    # and a live one keeps its lease through renewals missed within it (a storage hiccup).
     lease_expire_s: float = 90.0
 
     def validate(self) -> None:
@@ -100,7 +100,7 @@ class ElasticConfig:
     # host memory; a returning node's worker joins them. Each rank mirrors its partition after
     # every step to its successor on a ring that keeps the mirror off the rank's node where the
     # nodes allow (elastic.peer_state, membership.mirror_ring). A partition lost with its
-    # mirror still restarts from the checkpoint. Off by default: the README's elastic section
+    # mirror still restarts from the checkpoint. Off by default: docs/decisions/recovery.md
     # says why.
     in_process: bool = False
     # In-process membership (elastic.rendezvous): how often each worker beats its heart in the
@@ -224,9 +224,9 @@ class MonitorConfig:
     # without them (a Ray label selector on node ids), unless that would leave fewer than
     # elastic.min_workers workers. Off: a failed check is only recorded.
     exclude_unhealthy: bool = False
-    # No optimizer step for this long: dump every thread's stack and fail the attempt, so the
-    # group restarts from the last checkpoint (0: off). A save that must commit (the last
-    # step, a planned regrow) may wait checkpoint.timeout_s on top of it.
+    # No optimizer step for this long: dump every thread's stack and end the worker, which the
+    # group then recovers from as from any worker's death (0: off). A save that must commit
+    # (the last step, a planned regrow) may wait checkpoint.timeout_s on top of it.
     hang_timeout_s: float = setting(600.0, gt=0, special=(0, "off"))
     # No first optimizer step this long after a worker's start: the same as hang_timeout_s
     # (0: off). The health check, the restore with any resharding (growing with the model:

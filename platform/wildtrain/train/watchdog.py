@@ -3,9 +3,10 @@ attempt when the worker makes no progress within the bound of what it is doing.
 
 A rank stuck in a collective (a peer stopped, a NIC gone quiet) waits forever or for the
 backend's own timeout (30 min by default). The watchdog instead writes every thread's Python
-stack to `<dump folder>/<time>-rank<r>.txt` (and stderr), then ends the worker process, so Ray
-Train sees the group fail and the elastic machinery restarts it from the last committed
-checkpoint. The controller attaches the dumps to the MLflow run (`tracking.controller.mlflow_run`).
+stack to `<dump folder>/<time>-rank<r>.txt` (and stderr), then ends the worker process, which
+the group recovers from as from any worker's death: a restart from the last committed
+checkpoint, or with elastic.in_process a re-form of the others without it. The controller
+attaches the dumps to the MLflow run (`tracking.controller.mlflow_run`).
 
 What counts as too long depends on what the worker is doing, so the watchdog has three bounds:
 from the worker's start to its first optimizer step (`monitor.startup_timeout_s`: restore,
