@@ -7,9 +7,8 @@ Table 1, forward + backward of one attention call, per mask: causal SDPA (the fl
 plain causal runs on), FlexAttention with the document and the prefix-LM block masks (the
 mask's build timed apart and included in the total, as a step pays it once per batch),
 and the prefix-LM mask as a dense boolean mask through SDPA (what the fast kernels
-offered before). Anchors measured on an H200 (torch 2.11): causal SDPA 4.2 ms, Flex
-prefix-LM 6.5 ms, dense prefix-LM through SDPA 13.2 ms. Goal: document and prefix-LM
-masks <= 1.4x causal.
+offered before); causal SDPA is the reference. Goal: document and prefix-LM masks <= 1.4x
+causal. Figures on an H200: docs/benchmarks.md, models and GPUs.
 
 Table 2, the model preset (1.3b on CUDA, tiny on CPU) trained in plain PyTorch (AdamW,
 bf16 autocast and compile on CUDA) on packed rows of random documents, per objective and

@@ -16,7 +16,7 @@
 #
 # PYTHON (default: the checkout's .venv, else python3) is the environment whose versions are
 # pinned and that builds DeepSpeed (torch in it: its setup.py imports torch). The DeepSpeed
-# wheel is cached by version under ~/.cache/wildtrain (a build takes ~30 s); pip's own cache
+# wheel is cached by version under ~/.cache/wildtrain (a build takes a while); pip's own cache
 # keeps the downloads.
 set -euo pipefail
 

@@ -8,9 +8,9 @@ training time ratio (goodput: productive seconds over wall seconds, from its own
 first attempt's start-up went (`bench/startup.py`'s phases).
 
 The run must outlast the chaos schedule for every death to land: `--steps` is a step count,
-not a duration; the table says how many deaths landed and how long the run took. Here (2
-cores, nothing else running) the tiny model trains 9,000 steps in about 12 minutes, hence
-the default of 15,000 for a 20-minute run with three deaths.
+not a duration; the table says how many deaths landed and how long the run took. The
+default is sized for a 20-minute run with three deaths on a 2-core machine
+(docs/benchmarks.md, goodput under chaos).
 
 Runs both modes side by side by default, one after the other on fresh services and clusters:
 "restart" (every resize restarts the group) and "in-process" (elastic.in_process: the survivor

@@ -14,9 +14,9 @@ evaluation's process takes CPU time from the worker's, which a node whose evalua
 core or a GPU of its own does not: the ratio printed there is the worst case, not the
 platform's overhead. `load` is the 1-minute load average over the run. So is a store and
 an MLflow server on the training node at `wildtrain up`'s priority (0, above Ray's workers
-at 15): serving the evaluation's checkpoint read and results there took training's CPU
-(0.821 here in one run of the script, against 1.024 and 0.939 in two with `--services-nice 19`,
-as if the services ran elsewhere; runs of one setting spread by up to 20% on 2 cores).
+at 15): serving the evaluation's checkpoint read and results there takes training's CPU;
+`--services-nice 19` runs them below training, as if they ran elsewhere. Figures:
+docs/benchmarks.md, evaluation.
 
 Usage: .venv/bin/python bench/eval_interference.py [--steps 150] [--checkpoint-every 25] [--repeats 2]
 """

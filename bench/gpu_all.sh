@@ -5,7 +5,7 @@
 #
 # A runner, no benchmark of its own: each bench it runs compares what its docstring says.
 # It runs in parts (PARTS: all of them take two calls of the GPU machine's 10 minutes each,
-# the README's Tests section says which), on a machine with torch,
+# the GPU checks on docs/benchmarks.md say which), on a machine with torch,
 # numpy and pyarrow but no package registry, no Ray and no network: installs the wheels of
 # bench/device_carry.sh, runs tests/gpu (the in-process recovery drills on NCCL in a part of
 # their own: a drill that hangs must not take the others' time), bench/gpu_smoke.py,
@@ -49,16 +49,11 @@ for part in $PARTS; do
     case $part in pytest|in_process|smoke|mfu|reform|mirror) ;; *) echo "gpu_all.sh: no part $part in PARTS" >&2; exit 2 ;; esac
 done
 if [ "$DEVICE" = cuda ]; then
-    # Sized on the first H200 runs (2026-12-04): tests/gpu took 100-117 s without the
-    # drills and test_peer_state_cuda.py (not run yet: four ranks' starts, 6 steps); the
-    # drills (test_in_process_nccl.py) 60 s each at most, after a 30 s check that two NCCL
-    # ranks all-reduce at all (8 s), 87 s in all; the smoke, which compiles the 125m model
-    # once (ZeRO-1; a restored engine is compared before it steps), 59 s; mfu compiles the 1.3b model
-    # twice (the size of the MFU goal, DESIGN.md), 98 s to its throughputs, and then
-    # writes its ~16 GB state twice for the checkpoint stall (torch.save to local disk);
-    # reform compiles the 125m model once (not run on a GPU yet); mirror trains two ranks of a
-    # 0.2 B model on the GPU, 16k tokens a rank a step, 2.4 GB of partitions copied from the
-    # device a step (not run on a GPU yet).
+    # Each part's bound is sized on the first H200 runs, with room to spare (the parts'
+    # times: docs/benchmarks.md, GPU checks). The smoke and reform compile the 125m model
+    # once; mfu compiles the 1.3b model (the size of the MFU goal) twice, then writes its
+    # whole state twice for the checkpoint stall; mirror trains two ranks of a 0.2 B model on
+    # the GPU, 16k tokens a rank a step.
     SMOKE_ARGS=${SMOKE_ARGS:---preset 125m --seq-len 1024 --steps 10}
     MFU_ARGS=${MFU_ARGS:---presets 1.3b --steps 10 --warmup 3}
     REFORM_ARGS=${REFORM_ARGS:---preset 125m --seq-len 1024}

@@ -9,9 +9,8 @@ printing tokens/s, MFU (tracking.worker.mfu, model.flops) and peak memory of eac
 last preset, the checkpoint stall of its full training state (weights + Adam moments)
 through AsyncSaver, against the device-to-host copy time of the same number of bytes.
 
-Anchors on one H200 (DESIGN.md): plain PyTorch 57.4% MFU at 1.3B (62.5k tokens/s), 43.2% at
-124M; 15.7 GB to pinned host memory in 0.29 s. Goals: our engine >= 55% MFU at 1.3B, stall
-<= 0.5 s.
+The plain PyTorch run is the reference. Goals: our engine >= 55% MFU at 1.3B, stall
+<= 0.5 s. Figures on an H200: docs/benchmarks.md, models and GPUs.
 
 Usage: python bench/mfu.py [--device cuda|cpu] [--presets 125m,1.3b] [--steps 20]
 (CPU defaults: the tiny preset, short sequences; the test suite runs it with --steps 3.)

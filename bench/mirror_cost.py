@@ -22,8 +22,8 @@ device goes beside the next step (`peer_state.host_copy` on a stream of its own,
 memory). Two ranks share that GPU's compute and its link to the host, so each step copies
 half the model's state (12 bytes a parameter over 2) where a rank of a real cluster of W
 GPUs copies 12/W over its own link: a harder case than a cluster's. The model is not
-compiled (a compile per shape would take most of a GPU call), so its steps are ~1.5x a
-compiled run's. bench/gpu_all.sh's `mirror` part runs it there.
+compiled (a compile per shape would take most of a GPU call), so its steps are slower than a
+compiled run's and the mirrors' share smaller. bench/gpu_all.sh's `mirror` part runs it there.
 
 Usage: PYTHONPATH=platform:bench .venv/bin/python bench/mirror_cost.py [--shapes 128x2 512x8] [--steps 6] [--rounds 3]
        [--idle-step-s S] [--device cpu|cuda] [--batch B]

@@ -2,15 +2,15 @@
 
 Issue 24. A re-form builds a new engine over a new module at the new world size
 (`checkpointing.restore_from_peers`), and on CUDA the engine compiles (`engine.compiles`):
-80 s for the 1.3b model cold on the H200 (bench/mfu.py). This builds wildtrain's engine,
-compiled, several times in one process, as a survivor's re-forms do, and times each one's
-first step and the frames torch._dynamo compiled for it: none after the first where the
-compiled code is reused. Prints a row per engine: its build, its first step and the frames
-compiled for it; the first engine's row is the reference (the cold compile).
+a large model's cold compile takes minutes (docs/benchmarks.md). This builds wildtrain's
+engine, compiled, several times in one process, as a survivor's re-forms do, and times each
+one's first step and the frames torch._dynamo compiled for it: none after the first where
+the compiled code is reused. Prints a row per engine: its build, its first step and the
+frames compiled for it; the first engine's row is the reference (the cold compile).
 
 `--backend eager` (what bench/gpu_all.sh runs on the CPU, in `make test`) has torch._dynamo
 trace and cache the frames as with inductor, whose reuse is what is counted, without
-inductor's C++ builds (a minute of the CPU run's two cores).
+inductor's C++ builds (slow on a CPU run's few cores).
 
 Usage: PYTHONPATH=platform .venv/bin/python bench/reform_compile.py [--device cpu|cuda] [--preset tiny]
     [--engines 3] [--backend inductor|eager]

@@ -85,8 +85,8 @@ def dense(mod: MaskMod, batch: int, length: int, device: torch.device) -> torch.
 
 
 # Outside the compiled model's graph: built inside it (torch 2.11, H200), the block mask's
-# kernels gave a document-masked forward 0.9 off its dense path and a prefix-LM one a CUDA
-# error (cudaErrorInvalidAddressSpace) that poisoned the process; built eagerly, as
+# kernels gave a document-masked forward far off its dense path and a prefix-LM one a CUDA
+# error that poisoned the process (docs/benchmarks.md, GPU checks); built eagerly, as
 # tests/gpu/test_attention_cuda.py's FlexAttention-against-SDPA check builds it, both agreed.
 @torch.compiler.disable
 def build(
