@@ -83,11 +83,11 @@ __all__ = [
     "resize_request",
     "resize_to",
     "show_worker_errors",
-    "TorchConfigOfLiveWorkers",
     "start_timed_out",
     "worker_failures",
     "worker_lost",
     "worker_slot",
+    "TorchConfigOfLiveWorkers",
     "TrainerWithoutDatasets",
 ]
 
@@ -415,7 +415,7 @@ class _LostWorkerStatus(WorkerStatus):
     the group's shutdown still knows it lost (`TorchConfigOfLiveWorkers`)."""
 
 
-def shown_lost(status: WorkerStatus) -> bool:
+def _shown_lost(status: WorkerStatus) -> bool:
     """Whether a poll's status is of a worker whose process is lost: as Ray shows it, or as
     shown in its place (masked, relayed or with a joiner's error)."""
     return isinstance(status, _LostWorkerStatus) or worker_lost(status.error)
@@ -435,7 +435,7 @@ def show_worker_errors(poll_status, errors: dict[int, Exception]) -> None:
     for rank, error in errors.items():
         shown = poll_status.worker_statuses[rank]
         if shown.error is not None:
-            status = _LostWorkerStatus if shown_lost(shown) else WorkerStatus
+            status = _LostWorkerStatus if _shown_lost(shown) else WorkerStatus
             poll_status.worker_statuses[rank] = status(running=False, error=error)
 
 
@@ -457,11 +457,9 @@ class _Workers(ExecutionGroup):
 
 def live_workers(worker_group: WorkerGroup) -> _Workers:
     """The workers of a group but those its latest poll showed lost (all before any poll)."""
-    workers = worker_group.get_workers()
     poll = worker_group.get_latest_poll_status()
-    if poll is None:
-        return _Workers(worker_group, workers)
-    return _Workers(worker_group, [w for rank, w in enumerate(workers) if not shown_lost(poll.worker_statuses[rank])])
+    lost = set() if poll is None else {rank for rank, status in poll.worker_statuses.items() if _shown_lost(status)}
+    return _Workers(worker_group, [w for rank, w in enumerate(worker_group.get_workers()) if rank not in lost])
 
 
 class _LiveWorkersTorchBackend(_TorchBackend):
