@@ -307,11 +307,17 @@ def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(
     join = [e for e in happened if isinstance(e, Resize)][-1]
     assert not [e for e in happened if isinstance(e, CheckpointFailed) and e.at >= join.at]
 
-    # A run that recovered and finished looks finished: the controller's lines, which Ray
-    # forwards to the driver's console within a second, say no error (read long after the end).
-    console = capfd.readouterr()
-    shown = console.out + console.err
-    assert "Graceful shutdown of backend failed" not in shown and "Traceback" not in shown, shown[-3000:]
+    # A run that recovered and finished looks finished: no traceback among the lines Ray forwards to
+    # the driver's console within a second (read long after the end), but Ray's own of a resource
+    # request timed out on a loaded CPU, which it says to ignore (the reference run's, here).
+    shown = "".join(capfd.readouterr()).splitlines()
+    tracebacks = [
+        "\n".join(shown[at - 1 : at + 30])
+        for at, line in enumerate(shown)
+        if "Traceback (most recent call last)" in line and "safe to ignore this error" not in shown[at - 1]
+    ]
+    assert not tracebacks, "\n\n".join(tracebacks)
+    assert not [line for line in shown if "Graceful shutdown of backend failed" in line]
 
 
 def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(
