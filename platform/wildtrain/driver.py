@@ -17,7 +17,6 @@ from typing import Optional
 
 import ray
 from ray.train import LoggingConfig, RunConfig
-from ray.train.torch import TorchConfig
 
 from wildtrain import lease, ray_compat, services, storage
 from wildtrain.checkpoint.restore import newest_committed
@@ -150,7 +149,9 @@ def _run(
         # Typed inputs rather than Ray's `train_loop_config` dict.
         functools.partial(worker_main, inputs),
         scaling_config=scaling.scaling_config(cfg.cluster, cfg.elastic),
-        torch_config=TorchConfig(backend=scaling.backend(cfg.cluster), timeout_s=int(cfg.elastic.collective_timeout_s)),
+        torch_config=ray_compat.TorchConfigOfLiveWorkers(
+            backend=scaling.backend(cfg.cluster), timeout_s=int(cfg.elastic.collective_timeout_s)
+        ),
         run_config=RunConfig(
             name=cfg.run.name,
             # An explicit filesystem: Ray's own would not know the object store's endpoint.

@@ -19,7 +19,8 @@ from typing import Optional
 import ray
 from ray.exceptions import RayActorError
 from ray.experimental import internal_kv
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.exceptions import (
     UserExceptionWithTraceback,
@@ -37,7 +38,7 @@ from ray.train.v2._internal.execution.checkpoint.report_handler import ReportCal
 from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.controller import state as _states
 from ray.train.v2._internal.execution.training_report import _TrainingReport
-from ray.train.v2._internal.execution.worker_group import DefaultPlacementGroupHandle, WorkerGroup
+from ray.train.v2._internal.execution.worker_group import DefaultPlacementGroupHandle, ExecutionGroup, WorkerGroup
 from ray.train.v2._internal.execution.worker_group.poll import WorkerStatus
 from ray.train.v2._internal.util import invoke_context_managers
 from ray.train.v2.api import data_parallel_trainer as _trainer_module
@@ -69,6 +70,7 @@ __all__ = [
     "kv_get",
     "kv_put",
     "kill_pending_actors",
+    "live_workers",
     "lost_a_worker_process",
     "mask_worker_deaths",
     "narrow_report_gates",
@@ -85,6 +87,7 @@ __all__ = [
     "worker_failures",
     "worker_lost",
     "worker_slot",
+    "TorchConfigOfLiveWorkers",
     "TrainerWithoutDatasets",
 ]
 
@@ -397,7 +400,7 @@ def relay_report(worker_group, poll_status, rank: int, metrics: Optional[dict]) 
     """Show the controller the lost worker of `rank` as running in a poll's status, and hand
     Ray's consolidation `metrics` (if any: a joiner's, `elastic.relay`) as its next report,
     which it takes at the next poll (it looks at one before every other callback)."""
-    poll_status.worker_statuses[rank] = WorkerStatus(running=True)
+    poll_status.worker_statuses[rank] = _LostWorkerStatus(running=True)
     if metrics is not None:
         report = _TrainingReport(checkpoint=None, metrics=metrics, validation=False)
         _report_handler(worker_group)._training_report_queues[rank].append(report)
@@ -407,17 +410,71 @@ def _report_handler(worker_group) -> ReportCallbackHandler:
     return next(c for c in worker_group._callbacks if isinstance(c, ReportCallbackHandler))
 
 
+@dataclass
+class _LostWorkerStatus(WorkerStatus):
+    """A status shown to the controller in place of a worker whose process is lost, so that
+    the group's shutdown still knows it lost (`TorchConfigOfLiveWorkers`)."""
+
+
+def _shown_lost(status: WorkerStatus) -> bool:
+    """Whether a poll's status is of a worker whose process is lost: as Ray shows it, or as
+    shown in its place (masked, relayed or with a joiner's error)."""
+    return isinstance(status, _LostWorkerStatus) or worker_lost(status.error)
+
+
 def mask_worker_deaths(poll_status, ranks: set[int]) -> None:
     """Show the controller the workers of `ranks` as ended without error in a poll's status,
     before it decides on it: their deaths are the group's own business (it went on without
     them), not a failure for Ray to restart the group for."""
     for rank in ranks:
-        poll_status.worker_statuses[rank] = WorkerStatus(running=False)
+        poll_status.worker_statuses[rank] = _LostWorkerStatus(running=False)
 
 
 def show_worker_errors(poll_status, errors: dict[int, Exception]) -> None:
     """Show the controller `errors` in place of those of the same failed ranks in a poll's
     status, before it decides on it: where the error it would record says less."""
     for rank, error in errors.items():
-        if poll_status.worker_statuses[rank].error is not None:
-            poll_status.worker_statuses[rank] = WorkerStatus(running=False, error=error)
+        shown = poll_status.worker_statuses[rank]
+        if shown.error is not None:
+            status = _LostWorkerStatus if _shown_lost(shown) else WorkerStatus
+            poll_status.worker_statuses[rank] = status(running=False, error=error)
+
+
+class _Workers(ExecutionGroup):
+    """Some of a started worker group's workers, as a group to run functions on."""
+
+    def __init__(self, group: WorkerGroup, workers: list) -> None:
+        self._group, self._workers = group, workers
+
+    def _assert_active(self) -> None:
+        self._group._assert_active()
+
+    def get_workers(self) -> list:
+        return self._workers
+
+    def get_resources_per_worker(self) -> dict:
+        return self._group.get_resources_per_worker()
+
+
+def live_workers(worker_group: WorkerGroup) -> _Workers:
+    """The workers of a group but those its latest poll showed lost (all before any poll)."""
+    poll = worker_group.get_latest_poll_status()
+    lost = set() if poll is None else {rank for rank, status in poll.worker_statuses.items() if _shown_lost(status)}
+    return _Workers(worker_group, [w for rank, w in enumerate(worker_group.get_workers()) if rank not in lost])
+
+
+class _LiveWorkersTorchBackend(_TorchBackend):
+    def on_shutdown(self, worker_group, backend_config) -> None:
+        # Ray's own asks every worker, and a lost one's ActorDiedError puts a traceback on the
+        # console (`BackendSetupCallback`), even of a run that went on without it and finished.
+        super().on_shutdown(live_workers(worker_group), backend_config)
+
+
+@dataclass
+class TorchConfigOfLiveWorkers(TorchConfig):
+    """Ray's TorchConfig, whose process groups are shut down on the workers still alive
+    only: a genuine failure there still shows as Ray's warning."""
+
+    @property
+    def backend_cls(self):
+        return _LiveWorkersTorchBackend

@@ -375,3 +375,60 @@ def test_a_report_past_the_barrier_lands_in_rays_result_queue_in_order_as_ray_s_
         "self._wait_then_report(training_report, report_call_index)"
     )
     assert "if 0 not in expected" in inspect.getsource(train_context.SynchronizationActor.set_required_ranks)
+
+
+def test_the_backends_shutdown_leaves_out_the_workers_shown_lost_and_ray_still_shuts_down_through_it():
+    """`TorchConfigOfLiveWorkers`: a group's backend shutdown runs on the workers its latest
+    poll did not show lost, as Ray shows a lost one or as the survivors show one in its place
+    (masked, relayed, or with its joiner's error); Ray's own asks every worker, and logs a
+    traceback for each dead one, even after a run that went on without it and finished."""
+    from ray.train.torch.config import _TorchBackend
+    from ray.train.v2._internal.callbacks.backend_setup import BackendSetupCallback
+    from ray.train.v2._internal.execution.worker_group.state import WorkerGroupContext
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    died = WorkerHealthCheckFailedError("A worker health check failed.", failure=ActorDiedError())
+    statuses = {rank: WorkerStatus(running=False, error=died) for rank in range(4)}
+    statuses[4] = WorkerStatus(running=False)  # finished, alive
+    statuses[5] = WorkerStatus(running=False, error=ValueError("bad batch"))  # raised, alive
+    status = WorkerGroupPollStatus(statuses)
+    ray_compat.mask_worker_deaths(status, {0})
+    ray_compat.relay_report(None, status, 1, None)
+    ray_compat.show_worker_errors(status, {2: RuntimeError("the worker that joined on rank 2's slot failed")})
+    ray_compat.show_worker_errors(status, {5: RuntimeError("shown in its place")})
+    assert status.errors.keys() == {2, 3, 5} and status.worker_statuses[1].running
+
+    group = WorkerGroup.__new__(WorkerGroup)  # a started group, as far as its backend's shutdown reads it
+    group._worker_group_context = WorkerGroupContext("attempt", None, 6, {"CPU": 1})
+    workers = [Worker(actor=None, metadata=None, resources={"CPU": 1}) for _ in range(6)]
+    group._worker_group_state = WorkerGroupState(0.0, None, workers, None)
+    group._latest_poll_status = None
+    assert ray_compat.live_workers(group).get_workers() == workers, "before any poll: every worker"
+    group._latest_poll_status = status
+    live = ray_compat.live_workers(group)
+    assert live.get_workers() == workers[4:] and len(live) == 2
+    assert live.get_resources_per_worker() == {"CPU": 1}
+
+    config = ray_compat.TorchConfigOfLiveWorkers(backend="gloo", timeout_s=5)
+    assert issubclass(config.backend_cls, _TorchBackend) and config.to_dict() == {
+        "backend": "gloo",
+        "init_method": "env",
+        "timeout_s": 5,
+    }
+    # Where Ray makes the backend of the config it was given, calls its shutdown, and logs a failure.
+    assert "BackendSetupCallback(self.backend_config)" in inspect.getsource(TorchTrainer._create_default_callbacks)
+    assert "backend_config=torch_config" in inspect.getsource(TorchTrainer.__init__)
+    assert "backend_config.backend_cls()" in inspect.getsource(BackendSetupCallback.__init__)
+    shutdown = inspect.getsource(BackendSetupCallback.before_execution_group_shutdown)
+    assert "self._backend.on_shutdown(execution_group, self._backend_config)" in shutdown
+    assert "Graceful shutdown of backend failed" in shutdown and "exc_info=True" in shutdown
+    # Ray's torch shutdown reaches the workers through the group's execute_async alone.
+    torch_shutdown = inspect.getsource(_TorchBackend.on_shutdown)
+    assert set(re.findall(r"worker_group\.(\w+)", torch_shutdown)) == {"execute_async"}
+    # The group's latest poll is the one its callbacks masked, still readable as it shuts down.
+    poll = inspect.getsource(WorkerGroup.poll_status)
+    assert poll.index("callback.after_worker_group_poll_status") < poll.index("self._latest_poll_status = ")
+    group_shutdown = inspect.getsource(WorkerGroup.shutdown)
+    assert group_shutdown.index("callback.before_worker_group_shutdown(self)") < group_shutdown.index(
+        "self._clear_state()"
+    )
