@@ -13,13 +13,14 @@ import sys
 import click
 
 from wildtrain import services
+from wildtrain.cli_common import OneLineUsageCommand
 from wildtrain.config import StorageConfig
 from wildtrain.data.manifest import DataError
 from wildtrain.data.prepare import PrepareConfig, prepare
 from wildtrain.storage import StorageError
 
 
-@click.command()
+@click.command(cls=OneLineUsageCommand, prefix="prepare")
 @click.option(
     "--input",
     "input_uri",
