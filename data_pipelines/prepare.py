@@ -14,13 +14,14 @@ from typing import Optional
 import click
 
 from wildtrain import services
+from wildtrain.cli_common import OneLineUsageCommand
 from wildtrain.config import StorageConfig
 from wildtrain.data.manifest import DataError
 from wildtrain.data.prepare import EXECUTORS, VAL_FRACTION, PrepareConfig, prepare
 from wildtrain.storage import StorageError
 
 
-@click.command()
+@click.command(cls=OneLineUsageCommand, prefix="prepare")
 @click.option(
     "--input",
     "input_uri",

@@ -11,12 +11,12 @@ import click
 
 from wildtrain import services
 from wildtrain.cli_clusters import clusters, move, submit, submit_to, sync
-from wildtrain.cli_common import OVERRIDES, fail, one_line_errors, resolve_config
+from wildtrain.cli_common import OVERRIDES, OneLineUsage, fail, one_line_errors, resolve_config
 from wildtrain.clusters import registry
 from wildtrain.config import redact, to_yaml
 
 
-@click.group()
+@click.group(cls=OneLineUsage)
 def main() -> None:
     """Elastic LLM training on Ray + DeepSpeed, tracked in MLflow."""
 
@@ -336,12 +336,16 @@ def _reading_run() -> None:
     services.use_local_object_store()
 
 
+# A port number: anything else is refused before `up` starts any service.
+PORT = click.IntRange(1, 65535)
+
+
 @main.command()
 @click.option("--state-dir", type=click.Path(path_type=Path), default=services.DEFAULT_STATE_DIR, show_default=True)
-@click.option("--ray-port", default=6379, show_default=True)
-@click.option("--dashboard-port", default=8265, show_default=True)
-@click.option("--mlflow-port", default=5000, show_default=True)
-@click.option("--object-store-port", default=8333, show_default=True)
+@click.option("--ray-port", type=PORT, default=6379, show_default=True)
+@click.option("--dashboard-port", type=PORT, default=8265, show_default=True)
+@click.option("--mlflow-port", type=PORT, default=5000, show_default=True)
+@click.option("--object-store-port", type=PORT, default=8333, show_default=True)
 @click.option("--num-cpus", type=int, default=None, help="Logical CPUs of the head [default: max(4, cores)].")
 @click.option(
     "--num-gpus",

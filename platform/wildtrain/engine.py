@@ -86,7 +86,9 @@ def deepspeed_config(
         # bf16 weights and activations, but gradients summed over micro-batches and reduced
         # over ranks in fp32: bf16 keeps 8 significant bits, so sums in it round at every
         # add, and a step's update (and the losses after it) would depend on how its batch
-        # is split into micro-batches and ranks, i.e. change with the world size.
+        # is split into micro-batches and ranks, i.e. change with the world size. ZeRO-1 sums
+        # in its BF16_Optimizer, ZeRO-2 in an fp32 partition from DeepSpeed 0.19.8 on (in bf16
+        # before it, whatever this said: hence pyproject's pin).
         ds["bf16"] = {"enabled": True}
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
         ds["communication_data_type"] = "fp32"

@@ -1,8 +1,8 @@
 """The CUDA-only paths of the factored step on one GPU with NCCL (world size 1, no Ray):
 batches on the device through pinned memory, every collective of the helper on NCCL,
-ZeRO-1 (compiled) and ZeRO-3 (built partitioned on the GPU) training with bf16 and fused
-AdamW, and the async checkpoint capture restored exactly (bench/gpu_smoke.py). Two ranks:
-test_two_ranks_cuda.py."""
+ZeRO-1 and ZeRO-2 (compiled) and ZeRO-3 (built partitioned on the GPU) training with bf16 and
+fused AdamW, micro-batches' gradients summed in fp32 at ZeRO-1 and ZeRO-2, and the async
+checkpoint capture restored exactly (bench/gpu_smoke.py). Two ranks: test_two_ranks_cuda.py."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_batches_reach_the_device_through_pinned_buffers(cuda_group):
     assert all(b is not None and b.is_pinned() for b in batches._buffers)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_the_step_trains_in_bf16_on_the_gpu(cuda_group, stage):
     pytest.importorskip("deepspeed")
     from tests.helpers.models import engine_settings
@@ -85,7 +85,7 @@ def test_the_step_trains_in_bf16_on_the_gpu(cuda_group, stage):
     if stage == 3:  # built partitioned, on the GPU
         assert all(p.numel() == 0 and p.ds_tensor.device == cuda_group for p in model.parameters())
     engine = build_engine(engine_settings(cfg), plan, model, cuda_group)
-    assert engine.is_compiled, "on by default on CUDA under ZeRO-1; asked for under ZeRO-3"
+    assert engine.is_compiled, "on by default on CUDA under ZeRO-1 and ZeRO-2; asked for under ZeRO-3"
     assert engine.bfloat16_enabled()
     # bf16 weights; gradients summed over micro-batches and reduced over ranks in fp32.
     assert engine.get_data_types() == (torch.bfloat16, torch.float32)
@@ -104,6 +104,17 @@ def test_the_step_trains_in_bf16_on_the_gpu(cuda_group, stage):
     assert all(last[f"time/{p}_s"] > 0 for p in ("forward", "backward", "optimizer"))
     assert sum(last[f"time/{p}_s"] for p in ("forward", "backward", "optimizer")) <= last["step_time_s"] * 1.05
     assert window.busy_s > 0
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_micro_batches_gradients_are_summed_in_fp32_on_the_gpu(cuda_group, stage):
+    # With overlap_comm's side stream and sized buckets, which the CPU's test has not.
+    pytest.importorskip("deepspeed")
+    from tests.helpers.grad_accum import accumulation_errors
+
+    measured = accumulation_errors(stage, cuda_group)
+    assert measured["data_types"] == (torch.bfloat16, torch.float32)
+    assert measured["errors"]["fp32"] == 0.0 and measured["errors"]["bf16"] > 0.0, measured
 
 
 def test_gpu_smoke_restores_the_async_checkpoint_exactly():

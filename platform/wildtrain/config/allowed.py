@@ -17,6 +17,9 @@ from wildtrain.config.errors import ConfigError
 
 # Where `setting` files its declaration in a dataclass field's metadata.
 _METADATA_KEY = "wildtrain.allowed"
+# What every integer setting fits in: torch's and numpy's integers, which sizes, seeds and
+# steps end up in, are 64-bit.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,8 @@ def check_declared(section: Any, prefix: str = "") -> None:
         key = f"{prefix}{f.name}"
         value = getattr(section, f.name)
         allowed = allowed_of(f)
+        if type(value) is int and not INT64_MIN <= value <= INT64_MAX:
+            raise ConfigError(f"{key}: must fit in a 64-bit integer, got {value}")
         if allowed is not None and value is not None and not allowed.admits(value):
             raise ConfigError(allowed.refusal(key, value, is_nullable(field_types(type(section))[f.name])))
         if dataclasses.is_dataclass(value):

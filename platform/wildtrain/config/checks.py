@@ -32,13 +32,26 @@ def validate(cfg: Config) -> None:
             f"elastic.in_process: survivors keep ZeRO-1 and ZeRO-2 partitions only (elastic.peer_state); "
             f"deepspeed.zero_stage is {cfg.deepspeed.zero_stage}"
         )
+    if cfg.elastic.max_workers > cfg.train.global_batch_size:
+        # Also what keeps the search below short: it tries every world size up to max_workers.
+        raise ConfigError(
+            f"elastic.max_workers: {cfg.elastic.max_workers} workers need at least one sequence each, "
+            f"more than train.global_batch_size ({cfg.train.global_batch_size})"
+        )
     bad = unservable_world_sizes(
         cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.elastic.min_workers, cfg.elastic.max_workers
     )
     if bad:
         raise ConfigError(
             f"train.global_batch_size: {cfg.train.global_batch_size} sequences cannot be split evenly "
-            f"at world size {', '.join(map(str, bad))} with micro-batches of at most "
+            f"at world size {_listed(bad)} with micro-batches of at most "
             f"{cfg.train.micro_batch_size} (elastic.min_workers..max_workers = "
             f"{cfg.elastic.min_workers}..{cfg.elastic.max_workers})"
         )
+
+
+def _listed(numbers: list[int], shown: int = 8) -> str:
+    """The first `shown` of `numbers` and how many more: a wide range of world sizes would
+    otherwise make the error one line of thousands."""
+    more = f" and {len(numbers) - shown} more" if len(numbers) > shown else ""
+    return ", ".join(map(str, numbers[:shown])) + more

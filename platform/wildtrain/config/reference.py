@@ -176,3 +176,84 @@ def render(conf_dir: Path) -> str:
     """The whole reference, in Markdown: a section per config section, then the groups of `conf_dir`."""
     sections = [render_section(f.name, field_types(Config)[f.name]) for f in dataclasses.fields(Config)]
     return "\n".join([*sections, render_groups(conf_dir)])
+
+
+class _Placeholder:
+    """What a message shows where it quotes the value given: `<value>`."""
+
+    def __repr__(self) -> str:
+        return "<value>"
+
+    __str__ = __repr__
+
+
+def declared_refusals(section: type = Config, prefix: str = "") -> list[tuple[str, str]]:
+    """(key, the line its `setting(...)` refuses a value with) for every declared key, list
+    items' keys as `data.datasets.<n>.uri`."""
+    rows = []
+    for f in dataclasses.fields(section):
+        declared, key = field_types(section)[f.name], f"{prefix}{f.name}"
+        allowed = allowed_of(f)
+        if allowed is not None:
+            rows.append((key, allowed.refusal(key, _Placeholder(), is_nullable(declared))))
+        inner = typing.get_args(declared)[0] if typing.get_origin(declared) is list else declared
+        if dataclasses.is_dataclass(inner):
+            rows.extend(declared_refusals(inner, f"{key}.<n>." if inner is not declared else f"{key}."))
+    return rows
+
+
+def _template(node: ast.expr) -> str:
+    """An f-string's text, each name in it as `<name>` (`<n_heads>` for `self.n_heads`) and
+    any other expression as `<...>`."""
+    if isinstance(node, ast.Constant):
+        return str(node.value)
+    if isinstance(node, ast.JoinedStr):
+        return "".join(_template(part) for part in node.values)
+    if isinstance(node, ast.FormattedValue) and isinstance(node.value, (ast.Name, ast.Attribute)):
+        return f"<{ast.unparse(node.value).removeprefix('self.').removeprefix('cfg.')}>"
+    return "<...>"
+
+
+def raised_messages(modules: list) -> list[str]:
+    """The message of every `raise ConfigError(...)` in `modules`' source, as a template, in
+    source order; one made by a function of theirs (`explain`) as each of its returns."""
+    trees = [ast.parse(inspect.getsource(module)) for module in modules]
+    returned = {
+        node.name: [r.value for r in ast.walk(node) if isinstance(r, ast.Return) and isinstance(r.value, ast.JoinedStr)]
+        for tree in trees
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef)
+    }
+    found = []
+    for tree in trees:
+        raises = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Raise)), key=lambda n: n.lineno)
+        for node in raises:
+            call = node.exc
+            if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "ConfigError" and call.args):
+                continue
+            made = call.args[0]
+            if isinstance(made, ast.Call) and getattr(made.func, "id", None) in returned:
+                found += [_template(text) for text in returned[made.func.id]]
+            elif isinstance(made, (ast.JoinedStr, ast.Constant)):
+                found.append(_template(made))
+    return list(dict.fromkeys(found))
+
+
+def render_messages() -> str:
+    """Every line a setting's check can print, in Markdown: each declared key's refusal, then
+    the relations between keys, the types and the overrides' form (config/checks.py, the
+    sections' `validate()`, config/overrides.py, config/allowed.py)."""
+    import wildtrain.config as package
+    from wildtrain.config import allowed, checks, overrides, system, training
+
+    rows = [
+        "| Key | Message |",
+        "| --- | --- |",
+        *(f"| `{key}` | `{message}` |" for key, message in declared_refusals()),
+        "",
+        "Relations between keys, and the checks of every value's type and of the overrides' form "
+        "(`<...>` stands for what the line shows there):",
+        "",
+        *(f"- `{message}`" for message in raised_messages([checks, training, system, allowed, package, overrides])),
+    ]
+    return "\n".join(rows) + "\n"

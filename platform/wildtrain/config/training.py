@@ -224,8 +224,9 @@ class OptimConfig:
     # AdamW's decay rates of its two moments.
     beta1: float = setting(0.9, ge=0, lt=1)
     beta2: float = setting(0.95, ge=0, lt=1)
-    # AdamW's epsilon, added to the denominator of each update.
-    eps: float = setting(1e-8, ge=0)
+    # AdamW's epsilon, added to the denominator of each update: above 0, or an element whose
+    # gradient has been 0 so far (an embedding row of a token not yet seen) would become 0 / 0.
+    eps: float = setting(1e-8, gt=0)
     # The gradients' global norm is clipped to this.
     grad_clip: float = setting(1.0, gt=0, special=(0, "off"))
     # The blocks' matrices learn at lr * hidden_lr_mult at the base model's shape (model.base_*);
