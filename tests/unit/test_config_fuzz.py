@@ -42,7 +42,7 @@ VALUES = st.one_of(
     st.text(max_size=12),
 )
 FUZZ = settings(
-    derandomize=True, deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow], database=None
+    derandomize=True, deadline=None, max_examples=100, suppress_health_check=[HealthCheck.too_slow], database=None
 )
 
 
