@@ -17,37 +17,15 @@ Usage: PYTHONPATH=platform .venv/bin/python bench/commit_hold.py [--reference-re
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 from types import ModuleType
+
+from reference import module_at
 
 from wildtrain.checkpoint import store as current
 from wildtrain.checkpoint.format import FileEntry, checkpoint_name
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def at_revision(rev: str) -> ModuleType:
-    """`wildtrain.checkpoint.store` as it was at `rev`, loaded beside the current one."""
-    source = subprocess.run(
-        ["git", "show", f"{rev}:platform/wildtrain/checkpoint/store.py"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / "store_reference.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("store_reference", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def trial(module: ModuleType, hold_s: float) -> tuple[float, int]:
@@ -84,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     variants = [("this checkout", current)]
     if args.reference_rev:
-        variants.append((args.reference_rev, at_revision(args.reference_rev)))
+        variants.append((args.reference_rev, module_at(args.reference_rev, "platform/wildtrain/checkpoint/store.py")))
     results: dict[str, list[tuple[float, int]]] = {label: [] for label, _ in variants}
     for hold in args.holds:  # the variants in turn at each hold
         for label, module in variants:

@@ -24,12 +24,9 @@ Usage: PYTHONPATH=platform .venv/bin/python bench/scale/rendezvous.py [--referen
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import multiprocessing as mp
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -42,31 +39,13 @@ import torch.distributed as dist
 
 from wildtrain.elastic import rendezvous as current_module
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from growth import growth_line, markdown  # noqa: E402
+from reference import module_at  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
 SILENCE, STOP = 0, 1  # the times in a sender's plan
 HEARTBEAT_S, DEAD_AFTER_S, CONFIRM_S = 0.1, 10.0, 0.5  # the config's defaults (config/system.py)
-
-
-def at_revision(rev: str) -> ModuleType:
-    """`wildtrain.elastic.rendezvous` as it was at `rev`, loaded beside the current one."""
-    source = subprocess.run(
-        ["git", "show", f"{rev}:platform/wildtrain/elastic/rendezvous.py"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / "rendezvous_reference.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("rendezvous_reference", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class Counting:
@@ -239,7 +218,7 @@ def main() -> None:
     args = parser.parse_args()
     variants = [("current", current_module, args.members)]
     if args.reference_rev:
-        reference = at_revision(args.reference_rev)
+        reference = module_at(args.reference_rev, "platform/wildtrain/elastic/rendezvous.py")
         variants.insert(0, (args.reference_rev, reference, [n for n in args.members if n <= args.reference_max]))
     headers = [
         "rendezvous",
