@@ -11,6 +11,8 @@ from wildtrain.train import generations
 from wildtrain.train.generations import Leftovers
 from wildtrain.train.state import TrainState
 
+SPAWNED_S = 180  # a spawned rank imports torch and the trainer: over a minute on a loaded machine
+
 MEMBERS = Leftovers(
     states={6: TrainState(step=6, world_size=1)},
     windows=[{"step": 5, "at": 1.0}, {"step": 6, "at": 2.0}],
@@ -28,7 +30,7 @@ def _rank(rank: int, results) -> None:
 
 def test_a_joiner_carries_rank_zeros_unreported_windows_events_and_commits_and_keeps_its_own_state():
     with spawned_pair(_rank) as results:
-        shared = dict(results.get(timeout=60) for _ in range(2))
+        shared = dict(results.get(timeout=SPAWNED_S) for _ in range(2))
     assert shared[0] == MEMBERS
     joiner = shared[1]
     assert (joiner.windows, joiner.events, joiner.committed, joiner.known_good, joiner.interruption) == (
@@ -60,7 +62,7 @@ def test_a_survivor_that_left_nothing_restores_from_its_peers_with_one_that_trai
     """Each rank chose alone (`left is None`): rank 0 a checkpoint, rank 1 its peers, and the
     two waited in collectives that never matched until monitor.startup_timeout_s."""
     with spawned_pair(_restore_rank) as results:
-        agreed = dict(results.get(timeout=60) for _ in range(2))
+        agreed = dict(results.get(timeout=SPAWNED_S) for _ in range(2))
     assert agreed[1] == MEMBERS
     assert agreed[0] is not None, "rank 0 restores from a checkpoint where rank 1 restores from its peers"
     assert agreed[0] == dataclasses.replace(MEMBERS, states={}), (

@@ -303,7 +303,8 @@ class Member:
     def lost_member(self, error: BaseException, peer_failure) -> bool:
         """After `error` in this generation's collectives: whether a member is gone (True:
         form the next generation) rather than this rank or a peer failing on its own (the
-        error stands). `peer_failure()` says a peer's own failure (`collectives.PeerWatch`)."""
+        error stands). `peer_failure()` says a peer's own failure (`collectives.PeerWatch`).
+        Raises `RendezvousFailed` where the owner failed: no generation will come."""
         if isinstance(error, Superseded):
             return True
         if type(error) is not RuntimeError and not isinstance(error, dist.DistError):
