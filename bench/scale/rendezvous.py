@@ -102,7 +102,7 @@ def sender(port: int, token: str, names: list[str], threads: int, per_node: int,
                 alive = [n for n in group if n != victim or now < silence]
                 if per_node == 1:
                     for name in alive:
-                        beat(store, name, at=now)
+                        beat(store, name)
                 elif alive:
                     store.multi_set([f"hb/{n}" for n in alive], [repr(now)] * len(alive))
                 beats += len(alive)
@@ -160,10 +160,10 @@ def point(module: ModuleType, n: int, senders: int, threads: int, per_node: int,
     # The victim falls silent; its peers' collective fails a little later and one reports it.
     plan[SILENCE] = time.time()
     time.sleep(0.2)
-    error_at = time.time()
-    module.report_error(group, 1, at=error_at)
+    error_at = time.monotonic()  # the owner's clock
+    module.report_error(group, 1)
     published: Optional[float] = None
-    while time.time() - error_at < 15:
+    while time.monotonic() - error_at < 15:
         if 2 in server.owner.published if server.owner else False:
             published = server.owner.published[2][0]
             break

@@ -68,6 +68,12 @@ def test_after_a_failed_collective_a_member_silent_since_is_dead_sooner():
     assert stale(beats, now=10.6, dead_after_s=1.0, error_at=10.0, confirm_s=0.5) == {"w1"}
 
 
+def test_a_beat_read_in_the_same_look_as_the_error_is_no_sign_of_life_since():
+    # The owner reads the error first in a look: a beat that look read may have been beaten before it.
+    beats = {"w0": 10.3, "w1": 10.0}
+    assert stale(beats, now=10.6, dead_after_s=1.0, error_at=10.0, confirm_s=0.5) == {"w1"}
+
+
 def test_only_a_departure_abandons_a_collective_in_flight():
     assert must_abandon(THREE, Membership(5, ("w0", "w2")))
     assert not must_abandon(THREE, Membership(5, ("w0", "w1", "w2", "w3")))

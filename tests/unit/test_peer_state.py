@@ -110,3 +110,9 @@ def test_a_mirror_is_sent_once_its_copy_from_the_device_has_landed():
     assert f"received: [{mirror_send.FILLED}]" in out1, (
         "the send went out with the copy's bytes, not the buffer's old ones"
     )
+
+
+def test_a_mirror_whose_copy_lands_after_a_re_form_is_not_sent_into_the_new_generation():
+    [(code0, out0, err0), (code1, out1, err1)] = start_ranks("tests.helpers.mirror_send", 2, "--re-formed").outputs(60)
+    assert f"received: [{mirror_send.MARKER}]" in out1, f"generation 1's mirror went to generation 2's group: {out1}"
+    assert code0 == 0 and code1 == 0, err0 + err1

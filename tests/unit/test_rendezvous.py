@@ -1,5 +1,6 @@
 """The in-process group's rendezvous (`elastic.rendezvous`) over a real TCPStore: workers ask and
-beat, the owner publishes generations, readers see them. Times are given, not waited for."""
+beat, the owner publishes generations, readers see them. Times are the owner's turns' `now`,
+given, not waited for: what a worker writes carries none."""
 
 from __future__ import annotations
 
@@ -41,14 +42,15 @@ def store():
 
 
 def first_generation(store, t: float = 100.0, join_batch_s: float = 0.0) -> RendezvousOwner:
+    """w0, w1 and w2's first generation, published at `t`; their beats read at `t`."""
     owner = RendezvousOwner(store, initial=3, dead_after_s=DEAD_AFTER_S, confirm_s=CONFIRM_S, join_batch_s=join_batch_s)
     for name in ("w2", "w0"):
         ask_to_join(store, name)
-        beat(store, name, at=t)
+        beat(store, name)
     assert owner.turn(now=t) is None  # two of three
     assert latest(store) == Membership(0, ())
     ask_to_join(store, "w1")
-    beat(store, "w1", at=t)
+    beat(store, "w1")
     assert owner.turn(now=t) == Membership(1, ("w0", "w1", "w2"))
     assert latest(store) == Membership(1, ("w0", "w1", "w2")) and set(owner.asked) == {"w0", "w1", "w2"}
     return owner
@@ -64,14 +66,14 @@ def test_the_first_generation_ranks_its_workers_in_ray_s_rank_order_past_ten(sto
     owner = RendezvousOwner(store, initial=12, dead_after_s=DEAD_AFTER_S, confirm_s=CONFIRM_S)
     for rank in reversed(range(12)):
         ask_to_join(store, member_name(rank))
-        beat(store, member_name(rank), at=100.0)
+        beat(store, member_name(rank))
     assert owner.turn(now=100.0) == Membership(1, tuple(member_name(rank) for rank in range(12)))
 
 
 def test_a_silent_member_is_dropped_after_dead_after_s_and_the_survivors_keep_their_ranks(store):
     owner = first_generation(store)
     for name in ("w1", "w2"):
-        beat(store, name, at=101.9)
+        beat(store, name)
     assert owner.turn(now=101.9) is None  # w0 silent for 1.9 s: not yet
     assert owner.turn(now=102.1) == Membership(2, ("w1", "w2"))
     assert latest(store) == Membership(2, ("w1", "w2")) and owner.published[2][1] == ("w1", "w2")
@@ -79,10 +81,11 @@ def test_a_silent_member_is_dropped_after_dead_after_s_and_the_survivors_keep_th
 
 def test_after_a_failed_collective_the_member_that_stopped_beating_is_dropped_within_confirm_s(store):
     owner = first_generation(store)
-    report_error(store, 1, at=100.5)
-    for name in ("w0", "w2"):
-        beat(store, name, at=100.9)  # still beating after the error: alive
+    report_error(store, 1)
+    assert owner.turn(now=100.5) is None  # the error read at 100.5
+    beats(store, "w0", "w2")  # still beating after the error: alive
     assert owner.turn(now=100.9) is None  # 0.4 s since the error: not confirmed
+    beats(store, "w0", "w2")
     assert owner.turn(now=101.1) == Membership(2, ("w0", "w2"))  # long before dead_after_s
 
 
@@ -90,7 +93,7 @@ def joined(store) -> RendezvousOwner:
     """The first generation's owner once w9 asked to join at 100.5 and generation 2 took it in."""
     owner = first_generation(store)
     for name in ("w0", "w1", "w2"):
-        beat(store, name, at=100.5)
+        beat(store, name)
     ask_to_join(store, "w9")
     assert owner.turn(now=100.5) == Membership(2, ("w0", "w1", "w2", "w9"))
     return owner
@@ -104,72 +107,74 @@ def test_a_member_lost_before_the_others_took_a_joiner_in_is_dropped_within_conf
     # Generation 2 adds w9; w0 and w2 still train in generation 1 (their next log step takes
     # it in) when w1 dies there: their failed collective is generation 1's.
     owner = joined(store)
-    report_error(store, 1, at=100.6)
-    for name in ("w0", "w2", "w9"):
-        beat(store, name, at=101.0)
+    report_error(store, 1)
+    assert owner.turn(now=100.6) is None  # the error read at 100.6
+    beats(store, "w0", "w2", "w9")
     assert owner.turn(now=101.0) is None  # 0.4 s since the error: not confirmed
+    beats(store, "w0", "w2", "w9")
     assert owner.turn(now=101.2) == Membership(3, ("w0", "w2", "w9"))  # long before dead_after_s
 
 
 def test_an_error_of_a_generation_before_a_shrink_is_not_counted_again(store):
     owner = first_generation(store)
-    report_error(store, 1, at=100.5)
+    report_error(store, 1)
+    assert owner.turn(now=100.5) is None  # the error read at 100.5
     for name in ("w0", "w2"):
-        beat(store, name, at=101.1)
+        beat(store, name)
     assert owner.turn(now=101.1) == Membership(2, ("w0", "w2"))
     for name in ("w0", "w2"):
-        beat(store, name, at=102.0)
+        beat(store, name)
     assert owner.turn(now=102.0) is None, "generation 1's error was generation 2's cause, not a new failure"
 
 
 JOIN_BATCH_S = 10.0
 
 
-def beats(store, t: float, *names: str) -> None:
+def beats(store, *names: str) -> None:
     for name in names:
-        beat(store, name, at=t)
+        beat(store, name)
 
 
 def two_joiners_starting(store) -> RendezvousOwner:
     """Generation 1's owner once w3 and w4 started on returned nodes at 100.0 and w3 asked at 100.5."""
     owner = first_generation(store, join_batch_s=JOIN_BATCH_S)
     for name in ("w3", "w4"):
-        announce_start(store, name, at=100.0)
-    beats(store, 100.5, "w0", "w1", "w2", "w3", "w4")
-    ask_to_join(store, "w3", at=100.5)
+        announce_start(store, name)
+    beats(store, "w0", "w1", "w2", "w3", "w4")
+    ask_to_join(store, "w3")
     assert owner.turn(now=100.5) is None, "w4 is getting ready: w3 waits for it"
     return owner
 
 
 def test_a_joiner_waits_for_one_getting_ready_and_both_join_in_one_generation(store):
     owner = two_joiners_starting(store)
-    beats(store, 106.0, "w0", "w1", "w2", "w3", "w4")
+    beats(store, "w0", "w1", "w2", "w3", "w4")
     assert owner.turn(now=106.0) is None
-    ask_to_join(store, "w4", at=106.0)
+    ask_to_join(store, "w4")
     assert owner.turn(now=106.0) == Membership(2, ("w0", "w1", "w2", "w3", "w4"))
 
 
 def test_a_joiner_waits_no_longer_than_join_batch_s_after_it_asked(store):
     owner = two_joiners_starting(store)
-    beats(store, 110.4, "w0", "w1", "w2", "w3", "w4")
+    beats(store, "w0", "w1", "w2", "w3", "w4")
     assert owner.turn(now=110.4) is None
-    beats(store, 110.5, "w0", "w1", "w2", "w3", "w4")
+    beats(store, "w0", "w1", "w2", "w3", "w4")
     assert owner.turn(now=110.5) == Membership(2, ("w0", "w1", "w2", "w3"))
-    ask_to_join(store, "w4", at=111.0)
+    ask_to_join(store, "w4")
     assert owner.turn(now=111.0) == Membership(3, ("w0", "w1", "w2", "w3", "w4")), "the late one joins on its own"
 
 
 def test_a_joiner_does_not_wait_for_one_that_went_silent_while_getting_ready(store):
     owner = two_joiners_starting(store)  # w4's last beat at 100.5: its node lost again
-    beats(store, 102.4, "w0", "w1", "w2", "w3")
+    beats(store, "w0", "w1", "w2", "w3")
     assert owner.turn(now=102.4) is None
-    beats(store, 102.6, "w0", "w1", "w2", "w3")
+    beats(store, "w0", "w1", "w2", "w3")
     assert owner.turn(now=102.6) == Membership(2, ("w0", "w1", "w2", "w3")), "silent for over dead_after_s"
 
 
 def test_a_death_while_a_joiner_waits_takes_it_in_with_the_re_form(store):
     owner = two_joiners_starting(store)
-    beats(store, 102.6, "w0", "w2", "w3", "w4")  # w1 silent since 100.5
+    beats(store, "w0", "w2", "w3", "w4")  # w1 silent since 100.5
     assert owner.turn(now=102.6) == Membership(2, ("w0", "w2", "w3")), "the members stop anyway"
 
 
@@ -267,14 +272,14 @@ def whole_group_with_a_spare(store) -> RendezvousOwner:
     """A group of three, whole (capacity 3), beside spare.1, which started on spare capacity
     and asked at 100.0 with the group's workers: it waits, and the members see one spare."""
     owner = RendezvousOwner(store, initial=3, dead_after_s=DEAD_AFTER_S, confirm_s=CONFIRM_S, capacity=3)
-    announce_start(store, "spare.1", at=100.0)
-    beats(store, 100.0, "spare.1")
+    announce_start(store, "spare.1")
+    beats(store, "spare.1")
     for name in ("w2", "w0", "w1"):
-        ask_to_join(store, name, at=100.0)
-        beat(store, name, at=100.0)
-    ask_to_join(store, "spare.1", at=100.0)
+        ask_to_join(store, name)
+        beat(store, name)
+    ask_to_join(store, "spare.1")
     assert owner.turn(now=100.0) == Membership(1, ("w0", "w1", "w2")), "a joiner is never in the first generation"
-    beats(store, 103.0, "w0", "w1", "w2", "spare.1")
+    beats(store, "w0", "w1", "w2", "spare.1")
     assert owner.turn(now=103.0) is None, "the group is whole: the spare waits"
     assert store.get("spares") == b"1"
     return owner
@@ -282,16 +287,17 @@ def whole_group_with_a_spare(store) -> RendezvousOwner:
 
 def test_a_spare_takes_a_dead_members_place_in_the_re_form_that_drops_it(store):
     owner = whole_group_with_a_spare(store)
-    report_error(store, 1, at=103.5)
-    beats(store, 104.1, "w0", "w2", "spare.1")  # w1 silent since 103.0
+    report_error(store, 1)
+    assert owner.turn(now=103.5) is None  # the error read at 103.5
+    beats(store, "w0", "w2", "spare.1")  # w1 silent since 103.0
     assert owner.turn(now=104.1) == Membership(2, ("w0", "w2", "spare.1"))
     assert store.get("spares") == b"0"
 
 
 def test_a_spare_whose_node_died_takes_no_place(store):
     owner = whole_group_with_a_spare(store)  # spare.1's last beat at 103.0
-    report_error(store, 1, at=105.5)
-    beats(store, 106.1, "w0", "w2")
+    report_error(store, 1)  # read at 106.1, when w1 has been silent for over dead_after_s anyway
+    beats(store, "w0", "w2")
     assert store.get("spares") == b"1"
     assert owner.turn(now=106.1) == Membership(2, ("w0", "w2")), "silent for over dead_after_s: not taken in"
     assert store.get("spares") == b"0"
@@ -322,29 +328,30 @@ def test_a_turn_reads_every_heartbeat_in_one_round_trip_whatever_the_members(sto
     names = [member_name(rank) for rank in range(members)]
     for name in names:
         ask_to_join(store, name)
-        beat(store, name, at=100.0)
+        beat(store, name)
     assert owner.turn(now=100.0) == Membership(1, tuple(names))
     for name in names[1:]:
-        beat(store, name, at=101.0)
+        beat(store, name)
     counting.calls = 0
     assert owner.turn(now=101.0) is None
     assert counting.calls == 4  # the starts and joins counters, the error key, every heartbeat at once
-    report_error(store, 1, at=101.0)
+    report_error(store, 1)
+    assert owner.turn(now=101.1) is None  # the error read at 101.1
     for name in names[1:]:
-        beat(store, name, at=101.6)
-    assert owner.turn(now=101.6) == Membership(2, tuple(names[1:]))
+        beat(store, name)
+    assert owner.turn(now=101.7) == Membership(2, tuple(names[1:]))
 
 
 def test_a_joiner_that_has_not_beaten_yet_counts_from_its_request_and_is_read_once_it_beats(store):
     owner = first_generation(store)
-    ask_to_join(store, "j1", at=101.0)
+    ask_to_join(store, "j1")
     assert owner.turn(now=101.0) == Membership(2, ("w0", "w1", "w2", "j1"))  # no beat yet: alive since asking
     for name in ("w0", "w1", "w2", "j1"):
-        beat(store, name, at=102.9)
+        beat(store, name)
     assert owner.turn(now=103.1) is None  # j1's first beat is read, not its request's time
     for name in ("w0", "w1", "w2"):
-        beat(store, name, at=105.0)
-    assert owner.turn(now=105.0) == Membership(3, ("w0", "w1", "w2"))
+        beat(store, name)
+    assert owner.turn(now=105.2) == Membership(3, ("w0", "w1", "w2"))
 
 
 def test_a_read_of_more_keys_than_a_batch_takes_is_split_and_keeps_their_order(store, monkeypatch):
@@ -354,3 +361,69 @@ def test_a_read_of_more_keys_than_a_batch_takes_is_split_and_keeps_their_order(s
     store.multi_set(keys, [str(i) for i in range(40)])
     assert rendezvous.read_all(counting, keys) == [str(i).encode() for i in range(40)]
     assert counting.calls == 3
+
+
+class MemberClock:
+    """The time source a member's calls into `rendezvous` read: `skew_s` off the owner's `now`."""
+
+    def __init__(self, now: float, skew_s: float) -> None:
+        self.now, self.skew_s = now, skew_s
+
+    def time(self) -> float:
+        return self.now + self.skew_s
+
+
+def as_member(monkeypatch, now: float, skew_s: float, call) -> None:
+    """`call()` made by a member whose clock reads `now + skew_s` where the owner's reads `now`."""
+    monkeypatch.setattr(rendezvous, "time", MemberClock(now, skew_s))
+    call()
+    monkeypatch.undo()
+
+
+@pytest.mark.parametrize("skew_s", [-5.0, 5.0], ids=["behind", "ahead"])
+def test_a_member_whose_clock_is_off_by_seconds_is_judged_on_the_owner_s_clock_alone(store, monkeypatch, skew_s):
+    """w0's clock is `skew_s` off the owner's: beating, it must not be found dead (behind: its
+    beats looked older than dead_after_s), and the collective it says failed when w1 died must
+    drop w1 within confirm_s (ahead: its error looked newer than every beat)."""
+    owner = RendezvousOwner(store, initial=3, dead_after_s=DEAD_AFTER_S, confirm_s=CONFIRM_S)
+    skews = {"w0": skew_s, "w1": 0.0, "w2": 0.0}
+    for name, skew in skews.items():
+        as_member(monkeypatch, 100.0, skew, lambda name=name: (ask_to_join(store, name), beat(store, name)))
+    assert owner.turn(now=100.0) == Membership(1, ("w0", "w1", "w2"))
+    now, published = 100.0, None
+    for tick in range(1, 60):  # a beat every 0.1 s for 5.9 s
+        now = 100.0 + tick / 10
+        alive = ("w0", "w2") if tick >= 30 else ("w0", "w1", "w2")  # w1 dies at 103.0
+        if tick == 30:
+            as_member(monkeypatch, now, skew_s, lambda: report_error(store, 1))  # w0's collective with w1 failed
+        for name in alive:
+            as_member(monkeypatch, now, skews[name], lambda name=name: beat(store, name))
+        published = owner.turn(now=now)
+        if published is not None:
+            break
+    assert published == Membership(2, ("w0", "w2")), f"at {now:.1f}: {published}"
+    assert 103.0 + CONFIRM_S <= now <= 103.0 + CONFIRM_S + 0.3, f"w1 dropped at {now:.1f}, its death at 103.0"
+
+
+def test_an_error_inside_the_owner_is_published_to_its_group_and_the_server_serves_the_next_group(monkeypatch):
+    server = RendezvousServer(services.HOST, DEAD_AFTER_S, CONFIRM_S)
+    try:
+        client = dist.TCPStore(services.HOST, server.port, is_master=False, timeout=timedelta(seconds=10))
+        first = dist.PrefixStore("group-a", client)
+        register_group(client, "group-a", 1)
+        ask_to_join(first, "w0")
+        assert wait_for(lambda: latest(first).generation, "the first group's first generation") == 1
+
+        def broken(now: float, ending: bool = False):
+            raise RuntimeError("the store misbehaved")
+
+        monkeypatch.setattr(server.owner, "turn", broken)
+        failure = wait_for(lambda: rendezvous.owner_failure(first), "the owner's failure", timeout_s=2.0)
+        assert "the store misbehaved" in failure
+        second = dist.PrefixStore("group-b", client)
+        register_group(client, "group-b", 1)
+        ask_to_join(second, "w0")
+        assert wait_for(lambda: latest(second).generation, "the restarted group's first generation") == 1
+        assert rendezvous.owner_failure(second) is None
+    finally:
+        server.stop()

@@ -28,13 +28,17 @@ def stale(
     error_at: Optional[float] = None,
     confirm_s: float = 0.0,
 ) -> frozenset[str]:
-    """The members found dead, from their last heartbeats (a time.time() each): silent for
-    longer than `dead_after_s`, or, once a collective failed at `error_at`, silent since then
+    """The members found dead, from when their last heartbeats were read: silent for longer
+    than `dead_after_s`, or, once a collective failed (read at `error_at`), silent since then
     for `confirm_s`. A failed collective says someone left but not who; the heartbeats that
-    continue after it say who did not, sooner than the silence that has to cover a hang."""
-    after_error = error_at is not None and now - error_at > confirm_s
+    continue after it say who did not, sooner than the silence that has to cover a hang.
+
+    Every time is the reader's clock (`rendezvous.RendezvousOwner`'s `now`), never a member's,
+    which may be seconds off. A beat read in the same look as the error, or before, is no sign
+    of life since: the error is read first in a look, and a beat read in it may predate it."""
+    after_error = error_at is not None and now - error_at >= confirm_s  # as `next_membership` counts it
     return frozenset(
-        member for member, beat in beats.items() if now - beat > dead_after_s or (after_error and beat < error_at)
+        member for member, beat in beats.items() if now - beat > dead_after_s or (after_error and beat <= error_at)
     )
 
 

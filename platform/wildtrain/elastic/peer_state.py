@@ -36,7 +36,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -130,18 +130,24 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> tor
 class _SendWhenCopied:
     """A send of a host buffer that a device-to-host copy is still filling: posted from a
     thread once the copy's event is done, so that the training thread queues the next step
-    meanwhile. Waited for as the send's `Work` is."""
+    meanwhile, unless the generation it was copied in is no longer `current` (a copy stuck
+    behind a dead peer's collective lands after the re-form): it is dropped, not sent into
+    the next generation's group. Waited for as the send's `Work` is."""
 
-    def __init__(self, copied: "torch.cuda.Event", send) -> None:
+    def __init__(self, copied: "torch.cuda.Event", send: Callable[[], Any], current: Callable[[], bool]) -> None:
         self.copied = copied
         self._work = None
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, args=(send,), name="wildtrain-mirror-send", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(send, current), name="wildtrain-mirror-send", daemon=True
+        )
         self._thread.start()
 
-    def _run(self, send) -> None:
+    def _run(self, send: Callable[[], Any], current: Callable[[], bool]) -> None:
         try:
             self.copied.synchronize()
+            if not current():
+                raise RuntimeError("a mirror copied in a generation re-formed since was dropped unsent")
             self._work = send()
         except BaseException as error:  # a group hung up after a failure: raised by `wait`
             self._error = error
@@ -229,11 +235,17 @@ class Mirrors:
         fits = free and free[-1].shape == sent.shape and free[-1].dtype == sent.dtype
         received = free.pop() if fits else torch.empty(sent.shape, dtype=sent.dtype)
 
+        # Where it goes is this generation's, taken now: a send posted later must not read the next one's.
+        group, successor, layout = self.group, self._neighbour(rank, 1), self.layout
+
         def send():
-            return dist.isend(sent, group=self.group, group_dst=self._neighbour(rank, 1))
+            return dist.isend(sent, group=group, group_dst=successor)
+
+        def current() -> bool:
+            return self.group is group and self.layout == layout
 
         self._in_flight = [
-            send() if copied is None else _SendWhenCopied(copied, send),
+            send() if copied is None else _SendWhenCopied(copied, send, current),
             dist.irecv(received, group=self.group, group_src=self._neighbour(rank, -1)),
         ]
         self._received = (step, received, sizes)

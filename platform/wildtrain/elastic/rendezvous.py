@@ -3,18 +3,23 @@ their hearts in a TCPStore, its owner (the driver runs it: `RendezvousServer`) r
 publishes each new generation, and workers read the newest. Who is in the next generation is
 decided by `membership`; this module is the keys and the owner's loop turn.
 
-Keys, under the worker group's prefix: `joins` (a counter) and `join/<n>` = "<name> <time>"
-per request; `starts` and `start/<n>` alike, per joiner whose process started (it asks once
-it is ready); `hb/<name>` = the time of a worker's last heartbeat; `node/<name>` = its Ray
-node; `error/<g>` = when a collective of generation g failed (it says someone left, not
-who); `members/<g>` = generation g's members by rank, then `gen` = g, so that a reader of
+Keys, under the worker group's prefix: `joins` (a counter) and `join/<n>` = "<name>" per
+request; `starts` and `start/<n>` alike, per joiner whose process started (it asks once it
+is ready); `hb/<name>` = how many heartbeats a worker has beaten; `node/<name>` = its Ray
+node; `error/<g>` = a collective of generation g failed (it says someone left, not who);
+`members/<g>` = generation g's members by rank, then `gen` = g, so that a reader of
 `gen` always finds its members; `spares` = how many joiners wait ready for a member's place
-(the generation is whole); `ending` = the run is at its end. Unprefixed: the groups
+(the generation is whole); `ending` = the run is at its end; `failed` = why the owner
+failed (`RendezvousFailed`: the group falls back to the restart path). Unprefixed: the groups
 registered (`groups`, `group/<n>`) and the `current` one's prefix.
+
+No worker writes a time: the owner times what it reads on its own clock (when a heartbeat's
+count changed, when an error or a request appeared), so that no verdict compares two hosts' clocks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from datetime import timedelta
@@ -28,6 +33,22 @@ from wildtrain.elastic.membership import Membership, NoMembersLeft, joiners_due,
 READ_BATCH = 1024
 
 
+class RendezvousFailed(RuntimeError):
+    """No next generation will come for this member: the rendezvous's owner failed, or none
+    came within the bound. In-process recovery is over for the group; the error reaches Ray
+    unmasked, and Ray restarts the group from the checkpoint (the restart path)."""
+
+
+def owner_failed(store: dist.Store, reason: str) -> None:
+    """Say that the owner of the group whose keys are `store` failed, for `reason`."""
+    store.set("failed", reason)
+
+
+def owner_failure(store: dist.Store) -> Optional[str]:
+    """Why the owner of the group whose keys are `store` failed; None while it has not."""
+    return store.get("failed").decode() if store.check(["failed"]) else None
+
+
 def latest(store: dist.Store) -> Membership:
     """The newest generation published in `store` (generation 0, no members: none yet)."""
     if not store.check(["gen"]):
@@ -36,24 +57,24 @@ def latest(store: dist.Store) -> Membership:
     return Membership(generation, tuple(store.get(f"members/{generation}").decode().split(",")))
 
 
-def ask_to_join(store: dist.Store, name: str, at: Optional[float] = None) -> None:
+def ask_to_join(store: dist.Store, name: str) -> None:
     """Ask to be a member of the next generation (a new worker, or one found dead while alive)."""
-    _add_entry(store, "join", name, at)
+    _add_entry(store, "join", name)
 
 
-def announce_start(store: dist.Store, name: str, at: Optional[float] = None) -> None:
+def announce_start(store: dist.Store, name: str) -> None:
     """Say that the joiner `name` is getting ready to ask: a joiner that asked before it is
     held for it (`RendezvousOwner`), so that both join in one re-form."""
-    _add_entry(store, "start", name, at)
+    _add_entry(store, "start", name)
 
 
-def _add_entry(store: dist.Store, kind: str, name: str, at: Optional[float]) -> None:
+def _add_entry(store: dist.Store, kind: str, name: str) -> None:
     n = store.add(f"{kind}s", 1)
-    store.set(f"{kind}/{n}", f"{name} {time.time() if at is None else at!r}")
+    store.set(f"{kind}/{n}", name)
 
 
-def beat(store: dist.Store, name: str, at: Optional[float] = None) -> None:
-    store.set(f"hb/{name}", repr(time.time() if at is None else at))
+def beat(store: dist.Store, name: str) -> None:
+    store.add(f"hb/{name}", 1)
 
 
 def member_name(rank: int) -> str:
@@ -81,9 +102,9 @@ def node_of(store: dist.Store, name: str) -> str:
     return store.get(f"node/{name}").decode()
 
 
-def report_error(store: dist.Store, generation: int, at: Optional[float] = None) -> None:
+def report_error(store: dist.Store, generation: int) -> None:
     """A collective of `generation` failed on this worker."""
-    store.set(f"error/{generation}", repr(time.time() if at is None else at))
+    store.set(f"error/{generation}", "1")
 
 
 class Heartbeat:
@@ -120,8 +141,9 @@ class RendezvousOwner:
     dead when silent for `dead_after_s`, or, once a collective of its generation failed,
     silent since then for `confirm_s` (see `membership.stale`). Joiners that asked wait for one still getting ready
     (it announced its start, beats, and has not asked) for up to `join_batch_s`, unless the
-    members re-form anyway (`membership.joiners_due`). Keeps when each worker asked (`asked`)
-    and when each generation was published (`published`: generation -> (time, members)).
+    members re-form anyway (`membership.joiners_due`). Keeps when each worker's request was
+    read (`asked`) and when each generation was published (`published`: generation -> (time,
+    members)). Every time is the `now` of the turn that read it: the owner's clock.
 
     A turn's round trips to the store grow with the members a thousandth as fast as one read
     per member would: their heartbeats come in batched reads (`read_all`), and so do the
@@ -140,7 +162,6 @@ class RendezvousOwner:
         self.dead_after_s, self.confirm_s, self.join_batch_s = dead_after_s, confirm_s, join_batch_s
         self.current = Membership(0, ())
         self.asked: dict[str, float] = {}
-        self._asked_seen: dict[str, float] = {}  # on this clock: a hold's length is the owner's
         self.started: dict[str, float] = {}  # joiners that announced their start, when
         self.published: dict[int, tuple[float, tuple[str, ...]]] = {}
         self._pending: list[str] = []
@@ -148,22 +169,23 @@ class RendezvousOwner:
         self._errors: dict[int, float] = {}
         self._spares = 0  # last published
         self._beating: set[str] = set()  # whose heartbeat key exists: a batched read waits for a missing key
-        self._beats: dict[str, float] = {}  # read at the start of this turn
+        self._beats: dict[str, tuple[bytes, float]] = {}  # each one's count, and when it was first read
 
     def turn(self, now: float, ending: bool = False) -> Optional[Membership]:
         """One look at the store at time `now`: the generation published by it, if any.
         `ending`: the run is at its end and its workers stop beating as they exit (not deaths)."""
         store = self.store
-        for name, at in self._new_entries("start"):
-            self.started[name] = at
-        for name, at in self._new_entries("join"):
+        for name in self._new_entries("start"):
+            self.started[name] = now
+        for name in self._new_entries("join"):
             self._pending.append(name)
-            self.asked[name] = at
-            self._asked_seen[name] = now
+            self.asked[name] = now
         current = self.current
         if ending:
             return None
-        self._beats = self._read_beats(self._watched())
+        # Before the heartbeats: a beat first read after the error was beaten after it (`membership.stale`).
+        error_at = self._error_at(current, now) if current.generation else None
+        self._read_beats(self._watched(), now)
         if current.generation == 0:
             workers = {p for p in self._pending if p not in self.started}
             if len(workers) < self.initial:
@@ -174,11 +196,10 @@ class RendezvousOwner:
         else:
             # A member whose heartbeat has not come yet counts from its request.
             beats = {m: self._last_beat(m, self.asked[m]) for m in current.members}
-            error_at = self._error_at(current)
             dead = stale(beats, now, self.dead_after_s, error_at, self.confirm_s)
             joiners = self._ready(now)
             if not dead and error_at is None:  # no re-form but the joiners': they may wait for more
-                waiting = [self._asked_seen[j] for j in joiners if j not in current.members]
+                waiting = [self.asked[j] for j in joiners if j not in current.members]
                 if waiting and not joiners_due(waiting, len(self._getting_ready(now)), now, self.join_batch_s):
                     joiners = []
             nxt = next_membership(
@@ -213,18 +234,15 @@ class RendezvousOwner:
             self.store.set("spares", str(waiting))
             self._spares = waiting
 
-    def _new_entries(self, kind: str) -> list[tuple[str, float]]:
-        """The `ask_to_join` (kind "join") or `announce_start` ("start") entries since the last look."""
+    def _new_entries(self, kind: str) -> list[str]:
+        """The names in the `ask_to_join` (kind "join") or `announce_start` ("start") entries since the last look."""
         last, self._seen[kind] = self._seen[kind], self.store.add(f"{kind}s", 0)
         if self._seen[kind] == last:
             return []
         # Like `get`, a batched read waits for an entry whose counter was taken but not yet set.
-        values = read_all(self.store, [f"{kind}/{n}" for n in range(last + 1, self._seen[kind] + 1)])
-        entries = []
-        for value in values:
-            name, at = value.decode().split()
-            entries.append((name, float(at)))
-        return entries
+        return [
+            v.decode() for v in read_all(self.store, [f"{kind}/{n}" for n in range(last + 1, self._seen[kind] + 1)])
+        ]
 
     def _getting_ready(self, now: float) -> list[str]:
         """The joiners that started and have not asked yet, still beating."""
@@ -241,9 +259,10 @@ class RendezvousOwner:
         names.update(dict.fromkeys(n for n in self.started if n not in self.asked))
         return list(names)
 
-    def _read_beats(self, names: list[str]) -> dict[str, float]:
-        """The last heartbeat of each of `names` that has beaten, in batched reads; a name
-        not seen beating yet costs a `check` until its first beat (one for all when all have)."""
+    def _read_beats(self, names: list[str], now: float) -> None:
+        """Read the heartbeat count of each of `names` that has beaten, in batched reads, and
+        time each count that changed at `now`; a name not seen beating yet costs a `check`
+        until its first beat (one for all when all have)."""
         unseen = [n for n in names if n not in self._beating]
         if unseen and self.store.check([f"hb/{n}" for n in unseen]):
             self._beating.update(unseen)
@@ -251,24 +270,26 @@ class RendezvousOwner:
             self._beating.update(n for n in unseen if self.store.check([f"hb/{n}"]))
         beating = [n for n in names if n in self._beating]
         if not beating:
-            return {}
-        return dict(zip(beating, map(float, read_all(self.store, [f"hb/{n}" for n in beating]))))
+            return
+        for name, count in zip(beating, read_all(self.store, [f"hb/{n}" for n in beating])):
+            if name not in self._beats or self._beats[name][0] != count:
+                self._beats[name] = (count, now)
 
     def _last_beat(self, name: str, before_any: float) -> float:
-        """When `name` last beat, as read at the start of this turn; `before_any` where no beat has come yet."""
-        return self._beats.get(name, before_any)
+        """When `name`'s last beat was first read (this turn's included); `before_any` where none has come yet."""
+        return self._beats[name][1] if name in self._beats else before_any
 
-    def _error_at(self, current: Membership) -> Optional[float]:
-        """When a collective failed that the members of `current` may still be in: one of
+    def _error_at(self, current: Membership, now: float) -> Optional[float]:
+        """When (the turn at `now` or an earlier one) this owner first read that a collective
+        failed that the members of `current` may still be in: one of
         `current`'s, or, where `current` only added joiners to the generation before it, one
         of that generation's, whose members train on in it until their next log step."""
         before = self.published.get(current.generation - 1)
         grew = before is not None and set(before[1]) < set(current.members)
         generations = (current.generation, current.generation - 1) if grew else (current.generation,)
         for generation in generations:
-            key = f"error/{generation}"
-            if generation not in self._errors and self.store.check([key]):
-                self._errors[generation] = float(self.store.get(key))
+            if generation not in self._errors and self.store.check([f"error/{generation}"]):
+                self._errors[generation] = now
         return min((self._errors[g] for g in generations if g in self._errors), default=None)
 
 
@@ -301,7 +322,10 @@ class RendezvousServer:
     A group Ray (re)starts registers under a token of its own (`register_group`), so its
     generations start afresh and no key of an earlier group is read again. A worker sets
     `ending` (under its group's prefix) at the run's last step: from then on the workers
-    stop beating as they exit, which is no death."""
+    stop beating as they exit, which is no death. An error in the owner ends its group's
+    in-process recovery, never the thread: it is said to the group (`owner_failed`), whose
+    members stop waiting for generations (`RendezvousFailed`), and the group Ray restarts
+    registers anew."""
 
     def __init__(
         self, host: str, dead_after_s: float, confirm_s: float, join_batch_s: float = 0.0, turn_s: float = 0.01
@@ -322,28 +346,38 @@ class RendezvousServer:
 
     def _run(self) -> None:
         while not self._stopped.wait(self.turn_s):
-            groups = self.store.add("groups", 0)
-            if groups > self._groups:
-                token, world = self.store.get(f"group/{groups}").decode().split()
-                self._groups = groups
-                # Ray placed the group for `world` workers: joiners take lost members' places only.
-                self.owner = RendezvousOwner(
-                    dist.PrefixStore(token, self.store),
-                    int(world),
-                    self.dead_after_s,
-                    self.confirm_s,
-                    self.join_batch_s,
-                    capacity=int(world),
-                )
-                self.store.set("current", token)
-            if self.owner is not None:
-                try:
-                    self.owner.turn(time.time(), ending=self.owner.store.check(["ending"]))
-                except NoMembersLeft as e:
-                    # The group is gone (its workers killed for Ray's restart, or their nodes):
-                    # the restarted group registers anew, and this thread must be there for it.
-                    print(f"in-process rendezvous: {e}", flush=True)
-                    self.owner = None
+            try:
+                self._turn()
+            except NoMembersLeft as e:
+                # The group is gone (its workers killed for Ray's restart, or their nodes):
+                # the restarted group registers anew, and this thread must be there for it.
+                print(f"in-process rendezvous: {e}", flush=True)
+                self.owner = None
+            except Exception as e:  # noqa: BLE001 - any error: the group's restart, never a hang
+                reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+                print(f"in-process rendezvous failed, its group falls back to a restart: {reason}", flush=True)
+                if self.owner is not None:
+                    with contextlib.suppress(dist.DistError):  # the store itself is gone: the members' own bound
+                        owner_failed(self.owner.store, reason)
+                self.owner = None
+
+    def _turn(self) -> None:
+        groups = self.store.add("groups", 0)
+        if groups > self._groups:
+            self._groups, self.owner = groups, None  # the earlier group's owner is done, whatever comes
+            token, world = self.store.get(f"group/{groups}").decode().split()
+            # Ray placed the group for `world` workers: joiners take lost members' places only.
+            self.owner = RendezvousOwner(
+                dist.PrefixStore(token, self.store),
+                int(world),
+                self.dead_after_s,
+                self.confirm_s,
+                self.join_batch_s,
+                capacity=int(world),
+            )
+            self.store.set("current", token)
+        if self.owner is not None:
+            self.owner.turn(time.monotonic(), ending=self.owner.store.check(["ending"]))
 
     def stop(self) -> None:
         self._stopped.set()

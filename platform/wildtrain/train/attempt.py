@@ -458,7 +458,7 @@ class Attempt:
         """Close this log step's window (`logs`), then hand the controller the windows, the saves
         that ended and the events since the last report, once that holds no step back (see
         the module docstring); a save commits once its report is collected. With `hold` (a
-        join's step) send nothing: it goes over the join on every rank (`Leftovers.of_rank_zero`),
+        join's step) send nothing: it goes over the join on every rank (`Leftovers.of_rank`),
         where a lone member lost before the controller took it would have taken it along."""
         state = self.state
         if logs:

@@ -1,13 +1,14 @@
 """What an in-process attempt (elastic.in_process) is given: its member and generation, and
-what the attempt dropped before it left (`Leftovers`); the steps it commits (`PeerCommits`);
-and the recovery it records."""
+what the attempt dropped before it left (`Leftovers`), restored from as all ranks agree
+(`agree_on_restore`); the steps it commits (`PeerCommits`); and the recovery it records."""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 from wildtrain.checkpoint.async_save import AsyncSaver
 from wildtrain.checkpoint.save_process import SaveProcess
@@ -17,7 +18,7 @@ from wildtrain.train.in_process import Generation, Member
 from wildtrain.train.state import TrainState
 from wildtrain.train.step import StepMetrics
 
-_SHARED = ("windows", "events", "committed", "known_good", "interruption")  # `Leftovers.of_rank_zero`
+_SHARED = ("windows", "events", "committed", "known_good", "interruption")  # `Leftovers.of_rank`
 
 
 @dataclass(frozen=True)
@@ -37,13 +38,13 @@ class Leftovers:
     interruption: Optional[Interrupted]
     saving: Union[AsyncSaver, SaveProcess, None] = None
 
-    def of_rank_zero(self) -> Leftovers:
-        """These with rank 0's windows, events, commits, known-good checkpoints and interruption,
-        on every rank of the next generation (a collective at its start). A joiner has none of
-        them, and the controller logs rank 0's reports: where rank 0's node takes one before the
-        controller collected it, the next rank's report stands in, and must carry the same."""
+    def of_rank(self, source: int) -> Leftovers:
+        """These with rank `source`'s windows, events, commits, known-good checkpoints and
+        interruption, on every rank of the next generation (a collective at its start). A joiner
+        has none of them, and the controller logs rank 0's reports: where rank 0's node takes one
+        before the controller collected it, the next rank's report stands in, and must carry the same."""
         return dataclasses.replace(
-            self, **collectives.broadcast_object({name: getattr(self, name) for name in _SHARED})
+            self, **collectives.broadcast_object({name: getattr(self, name) for name in _SHARED}, src=source)
         )
 
     def without_saves_in_flight(self) -> Leftovers:
@@ -58,6 +59,43 @@ class Leftovers:
         return cls(
             states={}, windows=[], events=[], committed=[], known_good=[], interruption=None, saving=save_process
         )
+
+
+class RestoreFrom(enum.Enum):
+    CHECKPOINT = "checkpoint"
+    PEERS = "peers"
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    source: RestoreFrom
+    shared_by: Optional[int]  # from peers: the rank whose unreported windows, events and commits every rank carries
+
+
+def plan_restore(trained: Sequence[bool]) -> RestorePlan:
+    """How every rank of a new generation restores, from whether each rank's last attempt in
+    this worker group trained (`trained[rank]`: it left the states of its committed steps):
+    from the peers' mirrors where any did, sharing the lowest such rank's leftovers; from the
+    checkpoint where none did (every first attempt died during start-up, or only joiners hold
+    leftovers). One path for all: a rank that chose alone waited in collectives the others
+    never entered."""
+    source = next((rank for rank, did in enumerate(trained) if did), None)
+    if source is None:
+        return RestorePlan(RestoreFrom.CHECKPOINT, None)
+    return RestorePlan(RestoreFrom.PEERS, source)
+
+
+def agree_on_restore(left: Optional[Leftovers]) -> Optional[Leftovers]:
+    """Collectively, at a generation's start: what this rank's attempt restores from, given
+    what this rank's last attempt left (None: none, or none that trained). Leftovers: from the
+    peers, with those `plan_restore` shares (a rank that left none takes a joiner's part);
+    None, on every rank alike: from the checkpoint."""
+    plan = plan_restore(collectives.all_gather_object(left is not None and bool(left.states)))
+    if plan.source is RestoreFrom.PEERS:
+        return (left or Leftovers.joiner(None)).of_rank(plan.shared_by)
+    if left is not None and isinstance(left.saving, SaveProcess):
+        left.saving.stop(timeout_s=0)  # a joiner's, spawned ahead: the checkpoint's attempt starts its own
+    return None
 
 
 @dataclass(frozen=True)

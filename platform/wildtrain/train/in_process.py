@@ -54,11 +54,13 @@ from wildtrain.elastic.membership import Membership, must_abandon
 from wildtrain.elastic.peer_state import Mirrors
 from wildtrain.elastic.rendezvous import (
     Heartbeat,
+    RendezvousFailed,
     announce_node,
     announce_start,
     ask_to_join,
     latest,
     member_name,
+    owner_failure,
     register_group,
     report_error,
 )
@@ -67,6 +69,7 @@ from wildtrain.train import collectives
 
 _POLL_S = 0.005
 _WATCH_S = 0.05  # a formation's look for a newer generation: it takes milliseconds where none comes
+_OWNER_LOOK_S = 0.1  # a wait's look whether the rendezvous's owner failed: a round trip, not one each poll
 # A loss watch's wait for the next generation: woken by it, and c10d warns each time a wait
 # runs out, so it runs out rarely.
 _LOSS_WATCH_SLICE = timedelta(days=7)
@@ -142,6 +145,7 @@ class Member:
         self._watching = threading.Event()
         self._freed = False
         self._groups_lock = threading.Lock()
+        self._owner_looked_at = 0.0  # `_owner_alive`
 
     @classmethod
     def of_ray_worker(
@@ -299,7 +303,8 @@ class Member:
     def lost_member(self, error: BaseException, peer_failure) -> bool:
         """After `error` in this generation's collectives: whether a member is gone (True:
         form the next generation) rather than this rank or a peer failing on its own (the
-        error stands). `peer_failure()` says a peer's own failure (`collectives.PeerWatch`)."""
+        error stands). `peer_failure()` says a peer's own failure (`collectives.PeerWatch`).
+        Raises `RendezvousFailed` where the owner failed: no generation will come."""
         if isinstance(error, Superseded):
             return True
         if type(error) is not RuntimeError and not isinstance(error, dist.DistError):
@@ -322,6 +327,7 @@ class Member:
                 return True
             if peer_failure() is not None:
                 return False
+            self._owner_alive()
             time.sleep(_POLL_S)
         return False
 
@@ -333,6 +339,12 @@ class Member:
         self.heartbeat.stop()
 
     def _next_generation(self) -> Membership:
+        """The next generation that includes this member. A joiner that is no member yet waits
+        for its turn however long it takes (a spare, until a member is lost); every other wait
+        is for the owner's verdict, and raises `RendezvousFailed` where none came within the
+        control group's bound (`control_timeout_s`), or at once where the owner failed."""
+        waits_its_turn = self.joined and not self.membership.generation
+        deadline = time.monotonic() + self.control_timeout_s
         while True:
             newest = latest(self.store)
             if newest.generation > self.membership.generation:
@@ -345,7 +357,24 @@ class Member:
                         f"{self.name} was left out of generation {newest.generation} "
                         f"(silent for over {self.cfg.dead_after_s:g} s)"
                     )
+            self._owner_alive()
+            if not waits_its_turn and time.monotonic() > deadline:
+                raise RendezvousFailed(
+                    f"{self.name} saw no generation after {self.membership.generation} within "
+                    f"{self.control_timeout_s:g} s: falling back to a restart"
+                )
             time.sleep(_POLL_S)
+
+    def _owner_alive(self) -> None:
+        """Raise `RendezvousFailed` where the rendezvous's owner failed (looked for every
+        `_OWNER_LOOK_S` at most): no generation will come."""
+        now = time.monotonic()
+        if now - self._owner_looked_at < _OWNER_LOOK_S:
+            return
+        self._owner_looked_at = now
+        reason = owner_failure(self.store)
+        if reason is not None:
+            raise RendezvousFailed(f"the in-process rendezvous's owner failed ({reason}): falling back to a restart")
 
     def _arrive(self, m: Membership) -> None:
         """Wait until every member of `m` is at its rendezvous: a member that died after `m`
@@ -356,6 +385,7 @@ class Member:
             if latest(self.store).generation > m.generation:
                 self.membership = m
                 raise Superseded(f"generation {m.generation} was superseded before every member arrived")
+            self._owner_alive()
             time.sleep(_POLL_S)
 
     def _release_groups(self, m: Membership) -> None:

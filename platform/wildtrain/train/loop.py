@@ -41,7 +41,7 @@ from wildtrain.engine import import_ahead
 from wildtrain.tracking.worker.mfu import device_peak
 from wildtrain.train import checkpointing, collectives
 from wildtrain.train.attempt import Attempt
-from wildtrain.train.generations import InProcess, Leftovers
+from wildtrain.train.generations import InProcess, Leftovers, agree_on_restore
 from wildtrain.train.growth import Growth
 from wildtrain.train.in_process import Member
 from wildtrain.train.schedule import At
@@ -183,8 +183,8 @@ def train_generations(
         attempt = None
         try:
             generation = member.form()
-            # Rank 0's leftovers on every rank (a joiner brought none): any rank's report can stand in for rank 0's.
-            shared = left.of_rank_zero() if left is not None else None
+            # Peers or the checkpoint, as every rank does; shared leftovers let any rank's report stand in for rank 0's.
+            shared = agree_on_restore(left)
             attempt = Attempt(inputs, device, InProcess(member, generation, shared))
             train(attempt)
             member.leave()
