@@ -8,7 +8,7 @@ gradient reduction, drop their attempt and gather the state in generation 2.
     python -m tests.helpers.commit_drill --store-port P --rank R --dies after-commit --out DIR
 
 Each survivor writes `survivor<rank>.pt`: the step it last knew committed, the states it
-left, and the step and state generation 2 gathered.
+left, and the step generation 2 continues from and its partition of that state.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from tests.helpers.mirror_gather import engine_of
+from tests.helpers.mirror_gather import GROUP_SIZES, empty_engine, engine_of
 from tests.helpers.zero_resize import join
 from wildtrain.elastic.connections import GroupConnections
-from wildtrain.elastic.peer_state import Mirrors
+from wildtrain.elastic.peer_state import Mirrors, load_partitions, partition
 from wildtrain.train import checkpointing, collectives
 from wildtrain.train.generations import PeerCommits, Unreported
 from wildtrain.train.state import TrainState
@@ -80,6 +80,8 @@ def main() -> None:
     mirrors.group = join(store, 2, args.rank, WORLD - 1)
     collectives.open_control_group(60)
     held = checkpointing.gather_from_peers(mirrors, left.states, WORLD - 1)
+    rebuilt = empty_engine(WORLD - 1, [WORLD * n for n in GROUP_SIZES])
+    load_partitions(rebuilt, held.mirrors, held.reform)
     torch.save(
         {
             "seen": seen,
@@ -87,7 +89,7 @@ def main() -> None:
             "states": sorted(left.states),
             "step": held.state.step,
             "tokens_seen": held.state.tokens_seen,
-            "full": held.full,
+            "partition": partition(rebuilt),
         },
         args.out / f"survivor{args.rank}.pt",
     )

@@ -1,14 +1,14 @@
 """One process of tests/unit/test_peer_state.py's gather drill: the members of generation 1,
 on the nodes `--nodes` names (one per rank), mirror their partitions; the members `--dead`
 names die (a node's death takes all of its ranks), and the others form generation 2 with a
-joiner that holds nothing (a spare taking a place); every rank of generation 2 gathers the
-state.
+joiner that holds nothing (a spare taking a place); every rank of generation 2 assembles its
+partition of the state at the new size.
 
     python -m tests.helpers.mirror_gather --store-port P --rank R --nodes a,b,c --dead 0 --out DIR
 
 Ranks 0 to len(nodes) - 1 are generation 1's members, the last rank the joiner. Each rank of
-generation 2 writes `gathered<new rank>.pt`: the plan's sources and step, and the whole state
-it received, or `lost<new rank>.txt`: why it cannot be (`RedundancyLost`).
+generation 2 writes `gathered<new rank>.pt`: the plan's holders and step, its new partition
+and the weights of every rank, or `lost<new rank>.txt`: why it cannot be (`RedundancyLost`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.zero_resize import join
-from wildtrain.elastic.membership import RedundancyLost
-from wildtrain.elastic.peer_state import Mirrors
+from wildtrain.elastic.membership import Cut, RedundancyLost
+from wildtrain.elastic.peer_state import Mirrors, load_partitions, partition
 
 STEP = 5
 GROUP_SIZES = (5, 3)  # two parameter groups, partitioned alike on every rank
@@ -50,7 +50,23 @@ def engine_of(old_rank: int, world: int) -> SimpleNamespace:
             single_partition_of_fp32_groups=fp32,
             bit16_groups_flat=weights,
             bit16_groups=[[flat] for flat in weights],
-            optimizer=SimpleNamespace(state=state),
+            optimizer=SimpleNamespace(state=state, defaults={}),
+        )
+    )
+
+
+def empty_engine(world: int, numels: list[int]) -> SimpleNamespace:
+    """What `peer_state.load_partitions` writes of a ZeRO-1/2 engine just built at `world`
+    ranks for parameter groups of `numels` values, cut as DeepSpeed cuts them; NaN where the
+    load must write."""
+    cut = Cut.of(numels, world)
+    weights = [torch.full((world * size,), float("nan")) for size in cut.sizes]
+    return SimpleNamespace(
+        optimizer=SimpleNamespace(
+            single_partition_of_fp32_groups=[torch.full((size,), float("nan")) for size in cut.sizes],
+            bit16_groups_flat=weights,
+            bit16_groups=[[flat[:numel]] for flat, numel in zip(weights, numels)],
+            optimizer=SimpleNamespace(state={}, defaults={}),
         )
     )
 
@@ -79,11 +95,21 @@ def main() -> None:
     rank = members.index(args.rank)
     join(store, 2, rank, len(members))
     try:
-        plan, full = mirrors.gather(fresh=False)
+        reform = mirrors.agree(fresh=False)
     except RedundancyLost as lost:
         (args.out / f"lost{rank}.txt").write_text(str(lost))
-    else:
-        torch.save({"sources": plan.sources, "step": plan.step, "full": full}, args.out / f"gathered{rank}.pt")
+        return
+    engine = empty_engine(len(members), [old_world * n for n in GROUP_SIZES])
+    load_partitions(engine, mirrors, reform)
+    torch.save(
+        {
+            "holders": reform.repartition.holders,
+            "step": reform.step,
+            "partition": partition(engine),
+            "weights": engine.optimizer.bit16_groups_flat,
+        },
+        args.out / f"gathered{rank}.pt",
+    )
 
 
 if __name__ == "__main__":

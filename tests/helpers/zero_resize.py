@@ -1,13 +1,16 @@
 """One rank of tests/unit/test_peer_state.py: a real DeepSpeed ZeRO engine trained on gloo
 that loses a peer and goes on at the smaller size from its peers' host copies
-(wildtrain.elastic.peer_state), or, with --world 1, the uninterrupted reference.
+(wildtrain.elastic.peer_state), or takes in a joiner and goes on at the larger size, or,
+with --world 1, the uninterrupted reference.
 
     python -m tests.helpers.zero_resize --store-port P --rank R --world 3 --victim 1 --out DIR [--bf16]
         [--device cpu|cuda]
+    python -m tests.helpers.zero_resize --store-port P --rank R --world 2 --joiners 1 --out DIR
 
 Trains STEPS_BEFORE steps at --world (mirroring after each), then the victim exits; the
-others re-form a group without it, rebuild their engines from the mirrors and train
-STEPS_AFTER more. Writes, per rank, `old<rank>.pt` (its partition at the death),
+others re-form a group without it (and with the --joiners ranks after --world's, which held
+nothing), rebuild their engines from the mirrors and train STEPS_AFTER more. Writes, per
+rank, `old<rank>.pt` (its partition at the death),
 `new<new rank>.pt` (its partition once rebuilt, the learning rate and DeepSpeed's step count
 then) and `losses<rank>.json` / `params<rank>.pt` (every step's loss over the group and
 the final weights). With --world 1 it trains all the steps and writes the last two.
@@ -28,6 +31,7 @@ import gc
 import json
 import os
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -40,7 +44,7 @@ from tests.helpers.ranks import start_ranks
 from wildtrain import engine as engines
 from wildtrain.batching import BatchPlan
 from wildtrain.config import Config, ModelConfig
-from wildtrain.elastic.peer_state import Mirrors, load_state, partition
+from wildtrain.elastic.peer_state import Mirrors, load_state, partition, partitioned_groups
 from wildtrain.engine import build_engine, import_deepspeed, lr_at
 from wildtrain.model.transformer import Transformer
 from wildtrain.train import collectives
@@ -124,6 +128,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--victim", type=int, default=-1)
+    parser.add_argument("--joiners", type=int, default=0, help="ranks after --world's that join at the re-form")
     parser.add_argument("--zero", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--bf16", action="store_true", help="the engine's precision on GPUs")
@@ -139,44 +144,49 @@ def main() -> None:
         train_in_gpu_precision()
     cfg = config(args.zero)
     store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=60))
-    mirrors = Mirrors(group=join(store, 1, args.rank, args.world, device))
-    engine = engine_at(cfg, args.world, device)
+    mirrors = Mirrors()
     losses = []
     if args.world == 1:
+        mirrors.group = join(store, 1, args.rank, args.world, device)
+        engine = engine_at(cfg, args.world, device)
         losses = [train(engine, step, device) for step in range(STEPS_BEFORE + STEPS_AFTER)]
     else:
-        mirrors.use_layout(1, args.world)
-        for step in range(STEPS_BEFORE):
-            mirrors.settle()  # before the step's reductions: see peer_state's docstring
-            losses.append(train(engine, step, device))
-            mirrors.exchange(engine, step + 1)
-        mirrors.settle()
-        torch.save(partition(engine), args.out / f"old{args.rank}.pt")
-        dist.barrier()  # every mirror of the last step is in place: then the victim dies
-        if args.rank == args.victim:
-            os._exit(0)
-        collectives.abort_groups()  # as a survivor frees its waits on the lost member (elastic.in_process)
-        import_deepspeed().comm.destroy_process_group()
-        del engine
-        gc.collect()
-        survivors = [r for r in range(args.world) if r != args.victim]
-        rank, world = survivors.index(args.rank), len(survivors)
+        if args.rank < args.world:
+            mirrors.group = join(store, 1, args.rank, args.world, device)
+            engine = engine_at(cfg, args.world, device)
+            mirrors.use_layout(1, args.world)
+            for step in range(STEPS_BEFORE):
+                mirrors.settle()  # before the step's reductions: see peer_state's docstring
+                losses.append(train(engine, step, device))
+                mirrors.exchange(engine, step + 1)
+            mirrors.settle()
+            torch.save(partition(engine), args.out / f"old{args.rank}.pt")
+            dist.barrier()  # every mirror of the last step is in place: then the victim dies
+            if args.rank == args.victim:
+                os._exit(0)
+            collectives.abort_groups()  # as a survivor frees its waits on the lost member (elastic.in_process)
+            import_deepspeed().comm.destroy_process_group()
+            del engine
+            gc.collect()
+        members = [r for r in range(args.world + args.joiners) if r != args.victim]
+        rank, world = members.index(args.rank), len(members)
         mirrors.group = join(store, 2, rank, world, device)
-        plan, full = mirrors.gather(fresh=False)
+        reform = mirrors.agree(fresh=False)
         engine = engine_at(cfg, world, device)
-        load_state(engine, full, plan.step, GLOBAL_BATCH)
+        load_state(engine, mirrors, reform, GLOBAL_BATCH)
         mirrors.use_layout(2, world)
         torch.save(
             {
                 "partition": partition(engine),
+                "weights": [flat.cpu() for flat in partitioned_flats(engine)],
                 "lr": engine.get_lr()[0],
                 "global_steps": engine.global_steps,
-                "restored_step": plan.step,
-                "sources": plan.sources,
+                "restored_step": reform.step,
+                "holders": reform.repartition.holders,
             },
             args.out / f"new{rank}.pt",
         )
-        for step in range(plan.step, STEPS_BEFORE + STEPS_AFTER):
+        for step in range(reform.step, STEPS_BEFORE + STEPS_AFTER):
             mirrors.settle()
             losses.append(train(engine, step, device))
             mirrors.exchange(engine, step + 1)
@@ -189,56 +199,80 @@ def main() -> None:
     os._exit(0)  # skips the destructors of groups whose peers have gone
 
 
-def run_drill(out: Path, *args: str, env: dict[str, str]) -> tuple[Path, Path]:
-    """The drill (three ranks, VICTIM dies after STEPS_BEFORE) and its reference (one rank,
-    uninterrupted), both at once: four processes on the machine's cores. Their folders."""
+def partitioned_flats(engine) -> list[torch.Tensor]:
+    """Every rank's low-precision weights, per parameter group, as the engine keeps them."""
+    return [group.flat for group in partitioned_groups(engine)]
+
+
+@dataclass(frozen=True)
+class Resize:
+    """A drill's re-form: `world` ranks train, `victim` (if any) dies, `joiners` come."""
+
+    world: int
+    victim: int = -1
+    joiners: int = 0
+    # By old rank, the new ranks that hold its partition at the re-form (ring 0 -> 1 -> ... -> 0).
+    holders: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def survivors(self) -> list[int]:
+        """The ranks that train before and after, by their first rank."""
+        return [rank for rank in range(self.world) if rank != self.victim]
+
+    @property
+    def new_world(self) -> int:
+        return len(self.survivors) + self.joiners
+
+
+# Rank 1 of three dies: old rank 1's partition is on its successor (new rank 1), old rank 2's
+# on both survivors. Or a third rank joins two, each of which holds both partitions.
+SHRINK = Resize(3, victim=VICTIM, holders=((0,), (1,), (0, 1)))
+GROW = Resize(2, joiners=1, holders=((0, 1), (0, 1)))
+
+
+def run_drill(out: Path, *args: str, env: dict[str, str], resize: Resize = SHRINK) -> tuple[Path, Path]:
+    """The drill (`resize` after STEPS_BEFORE) and its reference (one rank, uninterrupted),
+    both at once: four processes on the machine's cores. Their folders."""
     drill, reference = out / "drill", out / "reference"
     held = []
-    for folder, world, victim in ((drill, 3, VICTIM), (reference, 1, -1)):
+    for folder, processes, flags in (
+        (drill, resize.world + resize.joiners, ("--world", resize.world, "--victim", resize.victim)),
+        (reference, 1, ("--world", 1)),
+    ):
         folder.mkdir()
-        held.append(
-            start_ranks(
-                "tests.helpers.zero_resize",
-                world,
-                "--world",
-                world,
-                "--victim",
-                victim,
-                "--out",
-                folder,
-                *args,
-                env=env,
-            )
-        )
+        flags += ("--joiners", resize.joiners) if folder == drill else ()
+        held.append(start_ranks("tests.helpers.zero_resize", processes, *flags, "--out", folder, *args, env=env))
     for ranks in held:
         for rank, (code, output, errors) in enumerate(ranks.outputs(timeout_s=600)):
             assert code == 0, f"rank {rank}:\n{output[-1000:]}\n{errors[-3000:]}"
     return drill, reference
 
 
-def check_drill(drill: Path, reference: Path, bf16: bool) -> None:
-    """The survivors rebuilt the state the three ranks held when the victim died, and trained
-    on as the uninterrupted reference did."""
-    # The state the survivors rebuilt is the state the three ranks held when rank 1 died, bit
-    # for bit: its partition came from rank 2's mirror of it, re-cut in two.
-    old = [torch.load(drill / f"old{rank}.pt") for rank in range(3)]
-    new = [torch.load(drill / f"new{rank}.pt") for rank in range(2)]
+def check_drill(drill: Path, reference: Path, bf16: bool, resize: Resize = SHRINK) -> None:
+    """The ranks of the re-formed group rebuilt the state the old ranks held at the re-form,
+    and trained on as the uninterrupted reference did."""
+    # The state rebuilt is the state the old ranks held, bit for bit, re-cut at the new size:
+    # a dead rank's partition from its mirror; each new partition from the slices of the old
+    # ones that overlap it; every rank's low-precision weights those of the fp32 ones.
+    old = [torch.load(drill / f"old{rank}.pt") for rank in range(resize.world)]
+    new = [torch.load(drill / f"new{rank}.pt") for rank in range(resize.new_world)]
     for group in range(len(old[0])):
-        before = torch.cat([old[rank][group] for rank in range(3)], dim=1)
-        after = torch.cat([new[rank]["partition"][group] for rank in range(2)], dim=1)
+        before = torch.cat([partition[group] for partition in old], dim=1)
+        after = torch.cat([rebuilt["partition"][group] for rebuilt in new], dim=1)
         numel = min(before.shape[1], after.shape[1])  # each layout pads the group's end to its world
         assert torch.equal(before[:, :numel], after[:, :numel])
         assert not before[:, numel:].any() and not after[:, numel:].any()
         assert before[1:].abs().sum() > 0  # AdamW's moments, not zeros: the state after two steps
+        for rebuilt in new:
+            weights = rebuilt["weights"][group]
+            assert torch.equal(weights[:numel], before[0, :numel].to(weights.dtype)) and not weights[numel:].any()
     for rebuilt in new:
         assert rebuilt["restored_step"] == STEPS_BEFORE and rebuilt["global_steps"] == STEPS_BEFORE
-        # Old rank 1's partition from its successor (new rank 1), old rank 2's from the lowest
-        # new rank holding it: old rank 0, its successor, holds its mirror.
-        assert rebuilt["sources"] == (0, 1, 0)
+        assert rebuilt["holders"] == resize.holders
         cfg = config(zero_stage=1)
         assert rebuilt["lr"] == pytest.approx(lr_at(STEPS_BEFORE, cfg.optim, cfg.train.steps))  # the schedule's place
 
-    # And training on at world size 2 is training on uninterrupted: same losses, same weights.
+    # And training on at the new size is training on uninterrupted: same losses, same weights.
     # The world sizes sum gradients in other orders, and AdamW's normalised update can turn
     # a rounding difference in a near-zero gradient into a step of up to lr (3e-3): 1e-5
     # allows that, where wrong moments or a wrong step count would be off by about lr. In
@@ -248,10 +282,12 @@ def check_drill(drill: Path, reference: Path, bf16: bool) -> None:
     expected = json.loads((reference / "losses0.json").read_text())
     assert len(expected) == STEPS_BEFORE + STEPS_AFTER
     reference_params = torch.load(reference / "params0.pt")
-    for survivor in (0, 2):
-        losses = json.loads((drill / f"losses{survivor}.json").read_text())
-        assert losses == pytest.approx(expected, rel=1e-4 if bf16 else 1e-5, abs=1e-6)
-        params = torch.load(drill / f"params{survivor}.pt")
+    joiners = range(resize.world, resize.world + resize.joiners)
+    for rank in [*resize.survivors, *joiners]:
+        losses = json.loads((drill / f"losses{rank}.json").read_text())
+        trained = expected if rank < resize.world else expected[STEPS_BEFORE:]  # a joiner: from the re-form
+        assert losses == pytest.approx(trained, rel=1e-4 if bf16 else 1e-5, abs=1e-6)
+        params = torch.load(drill / f"params{rank}.pt")
         if bf16:
             off = ((params.float() - reference_params.float()).norm() / reference_params.float().norm()).item()
             assert off < 4e-3, off

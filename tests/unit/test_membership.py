@@ -2,18 +2,24 @@ import itertools
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from wildtrain.elastic.membership import (
+    Cut,
     Membership,
     NoMembersLeft,
     RedundancyLost,
     Repartition,
+    Transfer,
     joiners_due,
     mirror_ring,
     must_abandon,
     next_membership,
     plan_repartition,
+    plan_transfers,
     stale,
+    zero_partition_size,
 )
 
 THREE = Membership(4, ("w0", "w1", "w2"))
@@ -89,16 +95,82 @@ def test_a_dead_ranks_partition_comes_from_its_mirror_at_the_newest_step_all_sha
     # and mirrors of their ring predecessors' (old rank 0 holds 2's, old rank 2 holds 1's).
     # Old rank 0 had taken step 8 when it saw the failure; the mirrors stopped at 7.
     plan = plan_repartition([held((0, {7, 8}), (2, {7})), held((2, {6, 7}), (1, {6, 7}))])
-    assert plan == Repartition(layout=(1, 3), step=7, sources=(0, 1, 0))
+    assert plan == Repartition(layout=(1, 3), step=7, holders=((0,), (1,), (0, 1)))
 
 
 def test_a_joiner_holds_nothing_and_the_newest_whole_layout_wins():
     after_resize = {(2, 2, 0): {9}, (2, 2, 1): {9}, (1, 3, 0): {7}}
     plan = plan_repartition([after_resize, None, {(2, 2, 1): {9}, (2, 2, 0): {9}}])
-    assert plan == Repartition(layout=(2, 2), step=9, sources=(0, 0))
+    assert plan == Repartition(layout=(2, 2), step=9, holders=((0, 2), (0, 2)))
     # The resize's own commit failed before every mirror was in place: the old layout stands.
     plan = plan_repartition([{(2, 2, 0): {9}, (1, 3, 0): {7}, (1, 3, 2): {7}}, {(1, 3, 1): {7}}])
-    assert plan == Repartition(layout=(1, 3), step=7, sources=(0, 1, 0))
+    assert plan == Repartition(layout=(1, 3), step=7, holders=((0,), (1,), (0,)))
+
+
+def test_deepspeed_cuts_a_group_padded_to_twice_the_world_in_even_partitions():
+    # stage_1_and_2.py: the flat group padded to a multiple of nccl_start_alignment_factor (2) x world.
+    assert [zero_partition_size(10, world) for world in (1, 2, 3, 4)] == [10, 6, 4, 4]
+    assert Cut.of([10, 7], 3) == Cut(3, (4, 4)) and Cut(3, (4, 4)).span(0, 2, 10) == (8, 10)
+
+
+def test_a_shrink_sends_each_slice_once_from_a_holder_keeping_what_stays_put():
+    # Three ranks of 4 values a group of 10 (2 of padding) re-cut over two of 6 (2 of padding);
+    # old rank 1 died, its mirror on old rank 2 (new rank 1); old rank 2's on old rank 0.
+    plan = plan_transfers([10], Cut.of([10], 3), Cut.of([10], 2), [(0,), (1,), (0, 1)])
+    # Old rank 2's partition, held by both, comes from new rank 1, where it stays.
+    assert plan.sources == (0, 1, 1)
+    assert plan.transfers == (
+        Transfer(group=0, src=0, dst=0, old_rank=0, src_offset=0, dst_offset=0, length=4),
+        Transfer(group=0, src=1, dst=0, old_rank=1, src_offset=0, dst_offset=4, length=2),
+        Transfer(group=0, src=1, dst=1, old_rank=1, src_offset=2, dst_offset=0, length=2),
+        Transfer(group=0, src=1, dst=1, old_rank=2, src_offset=0, dst_offset=2, length=2),
+    )
+    with pytest.raises(ValueError, match="another model"):
+        plan_transfers([13], Cut.of([10], 3), Cut.of([13], 2), [(0,), (1,), (0, 1)])
+
+
+@st.composite
+def resizes(draw):
+    """Parameter groups, an old and a new world size, and who holds each old partition."""
+    numels = draw(st.lists(st.integers(1, 200), min_size=1, max_size=3))
+    old_world, new_world = draw(st.integers(1, 9)), draw(st.integers(1, 9))
+    holders = [
+        draw(st.lists(st.integers(0, new_world - 1), min_size=1, max_size=2, unique=True)) for _ in range(old_world)
+    ]
+    return numels, Cut.of(numels, old_world), Cut.of(numels, new_world), holders
+
+
+@given(resizes())
+@settings(max_examples=300, deadline=None)
+def test_the_transfers_tile_every_new_partition_once_each_from_a_holder_of_its_old_one(resize):
+    numels, old, new, holders = resize
+    plan = plan_transfers(numels, old, new, holders)
+    assert all(plan.sources[r] in holders[r] for r in range(old.world))
+    received, sent = Counter(), Counter()
+    for group, numel in enumerate(numels):
+        # Every value of the group, padding excluded, lands once, where the new cut puts it,
+        # from where the old cut had it.
+        landed = []
+        for t in (t for t in plan.transfers if t.group == group):
+            assert t.src == plan.sources[t.old_rank] and t.length > 0
+            assert 0 <= t.src_offset and t.src_offset + t.length <= old.sizes[group]
+            assert 0 <= t.dst_offset and t.dst_offset + t.length <= new.sizes[group]
+            values = range(
+                t.old_rank * old.sizes[group] + t.src_offset, t.old_rank * old.sizes[group] + t.src_offset + t.length
+            )
+            assert values == range(
+                t.dst * new.sizes[group] + t.dst_offset, t.dst * new.sizes[group] + t.dst_offset + t.length
+            )
+            landed += values
+            if t.src != t.dst:
+                received[t.dst] += t.length
+                sent[t.src] += t.length
+        assert sorted(landed) == list(range(numel))
+    # What moves per rank: at most its new partition in, at most the old partitions it sends from out.
+    for rank in range(new.world):
+        assert received[rank] <= sum(new.sizes)
+        sourced = [r for r in range(old.world) if plan.sources[r] == rank]
+        assert sent[rank] <= len(sourced) * sum(old.sizes)
 
 
 def test_a_partition_lost_with_its_mirror_needs_a_checkpoint():

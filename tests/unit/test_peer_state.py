@@ -1,7 +1,9 @@
 """A ZeRO engine's sharded state survives a peer's death in its peers' host memory
 (wildtrain.elastic.peer_state): three gloo ranks of a real DeepSpeed ZeRO-1 engine train
 two steps, mirroring their partitions, rank 1 dies, and the two survivors rebuild their
-engines at world size 2 from their own partitions and rank 1's mirror, with no checkpoint.
+engines at world size 2 from their own partitions and rank 1's mirror, with no checkpoint;
+or two ranks take in a third. Each new partition is assembled from the slices of the old
+ones that overlap it.
 The same training uninterrupted on one rank is the reference. In fp32, and in the engine's
 precision on GPUs, where DeepSpeed's ZeRO-1 optimizer is another class (BF16_Optimizer)."""
 
@@ -13,7 +15,7 @@ import torch.distributed as dist
 
 from tests.helpers import mirror_gather, mirror_send
 from tests.helpers.ranks import start_ranks
-from tests.helpers.zero_resize import check_drill, run_drill
+from tests.helpers.zero_resize import GROW, check_drill, run_drill
 from wildtrain.elastic.peer_state import Mirrors
 
 
@@ -26,8 +28,14 @@ def test_survivors_rebuild_the_zero_state_of_a_dead_peer_from_its_mirror_and_tra
     check_drill(drill, reference, bf16=bool(precision))
 
 
+def test_a_joiner_takes_its_partition_of_the_zero_state_from_the_members_and_all_train_on(tmp_path):
+    # 2 -> 3: the new partitions are cut from the two old ones, the joiner's from both.
+    drill, reference = run_drill(tmp_path, env={"DS_ACCELERATOR": "cpu"}, resize=GROW)
+    check_drill(drill, reference, bf16=False, resize=GROW)
+
+
 def gather_drill(out, nodes: str, dead: str) -> list:
-    """tests/helpers/mirror_gather.py's drill: what each rank of generation 2 gathered (a
+    """tests/helpers/mirror_gather.py's drill: what each rank of generation 2 assembled (a
     dict) or why it could not (a str)."""
     processes = len(nodes.split(",")) + 1  # the members and the joiner
     ranks = start_ranks("tests.helpers.mirror_gather", processes, "--nodes", nodes, "--dead", dead, "--out", out)
@@ -47,26 +55,32 @@ def the_state_of(world: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "nodes, dead, sources",
+    "nodes, dead, holders",
     [
-        # Member 0 of three dies; the two others gather with a joiner (a spare in its place): old
-        # partitions 0 and 1 come from new rank 0 (old 1: its own, and its mirror of old 0),
-        # partition 2 from new rank 1.
-        ("a,b,c", "0", (0, 0, 1)),
+        # Member 0 of three dies; the two others re-form with a joiner (a spare in its place): old
+        # partition 0 is on new rank 0 (old 1's mirror of it), 1 on new ranks 0 (its own) and 1
+        # (old 2's mirror of it), 2 on new rank 1.
+        ("a,b,c", "0", ((0,), (0, 1), (1,))),
         # Two nodes of two workers each, and one node dies, taking two ranks: each partition was
         # mirrored on the other node (membership.mirror_ring: 0 -> 2 -> 1 -> 3 -> 0), so old 2's
-        # comes from old 1 (new rank 1) and old 3's from old 0 (new rank 0).
-        ("a,a,b,b", "2,3", (0, 1, 1, 0)),
+        # is on old 1 (new rank 1) and old 3's on old 0 (new rank 0).
+        ("a,a,b,b", "2,3", ((0,), (1,), (1,), (0,))),
     ],
     ids=["one of three", "a node of two workers"],
 )
-def test_a_rank_that_holds_nothing_receives_the_whole_state_from_the_partitions_sources(tmp_path, nodes, dead, sources):
+def test_each_rank_assembles_its_new_partition_from_the_slices_its_holders_send(tmp_path, nodes, dead, holders):
     world = len(nodes.split(","))
-    for gathered in gather_drill(tmp_path, nodes, dead):
-        assert gathered["sources"] == sources and gathered["step"] == mirror_gather.STEP
-        assert len(gathered["full"]) == len(mirror_gather.GROUP_SIZES)
-        for got, want in zip(gathered["full"], the_state_of(world)):
-            assert torch.equal(got, want)
+    assembled = gather_drill(tmp_path, nodes, dead)
+    for group, whole in enumerate(the_state_of(world)):
+        # The new partitions laid end to end are the old ones laid end to end, bit for bit, and
+        # zeros after (the new layout's padding); every rank holds every weight.
+        after = torch.cat([rank["partition"][group] for rank in assembled], dim=1)
+        assert torch.equal(after[:, : whole.shape[1]], whole)
+        assert not after[:, whole.shape[1] :].any()
+        for rank in assembled:
+            assert rank["holders"] == holders and rank["step"] == mirror_gather.STEP
+            weights = rank["weights"][group]
+            assert torch.equal(weights[: whole.shape[1]], whole[0]) and not weights[whole.shape[1] :].any()
 
 
 def test_ring_neighbours_lost_together_take_a_partition_with_its_mirror(tmp_path):

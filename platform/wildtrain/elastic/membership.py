@@ -137,7 +137,7 @@ class RedundancyLost(RuntimeError):
 class Repartition:
     layout: Layout  # the layout restored from
     step: int  # the optimizer steps the restored state has taken
-    sources: tuple[int, ...]  # by old rank: the new rank that sends that partition
+    holders: tuple[tuple[int, ...], ...]  # by old rank: the new ranks that hold that partition at `step`
 
 
 def plan_repartition(held: Sequence[Optional[Mapping[tuple[int, int, int], Collection[int]]]]) -> Repartition:
@@ -146,22 +146,23 @@ def plan_repartition(held: Sequence[Optional[Mapping[tuple[int, int, int], Colle
     committed steps. `held[new_rank]` maps (layout generation, layout world, old rank) to the
     steps held of that partition; None for a joiner, which holds nothing.
 
-    The newest layout that some step covers whole wins, at the highest such step; each
-    partition comes from the lowest new rank holding it. A step is committed (logged) only
-    once every mirror of it is in place, so the step chosen is never below a committed one:
-    a rank at most loses the step it was in when a peer died and, where that step's mirrors
-    were still on their way, the step before it (`generations.PeerCommits`); it logged neither."""
-    found: dict[Layout, dict[int, dict[int, int]]] = {}  # layout -> step -> old rank -> lowest new rank
+    The newest layout that some step covers whole wins, at the highest such step, with every
+    new rank that holds each of its partitions (`plan_transfers` picks which one sends). A step
+    is committed (logged) only once every mirror of it is in place, so the step chosen is never
+    below a committed one: a rank at most loses the step it was in when a peer died and, where
+    that step's mirrors were still on their way, the step before it (`generations.PeerCommits`);
+    it logged neither."""
+    found: dict[Layout, dict[int, dict[int, list[int]]]] = {}  # layout -> step -> old rank -> new ranks
     for new_rank, partitions in enumerate(held):
         for (generation, world, old_rank), steps in (partitions or {}).items():
             for step in steps:
-                found.setdefault((generation, world), {}).setdefault(step, {}).setdefault(old_rank, new_rank)
+                found.setdefault((generation, world), {}).setdefault(step, {}).setdefault(old_rank, []).append(new_rank)
     for layout in sorted(found, reverse=True):
-        whole = [step for step, owners in found[layout].items() if len(owners) == layout[1]]
+        whole = [step for step, holders in found[layout].items() if len(holders) == layout[1]]
         if whole:
             step = max(whole)
-            owners = found[layout][step]
-            return Repartition(layout, step, tuple(owners[r] for r in range(layout[1])))
+            holders = found[layout][step]
+            return Repartition(layout, step, tuple(tuple(holders[r]) for r in range(layout[1])))
     if not found:
         raise RedundancyLost("no rank of the new group holds any partition of the state")
     layout = max(found)
@@ -172,3 +173,114 @@ def plan_repartition(held: Sequence[Optional[Mapping[tuple[int, int, int], Colle
         f"alive at step {step} (an owner and its mirror's holder both left): only a checkpoint "
         "restores this run"
     )
+
+
+def zero_partition_size(numel: int, world: int) -> int:
+    """Each rank's share of a parameter group of `numel` values, padding included, as DeepSpeed
+    0.19's ZeRO-1/2 optimizers cut it (stage_1_and_2.py and bf16_optimizer.py, without
+    `parameter_alignment`): the group's parameters flattened end to end, padded at the end to a
+    multiple of 2 x `world` (`nccl_start_alignment_factor`: 4-byte starts for 2-byte values),
+    split evenly; the last ranks' shares hold the padding."""
+    alignment = 2 * world
+    return -(-numel // alignment) * alignment // world
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How a layout of `world` ranks cuts each parameter group into partitions."""
+
+    world: int
+    sizes: tuple[int, ...]  # per parameter group: each rank's partition, padding included
+
+    @classmethod
+    def of(cls, numels: Sequence[int], world: int) -> "Cut":
+        """DeepSpeed's cut of groups of `numels` values over `world` ranks."""
+        return cls(world, tuple(zero_partition_size(numel, world) for numel in numels))
+
+    def span(self, group: int, rank: int, numel: int) -> tuple[int, int]:
+        """The values [start, end) of `group`'s first `numel` (its unpadded values) in `rank`'s partition."""
+        size = self.sizes[group]
+        return min(rank * size, numel), min((rank + 1) * size, numel)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Values `src` sends `dst` (or copies, where they are one rank): `length` values of
+    parameter group `group` from offset `src_offset` of old rank `old_rank`'s partition, which
+    `src` holds, to offset `dst_offset` of `dst`'s new partition."""
+
+    group: int
+    src: int
+    dst: int
+    old_rank: int
+    src_offset: int
+    dst_offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    sources: tuple[int, ...]  # by old rank: the new rank that sends from that partition
+    transfers: tuple[Transfer, ...]  # by group, then destination, then offset
+
+
+def plan_transfers(numels: Sequence[int], old: Cut, new: Cut, holders: Sequence[Sequence[int]]) -> TransferPlan:
+    """How the ranks of `new` assemble their partitions of parameter groups of `numels` values
+    from the partitions of `old` (`holders[old_rank]`: the new ranks that hold it, from
+    `plan_repartition`): every value of a group, padding excluded, moves once, from one holder
+    of the old partition it is in to the new partition it falls in. A rank receives at most its
+    new partition and sends at most the old partitions it is the source of; the padding is no
+    one's to send (each new partition's is zeros).
+
+    Each old partition's source is, of its holders (those held by one holder first), the one
+    that would then send the fewest values in all, and of those the one that keeps most of it:
+    a holder sends no part of the partition that falls in its own new one, so a survivor
+    mostly sends from its own."""
+    if len(holders) != old.world or any(not h for h in holders):
+        raise ValueError(f"holders {holders}: one or more new ranks for each of the {old.world} old partitions")
+    for cut in (old, new):
+        short = [g for g, numel in enumerate(numels) if cut.world * cut.sizes[g] < numel]
+        if len(cut.sizes) != len(numels) or short:
+            raise ValueError(
+                f"{cut.world} partitions of {cut.sizes} values cannot hold parameter groups of {list(numels)} "
+                "values: the state is of another model"
+            )
+
+    def kept(holder: int, old_rank: int) -> int:
+        """The values of `old_rank`'s partition that fall in `holder`'s new partition."""
+        total = 0
+        for group, numel in enumerate(numels):
+            start, end = old.span(group, old_rank, numel)
+            new_start, new_end = new.span(group, holder, numel)
+            total += max(0, min(end, new_end) - max(start, new_start))
+        return total
+
+    sending: dict[int, int] = {}  # new rank -> values it sends so far
+    sources: dict[int, int] = {}
+    for old_rank in sorted(range(old.world), key=lambda r: (len(set(holders[r])), r)):
+        held = sum(end - start for start, end in (old.span(g, old_rank, n) for g, n in enumerate(numels)))
+        away = {holder: held - kept(holder, old_rank) for holder in set(holders[old_rank])}
+        source = min(away, key=lambda h: (sending.get(h, 0) + away[h], away[h], h))
+        sources[old_rank] = source
+        sending[source] = sending.get(source, 0) + away[source]
+    transfers = []
+    for group, numel in enumerate(numels):
+        old_size = old.sizes[group]
+        for dst in range(new.world):
+            start, end = new.span(group, dst, numel)
+            while start < end:
+                old_rank = start // old_size
+                stop = min(end, (old_rank + 1) * old_size)
+                transfers.append(
+                    Transfer(
+                        group,
+                        sources[old_rank],
+                        dst,
+                        old_rank,
+                        start - old_rank * old_size,
+                        start - dst * new.sizes[group],
+                        stop - start,
+                    )
+                )
+                start = stop
+    return TransferPlan(tuple(sources[r] for r in range(old.world)), tuple(transfers))

@@ -18,13 +18,13 @@ of each partition are kept, and those of the layout a resize left until the new 
 first exchange is settled everywhere.
 
 After a resize the ranks of the new group say which snapshots they hold,
-`membership.plan_repartition` picks the newest step held whole, the holders share those
-partitions (`gather`), and `load_state` puts each new rank's slice of them into an engine
-built at the new size. No checkpoint is read; where a partition and its mirror are both gone
-(`RedundancyLost`) only a checkpoint restores the run.
-
-Every rank receives the whole state at a re-form where it needs only its new slice: simple,
-and 12 bytes a parameter per rank at each resize (not each step).
+`membership.plan_repartition` picks the newest step held whole (`Mirrors.agree`), and once
+each rank has built its engine at the new size, `load_state` assembles its new partition from
+the slices of the old partitions that overlap it, each sent point to point by one holder of
+that partition, its own or a mirror (`membership.plan_transfers`). No checkpoint is read;
+where a partition and its mirror are both gone (`RedundancyLost`) only a checkpoint restores
+the run. A re-form moves each value once and holds at most a partition more per rank: its
+memory scales with the partition, not the model (bench/reform_memory.py, docs/recovery.md).
 """
 
 from __future__ import annotations
@@ -40,9 +40,16 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from wildtrain.elastic.membership import Layout, Repartition, mirror_ring, plan_repartition
+from wildtrain.elastic.membership import (
+    Cut,
+    Layout,
+    Repartition,
+    Transfer,
+    mirror_ring,
+    plan_repartition,
+    plan_transfers,
+)
 
 # How long a failed rank waits, at most, for a mirror in flight to turn out received, and
 # for its own last copy from the device (a partition of GBs at a pinned copy's ~25 GB/s).
@@ -333,32 +340,28 @@ class Mirrors:
         """(layout generation, layout world, old rank) -> the steps held of that partition."""
         return {key: set(kept) for key, kept in self.snapshots.items()}
 
-    def gather(self, fresh: bool) -> tuple[Optional[Repartition], Optional[list[torch.Tensor]]]:
-        """Collectively, in a newly formed default group: which state the group continues from
-        and all of it (per parameter group, the old layout's partitions laid end to end,
-        padding included). (None, None) when every rank is `fresh` (the run's first group: each
-        builds from the seed). Raises `RedundancyLost` on every rank alike.
-
-        Only what the ranks hold is pickled; each partition goes out as one tensor from its
-        holder. A gather of the partitions as objects would pad every share to the largest and
-        pickle it through `torch.save`, moving and copying far more than the partitions."""
-        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+    def agree(self, fresh: bool) -> Optional["Reform"]:
+        """Collectively, in a newly formed group: which state the group continues from, and who
+        holds each of its partitions (`membership.plan_repartition`); None when every rank is
+        `fresh` (the run's first group: each builds from the seed). Raises `RedundancyLost` on
+        every rank alike. Only what the ranks hold is exchanged here, not the state: each rank
+        receives its new partition's values once its engine is built (`load_state`)."""
+        world = dist.get_world_size(self.group)
         offers: list = [None] * world
         dist.all_gather_object(offers, None if fresh else (self.held(), self._cuts()), group=self.group)
         if all(offer is None for offer in offers):
-            return None, None
-        plan = plan_repartition([offer and offer[0] for offer in offers])
-        sizes, dtype = next(offer[1][plan.layout] for offer in offers if offer and plan.layout in offer[1])
-        by_old = []
-        for old, source in enumerate(plan.sources):
-            if source == rank:
-                sent = torch.cat(self.snapshots[(*plan.layout, old)][plan.step], dim=1)
-            else:
-                sent = torch.empty(1 + len(MOMENTS), sum(sizes), dtype=dtype)
-            dist.broadcast(sent, group=self.group, group_src=source)
-            by_old.append(sent.split(sizes, dim=1))
-        full = [torch.cat([parts[group] for parts in by_old], dim=1) for group in range(len(sizes))]
-        return plan, full
+            return None
+        repartition = plan_repartition([offer and offer[0] for offer in offers])
+        sizes, dtype = next(
+            offer[1][repartition.layout] for offer in offers if offer and repartition.layout in offer[1]
+        )
+        return Reform(repartition, tuple(sizes), dtype)
+
+    def slice_of(self, reform: "Reform", transfer: Transfer) -> torch.Tensor:
+        """The [3, length] values `transfer` sends, in this rank's snapshot of the old partition:
+        a view, each row contiguous."""
+        groups = self.snapshots[(*reform.repartition.layout, transfer.old_rank)][reform.repartition.step]
+        return groups[transfer.group][:, transfer.src_offset : transfer.src_offset + transfer.length]
 
     def _cuts(self) -> dict[Layout, tuple[list[int], torch.dtype]]:
         """Per layout held: its partitions' sizes per parameter group (alike on every rank of
@@ -383,30 +386,107 @@ class Mirrors:
                 self._free[own].append(dropped)
 
 
-def load_state(engine, full: list[torch.Tensor], step: int, samples_per_step: int) -> None:
-    """Put this rank's slice of `full` (from `Mirrors.gather`) into a ZeRO-1/2 `engine` just
-    built at the new world size, with the model's weights, AdamW's step count and the
-    schedule's position of optimizer step `step`."""
+@dataclass(frozen=True)
+class Reform:
+    """What a re-formed group continues from, as every rank of it agreed (`Mirrors.agree`)."""
+
+    repartition: Repartition
+    sizes: tuple[int, ...]  # per parameter group: the length of each partition of the layout restored from
+    dtype: torch.dtype
+
+    @property
+    def step(self) -> int:
+        return self.repartition.step
+
+
+def load_partitions(engine, mirrors: Mirrors, reform: Reform) -> None:
+    """Collectively, over `mirrors.group`: put this rank's partition of the state `reform`
+    continues from into a ZeRO-1/2 `engine` just built at the new world size, its fp32 weights
+    and AdamW's moments at step `reform.step`, and every rank's weights into the engine's
+    low-precision copy of them.
+
+    Each rank receives only the slices of old partitions that overlap its new one, each from
+    one rank that holds it (`membership.plan_transfers`), and sends from its snapshots only
+    what others' new partitions take of them: point to point, no rank holding more than its
+    partition at once. The values go straight into the engine's tensors on the CPU, and through
+    one host buffer of a parameter group's partition on a GPU (gloo moves host memory). The
+    low-precision weights are then gathered from each rank's partition, as DeepSpeed does after
+    each optimizer step (`gather_in_place`)."""
+    groups = partitioned_groups(engine)
+    numels = [group.numel for group in groups]
+    group, world = mirrors.group, dist.get_world_size(mirrors.group)
+    rank = dist.get_rank(group)
+    if reform.dtype != groups[0].fp32.dtype:
+        raise ValueError(f"partitions of {reform.dtype} for an engine whose partitions are of {groups[0].fp32.dtype}")
+    new = Cut(world, tuple(group.fp32.numel() for group in groups))
+    plan = plan_transfers(numels, Cut(reform.repartition.layout[1], reform.sizes), new, reform.repartition.holders)
+    rows = 1 + len(MOMENTS)
+    # Every send at once: they are views of the snapshots, and the receives below wait for them.
+    sends = [
+        dist.isend(values, group=group, group_dst=transfer.dst, tag=rows * index + row)
+        for index, transfer in enumerate(plan.transfers)
+        if transfer.src == rank != transfer.dst
+        for row, values in enumerate(mirrors.slice_of(reform, transfer))
+    ]
     adamw = engine.optimizer.optimizer
-    rank = dist.get_rank() if dist.is_initialized() else 0
     # AdamW keeps its step count on the parameter's device when fused or capturable.
     on_device = adamw.defaults.get("fused") or adamw.defaults.get("capturable")
-    for index, group in enumerate(partitioned_groups(engine)):
-        fp32, numel = group.fp32, group.numel
-        if full[index].shape[1] < numel:
-            raise ValueError(
-                f"parameter group {index}: {full[index].shape[1]} values of state for {numel} "
-                "parameters; the state is of another model"
-            )
-        state = full[index][:, :numel].to(fp32.device)  # each layout pads a group's flat buffer at its end
-        padded = F.pad(state, (0, group.flat.numel() - numel))
-        size = fp32.numel()
-        mine = padded[:, rank * size : (rank + 1) * size]
-        with torch.no_grad():
-            fp32.copy_(mine[0])
-            group.flat[:numel].copy_(state[0])
-        count = torch.tensor(float(step), device=fp32.device if on_device else "cpu")
-        adamw.state[fp32] = {"step": count, "exp_avg": mine[1].clone(), "exp_avg_sq": mine[2].clone()}
+    with torch.no_grad():
+        for index, (kept, numel) in enumerate(zip(groups, numels)):
+            fp32 = kept.fp32
+            state = [fp32, *(torch.zeros_like(fp32) for _ in MOMENTS)]
+            landing = state if fp32.device.type == "cpu" else torch.zeros(rows, fp32.numel(), dtype=fp32.dtype)
+            start, end = new.span(index, rank, numel)
+            landing[0][end - start :].zero_()  # the padding, if this partition holds any
+            receives = []
+            for number, transfer in enumerate(plan.transfers):
+                if transfer.group != index or transfer.dst != rank:
+                    continue
+                at = slice(transfer.dst_offset, transfer.dst_offset + transfer.length)
+                if transfer.src == rank:
+                    for row, values in enumerate(mirrors.slice_of(reform, transfer)):
+                        landing[row][at].copy_(values)
+                    continue
+                receives += [
+                    dist.irecv(landing[row][at], group=group, group_src=transfer.src, tag=rows * number + row)
+                    for row in range(rows)
+                ]
+            for work in receives:
+                work.wait()
+            if landing is not state:
+                for value, landed in zip(state, landing):
+                    value.copy_(landed)
+            size = fp32.numel()
+            if kept.flat.numel() != world * size:
+                raise ValueError(f"parameter group {index}: a flat buffer of {kept.flat.numel()} for {world} x {size}")
+            kept.flat.narrow(0, rank * size, size).copy_(fp32)
+            gather_in_place(kept.flat, size, world)
+            count = torch.tensor(float(reform.step), device=fp32.device if on_device else "cpu")
+            adamw.state[fp32] = {"step": count, **dict(zip(MOMENTS, state[1:]))}
+    for work in sends:
+        work.wait()
+
+
+def gather_in_place(flat: torch.Tensor, size: int, world: int) -> None:
+    """Every rank's `size` values of `flat` (a rank's at rank x `size`) to every rank of the
+    default group, into `flat` itself. NCCL's all-gather writes its output in place; gloo's
+    goes through a buffer of the whole output (the model's weights once more), so on gloo each
+    rank broadcasts its share in place."""
+    if world == 1:
+        return
+    if dist.get_backend() == "nccl":
+        dist.all_gather_into_tensor(flat, flat.narrow(0, dist.get_rank() * size, size))
+        return
+    for src in range(world):
+        dist.broadcast(flat.narrow(0, src * size, size), src=src)
+
+
+def load_state(engine, mirrors: Mirrors, reform: Reform, samples_per_step: int) -> None:
+    """Collectively: the state `reform` continues from in a ZeRO-1/2 `engine` just built at the
+    new world size (`load_partitions`), with AdamW's step count and the schedule's position of
+    its optimizer step."""
+    load_partitions(engine, mirrors, reform)
+    step = reform.step
     schedule = engine.lr_scheduler
     schedule.last_epoch = step - 1
     with warnings.catch_warnings():

@@ -22,7 +22,7 @@ from wildtrain.checkpoint.restore import Candidate, restore
 from wildtrain.checkpoint.save_policy import SaveOutcome
 from wildtrain.checkpoint.store import CommitError, Store
 from wildtrain.config import CheckpointConfig
-from wildtrain.elastic.peer_state import Mirrors, load_state
+from wildtrain.elastic.peer_state import Mirrors, Reform, load_state
 from wildtrain.engine import EngineSettings, build_engine, build_model
 from wildtrain.events import (
     CheckpointFailed,
@@ -126,29 +126,32 @@ def build_and_restore(
 @dataclass(frozen=True)
 class HeldByPeers:
     """The state the members of a re-formed group kept (elastic.in_process): the train state
-    of the newest step whose every ZeRO partition some member holds, and all of those
-    partitions (`Mirrors.gather`)."""
+    of the newest step whose every ZeRO partition some member holds, and who holds each
+    (`Mirrors.agree`); the partitions themselves move once the engine is built
+    (`restore_from_peers`)."""
 
     state: TrainState
-    full: list[torch.Tensor]
+    mirrors: Mirrors
+    reform: Reform
     gather_s: float
 
 
 def gather_from_peers(mirrors: Mirrors, states: dict[int, TrainState], world_size: int) -> HeldByPeers:
-    """Collectively, what the group continues from (`Mirrors.gather`; `RedundancyLost` where no
+    """Collectively, what the group continues from (`Mirrors.agree`; `RedundancyLost` where no
     step is whole); `states`: this rank's committed steps (a joiner has none)."""
     started = time.perf_counter()
-    repartition, full = mirrors.gather(fresh=False)
-    state = next(held[repartition.step] for held in collectives.all_gather_object(states) if repartition.step in held)
-    return HeldByPeers(replace(state, world_size=world_size), full, time.perf_counter() - started)
+    reform = mirrors.agree(fresh=False)
+    state = next(held[reform.step] for held in collectives.all_gather_object(states) if reform.step in held)
+    return HeldByPeers(replace(state, world_size=world_size), mirrors, reform, time.perf_counter() - started)
 
 
 def restore_from_peers(settings: EngineSettings, plan: BatchPlan, device: torch.device, held: HeldByPeers):
     """What `build_and_restore` returns, from the state the members of a re-formed group
-    kept (`gather_from_peers`) rather than from a checkpoint."""
+    kept (`gather_from_peers`) rather than from a checkpoint: each rank's new partition
+    assembled from the slices of the old ones that overlap it (`peer_state.load_state`)."""
     started = time.perf_counter()
     engine, engine_build_s = timed_engine(settings, plan, device)
-    load_state(engine, held.full, held.state.step, plan.global_batch_size)
+    load_state(engine, held.mirrors, held.reform, plan.global_batch_size)
     timing = RestoreTiming(
         restore_s=held.gather_s + time.perf_counter() - started - engine_build_s,
         reshard_s=0.0,
