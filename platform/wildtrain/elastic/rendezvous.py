@@ -1,17 +1,8 @@
 """The store an in-process elastic group meets at (issue 24): workers ask to join and beat
 their hearts in a TCPStore, its owner (the driver runs it: `RendezvousServer`) reads them and
 publishes each new generation, and workers read the newest. Who is in the next generation is
-decided by `membership`; this module is the keys and the owner's loop turn.
-
-Keys, under the worker group's prefix: `joins` (a counter) and `join/<n>` = "<name>" per
-request; `starts` and `start/<n>` alike, per joiner whose process started (it asks once it
-is ready); `hb/<name>` = how many heartbeats a worker has beaten; `node/<name>` = its Ray
-node; `error/<g>` = a collective of generation g failed (it says someone left, not who);
-`members/<g>` = generation g's members by rank, then `gen` = g, so that a reader of
-`gen` always finds its members; `spares` = how many joiners wait ready for a member's place
-(the generation is whole); `ending` = the run is at its end; `failed` = why the owner
-failed (`RendezvousFailed`: the group falls back to the restart path). Unprefixed: the groups
-registered (`groups`, `group/<n>`) and the `current` one's prefix.
+decided by `membership`; the keys, and who writes and reads each, by `rendezvous_keys`; this
+module is the reads and writes of those keys and the owner's loop turn.
 
 No worker writes a time: the owner times what it reads on its own clock (when a heartbeat's
 count changed, when an error or a request appeared), so that no verdict compares two hosts' clocks.
@@ -27,6 +18,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from wildtrain.elastic import rendezvous_keys
 from wildtrain.elastic.membership import Membership, NoMembersLeft, joiners_due, next_membership, stale
 
 # The most keys one batched read asks for: TCPStore's multi_get slows faster than linearly in its keys past this.
@@ -41,40 +33,40 @@ class RendezvousFailed(RuntimeError):
 
 def owner_failed(store: dist.Store, reason: str) -> None:
     """Say that the owner of the group whose keys are `store` failed, for `reason`."""
-    store.set("failed", reason)
+    store.set(rendezvous_keys.OWNER_FAILED, reason)
 
 
 def owner_failure(store: dist.Store) -> Optional[str]:
     """Why the owner of the group whose keys are `store` failed; None while it has not."""
-    return store.get("failed").decode() if store.check(["failed"]) else None
+    return store.get(rendezvous_keys.OWNER_FAILED).decode() if store.check([rendezvous_keys.OWNER_FAILED]) else None
 
 
 def latest(store: dist.Store) -> Membership:
     """The newest generation published in `store` (generation 0, no members: none yet)."""
-    if not store.check(["gen"]):
+    if not store.check([rendezvous_keys.GENERATION]):
         return Membership(0, ())
-    generation = int(store.get("gen"))
-    return Membership(generation, tuple(store.get(f"members/{generation}").decode().split(",")))
+    generation = int(store.get(rendezvous_keys.GENERATION))
+    return Membership(generation, tuple(store.get(rendezvous_keys.members(generation)).decode().split(",")))
 
 
 def ask_to_join(store: dist.Store, name: str) -> None:
     """Ask to be a member of the next generation (a new worker, or one found dead while alive)."""
-    _add_entry(store, "join", name)
+    _add_entry(store, rendezvous_keys.Entries.JOIN, name)
 
 
 def announce_start(store: dist.Store, name: str) -> None:
     """Say that the joiner `name` is getting ready to ask: a joiner that asked before it is
     held for it (`RendezvousOwner`), so that both join in one re-form."""
-    _add_entry(store, "start", name)
+    _add_entry(store, rendezvous_keys.Entries.START, name)
 
 
-def _add_entry(store: dist.Store, kind: str, name: str) -> None:
-    n = store.add(f"{kind}s", 1)
-    store.set(f"{kind}/{n}", name)
+def _add_entry(store: dist.Store, entries: rendezvous_keys.Entries, name: str) -> None:
+    n = store.add(entries.counter, 1)
+    store.set(entries.entry(n), name)
 
 
 def beat(store: dist.Store, name: str) -> None:
-    store.add(f"hb/{name}", 1)
+    store.add(rendezvous_keys.heartbeat(name), 1)
 
 
 def member_name(rank: int) -> str:
@@ -95,16 +87,16 @@ def is_ray_worker(member: str) -> bool:
 def announce_node(store: dist.Store, name: str, node_id: str) -> None:
     """Say which Ray node the worker `name` runs on, for the drills and benches that take a
     member's node down (`node_of`)."""
-    store.set(f"node/{name}", node_id)
+    store.set(rendezvous_keys.node(name), node_id)
 
 
 def node_of(store: dist.Store, name: str) -> str:
-    return store.get(f"node/{name}").decode()
+    return store.get(rendezvous_keys.node(name)).decode()
 
 
 def report_error(store: dist.Store, generation: int) -> None:
     """A collective of `generation` failed on this worker."""
-    store.set(f"error/{generation}", "1")
+    store.set(rendezvous_keys.error(generation), "1")
 
 
 class Heartbeat:
@@ -165,7 +157,7 @@ class RendezvousOwner:
         self.started: dict[str, float] = {}  # joiners that announced their start, when
         self.published: dict[int, tuple[float, tuple[str, ...]]] = {}
         self._pending: list[str] = []
-        self._seen = {"join": 0, "start": 0}
+        self._seen = dict.fromkeys(rendezvous_keys.Entries, 0)
         self._errors: dict[int, float] = {}
         self._spares = 0  # last published
         self._beating: set[str] = set()  # whose heartbeat key exists: a batched read waits for a missing key
@@ -175,9 +167,9 @@ class RendezvousOwner:
         """One look at the store at time `now`: the generation published by it, if any.
         `ending`: the run is at its end and its workers stop beating as they exit (not deaths)."""
         store = self.store
-        for name in self._new_entries("start"):
+        for name in self._new_entries(rendezvous_keys.Entries.START):
             self.started[name] = now
-        for name in self._new_entries("join"):
+        for name in self._new_entries(rendezvous_keys.Entries.JOIN):
             self._pending.append(name)
             self.asked[name] = now
         current = self.current
@@ -213,8 +205,8 @@ class RendezvousOwner:
             if nxt is None:
                 self._publish_spares(now)
                 return None
-        store.set(f"members/{nxt.generation}", ",".join(nxt.members))
-        store.set("gen", str(nxt.generation))
+        store.set(rendezvous_keys.members(nxt.generation), ",".join(nxt.members))
+        store.set(rendezvous_keys.GENERATION, str(nxt.generation))
         self.published[nxt.generation] = (now, nxt.members)
         chosen = set(nxt.members)
         self._pending = [p for p in self._pending if p not in chosen]
@@ -231,17 +223,18 @@ class RendezvousOwner:
         """Say how many joiners wait ready for a member's place (the `spares` metric)."""
         waiting = len(set(self._ready(now)) - set(self.current.members))
         if waiting != self._spares:
-            self.store.set("spares", str(waiting))
+            self.store.set(rendezvous_keys.SPARES, str(waiting))
             self._spares = waiting
 
-    def _new_entries(self, kind: str) -> list[str]:
-        """The names in the `ask_to_join` (kind "join") or `announce_start` ("start") entries since the last look."""
-        last, self._seen[kind] = self._seen[kind], self.store.add(f"{kind}s", 0)
-        if self._seen[kind] == last:
+    def _new_entries(self, entries: rendezvous_keys.Entries) -> list[str]:
+        """The names in the `ask_to_join` (`Entries.JOIN`) or `announce_start` (`START`) entries since the last look."""
+        last, self._seen[entries] = self._seen[entries], self.store.add(entries.counter, 0)
+        if self._seen[entries] == last:
             return []
         # Like `get`, a batched read waits for an entry whose counter was taken but not yet set.
         return [
-            v.decode() for v in read_all(self.store, [f"{kind}/{n}" for n in range(last + 1, self._seen[kind] + 1)])
+            v.decode()
+            for v in read_all(self.store, [entries.entry(n) for n in range(last + 1, self._seen[entries] + 1)])
         ]
 
     def _getting_ready(self, now: float) -> list[str]:
@@ -264,14 +257,14 @@ class RendezvousOwner:
         time each count that changed at `now`; a name not seen beating yet costs a `check`
         until its first beat (one for all when all have)."""
         unseen = [n for n in names if n not in self._beating]
-        if unseen and self.store.check([f"hb/{n}" for n in unseen]):
+        if unseen and self.store.check([rendezvous_keys.heartbeat(n) for n in unseen]):
             self._beating.update(unseen)
         else:
-            self._beating.update(n for n in unseen if self.store.check([f"hb/{n}"]))
+            self._beating.update(n for n in unseen if self.store.check([rendezvous_keys.heartbeat(n)]))
         beating = [n for n in names if n in self._beating]
         if not beating:
             return
-        for name, count in zip(beating, read_all(self.store, [f"hb/{n}" for n in beating])):
+        for name, count in zip(beating, read_all(self.store, [rendezvous_keys.heartbeat(n) for n in beating])):
             if name not in self._beats or self._beats[name][0] != count:
                 self._beats[name] = (count, now)
 
@@ -288,7 +281,7 @@ class RendezvousOwner:
         grew = before is not None and set(before[1]) < set(current.members)
         generations = (current.generation, current.generation - 1) if grew else (current.generation,)
         for generation in generations:
-            if generation not in self._errors and self.store.check([f"error/{generation}"]):
+            if generation not in self._errors and self.store.check([rendezvous_keys.error(generation)]):
                 self._errors[generation] = now
         return min((self._errors[g] for g in generations if g in self._errors), default=None)
 
@@ -301,13 +294,13 @@ def read_all(store: dist.Store, keys: list[str]) -> list[bytes]:
 def register_group(store: dist.Store, token: str, world: int) -> None:
     """Announce a worker group Ray started (its rank 0 does, once), of `world` workers whose
     keys live under the prefix `token`: the server's owner starts its generations afresh."""
-    n = store.add("groups", 1)
-    store.set(f"group/{n}", f"{token} {world}")
+    n = store.add(rendezvous_keys.GROUPS, 1)
+    store.set(rendezvous_keys.group(n), f"{token} {world}")
 
 
 def current_token(store: dist.Store) -> Optional[str]:
     """The prefix of the newest registered worker group's keys (None before the first)."""
-    return store.get("current").decode() if store.check(["current"]) else None
+    return store.get(rendezvous_keys.CURRENT).decode() if store.check([rendezvous_keys.CURRENT]) else None
 
 
 def current_group(store: dist.Store) -> Optional[dist.Store]:
@@ -320,8 +313,8 @@ class RendezvousServer:
     """The driver's side of in-process recovery: the store the run's workers meet at, on
     `host`, and a thread that runs the newest worker group's `RendezvousOwner` every 10 ms.
     A group Ray (re)starts registers under a token of its own (`register_group`), so its
-    generations start afresh and no key of an earlier group is read again. A worker sets
-    `ending` (under its group's prefix) at the run's last step: from then on the workers
+    generations start afresh and no key of an earlier group is read again. A worker says
+    the run is ending (`rendezvous_keys.ENDING`) at its last step: from then on the workers
     stop beating as they exit, which is no death. An error in the owner ends its group's
     in-process recovery, never the thread: it is said to the group (`owner_failed`), whose
     members stop waiting for generations (`RendezvousFailed`), and the group Ray restarts
@@ -362,10 +355,10 @@ class RendezvousServer:
                 self.owner = None
 
     def _turn(self) -> None:
-        groups = self.store.add("groups", 0)
+        groups = self.store.add(rendezvous_keys.GROUPS, 0)
         if groups > self._groups:
             self._groups, self.owner = groups, None  # the earlier group's owner is done, whatever comes
-            token, world = self.store.get(f"group/{groups}").decode().split()
+            token, world = self.store.get(rendezvous_keys.group(groups)).decode().split()
             # Ray placed the group for `world` workers: joiners take lost members' places only.
             self.owner = RendezvousOwner(
                 dist.PrefixStore(token, self.store),
@@ -375,9 +368,9 @@ class RendezvousServer:
                 self.join_batch_s,
                 capacity=int(world),
             )
-            self.store.set("current", token)
+            self.store.set(rendezvous_keys.CURRENT, token)
         if self.owner is not None:
-            self.owner.turn(time.monotonic(), ending=self.owner.store.check(["ending"]))
+            self.owner.turn(time.monotonic(), ending=self.owner.store.check([rendezvous_keys.ENDING]))
 
     def stop(self) -> None:
         self._stopped.set()

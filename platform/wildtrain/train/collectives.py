@@ -42,6 +42,7 @@ from typing import Any, Iterator, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
+from wildtrain.elastic.rendezvous_keys import PEER_FAILED
 from wildtrain.elastic.signals import PeerFailed
 
 T = TypeVar("T")
@@ -49,9 +50,6 @@ T = TypeVar("T")
 _control: Optional[dist.ProcessGroup] = None
 _control_of: Optional[dist.ProcessGroup] = None  # the default group `_control` was opened beside
 
-# The rendezvous store's key a failing rank writes its reason to; the store is new with
-# every worker group (Ray Train rendezvouses each on a fresh port), so it is the attempt's.
-PEER_FAILED_KEY = "wildtrain/peer_failed"
 # How long one wait of a watcher lasts: a failure wakes it at once, and c10d logs a warning
 # each time a wait runs out, so it runs out rarely (under the 24.8 days of milliseconds
 # that its socket poll can wait). A stopped watcher ends when the store goes with its
@@ -239,7 +237,7 @@ class PeerWatch:
             return
         self._stopped.set()  # this rank is done; its watcher must not abort it again
         try:
-            self._store.set(PEER_FAILED_KEY, reason)
+            self._store.set(PEER_FAILED, reason)
         except Exception:  # noqa: BLE001 - the store is gone: so is the group, and peers see that
             pass
         global _control, _control_of
@@ -254,7 +252,7 @@ class PeerWatch:
         if self.peer_failure is not None or self._store is None:
             return self.peer_failure
         try:
-            return self._store.get(PEER_FAILED_KEY).decode() if self._store.check([PEER_FAILED_KEY]) else None
+            return self._store.get(PEER_FAILED).decode() if self._store.check([PEER_FAILED]) else None
         except Exception:  # noqa: BLE001 - the store's host is gone: nothing to read
             return None
 
@@ -264,8 +262,8 @@ class PeerWatch:
     def _watch(self, store: dist.Store) -> None:
         while not self._stopped.is_set():
             try:
-                store.wait([PEER_FAILED_KEY], _WATCH_SLICE)
-                reason = store.get(PEER_FAILED_KEY).decode()
+                store.wait([PEER_FAILED], _WATCH_SLICE)
+                reason = store.get(PEER_FAILED).decode()
             except dist.DistStoreError:
                 continue  # the slice passed with no failure
             except Exception as e:  # noqa: BLE001 - the store's host (rank 0's process) is gone

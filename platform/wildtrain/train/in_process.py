@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from wildtrain.checkpoint.format import new_attempt_token
 from wildtrain.config.system import ElasticConfig
+from wildtrain.elastic import rendezvous_keys
 from wildtrain.elastic.connections import GroupConnections
 from wildtrain.elastic.membership import Membership, must_abandon
 from wildtrain.elastic.peer_state import Mirrors
@@ -160,7 +161,7 @@ class Member:
     ) -> "Member":
         """Made by every worker of a group Ray started, right after Ray formed its process
         groups (the group's token goes over them); its rank 0 registers the group."""
-        token = f"group-{collectives.broadcast_object(new_attempt_token())}"
+        token = rendezvous_keys.group_token(collectives.broadcast_object(new_attempt_token()))
         return cls(
             address,
             token,
@@ -202,7 +203,7 @@ class Member:
 
     def spares_waiting(self) -> int:
         """How many joiners wait ready to take a lost member's place (elastic.spares)."""
-        return int(self.store.get("spares")) if self.store.check(["spares"]) else 0
+        return int(self.store.get(rendezvous_keys.SPARES)) if self.store.check([rendezvous_keys.SPARES]) else 0
 
     def form(self) -> Generation:
         """Wait for the next generation that includes this member and form its process groups:
@@ -223,7 +224,7 @@ class Member:
             store = dist.TCPStore(*self.address, is_master=False, timeout=timedelta(seconds=60))
             dist.init_process_group(
                 self.backend,
-                store=dist.PrefixStore(f"{self.token}/g{m.generation}", store),
+                store=dist.PrefixStore(rendezvous_keys.generation_groups(self.token, m.generation), store),
                 rank=rank,
                 world_size=world,
                 timeout=timeout,
@@ -252,10 +253,10 @@ class Member:
             with contextlib.suppress(dist.DistError):  # the driver's store is gone: the run ends
                 while watching.is_set():
                     try:
-                        store.wait([f"members/{n}"], _LOSS_WATCH_SLICE)
+                        store.wait([rendezvous_keys.members(n)], _LOSS_WATCH_SLICE)
                     except dist.DistStoreError:
                         continue
-                    newer = Membership(n, tuple(store.get(f"members/{n}").decode().split(",")))
+                    newer = Membership(n, tuple(store.get(rendezvous_keys.members(n)).decode().split(",")))
                     if must_abandon(m, newer):
                         with self._groups_lock:
                             if watching.is_set():
@@ -314,7 +315,7 @@ class Member:
         generation = self.membership.generation
         # The first rank to fail in a generation is where it began; one after it failed
         # because of it, and waits longer for its reason where nobody died.
-        first = self.store.add(f"failed/{generation}", 1) == 1
+        first = self.store.add(rendezvous_keys.failures(generation), 1) == 1
         report_error(self.store, generation)
         self.connections.hang_up()  # frees the peers that wait on this rank
         self.mirrors.drop_in_flight()
@@ -335,7 +336,7 @@ class Member:
         """The run is at its end: the workers stop beating as they exit, which is no death."""
         with self._groups_lock:
             self._watching.clear()
-        self.store.set("ending", "1")
+        self.store.set(rendezvous_keys.ENDING, "1")
         self.heartbeat.stop()
 
     def _next_generation(self) -> Membership:
@@ -380,8 +381,8 @@ class Member:
         """Wait until every member of `m` is at its rendezvous: a member that died after `m`
         was published would hold the group's construction until its timeout, where this wait
         sees the next generation at once."""
-        self.store.set(f"arrived/{m.generation}/{self.name}", "1")
-        while not self.store.check([f"arrived/{m.generation}/{name}" for name in m.members]):
+        self.store.set(rendezvous_keys.arrived(m.generation, self.name), "1")
+        while not self.store.check([rendezvous_keys.arrived(m.generation, name) for name in m.members]):
             if latest(self.store).generation > m.generation:
                 self.membership = m
                 raise Superseded(f"generation {m.generation} was superseded before every member arrived")
