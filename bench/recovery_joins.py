@@ -37,7 +37,7 @@ from recovery import LoadSampler, add_worker_node, cell, tiny_services
 from tests.helpers.chaos import BackgroundRun  # noqa: E402  (recovery put the checkout's root on sys.path)
 from wildtrain import services
 from wildtrain.config import load_config
-from wildtrain.elastic import rendezvous
+from wildtrain.elastic import rendezvous, rendezvous_keys
 from wildtrain.events import Failure, Interrupted, Recovered, Resize
 from wildtrain.tracking.record import read_events
 
@@ -71,7 +71,7 @@ class Rendezvous:
 
     def wait_for_arrival(self, name: str, what: str, timeout_s: float = 300) -> None:
         """Until `name` arrived at the newest generation's rendezvous (`in_process.Member._arrive`)."""
-        key = f"arrived/{self.owner().current.generation}/{name}"
+        key = rendezvous_keys.arrived(self.owner().current.generation, name)
         deadline = time.monotonic() + timeout_s
         while not self.owner().store.check([key]):
             if time.monotonic() > deadline:

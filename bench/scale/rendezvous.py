@@ -38,6 +38,7 @@ import psutil
 import torch.distributed as dist
 
 from wildtrain.elastic import rendezvous as current_module
+from wildtrain.elastic import rendezvous_keys
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from growth import growth_line, markdown  # noqa: E402
@@ -104,7 +105,7 @@ def sender(port: int, token: str, names: list[str], threads: int, per_node: int,
                     for name in alive:
                         beat(store, name)
                 elif alive:
-                    store.multi_set([f"hb/{n}" for n in alive], [repr(now)] * len(alive))
+                    store.multi_set([rendezvous_keys.heartbeat(n) for n in alive], [repr(now)] * len(alive))
                 beats += len(alive)
             counts[slot + index] = beats
             time.sleep(max(0.0, round_start + HEARTBEAT_S - time.time()))

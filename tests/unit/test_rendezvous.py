@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tests.helpers.waiting import wait_for
 from wildtrain import services
-from wildtrain.elastic import rendezvous
+from wildtrain.elastic import rendezvous, rendezvous_keys
 from wildtrain.elastic.membership import Membership
 from wildtrain.elastic.rendezvous import (
     Heartbeat,
@@ -186,11 +186,11 @@ def test_at_the_end_of_the_run_nothing_is_published_though_workers_go_silent(sto
 
 def test_a_heartbeat_beats_from_its_thread_and_the_first_beat_is_in_before_it_returns(store):
     heartbeat = Heartbeat(services.HOST, store.port, "w5", every_s=0.01)
-    first = float(store.get("hb/w5"))  # there already: a request read now finds a beat
-    wait_for(lambda: float(store.get("hb/w5")) > first, "a second beat")
+    first = float(store.get(rendezvous_keys.heartbeat("w5")))  # there already: a request read now finds a beat
+    wait_for(lambda: float(store.get(rendezvous_keys.heartbeat("w5"))) > first, "a second beat")
     heartbeat.stop()
-    last = store.get("hb/w5")
-    assert store.get("hb/w5") == last  # stopped: the thread has ended, nothing writes any more
+    last = store.get(rendezvous_keys.heartbeat("w5"))
+    assert store.get(rendezvous_keys.heartbeat("w5")) == last  # stopped: the thread has ended, nothing writes any more
 
 
 def test_a_worker_says_its_node_under_its_rank_s_name(store):
@@ -256,7 +256,7 @@ def test_ray_s_word_that_a_member_died_has_the_owner_drop_it_within_confirm_s_wh
         # Saying who died asks nothing of the joiners.
         controller = KeepSurvivors(services.HOST, server.port, decide_s=1.0, joiners=SimpleNamespace())
         controller.say_members_died(["w1.1"])  # a joiner that never was a member: nothing to say
-        assert not group.check(["error/1"])
+        assert not group.check([rendezvous_keys.error(1)])
         controller.say_members_died(["w1"])
         newest = wait_for(
             lambda: latest(group).generation == 2 and latest(group), "w1 dropped", timeout_s=5.0, every_s=0.05
@@ -281,7 +281,7 @@ def whole_group_with_a_spare(store) -> RendezvousOwner:
     assert owner.turn(now=100.0) == Membership(1, ("w0", "w1", "w2")), "a joiner is never in the first generation"
     beats(store, "w0", "w1", "w2", "spare.1")
     assert owner.turn(now=103.0) is None, "the group is whole: the spare waits"
-    assert store.get("spares") == b"1"
+    assert store.get(rendezvous_keys.SPARES) == b"1"
     return owner
 
 
@@ -291,16 +291,16 @@ def test_a_spare_takes_a_dead_members_place_in_the_re_form_that_drops_it(store):
     assert owner.turn(now=103.5) is None  # the error read at 103.5
     beats(store, "w0", "w2", "spare.1")  # w1 silent since 103.0
     assert owner.turn(now=104.1) == Membership(2, ("w0", "w2", "spare.1"))
-    assert store.get("spares") == b"0"
+    assert store.get(rendezvous_keys.SPARES) == b"0"
 
 
 def test_a_spare_whose_node_died_takes_no_place(store):
     owner = whole_group_with_a_spare(store)  # spare.1's last beat at 103.0
     report_error(store, 1)  # read at 106.1, when w1 has been silent for over dead_after_s anyway
     beats(store, "w0", "w2")
-    assert store.get("spares") == b"1"
+    assert store.get(rendezvous_keys.SPARES) == b"1"
     assert owner.turn(now=106.1) == Membership(2, ("w0", "w2")), "silent for over dead_after_s: not taken in"
-    assert store.get("spares") == b"0"
+    assert store.get(rendezvous_keys.SPARES) == b"0"
 
 
 class CountingStore:

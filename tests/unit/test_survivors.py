@@ -13,6 +13,7 @@ from ray.train.v2._internal.execution.training_report import _TrainingReport
 from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
 
 from wildtrain import ray_compat, services
+from wildtrain.elastic import rendezvous_keys
 from wildtrain.elastic.joiners import Ended
 from wildtrain.elastic.survivors import KeepSurvivors
 from wildtrain.ray_compat import WorkerHealthCheckFailedError
@@ -71,8 +72,8 @@ def report(step: int) -> _TrainingReport:
 
 
 def publish(store, generation: int, *members: str) -> None:
-    store.set(f"members/{generation}", ",".join(members))
-    store.set("gen", str(generation))
+    store.set(rendezvous_keys.members(generation), ",".join(members))
+    store.set(rendezvous_keys.GENERATION, str(generation))
 
 
 class Consolidated(ray_compat.ReportCallback):
