@@ -39,7 +39,8 @@ as `wildtrain up` sets them). Prints one row per interruption:
                 bundle that fits a node left is retried without pause: bench/pg_storm.py)
 
 Then, per scenario and stage, each shrink's death → first step and steps redone, and each
-regrow's stop, against issue 58's bounds.
+regrow's stop, against issue 58's bounds. An interruption nothing here caused is a row of its
+own ("unplanned"); a scenario that fails is one row saying why, and the others still run.
 
 Its fake cluster and services are also what bench/ettr.py, bench/recovery_joins.py and
 bench/tiny_runs.py build on.
@@ -556,19 +557,29 @@ def main() -> None:
                     *scenario["overrides"],
                     f"deepspeed.zero_stage={stage}",
                 ]
-                rows += run_scenario(
-                    f"{name}, ZeRO-{stage}",
-                    overrides,
-                    scenario["system_config"],
-                    mlflow_url,
-                    args.steps,
-                    root,
-                    load,
-                    scenario.get("spares", 0),
-                    scenario.get("workers_per_node", 1),
-                    scenario.get("victims"),
-                    scenario.get("pace"),
-                )
+                label = f"{name}, ZeRO-{stage}"
+                try:
+                    rows += run_scenario(
+                        label,
+                        overrides,
+                        scenario["system_config"],
+                        mlflow_url,
+                        args.steps,
+                        root,
+                        load,
+                        scenario.get("spares", 0),
+                        scenario.get("workers_per_node", 1),
+                        scenario.get("victims"),
+                        scenario.get("pace"),
+                    )
+                except Exception as e:  # the other scenarios' rows are still worth their minutes
+                    say(f"{label}: failed: {e}")
+                    rows.append(
+                        {
+                            "scenario": label,
+                            "event": f"failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                        }
+                    )
 
     columns = [
         "scenario",
