@@ -1,15 +1,19 @@
 """Recovery time on a local fake cluster: kill a node at a known step, then bring it back.
 
-Runs the tiny model on two one-worker nodes once per scenario, side by side: by default
-wildtrain's default config (a resize restarts every worker from the last checkpoint) and
-the same with elastic.in_process (the survivor re-forms in its own process from its peer's
-mirror: issue 24's goal, death -> first step within 5 s, no step redone); with --only, Ray's
-own timeouts for reference and tuned variants too, and "in-process + spare" (elastic.spares=1
-on a third node: the spare takes the dead member's place, and the returned node's worker
-waits ready as the next spare), and "in-process, nodes of two" (four workers on two nodes of
-two: a death takes two), "in-process, rank 0's node" (the node removed holds rank 0, Ray's
-and the generation's, where the others remove the last rank's) and "in-process, every ray
-worker lost" (rank 1's node, then, once its joiner is in, rank 0's: only a joiner is left).
+Runs the tiny model on two one-worker nodes once per scenario and ZeRO stage
+(`--zero-stages`, deepspeed.zero_stage), side by side: by default wildtrain's default config
+("default": the survivor re-forms in its own process from its peer's mirror, and the returned
+node's worker joins it; issue 58's goal, a death to the first step at the smaller size within
+5 s with no committed step redone, a return taken in with the others stopped at most 1 s)
+and, for reference, the restart path ("restart (elastic.in_process=false)": a resize restarts
+every worker from the last checkpoint). With --only, Ray's own timeouts and tuned variants
+of the restart path too, and in-process variants: "in-process + spare" (elastic.spares=1 on
+a third node: the spare takes the dead member's place, and the returned node's worker waits
+ready as the next spare), "in-process, nodes of two" (four workers on two nodes of two: a
+death takes two), "in-process, rank 0's node" (the node removed holds rank 0, Ray's and the
+generation's, where the others remove the last rank's) and "in-process, every ray worker
+lost" (rank 1's node, then, once its joiner is in, rank 0's: only a joiner is left).
+`--override KEY=VALUE` sets a config value in every scenario, under the scenario's own.
 Each scenario gets its own fake cluster (node health checks are set when the head starts,
 as `wildtrain up` sets them). Prints one row per interruption:
 
@@ -21,7 +25,8 @@ as `wildtrain up` sets them). Prints one row per interruption:
                 survivors' new process group formed)
     restore     → checkpoint loaded (excluding resharding)
     reshard     → conversion to the universal format (world size changed)
-    stopped     → first optimizer step at the new size: the time no worker trained
+    stopped     → first optimizer step at the new size: the time no worker trained (at an
+                in-process regrow, how long the members stopped to take the joiner in)
     first step  node killed (or added) → first optimizer step at the new size
     node up     at a regrow, add_node → the GCS lists the node alive: its raylet's start,
                 before which nothing can be placed on it
@@ -33,10 +38,15 @@ as `wildtrain up` sets them). Prints one row per interruption:
     GCS cores   the head's GCS's CPU from the node's removal to its return (a lost placement
                 bundle that fits a node left is retried without pause: bench/pg_storm.py)
 
+Then, per scenario and stage, each shrink's death → first step and steps redone, and each
+regrow's stop, against issue 58's bounds. An interruption nothing here caused is a row of its
+own ("unplanned"); a scenario that fails is one row saying why, and the others still run.
+
 Its fake cluster and services are also what bench/ettr.py, bench/recovery_joins.py and
 bench/tiny_runs.py build on.
 
-Usage: .venv/bin/python bench/recovery.py [--steps 60] [--only "wildtrain tuned" "in-process" ...]
+Usage: .venv/bin/python bench/recovery.py [--steps 60] [--zero-stages 1 2 3]
+       [--only default "restart (elastic.in_process=false)" "wildtrain tuned" ...] [--override KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -78,30 +88,38 @@ from wildtrain.tracking.mlflow_client import quiet_mlflow  # noqa: E402
 from wildtrain.tracking.record import read_events  # noqa: E402
 
 WORKER_SLOT = "wildtrain_worker"
+# Issue 58's bounds: a node's death to the first step at the smaller size (no committed step
+# redone), and the members' stop when a returning node's worker is taken in.
+SHRINK_FIRST_STEP_S = 5.0
+REGROW_STOPPED_S = 1.0
 NODES_OF_TWO = ("elastic.in_process=true", "elastic.max_workers=4", "train.global_batch_size=24")
+RESTART = "restart (elastic.in_process=false)"
 SCENARIOS = {
     # What a user gets: the config's defaults on a head `wildtrain up` started.
-    "wildtrain defaults": dict(overrides=[], system_config=services.NODE_HEALTH_CHECKS),
-    # Ray 2.60's defaults: 60 s worker-group start timeout, 2 s controller poll, 60 s resize
-    # checks, node health checks every 3 s with 5 misses allowed.
+    "default": dict(overrides=[], system_config=services.NODE_HEALTH_CHECKS),
+    # The restart path, the default's fallback, as a mode of its own: every resize restarts the group.
+    RESTART: dict(overrides=["elastic.in_process=false"], system_config=services.NODE_HEALTH_CHECKS),
+    # The restart path at Ray 2.60's defaults: 60 s worker-group start timeout, 2 s controller
+    # poll, 60 s resize checks, node health checks every 3 s with 5 misses allowed.
     "ray defaults": dict(
         overrides=[
+            "elastic.in_process=false",
             "elastic.worker_start_timeout_s=60",
             "elastic.poll_interval_s=2",
             "elastic.resize_check_interval_s=60",
         ],
         system_config={},
     ),
+    # The restart path with shorter waits than its defaults.
     "wildtrain tuned": dict(
         overrides=[
+            "elastic.in_process=false",
             "elastic.worker_start_timeout_s=10",
             "elastic.poll_interval_s=2",
             "elastic.resize_check_interval_s=5",
         ],
         system_config=services.NODE_HEALTH_CHECKS,
     ),
-    # Issue 24: survivors kept in their processes; a returning node's worker joins them.
-    "in-process": dict(overrides=["elastic.in_process=true"], system_config=services.NODE_HEALTH_CHECKS),
     # In-process, rank 0's node lost: the survivor, Ray's rank 1, is the next generation's rank 0.
     "in-process, rank 0's node": dict(
         overrides=["elastic.in_process=true"], system_config=services.NODE_HEALTH_CHECKS, victims=(0,)
@@ -143,10 +161,12 @@ SCENARIOS = {
     "in-process, ray metrics off": dict(
         overrides=["elastic.in_process=true"], system_config=services.NODE_HEALTH_CHECKS | services.RAY_METRICS_OFF
     ),
-    # Checkpoints converted to the universal format in the background as they commit, so a
-    # resize loads one ready (on this CPU-only machine the conversion slows training).
+    # The restart path tuned, its checkpoints converted to the universal format in the
+    # background as they commit, so a resize loads one ready (on this CPU-only machine the
+    # conversion slows training).
     "tuned + reshard ahead": dict(
         overrides=[
+            "elastic.in_process=false",
             "elastic.worker_start_timeout_s=10",
             "elastic.poll_interval_s=2",
             "elastic.resize_check_interval_s=5",
@@ -201,7 +221,15 @@ def fake_cluster(system_config: dict, worker_nodes: int = 2, workers_per_node: i
     """A head (the driver, Ray Data) and `worker_nodes` nodes of `workers_per_node` workers
     (`add_worker_node`), which this process joins; all stopped after. `system_config`: the
     head's (node health checks)."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "_system_config": system_config})
+    # Ray's helpers that look for "the" cluster without an address (Ray Train's placement group
+    # cleaner) take the newest Ray instance on the machine unless RAY_ADDRESS names theirs:
+    # beside another cluster they removed this run's placement group (tests/helpers/ray_clusters.py).
+    gcs_port = services.free_port()
+    os.environ["RAY_ADDRESS"] = f"{services.HOST}:{gcs_port}"
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "gcs_server_port": gcs_port, "_system_config": system_config},
+    )
     for _ in range(worker_nodes):
         add_worker_node(cluster, workers_per_node)
     cluster.wait_for_nodes()
@@ -271,58 +299,66 @@ def run_scenario(
         say(f"{name}: run finished; reading its events")
         events = read_events(mlflow_url, summary.run_id, tempfile.mkdtemp(dir=root))
 
-    interruptions = [e for e in events if isinstance(e, Interrupted)]
-    recoveries = [e for e in events if isinstance(e, Recovered)]
     groups = sum(e.generation == 1 for e in events if isinstance(e, Formed))
     if groups > 1:
         say(f"{name}: Ray started {groups} worker groups: {groups - 1} restart(s)")
+    pairs = recovered_interruptions(events)
+    caused = caused_by(causes, pairs)
     rows = []
-    for cause_at, interruption, recovery in zip(causes, interruptions, recoveries):
-        first_step = recovery.recovery_s + interruption.at - cause_at
-        rows.append(
-            {
-                "scenario": name,
-                "event": f"{'shrink' if isinstance(interruption, Failure) else 'regrow'} "
-                f"{recovery.world_size_before}→{recovery.world_size_after}",
+    for (interruption, recovery), cause_at in zip(pairs, caused):
+        kind = "shrink" if isinstance(interruption, Failure) else "regrow"
+        row = {
+            "scenario": name,
+            "event": f"{kind if cause_at is not None else f'unplanned {kind}'} "
+            f"{recovery.world_size_before}→{recovery.world_size_after}",
+            "restart": recovery.restart_s,
+            "restore": recovery.restore_s,
+            "reshard": recovery.reshard_s,
+            "stopped": recovery.recovery_s,
+            "steps lost": recovery.steps_lost,
+        }
+        if cause_at is not None:
+            first_step = recovery.recovery_s + interruption.at - cause_at
+            row |= {
                 "detection": interruption.at - cause_at,
-                "restart": recovery.restart_s,
-                "restore": recovery.restore_s,
-                "reshard": recovery.reshard_s,
-                "stopped": recovery.recovery_s,
                 "first step": first_step,
                 "node up": node_up.get(cause_at, "-"),
                 "from schedulable": first_step - node_up[cause_at] if cause_at in node_up else "-",
-                "steps lost": recovery.steps_lost,
                 "load": f"{load.mean(cause_at, cause_at + first_step):.1f}",
                 "GCS cores": f"{gcs_cores[cause_at]:.2f}" if cause_at in gcs_cores else "-",
             }
-        )
-    if len(rows) < len(causes):
-        rows.append(
-            {
-                "scenario": name,
-                "event": "regrow: none before the run's last step",
-                **{
-                    c: "-"
-                    for c in (
-                        "detection",
-                        "restart",
-                        "restore",
-                        "reshard",
-                        "stopped",
-                        "first step",
-                        "node up",
-                        "from schedulable",
-                        "steps lost",
-                        "load",
-                        "GCS cores",
-                    )
-                },
-            }
-        )
+        rows.append(row)
+    for cause_at in sorted(set(causes) - set(caused)):
+        what = "regrow" if cause_at in node_up else "shrink"
+        rows.append({"scenario": name, "event": f"{what}: none before the run's last step"})
     for row in rows:
-        say(f"{name}: {row['event']}: first step after {cell(row['first step'])}")
+        say(f"{name}: {row['event']}: first step after {cell(row.get('first step', '-'))}")
     return rows
+
+
+def recovered_interruptions(events: list) -> list[tuple[Interrupted, Recovered]]:
+    """Each interruption with the recovery that followed it (one left unrecovered when the run
+    ended, or interrupted again before its first step, has none and is left out)."""
+    pairs, pending = [], None
+    for e in events:
+        if isinstance(e, Interrupted):
+            pending = e
+        elif isinstance(e, Recovered) and pending is not None:
+            pairs.append((pending, e))
+            pending = None
+    return pairs
+
+
+def caused_by(causes: list[float], pairs: list[tuple[Interrupted, Recovered]]) -> list[Optional[float]]:
+    """Per pair, the node's removal or return (of `causes`, ascending) that it followed: the
+    first interruption known after each cause; None for one nothing here caused (a failure
+    of the run's own, e.g. a worker's start timed out on a loaded machine)."""
+    caused: list[Optional[float]] = [None] * len(pairs)
+    for cause_at in causes:
+        after = [i for i, (interruption, _) in enumerate(pairs) if interruption.at >= cause_at and caused[i] is None]
+        if after:
+            caused[after[0]] = cause_at
+    return caused
 
 
 def run_spare_scenario(
@@ -403,7 +439,7 @@ def run_config(name: str, overrides: list[str], mlflow_url: str, steps: int, roo
     return load_config(
         [
             "experiment=tiny",
-            f"run.name=recovery-{re.sub('[^a-z0-9]+', '-', name.replace('+', 'and'))}-{int(time.time())}",
+            f"run.name=recovery-{re.sub('[^a-z0-9]+', '-', name.lower().replace('+', 'and'))}-{int(time.time())}",
             f"run.storage={root / 'runs'}",
             f"tracking.uri={mlflow_url}",
             "tracking.experiment=bench-recovery",
@@ -460,6 +496,29 @@ def cell(value) -> str:
     return f"{value:.1f} s" if isinstance(value, float) else str(value)
 
 
+def against_bounds(rows: list[dict]) -> list[str]:
+    """Per shrink, its death → first step and steps redone; per regrow, how long the members
+    stopped: each against issue 58's bound."""
+    lines = []
+    for row in rows:
+        kind = row["event"].split(" ")[0]
+        if kind == "shrink" and isinstance(row.get("first step"), float):
+            within = row["first step"] <= SHRINK_FIRST_STEP_S and row["steps lost"] == 0
+            lines.append(
+                f"{row['scenario']}: {row['event']}: the first step {row['first step']:.1f} s after the death, "
+                f"{row['steps lost']} steps redone ({'within' if within else 'beyond'} "
+                f"{SHRINK_FIRST_STEP_S:g} s and none redone)"
+            )
+        elif kind == "regrow" and isinstance(row.get("stopped"), float):
+            within = row["stopped"] <= REGROW_STOPPED_S
+            lines.append(
+                f"{row['scenario']}: {row['event']}: the members stopped {row['stopped']:.1f} s (the first step "
+                f"{cell(row.get('first step', '-'))} after the node's return; {'within' if within else 'beyond'} "
+                f"{REGROW_STOPPED_S:g} s stopped)"
+            )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
@@ -467,29 +526,60 @@ def main() -> None:
         "--only",
         nargs="+",
         choices=sorted(SCENARIOS),
-        default=["wildtrain defaults", "in-process"],
-        help="the scenarios to run (default: the restart path's defaults and in-process)",
+        default=["default", RESTART],
+        help="the scenarios to run (default: wildtrain's default config, and the restart path beside it)",
+    )
+    parser.add_argument(
+        "--zero-stages",
+        nargs="+",
+        type=int,
+        choices=[1, 2, 3],
+        default=[1],
+        help="deepspeed.zero_stage: each scenario runs at each (a few minutes a scenario on a 2-core machine)",
+    )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every scenario, under the scenario's own (repeatable)",
     )
     args = parser.parse_args()
-    scenarios = {name: SCENARIOS[name] for name in args.only}
     load = LoadSampler()
     rows = []
     with tiny_services("bench-recovery") as (root, dataset, mlflow_url):
-        for name, scenario in scenarios.items():
-            overrides = [f"data.datasets=[{{uri: {dataset}}}]", *scenario["overrides"]]
-            rows += run_scenario(
-                name,
-                overrides,
-                scenario["system_config"],
-                mlflow_url,
-                args.steps,
-                root,
-                load,
-                scenario.get("spares", 0),
-                scenario.get("workers_per_node", 1),
-                scenario.get("victims"),
-                scenario.get("pace"),
-            )
+        for stage in args.zero_stages:
+            for name in args.only:
+                scenario = SCENARIOS[name]
+                overrides = [
+                    f"data.datasets=[{{uri: {dataset}}}]",
+                    *args.override,
+                    *scenario["overrides"],
+                    f"deepspeed.zero_stage={stage}",
+                ]
+                label = f"{name}, ZeRO-{stage}"
+                try:
+                    rows += run_scenario(
+                        label,
+                        overrides,
+                        scenario["system_config"],
+                        mlflow_url,
+                        args.steps,
+                        root,
+                        load,
+                        scenario.get("spares", 0),
+                        scenario.get("workers_per_node", 1),
+                        scenario.get("victims"),
+                        scenario.get("pace"),
+                    )
+                except Exception as e:  # the other scenarios' rows are still worth their minutes
+                    say(f"{label}: failed: {e}")
+                    rows.append(
+                        {
+                            "scenario": label,
+                            "event": f"failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                        }
+                    )
 
     columns = [
         "scenario",
@@ -512,10 +602,13 @@ def main() -> None:
         print("| " + " | ".join(cell(row.get(c, "-")) for c in columns) + " |")
     print(
         "\ndetection: node removed/added → controller knows; restart: → new group's training function starts "
-        "(measured from detection); first step: node removed/added → first step at the new size; node up: add_node "
-        "→ the GCS lists the node alive (its raylet started); from schedulable: that → the first step; GCS cores: "
-        "the head's GCS's CPU from the node's removal to its return."
+        "(measured from detection); stopped: no worker trained (at a join, the members' stop); first step: node "
+        "removed/added → first step at the new size; node up: add_node → the GCS lists the node alive (its raylet "
+        "started); from schedulable: that → the first step; GCS cores: the head's GCS's CPU from the node's removal "
+        "to its return.\n"
     )
+    for line in against_bounds(rows):
+        print(line)
 
 
 if __name__ == "__main__":

@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,15 +49,15 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from reference import module_at
 
 from wildtrain.batching import BatchPlan
 from wildtrain.config import load_config
 from wildtrain.elastic.membership import Cut, mirror_ring, plan_repartition, plan_transfers
 from wildtrain.elastic.peer_state import Mirrors, load_state, partitioned_groups
-from wildtrain.engine import build_engine, param_groups
+from wildtrain.engine import EngineSettings, build_engine, param_groups
 from wildtrain.model.transformer import Transformer
 
-REPO = Path(__file__).resolve().parents[1]
 # The last revision whose re-form gathered every partition onto every rank.
 REFERENCE_REV = "aa375d0"
 STEP, GLOBAL_BATCH = 7, 12
@@ -70,23 +68,10 @@ GIB = 2**30
 
 def reference_modules(rev: str) -> ModuleType:
     """`elastic.peer_state` as it was at `rev`, with `elastic.membership` as it was then."""
-    modules = {}
-    for name in ("membership", "peer_state"):
-        source = subprocess.run(
-            ["git", "show", f"{rev}:platform/wildtrain/elastic/{name}.py"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        source = source.replace("from wildtrain.elastic.membership import", "from membership_reference import")
-        path = Path(tempfile.mkdtemp()) / f"{name}_reference.py"
-        path.write_text(source)
-        spec = importlib.util.spec_from_file_location(f"{name}_reference", path)
-        modules[name] = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = modules[name]  # dataclasses, and the import above, look it up there
-        spec.loader.exec_module(modules[name])
-    return modules["peer_state"]
+    module_at(rev, "platform/wildtrain/elastic/membership.py")
+    return module_at(
+        rev, "platform/wildtrain/elastic/peer_state.py", {"wildtrain.elastic.membership": "membership_reference"}
+    )
 
 
 def config(model: str):
@@ -196,7 +181,10 @@ def rank_main(rank: int, port: int, case: dict, out: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             engine = build_engine(
-                cfg, BatchPlan(new_world, 1, GLOBAL_BATCH // new_world), Transformer(cfg.model), torch.device("cpu")
+                EngineSettings(cfg.model, cfg.optim, cfg.deepspeed, cfg.train.steps, cfg.elastic.collective_timeout_s),
+                BatchPlan(new_world, 1, GLOBAL_BATCH // new_world),
+                Transformer(cfg.model),
+                torch.device("cpu"),
             )
         sizes = [group.fp32.numel() for group in partitioned_groups(engine)]
         assert tuple(sizes) == Cut.of(numels, new_world).sizes, ("DeepSpeed cut otherwise", sizes)
