@@ -26,12 +26,10 @@ from wildtrain.data.pins import OrderPins, order_changes, order_pins
 from wildtrain.elastic import scaling
 from wildtrain.elastic.controller import StorageSettings, controller_callbacks
 from wildtrain.elastic.missed_commits import MissedCommits
-from wildtrain.elastic.restarts import interpret
 from wildtrain.elastic.survivors import start_rendezvous, survivor_callbacks
 from wildtrain.events import DataOrderChanged, ShardSkipped, Started, Stopped, StragglerCheckOff
 from wildtrain.layout import RunLayout, checkpoint_stores, run_record
-from wildtrain.tracking.controller.mlflow_run import FLUSH_TIMEOUT_S, MlflowCallback, Tracker, log_event
-from wildtrain.tracking.controller.progress import ProgressCallback
+from wildtrain.tracking.controller.mlflow_run import FLUSH_TIMEOUT_S, MlflowRecorder, Tracker, log_event
 from wildtrain.tracking.mlflow_client import Client, check_reachable, run_url
 from wildtrain.tracking.reports import runs as report
 from wildtrain.tracking.run_setup import open_run
@@ -134,7 +132,7 @@ def _run(
 
     scaling.controller_env(cfg.elastic)
     run_fs, run_path = storage.filesystem(storage.resolve(cfg.run.storage), cfg.storage)
-    mlflow = MlflowCallback(cfg.tracking.uri, run_id, interpret, layout.hangs, cfg.storage, layout.tracking)
+    mlflow = MlflowRecorder(cfg.tracking.uri, run_id, layout.hangs, cfg.storage, layout.tracking)
     rendezvous = start_rendezvous(cfg)
     ray_compat.keep_ray_data_stats_here()  # not on a worker's node, which may die
     worker_env = {**scaling.worker_env(cfg.cluster, cfg.elastic), **storage_env, **hook_env}
@@ -159,15 +157,13 @@ def _run(
             storage_filesystem=run_fs,
             failure_config=scaling.failure_config(),
             # Ray hands the list to the controller as one argument: the elastic callbacks'
-            # events go through the same MLflow callback, not a copy of it.
+            # events go through the same MLflow recorder, not a copy of it.
             # Survivors are kept (or not) before any other callback sees a poll's errors, and
             # commits a lost rank 0 did not report are noticed before any callback acts on notices.
             callbacks=[
                 StorageSettings(storage_env),
                 *survivor_callbacks(cfg, rendezvous, inputs, worker_env, joiner_main),
                 MissedCommits(layout, cfg.storage),
-                ProgressCallback(cfg.train.steps),
-                mlflow,
                 *controller_callbacks(cfg, mlflow, evaluation),
             ],
             # The Ray Data tasks a worker starts inherit its runtime env, not its process's.

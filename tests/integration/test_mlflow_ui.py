@@ -15,8 +15,8 @@ from mlflow.tracking import MlflowClient
 
 from tests.helpers.runs import open_mlflow_run
 from wildtrain.config import StorageConfig, load_config
-from wildtrain.elastic.restarts import interpret
-from wildtrain.tracking.controller.mlflow_run import MlflowCallback
+from wildtrain.elastic.controller import ControllerEvents
+from wildtrain.tracking.controller.mlflow_run import MlflowRecorder
 from wildtrain.tracking.mlflow_client import run_url
 from wildtrain.tracking.reports.runs import report_run
 from wildtrain.worker_report import WorkerReport
@@ -74,8 +74,8 @@ def finished_run(mlflow_url: str, tmp_path) -> tuple[str, str]:
         ]
     )
     experiment_id, run_id = open_mlflow_run(cfg, None)
-    callback = MlflowCallback(
-        mlflow_url, run_id, interpret, str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking"
+    callback = ControllerEvents(
+        [MlflowRecorder(mlflow_url, run_id, str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking")]
     )
     start = time.time() - 60
     for step in range(2, 10, 2):

@@ -15,7 +15,7 @@ from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 from wildtrain.config import load_config
 from wildtrain.elastic import controller
 from wildtrain.elastic import nodes as elastic_nodes
-from wildtrain.elastic.controller import RestartPolicy
+from wildtrain.elastic.controller import ControllerEvents, RestartPolicy
 from wildtrain.elastic.nodes import ResourceView
 from wildtrain.elastic.restarts import CapacityClock, FailureBudget
 from wildtrain.elastic.signals import CapacityError
@@ -99,17 +99,22 @@ def policy(*overrides: str, recorded: list | None = None) -> RestartPolicy:
     return p
 
 
+def changed(p: RestartPolicy, previous, current) -> None:
+    """Ray's controller changes its state: its one reader tells the policy."""
+    ControllerEvents([p]).after_controller_state_update(previous, current)
+
+
 def test_one_failure_counts_once_however_often_the_controller_repeats_its_state(clock, nodes):
     p = policy("elastic.max_failures=1")
     error = worker_exception()
-    p.after_controller_state_update(state("RUNNING"), state("RESTARTING", error))
+    changed(p, state("RUNNING"), state("RESTARTING", error))
     restarting = state("RESTARTING", error)
     for _ in range(20):  # the controller waits for capacity: same state, same error
-        p.after_controller_state_update(restarting, restarting)
+        changed(p, restarting, restarting)
     assert p.budget.failures == 1
-    p.after_controller_state_update(state("SCHEDULING", workers=1), state("RUNNING"))
+    changed(p, state("SCHEDULING", workers=1), state("RUNNING"))
     with pytest.raises(RuntimeError, match=r"^elastic.max_failures: 2 failures, more than the 1 allowed"):
-        p.after_controller_state_update(state("RUNNING"), state("RESTARTING", worker_exception()))
+        changed(p, state("RUNNING"), state("RESTARTING", worker_exception()))
 
 
 @pytest.fixture
@@ -147,18 +152,18 @@ def test_the_failure_budget_counts_an_error_once_and_planned_restarts_never():
 def test_a_worker_exception_does_not_wait_the_node_grace(clock, nodes):
     p = policy()
     started = clock.now
-    p.after_controller_state_update(state("RUNNING"), state("RESTARTING", worker_exception()))
+    changed(p, state("RUNNING"), state("RESTARTING", worker_exception()))
     assert clock.now == started and not nodes.calls, "no node was lost: nothing to wait for"
 
 
 def test_a_lost_worker_waits_until_its_node_is_marked_dead(clock, nodes):
     p = policy()
     started = clock.now
-    p.after_controller_state_update(state("RUNNING"), state("RESTARTING", lost_worker()))
+    changed(p, state("RUNNING"), state("RESTARTING", lost_worker()))
     assert clock.now - started == pytest.approx(p.node_grace_s), "the node lives: the whole grace"
     nodes.table["b"] = False
     started = clock.now
-    p.after_controller_state_update(state("RUNNING"), state("RESTARTING", lost_worker()))
+    changed(p, state("RUNNING"), state("RESTARTING", lost_worker()))
     assert clock.now == started, "the node is already marked dead"
 
 
@@ -175,27 +180,27 @@ def test_a_smaller_group_slow_to_start_after_a_stale_sized_attempt_is_not_a_capa
     cfg = load_config([])
     timeout = cfg.elastic.worker_start_timeout_s
     p = policy()
-    p.after_controller_state_update(state("SCHEDULING", workers=2), state("RUNNING"))
-    p.after_controller_state_update(state("RUNNING"), state("RESTARTING", lost_worker()))
+    changed(p, state("SCHEDULING", workers=2), state("RUNNING"))
+    changed(p, state("RUNNING"), state("RESTARTING", lost_worker()))
     for workers in (2, 2):
         scheduling = state("SCHEDULING", workers=workers)
-        p.after_controller_state_update(state("RESTARTING"), scheduling)
+        changed(p, state("RESTARTING"), scheduling)
         clock.now += timeout
-        p.after_controller_state_update(scheduling, state("RESCHEDULING", start_timed_out(workers)))
-    p.after_controller_state_update(state("RESCHEDULING"), state("SCHEDULING", workers=1))
+        changed(p, scheduling, state("RESCHEDULING", start_timed_out(workers)))
+    changed(p, state("RESCHEDULING"), state("SCHEDULING", workers=1))
     clock.now += 60  # runtime env, imports: slow, but it fits
-    p.after_controller_state_update(state("SCHEDULING", workers=1), state("RUNNING"))
+    changed(p, state("SCHEDULING", workers=1), state("RUNNING"))
     assert p.capacity.waited_s(clock.now) == 0
 
 
 def test_a_run_without_capacity_ends_after_capacity_wait_s(clock, nodes):
     p = policy("elastic.capacity_wait_s=15")
-    p.after_controller_state_update(state("RUNNING"), state("RESTARTING", lost_worker()))
+    changed(p, state("RUNNING"), state("RESTARTING", lost_worker()))
     started = clock.now - p.node_grace_s
     restarting = state("RESTARTING", lost_worker())
     with pytest.raises(CapacityError, match=r"^elastic.capacity_wait_s: no worker group could run for 15 s"):
         for _ in range(100):
-            p.after_controller_state_update(restarting, restarting)
+            changed(p, restarting, restarting)
     assert 15 < clock.now - started < 17, "each turn of the controller's loop waits for the next refresh"
 
 
@@ -203,20 +208,20 @@ def test_a_wait_for_room_is_recorded_when_a_group_runs_again_and_a_usual_restart
     recorded = []
     p = policy(recorded=recorded)
     error = worker_exception()
-    p.after_controller_state_update(state("RUNNING"), state("RESTARTING", error))
-    p.after_controller_state_update(state("RESTARTING", error), state("SCHEDULING", workers=2))
-    p.after_controller_state_update(state("SCHEDULING", workers=2), state("RUNNING"))
+    changed(p, state("RUNNING"), state("RESTARTING", error))
+    changed(p, state("RESTARTING", error), state("SCHEDULING", workers=2))
+    changed(p, state("SCHEDULING", workers=2), state("RUNNING"))
     assert recorded == [], "a restart that found room at once waited for nothing"
 
     error = worker_exception()
     stopped_at = clock.now
     restarting = state("RESTARTING", error)
-    p.after_controller_state_update(state("RUNNING"), restarting)
+    changed(p, state("RUNNING"), restarting)
     for _ in range(10):  # no room: the controller's loop turns without a decision
-        p.after_controller_state_update(restarting, restarting)
-    p.after_controller_state_update(restarting, state("SCHEDULING", workers=1))
+        changed(p, restarting, restarting)
+    changed(p, restarting, state("SCHEDULING", workers=1))
     clock.now += 3.0
-    p.after_controller_state_update(state("SCHEDULING", workers=1), state("RUNNING"))
+    changed(p, state("SCHEDULING", workers=1), state("RUNNING"))
     [waiting] = recorded
     assert isinstance(waiting, Waiting)
     assert (waiting.start, waiting.end) == (stopped_at, clock.now)
@@ -244,8 +249,8 @@ def test_a_failing_refresh_does_not_end_the_run(capsys, clock, nodes):
 
     p = policy()
     p.view = ResourceView(refresh)
-    p.after_controller_state_update(state("RUNNING"), state("RESTARTING", worker_exception()))
+    changed(p, state("RUNNING"), state("RESTARTING", worker_exception()))
     restarting = state("RESTARTING", worker_exception())
-    p.after_controller_state_update(restarting, restarting)
+    changed(p, restarting, restarting)
     assert len(calls) == 2
     assert capsys.readouterr().out.count("TimeoutError: GCS did not answer in 10 s") == 1, "once per distinct error"

@@ -12,11 +12,11 @@ from mlflow.tracking import MlflowClient
 from tests.helpers.reports import first_report
 from tests.helpers.runs import open_mlflow_run
 from wildtrain.config import StorageConfig
-from wildtrain.elastic.restarts import interpret
+from wildtrain.elastic.controller import ControllerEvents
 from wildtrain.events import Resize, StoppedEarly, TrackingOutage
 from wildtrain.tracking import mlflow_client, record
 from wildtrain.tracking.controller import mlflow_run
-from wildtrain.tracking.controller.mlflow_run import MlflowCallback, Tracker
+from wildtrain.tracking.controller.mlflow_run import MlflowRecorder, Tracker
 from wildtrain.tracking.record import mlflow_key, read_events
 from wildtrain.worker_report import WorkerReport
 
@@ -42,9 +42,8 @@ def test_reports_never_wait_on_a_hung_mlflow_server_and_nothing_is_lost(hung_ser
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "120")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "7")
     monkeypatch.setattr(mlflow_run, "FLUSH_TIMEOUT_S", 0.5)
-    callback = MlflowCallback(
-        hung_server, "r1", interpret, str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking"
-    )
+    recorder = MlflowRecorder(hung_server, "r1", str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking")
+    callback = ControllerEvents([recorder])
     started = time.perf_counter()
     for step in range(1, 101):
         window = {"step": step, "at": time.time(), "loss": 5.0 - step / 100, "world_size": 2}
@@ -144,9 +143,10 @@ def test_runs_that_start_together_on_the_same_dataset_each_record_it(tmp_path, m
 
 def test_each_window_of_a_report_is_logged_at_its_own_step_and_time(store, tmp_path):
     client, run_id = store
-    callback = MlflowCallback(
-        client.tracking_uri, run_id, interpret, str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking"
+    recorder = MlflowRecorder(
+        client.tracking_uri, run_id, str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking"
     )
+    callback = ControllerEvents([recorder])
     # Three log steps that waited for one report, as the loop sends them while the
     # controller's previous report was still queued, and a save's figures at the report's step.
     windows = [
@@ -189,9 +189,10 @@ def test_the_experiment_wildtrain_creates_opens_in_the_mlflow_uis_model_training
 
 def test_the_model_metrics_tab_opens_on_the_training_curves_and_how_the_run_runs_is_under_system(store, tmp_path):
     client, run_id = store
-    callback = MlflowCallback(
-        client.tracking_uri, run_id, interpret, str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking"
+    recorder = MlflowRecorder(
+        client.tracking_uri, run_id, str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking"
     )
+    callback = ControllerEvents([recorder])
     window = {
         "step": 4,
         "at": 1_700_000_000.0,
@@ -214,7 +215,7 @@ def test_the_model_metrics_tab_opens_on_the_training_curves_and_how_the_run_runs
         checkpoint={"checkpoint/bytes": 1024.0, "checkpoint/save_s": 0.3},
     )
     callback.after_report(None, [report.to_dict()])
-    callback.record_event(StoppedEarly(time.time(), 4, "loss stopped falling"))
+    recorder.record_event(StoppedEarly(time.time(), 4, "loss stopped falling"))
     callback.after_controller_finish(None)
     keys = set(client.get_run(run_id).data.metrics)
     # The MLflow UI's Model metrics tab lists a section per key prefix above the keys with
@@ -241,9 +242,10 @@ def test_a_failed_group_is_one_failure_with_what_it_carries_however_long_the_con
     from wildtrain.events import Failure, HealthCheck, NodeExcluded
 
     client, run_id = store
-    callback = MlflowCallback(
-        client.tracking_uri, run_id, interpret, str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking"
+    recorder = MlflowRecorder(
+        client.tracking_uri, run_id, str(tmp_path / "hangs"), StorageConfig(), tmp_path / "tracking"
     )
+    callback = ControllerEvents([recorder])
     check = HealthCheck(1.0, "matmul", 1, "slow", False, "0.2x")
     statuses = {
         0: WorkerStatus(False, UnhealthyNodes(["slow"], [check])),

@@ -229,11 +229,10 @@ def test_ray_train_still_makes_its_controller_and_places_its_workers_where_node_
 def test_every_hook_our_callbacks_define_is_one_ray_calls_with_those_parameters():
     """A hook Ray renamed would never be called, silently: each of ours must still be a
     method of a Ray callback base, taking the same parameters."""
-    from wildtrain.elastic.controller import NodeExclusion, ReshardAhead, RestartPolicy
-    from wildtrain.tracking.controller.mlflow_run import MlflowCallback
+    from wildtrain.elastic.controller import ControllerEvents, NodeExclusion, ReshardAhead, RestartPolicy
 
     bases = (ControllerCallback, ReportCallback, WorkerGroupCallback)
-    for ours in (RestartPolicy, NodeExclusion, ReshardAhead, MlflowCallback):
+    for ours in (ControllerEvents, RestartPolicy, NodeExclusion, ReshardAhead):
         hooks = [name for name in vars(ours) if name.startswith(("after_", "before_", "on_"))]
         assert hooks, ours
         for name in hooks:

@@ -6,12 +6,13 @@ config, MLflow's params or a repr."""
 from __future__ import annotations
 
 import pytest
+from ray.train.v2._internal.execution.controller import state as ray_states
 from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
 
 from wildtrain import storage
 from wildtrain.config import StorageConfig, flatten, load_config, redact, to_yaml
 from wildtrain.elastic.controller import StorageSettings
-from wildtrain.elastic.restarts import classify_restart
+from wildtrain.elastic.restarts import classify_restart, seen
 from wildtrain.elastic.signals import RunCannotContinue
 from wildtrain.train.entry import check_storage
 
@@ -123,7 +124,7 @@ def test_a_worker_that_resolves_unlike_the_driver_ends_the_run_in_one_line(envir
     assert message.endswith(f"resolves s3:// unlike the driver: endpoint http://10.0.0.9:9000, the driver's {SEAWEED}")
     # Not restarted into the same error: the controller ends the run with the line.
     failed = WorkerGroupPollStatus({0: WorkerStatus(running=False, error=raised.value)}).get_worker_group_error()
-    restart = classify_restart(failed)
+    restart = classify_restart(seen(ray_states.RestartingState(failed)))
     assert restart.fatal and restart.cause == message
 
 

@@ -1,5 +1,6 @@
 """What Ray Train's controller does not do by itself, as callbacks that run inside it, one
-per concern: the driver's storage settings, restarts (failures counted, lost nodes awaited,
+per concern: the driver's storage settings, what happens to the run read once and told to
+its consumers in order (`ControllerEvents`), restarts (failures counted, lost nodes awaited,
 capacity waited for, the resource view kept fresh), nodes left out, checkpoints converted
 ahead of a resize, and checkpoints evaluated beside training."""
 
@@ -10,7 +11,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import ray
 
@@ -19,6 +20,15 @@ from wildtrain.checkpoint import reshard
 from wildtrain.checkpoint.format import step_of
 from wildtrain.checkpoint.store import Store, read_manifest
 from wildtrain.config import Config
+from wildtrain.controller_events import (
+    Consumer,
+    GroupStarted,
+    Noted,
+    Reported,
+    Stage,
+    StateChanged,
+    in_stage_order,
+)
 from wildtrain.elastic.nodes import (
     ResourceView,
     alive_nodes,
@@ -26,10 +36,13 @@ from wildtrain.elastic.nodes import (
     excluded_nodes,
     workers_that_fit,
 )
-from wildtrain.elastic.restarts import CapacityClock, FailureBudget, decide, interpret
+from wildtrain.elastic.restarts import CapacityClock, FailureBudget, decide, interpret, seen
 from wildtrain.elastic.signals import CapacityError
 from wildtrain.events import EvalFailed, EvalSkipped, Event, Waiting
 from wildtrain.ray_compat import alive_node_totals
+from wildtrain.tracking.controller.mlflow_run import MlflowRecorder
+from wildtrain.tracking.controller.progress import ProgressLines
+from wildtrain.tracking.controller.timeline import Timeline
 from wildtrain.worker_report import rank_zero
 
 # How long the end of a run waits for a conversion ahead of a resize to commit.
@@ -42,15 +55,64 @@ _CONVERSION_SHUTDOWN_WAIT_S = 60.0
 _WAIT_REFRESH_S = 1.0
 
 
-def controller_callbacks(cfg: Config, mlflow, evaluation=None) -> list:
-    """The controller callbacks of a run; `mlflow` (its `MlflowCallback`) logs to its MLflow
-    run; `evaluation` (an `evals.remote.EvalPlan`), where eval.tasks are set."""
-    callbacks = [RestartPolicy(cfg, mlflow.record_event), NodeExclusion(cfg)]
+def controller_callbacks(cfg: Config, mlflow: MlflowRecorder, evaluation=None) -> list:
+    """The controller callbacks of a run; `mlflow` records to its MLflow run; `evaluation`
+    (an `evals.remote.EvalPlan`), where eval.tasks are set."""
+    policy = RestartPolicy(cfg, mlflow.record_event)
+    callbacks = [ControllerEvents([ProgressLines(cfg.train.steps), mlflow, policy]), policy, NodeExclusion(cfg)]
     if cfg.checkpoint.reshard_ahead and cfg.deepspeed.zero_stage > 0:
         callbacks.append(ReshardAhead(cfg))
     if evaluation is not None:
         callbacks.append(EvalEvery(cfg, evaluation, mlflow))
     return callbacks
+
+
+class ControllerEvents(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallback, ray_compat.ReportCallback):
+    """The one reader of what happens to the run in the controller: a worker group's start,
+    each change of the controller's state (`restarts.interpret`, once), and each of rank 0's
+    reports, with the run's elastic timeline (`Timeline`) kept from them. Each is told, typed
+    (`controller_events`), to `consumers` in the order of their stage: the progress lines,
+    the MLflow record, the restart policy."""
+
+    def __init__(self, consumers: Sequence[Consumer]) -> None:
+        self.consumers = in_stage_order(consumers)
+        self.timeline = Timeline()
+
+    def after_worker_group_start(self, worker_group) -> None:
+        workers = ray_compat.group_workers(worker_group)
+        started = GroupStarted([w.node_id for w in workers], [w.pid for w in workers])
+        self.timeline.group_started(started.nodes)
+        for consumer in self.consumers:
+            consumer.group_started(started)
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        transition = interpret(seen(previous_state), seen(current_state))
+        entries = ()
+        kind = transition.interruption
+        if kind is not None and not transition.again:
+            interruption = self.timeline.interrupted(kind, time.time(), transition.cause)
+            # Once per failed group, even within one outage: a failed health check's results, the nodes left out.
+            carried = tuple(Noted(event) for event in transition.events)
+            entries = carried if interruption is None else (interruption, *carried)
+        change = StateChanged(transition, entries)
+        for consumer in self.consumers:
+            consumer.state_changed(change)
+
+    def after_report(self, training_report, metrics) -> None:
+        report = rank_zero(metrics)
+        reported = Reported(report, self.timeline.reported(report))
+        for consumer in self.consumers:
+            consumer.reported(reported)
+
+    def after_controller_finish(self, result) -> None:
+        self._ended()
+
+    def before_controller_abort(self) -> None:
+        self._ended()
+
+    def _ended(self) -> None:
+        for consumer in self.consumers:
+            consumer.ended()
 
 
 class StorageSettings(ray_compat.ControllerCallback):
@@ -68,8 +130,9 @@ class StorageSettings(ray_compat.ControllerCallback):
         os.environ.update(self._env)
 
 
-class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallback):
-    """How the controller restarts a worker group (`restarts.decide` decides, this acts):
+class RestartPolicy(Consumer, ray_compat.ControllerCallback, ray_compat.WorkerGroupCallback):
+    """How the controller restarts a worker group (`restarts.decide` decides on what
+    `ControllerEvents` tells, this acts, once the change is said and recorded):
 
     - after a failure that lost a worker's process, wait (at most `node_grace_s`) for Ray to
       mark the group's lost nodes dead; after any failure, refresh the resource view, so
@@ -92,6 +155,8 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
       checkpoints stay where they are. A wait for room is recorded (`Waiting`) once a group
       runs again.
     """
+
+    stage = Stage.ACT
 
     def __init__(self, cfg: Config, record_event: Callable[[Event], None], node_grace_s: float = 5.0) -> None:
         self.run_name = cfg.run.name
@@ -150,12 +215,11 @@ class RestartPolicy(ray_compat.ControllerCallback, ray_compat.WorkerGroupCallbac
             if lost or started.wait(1.0):
                 return
 
-    def after_worker_group_start(self, worker_group) -> None:
-        self.group_nodes = {w.node_id for w in ray_compat.group_workers(worker_group)}
+    def group_started(self, started: GroupStarted) -> None:
+        self.group_nodes = set(started.nodes)
 
-    def after_controller_state_update(self, previous_state, current_state) -> None:
-        transition = interpret(ray_compat.controller_state(previous_state), ray_compat.controller_state(current_state))
-        decision = decide(transition, self.budget, self.capacity, time.monotonic())
+    def state_changed(self, change: StateChanged) -> None:
+        decision = decide(change.transition, self.budget, self.capacity, time.monotonic())
         self.budget, self.capacity = decision.budget, decision.capacity
         if decision.waited_s is not None:
             wall = time.time()

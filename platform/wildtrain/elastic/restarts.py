@@ -1,41 +1,54 @@
-"""The controller's restart decisions, pure: why a group restarts (`classify_restart`),
-what a change of Ray Train's controller state means (`interpret`, for every callback that
-cares), and what the restart policy does about it (`decide`; `controller.RestartPolicy`
-acts on the decision, as Ray Train's controller acts on its failure policy's decision).
-Ray's states and errors are read through `ray_compat` only."""
+"""The controller's restart decisions, pure: what a change of Ray Train's controller state
+means (`interpret`, once per change, for every consumer of `controller.ControllerEvents`), why a
+group restarts (`classify_restart`), and what the restart policy does about it (`decide`;
+`controller.RestartPolicy` acts on the decision, as Ray Train's controller acts on its failure
+policy's decision). Ray's states and errors are read through `ray_compat` only, and only by
+`seen`: the rest takes what it read (`StateSeen`), with no Ray type."""
 
 from __future__ import annotations
 
-import enum
-import functools
 import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from wildtrain import ray_compat
+from wildtrain.controller_events import Restart, RestartKind, RestartReason, Transition, TransitionKind
 from wildtrain.elastic.signals import PeerFailed, PlannedRegrow, RunCannotContinue, UnhealthyNodes
-from wildtrain.events import Event, Failure, Interrupted, NodeExcluded, Resize
-
-
-class RestartKind(enum.Enum):
-    """Why a worker group stops: its workers failed, or it restarts at another size."""
-
-    FAILURE = "failure"
-    RESIZE = "resize"
+from wildtrain.events import NodeExcluded
 
 
 @dataclass(frozen=True)
-class Restart:
-    """Why the controller restarts a worker group (see `classify_restart`)."""
+class StateSeen:
+    """What a state of Ray Train's controller holds, as `seen` reads it."""
 
-    kind: RestartKind
-    cause: str
-    # wildtrain's own decision (a planned regrow, leaving out unhealthy nodes), not a fault
-    # of the workers: not counted against elastic.max_failures.
-    planned: bool
-    events: list[Event] = field(default_factory=list)  # what the restart carries for MLflow
-    # A restart cannot help (`RunCannotContinue`): the run ends with `cause`.
-    fatal: bool = False
+    name: str  # INITIALIZING, SCHEDULING, RUNNING, RESTARTING, ...
+    workers: Optional[int] = None  # the group size Ray decided on (SCHEDULING, RESIZING)
+    # The failure the state holds (RESTARTING, RESCHEDULING, ERRORED); its identity tells a
+    # new failure from one seen again.
+    error: Optional[BaseException] = field(default=None, compare=False, repr=False)
+    # Each failed worker's exception, by rank, as it raised it (a worker group's failure).
+    failures: dict[int, BaseException] = field(default_factory=dict)
+    by_workers: bool = False  # the workers' own failure, which Ray's failure policy counts
+    lost_process: bool = False  # a worker's process (so perhaps its node) was lost
+    start_timed_out: bool = False  # a group's start found no room in time
+    summary: str = ""  # the first line of the error's text
+
+
+def seen(state) -> StateSeen:
+    """A state as `after_controller_state_update` hands it to callbacks."""
+    read = ray_compat.controller_state(state)
+    error = read.error
+    text = str(error).strip() if error is not None else ""
+    return StateSeen(
+        read.name,
+        read.workers,
+        error,
+        ray_compat.worker_failures(error),
+        by_workers=ray_compat.counts_as_failure(error),
+        lost_process=ray_compat.lost_a_worker_process(error),
+        start_timed_out=ray_compat.start_timed_out(error),
+        summary=text.splitlines()[0][:500] if text else "",
+    )
 
 
 def worker_error_cause(per_worker: dict[int, BaseException]) -> str:
@@ -49,18 +62,15 @@ def worker_error_cause(per_worker: dict[int, BaseException]) -> str:
     return ""
 
 
-@functools.lru_cache(maxsize=16)
-def classify_restart(error: BaseException | None) -> Restart:
-    """Why the controller is restarting the group, from its error: each worker's exception as
-    it raised it (`ray_compat.worker_failures`), read by its type. Cached by the error's
-    identity: the controller's callbacks each ask, and get one answer."""
-    per_worker = ray_compat.worker_failures(error)
-    failures = [failure for _, failure in sorted(per_worker.items())]
+def classify_restart(state: StateSeen) -> Restart:
+    """Why the controller is restarting the group, from the error `state` holds: each worker's
+    exception as it raised it, read by its type."""
+    failures = [failure for _, failure in sorted(state.failures.items())]
     if any(isinstance(failure, PlannedRegrow) for failure in failures):
-        return Restart(RestartKind.RESIZE, "room for more workers", planned=True)
+        return Restart(RestartReason.REGROW, "room for more workers")
     fatal = next((failure for failure in failures if isinstance(failure, RunCannotContinue)), None)
     if fatal is not None:
-        return Restart(RestartKind.FAILURE, fatal.message, planned=False, fatal=True)
+        return Restart(RestartReason.CANNOT_CONTINUE, fatal.message)
     unhealthy = [failure for failure in failures if isinstance(failure, UnhealthyNodes)]
     if unhealthy:
         nodes = sorted({node for failure in unhealthy for node in failure.nodes})
@@ -71,75 +81,13 @@ def classify_restart(error: BaseException | None) -> Restart:
         ]
         # Every rank raises UnhealthyNodes with the same results (`train.monitor.Monitor`): one rank's are logged.
         return Restart(
-            RestartKind.FAILURE,
+            RestartReason.UNHEALTHY_NODES,
             f"health check failed on node(s) {', '.join(nodes)}; left out of the run",
-            planned=True,
             events=[*unhealthy[0].checks, *excluded],
         )
-    text = str(error).strip() if error is not None else ""
-    cause = worker_error_cause(per_worker)
-    return Restart(RestartKind.FAILURE, cause or (text.splitlines()[0][:500] if text else ""), planned=False)
+    return Restart(RestartReason.WORKERS_FAILED, worker_error_cause(state.failures) or state.summary)
 
 
-class TransitionKind(enum.Enum):
-    """What a change of the controller's state means (see `Transition`)."""
-
-    START = "start"
-    RUNNING = "running"
-    FAILURE = "failure"
-    RESIZE = "resize"
-    START_FAILED = "start_failed"
-    WAITING = "waiting"
-    FINISH = "finish"
-
-
-@dataclass(frozen=True)
-class Transition:
-    """What one change of the controller's state means (`interpret`). `kind`:
-
-    - START: the controller starts a group of `workers` (SCHEDULING);
-    - RUNNING: a group runs (RUNNING; PREEMPTING, while it drains);
-    - FAILURE: a running group failed (RESTARTING); `restart` says why. While the cluster
-      lacks room, the controller re-enters RESTARTING, with the same error, at every turn
-      of its loop (`again`): the failure is the first entry's;
-    - RESIZE: a running group stops to restart at another size: a planned regrow
-      (RESTARTING, `restart` says so), or Ray's own resize (RESIZING, no `restart`: off in
-      wildtrain, where growing is the workers' decision);
-    - START_FAILED: the start of a group of `workers` failed (RESCHEDULING); `timed_out`
-      if its workers found no room in time;
-    - WAITING: the controller has no group and waits for a scaling decision
-      (INITIALIZING, or RESCHEDULING again);
-    - FINISH: shutting down, or done.
-    """
-
-    kind: TransitionKind
-    restart: Optional[Restart] = None
-    # Ray's error; its identity tells a new failure from one seen again.
-    error: Optional[BaseException] = field(default=None, compare=False, repr=False)
-    workers: Optional[int] = None
-    timed_out: bool = False
-    lost_process: bool = False  # a worker's process (so perhaps its node) was lost
-    counted: bool = False  # counted against elastic.max_failures: the workers' own failure, not planned
-    # The state the controller was in, again: a turn of its loop that decided nothing, for want of room.
-    again: bool = False
-
-    @property
-    def cause(self) -> str:
-        return self.restart.cause if self.restart is not None else ""
-
-    @property
-    def events(self) -> list[Event]:
-        """What the restart carries for MLflow (a failed health check's results, the nodes left out)."""
-        return self.restart.events if self.restart is not None else []
-
-    @property
-    def interruption(self) -> Optional[type[Interrupted]]:
-        """The event the run's timeline records (`Failure`, `Resize`); None when no group
-        stopped or failed to start."""
-        return _INTERRUPTIONS.get(self.kind)
-
-
-_INTERRUPTIONS = {TransitionKind.FAILURE: Failure, TransitionKind.START_FAILED: Failure, TransitionKind.RESIZE: Resize}
 # A restart's transition: of the same kind.
 _RESTART_TRANSITIONS = {RestartKind.FAILURE: TransitionKind.FAILURE, RestartKind.RESIZE: TransitionKind.RESIZE}
 
@@ -155,7 +103,7 @@ CONTROLLER_STATES = (
 )
 
 
-def interpret(previous: ray_compat.ControllerState, current: ray_compat.ControllerState) -> Transition:
+def interpret(previous: StateSeen, current: StateSeen) -> Transition:
     """What the change from `previous` to `current` means."""
     name, error = current.name, current.error
     if name in _GROUP_STATES:
@@ -168,24 +116,24 @@ def interpret(previous: ray_compat.ControllerState, current: ray_compat.Controll
         return Transition(TransitionKind.FINISH)
     again = previous.name == name and previous.error is error
     if name == "RESTARTING":
-        restart = classify_restart(error)
+        restart = classify_restart(current)
         # Like Ray's own policy, only workers' failures count; a group that could not
         # start in time is the capacity wait's business.
         return Transition(
             _RESTART_TRANSITIONS[restart.kind],
             restart,
             error,
-            lost_process=ray_compat.lost_a_worker_process(error),
-            counted=ray_compat.counts_as_failure(error) and not restart.planned,
+            lost_process=current.lost_process,
+            counted=current.by_workers and not restart.planned,
             again=again,
         )
     if name == "RESCHEDULING" and previous.name == "SCHEDULING":
         return Transition(
             TransitionKind.START_FAILED,
-            classify_restart(error),
+            classify_restart(current),
             error,
             workers=previous.workers,
-            timed_out=ray_compat.start_timed_out(error),
+            timed_out=current.start_timed_out,
         )
     return Transition(TransitionKind.WAITING, again=again)
 

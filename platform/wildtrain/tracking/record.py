@@ -48,7 +48,7 @@ STARTUP_METRICS = (
 
 
 def read_events(uri: str, run_id: str, folder: str) -> list[Event]:
-    """The run's elastic events (see `controller.mlflow_run.MlflowCallback`), oldest first."""
+    """The run's elastic events (see `controller.mlflow_run.MlflowRecorder`), oldest first."""
     client = Client(uri)
     if not client.has_artifacts(run_id, EVENTS_DIR):
         return []

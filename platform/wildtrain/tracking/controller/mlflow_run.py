@@ -1,6 +1,6 @@
 """One MLflow run per training run, spanning every attempt and resize.
 
-The driver opens (or, for a resubmitted run, reopens) the run (`run_setup`); `MlflowCallback` logs from
+The driver opens (or, for a resubmitted run, reopens) the run (`run_setup`); `MlflowRecorder` logs from
 the Ray Train controller, which outlives worker restarts, so a restart never starts a
 second MLflow run. The controller's records go through a `Tracker`: `ray.train.report`
 returns on the worker only once the controller has handled the report, so a call to a
@@ -14,35 +14,27 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Optional, Protocol
+from typing import Optional
 
-from wildtrain import ray_compat, storage
+from wildtrain import storage
 from wildtrain.config import StorageConfig
-from wildtrain.events import Event, Hang, HealthCheck, Interrupted, Recovered, StoppedEarly
+from wildtrain.controller_events import (
+    Consumer,
+    Entry,
+    GroupStarted,
+    Interruption,
+    Noted,
+    Recovery,
+    RecoveryPath,
+    Reported,
+    Stage,
+    StateChanged,
+)
+from wildtrain.events import Event, Hang, HealthCheck, StoppedEarly
 from wildtrain.layout import rank_of_hang_dump
 from wildtrain.tracking.controller.buffer import Outage, TrackingBuffer
-from wildtrain.tracking.controller.timeline import Timeline
 from wildtrain.tracking.mlflow_client import METRICS_PER_REQUEST, Client, bound_requests, is_transient
 from wildtrain.tracking.record import EVENTS_DIR, STARTUP_METRICS, STOPPED_EARLY_TAG, mlflow_key
-from wildtrain.worker_report import rank_zero
-
-
-class StateReading(Protocol):
-    """What the callback reads of the meaning of a change of the controller's state
-    (`elastic.restarts.Transition`): the driver hands the reading in, since tracking sits below elastic."""
-
-    @property
-    def interruption(self) -> Optional[type[Interrupted]]: ...
-
-    @property
-    def again(self) -> bool: ...
-
-    @property
-    def cause(self) -> str: ...
-
-    @property
-    def events(self) -> list[Event]: ...
-
 
 # What the controller logs of rank 0's reports, besides every `checkpoint/*` (per save);
 # `time/*` are means per step over the report's window.
@@ -196,82 +188,57 @@ def _numbers(values: dict, keys: tuple[str, ...]) -> dict[str, float]:
     }
 
 
-class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, ray_compat.WorkerGroupCallback):
-    """Runs in the Ray Train controller: logs rank 0's metrics of every report, each
-    checkpoint, and the elastic timeline (failures, resizes, recoveries) to the run.
+class MlflowRecorder(Consumer):
+    """In the Ray Train controller, records what `elastic.controller.ControllerEvents` tells
+    in the run's MLflow run: rank 0's metrics of every report, each checkpoint, the elastic
+    timeline (failures, resizes, recoveries) and every other event, and the hung ranks'
+    stacks. Records before the restart policy acts, which may end the run."""
 
-    It uses Ray Train's developer callback hooks rather than `UserCallback`, which sees
-    reports but not the controller's state changes that mark failures and resizes."""
+    stage = Stage.RECORD
 
-    def __init__(
-        self,
-        uri: str,
-        run_id: str,
-        interpret: Callable[[ray_compat.ControllerState, ray_compat.ControllerState], StateReading],
-        hang_dumps: str,
-        storage_config: StorageConfig,
-        folder: Path,
-    ) -> None:
+    def __init__(self, uri: str, run_id: str, hang_dumps: str, storage_config: StorageConfig, folder: Path) -> None:
         self.uri = uri
         self.run_id = run_id
         self.folder = folder  # see `RunLayout.tracking`
-        self.interpret = interpret  # `elastic.restarts.interpret`, as the restart policy reads the states
         self.hang_dumps = hang_dumps  # where workers' hang watchdogs write their stacks
         self.storage_config = storage_config
         self._attached: set[str] = set()
-        self.timeline = Timeline()
+        self.step = 0  # of the newest report: where an event that names no step is logged
         self.worker_pids: list[int] = []  # by rank, of the newest group
         self._tracking: Optional[Tracker] = None
 
     @property
     def tracking(self) -> Tracker:
-        # Made in the controller: the callback is built in the driver and pickled there.
+        # Made in the controller: the recorder is built in the driver and pickled there.
         if self._tracking is None:
             self._tracking = Tracker(self.uri, self.run_id, self.folder, bounded_requests=True)
         return self._tracking
 
-    def after_controller_finish(self, result) -> None:
-        self._close()
-
-    def before_controller_abort(self) -> None:
-        self._close()
-
-    def _close(self) -> None:
+    def ended(self) -> None:
         if self._tracking is not None:
             self._tracking.close(FLUSH_TIMEOUT_S)
             self._tracking = None
 
-    def after_worker_group_start(self, worker_group) -> None:
-        workers = ray_compat.group_workers(worker_group)
-        nodes = [w.node_id for w in workers]
-        self.worker_pids = [w.pid for w in workers]
-        self.timeline.group_started(nodes)
+    def group_started(self, started: GroupStarted) -> None:
+        self.worker_pids = started.pids
         # Node-seconds in service, for the cluster card's failures per node-day.
-        self.tracking.metrics({"elastic/nodes": len(set(nodes))}, self.timeline.last_step)
+        self.tracking.metrics({"elastic/nodes": len(set(started.nodes))}, self.step)
 
-    def after_controller_state_update(self, previous_state, current_state) -> None:
-        previous, current = ray_compat.controller_state(previous_state), ray_compat.controller_state(current_state)
-        transition = self.interpret(previous, current)
-        kind = transition.interruption
-        if kind is None or transition.again:
-            return
-        event = self.timeline.interrupted(kind, time.time(), transition.cause)
-        if event is not None:
-            self._log_event(event, event.last_step)
-            self.tracking.metrics({"elastic/nodes": 0}, event.last_step)
-            self._attach_hang_dumps(event.last_step, event.nodes)
-            print(
-                f"{event.KIND} after step {event.last_step} at world size {event.world_size}: {transition.cause}",
-                flush=True,
-            )
-        # Once per failed group, even within one outage: a failed health check's results, the nodes left out.
-        for carried in transition.events:
-            self._log_event(carried, self.timeline.last_step)
+    def state_changed(self, change: StateChanged) -> None:
+        for entry in change.entries:
+            if isinstance(entry, Interruption) and entry.path is RecoveryPath.RESTART:
+                # The whole group stopped: no node in service from its last step, and the
+                # stacks its hung ranks wrote explain it.
+                event = entry.event
+                self._record(event, event.last_step)
+                self.tracking.metrics({"elastic/nodes": 0}, event.last_step)
+                self._attach_hang_dumps(event.last_step, event.nodes)
+            else:
+                self._log_entry(entry, self.step)
 
-    def after_report(self, training_report, metrics) -> None:
-        report = rank_zero(metrics)
-        step = report.step
-        recovery = self.timeline.reported(report)
+    def reported(self, reported: Reported) -> None:
+        report = reported.report
+        step = self.step = report.step
         # Each window closed at a log step since the last report, at its step and at the time
         # the worker closed it: the report itself may come a poll later (train/attempt.py).
         self.tracking.metric_points(
@@ -280,22 +247,14 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
         values = dict(report.checkpoint)
         if report.startup is not None:
             values |= {f"startup/{key}": getattr(report.startup, key) for key in STARTUP_METRICS}
-        if recovery is not None:
-            values |= {
-                f"elastic/{key}": value
-                for key, value in asdict(recovery).items()
-                if key != "at" and isinstance(value, (int, float))
-            }
-            self._log_event(recovery, step)
-            print(
-                f"recovered at world size {recovery.world_size_after} from step {recovery.restored_step} "
-                f"in {recovery.recovery_s:.1f} s (restart {recovery.restart_s:.1f} s, "
-                f"restore {recovery.restore_s:.1f} s, "
-                f"reshard {recovery.reshard_s:.1f} s); {recovery.steps_lost} steps redone",
-                flush=True,
-            )
-        for event in report.events:  # the workers' own: health, stragglers, checkpoints
-            self._log_event(event, step)
+        for entry in reported.entries:
+            if isinstance(entry, Recovery) and entry.path is RecoveryPath.RESTART:
+                values |= {
+                    f"elastic/{key}": value
+                    for key, value in asdict(entry.event).items()
+                    if key != "at" and isinstance(value, (int, float))
+                }
+            self._log_entry(entry, step)
         for committed in report.committed_checkpoints:
             self.tracking.tag("wildtrain.last_checkpoint", committed)
         if values:
@@ -330,15 +289,25 @@ class MlflowCallback(ray_compat.ReportCallback, ray_compat.ControllerCallback, r
 
     def record_event(self, event: Event) -> None:
         """An event of another controller callback, at the newest step reported."""
-        self._log_event(event, self.timeline.last_step)
+        self._log_event(event, self.step)
+
+    def _log_entry(self, entry: Entry, step: int) -> None:
+        """A timeline entry is said by the progress lines (or, in-process, by the workers)."""
+        if isinstance(entry, Noted):
+            self._log_event(entry.event, step)
+        else:
+            self._record(entry.event, step)
 
     def _log_event(self, event: Event, step: int) -> None:
         """Into MLflow, and onto the log unless it is a passed health check."""
-        self.tracking.event(event, step)
-        if isinstance(event, StoppedEarly):  # searchable, unlike the event's artifact
-            self.tracking.tag(STOPPED_EARLY_TAG, event.reason)
+        self._record(event, step)
         if isinstance(event, HealthCheck):
             if not event.passed:
                 print(f"health check failed at step {step}: {event.summary()}", flush=True)
-        elif not isinstance(event, (Interrupted, Recovered)):  # printed by their own lines
+        else:
             print(f"{event.KIND} at step {step}: {event.summary()}", flush=True)
+
+    def _record(self, event: Event, step: int) -> None:
+        self.tracking.event(event, step)
+        if isinstance(event, StoppedEarly):  # searchable, unlike the event's artifact
+            self.tracking.tag(STOPPED_EARLY_TAG, event.reason)

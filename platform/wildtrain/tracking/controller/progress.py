@@ -1,12 +1,11 @@
-"""Progress lines on the driver's console, from the Ray Train controller."""
+"""Progress lines on the driver's console, from the Ray Train controller: each report's newest
+step, and the restart path's interruptions and recoveries."""
 
 from __future__ import annotations
 
 import datetime
 
-from ray.train import UserCallback
-
-from wildtrain.worker_report import rank_zero
+from wildtrain.controller_events import Consumer, Interruption, Recovery, RecoveryPath, Reported, Stage, StateChanged
 
 
 def progress_line(metrics: dict, total_steps: int) -> str:
@@ -18,11 +17,35 @@ def progress_line(metrics: dict, total_steps: int) -> str:
     )
 
 
-class ProgressCallback(UserCallback):
+class ProgressLines(Consumer):
+    """Says what `elastic.controller.ControllerEvents` tells before anything else hears of it.
+    An in-process re-form's line is its rank 0's (`train.generations`), said as it happens."""
+
+    stage = Stage.SAY
+
     def __init__(self, total_steps: int) -> None:
         self.total_steps = total_steps
 
-    def after_report(self, run_context, metrics, checkpoint) -> None:
-        windows = rank_zero(metrics).windows
+    def state_changed(self, change: StateChanged) -> None:
+        for entry in change.entries:
+            if isinstance(entry, Interruption) and entry.path is RecoveryPath.RESTART:
+                event = entry.event
+                print(
+                    f"{event.KIND} after step {event.last_step} at world size {event.world_size}: {event.cause}",
+                    flush=True,
+                )
+
+    def reported(self, reported: Reported) -> None:
+        windows = reported.report.windows
         if windows:  # the newest: a report carries the log steps of up to a poll interval
             print(progress_line(windows[-1], self.total_steps), flush=True)
+        for entry in reported.entries:
+            if isinstance(entry, Recovery) and entry.path is RecoveryPath.RESTART:
+                recovery = entry.event
+                print(
+                    f"recovered at world size {recovery.world_size_after} from step {recovery.restored_step} "
+                    f"in {recovery.recovery_s:.1f} s (restart {recovery.restart_s:.1f} s, "
+                    f"restore {recovery.restore_s:.1f} s, "
+                    f"reshard {recovery.reshard_s:.1f} s); {recovery.steps_lost} steps redone",
+                    flush=True,
+                )

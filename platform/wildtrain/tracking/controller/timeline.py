@@ -1,6 +1,9 @@
 """The elastic timeline of a run: interruptions (failures, planned resizes) and the
-recoveries that follow them, split into their parts. Pure bookkeeping; the MLflow
-callback feeds it controller events and workers' first reports after a (re)start.
+recoveries that follow them, split into their parts. The controller's one place for them
+(`elastic.controller.ControllerEvents` feeds it): it builds the restart path's from the
+controller's state changes and the workers' first reports after a restart, and takes the
+in-process path's as the workers report them (`train.generations` measures those), so both
+reach every consumer as the same typed entries. Pure bookkeeping.
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from wildtrain.controller_events import Entry, Interruption, Noted, Recovery, RecoveryPath
 from wildtrain.events import Event, Interrupted, Recovered
 from wildtrain.worker_report import WorkerReport
 
@@ -24,20 +28,21 @@ class Timeline:
         self.nodes = nodes
         self.world_size = len(nodes)
 
-    def interrupted(self, kind: type[Interrupted], at: float, cause: str = "") -> Optional[Interrupted]:
-        """The event of `kind` (`Failure`, `Resize`) for a new interruption; None while one is
-        already being recovered from, since a second before the group recovered belongs to
-        the same outage."""
+    def interrupted(self, kind: type[Interrupted], at: float, cause: str = "") -> Optional[Interruption]:
+        """The entry of `kind` (`Failure`, `Resize`) for a new interruption of the worker group;
+        None while one is already being recovered from, since a second before the group
+        recovered belongs to the same outage."""
         if self.pending is not None:
             return None
         self.pending = kind(at, self.world_size, self.last_step, cause, list(self.nodes))
         self.events.append(self.pending)
-        return self.pending
+        return Interruption(self.pending, RecoveryPath.RESTART)
 
-    def reported(self, report: WorkerReport) -> Optional[Recovered]:
-        """Note a report; the recovery it completes, if it is the first after an interruption."""
+    def reported(self, report: WorkerReport) -> tuple[Entry, ...]:
+        """Note a report; its entries: the restart's recovery it completes, if it is the first
+        after an interruption of the group, then its events in the order the workers made them."""
         self.world_size = report.world_size
-        recovery = None
+        entries: list[Entry] = []
         startup = report.startup
         if startup is not None and self.pending is not None:
             p = self.pending
@@ -55,5 +60,18 @@ class Timeline:
             )
             self.events.append(recovery)
             self.pending = None
+            entries.append(Recovery(recovery, RecoveryPath.RESTART))
+        entries += [self._took(event) for event in report.events]
         self.last_step = report.step
-        return recovery
+        return tuple(entries)
+
+    def _took(self, event: Event) -> Entry:
+        """A worker's event as an entry: an interruption or a recovery is an in-process
+        generation's (the group itself went on)."""
+        if isinstance(event, Interrupted):
+            self.events.append(event)
+            return Interruption(event, RecoveryPath.IN_PROCESS)
+        if isinstance(event, Recovered):
+            self.events.append(event)
+            return Recovery(event, RecoveryPath.IN_PROCESS)
+        return Noted(event)
