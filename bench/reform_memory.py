@@ -45,7 +45,7 @@ import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import MethodType, ModuleType, SimpleNamespace
 
 import psutil
 import torch
@@ -56,7 +56,7 @@ from wildtrain.batching import BatchPlan
 from wildtrain.config import load_config
 from wildtrain.elastic.membership import Cut, mirror_ring, plan_repartition, plan_transfers
 from wildtrain.elastic.peer_state import Mirrors, load_state, partitioned_groups
-from wildtrain.engine import build_engine, param_groups
+from wildtrain.engine import EngineSettings, build_engine, param_groups
 from wildtrain.model.transformer import Transformer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,6 +189,7 @@ def rank_main(rank: int, port: int, case: dict, out: str) -> None:
     new_rank = members.index(rank)
     join(2, new_rank, new_world)
     cfg = config(model)
+    settings = EngineSettings(cfg.model, cfg.optim, cfg.deepspeed, cfg.train.steps, cfg.elastic.collective_timeout_s)
     reference = reference_modules(case["reference_rev"]) if "reference" in case["implementations"] else None
     results = []
     for implementation in case["implementations"]:
@@ -196,7 +197,10 @@ def rank_main(rank: int, port: int, case: dict, out: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             engine = build_engine(
-                cfg, BatchPlan(new_world, 1, GLOBAL_BATCH // new_world), Transformer(cfg.model), torch.device("cpu")
+                settings,
+                BatchPlan(new_world, 1, GLOBAL_BATCH // new_world),
+                Transformer(cfg.model),
+                torch.device("cpu"),
             )
         sizes = [group.fp32.numel() for group in partitioned_groups(engine)]
         assert tuple(sizes) == Cut.of(numels, new_world).sizes, ("DeepSpeed cut otherwise", sizes)
@@ -208,7 +212,10 @@ def rank_main(rank: int, port: int, case: dict, out: str) -> None:
         if implementation == "current":
             load_state(engine, mirrors, mirrors.agree(fresh=False), GLOBAL_BATCH)
         else:
+            # Its agreement reads what is held through its own `_cuts` (sizes per group, not `Pieces`).
+            mirrors._cuts = MethodType(reference.Mirrors._cuts, mirrors)
             plan, full = reference.Mirrors.gather(mirrors, fresh=False)
+            del mirrors._cuts
             reference.load_state(engine, full, plan.step, GLOBAL_BATCH)
             del full
         took = time.perf_counter() - started
