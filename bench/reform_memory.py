@@ -43,7 +43,7 @@ import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import MethodType, ModuleType, SimpleNamespace
 
 import psutil
 import torch
@@ -174,6 +174,7 @@ def rank_main(rank: int, port: int, case: dict, out: str) -> None:
     new_rank = members.index(rank)
     join(2, new_rank, new_world)
     cfg = config(model)
+    settings = EngineSettings(cfg.model, cfg.optim, cfg.deepspeed, cfg.train.steps, cfg.elastic.collective_timeout_s)
     reference = reference_modules(case["reference_rev"]) if "reference" in case["implementations"] else None
     results = []
     for implementation in case["implementations"]:
@@ -181,7 +182,7 @@ def rank_main(rank: int, port: int, case: dict, out: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             engine = build_engine(
-                EngineSettings(cfg.model, cfg.optim, cfg.deepspeed, cfg.train.steps, cfg.elastic.collective_timeout_s),
+                settings,
                 BatchPlan(new_world, 1, GLOBAL_BATCH // new_world),
                 Transformer(cfg.model),
                 torch.device("cpu"),
@@ -196,7 +197,10 @@ def rank_main(rank: int, port: int, case: dict, out: str) -> None:
         if implementation == "current":
             load_state(engine, mirrors, mirrors.agree(fresh=False), GLOBAL_BATCH)
         else:
+            # Its agreement reads what is held through its own `_cuts` (sizes per group, not `Pieces`).
+            mirrors._cuts = MethodType(reference.Mirrors._cuts, mirrors)
             plan, full = reference.Mirrors.gather(mirrors, fresh=False)
+            del mirrors._cuts
             reference.load_state(engine, full, plan.step, GLOBAL_BATCH)
             del full
         took = time.perf_counter() - started

@@ -219,6 +219,11 @@ def build_model(settings: EngineSettings, plan: BatchPlan, device: torch.device)
     import torch.distributed as dist
 
     zero = deepspeed_config(settings.deepspeed, settings.optim, plan, on_cuda=device.type == "cuda")
+    if dist.is_initialized():
+        # zero.Init reads the world size from DeepSpeed's comm before it sets that up itself: in
+        # a process that built no engine yet it would check the batch plan against a world of 1.
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    number_zero3_from_the_start()
     with deepspeed.zero.Init(config_dict_or_path=zero):
         model = Transformer(settings.model)  # its own init ran on empty shards: drawn again below
     for param, init in model.initializers():
@@ -226,6 +231,18 @@ def build_model(settings: EngineSettings, plan: BatchPlan, device: torch.device)
             if dist.get_rank() == 0:
                 init(param)
     return model
+
+
+def number_zero3_from_the_start() -> None:
+    """Restart the counters DeepSpeed numbers ZeRO-3's parameters and modules with (`ds_id`),
+    which otherwise run on for as long as the process. Its ranks check that they trace the
+    same ids at each forward; in a group re-formed in-process a survivor builds its second
+    model and a joiner its first, so each model is numbered from zero on every rank."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    Init.param_id = 0
+    DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0][0] = 0  # its `count=[0]`
 
 
 def param_groups(model: Transformer, optim: OptimConfig) -> list[dict]:

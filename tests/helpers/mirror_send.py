@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from wildtrain.elastic import peer_state
+from wildtrain.elastic.membership import Pieces
 from wildtrain.elastic.peer_state import Mirrors, _SendWhenCopied
 
 FILLED = 7.0
@@ -88,7 +89,7 @@ def re_formed(rank: int, buffer: torch.Tensor) -> None:
     first = dist.new_group(backend="gloo")  # generation 1's mirror group
     if rank == 0:
         copy = LateCopy(buffer)
-        peer_state.host_copy = lambda engine, into, stream: (buffer, [buffer.shape[1]])
+        peer_state.host_copy = lambda engine, into, stream: (buffer, Pieces(((buffer.shape[1],),)))
         Mirrors._copy_stream = lambda self, engine: "a stream of the device"
         torch.cuda.Event = lambda: copy
         peer_state._COPIED_WITHIN_S = 0.1

@@ -1,19 +1,20 @@
 """One rank of tests/unit/test_peer_state.py: a real DeepSpeed ZeRO engine trained on gloo
 that loses a peer and goes on at the smaller size from its peers' host copies
 (wildtrain.elastic.peer_state), or takes in a joiner and goes on at the larger size, or,
-with --world 1, the uninterrupted reference.
+with --reference, the uninterrupted reference on one rank.
 
     python -m tests.helpers.zero_resize --store-port P --rank R --world 3 --victim 1 --out DIR [--bf16]
-        [--device cpu|cuda]
+        [--device cpu|cuda] [--zero 1|2|3]
     python -m tests.helpers.zero_resize --store-port P --rank R --world 2 --joiners 1 --out DIR
+    python -m tests.helpers.zero_resize --store-port P --rank 0 --world 1 --reference --out DIR
 
 Trains STEPS_BEFORE steps at --world (mirroring after each), then the victim exits; the
 others re-form a group without it (and with the --joiners ranks after --world's, which held
 nothing), rebuild their engines from the mirrors and train STEPS_AFTER more. Writes, per
-rank, `old<rank>.pt` (its partition at the death),
+rank, `old<rank>.pt` (its partition at the death, and how it is laid out),
 `new<new rank>.pt` (its partition once rebuilt, the learning rate and DeepSpeed's step count
 then) and `losses<rank>.json` / `params<rank>.pt` (every step's loss over the group and
-the final weights). With --world 1 it trains all the steps and writes the last two.
+the final weights). With --reference it trains all the steps and writes the last two.
 
 --bf16 trains in the precision the engine has on GPUs (bf16 weights, gradients summed in
 fp32: `engine.deepspeed_config`), in which DeepSpeed's optimizer at ZeRO-1 is its
@@ -44,8 +45,9 @@ from tests.helpers.ranks import start_ranks
 from wildtrain import engine as engines
 from wildtrain.batching import BatchPlan
 from wildtrain.config import Config, ModelConfig
-from wildtrain.elastic.peer_state import Mirrors, load_state, partition, partitioned_groups
-from wildtrain.engine import build_engine, import_deepspeed, lr_at
+from wildtrain.elastic.membership import Pieces
+from wildtrain.elastic.peer_state import Mirrors, is_zero3, load_state, partition, partitioned_groups, sharded
+from wildtrain.engine import build_engine, build_model, import_deepspeed, lr_at
 from wildtrain.model.transformer import Transformer
 from wildtrain.train import collectives
 
@@ -60,6 +62,10 @@ def config(zero_stage: int) -> Config:
     cfg.model.compile = False  # on CUDA: compiling would take longer than these few steps
     cfg.data.seq_len = SEQ_LEN
     cfg.deepspeed.zero_stage = zero_stage
+    if zero_stage == 3:
+        # The embedding over DeepSpeed's persistence threshold (1e5 values): ZeRO-3 gathers it
+        # for each forward from the ranks' partitions, and keeps the smaller ones gathered.
+        cfg.model.vocab_size = 4096
     cfg.train.steps = STEPS_BEFORE + STEPS_AFTER
     cfg.optim.warmup_steps = 2  # the schedule's position matters: the rebuilt engine must be at it
     cfg.elastic.collective_timeout_s = 60
@@ -80,11 +86,20 @@ def train_in_gpu_precision() -> None:
 
 
 def engine_at(cfg: Config, world: int, device: torch.device):
+    """The engine as a worker builds it: under ZeRO-3 its model partitioned from the start."""
     torch.manual_seed(SEED)
     plan = BatchPlan(world, 1, GLOBAL_BATCH // world)
+    settings = engine_settings(cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return build_engine(engine_settings(cfg), plan, Transformer(cfg.model).to(device), device)
+        model = build_model(settings, plan, device) if cfg.deepspeed.zero_stage == 3 else Transformer(cfg.model)
+        return build_engine(settings, plan, model.to(device), device)
+
+
+def layout(engine) -> dict:
+    """This rank's partition and how it is laid out (`membership.Pieces`), for the checks."""
+    held = sharded(engine)
+    return {"partition": partition(engine), "pieces": held.pieces.sizes, "numels": held.numels}
 
 
 def train(engine, step: int, device: torch.device) -> float:
@@ -129,6 +144,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--victim", type=int, default=-1)
     parser.add_argument("--joiners", type=int, default=0, help="ranks after --world's that join at the re-form")
+    parser.add_argument("--reference", action="store_true", help="train uninterrupted at --world")
     parser.add_argument("--zero", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--bf16", action="store_true", help="the engine's precision on GPUs")
@@ -146,7 +162,7 @@ def main() -> None:
     store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=60))
     mirrors = Mirrors()
     losses = []
-    if args.world == 1:
+    if args.reference:
         mirrors.group = join(store, 1, args.rank, args.world, device)
         engine = engine_at(cfg, args.world, device)
         losses = [train(engine, step, device) for step in range(STEPS_BEFORE + STEPS_AFTER)]
@@ -160,7 +176,7 @@ def main() -> None:
                 losses.append(train(engine, step, device))
                 mirrors.exchange(engine, step + 1)
             mirrors.settle()
-            torch.save(partition(engine), args.out / f"old{args.rank}.pt")
+            torch.save(layout(engine), args.out / f"old{args.rank}.pt")
             dist.barrier()  # every mirror of the last step is in place: then the victim dies
             if args.rank == args.victim:
                 os._exit(0)
@@ -177,7 +193,7 @@ def main() -> None:
         mirrors.use_layout(2, world)
         torch.save(
             {
-                "partition": partition(engine),
+                **layout(engine),
                 "weights": [flat.cpu() for flat in partitioned_flats(engine)],
                 "lr": engine.get_lr()[0],
                 "global_steps": engine.global_steps,
@@ -192,16 +208,29 @@ def main() -> None:
             mirrors.exchange(engine, step + 1)
         mirrors.settle()
     (args.out / f"losses{args.rank}.json").write_text(json.dumps(losses))
-    torch.save(
-        torch.cat([p.detach().reshape(-1).cpu() for p in engine.module.parameters()]),
-        args.out / f"params{args.rank}.pt",
-    )
+    params = list(engine.module.parameters())
+    # Under ZeRO-3 each rank holds its partition of a parameter: gathered whole to be saved.
+    with import_deepspeed().zero.GatheredParameters(params, enabled=args.zero == 3):
+        torch.save(torch.cat([p.detach().reshape(-1).cpu() for p in params]), args.out / f"params{args.rank}.pt")
     os._exit(0)  # skips the destructors of groups whose peers have gone
 
 
 def partitioned_flats(engine) -> list[torch.Tensor]:
-    """Every rank's low-precision weights, per parameter group, as the engine keeps them."""
+    """The low-precision weights, per parameter group, as the engine keeps them: every rank's
+    at ZeRO-1/2, this rank's partition (laid out as the fp32 one) at ZeRO-3."""
+    if is_zero3(engine):
+        return list(engine.optimizer.fp16_partitioned_groups_flat)
     return [group.flat for group in partitioned_groups(engine)]
+
+
+def whole(partitions: list[list[torch.Tensor]], pieces: Pieces) -> list[torch.Tensor]:
+    """Per piece of a layout (`membership.Pieces`), every rank's share of it end to end, from
+    the ranks' partitions (per parameter group, [rows, n]; by rank): its values, then its padding."""
+    cut = pieces.cut(len(partitions))
+    return [
+        torch.cat([groups[group][:, offset : offset + size] for groups in partitions], dim=1)
+        for (group, offset), size in zip(pieces.places(), cut.sizes)
+    ]
 
 
 @dataclass(frozen=True)
@@ -225,9 +254,12 @@ class Resize:
 
 
 # Rank 1 of three dies: old rank 1's partition is on its successor (new rank 1), old rank 2's
-# on both survivors. Or a third rank joins two, each of which holds both partitions.
+# on both survivors. Or a third rank joins two, each of which holds both partitions. Or rank 1
+# of two dies, its partition on rank 0; or a rank joins one, which holds the only partition.
 SHRINK = Resize(3, victim=VICTIM, holders=((0,), (1,), (0, 1)))
 GROW = Resize(2, joiners=1, holders=((0, 1), (0, 1)))
+HALVE = Resize(2, victim=VICTIM, holders=((0,), (0,)))
+DOUBLE = Resize(1, joiners=1, holders=((0,),))
 
 
 def run_drill(out: Path, *args: str, env: dict[str, str], resize: Resize = SHRINK) -> tuple[Path, Path]:
@@ -237,7 +269,7 @@ def run_drill(out: Path, *args: str, env: dict[str, str], resize: Resize = SHRIN
     held = []
     for folder, processes, flags in (
         (drill, resize.world + resize.joiners, ("--world", resize.world, "--victim", resize.victim)),
-        (reference, 1, ("--world", 1)),
+        (reference, 1, ("--world", 1, "--reference")),
     ):
         folder.mkdir()
         flags += ("--joiners", resize.joiners) if folder == drill else ()
@@ -248,24 +280,32 @@ def run_drill(out: Path, *args: str, env: dict[str, str], resize: Resize = SHRIN
     return drill, reference
 
 
-def check_drill(drill: Path, reference: Path, bf16: bool, resize: Resize = SHRINK) -> None:
+def check_drill(drill: Path, reference: Path, bf16: bool, resize: Resize = SHRINK, zero: int = 1) -> None:
     """The ranks of the re-formed group rebuilt the state the old ranks held at the re-form,
     and trained on as the uninterrupted reference did."""
     # The state rebuilt is the state the old ranks held, bit for bit, re-cut at the new size:
     # a dead rank's partition from its mirror; each new partition from the slices of the old
-    # ones that overlap it; every rank's low-precision weights those of the fp32 ones.
+    # ones that overlap it, piece by piece (a group at ZeRO-1/2, a parameter at ZeRO-3); the
+    # low-precision weights those of the fp32 ones.
     old = [torch.load(drill / f"old{rank}.pt") for rank in range(resize.world)]
     new = [torch.load(drill / f"new{rank}.pt") for rank in range(resize.new_world)]
-    for group in range(len(old[0])):
-        before = torch.cat([partition[group] for partition in old], dim=1)
-        after = torch.cat([rebuilt["partition"][group] for rebuilt in new], dim=1)
-        numel = min(before.shape[1], after.shape[1])  # each layout pads the group's end to its world
-        assert torch.equal(before[:, :numel], after[:, :numel])
-        assert not before[:, numel:].any() and not after[:, numel:].any()
-        assert before[1:].abs().sum() > 0  # AdamW's moments, not zeros: the state after two steps
-        for rebuilt in new:
-            weights = rebuilt["weights"][group]
-            assert torch.equal(weights[:numel], before[0, :numel].to(weights.dtype)) and not weights[numel:].any()
+    numels = new[0]["numels"]
+    assert old[0]["numels"] == numels and len(numels) > (len(new[0]["partition"]) if zero == 3 else 0)
+    before = whole([rank["partition"] for rank in old], Pieces(old[0]["pieces"]))
+    after = whole([rank["partition"] for rank in new], Pieces(new[0]["pieces"]))
+    if zero == 3:  # each rank's own share of each parameter, laid out as its fp32 partition
+        weights = whole([[w.unsqueeze(0) for w in rank["weights"]] for rank in new], Pieces(new[0]["pieces"]))
+        held_by_rank = [weights] * len(new)
+    else:  # every rank's weights of each group, flat
+        held_by_rank = [[w.unsqueeze(0) for w in rank["weights"]] for rank in new]
+    for piece, numel in enumerate(numels):
+        # Each layout pads the piece's end to its world; the new padding is zeros.
+        assert torch.equal(before[piece][:, :numel], after[piece][:, :numel])
+        assert not after[piece][:, numel:].any()
+        for weights in held_by_rank:
+            lp = weights[piece]
+            assert torch.equal(lp[0, :numel], before[piece][0, :numel].to(lp.dtype)) and not lp[:, numel:].any()
+    assert sum(values[1:].abs().sum() for values in before) > 0  # AdamW's moments, not zeros: after two steps
     for rebuilt in new:
         assert rebuilt["restored_step"] == STEPS_BEFORE and rebuilt["global_steps"] == STEPS_BEFORE
         assert rebuilt["holders"] == resize.holders

@@ -320,6 +320,58 @@ def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(
     assert not [line for line in shown if "Graceful shutdown of backend failed" in line]
 
 
+def test_a_zero3_group_loses_a_node_in_process_and_takes_one_back_training_as_if_uninterrupted(
+    worker_nodes, elastic_config, uninterrupted, rendezvous_servers, mlflow_url, tmp_path
+):
+    """deepspeed=zero3, elastic.in_process: ZeRO-3 partitions each parameter, weights
+    included, and each rank mirrors its fp32 share of every parameter and their moments.
+    Rank 1's node dies: rank 0 re-forms at world size 1 from its own partition and its mirror
+    of rank 1's, parameter by parameter. A worker started on the node that came back joins,
+    and each rank's new partition is cut from rank 0's: no restart, no checkpoint read, no
+    step redone, and the losses of the uninterrupted run (which trains at ZeRO-1: the stage
+    changes where the state is kept, not what is trained)."""
+    cluster = worker_nodes
+    run = BackgroundRun(
+        elastic_config(
+            f"zero3-{tmp_path.name}",
+            ON_WORKER_NODES,
+            "data.record_samples=true",
+            "elastic.in_process=true",
+            "deepspeed=zero3",
+        ),
+        JOIN_PACE,
+    )
+    events = functools.partial(run_events, run, mlflow_url, tmp_path)
+    first, _ = lose_a_rank_and_return_a_node(cluster, run, rendezvous_servers, rank=1)
+    summary = run.join(600)
+    reference_run = uninterrupted.join(600)
+
+    cfg = run.cfg
+    assert cfg.deepspeed.zero_stage == 3
+    assert summary.final_metrics["step"] == STEPS
+    assert summary.final_metrics["tokens_seen"] == STEPS * cfg.train.global_batch_size * cfg.data.seq_len
+    logged = [(m.step, int(m.value)) for m in run.reports("world_size")]
+    assert [size for size, _ in groupby(size for _, size in logged)] == [2, 1, 2], logged
+    client = MlflowClient(mlflow_url)
+    history = client.get_metric_history(summary.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1)), "no step redone, none lost"
+    reference_losses = final_lineage(client.get_metric_history(reference_run.run_id, "loss"))
+    for m in history:
+        assert m.value == pytest.approx(reference_losses[m.step], rel=1e-3, abs=1e-3), f"step {m.step}"
+    validated = final_lineage(client.get_metric_history(summary.run_id, "val/loss"))
+    reference_validated = final_lineage(client.get_metric_history(reference_run.run_id, "val/loss"))
+    assert sorted(validated) == sorted(reference_validated)
+    for step, loss in reference_validated.items():
+        assert validated[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), f"val/loss at step {step}"
+
+    happened = events()
+    recoveries = [(e.kind, e.world_size_before, e.world_size_after) for e in happened if isinstance(e, Recovered)]
+    assert recoveries == [("failure", 2, 1), ("resize", 1, 2)]
+    assert all(e.reshard_s == 0.0 for e in happened if isinstance(e, Recovered)), "no checkpoint read"
+    assert all(e.steps_lost <= (1 if e.kind == "failure" else 0) for e in happened if isinstance(e, Recovered))
+    assert [e.generation for e in happened if isinstance(e, Formed)] == [1, 2, 3], "one worker group throughout"
+
+
 def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(
     worker_nodes, elastic_config, uninterrupted, rendezvous_servers, mlflow_url, tmp_path
 ):

@@ -48,7 +48,7 @@ REFUSED = [
     ["data.seq_len=1000"],
     ["model.attention=prefix_lm"],
     ["train.objective=ul2", "objective.denoisers=[]"],
-    ["elastic.in_process=true", "deepspeed=zero3"],
+    ["elastic.in_process=true", "deepspeed.zero_stage=0"],
     ["train.global_batch_size=15"],
     ["elastic.max_workers=100"],
     ["train.seed=99999999999999999999"],

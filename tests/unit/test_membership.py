@@ -9,6 +9,7 @@ from wildtrain.elastic.membership import (
     Cut,
     Membership,
     NoMembersLeft,
+    Pieces,
     RedundancyLost,
     Repartition,
     Transfer,
@@ -19,6 +20,7 @@ from wildtrain.elastic.membership import (
     plan_repartition,
     plan_transfers,
     stale,
+    zero3_partition_size,
     zero_partition_size,
 )
 
@@ -120,24 +122,36 @@ def test_a_shrink_sends_each_slice_once_from_a_holder_keeping_what_stays_put():
     # Old rank 2's partition, held by both, comes from new rank 1, where it stays.
     assert plan.sources == (0, 1, 1)
     assert plan.transfers == (
-        Transfer(group=0, src=0, dst=0, old_rank=0, src_offset=0, dst_offset=0, length=4),
-        Transfer(group=0, src=1, dst=0, old_rank=1, src_offset=0, dst_offset=4, length=2),
-        Transfer(group=0, src=1, dst=1, old_rank=1, src_offset=2, dst_offset=0, length=2),
-        Transfer(group=0, src=1, dst=1, old_rank=2, src_offset=0, dst_offset=2, length=2),
+        Transfer(piece=0, src=0, dst=0, old_rank=0, src_offset=0, dst_offset=0, length=4),
+        Transfer(piece=0, src=1, dst=0, old_rank=1, src_offset=0, dst_offset=4, length=2),
+        Transfer(piece=0, src=1, dst=1, old_rank=1, src_offset=2, dst_offset=0, length=2),
+        Transfer(piece=0, src=1, dst=1, old_rank=2, src_offset=0, dst_offset=2, length=2),
     )
     with pytest.raises(ValueError, match="another model"):
         plan_transfers([13], Cut.of([10], 3), Cut.of([13], 2), [(0,), (1,), (0, 1)])
 
 
+def test_deepspeed_zero3_cuts_each_parameter_on_its_own_padded_to_the_world():
+    # partition_parameters.py: a parameter padded to a multiple of the world, split evenly.
+    assert [zero3_partition_size(10, world) for world in (1, 2, 3, 4)] == [10, 5, 4, 3]
+    assert Cut.of_parameters([10, 7, 2], 3) == Cut(3, (4, 3, 1))
+    # A rank's partition of a (sub-)group is its share of each parameter, end to end.
+    pieces = Pieces(((4, 3), (1,)))
+    assert pieces.partitions == (7, 1) and pieces.cut(3) == Cut(3, (4, 3, 1))
+    assert pieces.places() == ((0, 0), (0, 4), (1, 0))
+
+
 @st.composite
 def resizes(draw):
-    """Parameter groups, an old and a new world size, and who holds each old partition."""
-    numels = draw(st.lists(st.integers(1, 200), min_size=1, max_size=3))
+    """Pieces (parameter groups cut as ZeRO-1/2 cuts them, or parameters as ZeRO-3 does), an
+    old and a new world size, and who holds each old partition."""
+    numels = draw(st.lists(st.integers(1, 200), min_size=1, max_size=5))
     old_world, new_world = draw(st.integers(1, 9)), draw(st.integers(1, 9))
     holders = [
         draw(st.lists(st.integers(0, new_world - 1), min_size=1, max_size=2, unique=True)) for _ in range(old_world)
     ]
-    return numels, Cut.of(numels, old_world), Cut.of(numels, new_world), holders
+    of = draw(st.sampled_from([Cut.of, Cut.of_parameters]))
+    return numels, of(numels, old_world), of(numels, new_world), holders
 
 
 @given(resizes())
@@ -151,7 +165,7 @@ def test_the_transfers_tile_every_new_partition_once_each_from_a_holder_of_its_o
         # Every value of the group, padding excluded, lands once, where the new cut puts it,
         # from where the old cut had it.
         landed = []
-        for t in (t for t in plan.transfers if t.group == group):
+        for t in (t for t in plan.transfers if t.piece == group):
             assert t.src == plan.sources[t.old_rank] and t.length > 0
             assert 0 <= t.src_offset and t.src_offset + t.length <= old.sizes[group]
             assert 0 <= t.dst_offset and t.dst_offset + t.length <= new.sizes[group]
@@ -171,6 +185,58 @@ def test_the_transfers_tile_every_new_partition_once_each_from_a_holder_of_its_o
         assert received[rank] <= sum(new.sizes)
         sourced = [r for r in range(old.world) if plan.sources[r] == rank]
         assert sent[rank] <= len(sourced) * sum(old.sizes)
+
+
+@st.composite
+def zero3_resizes(draw):
+    """Parameters in sub-groups as ZeRO-3 lays them out at an old and a new world size (the
+    sub-groups may differ: DeepSpeed cuts them by partition size), and who holds each old partition."""
+    numels = draw(st.lists(st.integers(1, 60), min_size=1, max_size=6))
+    old_world, new_world = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    holders = [
+        draw(st.lists(st.integers(0, new_world - 1), min_size=1, max_size=2, unique=True)) for _ in range(old_world)
+    ]
+
+    def pieces(world: int) -> Pieces:
+        sizes = Cut.of_parameters(numels, world).sizes
+        ends = sorted(
+            draw(st.sets(st.integers(1, len(numels) - 1), max_size=len(numels) - 1)) if len(numels) > 1 else []
+        )
+        bounds = [0, *ends, len(numels)]
+        return Pieces(tuple(sizes[a:b] for a, b in zip(bounds, bounds[1:])))
+
+    return numels, pieces(old_world), old_world, pieces(new_world), new_world, holders
+
+
+@given(zero3_resizes())
+@settings(max_examples=200, deadline=None)
+def test_a_zero3_partition_is_assembled_parameter_by_parameter_wherever_each_sits_in_its_sub_group(resize):
+    # What peer_state.load_partitions does, in lists: each old rank's partition holds, per
+    # sub-group, its share of each parameter end to end (a value is (parameter, index), the
+    # padding None); the new ranks' partitions assembled from the plan are their shares, and
+    # the padding is left as it was (zeros there).
+    numels, old, old_world, new, new_world, holders = resize
+
+    def partitions(pieces: Pieces, world: int) -> list[list[list]]:
+        cut = pieces.cut(world)
+        held = [[[None] * size for size in pieces.partitions] for _ in range(world)]
+        for piece, ((group, offset), size, numel) in enumerate(zip(pieces.places(), cut.sizes, numels)):
+            for rank in range(world):
+                for i in range(size):
+                    value = rank * size + i
+                    held[rank][group][offset + i] = (piece, value) if value < numel else None
+        return held
+
+    before, want = partitions(old, old_world), partitions(new, new_world)
+    after = [[[None] * size for size in new.partitions] for _ in range(new_world)]
+    plan = plan_transfers(numels, old.cut(old_world), new.cut(new_world), holders)
+    for t in plan.transfers:
+        src_group, src_at = old.places()[t.piece]
+        dst_group, dst_at = new.places()[t.piece]
+        start, end = src_at + t.src_offset, dst_at + t.dst_offset
+        values = before[t.old_rank][src_group][start : start + t.length]
+        after[t.dst][dst_group][end : end + t.length] = values
+    assert after == want
 
 
 def test_a_partition_lost_with_its_mirror_needs_a_checkpoint():

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tests.helpers import mirror_gather, mirror_send
 from tests.helpers.ranks import start_ranks
-from tests.helpers.zero_resize import GROW, check_drill, run_drill
+from tests.helpers.zero_resize import DOUBLE, GROW, HALVE, SHRINK, check_drill, run_drill
 from wildtrain.elastic.peer_state import Mirrors
 
 
@@ -32,6 +32,15 @@ def test_a_joiner_takes_its_partition_of_the_zero_state_from_the_members_and_all
     # 2 -> 3: the new partitions are cut from the two old ones, the joiner's from both.
     drill, reference = run_drill(tmp_path, env={"DS_ACCELERATOR": "cpu"}, resize=GROW)
     check_drill(drill, reference, bf16=False, resize=GROW)
+
+
+# ZeRO-3 cuts each parameter on its own (DeepSpeed's ds_tensor), not a group flattened: every
+# new partition is assembled parameter by parameter, and the low-precision partitions DeepSpeed
+# gathers each forward from (and its persistent parameters, kept gathered) are made anew.
+@pytest.mark.parametrize("resize", [HALVE, SHRINK, DOUBLE], ids=["2 to 1", "3 to 2", "1 to 2"])
+def test_a_zero3_group_resized_in_process_rebuilds_each_parameter_s_partitions_and_trains_on(tmp_path, resize):
+    drill, reference = run_drill(tmp_path, "--zero", "3", env={"DS_ACCELERATOR": "cpu"}, resize=resize)
+    check_drill(drill, reference, bf16=False, resize=resize, zero=3)
 
 
 def gather_drill(out, nodes: str, dead: str) -> list:

@@ -27,9 +27,9 @@ def validate(cfg: Config) -> None:
         )
     if cfg.train.objective == "ul2" and not cfg.objective.denoisers:
         raise ConfigError("objective.denoisers: train.objective=ul2 needs at least one denoiser")
-    if cfg.elastic.in_process and cfg.deepspeed.zero_stage not in (1, 2):
+    if cfg.elastic.in_process and cfg.deepspeed.zero_stage not in (1, 2, 3):
         raise ConfigError(
-            f"elastic.in_process: survivors keep ZeRO-1 and ZeRO-2 partitions only (elastic.peer_state); "
+            f"elastic.in_process: survivors keep ZeRO-1, 2 and 3 partitions only (elastic.peer_state); "
             f"deepspeed.zero_stage is {cfg.deepspeed.zero_stage}"
         )
     if cfg.elastic.max_workers > cfg.train.global_batch_size:

@@ -185,31 +185,74 @@ def zero_partition_size(numel: int, world: int) -> int:
     return -(-numel // alignment) * alignment // world
 
 
+def zero3_partition_size(numel: int, world: int) -> int:
+    """Each rank's share of a parameter of `numel` values, padding included, as DeepSpeed 0.19's
+    ZeRO-3 cuts it (partition_parameters.py, `_partition_param`): each parameter on its own,
+    padded at the end to a multiple of `world`, split evenly."""
+    return -(-numel // world)
+
+
 @dataclass(frozen=True)
 class Cut:
-    """How a layout of `world` ranks cuts each parameter group into partitions."""
+    """How a layout of `world` ranks cuts each piece of the state (`Pieces`) into partitions."""
 
     world: int
-    sizes: tuple[int, ...]  # per parameter group: each rank's partition, padding included
+    sizes: tuple[int, ...]  # per piece: each rank's share of it, padding included
 
     @classmethod
     def of(cls, numels: Sequence[int], world: int) -> "Cut":
-        """DeepSpeed's cut of groups of `numels` values over `world` ranks."""
+        """DeepSpeed's ZeRO-1/2 cut of parameter groups of `numels` values over `world` ranks."""
         return cls(world, tuple(zero_partition_size(numel, world) for numel in numels))
 
-    def span(self, group: int, rank: int, numel: int) -> tuple[int, int]:
-        """The values [start, end) of `group`'s first `numel` (its unpadded values) in `rank`'s partition."""
-        size = self.sizes[group]
+    @classmethod
+    def of_parameters(cls, numels: Sequence[int], world: int) -> "Cut":
+        """DeepSpeed's ZeRO-3 cut of parameters of `numels` values over `world` ranks."""
+        return cls(world, tuple(zero3_partition_size(numel, world) for numel in numels))
+
+    def span(self, piece: int, rank: int, numel: int) -> tuple[int, int]:
+        """The values [start, end) of `piece`'s first `numel` (its unpadded values) in `rank`'s share."""
+        size = self.sizes[piece]
         return min(rank * size, numel), min((rank + 1) * size, numel)
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """How a ZeRO stage lays out a rank's partition: each parameter group (a sub-group at
+    ZeRO-3) is made of pieces that are each cut evenly over the ranks (`Cut`), and a rank's
+    partition of the group is its share of each piece, end to end. At ZeRO-1/2 a group is one
+    piece, flattened; at ZeRO-3 each parameter is a piece (DeepSpeed's `ds_tensor`). Every rank
+    of a layout lays its partition out alike."""
+
+    sizes: tuple[tuple[int, ...], ...]  # per parameter group: each piece's share per rank, padding included
+
+    @property
+    def partitions(self) -> tuple[int, ...]:
+        """Per parameter group: a rank's partition of it."""
+        return tuple(sum(group) for group in self.sizes)
+
+    def cut(self, world: int) -> Cut:
+        """The cut of every piece, the groups' end to end, at `world` ranks."""
+        return Cut(world, tuple(size for group in self.sizes for size in group))
+
+    def places(self) -> tuple[tuple[int, int], ...]:
+        """Per piece, in `cut`'s order: its parameter group and where its share starts in a
+        rank's partition of that group."""
+        places = []
+        for group, sizes in enumerate(self.sizes):
+            offset = 0
+            for size in sizes:
+                places.append((group, offset))
+                offset += size
+        return tuple(places)
 
 
 @dataclass(frozen=True)
 class Transfer:
     """Values `src` sends `dst` (or copies, where they are one rank): `length` values of
-    parameter group `group` from offset `src_offset` of old rank `old_rank`'s partition, which
-    `src` holds, to offset `dst_offset` of `dst`'s new partition."""
+    piece `piece` (`Pieces`) from offset `src_offset` of old rank `old_rank`'s share of it,
+    which `src` holds, to offset `dst_offset` of `dst`'s new share of it."""
 
-    group: int
+    piece: int
     src: int
     dst: int
     old_rank: int
@@ -221,16 +264,17 @@ class Transfer:
 @dataclass(frozen=True)
 class TransferPlan:
     sources: tuple[int, ...]  # by old rank: the new rank that sends from that partition
-    transfers: tuple[Transfer, ...]  # by group, then destination, then offset
+    transfers: tuple[Transfer, ...]  # by piece, then destination, then offset
 
 
 def plan_transfers(numels: Sequence[int], old: Cut, new: Cut, holders: Sequence[Sequence[int]]) -> TransferPlan:
-    """How the ranks of `new` assemble their partitions of parameter groups of `numels` values
-    from the partitions of `old` (`holders[old_rank]`: the new ranks that hold it, from
-    `plan_repartition`): every value of a group, padding excluded, moves once, from one holder
-    of the old partition it is in to the new partition it falls in. A rank receives at most its
-    new partition and sends at most the old partitions it is the source of; the padding is no
-    one's to send (each new partition's is zeros).
+    """How the ranks of `new` assemble their partitions of pieces of `numels` values (parameter
+    groups at ZeRO-1/2, parameters at ZeRO-3: `Pieces`) from the partitions of `old`
+    (`holders[old_rank]`: the new ranks that hold it, from `plan_repartition`): every value of
+    a piece, padding excluded, moves once, from one holder of the old partition it is in to the
+    new partition it falls in. A rank receives at most its new partition and sends at most the
+    old partitions it is the source of; the padding is no one's to send (each new partition's
+    is zeros).
 
     Each old partition's source is, of its holders (those held by one holder first), the one
     that would then send the fewest values in all, and of those the one that keeps most of it:
@@ -239,46 +283,46 @@ def plan_transfers(numels: Sequence[int], old: Cut, new: Cut, holders: Sequence[
     if len(holders) != old.world or any(not h for h in holders):
         raise ValueError(f"holders {holders}: one or more new ranks for each of the {old.world} old partitions")
     for cut in (old, new):
-        short = [g for g, numel in enumerate(numels) if cut.world * cut.sizes[g] < numel]
+        short = [p for p, numel in enumerate(numels) if cut.world * cut.sizes[p] < numel]
         if len(cut.sizes) != len(numels) or short:
             raise ValueError(
-                f"{cut.world} partitions of {cut.sizes} values cannot hold parameter groups of {list(numels)} "
+                f"{cut.world} partitions of {cut.sizes} values cannot hold pieces of {list(numels)} "
                 "values: the state is of another model"
             )
 
     def kept(holder: int, old_rank: int) -> int:
         """The values of `old_rank`'s partition that fall in `holder`'s new partition."""
         total = 0
-        for group, numel in enumerate(numels):
-            start, end = old.span(group, old_rank, numel)
-            new_start, new_end = new.span(group, holder, numel)
+        for piece, numel in enumerate(numels):
+            start, end = old.span(piece, old_rank, numel)
+            new_start, new_end = new.span(piece, holder, numel)
             total += max(0, min(end, new_end) - max(start, new_start))
         return total
 
     sending: dict[int, int] = {}  # new rank -> values it sends so far
     sources: dict[int, int] = {}
     for old_rank in sorted(range(old.world), key=lambda r: (len(set(holders[r])), r)):
-        held = sum(end - start for start, end in (old.span(g, old_rank, n) for g, n in enumerate(numels)))
+        held = sum(end - start for start, end in (old.span(p, old_rank, n) for p, n in enumerate(numels)))
         away = {holder: held - kept(holder, old_rank) for holder in set(holders[old_rank])}
         source = min(away, key=lambda h: (sending.get(h, 0) + away[h], away[h], h))
         sources[old_rank] = source
         sending[source] = sending.get(source, 0) + away[source]
     transfers = []
-    for group, numel in enumerate(numels):
-        old_size = old.sizes[group]
+    for piece, numel in enumerate(numels):
+        old_size = old.sizes[piece]
         for dst in range(new.world):
-            start, end = new.span(group, dst, numel)
+            start, end = new.span(piece, dst, numel)
             while start < end:
                 old_rank = start // old_size
                 stop = min(end, (old_rank + 1) * old_size)
                 transfers.append(
                     Transfer(
-                        group,
+                        piece,
                         sources[old_rank],
                         dst,
                         old_rank,
                         start - old_rank * old_size,
-                        start - dst * new.sizes[group],
+                        start - dst * new.sizes[piece],
                         stop - start,
                     )
                 )

@@ -1,7 +1,8 @@
-"""A ZeRO-1/2 engine's sharded state kept alive by its peers across a resize (issue 24).
+"""A ZeRO engine's sharded state kept alive by its peers across a resize (issues 24 and 58).
 
-ZeRO-1 and 2 shard the fp32 master weights and AdamW's two moments over the data-parallel
-ranks, so a rank that dies takes the only copy of its partition with it. `Mirrors` keeps a
+ZeRO shards the fp32 master weights and AdamW's two moments over the data-parallel ranks
+(ZeRO-1/2 each parameter group flattened, ZeRO-3 each parameter on its own, as
+`membership.Pieces` describes), so a rank that dies takes the only copy of its partition with it. `Mirrors` keeps a
 host copy of this rank's partition after every optimizer step and sends one to the next rank
 of a ring that puts it on another node wherever the nodes allow (`membership.mirror_ring`),
 which keeps it (12 bytes a parameter over the world size, each way). The copies go into
@@ -21,7 +22,8 @@ After a resize the ranks of the new group say which snapshots they hold,
 `membership.plan_repartition` picks the newest step held whole (`Mirrors.agree`), and once
 each rank has built its engine at the new size, `load_state` assembles its new partition from
 the slices of the old partitions that overlap it, each sent point to point by one holder of
-that partition, its own or a mirror (`membership.plan_transfers`). No checkpoint is read;
+that partition, its own or a mirror (`membership.plan_transfers`, piece by piece: a group at
+ZeRO-1/2, a parameter at ZeRO-3). No checkpoint is read;
 where a partition and its mirror are both gone (`RedundancyLost`) only a checkpoint restores
 the run. A re-form moves each value once and holds at most a partition more per rank: its
 memory scales with the partition, not the model (bench/reform_memory.py, docs/recovery.md).
@@ -42,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 from wildtrain.elastic.membership import (
-    Cut,
     Layout,
+    Pieces,
     Repartition,
     Transfer,
     mirror_ring,
@@ -56,7 +58,7 @@ from wildtrain.elastic.membership import (
 _CAME_WITHIN_S = 0.1
 _COPIED_WITHIN_S = 2.0
 
-Partition = list[torch.Tensor]  # per parameter group, [3, n]: fp32 weights, exp_avg, exp_avg_sq
+Partition = list[torch.Tensor]  # per parameter (sub-)group, [3, n]: fp32 weights, exp_avg, exp_avg_sq
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -86,11 +88,47 @@ def partitioned_groups(engine) -> list[PartitionedGroup]:
     return [PartitionedGroup(fp32, flat, group) for fp32, flat, group in zip(fp32s, flats, params, strict=True)]
 
 
+def is_zero3(engine) -> bool:
+    """Whether `engine`'s optimizer is DeepSpeed's ZeRO-3 one, which keeps each parameter's
+    partition apart (`ds_tensor`) and its fp32 masters flat per sub-group."""
+    return hasattr(engine.optimizer, "fp32_partitioned_groups_flat")
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """A ZeRO engine's optimizer state as this rank holds it, whatever the stage."""
+
+    fp32: list[torch.Tensor]  # per parameter (sub-)group: this rank's partition of the fp32 master weights
+    pieces: Pieces  # how those partitions are laid out
+    numels: tuple[int, ...]  # per piece, in `pieces.cut`'s order: its values, padding excluded
+
+
+def sharded(engine) -> Sharded:
+    """The fp32 partitions of `engine`'s ZeRO optimizer, and how DeepSpeed laid them out: at
+    ZeRO-3 each sub-group's partition is its parameters' `ds_tensor`s end to end
+    (stage3.py, `_create_fp16_partitions_with_defragmentation`), at ZeRO-1/2 a group's is one
+    share of the group flattened."""
+    zero = engine.optimizer
+    if is_zero3(engine):
+        return Sharded(
+            list(zero.fp32_partitioned_groups_flat),
+            Pieces(tuple(tuple(p.partition_numel() for p in group) for group in zero.fp16_groups)),
+            tuple(p.ds_numel for group in zero.fp16_groups for p in group),
+        )
+    groups = partitioned_groups(engine)
+    return Sharded(
+        [group.fp32 for group in groups],
+        Pieces(tuple((group.fp32.numel(),) for group in groups)),
+        tuple(group.numel for group in groups),
+    )
+
+
 def host_copy(
     engine, into: Optional[torch.Tensor] = None, stream: Optional["torch.cuda.Stream"] = None
-) -> tuple[torch.Tensor, list[int]]:
-    """A host copy of this rank's partition of a ZeRO-1/2 `engine`'s parameter groups, laid end
-    to end in one [3, n] buffer (fp32 weights, exp_avg, exp_avg_sq), and each group's n. Written
+) -> tuple[torch.Tensor, Pieces]:
+    """A host copy of this rank's partition of a ZeRO `engine`'s parameter groups, laid end
+    to end in one [3, n] buffer (fp32 weights, exp_avg, exp_avg_sq), and how it is laid out
+    (each group's n is `pieces.partitions`). Written
     into `into` where it has that shape (a buffer reused step after step: one copy a value and
     no fresh memory to fault in), else into a new buffer: pinned with a `stream`, pageable
     without one.
@@ -99,25 +137,25 @@ def host_copy(
     one they are done when this returns.
     Before AdamW's first step its moments do not exist yet: zeros, what AdamW would make."""
     state = engine.optimizer.optimizer.state
-    groups = partitioned_groups(engine)
-    sizes = [group.fp32.numel() for group in groups]
-    first = groups[0].fp32
+    held = sharded(engine)
+    sizes = list(held.pieces.partitions)
+    first = held.fp32[0]
     shape = (1 + len(MOMENTS), sum(sizes))
     if into is None or into.shape != shape or into.dtype != first.dtype:
         into = host_buffer(shape, first.dtype, pinned=stream is not None)
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(first.device))
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        for group, part in zip(groups, into.split(sizes, dim=1)):
-            moments = state.get(group.fp32) or {}
-            for row, value in enumerate([group.fp32.detach(), *(moments.get(name) for name in MOMENTS)]):
+        for fp32, part in zip(held.fp32, into.split(sizes, dim=1)):
+            moments = state.get(fp32) or {}
+            for row, value in enumerate([fp32.detach(), *(moments.get(name) for name in MOMENTS)]):
                 if value is None:
                     part[row].zero_()
                     continue
                 part[row].copy_(value, non_blocking=stream is not None)
                 if stream is not None:
                     value.record_stream(stream)  # its memory stays AdamW's until the copy is done
-    return into, sizes
+    return into, held.pieces
 
 
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
@@ -169,9 +207,9 @@ class _SendWhenCopied:
 
 
 def partition(engine) -> Partition:
-    """This rank's partition of each parameter group of a ZeRO-1/2 `engine`, on the host."""
-    copy, sizes = host_copy(engine)
-    return list(copy.split(sizes, dim=1))
+    """This rank's partition of each parameter group of a ZeRO `engine`, on the host."""
+    copy, pieces = host_copy(engine)
+    return list(copy.split(list(pieces.partitions), dim=1))
 
 
 class Mirrors:
@@ -192,7 +230,8 @@ class Mirrors:
         self._buffers: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._free: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # own: buffers
         self._in_flight: list = []
-        self._received: Optional[tuple[int, torch.Tensor, list[int]]] = None  # (step, buffer, group sizes)
+        self._received: Optional[tuple[int, torch.Tensor, Pieces]] = None  # (step, buffer, its layout)
+        self._pieces: dict[Layout, Pieces] = {}  # how each layout's partitions are laid out
         self._exchanged_in_layout = False
         # On a GPU: the stream the copies from the device go on, the optimizer whose steps wait
         # for them, and the last copy, maybe not done yet (its snapshot's key and step, and its event).
@@ -225,11 +264,12 @@ class Mirrors:
             # has since passed: the older layouts are not needed any more.
             self.snapshots = {key: kept for key, kept in self.snapshots.items() if key[:2] == self.layout}
             self._buffers = {key: buffer for key, buffer in self._buffers.items() if key[:2] == self.layout}
+            self._pieces = {self.layout: self._pieces[self.layout]} if self.layout in self._pieces else {}
         self._exchanged_in_layout = True
         rank = dist.get_rank(self.group)
         stream = self._copy_stream(engine)
-        sent, sizes = host_copy(engine, self._free[True].pop() if self._free[True] else None, stream)
-        self._keep(rank, step, sent, sizes, own=True)
+        sent, pieces = host_copy(engine, self._free[True].pop() if self._free[True] else None, stream)
+        self._keep(rank, step, sent, pieces, own=True)
         copied = None
         if stream is not None:
             copied = torch.cuda.Event()
@@ -255,12 +295,12 @@ class Mirrors:
             send() if copied is None else _SendWhenCopied(copied, send, current),
             dist.irecv(received, group=self.group, group_src=self._neighbour(rank, -1)),
         ]
-        self._received = (step, received, sizes)
+        self._received = (step, received, pieces)
 
     def _copy_stream(self, engine) -> Optional["torch.cuda.Stream"]:
         """The stream for copies of `engine`'s partition from its GPU (None on the CPU), with
         `engine`'s optimizer made to wait for the last of them before it steps."""
-        device = partitioned_groups(engine)[0].fp32.device
+        device = sharded(engine).fp32[0].device
         if device.type != "cuda":
             return None
         adamw = engine.optimizer.optimizer
@@ -303,9 +343,9 @@ class Mirrors:
             self._keep_received()
 
     def _keep_received(self) -> None:
-        step, received, sizes = self._received
+        step, received, pieces = self._received
         self._received = None
-        self._keep(self._neighbour(dist.get_rank(self.group), -1), step, received, sizes, own=False)
+        self._keep(self._neighbour(dist.get_rank(self.group), -1), step, received, pieces, own=False)
 
     def _neighbour(self, rank: int, offset: int) -> int:
         """The rank `offset` places after `rank` on the layout's ring (-1: its predecessor)."""
@@ -352,31 +392,33 @@ class Mirrors:
         if all(offer is None for offer in offers):
             return None
         repartition = plan_repartition([offer and offer[0] for offer in offers])
-        sizes, dtype = next(
+        pieces, dtype = next(
             offer[1][repartition.layout] for offer in offers if offer and repartition.layout in offer[1]
         )
-        return Reform(repartition, tuple(sizes), dtype)
+        return Reform(repartition, pieces, dtype)
 
     def slice_of(self, reform: "Reform", transfer: Transfer) -> torch.Tensor:
         """The [3, length] values `transfer` sends, in this rank's snapshot of the old partition:
         a view, each row contiguous."""
         groups = self.snapshots[(*reform.repartition.layout, transfer.old_rank)][reform.repartition.step]
-        return groups[transfer.group][:, transfer.src_offset : transfer.src_offset + transfer.length]
+        group, offset = reform.pieces.places()[transfer.piece]
+        start = offset + transfer.src_offset
+        return groups[group][:, start : start + transfer.length]
 
-    def _cuts(self) -> dict[Layout, tuple[list[int], torch.dtype]]:
-        """Per layout held: its partitions' sizes per parameter group (alike on every rank of
-        a layout) and their dtype, so that a rank holding none of it can receive them."""
+    def _cuts(self) -> dict[Layout, tuple[Pieces, torch.dtype]]:
+        """Per layout held: how its partitions are laid out (alike on every rank of a layout)
+        and their dtype, so that a rank holding none of it can receive them."""
         cuts = {}
         for key, kept in self.snapshots.items():
             if kept:
-                groups = next(iter(kept.values()))
-                cuts[key[:2]] = ([group.shape[1] for group in groups], groups[0].dtype)
+                cuts[key[:2]] = (self._pieces[key[:2]], next(iter(kept.values()))[0].dtype)
         return cuts
 
-    def _keep(self, old_rank: int, step: int, buffer: torch.Tensor, sizes: list[int], own: bool) -> None:
+    def _keep(self, old_rank: int, step: int, buffer: torch.Tensor, pieces: Pieces, own: bool) -> None:
         key = (*self.layout, old_rank)
+        self._pieces[self.layout] = pieces
         kept = self.snapshots.setdefault(key, {})
-        kept[step] = list(buffer.split(sizes, dim=1))
+        kept[step] = list(buffer.split(list(pieces.partitions), dim=1))
         self._buffers[(*key, step)] = buffer
         for old in sorted(kept)[: -self.keep_steps]:
             del kept[old]
@@ -391,7 +433,7 @@ class Reform:
     """What a re-formed group continues from, as every rank of it agreed (`Mirrors.agree`)."""
 
     repartition: Repartition
-    sizes: tuple[int, ...]  # per parameter group: the length of each partition of the layout restored from
+    pieces: Pieces  # how the partitions of the layout restored from are laid out
     dtype: torch.dtype
 
     @property
@@ -401,25 +443,30 @@ class Reform:
 
 def load_partitions(engine, mirrors: Mirrors, reform: Reform) -> None:
     """Collectively, over `mirrors.group`: put this rank's partition of the state `reform`
-    continues from into a ZeRO-1/2 `engine` just built at the new world size, its fp32 weights
-    and AdamW's moments at step `reform.step`, and every rank's weights into the engine's
-    low-precision copy of them.
+    continues from into a ZeRO `engine` just built at the new world size, its fp32 weights
+    and AdamW's moments at step `reform.step`, and the engine's low-precision weights made
+    from them (`publish_weights`).
 
-    Each rank receives only the slices of old partitions that overlap its new one, each from
-    one rank that holds it (`membership.plan_transfers`), and sends from its snapshots only
-    what others' new partitions take of them: point to point, no rank holding more than its
-    partition at once. The values go straight into the engine's tensors on the CPU, and through
-    one host buffer of a parameter group's partition on a GPU (gloo moves host memory). The
-    low-precision weights are then gathered from each rank's partition, as DeepSpeed does after
-    each optimizer step (`gather_in_place`)."""
-    groups = partitioned_groups(engine)
-    numels = [group.numel for group in groups]
+    Each rank receives only the slices of old partitions that overlap its new one, piece by
+    piece (`membership.Pieces`), each from one rank that holds it (`membership.plan_transfers`),
+    and sends from its snapshots only what others' new partitions take of them: point to point,
+    no rank holding more than its partition at once. The values go straight into the engine's
+    tensors on the CPU, and through one host buffer of a parameter group's partition on a GPU
+    (gloo moves host memory)."""
+    held = sharded(engine)
     group, world = mirrors.group, dist.get_world_size(mirrors.group)
     rank = dist.get_rank(group)
-    if reform.dtype != groups[0].fp32.dtype:
-        raise ValueError(f"partitions of {reform.dtype} for an engine whose partitions are of {groups[0].fp32.dtype}")
-    new = Cut(world, tuple(group.fp32.numel() for group in groups))
-    plan = plan_transfers(numels, Cut(reform.repartition.layout[1], reform.sizes), new, reform.repartition.holders)
+    if reform.dtype != held.fp32[0].dtype:
+        raise ValueError(f"partitions of {reform.dtype} for an engine whose partitions are of {held.fp32[0].dtype}")
+    old = reform.pieces.cut(reform.repartition.layout[1])
+    if len(old.sizes) != len(held.numels):
+        raise ValueError(
+            f"partitions of {len(old.sizes)} pieces for an engine of {len(held.numels)}: "
+            "the state is of another model or ZeRO stage"
+        )
+    new = held.pieces.cut(world)
+    plan = plan_transfers(held.numels, old, new, reform.repartition.holders)
+    places = held.pieces.places()
     rows = 1 + len(MOMENTS)
     # Every send at once: they are views of the snapshots, and the receives below wait for them.
     sends = [
@@ -432,17 +479,17 @@ def load_partitions(engine, mirrors: Mirrors, reform: Reform) -> None:
     # AdamW keeps its step count on the parameter's device when fused or capturable.
     on_device = adamw.defaults.get("fused") or adamw.defaults.get("capturable")
     with torch.no_grad():
-        for index, (kept, numel) in enumerate(zip(groups, numels)):
-            fp32 = kept.fp32
+        for index, fp32 in enumerate(held.fp32):
             state = [fp32, *(torch.zeros_like(fp32) for _ in MOMENTS)]
             landing = state if fp32.device.type == "cpu" else torch.zeros(rows, fp32.numel(), dtype=fp32.dtype)
-            start, end = new.span(index, rank, numel)
-            landing[0][end - start :].zero_()  # the padding, if this partition holds any
+            if landing is state:
+                fp32.zero_()  # the padding, which no one sends
             receives = []
             for number, transfer in enumerate(plan.transfers):
-                if transfer.group != index or transfer.dst != rank:
+                in_group, offset = places[transfer.piece]
+                if in_group != index or transfer.dst != rank:
                     continue
-                at = slice(transfer.dst_offset, transfer.dst_offset + transfer.length)
+                at = slice(offset + transfer.dst_offset, offset + transfer.dst_offset + transfer.length)
                 if transfer.src == rank:
                     for row, values in enumerate(mirrors.slice_of(reform, transfer)):
                         landing[row][at].copy_(values)
@@ -456,15 +503,33 @@ def load_partitions(engine, mirrors: Mirrors, reform: Reform) -> None:
             if landing is not state:
                 for value, landed in zip(state, landing):
                     value.copy_(landed)
-            size = fp32.numel()
-            if kept.flat.numel() != world * size:
-                raise ValueError(f"parameter group {index}: a flat buffer of {kept.flat.numel()} for {world} x {size}")
-            kept.flat.narrow(0, rank * size, size).copy_(fp32)
-            gather_in_place(kept.flat, size, world)
             count = torch.tensor(float(reform.step), device=fp32.device if on_device else "cpu")
             adamw.state[fp32] = {"step": count, **dict(zip(MOMENTS, state[1:]))}
+        publish_weights(engine, world, rank)
     for work in sends:
         work.wait()
+
+
+def publish_weights(engine, world: int, rank: int) -> None:
+    """Collectively: `engine`'s low-precision weights made from its fp32 partitions, as
+    DeepSpeed makes them after each optimizer step. At ZeRO-1/2 every rank holds every weight:
+    each rank's partition is gathered to all (`gather_in_place`). At ZeRO-3 a rank holds its
+    partition of each parameter (`ds_tensor`), cast from its fp32 one as the step casts it, and
+    the parameters DeepSpeed keeps gathered between steps (its persistent ones) are gathered
+    anew, as a checkpoint's load does: none is left gathered with the values it had before."""
+    zero = engine.optimizer
+    if is_zero3(engine):
+        zero.checkpoint_event_prologue()
+        for sub_group in range(len(zero.fp32_partitioned_groups_flat)):
+            zero._reassign_or_swap_out_partitioned_parameters(sub_group)
+        zero.checkpoint_event_epilogue()
+        return
+    for index, kept in enumerate(partitioned_groups(engine)):
+        size = kept.fp32.numel()
+        if kept.flat.numel() != world * size:
+            raise ValueError(f"parameter group {index}: a flat buffer of {kept.flat.numel()} for {world} x {size}")
+        kept.flat.narrow(0, rank * size, size).copy_(kept.fp32)
+        gather_in_place(kept.flat, size, world)
 
 
 def gather_in_place(flat: torch.Tensor, size: int, world: int) -> None:
@@ -482,7 +547,7 @@ def gather_in_place(flat: torch.Tensor, size: int, world: int) -> None:
 
 
 def load_state(engine, mirrors: Mirrors, reform: Reform, samples_per_step: int) -> None:
-    """Collectively: the state `reform` continues from in a ZeRO-1/2 `engine` just built at the
+    """Collectively: the state `reform` continues from in a ZeRO `engine` just built at the
     new world size (`load_partitions`), with AdamW's step count and the schedule's position of
     its optimizer step."""
     load_partitions(engine, mirrors, reform)
