@@ -13,7 +13,8 @@ dataset's own context); `RankStream` files each block's rows as runs of consecut
 per stream and hands out a step's rows, one per stream, as training asks for them.
 
 Memory per rank: about one row group per stream the rank owns, plus `data.prefetch_blocks`
-read tasks' blocks.
+read tasks' blocks; near an epoch's end, once its rows are all read, as much again for the
+next epoch's reads, begun then so that crossing into it waits for no start.
 """
 
 from __future__ import annotations
