@@ -9,11 +9,16 @@ Starts a SeaweedFS object store and a local Ray instance, writes a synthetic pre
      of `--repeats` passes of each, run alternately so a shared machine's load hits both;
   2. the time from creating a rank's stream to its first batch, at the start of the epoch
      and mid-epoch (what every restart and resize pays again);
-  3. the data-wait share of step time in a short tiny-model training run on the same stack.
+  3. the data-wait share of step time in a short tiny-model training run on the same stack;
+  4. one rank of the tiny experiment streaming the bundled corpus across `--epochs` epoch ends,
+     each step followed by `--step-ms` of pretend training: the data wait of an epoch's first step
+     against the other steps', and with `--reference-rev` the same for that revision's stream,
+     run alternately, with the ratios.
 
 bench/sync_interference.py reuses its synthetic dataset (`write_synthetic`).
 
 Usage: .venv/bin/python bench/data_throughput.py [--tokens 64e6] [--repeats 3] [--skip-training]
+           [--epochs 8] [--step-ms 60] [--reference-rev REV] [--epochs-only]
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+
+from reference import module_at
 
 from wildtrain import services
 
@@ -37,6 +45,7 @@ import ray  # noqa: E402
 
 from wildtrain import storage  # noqa: E402
 from wildtrain.config import load_config  # noqa: E402
+from wildtrain.data import stream as current_stream  # noqa: E402
 from wildtrain.data.manifest import Manifest, encode_shard, write_manifest  # noqa: E402
 from wildtrain.data.prepare import PrepareConfig, prepare  # noqa: E402
 from wildtrain.data.stream import TOKENS, RankStream, columns  # noqa: E402
@@ -120,15 +129,19 @@ def ray_data_epoch(datasets, cfg) -> Pass:
     first = (tokens, time.perf_counter() - started)
     for _ in range(datasets.steps_per_epoch - 1):
         tokens += stream.next_step().tokens.size
+    stream.close()  # and the next epoch's reads, begun ahead, which would compete with the next pass
     return Pass(tokens, time.perf_counter() - started, *first)
 
 
 def first_batch(datasets, cfg, from_step: int) -> float:
     started = time.perf_counter()
-    RankStream(
+    stream = RankStream(
         datasets.datasets, cfg.data, cfg.train, cfg.storage, rank=0, world_size=1, from_step=from_step, doc_ids=False
-    ).next_step()
-    return time.perf_counter() - started
+    )
+    stream.next_step()
+    took = time.perf_counter() - started
+    stream.close()
+    return took
 
 
 def training_data_wait(root: Path, dataset_uri: str) -> tuple[float, float]:
@@ -163,6 +176,123 @@ def training_data_wait(root: Path, dataset_uri: str) -> tuple[float, float]:
         services.stop_process(mlflow.pid)
 
 
+@dataclass(frozen=True)
+class Crossing:
+    """One stream's data wait per step, at an epoch's first step and at the others."""
+
+    boundary_ms: list[float]
+    other_ms: list[float]
+
+
+def cross_epochs(module: ModuleType, datasets, cfg, epochs: int, step_s: float) -> Crossing:
+    """Rank 0 of 1 streaming from step 0 to the end of `epochs` epochs through `module`'s
+    RankStream, `step_s` of pretend training after each step. The stream's start (step 0) is
+    neither kind: every stream pays it once."""
+    steps_per_epoch = datasets.steps_per_epoch
+    reader = module.RankStream(
+        datasets.datasets, cfg.data, cfg.train, cfg.storage, rank=0, world_size=1, from_step=0, doc_ids=False
+    )
+    boundary, other = [], []
+    try:
+        for step in range(epochs * steps_per_epoch):
+            waited = reader.wait_s
+            reader.next_step()
+            if step:
+                (other if step % steps_per_epoch else boundary).append((reader.wait_s - waited) * 1e3)
+            time.sleep(step_s)
+    finally:
+        reader.close()
+    return Crossing(boundary, other)
+
+
+def epoch_crossings(datasets, cfg, epochs: int, step_s: float, reference_rev: str | None) -> None:
+    variants = [("this tree", current_stream)]
+    if reference_rev:
+        reference = module_at(reference_rev, "platform/wildtrain/data/stream.py")
+        # Ray's workers run its read tasks and cannot import a module loaded from a temporary file.
+        ray.cloudpickle.register_pickle_by_value(reference)
+        variants.append((reference_rev, reference))
+    crossings: dict[str, list[Crossing]] = {name: [] for name, _ in variants}
+    for repeat in range(2):  # alternately, so a shared machine's load hits both
+        for name, module in variants:
+            progress(f"epoch crossings, {name}, pass {repeat + 1}/2: {epochs} epochs ...")
+            crossings[name].append(cross_epochs(module, datasets, cfg, epochs, step_s))
+    print(
+        f"\none rank of the tiny experiment (global batch {cfg.train.global_batch_size}, "
+        f"{datasets.steps_per_epoch} steps an epoch), {step_s * 1e3:.0f} ms of pretend training a step, "
+        f"2 passes of {epochs} epochs each; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores:\n"
+    )
+    print(
+        "| stream | epoch ends crossed | wait at an epoch's first step, mean (max) ms | wait at other steps, mean ms |"
+    )
+    print("|---|---|---|---|")
+    means = {}
+    for name, _ in variants:
+        boundary = [w for c in crossings[name] for w in c.boundary_ms]
+        other = [w for c in crossings[name] for w in c.other_ms]
+        means[name] = statistics.mean(boundary), statistics.mean(other)
+        print(
+            f"| {name} | {len(boundary)} | {means[name][0]:.1f} ({max(boundary):.1f}) | {statistics.mean(other):.2f} |"
+        )
+    if reference_rev:
+        (now_boundary, now_other), (then_boundary, then_other) = means["this tree"], means[reference_rev]
+        print(
+            f"\nthis tree / {reference_rev}: {now_boundary / then_boundary:.3f} at an epoch's first step, "
+            f"{now_other / then_other:.2f} at other steps"
+        )
+
+
+def throughput(store, tokens: float, repeats: int) -> None:
+    """Sections 1 and 2: the stream against plain pyarrow, and the first batch of a restart."""
+    uri = f"s3://{store.bucket}/synthetic"
+    progress(f"setup: writing {tokens / 1e6:.0f}M synthetic tokens in {SHARDS} shards to {uri}")
+    write_synthetic(uri, tokens)
+    cfg = load_config(
+        [
+            f"data.datasets=[{{uri: {uri}}}]",
+            f"data.seq_len={SEQ_LEN}",
+            "model.max_seq_len=1024",
+            f"train.global_batch_size={GLOBAL_BATCH}",
+            "train.micro_batch_size=4",
+        ]
+    )
+    datasets = open_data(cfg)
+    passes: dict[str, list[Pass]] = {PLAIN: [], RAY_DATA: []}
+    for repeat in range(1, repeats + 1):
+        for name, run in (
+            (PLAIN, lambda: plain_pyarrow(uri, datasets.datasets[0].shard_paths)),
+            (RAY_DATA, lambda: ray_data_epoch(datasets, cfg)),
+        ):
+            progress(f"{name}, pass {repeat}/{repeats} ...")
+            passes[name].append(run())
+            p = passes[name][-1]
+            progress(
+                f"{name}, pass {repeat}/{repeats}: {p.steady / 1e6:.1f}M tokens/s from the first batch on, "
+                f"first batch {p.first_s:.2f} s"
+            )
+    progress("Ray Data: first batch of a stream created mid-epoch (a restart), 3 tries")
+    mid_epoch = [first_batch(datasets, cfg, datasets.steps_per_epoch // 2) for _ in range(3)]
+
+    plain = statistics.median(p.steady for p in passes[PLAIN])
+    print(
+        f"\n{passes[PLAIN][0].tokens / 1e6:.1f}M tokens in {SHARDS} shards (SeaweedFS, row groups of "
+        f"{ROWS_PER_GROUP} rows of {SEQ_LEN + 1} tokens), one rank, data.read_cpus={cfg.data.read_cpus:g}; "
+        f"medians of {repeats} passes, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores:\n"
+    )
+    print("| path | tokens/s from the first batch on | ratio to pyarrow | whole pass s | first batch s |")
+    print("|---|---|---|---|---|")
+    for name in (PLAIN, RAY_DATA):
+        steady = statistics.median(p.steady for p in passes[name])
+        print(
+            f"| {name} | {steady / 1e6:.1f}M | {steady / plain:.2f} | "
+            f"{statistics.median(p.seconds for p in passes[name]):.2f} | "
+            f"{statistics.median(p.first_s for p in passes[name]):.2f} |"
+        )
+    print("\n| first batch after creating the stream | seconds |")
+    print("|---|---|")
+    print(f"| mid-epoch (a restart), 3 tries | {', '.join(f'{t:.2f}' for t in mid_epoch)} |")
+
+
 def progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
@@ -172,6 +302,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=float, default=64e6)
     parser.add_argument("--repeats", type=int, default=3, help="passes of each path, alternating; medians reported")
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--epochs", type=int, default=8, help="epoch ends each stream crosses in section 4")
+    parser.add_argument("--step-ms", type=float, default=60, help="pretend training after each step in section 4")
+    parser.add_argument("--reference-rev", help="a git revision whose data/stream.py crosses the same epochs")
+    parser.add_argument("--epochs-only", action="store_true", help="only section 4: the epoch crossings")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-data-"))
     progress(f"setup: SeaweedFS and a local Ray with {RAY_CPUS} CPUs")
@@ -180,63 +314,20 @@ def main() -> None:
     # A Ray of its own, not whichever cluster on this machine started last.
     ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, logging_level="WARNING")
     try:
-        uri = f"s3://{store.bucket}/synthetic"
-        progress(f"setup: writing {args.tokens / 1e6:.0f}M synthetic tokens in {SHARDS} shards to {uri}")
-        write_synthetic(uri, args.tokens)
-        cfg = load_config(
-            [
-                f"data.datasets=[{{uri: {uri}}}]",
-                f"data.seq_len={SEQ_LEN}",
-                "model.max_seq_len=1024",
-                f"train.global_batch_size={GLOBAL_BATCH}",
-                "train.micro_batch_size=4",
-            ]
-        )
-        datasets = open_data(cfg)
-        passes: dict[str, list[Pass]] = {PLAIN: [], RAY_DATA: []}
-        for repeat in range(1, args.repeats + 1):
-            for name, run in (
-                (PLAIN, lambda: plain_pyarrow(uri, datasets.datasets[0].shard_paths)),
-                (RAY_DATA, lambda: ray_data_epoch(datasets, cfg)),
-            ):
-                progress(f"{name}, pass {repeat}/{args.repeats} ...")
-                passes[name].append(run())
-                p = passes[name][-1]
-                progress(
-                    f"{name}, pass {repeat}/{args.repeats}: {p.steady / 1e6:.1f}M tokens/s from the first batch on, "
-                    f"first batch {p.first_s:.2f} s"
-                )
-        progress("Ray Data: first batch of a stream created mid-epoch (a restart), 3 tries")
-        mid_epoch = [first_batch(datasets, cfg, datasets.steps_per_epoch // 2) for _ in range(3)]
-
-        plain = statistics.median(p.steady for p in passes[PLAIN])
-        print(
-            f"\n{passes[PLAIN][0].tokens / 1e6:.1f}M tokens in {SHARDS} shards (SeaweedFS, row groups of "
-            f"{ROWS_PER_GROUP} rows of {SEQ_LEN + 1} tokens), one rank, data.read_cpus={cfg.data.read_cpus:g}; "
-            f"medians of {args.repeats} passes, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores:\n"
-        )
-        print("| path | tokens/s from the first batch on | ratio to pyarrow | whole pass s | first batch s |")
-        print("|---|---|---|---|---|")
-        for name in (PLAIN, RAY_DATA):
-            steady = statistics.median(p.steady for p in passes[name])
-            print(
-                f"| {name} | {steady / 1e6:.1f}M | {steady / plain:.2f} | "
-                f"{statistics.median(p.seconds for p in passes[name]):.2f} | "
-                f"{statistics.median(p.first_s for p in passes[name]):.2f} |"
-            )
-        print("\n| first batch after creating the stream | seconds |")
-        print("|---|---|")
-        print(f"| mid-epoch (a restart), 3 tries | {', '.join(f'{t:.2f}' for t in mid_epoch)} |")
-
-        if not args.skip_training:
-            progress("training: preparing the tiny corpus and running 40 steps of the tiny model")
-            tiny = f"s3://{store.bucket}/tiny"
-            prepare(PrepareConfig(input=str(REPO / "tests/assets/tiny_corpus.jsonl"), output=tiny, rows_per_group=128))
+        if not args.epochs_only:
+            throughput(store, args.tokens, args.repeats)
+        tiny = f"s3://{store.bucket}/tiny"
+        progress("setup: preparing the tiny corpus")
+        prepare(PrepareConfig(input=str(REPO / "tests/assets/tiny_corpus.jsonl"), output=tiny, rows_per_group=128))
+        if not (args.skip_training or args.epochs_only):
+            progress("training: running 40 steps of the tiny model")
             wait, step = training_data_wait(root, tiny)
             print(
                 f"\ntiny model, 40 steps, 1 worker: data wait {wait * 1e3:.2f} ms of {step * 1e3:.0f} ms "
                 f"per step = {wait / step:.2%} of step time"
             )
+        tiny_cfg = load_config(["experiment=tiny", f"data.datasets=[{{uri: {tiny}}}]"])
+        epoch_crossings(open_data(tiny_cfg), tiny_cfg, args.epochs, args.step_ms / 1e3, args.reference_rev)
     finally:
         ray.shutdown()
         services.stop_process(store.pid)

@@ -6,7 +6,7 @@ which every rank runs at its start and at each epoch) and find its segments from
 (tracemalloc: the parsed manifest, its `Source` and the epoch's plan). Times are CPU seconds
 of this process (`time.process_time`), as the machine's cores are shared. A rank's stream
 opening is measured on `RankStream` itself (rank 1023 of 1,024 from mid-epoch: its
-constructor and `_start_epoch`), with the Parquet read (`epoch_dataset`, Ray Data) stubbed.
+constructor and `_open`), with the Parquet read (`epoch_dataset`, Ray Data) stubbed.
 
 Each shard has 4 row groups of 256 rows (sequences); the global batch is 4 rows per rank at
 1,024 ranks (4,096), the same at every world size.
@@ -52,7 +52,7 @@ def open_stream(source: Source, from_step: int) -> None:
     opened = stream.RankStream(
         [stream.Dataset("bench", (), source)], cfg.data, cfg.train, cfg.storage, 1023, 1024, from_step, doc_ids=False
     )
-    opened._start_epoch(*split_step(opened.step, opened.steps_per_epoch))
+    opened._open(*split_step(opened.step, opened.steps_per_epoch))
 
 
 def manifest_text(shards: int) -> str:
@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 256, 1024])
     args = parser.parse_args()
     stream.epoch_dataset = NoRead  # the order alone: no Ray Data, no Parquet
+    stream._EpochReads.next_block = lambda self: None
 
     rows, results = [], []
     for shards in args.shards:

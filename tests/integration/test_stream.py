@@ -213,3 +213,55 @@ def test_a_warm_up_read_leaves_nothing_reading(ray_cluster, tmp_path, monkeypatc
 
     with pytest.raises(ShardCorrupt):
         stream.warm_up([data], *_sections(cfg))
+
+
+def _opens(monkeypatch) -> list[tuple[int, int, str]]:
+    """(epoch, step in epoch, thread) of every epoch's reads the streams open, once its first block is in."""
+    opened, open_reads = [], RankStream._open
+
+    def recorded(self, epoch, step_in_epoch):
+        reads = open_reads(self, epoch, step_in_epoch)
+        opened.append((epoch, step_in_epoch, threading.current_thread().name))
+        return reads
+
+    monkeypatch.setattr(RankStream, "_open", recorded)
+    return opened
+
+
+# A block for the whole epoch (read ahead from its first step), and a read task per unit (the
+# epoch's last rows may arrive only at its last step).
+@pytest.mark.parametrize("task_bytes", [ROW_BYTES, stream.READ_TASK_BYTES])
+def test_the_next_epochs_first_rows_are_read_before_training_reaches_it(ray_cluster, dataset, monkeypatch, task_bytes):
+    # Crossing into an epoch waited for Ray Data to start its reads: 123 times in a 15,000-step tiny run.
+    monkeypatch.setattr(stream, "READ_TASK_BYTES", task_bytes)
+    opened = _opens(monkeypatch)
+    reader = RankStream([dataset], *_sections(_config()), 1, 2, 3, doc_ids=True)
+    for step in range(3, 3 + 3 * 5):  # across three epochs' ends (5 steps each)
+        epoch, in_epoch = divmod(step, 5)
+        if in_epoch == 0:
+            assert reader._ahead is not None, f"step {step}: the epoch's reads not begun"
+            wait_for(reader._ahead.done, "the next epoch's first block")
+            assert opened[-1][:2] == (epoch, 0) and opened[-1][2].startswith("rank-stream-ahead")
+        rows = reader.next_step()
+        np.testing.assert_array_equal(rows.tokens[:, 0], _expected(step, 1, 2), err_msg=f"step {step}")
+    # The boundaries opened nothing in training's own thread: only the first epoch, mid-way.
+    assert [(e, s) for e, s, thread in opened if not thread.startswith("rank-stream-")] == [(0, 3)]
+    reader.close()
+
+
+def _aheads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("rank-stream-ahead")}
+
+
+def test_a_stream_closed_while_the_next_epoch_opens_stops_reading(ray_cluster, tmp_path, monkeypatch):
+    # Reads of a few rows each, held back to one block: the second epoch's stay open until the stream is closed.
+    monkeypatch.setattr(stream, "READ_TASK_BYTES", 1)
+    cfg = _config()
+    cfg.data.prefetch_blocks = 1
+    before, aheads_before = _executors(), _aheads()
+    reader = RankStream([_write(tmp_path, ((1,) * 20, (1,) * 20))], *_sections(cfg), 0, 2, 0, doc_ids=False)
+    while reader._ahead is None:  # to the epoch's last rows (10 steps an epoch)
+        reader.next_step()
+    reader.close()
+    wait_for(lambda: not any(t.is_alive() for t in _aheads() - aheads_before), "the next epoch's opening to end")
+    wait_for(lambda: not any(t.is_alive() for t in _executors() - before), "every executor of the stream to stop")

@@ -64,11 +64,12 @@ def test_opening_a_rank_stream_in_a_later_epoch_plans_that_epoch_alone(monkeypat
     planned = []
     monkeypatch.setattr(stream, "plan_epoch", lambda *args: planned.append(args[3]) or plan_epoch(*args))
     monkeypatch.setattr(stream, "epoch_dataset", lambda *args: type("Read", (), {"iter_batches": lambda *a, **k: []})())
+    monkeypatch.setattr(stream._EpochReads, "next_block", lambda self: None)
     cfg = Config()
     cfg.train.global_batch_size, cfg.train.seed = 4, 5
     source = Source(((3, 4), (5,)))  # 12 rows: 3 steps of 4 an epoch
     opened = RankStream(
         [Dataset("root", ("a", "b"), source)], cfg.data, cfg.train, cfg.storage, 1, 2, from_step=7, doc_ids=False
     )
-    opened._start_epoch(*stream.split_step(opened.step, opened.steps_per_epoch))
+    opened._open(*stream.split_step(opened.step, opened.steps_per_epoch))
     assert planned == [2]

@@ -13,7 +13,8 @@ dataset's own context); `RankStream` files each block's rows as runs of consecut
 per stream and hands out a step's rows, one per stream, as training asks for them.
 
 Memory per rank: about one row group per stream the rank owns, plus `data.prefetch_blocks`
-read tasks' blocks.
+read tasks' blocks; near an epoch's end, once its rows are all read, as much again for the
+next epoch's reads, begun then so that crossing into it waits for no start.
 """
 
 from __future__ import annotations
@@ -276,10 +277,13 @@ def warm_up(datasets: list[Dataset], data: DataConfig, train: TrainConfig, confi
     the read tasks) where a read after it takes milliseconds: a worker that joins a running group
     does this before it asks to join, not while the members wait for its first step."""
     stream = RankStream(datasets, data, train, config, 0, 1, 0, doc_ids=False)
+    # The first step's rows taken from its epoch's reads, not by `next_step`, which would begin the next epoch's.
+    reads = stream._open(0, 0)
     try:
-        stream.next_step()
+        for row in stream.streams:
+            reads.take(row, 0)
     finally:
-        stream.close()
+        reads.close()
 
 
 def warm_up_ahead(datasets: list[Dataset], data: DataConfig, train: TrainConfig, config: StorageConfig) -> Future:
@@ -295,12 +299,80 @@ def _in_a_thread(name: str, read, *args) -> Future:
     return reading
 
 
+class _EpochReads:
+    """A rank's reads of one epoch, from one of its steps on: the blocks as Ray Data yields them,
+    and their rows filed as runs by stream and first step until training takes them."""
+
+    def __init__(self, epoch: int, blocks: Iterator[dict], streams: range, rows: int) -> None:
+        self.epoch = epoch
+        self._blocks = blocks
+        self._current: dict[int, _Run] = {}
+        self._pending: dict[int, dict[int, _Run]] = {stream: {} for stream in streams}
+        self._unfiled = rows  # the rank's rows of the epoch no block has brought yet
+
+    @property
+    def all_in(self) -> bool:
+        """Whether every row the rank trains on this epoch is filed: its reads are over."""
+        return self._unfiled == 0
+
+    def next_block(self) -> None:
+        """File the next block's rows as runs, keyed by stream and first step."""
+        try:
+            block = next(self._blocks)
+        except Exception as e:
+            # Ray Data re-raises a read task's error wrapped in its own; the shard's
+            # message survives only as text.
+            corrupt = re.search(rf"{ShardCorrupt.__name__}: (shard .*)", "".join(traceback.format_exception(e)))
+            if corrupt:
+                raise ShardCorrupt(corrupt[1]) from None
+            raise
+        streams, steps = block[STREAM], block[STEP]
+        for start, stop in _runs(streams, steps):
+            run = _Run(
+                int(steps[start]),
+                block[SAMPLE_IDS][start:stop],
+                block[TOKENS][start:stop],
+                block[DOC_IDS][start:stop] if DOC_IDS in block else None,
+            )
+            self._pending[int(streams[start])][run.first_step] = run
+        self._unfiled -= len(streams)
+
+    def take(self, stream: int, step: int) -> tuple:
+        """(sample id, tokens, doc_ids) of the stream's row for `step`. A row group shared by two
+        streams arrives when the first of them needs it, so rows can come ahead of their
+        turn: they wait here, keyed by the step they start at."""
+        run = self._current.get(stream)
+        if run is None or not run.holds(step):
+            pending = self._pending[stream]
+            while step not in pending:
+                self.next_block()
+            run = self._current[stream] = pending.pop(step)
+        at = step - run.first_step
+        return run.sample_ids[at], run.tokens[at], None if run.doc_ids is None else run.doc_ids[at]
+
+    def close(self) -> None:
+        """Stop the epoch's reads now: Ray Data shuts its executor down then rather than when the
+        iterator is collected."""
+        close = getattr(self._blocks, "close", None)
+        if close is not None:
+            close()
+        self._blocks = iter(())
+
+
+def _close_when_read(opening: Future) -> None:
+    """Close the epoch reads `opening` returns, once it has; an opening that failed has none."""
+    if opening.exception() is None:
+        opening.result().close()
+
+
 class RankStream:
     """Rank `rank` of `world_size`'s rows for every step from `from_step` on.
 
     `next_step()` returns global_batch/world_size rows (with their doc_ids if `doc_ids`) and
     adds the time it waited for them to `wait_s`. Reading begins with the first `next_step()`,
-    or before it with `start()`."""
+    or before it with `start()`. Once an epoch's reads are over, the next epoch's begin in the
+    background, so that crossing into it waits for nothing: ahead by at most its first block
+    and `data.prefetch_blocks` read tasks."""
 
     def __init__(
         self,
@@ -324,31 +396,18 @@ class RankStream:
         self.streams = rank_streams(rank, world_size, train.global_batch_size)
         self.step = from_step
         self.wait_s = 0.0
-        self._epoch = -1
-        self._blocks: Iterator[dict] = iter(())
-        self._current: dict[int, _Run] = {}
-        self._pending: dict[int, dict[int, _Run]] = {}
-        self._starting: Optional[Future] = None
+        self._reads: Optional[_EpochReads] = None
+        # The reads of the epoch `next_step` enters next, opening in a thread of their own.
+        self._ahead: Optional[Future] = None
 
     def start(self) -> None:
         """Begin reading the first step's rows in the background, while the caller does other
         work (builds its engine): Ray Data takes a second or two to start an epoch's reads,
         which the first `next_step()` would otherwise wait for."""
-        epoch, step_in_epoch = split_step(self.step, self.steps_per_epoch)
-        self._starting = _in_a_thread("rank-stream-start", self._first_block, epoch, step_in_epoch)
+        self._ahead = _in_a_thread("rank-stream-start", self._open, *split_step(self.step, self.steps_per_epoch))
 
-    def _first_block(self, epoch: int, step_in_epoch: int) -> None:
-        self._start_epoch(epoch, step_in_epoch)
-        self._next_block()
-
-    def _started(self) -> None:
-        """Wait for `start`'s reading, if any; its error is the stream's."""
-        starting, self._starting = self._starting, None
-        if starting is not None:
-            starting.result()
-
-    def _start_epoch(self, epoch: int, step_in_epoch: int) -> None:
-        self._close_blocks()  # the last epoch's reads, which may still run ahead
+    def _open(self, epoch: int, step_in_epoch: int) -> _EpochReads:
+        """The rank's reads of `epoch` from `step_in_epoch` on, with their first block in."""
         data, train = self.data, self.train
         plan = plan_epoch(self.sources, train.global_batch_size, train.seed, epoch)
         segments = rank_segments(plan, self.rank, self.world_size, train.global_batch_size, step_in_epoch)
@@ -366,69 +425,45 @@ class RankStream:
         # No prefetch here: Ray Data's iterator holds back the first batch until its prefetch
         # window is full, which every restart would wait for; the executor reads ahead anyway.
         batches = ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0)
-        self._blocks = iter(batches)
-        self._current = {}
-        self._pending = {stream: {} for stream in self.streams}
-        self._epoch = epoch
-
-    def _next_block(self) -> None:
-        """File the next block's rows as runs, keyed by stream and first step."""
+        reads = _EpochReads(epoch, iter(batches), self.streams, len(self.streams) * (plan.steps - step_in_epoch))
         try:
-            block = next(self._blocks)
-        except Exception as e:
-            # Ray Data re-raises a read task's error wrapped in its own; the shard's
-            # message survives only as text.
-            corrupt = re.search(rf"{ShardCorrupt.__name__}: (shard .*)", "".join(traceback.format_exception(e)))
-            if corrupt:
-                raise ShardCorrupt(corrupt[1]) from None
+            reads.next_block()
+        except BaseException:
+            reads.close()
             raise
-        streams, steps = block[STREAM], block[STEP]
-        for start, stop in _runs(streams, steps):
-            run = _Run(
-                int(steps[start]),
-                block[SAMPLE_IDS][start:stop],
-                block[TOKENS][start:stop],
-                block[DOC_IDS][start:stop] if DOC_IDS in block else None,
-            )
-            self._pending[int(streams[start])][run.first_step] = run
+        return reads
 
-    def _take(self, stream: int, step: int) -> tuple:
-        """(sample id, tokens, doc_ids) of the stream's row for `step`. A row group shared by two
-        streams arrives when the first of them needs it, so rows can come ahead of their
-        turn: they wait here, keyed by the step they start at."""
-        run = self._current.get(stream)
-        if run is None or not run.holds(step):
-            pending = self._pending[stream]
-            while step not in pending:
-                self._next_block()
-            run = self._current[stream] = pending.pop(step)
-        at = step - run.first_step
-        return run.sample_ids[at], run.tokens[at], None if run.doc_ids is None else run.doc_ids[at]
+    def _enter(self, epoch: int, step_in_epoch: int) -> None:
+        """Make `epoch`'s reads the stream's: those begun ahead (their error is the stream's), or
+        begun now."""
+        if self._reads is not None:
+            self._reads.close()  # the last epoch's, which may still run ahead
+        self._reads = None
+        ahead, self._ahead = self._ahead, None
+        self._reads = ahead.result() if ahead is not None else self._open(epoch, step_in_epoch)
 
     def close(self) -> None:
         """Stop reading: Ray Data shuts the epoch's executor down now rather than when its
         iterator is collected (a group re-formed at another size in the same process reads
-        through a new stream, and the old one would read ahead meanwhile). A `start` still
-        reading is not waited for: its reads stop once its first block is in."""
-        starting, self._starting = self._starting, None
-        if starting is not None:
-            starting.add_done_callback(lambda _: self._close_blocks())
-        else:
-            self._close_blocks()
-
-    def _close_blocks(self) -> None:
-        close = getattr(self._blocks, "close", None)
-        if close is not None:
-            close()
-        self._blocks = iter(())
+        through a new stream, and the old one would read ahead meanwhile). Reads begun in the
+        background are not waited for: they stop once their first block is in."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.add_done_callback(_close_when_read)
+        if self._reads is not None:
+            self._reads.close()
+            self._reads = None
 
     def next_step(self) -> Step:
         started = time.perf_counter()
-        self._started()
         epoch, step_in_epoch = split_step(self.step, self.steps_per_epoch)
-        if epoch != self._epoch:
-            self._start_epoch(epoch, step_in_epoch)
-        ids, tokens, doc_ids = zip(*(self._take(stream, step_in_epoch) for stream in self.streams))
+        if self._reads is None or self._reads.epoch != epoch:
+            self._enter(epoch, step_in_epoch)
+        reads = self._reads
+        ids, tokens, doc_ids = zip(*(reads.take(stream, step_in_epoch) for stream in self.streams))
+        if self._ahead is None and reads.all_in:
+            # The epoch's reads are over: the next epoch's begin while its rows last.
+            self._ahead = _in_a_thread("rank-stream-ahead", self._open, epoch + 1, 0)
         step = Step(self.step, np.array(ids), np.stack(tokens), None if doc_ids[0] is None else np.stack(doc_ids))
         self.step += 1
         self.wait_s += time.perf_counter() - started
