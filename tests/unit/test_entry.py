@@ -4,8 +4,6 @@ reference, and needs none of the modules only a worker runs."""
 import subprocess
 import sys
 
-import pytest
-
 WORKERS_ONLY = ["wildtrain.train.loop", "wildtrain.engine", "wildtrain.model", "torch._dynamo"]
 
 
@@ -17,8 +15,7 @@ def test_the_driver_imports_none_of_the_workers_modules():
     assert done.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("call", ["entry.joiner_main(inputs, 'token', 'member.2', 2)", "entry.worker_main(inputs)"])
-def test_a_worker_begins_its_first_read_before_the_loops_imports(call):
+def test_a_joiner_begins_its_first_read_before_the_loops_imports():
     # The read mostly waits for Ray to start its read tasks' processes: begun first, it runs
     # beside the loop's 3-4 s of imports here (torch's the first) instead of after them.
     code = """
@@ -37,10 +34,10 @@ entry.check_storage = lambda drivers, cfg: None
 cfg = types.SimpleNamespace(data=None, train=None, storage=None)
 inputs = types.SimpleNamespace(cfg=cfg, storage_view=None, data=types.SimpleNamespace(datasets=["the datasets"]))
 try:
-    CALL
+    entry.joiner_main(inputs, "token", "member.2", 2)
 except Begun as begun:
     print(begun.args)
-""".replace("WORKERS_ONLY", repr(["torch", *WORKERS_ONLY])).replace("CALL", call)
+""".replace("WORKERS_ONLY", repr(["torch", *WORKERS_ONLY]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "([], ['the datasets'])"

@@ -18,15 +18,11 @@ from wildtrain.worker_inputs import LoopInputs
 
 
 def worker_main(inputs: LoopInputs) -> None:
-    """Every worker's training function: `train.loop.train_loop`, imported where it runs. Its
-    first read through Ray Data begins before that import, as a joiner's does: the group's
-    first step would otherwise wait for Ray to start the read tasks' processes after the
-    imports, the health check and the restore."""
+    """Every worker's training function: `train.loop.train_loop`, imported where it runs."""
     check_storage(inputs.storage_view, inputs.cfg)  # before it reads
-    first_read = begin_first_read(inputs)
     from wildtrain.train.loop import train_loop
 
-    train_loop(inputs, first_read)
+    train_loop(inputs)
 
 
 def joiner_main(inputs: LoopInputs, token: str, name: str, group_size: int) -> None:

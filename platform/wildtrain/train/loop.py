@@ -48,11 +48,8 @@ from wildtrain.train.schedule import At
 from wildtrain.worker_inputs import LoopInputs
 
 
-def train_loop(inputs: LoopInputs, first_read: Future) -> None:
-    """`first_read`: the process's first read through Ray Data, under way (`entry.worker_main`);
-    the attempt's stream reads once it is done, with the read tasks' processes it started."""
+def train_loop(inputs: LoopInputs) -> None:
     cfg = inputs.cfg
-    first_read.result()
     collectives.open_control_group(control_timeout_s(cfg))
     # Raised by every rank at the same step: nobody's failure.
     together = (PlannedRegrow, UnhealthyNodes, FinalCheckpointFailed, RedundancyLost, MembersJoining)
