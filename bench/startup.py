@@ -31,15 +31,22 @@ whose main script imports Ray as a Ray worker's does: its save child spawned as 
 spawns it (`save_process._main_script_hidden`) against the same child running the parent's
 main script first, as multiprocessing's spawn does by default.
 
+With `--reference-rev REV`, the stack and its two runs are done first with that revision's
+wildtrain (checked out in a temporary git worktree, on the same machine, in the same bench
+run), then with the working tree's: the phases of both side by side, the reference first.
+`--runs-only` leaves out the comm start and the saver's first save.
+
 bench/ettr.py reads a run's start-up phases with it (`start_up_phases`).
 
-Usage: .venv/bin/python bench/startup.py [--steps 10]
+Usage: .venv/bin/python bench/startup.py [--steps 10] [--reference-rev REV] [--runs-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -173,19 +180,8 @@ def table(columns: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10, help="train.steps of each run (the demo's: 60)")
-    args = parser.parse_args()
-    quiet_mlflow()
-    root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-startup-"))
-    ports = {name: services.free_port() for name in ("ray", "dashboard", "mlflow", "object-store")}
-    uri = f"http://{services.HOST}:{ports['mlflow']}"
-    # A user's environment, plus an empty torch extensions cache for the head, which its
-    # workers inherit: the C++ builds of a fresh machine, if any.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}
-    wildtrain = [sys.executable, "-m", "wildtrain"]
-    say(f"bench/startup.py: working in {root}; each command's output goes to a .log file there")
+def comm_start_and_first_save(root: Path) -> None:
+    """DeepSpeed's comm start and a saver's first save, each on its own (the module's docstring)."""
     comm = {}
     for label, how, cache in (
         ("DeepSpeed, empty extensions cache", "deepspeed", "empty"),
@@ -230,10 +226,25 @@ def main() -> None:
         flush=True,
     )
 
+
+def stack_runs(tree: Path, root: Path, steps: int) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """`make demo`'s commands with `tree`'s wildtrain on a new stack in `root`: each command's
+    seconds, and the cold and the warm run's start-up phases."""
+    ports = {name: services.free_port() for name in ("ray", "dashboard", "mlflow", "object-store")}
+    uri = f"http://{services.HOST}:{ports['mlflow']}"
+    # A user's environment, plus an empty torch extensions cache for the head, which its
+    # workers inherit: the C++ builds of a fresh machine, if any.
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions"),
+        "PYTHONPATH": os.pathsep.join([str(tree / "platform"), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    wildtrain = [sys.executable, "-m", "wildtrain"]
     demo: dict[str, float] = {}
     runs: dict[str, dict[str, float]] = {}
     try:
-        say(f"starting the services (wildtrain up, MLflow on {uri})")
+        say(f"starting the services with {tree}'s wildtrain (wildtrain up, MLflow on {uri})")
         demo["wildtrain up"] = timed(
             wildtrain + ["up", *(f"--{name}-port={port}" for name, port in ports.items())], root, root / "up.log", env
         )
@@ -255,11 +266,11 @@ def main() -> None:
         )
         for kind in ("cold", "warm"):
             name = f"startup-{kind}-{int(time.time())}"
-            say(f"submitting the {kind} run {name} ({args.steps} steps)")
+            say(f"submitting the {kind} run {name} ({steps} steps)")
             submitted = time.time()
             demo[f"train ({kind})"] = timed(
                 wildtrain
-                + ["train", "experiment=tiny", f"run.name={name}", f"train.steps={args.steps}", f"tracking.uri={uri}"],
+                + ["train", "experiment=tiny", f"run.name={name}", f"train.steps={steps}", f"tracking.uri={uri}"],
                 root,
                 root / f"train-{kind}.log",
                 env,
@@ -268,12 +279,57 @@ def main() -> None:
     finally:
         say("stopping the services")
         subprocess.run(wildtrain + ["down"], cwd=root, env=env, capture_output=True)
+    return demo, runs
 
-    print("\n" + table(["demo command", "seconds"], [[name, f"{s:.1f}"] for name, s in demo.items()]), flush=True)
+
+@contextlib.contextmanager
+def checked_out(rev: str, folder: Path):
+    """`rev` checked out in a git worktree at `folder`, removed at the end."""
+    subprocess.run(["git", "worktree", "add", "--detach", str(folder), rev], cwd=REPO, check=True, capture_output=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(folder)], cwd=REPO, capture_output=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10, help="train.steps of each run (the demo's: 60)")
+    parser.add_argument("--reference-rev", help="a git revision whose start-up is measured first, beside this tree's")
+    parser.add_argument("--runs-only", action="store_true", help="only the runs: no comm start, no saver's save")
+    args = parser.parse_args()
+    quiet_mlflow()
+    root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-startup-"))
+    say(f"bench/startup.py: working in {root}; each command's output goes to a .log file there")
+    if not args.runs_only:
+        comm_start_and_first_save(root)
+    trees: dict[str, tuple[dict[str, float], dict[str, dict[str, float]]]] = {}
+    with contextlib.ExitStack() as stack:
+        if args.reference_rev:
+            reference = stack.enter_context(checked_out(args.reference_rev, root / "reference"))
+            (root / "reference-stack").mkdir()
+            trees[args.reference_rev] = stack_runs(reference, root / "reference-stack", args.steps)
+        (root / "stack").mkdir()
+        trees["this tree"] = stack_runs(REPO, root / "stack", args.steps)
+
+    columns = [f"{kind} ({label})" for label, (_, runs) in trees.items() for kind in runs]
     print(
         "\n"
         + table(
-            ["phase", *runs], [[phase, *(f"{runs[kind][phase]:.1f}" for kind in runs)] for phase in PHASES + ["total"]]
+            ["demo command", *(f"seconds ({label})" for label in trees)],
+            [[name, *(f"{demo[name]:.1f}" for demo, _ in trees.values())] for name in next(iter(trees.values()))[0]],
+        ),
+        flush=True,
+    )
+    print(
+        "\n"
+        + table(
+            ["phase", *columns],
+            [
+                [phase, *(f"{runs[kind][phase]:.1f}" for _, runs in trees.values() for kind in runs)]
+                for phase in PHASES + ["total"]
+            ],
         )
     )
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
