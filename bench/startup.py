@@ -47,6 +47,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,6 +98,52 @@ if __name__ == "__main__":
     print(time.perf_counter() - started)
     saver.close(60)
 """
+# Run as a script on the bench's stack, with its tree's wildtrain: a joiner's start (train.entry.joiner_main
+# less its rendezvous) in new Ray worker processes, one at a time; per joiner, seconds from its process's start.
+JOINER = """
+import sys, time
+from wildtrain import services
+from wildtrain.config import load_config
+
+cfg = load_config(sys.argv[2:])
+services.use_local_object_store()
+services.prepare_ray_client(cfg.cluster.ray_address)
+
+import psutil, ray, torch
+from wildtrain import storage
+from wildtrain.driver import open_data
+from wildtrain.elastic import scaling
+from wildtrain.worker_inputs import LoopInputs
+
+
+@ray.remote(num_cpus=1)
+class Joiner:
+    def ready(self, inputs):
+        called = time.time()
+        from wildtrain.train.entry import begin_first_read, check_storage
+
+        check_storage(inputs.storage_view, inputs.cfg)
+        first_read = begin_first_read(inputs)
+        from wildtrain.train.loop import ready_to_join
+
+        imported, read = time.time(), []
+        first_read.add_done_callback(lambda _: read.append(time.time()))
+        ready_to_join(inputs, torch.device("cpu"), first_read)
+        started = psutil.Process().create_time()
+        return [at - started for at in (called, imported, read[0], time.time())]
+
+
+services.connect_ray(cfg.cluster.ray_address)
+inputs = LoopInputs(cfg, open_data(cfg), scaling.worker_resources(cfg.cluster), storage.StorageView.here(cfg.storage))
+for joiner in range(int(sys.argv[1])):
+    # A runtime env of its own, as a joiner's: a new process, never an idle worker of Ray's.
+    env = {**storage.handover_env(cfg.storage), "WILDTRAIN_BENCH_JOINER": str(joiner)}
+    actor = Joiner.options(runtime_env={"env_vars": env}).remote()
+    print(*ray.get(actor.ready.remote(inputs)), flush=True)
+    ray.kill(actor)
+"""
+JOINER_STAGES = ["called", "loop imported", "first read done", "ready to join"]
+SWEEP_GRID = ["--grid", "optim.lr=1e-3,3e-3", "--grid", "model.dim=64,128"]
 PHASES = [
     "driver up",
     "group started",
@@ -227,9 +274,23 @@ def comm_start_and_first_save(root: Path) -> None:
     )
 
 
-def stack_runs(tree: Path, root: Path, steps: int) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+def joiner_ready(root: Path, env: dict[str, str], overrides: list[str], joiners: int) -> dict[str, float]:
+    """The median seconds from a joiner's process start to each of `JOINER_STAGES`, of `joiners` joiners on
+    the stack in `root`."""
+    script = root / "joiner.py"
+    script.write_text(JOINER)
+    log = root / "joiner.log"
+    timed([sys.executable, str(script), str(joiners), *overrides], root, log, env)
+    rows = [[float(x) for x in line.split()] for line in log.read_text().splitlines() if line[:1].isdigit()]
+    return {f"joiner: {stage}": statistics.median(row[i] for row in rows) for i, stage in enumerate(JOINER_STAGES)}
+
+
+def stack_runs(
+    tree: Path, root: Path, steps: int, joiners: int, sweep_steps: int
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """`make demo`'s commands with `tree`'s wildtrain on a new stack in `root`: each command's
-    seconds, and the cold and the warm run's start-up phases."""
+    seconds, and the cold and the warm run's start-up phases; then, on the same stack, `joiners`
+    joiners' readiness (`joiner_ready`) and a sweep of four trials of `sweep_steps` steps (if any)."""
     ports = {name: services.free_port() for name in ("ray", "dashboard", "mlflow", "object-store")}
     uri = f"http://{services.HOST}:{ports['mlflow']}"
     # A user's environment, plus an empty torch extensions cache for the head, which its
@@ -252,9 +313,10 @@ def stack_runs(tree: Path, root: Path, steps: int) -> tuple[dict[str, float], di
         demo["prepare"] = timed(
             [
                 sys.executable,
-                str(REPO / "data_pipelines/prepare.py"),
+                # The tree's own script: it imports the tree's wildtrain.
+                str(tree / "data_pipelines/prepare.py"),
                 "--input",
-                str(REPO / "tests/assets/tiny_corpus.jsonl"),
+                str(tree / "tests/assets/tiny_corpus.jsonl"),
                 "--output",
                 "s3://wildtrain/datasets/tiny",
                 "--rows-per-group",
@@ -276,6 +338,19 @@ def stack_runs(tree: Path, root: Path, steps: int) -> tuple[dict[str, float], di
                 env,
             )
             runs[kind] = start_up_phases(uri, name, submitted, root / f"events-{kind}")
+        if joiners:
+            say(f"starting {joiners} joiners, one at a time")
+            demo.update(joiner_ready(root, env, ["experiment=tiny", f"tracking.uri={uri}"], joiners))
+        if sweep_steps:
+            name = f"startup-sweep-{int(time.time())}"
+            say(f"the sweep {name}: four trials of {sweep_steps} steps")
+            demo[f"sweep, 4 x {sweep_steps} steps"] = timed(
+                wildtrain
+                + ["sweep", name, *SWEEP_GRID, f"--steps={sweep_steps}", "experiment=tiny", f"tracking.uri={uri}"],
+                root,
+                root / "sweep.log",
+                env,
+            )
     finally:
         say("stopping the services")
         subprocess.run(wildtrain + ["down"], cwd=root, env=env, capture_output=True)
@@ -298,6 +373,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="train.steps of each run (the demo's: 60)")
     parser.add_argument("--reference-rev", help="a git revision whose start-up is measured first, beside this tree's")
     parser.add_argument("--runs-only", action="store_true", help="only the runs: no comm start, no saver's save")
+    parser.add_argument("--joiners", type=int, default=3, help="joiners started after the runs (0: none)")
+    parser.add_argument("--sweep", type=int, default=0, metavar="STEPS", help="a sweep of four trials of STEPS steps")
     args = parser.parse_args()
     quiet_mlflow()
     root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-startup-"))
@@ -309,16 +386,28 @@ def main() -> None:
         if args.reference_rev:
             reference = stack.enter_context(checked_out(args.reference_rev, root / "reference"))
             (root / "reference-stack").mkdir()
-            trees[args.reference_rev] = stack_runs(reference, root / "reference-stack", args.steps)
+            trees[args.reference_rev] = stack_runs(
+                reference, root / "reference-stack", args.steps, args.joiners, args.sweep
+            )
         (root / "stack").mkdir()
-        trees["this tree"] = stack_runs(REPO, root / "stack", args.steps)
+        trees["this tree"] = stack_runs(REPO, root / "stack", args.steps, args.joiners, args.sweep)
 
     columns = [f"{kind} ({label})" for label, (_, runs) in trees.items() for kind in runs]
+    # Against the reference measured in the same bench run: a loaded machine's seconds vary from run to run.
+    ratio = ["ratio (this tree / reference)"] if args.reference_rev else []
+
+    def ratio_of(seconds: list[float]) -> list[str]:
+        return [f"{seconds[-1] / seconds[0]:.2f}"] if ratio else []
+
+    demos = [demo for demo, _ in trees.values()]
     print(
         "\n"
         + table(
-            ["demo command", *(f"seconds ({label})" for label in trees)],
-            [[name, *(f"{demo[name]:.1f}" for demo, _ in trees.values())] for name in next(iter(trees.values()))[0]],
+            ["demo command", *(f"seconds ({label})" for label in trees), *ratio],
+            [
+                [name, *(f"{demo[name]:.1f}" for demo in demos), *ratio_of([demo[name] for demo in demos])]
+                for name in demos[0]
+            ],
         ),
         flush=True,
     )
@@ -332,6 +421,9 @@ def main() -> None:
             ],
         )
     )
+    for kind in next(iter(trees.values()))[1] if ratio else ():
+        totals = [runs[kind]["total"] for _, runs in trees.values()]
+        print(f"\n{kind} run's total, this tree / reference: {ratio_of(totals)[0]}", flush=True)
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
         f"\nseconds; the phases add up to total: submit → the first step's end. Load average at the end "
