@@ -111,7 +111,7 @@ services.prepare_ray_client(cfg.cluster.ray_address)
 
 import psutil, ray, torch
 from wildtrain import storage
-from wildtrain.driver import open_data
+from wildtrain.driver import open_data, resolve_device
 from wildtrain.elastic import scaling
 from wildtrain.worker_inputs import LoopInputs
 
@@ -134,6 +134,7 @@ class Joiner:
 
 
 services.connect_ray(cfg.cluster.ray_address)
+cfg = resolve_device(cfg)
 inputs = LoopInputs(cfg, open_data(cfg), scaling.worker_resources(cfg.cluster), storage.StorageView.here(cfg.storage))
 for joiner in range(int(sys.argv[1])):
     # A runtime env of its own, as a joiner's: a new process, never an idle worker of Ray's.
