@@ -31,6 +31,15 @@ whose main script imports Ray as a Ray worker's does: its save child spawned as 
 spawns it (`save_process._main_script_hidden`) against the same child running the parent's
 main script first, as multiprocessing's spawn does by default.
 
+Then, on the same stack, `--joiners N` joiners (default 3; 0: none), one at a time: a joiner's
+start (`train.entry.joiner_main`, less its rendezvous) in a new Ray worker process with a runtime
+env of its own, as the controller starts one on a lost member's slot; the median seconds from the
+process's start to Ray calling it, to the loop's imports done, to its first read done, and to
+`train.loop.ready_to_join`'s end (it would ask to join then). With `--sweep STEPS`, a sweep of four
+trials of STEPS steps (`wildtrain sweep` over optim.lr and model.dim, as docs/sweeps.md's example;
+one trial at a time on the bench's head): its wall time, and the median seconds from one trial's
+MLflow run ending to the next one's created.
+
 With `--reference-rev REV`, the stack and its two runs are done first with that revision's
 wildtrain (checked out in a temporary git worktree, on the same machine, in the same bench
 run), then with the working tree's: the phases of both side by side, the reference first.
@@ -38,7 +47,8 @@ run), then with the working tree's: the phases of both side by side, the referen
 
 bench/ettr.py reads a run's start-up phases with it (`start_up_phases`).
 
-Usage: .venv/bin/python bench/startup.py [--steps 10] [--reference-rev REV] [--runs-only]
+Usage: .venv/bin/python bench/startup.py [--steps 10] [--reference-rev REV] [--runs-only] [--joiners 3]
+       [--sweep STEPS]
 """
 
 from __future__ import annotations
@@ -286,6 +296,20 @@ def joiner_ready(root: Path, env: dict[str, str], overrides: list[str], joiners:
     return {f"joiner: {stage}": statistics.median(row[i] for row in rows) for i, stage in enumerate(JOINER_STAGES)}
 
 
+def between_trials(uri: str, sweep: str) -> float:
+    """The median seconds from the end of one trial's MLflow run to the creation of the next one's (after
+    its driver's start and checks), of the trials of `sweep`, which run one at a time on the bench's stack."""
+    client = MlflowClient(uri)
+    trials = sorted(
+        client.search_runs(
+            [e.experiment_id for e in client.search_experiments()],
+            f"tags.`wildtrain.sweep` = '{sweep}' and tags.`wildtrain.sweep.role` = 'trial'",
+        ),
+        key=lambda run: run.info.start_time,
+    )
+    return statistics.median((b.info.start_time - a.info.end_time) / 1000 for a, b in zip(trials, trials[1:]))
+
+
 def stack_runs(
     tree: Path, root: Path, steps: int, joiners: int, sweep_steps: int
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
@@ -352,6 +376,7 @@ def stack_runs(
                 root / "sweep.log",
                 env,
             )
+            demo["sweep: between trials (median)"] = between_trials(uri, name)
     finally:
         say("stopping the services")
         subprocess.run(wildtrain + ["down"], cwd=root, env=env, capture_output=True)
