@@ -31,15 +31,33 @@ whose main script imports Ray as a Ray worker's does: its save child spawned as 
 spawns it (`save_process._main_script_hidden`) against the same child running the parent's
 main script first, as multiprocessing's spawn does by default.
 
+Then, on the same stack, `--joiners N` joiners (default 3; 0: none), one at a time: a joiner's
+start (`train.entry.joiner_main`, less its rendezvous) in a new Ray worker process with a runtime
+env of its own, as the controller starts one on a lost member's slot; the median seconds from the
+process's start to Ray calling it, to the loop's imports done, to its first read done, and to
+`train.loop.ready_to_join`'s end (it would ask to join then). With `--sweep STEPS`, a sweep of four
+trials of STEPS steps (`wildtrain sweep` over optim.lr and model.dim, as docs/sweeps.md's example;
+one trial at a time on the bench's head): its wall time, and the median seconds from one trial's
+MLflow run ending to the next one's created.
+
+With `--reference-rev REV`, the stack and its two runs are done first with that revision's
+wildtrain (checked out in a temporary git worktree, on the same machine, in the same bench
+run), then with the working tree's: the phases of both side by side, the reference first.
+`--runs-only` leaves out the comm start and the saver's first save.
+
 bench/ettr.py reads a run's start-up phases with it (`start_up_phases`).
 
-Usage: .venv/bin/python bench/startup.py [--steps 10]
+Usage: .venv/bin/python bench/startup.py [--steps 10] [--reference-rev REV] [--runs-only] [--joiners 3]
+       [--sweep STEPS]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,6 +108,53 @@ if __name__ == "__main__":
     print(time.perf_counter() - started)
     saver.close(60)
 """
+# Run as a script on the bench's stack, with its tree's wildtrain: a joiner's start (train.entry.joiner_main
+# less its rendezvous) in new Ray worker processes, one at a time; per joiner, seconds from its process's start.
+JOINER = """
+import sys, time
+from wildtrain import services
+from wildtrain.config import load_config
+
+cfg = load_config(sys.argv[2:])
+services.use_local_object_store()
+services.prepare_ray_client(cfg.cluster.ray_address)
+
+import psutil, ray, torch
+from wildtrain import storage
+from wildtrain.driver import open_data, resolve_device
+from wildtrain.elastic import scaling
+from wildtrain.worker_inputs import LoopInputs
+
+
+@ray.remote(num_cpus=1)
+class Joiner:
+    def ready(self, inputs):
+        called = time.time()
+        from wildtrain.train.entry import begin_first_read, check_storage
+
+        check_storage(inputs.storage_view, inputs.cfg)
+        first_read = begin_first_read(inputs)
+        from wildtrain.train.loop import ready_to_join
+
+        imported, read = time.time(), []
+        first_read.add_done_callback(lambda _: read.append(time.time()))
+        ready_to_join(inputs, torch.device("cpu"), first_read)
+        started = psutil.Process().create_time()
+        return [at - started for at in (called, imported, read[0], time.time())]
+
+
+services.connect_ray(cfg.cluster.ray_address)
+cfg = resolve_device(cfg)
+inputs = LoopInputs(cfg, open_data(cfg), scaling.worker_resources(cfg.cluster), storage.StorageView.here(cfg.storage))
+for joiner in range(int(sys.argv[1])):
+    # A runtime env of its own, as a joiner's: a new process, never an idle worker of Ray's.
+    env = {**storage.handover_env(cfg.storage), "WILDTRAIN_BENCH_JOINER": str(joiner)}
+    actor = Joiner.options(runtime_env={"env_vars": env}).remote()
+    print(*ray.get(actor.ready.remote(inputs)), flush=True)
+    ray.kill(actor)
+"""
+JOINER_STAGES = ["called", "loop imported", "first read done", "ready to join"]
+SWEEP_GRID = ["--grid", "optim.lr=1e-3,3e-3", "--grid", "model.dim=64,128"]
 PHASES = [
     "driver up",
     "group started",
@@ -173,19 +238,8 @@ def table(columns: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10, help="train.steps of each run (the demo's: 60)")
-    args = parser.parse_args()
-    quiet_mlflow()
-    root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-startup-"))
-    ports = {name: services.free_port() for name in ("ray", "dashboard", "mlflow", "object-store")}
-    uri = f"http://{services.HOST}:{ports['mlflow']}"
-    # A user's environment, plus an empty torch extensions cache for the head, which its
-    # workers inherit: the C++ builds of a fresh machine, if any.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}
-    wildtrain = [sys.executable, "-m", "wildtrain"]
-    say(f"bench/startup.py: working in {root}; each command's output goes to a .log file there")
+def comm_start_and_first_save(root: Path) -> None:
+    """DeepSpeed's comm start and a saver's first save, each on its own (the module's docstring)."""
     comm = {}
     for label, how, cache in (
         ("DeepSpeed, empty extensions cache", "deepspeed", "empty"),
@@ -230,10 +284,53 @@ def main() -> None:
         flush=True,
     )
 
+
+def joiner_ready(root: Path, env: dict[str, str], overrides: list[str], joiners: int) -> dict[str, float]:
+    """The median seconds from a joiner's process start to each of `JOINER_STAGES`, of `joiners` joiners on
+    the stack in `root`."""
+    script = root / "joiner.py"
+    script.write_text(JOINER)
+    log = root / "joiner.log"
+    timed([sys.executable, str(script), str(joiners), *overrides], root, log, env)
+    rows = [[float(x) for x in line.split()] for line in log.read_text().splitlines() if line[:1].isdigit()]
+    return {f"joiner: {stage}": statistics.median(row[i] for row in rows) for i, stage in enumerate(JOINER_STAGES)}
+
+
+def between_trials(uri: str, sweep: str) -> float:
+    """The median seconds from the end of one trial's MLflow run to the creation of the next one's (after
+    its driver's start and checks), of the trials of `sweep`, which run one at a time on the bench's stack."""
+    client = MlflowClient(uri)
+    trials = sorted(
+        client.search_runs(
+            [e.experiment_id for e in client.search_experiments()],
+            f"tags.`wildtrain.sweep` = '{sweep}' and tags.`wildtrain.sweep.role` = 'trial'",
+        ),
+        key=lambda run: run.info.start_time,
+    )
+    return statistics.median((b.info.start_time - a.info.end_time) / 1000 for a, b in zip(trials, trials[1:]))
+
+
+def stack_runs(
+    tree: Path, root: Path, steps: int, joiners: int, sweep_steps: int
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """`make demo`'s commands with `tree`'s wildtrain on a new stack in `root`: each command's
+    seconds, and the cold and the warm run's start-up phases; then, on the same stack, `joiners`
+    joiners' readiness (`joiner_ready`) and a sweep of four trials of `sweep_steps` steps (if any)."""
+    ports = {name: services.free_port() for name in ("ray", "dashboard", "mlflow", "object-store")}
+    uri = f"http://{services.HOST}:{ports['mlflow']}"
+    # A user's environment, plus an empty torch extensions cache for the head, which its
+    # workers inherit: the C++ builds of a fresh machine, if any.
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions"),
+        "PYTHONPATH": os.pathsep.join([str(tree / "platform"), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    wildtrain = [sys.executable, "-m", "wildtrain"]
     demo: dict[str, float] = {}
     runs: dict[str, dict[str, float]] = {}
     try:
-        say(f"starting the services (wildtrain up, MLflow on {uri})")
+        say(f"starting the services with {tree}'s wildtrain (wildtrain up, MLflow on {uri})")
         demo["wildtrain up"] = timed(
             wildtrain + ["up", *(f"--{name}-port={port}" for name, port in ports.items())], root, root / "up.log", env
         )
@@ -241,9 +338,10 @@ def main() -> None:
         demo["prepare"] = timed(
             [
                 sys.executable,
-                str(REPO / "data_pipelines/prepare.py"),
+                # The tree's own script: it imports the tree's wildtrain.
+                str(tree / "data_pipelines/prepare.py"),
                 "--input",
-                str(REPO / "tests/assets/tiny_corpus.jsonl"),
+                str(tree / "tests/assets/tiny_corpus.jsonl"),
                 "--output",
                 "s3://wildtrain/datasets/tiny",
                 "--rows-per-group",
@@ -255,27 +353,103 @@ def main() -> None:
         )
         for kind in ("cold", "warm"):
             name = f"startup-{kind}-{int(time.time())}"
-            say(f"submitting the {kind} run {name} ({args.steps} steps)")
+            say(f"submitting the {kind} run {name} ({steps} steps)")
             submitted = time.time()
             demo[f"train ({kind})"] = timed(
                 wildtrain
-                + ["train", "experiment=tiny", f"run.name={name}", f"train.steps={args.steps}", f"tracking.uri={uri}"],
+                + ["train", "experiment=tiny", f"run.name={name}", f"train.steps={steps}", f"tracking.uri={uri}"],
                 root,
                 root / f"train-{kind}.log",
                 env,
             )
             runs[kind] = start_up_phases(uri, name, submitted, root / f"events-{kind}")
+        if joiners:
+            say(f"starting {joiners} joiners, one at a time")
+            demo.update(joiner_ready(root, env, ["experiment=tiny", f"tracking.uri={uri}"], joiners))
+        if sweep_steps:
+            name = f"startup-sweep-{int(time.time())}"
+            say(f"the sweep {name}: four trials of {sweep_steps} steps")
+            demo[f"sweep, 4 x {sweep_steps} steps"] = timed(
+                wildtrain
+                + ["sweep", name, *SWEEP_GRID, f"--steps={sweep_steps}", "experiment=tiny", f"tracking.uri={uri}"],
+                root,
+                root / "sweep.log",
+                env,
+            )
+            demo["sweep: between trials (median)"] = between_trials(uri, name)
     finally:
         say("stopping the services")
         subprocess.run(wildtrain + ["down"], cwd=root, env=env, capture_output=True)
+    return demo, runs
 
-    print("\n" + table(["demo command", "seconds"], [[name, f"{s:.1f}"] for name, s in demo.items()]), flush=True)
+
+@contextlib.contextmanager
+def checked_out(rev: str, folder: Path):
+    """`rev` checked out in a git worktree at `folder`, removed at the end."""
+    subprocess.run(["git", "worktree", "add", "--detach", str(folder), rev], cwd=REPO, check=True, capture_output=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(folder)], cwd=REPO, capture_output=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10, help="train.steps of each run (the demo's: 60)")
+    parser.add_argument("--reference-rev", help="a git revision whose start-up is measured first, beside this tree's")
+    parser.add_argument("--runs-only", action="store_true", help="only the runs: no comm start, no saver's save")
+    parser.add_argument("--joiners", type=int, default=3, help="joiners started after the runs (0: none)")
+    parser.add_argument("--sweep", type=int, default=0, metavar="STEPS", help="a sweep of four trials of STEPS steps")
+    args = parser.parse_args()
+    quiet_mlflow()
+    root = Path(tempfile.mkdtemp(prefix="wildtrain-bench-startup-"))
+    say(f"bench/startup.py: working in {root}; each command's output goes to a .log file there")
+    if not args.runs_only:
+        comm_start_and_first_save(root)
+    trees: dict[str, tuple[dict[str, float], dict[str, dict[str, float]]]] = {}
+    with contextlib.ExitStack() as stack:
+        if args.reference_rev:
+            reference = stack.enter_context(checked_out(args.reference_rev, root / "reference"))
+            (root / "reference-stack").mkdir()
+            trees[args.reference_rev] = stack_runs(
+                reference, root / "reference-stack", args.steps, args.joiners, args.sweep
+            )
+        (root / "stack").mkdir()
+        trees["this tree"] = stack_runs(REPO, root / "stack", args.steps, args.joiners, args.sweep)
+
+    columns = [f"{kind} ({label})" for label, (_, runs) in trees.items() for kind in runs]
+    # Against the reference measured in the same bench run: a loaded machine's seconds vary from run to run.
+    ratio = ["ratio (this tree / reference)"] if args.reference_rev else []
+
+    def ratio_of(seconds: list[float]) -> list[str]:
+        return [f"{seconds[-1] / seconds[0]:.2f}"] if ratio else []
+
+    demos = [demo for demo, _ in trees.values()]
     print(
         "\n"
         + table(
-            ["phase", *runs], [[phase, *(f"{runs[kind][phase]:.1f}" for kind in runs)] for phase in PHASES + ["total"]]
+            ["demo command", *(f"seconds ({label})" for label in trees), *ratio],
+            [
+                [name, *(f"{demo[name]:.1f}" for demo in demos), *ratio_of([demo[name] for demo in demos])]
+                for name in demos[0]
+            ],
+        ),
+        flush=True,
+    )
+    print(
+        "\n"
+        + table(
+            ["phase", *columns],
+            [
+                [phase, *(f"{runs[kind][phase]:.1f}" for _, runs in trees.values() for kind in runs)]
+                for phase in PHASES + ["total"]
+            ],
         )
     )
+    for kind in next(iter(trees.values()))[1] if ratio else ():
+        totals = [runs[kind]["total"] for _, runs in trees.values()]
+        print(f"\n{kind} run's total, this tree / reference: {ratio_of(totals)[0]}", flush=True)
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
         f"\nseconds; the phases add up to total: submit → the first step's end. Load average at the end "
