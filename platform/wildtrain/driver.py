@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -72,20 +71,17 @@ def _run(
     # The storage settings everything below checks the run's data and record with: every
     # process of the run gets them, whatever its node's environment holds.
     storage_env, storage_view = storage.handover_env(cfg.storage), storage.StorageView.here(cfg.storage)
+    data = open_data(cfg)
     evaluation = _plan_evaluation(cfg)
     layout = RunLayout.of(cfg.run, cfg.checkpoint)
-    # The checks that need no cluster run beside joining it: each mostly waits on its server.
-    with ThreadPoolExecutor(1, thread_name_prefix="wildtrain-checks") as pool:
-        checking = pool.submit(_check_before_ray, cfg, layout)
-        try:
-            dashboard_url = services.connect_ray(cfg.cluster.ray_address)
-        except BaseException:
-            checking.result()  # their error first, as when they ran before Ray was joined
-            raise
-        checked = checking.result()
-    if checked.finished is not None:
-        return checked.finished
-    data, record, pins, order_changed = checked.data, checked.record, checked.pins, checked.order_changed
+    record = json.loads(storage.read_text(layout.record, cfg.storage) or "{}")
+    pins = order_pins(cfg.data, cfg.train, data)
+    order_changed = _check_order(cfg, record, pins)
+    check_reachable(cfg.tracking.uri)
+    finished = _finished_before(cfg, record.get("mlflow_run_id"))
+    if finished is not None:
+        return finished
+    dashboard_url = services.connect_ray(cfg.cluster.ray_address)
     cfg = resolve_device(cfg)
     scaling.wait_for_capacity(cfg.cluster, cfg.elastic, cfg.data, cfg.eval)
     cfg = resolve_placement(cfg)
@@ -200,28 +196,6 @@ def _run(
         # The newest value of each metric: Ray Train's result only knows checkpointed reports.
         final_metrics=tracking.get_run(run_id).data.metrics,
     )
-
-
-@dataclass(frozen=True)
-class Checked:
-    """What the checks before Ray found (`_check_before_ray`)."""
-
-    data: OpenedData
-    record: dict
-    pins: OrderPins
-    order_changed: list[str]
-    finished: Optional[RunSummary]  # an earlier submission's, where it trained the run to its end
-
-
-def _check_before_ray(cfg: Config, layout: RunLayout) -> Checked:
-    """The run's data checked, its record and data order against it, the MLflow server reached,
-    and whether an earlier submission finished the run; raised where any fails."""
-    data = open_data(cfg)
-    record = json.loads(storage.read_text(layout.record, cfg.storage) or "{}")
-    pins = order_pins(cfg.data, cfg.train, data)
-    order_changed = _check_order(cfg, record, pins)
-    check_reachable(cfg.tracking.uri)
-    return Checked(data, record, pins, order_changed, _finished_before(cfg, record.get("mlflow_run_id")))
 
 
 def open_data(cfg: Config) -> OpenedData:
