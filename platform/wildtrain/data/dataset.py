@@ -19,7 +19,7 @@ from wildtrain import storage
 from wildtrain.config import DataConfig, ModelConfig, ObjectiveConfig, StorageConfig, TrainConfig
 from wildtrain.data.manifest import MANIFEST, DataError, Manifest, Shard, verify_shard
 from wildtrain.data.objectives import Objective
-from wildtrain.data.order import Source, plan_epoch
+from wildtrain.data.order import Source, epoch_steps
 from wildtrain.data.stream import Dataset
 from wildtrain.data.tokenizer import dataset_tokenizer
 from wildtrain.data.validation import ValidationSet, names_for
@@ -110,7 +110,7 @@ def open_datasets(
     Objective.of(
         objective, train, model, tokenizer
     )  # the objective's reserved ids are in the tokenizer, or the run stops here
-    steps = plan_epoch([d.source for d in datasets], train.global_batch_size, train.seed, 0).steps
+    steps = epoch_steps([d.source for d in datasets], train.global_batch_size)
     if steps == 0:
         rows = sum(d.source.rows for d in datasets)
         raise DataError(
