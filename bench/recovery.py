@@ -1,9 +1,9 @@
 """Recovery time on a local fake cluster: kill a node at a known step, then bring it back.
 
 Runs the tiny model on two one-worker nodes once per scenario, side by side: by default
-wildtrain's default config (a resize restarts every worker from the last checkpoint) and
-the same with elastic.in_process (the survivor re-forms in its own process from its peer's
-mirror: issue 24's goal, death -> first step within 5 s, no step redone); with --only, Ray's
+wildtrain's default config (in-process since issue 58) and the same with elastic.in_process
+set explicitly (the survivor re-forms in its own process from its peer's mirror: issue 24's
+goal, death -> first step within 5 s, no step redone); with --only, Ray's
 own timeouts for reference and tuned variants too, and "in-process + spare" (elastic.spares=1
 on a third node: the spare takes the dead member's place, and the returned node's worker
 waits ready as the next spare), and "in-process, nodes of two" (four workers on two nodes of
@@ -86,6 +86,7 @@ SCENARIOS = {
     # checks, node health checks every 3 s with 5 misses allowed.
     "ray defaults": dict(
         overrides=[
+            "elastic.in_process=false",
             "elastic.worker_start_timeout_s=60",
             "elastic.poll_interval_s=2",
             "elastic.resize_check_interval_s=60",
@@ -94,6 +95,7 @@ SCENARIOS = {
     ),
     "wildtrain tuned": dict(
         overrides=[
+            "elastic.in_process=false",
             "elastic.worker_start_timeout_s=10",
             "elastic.poll_interval_s=2",
             "elastic.resize_check_interval_s=5",
