@@ -93,6 +93,7 @@ def run_stage(stage: int, work: Path) -> dict:
         [
             f"model={preset}",
             f"deepspeed.zero_stage={stage}",
+            "elastic.in_process=false",  # in-process recovery takes ZeRO-1 and ZeRO-2 only
             f"data.seq_len={seq_len}",
             f"train.global_batch_size={batch}",
             f"train.micro_batch_size={batch}",

@@ -43,7 +43,8 @@ import torch.distributed as dist
 from wildtrain.config.system import ElasticConfig
 from wildtrain.elastic.rendezvous import current_group, current_token, latest
 from wildtrain.train import collectives
-from wildtrain.train.in_process import Member, Superseded
+from wildtrain.train.failures import Superseded
+from wildtrain.train.in_process import Member
 
 _FIRST = ["formed 1 w0,w1", "all-reduced 2"]
 _ALONE = _FIRST + ["lost True", "formed 2 w0", "all-reduced 1"]

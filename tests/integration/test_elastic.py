@@ -101,8 +101,12 @@ def test_node_dies_and_returns_without_changing_what_is_trained(
     client = MlflowClient(mlflow_url)
     # `uninterrupted` is the same training, never resized. (The same losses at any world size
     # is the promise under test.)
+    # The restart path's shrink and regrow, each from a resharded checkpoint.
     run = BackgroundRun(
-        elastic_config(f"elastic-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true"), UNINTERRUPTED_PACE
+        elastic_config(
+            f"elastic-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true", "elastic.in_process=false"
+        ),
+        UNINTERRUPTED_PACE,
     )
     run.wait_until(lambda h: any(m.step >= 6 for m in h), "step 6 at world size 2", 300)
     # A committed checkpoint for the shrink to reshard (the first save's commit may trail step 6).
@@ -479,6 +483,45 @@ def test_a_joiner_that_fails_falls_back_to_a_restart_from_the_checkpoint(
     assert restarted == 1 and sorted(nodes) == sorted([first[0], returned.node_id])  # Ray ranks them anew
 
 
+def test_a_re_form_that_fails_falls_back_to_a_restart_from_the_checkpoint(
+    worker_nodes, elastic_config, rendezvous_servers, monkeypatch, mlflow_url, tmp_path
+):
+    """The default, in-process: rank 1's node dies, and the rendezvous's owner fails at the
+    re-form (staged: its first turn that reads a failed collective raises). The survivor's wait
+    for the next generation ends in `RendezvousFailed`, unmasked: Ray restarts the group from
+    the newest committed checkpoint, and the run finishes."""
+    turn = rendezvous.RendezvousOwner.turn
+    staged = []
+
+    def failing_at_the_re_form(self, now, ending=False):
+        if not staged and self.current.generation and self.store.check([f"error/{self.current.generation}"]):
+            staged.append(now)
+            raise RuntimeError("staged: the owner fails at the re-form")
+        return turn(self, now, ending)
+
+    monkeypatch.setattr(rendezvous.RendezvousOwner, "turn", failing_at_the_re_form)
+    cluster = worker_nodes
+    run = BackgroundRun(
+        elastic_config(f"reform-fails-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true"), JOIN_PACE
+    )
+    lose_a_rank_and_return_a_node(cluster, run, rendezvous_servers, rank=1)
+    summary = run.join(600)
+
+    cfg = run.cfg
+    assert staged, "the owner failed at the re-form"
+    assert summary.final_metrics["step"] == STEPS
+    assert summary.final_metrics["tokens_seen"] == STEPS * cfg.train.global_batch_size * cfg.data.seq_len
+    happened = run_events(run, mlflow_url, tmp_path)
+    assert [e for e in happened if isinstance(e, Failure)], "the restart is recorded as a failure"
+    # No generation re-formed in-process: the first recovery is the group's restart (a new
+    # group's first generation), from the newest checkpoint (none yet where the node went
+    # before the first save committed).
+    first = next(e for e in happened if isinstance(e, Recovered))
+    assert (first.world_size_before, first.world_size_after) == (2, 1)
+    assert first.restored_step % cfg.checkpoint.every == 0
+    assert [e.generation for e in happened if isinstance(e, Formed)][:2] == [1, 1]
+
+
 class WildtrainStartProbe:
     """An actor that stands in for a Ray Train worker whose node dies between its placement
     and its creation (named apart, so that runs of this job keep theirs)."""
@@ -521,7 +564,11 @@ def test_a_run_left_without_nodes_stops_and_keeps_its_checkpoints(worker_nodes, 
     # is about the capacity wait, not elastic.max_failures.
     run = BackgroundRun(
         elastic_config(
-            f"stranded-{tmp_path.name}", ON_WORKER_NODES, "elastic.capacity_wait_s=8", "elastic.max_failures=-1"
+            f"stranded-{tmp_path.name}",
+            ON_WORKER_NODES,
+            "elastic.capacity_wait_s=8",
+            "elastic.max_failures=-1",
+            "elastic.in_process=false",
         ),
         UNINTERRUPTED_PACE,
     )

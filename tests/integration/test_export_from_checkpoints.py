@@ -62,6 +62,7 @@ def _train_and_save(rank: int, world_size: int, port: int, root: str) -> None:
             [
                 *_overrides(root, case),
                 f"deepspeed.zero_stage={stage}",
+                "elastic.in_process=false",  # in-process recovery takes ZeRO-1 and ZeRO-2 only
                 "train.global_batch_size=4",
                 "train.micro_batch_size=2",
             ]

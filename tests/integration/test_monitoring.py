@@ -119,6 +119,8 @@ def test_a_slow_rank_is_flagged_a_failing_one_named_as_the_cause_and_a_stopped_o
         "train.log_every=1",
         "checkpoint.every=5",
         "monitor.hang_timeout_s=10",
+        # The restart path: a rank's own failure restarts every worker, and a hung one trips the watchdog.
+        "elastic.in_process=false",
         "chaos.fail_rank=1",
         "chaos.fail_at_step=3",
         "chaos.slow_rank=1",

@@ -83,8 +83,8 @@ def test_a_negative_join_batch_is_rejected_naming_the_key():
 
 def test_spares_without_in_process_recovery_are_rejected_naming_the_key():
     with pytest.raises(ConfigError, match=r"^elastic.spares: 1 spares need elastic.in_process=true"):
-        load_config(["elastic.spares=1"])
-    assert load_config(["elastic.spares=1", "elastic.in_process=true"]).elastic.spares == 1
+        load_config(["elastic.spares=1", "elastic.in_process=false"])
+    assert load_config(["elastic.spares=1"]).elastic.spares == 1  # in-process recovery is the default
 
 
 def test_seq_len_longer_than_the_model_is_rejected():

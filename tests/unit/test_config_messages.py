@@ -43,7 +43,7 @@ REFUSED = [
     ["eval.tasks=['a,b']"],
     ["objective.denoisers.0.mean_span=0.5"],
     ["run.lease_expire_s=1"],
-    ["elastic.spares=1"],
+    ["elastic.spares=1", "elastic.in_process=false"],
     ["elastic.min_workers=3"],
     ["data.seq_len=1000"],
     ["model.attention=prefix_lm"],

@@ -51,10 +51,11 @@ def test_the_resolved_config_is_what_scaling_and_the_workers_get():
     on_gpus, _ = resolve_device(cfg.cluster, {"CPU": 16.0, "GPU": 2.0})
     assert on_gpus.use_gpu is True and cfg.cluster.use_gpu is None, "a copy, not an edit"
     assert scaling.worker_resources(on_gpus) == {"CPU": 1, "GPU": 1}
-    assert scaling.worker_env(on_gpus, cfg.elastic) == {}, (
+    restarting = replace(cfg.elastic, in_process=False)
+    assert scaling.worker_env(on_gpus, restarting) == {}, (
         "Ray Train's NCCL error handling: a failed group ends the process"
     )
-    in_process = replace(cfg.elastic, in_process=True)
+    in_process = cfg.elastic  # the default
     survivor = scaling.worker_env(on_gpus, in_process)
     assert survivor["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2", "survivors outlive their groups"
     assert survivor["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0", "and torch's dump after their groups' errors"
@@ -67,7 +68,6 @@ def test_the_resolved_config_is_what_scaling_and_the_workers_get():
     assert scaling.scaling_config(bundled, in_process).placement_strategy == "STRICT_SPREAD", (
         "what Ray places the bundles by"
     )
-    restarting = replace(cfg.elastic, in_process=False)
     packed = scaling.resolve_placement(on_gpus, restarting, [eight_gpus, eight_gpus])
     assert scaling.scaling_config(packed, restarting).placement_strategy == "PACK", (
         "Ray's default, where a node holds several"

@@ -99,10 +99,11 @@ class ElasticConfig:
     # process group at the smaller size and take the dead rank's ZeRO partition from a peer's
     # host memory; a returning node's worker joins them. Each rank mirrors its partition after
     # every step to its successor on a ring that keeps the mirror off the rank's node where the
-    # nodes allow (elastic.peer_state, membership.mirror_ring). A partition lost with its
-    # mirror still restarts from the checkpoint. Off by default: docs/decisions/recovery.md
-    # says why.
-    in_process: bool = False
+    # nodes allow (elastic.peer_state, membership.mirror_ring). The restart from the checkpoint
+    # is its automatic fallback: where redundancy is lost (a partition gone with its mirror),
+    # the whole cluster goes, or a re-form fails or overruns its bound. false: always restart
+    # (docs/decisions/recovery.md says what each costs).
+    in_process: bool = True
     # In-process membership (elastic.rendezvous): how often each worker beats its heart in the
     # driver's store, how long a silent one is taken for dead (a hung one: nothing fails), and
     # how long one silent since a failed collective (the error comes within milliseconds of a

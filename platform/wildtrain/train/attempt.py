@@ -21,7 +21,6 @@ import warnings
 from typing import Optional, Union
 
 import psutil
-import ray.train
 import torch
 
 from wildtrain import ray_compat, storage
@@ -34,19 +33,19 @@ from wildtrain.config import config_hash
 from wildtrain.data.manifest import ShardCorrupt
 from wildtrain.data.objectives import Objective
 from wildtrain.data.stream import RankStream
-from wildtrain.elastic.relay import RELAY
 from wildtrain.elastic.scaling import spare_cpus
 from wildtrain.elastic.signals import FinalCheckpointFailed, RunCannotContinue, UnhealthyNodes
 from wildtrain.engine import EngineSettings
-from wildtrain.events import Event, Formed, RegrowPostponed, Resize, StoppedEarly
+from wildtrain.events import Event, RegrowPostponed, Resize, StoppedEarly
 from wildtrain.layout import RunLayout, checkpoint_stores
 from wildtrain.model import flops_per_token
 from wildtrain.tracking.worker.mfu import device_peak
 from wildtrain.train import checkpointing, collectives, validation
 from wildtrain.train.divergence import judge_loss
 from wildtrain.train.drills import Drills
-from wildtrain.train.generations import InProcess, Leftovers, PeerCommits, Unreported
+from wildtrain.train.generations import Leftovers, Unreported
 from wildtrain.train.growth import GrowthCheck
+from wildtrain.train.membership import Group
 from wildtrain.train.monitor import Monitor
 from wildtrain.train.reporting import ReportCadence
 from wildtrain.train.samples import SampleRecorder
@@ -59,27 +58,20 @@ from wildtrain.worker_report import Startup, WorkerReport
 
 
 class Attempt:
-    """One worker's part of one worker group (or, with elastic.in_process, of one generation
-    of it): built at its world size from the newest checkpoint or from the state its peers
-    kept, it trains until the run ends or the group is restarted or re-formed."""
+    """One worker's part of one worker group (`group`: Ray Train's, or with elastic.in_process
+    one generation of it, train/membership.py): built at its world size from the newest
+    checkpoint or from the state its peers kept, it trains until the run ends or the group is
+    restarted or re-formed."""
 
-    def __init__(self, inputs: LoopInputs, device: torch.device, in_process: Optional[InProcess] = None) -> None:
+    def __init__(self, inputs: LoopInputs, device: torch.device, group: Group) -> None:
         self.started_at = time.time()
         self.cfg = cfg = inputs.cfg
-        self.data, self.in_process = inputs.data, in_process
-        left = in_process.left if in_process else None
-        # A joiner is no Ray Train worker: it reports through its relay (`elastic.relay`).
-        self.reports_to_ray = in_process is None or not in_process.member.joined
+        self.data, self.group, self.left = inputs.data, group, group.left
         # DeepSpeed's ZeRO calls a deprecated collective once per step; the warning says nothing new.
         warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
         ray_compat.quiet_report_log()
         ray_compat.quiet_ray_data()
-        if in_process is None:
-            context = ray.train.get_context()
-            world_size, rank = context.get_world_size(), context.get_world_rank()
-        else:
-            world_size, rank = in_process.generation.world_size, in_process.generation.rank
-        self.world_size, self.rank = world_size, rank
+        self.world_size, self.rank = world_size, rank = group.world_size, group.rank
         self.plan = batch_plan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
         self.layout = RunLayout.of(cfg.run, cfg.checkpoint)
         self.engine_settings = EngineSettings(
@@ -99,13 +91,13 @@ class Attempt:
             cfg.storage,
         )
         try:
-            self._build(inputs, device, left)
+            self._build(inputs, device)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, inputs: LoopInputs, device: torch.device, left: Optional[Leftovers]) -> None:
-        cfg, rank, world_size = self.cfg, self.rank, self.world_size
+    def _build(self, inputs: LoopInputs, device: torch.device) -> None:
+        cfg, rank, world_size, left, group = self.cfg, self.rank, self.world_size, self.left, self.group
         # The health check first: a group that is about to re-form without a node should not
         # download and load a checkpoint before it finds out. Survivors re-formed in-process
         # trained together a step ago.
@@ -126,14 +118,14 @@ class Attempt:
         # The data position is the step: the stream starts where the restored model stopped.
         # It reads doc_ids only for an objective or a mask that needs them.
         objective = Objective.of(cfg.objective, cfg.train, cfg.model, inputs.data.tokenizer)
-        if left is None:
+        held = group.held_by_peers()  # None: from the checkpoint, as every rank agreed
+        if held is None:
             self.engine, self.state, self.restored = checkpointing.build_and_restore(
                 self.engine_settings, cfg.checkpoint.staging_dir, self.plan, world_size, rank, stores, device
             )
             self.stream = self._open_stream(inputs, objective, self.state.step)
             self.known_good = [self.restored.candidate.key] if self.restored.candidate else []
         else:
-            held = checkpointing.gather_from_peers(self.in_process.member.mirrors, left.states, world_size)
             # The step is known before the engine is built: the first step's rows are read meanwhile.
             self.stream = self._open_stream(inputs, objective, held.state.step)
             self.engine, self.state, self.restored = checkpointing.restore_from_peers(
@@ -142,18 +134,12 @@ class Attempt:
             self.known_good = left.known_good
         self.restored_at, self.restored_step = time.time(), self.state.step
         self.state.world_size = world_size
-        self.commits = PeerCommits(self.in_process, self.state, self.monitor.nodes) if self.in_process else None
-        if self.in_process is not None:
-            self.monitor.events.append(
-                Formed(time.time(), self.in_process.generation.number, self.state.step, list(self.monitor.nodes))
-            )
+        self.commits = group.commits(self.state, self.monitor.nodes)
+        self.monitor.events += group.formed(self.state.step, self.monitor.nodes)
         background, shm_events = checkpointing.save_mode(
             self.engine_settings, cfg.checkpoint.background, cfg.cluster.use_gpu, rank, world_size, self.monitor.nodes
         )
         self.monitor.events += shm_events
-        self.reports_collected = (
-            ray_compat.reports_collected if self.reports_to_ray else RELAY.empty if rank == 0 else lambda: True
-        )
         token = collectives.broadcast_object(new_attempt_token())
         self.saver = self._saver(left.saving if left else None, stores, background, device, token)
         self.samples = SampleRecorder(self.layout, cfg.storage, rank) if cfg.data.record_samples else None
@@ -197,18 +183,16 @@ class Attempt:
             device,
             tokens=lambda step: objective.rows(step.step, step.sample_ids, step.tokens, step.doc_ids),
         )
-        member = self.in_process.member if self.in_process else None
-        short_of_members = member is not None and world_size < member.group_size
         # Drills (chaos.*), off by default.
         self.drills = Drills(
             cfg,
             rank,
             self.state.step,
-            joiner=not self.reports_to_ray,
+            joiner=group.joined,
             slowed=self.monitor.slowed_by_chaos,
             model=self.engine.module,
-            short_of_members=short_of_members,
-            spares_waiting=member.spares_waiting if member else None,
+            short_of_members=group.short_of_members,
+            spares_waiting=group.spares_waiting,
         )
         # A generation that lost members grows back by the workers the controller starts on
         # their placement slots once Ray placed those again (`elastic.survivors`).
@@ -219,8 +203,8 @@ class Attempt:
             cfg.elastic.resize_check_interval_s,
             cfg.run.name,
             spare_cpus(cfg.data, cfg.eval),
-            joiners=member.joiners_waiting if member else None,
-            awaiting_joiners=short_of_members,
+            joiners=group.joiners_waiting,
+            awaiting_joiners=group.short_of_members,
         )
         # This layout's first mirrors, before its first step: a death during it is recovered from them.
         self.commit(flush=True)
@@ -233,7 +217,10 @@ class Attempt:
         process the last attempt left where there is one."""
         if isinstance(handed, AsyncSaver) and handed.background == background:
             handed.regroup(
-                rank=self.rank, world_size=self.world_size, attempt=token, reports_collected=self.reports_collected
+                rank=self.rank,
+                world_size=self.world_size,
+                attempt=token,
+                reports_collected=self.group.reports_collected,
             )
             return handed
         if isinstance(handed, AsyncSaver):
@@ -251,7 +238,7 @@ class Attempt:
             retention=RetentionPolicy(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
             known_good=self.known_good,
             commit_when_released=True,
-            reports_collected=self.reports_collected,
+            reports_collected=self.group.reports_collected,
             background=background,
             device=device,
             process=handed,
@@ -275,16 +262,13 @@ class Attempt:
         return stream
 
     def commit(self, flush: bool) -> None:
-        """In-process (elastic.in_process), commit the step before this one, or with `flush` this one."""
-        if self.commits is not None:
-            self.commits.commit(self.engine, self.state, self.window, flush)
+        """Commit the step before this one, or with `flush` this one (in-process: `PeerCommits`)."""
+        self.commits.commit(self.engine, self.state, self.window, flush)
 
     def re_formed_at_the_end(self) -> bool:
         """Whether this attempt was re-formed in-process after the run's last step committed
         (a member died in that step's report): the report is all that is left of the run."""
-        return (
-            self.in_process is not None and self.in_process.left is not None and self.state.step == self.cfg.train.steps
-        )
+        return self.left is not None and self.state.step == self.cfg.train.steps
 
     def close(self, keep_save_process: bool = False) -> Optional[SaveProcess]:
         """Stop what this attempt started (its watchdog, and where built, its stream and its
@@ -306,7 +290,8 @@ class Attempt:
 
     def abandon(self, error: BaseException, failed_at: float, left: Optional[Leftovers]) -> Leftovers:
         """Drop this attempt, which lost a member to `error` at `failed_at`: what the next one
-        needs of it. A save in flight is abandoned (the lost member's part may never come)."""
+        needs of it. A save in flight is abandoned (the lost member's part may never come).
+        Only a membership that goes on without a lost member drops an attempt (`Membership.lost_member`)."""
         save_process = self.close(keep_save_process=True)
         failure = self.commits.failure(error, failed_at, self.state, self.world_size, list(self.monitor.nodes), left)
         return self.commits.leftovers(failure, self._take_unreported(), self.known_good, saving=save_process)
@@ -417,12 +402,6 @@ class Attempt:
             raise FinalCheckpointFailed(state.step, collectives.broadcast_object(newest) or "none")
         return regrow
 
-    def _membership_metrics(self) -> dict[str, int]:
-        """In-process (elastic.in_process): the joiners waiting ready to take a lost member's place."""
-        if self.in_process is None or self.rank != 0:
-            return {}
-        return {"spares": self.in_process.member.spares_waiting()}
-
     def _steps_per_poll(self, windows: list[dict]) -> int:
         """About how many steps pass before the controller polls again and has taken the
         report just sent: until then no rank looks whether it has (a collective a log step
@@ -451,8 +430,7 @@ class Attempt:
         if verdict.reason is not None:
             self.diverged = True
             self.monitor.events.append(StoppedEarly(time.time(), self.state.step, verdict.reason))
-            if self.commits is not None:
-                self.commits.flush()  # the run ends at this step: its report carries it committed
+            self.commits.flush()  # the run ends at this step: its report carries it committed
 
     def report(self, at: At, logs: bool, saving: bool, must_commit: bool, hold: bool = False) -> None:
         """Close this log step's window (`logs`), then hand the controller the windows, the saves
@@ -468,15 +446,14 @@ class Attempt:
                 world_size=self.world_size,
                 lr=self.engine.get_lr()[0],
                 epoch=(state.step - 1) // self.data.steps_per_epoch,
-                **self._membership_metrics(),
+                **self.group.metrics(),
                 **self.validated,
             )
             self.windows.append(window)
             self.validated = {}
             self._judge(window)
-        if at.first and self.in_process is not None and self.in_process.left is not None:
-            if self.in_process.left.interruption is not None:
-                self.carried_events += self.in_process.recovered(self.restored_at, self.restored_step)
+        if at.first and self.left is not None:
+            self.carried_events += self.group.recovered(self.restored_at, self.restored_step)
         elif at.first:
             # What the controller needs to split this attempt's recovery (and start-up) time into its parts.
             self.startup = Startup(
@@ -497,25 +474,18 @@ class Attempt:
             if (
                 not must_commit
                 and not self.diverged
-                and (hold or not looking or not collectives.all_ranks(self.reports_collected()))
+                and (hold or not looking or not collectives.all_ranks(self.group.reports_collected()))
             ):
                 return
-            # In-process, only committed steps' windows go: another may be trained again (`PeerCommits`).
-            committed = self.commits.committed if self.commits is not None else state.step
+            # Only committed steps' windows go: in-process, another may be trained again (`PeerCommits`).
+            committed = self.commits.committed
             unreported = self._take_unreported(committed)
             windows, events = unreported.windows, unreported.events
             if windows:
                 self.monitor.export(windows[-1])
             if self.startup is not None:
                 events = self.restored.events + events
-            send = (
-                ray.train.report
-                if self.in_process is None
-                else ray_compat.report_without_barrier
-                if self.reports_to_ray
-                else RELAY.put
-            )
-            send(
+            self.group.send(
                 WorkerReport(
                     step=state.step,
                     tokens_seen=state.tokens_seen,

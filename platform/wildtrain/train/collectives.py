@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from wildtrain.elastic.rendezvous_keys import PEER_FAILED
 from wildtrain.elastic.signals import PeerFailed
+from wildtrain.train.failures import TOGETHER, FailureKind, classify
 
 T = TypeVar("T")
 
@@ -277,21 +278,22 @@ class PeerWatch:
 
 @contextlib.contextmanager
 def failing_together(
-    rank: int, together: tuple[type[BaseException], ...] = (), store: Optional[dist.Store] = None
+    rank: int, together: tuple[type[BaseException], ...] = TOGETHER, store: Optional[dist.Store] = None
 ) -> Iterator[PeerWatch]:
     """Run the attempt's body so that an exception on this rank ends the attempt on every
     rank: its reason goes to the others (`PeerWatch`, through `store` if given), and an error
     this rank meets because another failed is raised as `PeerFailed` with that rank's reason.
     Exceptions of the `together` types are raised by every rank at once (a planned regrow):
-    they tell no one."""
+    they tell no one (`failures.classify` says which an error is)."""
     watch = PeerWatch(store)
     try:
         yield watch
-    except together:
-        raise
     except BaseException as e:
         peer_failure = watch.failed_peer()
-        if peer_failure is not None:
+        kind = classify(e, peer_failure, together)
+        if kind is FailureKind.TOGETHER:
+            raise
+        if kind is FailureKind.PEER:
             raise PeerFailed(rank, peer_failure) from e
         first_line = (str(e).strip().splitlines() or [""])[0][:300]
         watch.tell_peers(f"rank {rank}: {type(e).__name__}: {first_line}")

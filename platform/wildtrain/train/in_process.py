@@ -67,6 +67,7 @@ from wildtrain.elastic.rendezvous import (
 )
 from wildtrain.engine import clone_world_group, destroy_process_groups, import_deepspeed
 from wildtrain.train import collectives
+from wildtrain.train.failures import FailureKind, Superseded, classify
 
 _POLL_S = 0.005
 _WATCH_S = 0.05  # a formation's look for a newer generation: it takes milliseconds where none comes
@@ -74,10 +75,6 @@ _OWNER_LOOK_S = 0.1  # a wait's look whether the rendezvous's owner failed: a ro
 # A loss watch's wait for the next generation: woken by it, and c10d warns each time a wait
 # runs out, so it runs out rarely.
 _LOSS_WATCH_SLICE = timedelta(days=7)
-
-
-class Superseded(RuntimeError):
-    """A newer generation came before every member of this one arrived: form that one."""
 
 
 class LeftOut(RuntimeError):
@@ -305,13 +302,11 @@ class Member:
         """After `error` in this generation's collectives: whether a member is gone (True:
         form the next generation) rather than this rank or a peer failing on its own (the
         error stands). `peer_failure()` says a peer's own failure (`collectives.PeerWatch`).
-        Raises `RendezvousFailed` where the owner failed: no generation will come."""
-        if isinstance(error, Superseded):
-            return True
-        if type(error) is not RuntimeError and not isinstance(error, dist.DistError):
-            return False  # not a collective's failure: wildtrain's own signals, bugs
-        if peer_failure() is not None:
-            return False
+        Only a collective's failure that no rank explains (`failures.classify`) asks the
+        owner's verdict. Raises `RendezvousFailed` where the owner failed: no generation will come."""
+        kind = classify(error, peer_failure())
+        if kind is not FailureKind.COLLECTIVE:
+            return kind is FailureKind.SUPERSEDED
         generation = self.membership.generation
         # The first rank to fail in a generation is where it began; one after it failed
         # because of it, and waits longer for its reason where nobody died.

@@ -7,7 +7,9 @@ validate, save, report and regrow, until the run's last step. A worker group tha
 restarts (a node died, capacity came back) re-enters here at its new size.
 
 A rank that fails ends the attempt on every rank (`collectives.failing_together`): its
-peers leave the collective they wait in instead of waiting out its timeout.
+peers leave the collective they wait in instead of waiting out its timeout. Whether the
+worker group ends with it is its membership's to say (train/membership.py): on the restart
+path it does, and Ray restarts the group from the checkpoint.
 
 With elastic.in_process a member's death does not end the worker group: the survivors drop
 their attempt, form the next generation of their membership at the smaller size
@@ -34,16 +36,16 @@ import torch
 
 from wildtrain.checkpoint.save_process import SaveProcess
 from wildtrain.config import Config
-from wildtrain.elastic.membership import RedundancyLost
 from wildtrain.elastic.scaling import backend, trains_on_gpu
-from wildtrain.elastic.signals import FinalCheckpointFailed, MembersJoining, PlannedRegrow, UnhealthyNodes
+from wildtrain.elastic.signals import MembersJoining, PlannedRegrow
 from wildtrain.engine import import_ahead
 from wildtrain.tracking.worker.mfu import device_peak
 from wildtrain.train import checkpointing, collectives
 from wildtrain.train.attempt import Attempt
-from wildtrain.train.generations import InProcess, Leftovers, agree_on_restore
+from wildtrain.train.generations import Leftovers
 from wildtrain.train.growth import Growth
 from wildtrain.train.in_process import Member
+from wildtrain.train.membership import InProcessMembership, Membership, RestartMembership
 from wildtrain.train.schedule import At
 from wildtrain.worker_inputs import LoopInputs
 
@@ -51,28 +53,23 @@ from wildtrain.worker_inputs import LoopInputs
 def train_loop(inputs: LoopInputs) -> None:
     cfg = inputs.cfg
     collectives.open_control_group(control_timeout_s(cfg))
-    # Raised by every rank at the same step: nobody's failure.
-    together = (PlannedRegrow, UnhealthyNodes, FinalCheckpointFailed, RedundancyLost, MembersJoining)
     # Ray Train set this worker's CUDA device: NCCL's collectives and the batches go there.
     device = ray.train.torch.get_device() if trains_on_gpu(cfg.cluster) else torch.device("cpu")
     context = ray.train.get_context()
-    if inputs.rendezvous is None:
-        with collectives.failing_together(context.get_world_rank(), together):
-            train(Attempt(inputs, device))
-        return
-    member = Member.of_ray_worker(
-        inputs.rendezvous,
-        context.get_world_rank(),
-        context.get_world_size(),
-        ray.get_runtime_context().get_node_id(),
-        cfg.elastic,
-        backend(cfg.cluster),
-        control_timeout_s(cfg),
-    )
-    # A rank's own failure goes through the driver's store: Ray's lives in rank 0's process,
-    # which the generations outlive.
-    with collectives.failing_together(context.get_world_rank(), together, member.store) as watch:
-        train_generations(inputs, device, member, None, watch.failed_peer)
+    membership: Membership = RestartMembership()
+    if inputs.rendezvous is not None:
+        member = Member.of_ray_worker(
+            inputs.rendezvous,
+            context.get_world_rank(),
+            context.get_world_size(),
+            ray.get_runtime_context().get_node_id(),
+            cfg.elastic,
+            backend(cfg.cluster),
+            control_timeout_s(cfg),
+        )
+        membership = InProcessMembership(member)
+    with collectives.failing_together(context.get_world_rank(), store=membership.peer_store) as watch:
+        train_generations(inputs, device, membership, None, watch.failed_peer)
 
 
 def train(attempt: Attempt) -> None:
@@ -148,7 +145,7 @@ def join_in_process(
             flush=True,
         )
         member.ask()
-        train_generations(inputs, device, member, left, lambda: None)
+        train_generations(inputs, device, InProcessMembership(member), left, lambda: None)
     finally:
         member.heartbeat.stop()  # ended or failed: either way no member any more
 
@@ -171,29 +168,26 @@ def ready_to_join(inputs: LoopInputs, device: torch.device, first_read: Future) 
 def train_generations(
     inputs: LoopInputs,
     device: torch.device,
-    member: Member,
+    membership: Membership,
     left: Optional[Leftovers],
     peer_failure: Callable[[], Optional[str]],
 ) -> None:
-    """Train `member` in the generations of its worker group's membership: where a member is
-    lost, drop the attempt, form the next generation and go on from the state the members
-    hold; where workers join, hand the state over to the generation that includes them.
-    Every other error stands, as in `train`."""
+    """Train in the groups of this worker's `membership`: where a member is lost, drop the
+    attempt, form the next group and go on from the state the members hold; where workers
+    join, hand the state over to the group that includes them. Every other error stands and
+    ends the worker group (on the restart path, every error does)."""
     while True:
         attempt = None
         try:
-            generation = member.form()
-            # Peers or the checkpoint, as every rank does; shared leftovers let any rank's report stand in for rank 0's.
-            shared = agree_on_restore(left)
-            attempt = Attempt(inputs, device, InProcess(member, generation, shared))
+            attempt = Attempt(inputs, device, membership.form(left))
             train(attempt)
-            member.leave()
+            membership.leave()
             return
         except MembersJoining:
             left = attempt.hand_over()
         except Exception as e:
             failed_at = time.time()
-            if not member.lost_member(e, peer_failure):
+            if not membership.lost_member(e, peer_failure):
                 raise
             if attempt is not None:
                 left = attempt.abandon(e, failed_at, left)
