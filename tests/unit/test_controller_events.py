@@ -114,12 +114,14 @@ def test_both_recovery_paths_reach_the_consumers_as_the_same_entries(capsys, mon
         Interruption(failure, RecoveryPath.IN_PROCESS),
         Recovery(recovered, RecoveryPath.IN_PROCESS),
     )
-    # The restart path's lines are the controller's; an in-process re-form's, its rank 0's.
+    # Both paths' recoveries are said by the controller, each in its own words.
     assert capsys.readouterr().out.splitlines() == [
         "step  6/20 | loss 2.0000 | 100 tok/s | world 2 | ETA 0:00:14",
         "failure after step 6 at world size 2: rank 0: bad batch",
         "recovered at world size 1 from step 4 in 18.0 s (restart 10.0 s, restore 1.0 s, reshard 2.0 s); "
         "2 steps redone",
+        "re-formed in-process at world size 1 from step 8 in 2.0 s (rendezvous 1.0 s, state from peers 0.5 s); "
+        "1 steps redone",
     ]
 
 

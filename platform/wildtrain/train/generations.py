@@ -125,13 +125,6 @@ class InProcess:
         done = recovered(
             interruption, self.generation.formed_at, restored_at, restored_step, self.generation.world_size
         )
-        if self.generation.rank == 0:
-            print(
-                f"re-formed in-process at world size {done.world_size_after} from step {restored_step} in "
-                f"{done.recovery_s:.1f} s (rendezvous {done.restart_s:.1f} s, state from peers "
-                f"{done.restore_s:.1f} s); {done.steps_lost} steps redone",
-                flush=True,
-            )
         return [interruption, done]
 
 

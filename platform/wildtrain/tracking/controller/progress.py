@@ -18,8 +18,8 @@ def progress_line(metrics: dict, total_steps: int) -> str:
 
 
 class ProgressLines(Consumer):
-    """Says what `elastic.controller.ControllerEvents` tells before anything else hears of it.
-    An in-process re-form's line is its rank 0's (`train.generations`), said as it happens."""
+    """Says what `elastic.controller.ControllerEvents` tells before anything else hears of it,
+    the recoveries of both paths alike (an in-process re-form's with the report that carries it)."""
 
     stage = Stage.SAY
 
@@ -40,12 +40,21 @@ class ProgressLines(Consumer):
         if windows:  # the newest: a report carries the log steps of up to a poll interval
             print(progress_line(windows[-1], self.total_steps), flush=True)
         for entry in reported.entries:
-            if isinstance(entry, Recovery) and entry.path is RecoveryPath.RESTART:
-                recovery = entry.event
+            if not isinstance(entry, Recovery):
+                continue
+            recovery = entry.event
+            if entry.path is RecoveryPath.RESTART:
                 print(
                     f"recovered at world size {recovery.world_size_after} from step {recovery.restored_step} "
                     f"in {recovery.recovery_s:.1f} s (restart {recovery.restart_s:.1f} s, "
                     f"restore {recovery.restore_s:.1f} s, "
                     f"reshard {recovery.reshard_s:.1f} s); {recovery.steps_lost} steps redone",
+                    flush=True,
+                )
+            else:
+                print(
+                    f"re-formed in-process at world size {recovery.world_size_after} from step "
+                    f"{recovery.restored_step} in {recovery.recovery_s:.1f} s (rendezvous {recovery.restart_s:.1f} s, "
+                    f"state from peers {recovery.restore_s:.1f} s); {recovery.steps_lost} steps redone",
                     flush=True,
                 )
