@@ -639,7 +639,9 @@ def test_the_shutdown_of_a_group_that_went_on_without_a_worker_logs_no_traceback
         def logged(config, group) -> str:
             caplog.clear()
             BackendSetupCallback(config).before_worker_group_shutdown(group)
-            return caplog.text
+            # Only the backend's own records: Ray Data's usage thread logs its own tracebacks
+            # (an unreachable Prometheus) at DEBUG into the same root handler meanwhile.
+            return "\n".join(caplog.handler.format(r) for r in caplog.records if r.name == logger.name)
 
         rays = logged(TorchConfig(backend="gloo"), finished_group(probe.remote(), probe.remote()))
         assert "Graceful shutdown of backend failed" in rays and "ActorDiedError" in rays, "Ray's own, unchanged"
