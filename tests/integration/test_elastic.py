@@ -6,7 +6,6 @@ are rebuilt from (seed, step, sample id) by whichever rank reads the row."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import tempfile
@@ -17,6 +16,7 @@ from typing import Optional
 import pytest
 import ray
 from mlflow.tracking import MlflowClient
+from ray.cluster_utils import Cluster
 from ray.exceptions import RayActorError
 from ray.train.torch import TorchConfig
 from ray.train.v2._internal.callbacks.backend_setup import BackendSetupCallback
@@ -94,11 +94,87 @@ def final_lineage(history) -> dict[int, float]:
     return {m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}
 
 
+def layout_of(run: BackgroundRun) -> RunLayout:
+    """Where `run` writes as it goes: its samples (data.record_samples), its chaos drills' marks."""
+    return RunLayout.of(run.cfg.run, run.cfg.checkpoint)
+
+
+def assert_every_step_trained(cfg, summary: driver.RunSummary) -> None:
+    """The run ended at its last step, having seen every step's tokens."""
+    assert summary.final_metrics["step"] == STEPS
+    assert summary.final_metrics["tokens_seen"] == STEPS * cfg.train.global_batch_size * cfg.data.seq_len
+
+
+def assert_world_sizes(run: BackgroundRun, sizes: list[int]) -> None:
+    """`run` trained at `sizes`, in turn, as its world_size reports show."""
+    logged = [(m.step, int(m.value)) for m in run.reports("world_size")]
+    assert [size for size, _ in groupby(size for _, size in logged)] == sizes, logged
+
+
+def assert_no_step_redone(mlflow_url: str, summary: driver.RunSummary) -> None:
+    """Each step's loss logged once: no step redone, none lost."""
+    history = MlflowClient(mlflow_url).get_metric_history(summary.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1)), "no step redone, none lost"
+
+
+def assert_losses_as(mlflow_url: str, summary: driver.RunSummary, reference: driver.RunSummary) -> None:
+    """Every step of the final lineage trained once on the same rows as the reference run,
+    whatever the world size: the same losses, up to the order of floating-point sums."""
+    client = MlflowClient(mlflow_url)
+    losses = final_lineage(client.get_metric_history(summary.run_id, "loss"))
+    reference_losses = final_lineage(client.get_metric_history(reference.run_id, "loss"))
+    assert sorted(losses) == sorted(reference_losses) == list(range(1, STEPS + 1))
+    for step, loss in reference_losses.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), f"step {step}"
+
+
+def assert_validated_as(mlflow_url: str, summary: driver.RunSummary, reference: driver.RunSummary) -> dict[int, float]:
+    """Each validation row scored once at any world size: the reference run's validation
+    losses at its steps. The run's, by step."""
+    client = MlflowClient(mlflow_url)
+    validated = final_lineage(client.get_metric_history(summary.run_id, "val/loss"))
+    reference_validated = final_lineage(client.get_metric_history(reference.run_id, "val/loss"))
+    assert sorted(validated) == sorted(reference_validated)
+    for step, loss in reference_validated.items():
+        assert validated[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), f"val/loss at step {step}"
+    return validated
+
+
+def assert_trained_the_pure_order(run: BackgroundRun) -> None:
+    """Exactly once: the global batches of the final lineage, recorded by the workers at
+    world sizes 1 and 2, are the pure order's first STEPS batches; no sample twice."""
+    cfg = run.cfg
+    recorded = [json.loads(p.read_text()) for p in sorted(Path(layout_of(run).samples).glob("step_*.json"))]
+    assert [r["step"] for r in recorded] == list(range(1, STEPS + 1))
+    assert {r["world_size"] for r in recorded} == {1, 2}
+    trained = [r["sample_ids"] for r in recorded]
+    assert trained == expected_batches(cfg, STEPS)
+    assert len({i for batch in trained for i in batch}) == STEPS * cfg.train.global_batch_size
+
+
+def recoveries(events: list) -> list[tuple]:
+    """Each recovery's kind and its world sizes before and after, in turn."""
+    return [(e.kind, e.world_size_before, e.world_size_after) for e in events if isinstance(e, Recovered)]
+
+
+def generations(events: list) -> list[tuple[int, list[str]]]:
+    """Each generation formed, and its members' nodes by rank, in turn."""
+    return [(e.generation, e.nodes) for e in events if isinstance(e, Formed)]
+
+
+def assert_recovered_in_process(events: list) -> None:
+    """Every recovery from the peers' state at the step the group had reached: no checkpoint
+    read, so nothing resharded. Steps commit once validated and saved: a death in a step's
+    validation or save trains that step again."""
+    recovered = [e for e in events if isinstance(e, Recovered)]
+    assert all(e.reshard_s == 0.0 for e in recovered), "no checkpoint read"
+    assert all(e.steps_lost <= (1 if e.kind == "failure" else 0) for e in recovered)
+
+
 def test_node_dies_and_returns_without_changing_what_is_trained(
     worker_nodes, elastic_config, uninterrupted, mlflow_url, tmp_path
 ):
     cluster = worker_nodes
-    client = MlflowClient(mlflow_url)
     # `uninterrupted` is the same training, never resized. (The same losses at any world size
     # is the promise under test.)
     # The restart path's shrink and regrow, each from a resharded checkpoint.
@@ -120,52 +196,21 @@ def test_node_dies_and_returns_without_changing_what_is_trained(
     reference_run = uninterrupted.join(600)
 
     assert summary.run_id == run.mlflow_run_id(), "one MLflow run spans every attempt"
-    sizes = [int(size) for size, _ in groupby(m.value for m in run.reports("world_size"))]
-    assert sizes == [2, 1, 2]
-
-    assert summary.final_metrics["step"] == STEPS
-    cfg = run.cfg
-    assert summary.final_metrics["tokens_seen"] == STEPS * cfg.train.global_batch_size * cfg.data.seq_len
-
-    # Every step of the final lineage trained once on the same rows as the reference run,
-    # whatever the world size: the same losses, up to the order of floating-point sums.
-    losses = final_lineage(client.get_metric_history(summary.run_id, "loss"))
-    reference_losses = final_lineage(client.get_metric_history(reference_run.run_id, "loss"))
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    for step, loss in reference_losses.items():
-        assert losses[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), f"step {step}"
-    # So are the validation numbers: each validation row scored once at any world size.
-    validated = final_lineage(client.get_metric_history(summary.run_id, "val/loss"))
-    reference_validated = final_lineage(client.get_metric_history(reference_run.run_id, "val/loss"))
-    assert sorted(validated) == sorted(reference_validated) and STEPS in validated
-    for step, loss in reference_validated.items():
-        assert validated[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), f"val/loss at step {step}"
-
-    # Exactly once: the global batches of the final lineage, recorded by the workers whatever
-    # their world size, are the pure order's first STEPS batches; no sample twice.
-    recorded = [
-        json.loads(p.read_text()) for p in sorted((tmp_path / "runs" / cfg.run.name / "samples").glob("step_*.json"))
-    ]
-    assert [r["step"] for r in recorded] == list(range(1, STEPS + 1))
-    assert {r["world_size"] for r in recorded} == {1, 2}
-    trained = [r["sample_ids"] for r in recorded]
-    assert trained == expected_batches(cfg, STEPS)
-    assert len({i for batch in trained for i in batch}) == STEPS * cfg.train.global_batch_size
+    assert_world_sizes(run, [2, 1, 2])
+    assert_every_step_trained(run.cfg, summary)
+    assert_losses_as(mlflow_url, summary, reference_run)
+    validated = assert_validated_as(mlflow_url, summary, reference_run)
+    assert STEPS in validated
+    assert_trained_the_pure_order(run)
 
     events = read_events(mlflow_url, summary.run_id, str(tmp_path))
     kinds = [type(e) for e in events]
     assert Failure in kinds and Resize in kinds and kinds.count(Recovered) == 2
-    recoveries = [e for e in events if isinstance(e, Recovered)]
-    assert {(r.world_size_before, r.world_size_after) for r in recoveries} == {(2, 1), (1, 2)}
-    assert all(r.reshard_s > 0 for r in recoveries), "both size changes load a resharded checkpoint"
-    regrow = next(r for r in recoveries if r.kind == "resize")
+    recovered = [e for e in events if isinstance(e, Recovered)]
+    assert {(r.world_size_before, r.world_size_after) for r in recovered} == {(2, 1), (1, 2)}
+    assert all(r.reshard_s > 0 for r in recovered), "both size changes load a resharded checkpoint"
+    regrow = next(r for r in recovered if r.kind == "resize")
     assert regrow.steps_lost == 0, "a planned regrow checkpoints first and redoes no step"
-
-
-def run_events(run: BackgroundRun, mlflow_url: str, tmp_path) -> list:
-    """The events `run` has recorded in MLflow so far."""
-    run_id = run.mlflow_run_id()
-    return read_events(mlflow_url, run_id, tempfile.mkdtemp(dir=tmp_path)) if run_id else []
 
 
 @pytest.fixture
@@ -184,14 +229,6 @@ def rendezvous_servers(monkeypatch) -> list:
     return servers
 
 
-def first_generation_nodes(servers: list) -> list[str]:
-    """The nodes of a two-worker in-process group's members, by rank, as they told the
-    driver's rendezvous when they met."""
-    [server] = servers
-    group = rendezvous.current_group(server.store)
-    return [rendezvous.node_of(group, rendezvous.member_name(rank)) for rank in range(2)]
-
-
 def trained_at(samples: Path, world_size: int, steps: int = 1) -> bool:
     """The newest `steps` steps in a run's samples folder (data.record_samples) ran at `world_size`."""
     newest = sorted(samples.glob("step_*.json"))[-steps:]
@@ -207,100 +244,100 @@ def trained_at(samples: Path, world_size: int, steps: int = 1) -> bool:
 JOIN_PACE = dataclasses.replace(UNINTERRUPTED_PACE, short_step_s=4)
 
 
-def lose_a_rank_and_return_a_node(cluster, run: BackgroundRun, servers: list, rank: int) -> tuple[list[str], object]:
-    """Remove `rank`'s node of an in-process run past step 3, and add a worker node back once
-    the run trains at world size 1 (`lose_and_return`); the first generation's nodes, by rank,
-    and the node added. It reads the run where the run writes as it goes, its samples folder
-    (data.record_samples) and its driver's rendezvous (`rendezvous_servers`), not MLflow: under
-    a CI's load MLflow showed step 3 and the first generation's `Formed` so late that the node
-    went at step 32 of 40, and the joiner was not ready before the run ended. The callers pace
-    the steps at world size 1 (`JOIN_PACE`): the joiner must start and join before the run
-    ends, on a loaded 2-core machine (seen: 48 s from its process's start to its request,
-    beside the reference run, on a day this machine imported slowly; the node was removed at
-    step 19)."""
-    samples = Path(RunLayout.of(run.cfg.run, run.cfg.checkpoint).sample_file(3))
-    wait_for(samples.exists, "step 3 at world size 2", 300)
-    first = first_generation_nodes(servers)
-    return first, lose_and_return(cluster, samples.parent, first[rank])
+@dataclasses.dataclass
+class InProcessDrill:
+    """A run of two in-process members (the default mode), one on each of the module's worker
+    nodes, paced by JOIN_PACE, and staged from what it writes as it goes: its samples
+    (data.record_samples) and its driver's rendezvous (`rendezvous_servers`), not MLflow."""
+
+    run: BackgroundRun
+    cluster: Cluster
+    servers: list
+    mlflow_url: str
+    tmp_path: Path
+
+    def first_generation_nodes(self) -> list[str]:
+        """The nodes of the group's first members, by rank, as they told the driver's
+        rendezvous when they met."""
+        [server] = self.servers
+        group = rendezvous.current_group(server.store)
+        return [rendezvous.node_of(group, rendezvous.member_name(rank)) for rank in range(2)]
+
+    def lose_a_rank_and_return_a_node(self, rank: int) -> tuple[list[str], object]:
+        """Remove `rank`'s node past step 3, and add a worker node back once the run trains at
+        world size 1 (`lose_and_return`); the first generation's nodes, by rank, and the node
+        added. It reads the run's samples and rendezvous, not MLflow: under a CI's load MLflow
+        showed step 3 and the first generation's `Formed` so late that the node went at step
+        32 of 40, and the joiner was not ready before the run ended. JOIN_PACE paces the steps
+        at world size 1: the joiner must start and join before the run ends, on a loaded
+        2-core machine (seen: 48 s from its process's start to its request, beside the
+        reference run, on a day this machine imported slowly; the node was removed at step 19)."""
+        wait_for(Path(layout_of(self.run).sample_file(3)).exists, "step 3 at world size 2", 300)
+        first = self.first_generation_nodes()
+        return first, self.lose_and_return(first[rank])
+
+    def lose_and_return(self, node_id: str):
+        """Remove the worker node `node_id`, and add a worker node back once the run's samples
+        show a step at world size 1: the node added."""
+        self.cluster.remove_node(
+            next(node for node in self.cluster.worker_nodes if node.node_id == node_id), allow_graceful=False
+        )
+        wait_for(lambda: trained_at(Path(layout_of(self.run).samples), 1), "a step at world size 1", 300)
+        return self.cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
+
+    def events(self) -> list:
+        """The events the run has recorded in MLflow so far."""
+        run_id = self.run.mlflow_run_id()
+        return read_events(self.mlflow_url, run_id, tempfile.mkdtemp(dir=self.tmp_path)) if run_id else []
 
 
-def lose_and_return(cluster, samples: Path, node_id: str):
-    """Remove the worker node `node_id` of an in-process run of two, and add a worker node
-    back once the run's samples folder shows a step at world size 1: the node added."""
-    cluster.remove_node(next(node for node in cluster.worker_nodes if node.node_id == node_id), allow_graceful=False)
-    wait_for(lambda: trained_at(samples, 1), "a step at world size 1", 300)
-    return cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
+@pytest.fixture
+def in_process_drill(worker_nodes, elastic_config, rendezvous_servers, mlflow_url, tmp_path):
+    """Starts an `InProcessDrill` whose run is named after `name` and set by the `extra`
+    overrides."""
+
+    def start(name: str, *extra: str) -> InProcessDrill:
+        config = elastic_config(f"{name}-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true", *extra)
+        return InProcessDrill(BackgroundRun(config, JOIN_PACE), worker_nodes, rendezvous_servers, mlflow_url, tmp_path)
+
+    return start
 
 
-def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(
-    worker_nodes, elastic_config, uninterrupted, rendezvous_servers, mlflow_url, tmp_path, capfd
-):
-    """elastic.in_process: rank 0's node dies; rank 1 re-forms at world size 1 in its own
-    process, from its own partition and its mirror of rank 0's, and trains on as the new
-    generation's rank 0, reporting for the group past Ray's report barrier (which Ray would
-    hold for its rank 0). Once Ray has placed the lost slot again (a node came back), a worker
-    started there joins rank 1 in-process: no restart either way. Then rank 1's node dies too:
-    the joiner, no Ray Train worker, is all that is left, and its reports reach Ray through
-    the controller (`elastic.relay`) until another joiner is in and the run ends. (The other
+def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(in_process_drill, uninterrupted, capfd):
+    """In-process: rank 0's node dies; rank 1 re-forms at world size 1 in its own process,
+    from its own partition and its mirror of rank 0's, and trains on as the new generation's
+    rank 0, reporting for the group past Ray's report barrier (which Ray would hold for its
+    rank 0). Once Ray has placed the lost slot again (a node came back), a worker started
+    there joins rank 1 in-process: no restart either way. Then rank 1's node dies too: the
+    joiner, no Ray Train worker, is all that is left, and its reports reach Ray through the
+    controller (`elastic.relay`) until another joiner is in and the run ends. (The other
     in-process drills lose rank 1.)"""
-    cluster = worker_nodes
-    run = BackgroundRun(
-        elastic_config(
-            f"in-process-{tmp_path.name}",
-            ON_WORKER_NODES,
-            "data.record_samples=true",
-            "elastic.in_process=true",
-        ),
-        JOIN_PACE,
-    )
-    events = functools.partial(run_events, run, mlflow_url, tmp_path)
-    first, returned = lose_a_rank_and_return_a_node(cluster, run, rendezvous_servers, rank=0)
-    samples = tmp_path / "runs" / run.cfg.run.name / "samples"
+    drill = in_process_drill("in-process")
+    first, returned = drill.lose_a_rank_and_return_a_node(rank=0)
     # A step is written to the samples as it trains, and commits with the next one's commit:
     # at the first step with the joiner, the next death trains that step again at world size
     # 1, and the joined generation logs nothing at 2 (seen in a CI: world sizes 2, 1, 2).
+    samples = Path(layout_of(drill.run).samples)
     wait_for(lambda: trained_at(samples, 2, steps=3), "a step at world size 2 with the joiner, committed", 300)
-    returned_again = lose_and_return(cluster, samples, first[1])
-    summary = run.join(600)
+    returned_again = drill.lose_and_return(first[1])
+    summary = drill.run.join(600)
     reference_run = uninterrupted.join(600)
 
-    logged = [(m.step, int(m.value)) for m in run.reports("world_size")]
-    assert [size for size, _ in groupby(size for _, size in logged)] == [2, 1, 2, 1, 2], logged
-    cfg = run.cfg
-    assert summary.final_metrics["step"] == STEPS
-    assert summary.final_metrics["tokens_seen"] == STEPS * cfg.train.global_batch_size * cfg.data.seq_len
+    assert_world_sizes(drill.run, [2, 1, 2, 1, 2])
+    assert_every_step_trained(drill.run.cfg, summary)
+    assert_no_step_redone(drill.mlflow_url, summary)
+    assert_losses_as(drill.mlflow_url, summary, reference_run)
+    assert_validated_as(drill.mlflow_url, summary, reference_run)
+    assert_trained_the_pure_order(drill.run)
 
-    # No step redone and none lost: each step's loss logged once, equal to the reference's.
-    client = MlflowClient(mlflow_url)
-    history = client.get_metric_history(summary.run_id, "loss")
-    assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
-    reference_losses = final_lineage(client.get_metric_history(reference_run.run_id, "loss"))
-    for m in history:
-        assert m.value == pytest.approx(reference_losses[m.step], rel=1e-3, abs=1e-3), f"step {m.step}"
-    validated = final_lineage(client.get_metric_history(summary.run_id, "val/loss"))
-    reference_validated = final_lineage(client.get_metric_history(reference_run.run_id, "val/loss"))
-    assert sorted(validated) == sorted(reference_validated)
-    for step, loss in reference_validated.items():
-        assert validated[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), f"val/loss at step {step}"
-
-    recorded = [json.loads(p.read_text()) for p in sorted(samples.glob("step_*.json"))]
-    assert [r["step"] for r in recorded] == list(range(1, STEPS + 1))
-    assert {r["world_size"] for r in recorded} == {1, 2}
-    assert [r["sample_ids"] for r in recorded] == expected_batches(cfg, STEPS)
-
-    # Every resize recovered in-process: from the peers' state at the step the group had
-    # reached (no checkpoint read, so nothing resharded), with no Ray Train worker restarted:
-    # the generations of one worker group, the third with the worker started on the node
-    # that came back, the fourth with that joiner alone, the fifth with the next one.
-    happened = events()
-    recoveries = [(e.kind, e.world_size_before, e.world_size_after) for e in happened if isinstance(e, Recovered)]
-    assert recoveries == [("failure", 2, 1), ("resize", 1, 2)] * 2
-    # Steps commit once validated and saved: a death in a step's validation or save trains that step again.
-    assert all(e.steps_lost <= (1 if e.kind == "failure" else 0) for e in happened if isinstance(e, Recovered))
-    assert all(e.reshard_s == 0.0 for e in happened if isinstance(e, Recovered))
+    # Every resize recovered in-process, with no Ray Train worker restarted: the generations
+    # of one worker group, the third with the worker started on the node that came back, the
+    # fourth with that joiner alone, the fifth with the next one.
+    happened = drill.events()
+    assert recoveries(happened) == [("failure", 2, 1), ("resize", 1, 2)] * 2
+    assert_recovered_in_process(happened)
     assert [type(e) for e in happened if isinstance(e, (Failure, Resize))] == [Failure, Resize] * 2
-    generations = [(e.generation, e.nodes) for e in happened if isinstance(e, Formed)]
-    assert generations == [
+    assert generations(happened) == [
         (1, first),
         (2, [first[1]]),
         (3, [first[1], returned.node_id]),
@@ -325,60 +362,34 @@ def test_a_node_lost_in_process_costs_the_survivor_no_step_and_no_restart(
 
 
 def test_a_zero3_group_loses_a_node_in_process_and_takes_one_back_training_as_if_uninterrupted(
-    worker_nodes, elastic_config, uninterrupted, rendezvous_servers, mlflow_url, tmp_path
+    in_process_drill, uninterrupted
 ):
-    """deepspeed=zero3, elastic.in_process: ZeRO-3 partitions each parameter, weights
-    included, and each rank mirrors its fp32 share of every parameter and their moments.
-    Rank 1's node dies: rank 0 re-forms at world size 1 from its own partition and its mirror
-    of rank 1's, parameter by parameter. A worker started on the node that came back joins,
-    and each rank's new partition is cut from rank 0's: no restart, no checkpoint read, no
-    step redone, and the losses of the uninterrupted run (which trains at ZeRO-1: the stage
+    """deepspeed=zero3, in-process: ZeRO-3 partitions each parameter, weights included, and
+    each rank mirrors its fp32 share of every parameter and their moments. Rank 1's node
+    dies: rank 0 re-forms at world size 1 from its own partition and its mirror of rank 1's,
+    parameter by parameter. A worker started on the node that came back joins, and each
+    rank's new partition is cut from rank 0's: no restart, no checkpoint read, no step
+    redone, and the losses of the uninterrupted run (which trains at ZeRO-1: the stage
     changes where the state is kept, not what is trained)."""
-    cluster = worker_nodes
-    run = BackgroundRun(
-        elastic_config(
-            f"zero3-{tmp_path.name}",
-            ON_WORKER_NODES,
-            "data.record_samples=true",
-            "elastic.in_process=true",
-            "deepspeed=zero3",
-        ),
-        JOIN_PACE,
-    )
-    events = functools.partial(run_events, run, mlflow_url, tmp_path)
-    first, _ = lose_a_rank_and_return_a_node(cluster, run, rendezvous_servers, rank=1)
-    summary = run.join(600)
+    drill = in_process_drill("zero3", "deepspeed=zero3")
+    drill.lose_a_rank_and_return_a_node(rank=1)
+    summary = drill.run.join(600)
     reference_run = uninterrupted.join(600)
 
-    cfg = run.cfg
-    assert cfg.deepspeed.zero_stage == 3
-    assert summary.final_metrics["step"] == STEPS
-    assert summary.final_metrics["tokens_seen"] == STEPS * cfg.train.global_batch_size * cfg.data.seq_len
-    logged = [(m.step, int(m.value)) for m in run.reports("world_size")]
-    assert [size for size, _ in groupby(size for _, size in logged)] == [2, 1, 2], logged
-    client = MlflowClient(mlflow_url)
-    history = client.get_metric_history(summary.run_id, "loss")
-    assert sorted(m.step for m in history) == list(range(1, STEPS + 1)), "no step redone, none lost"
-    reference_losses = final_lineage(client.get_metric_history(reference_run.run_id, "loss"))
-    for m in history:
-        assert m.value == pytest.approx(reference_losses[m.step], rel=1e-3, abs=1e-3), f"step {m.step}"
-    validated = final_lineage(client.get_metric_history(summary.run_id, "val/loss"))
-    reference_validated = final_lineage(client.get_metric_history(reference_run.run_id, "val/loss"))
-    assert sorted(validated) == sorted(reference_validated)
-    for step, loss in reference_validated.items():
-        assert validated[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), f"val/loss at step {step}"
+    assert drill.run.cfg.deepspeed.zero_stage == 3
+    assert_every_step_trained(drill.run.cfg, summary)
+    assert_world_sizes(drill.run, [2, 1, 2])
+    assert_no_step_redone(drill.mlflow_url, summary)
+    assert_losses_as(drill.mlflow_url, summary, reference_run)
+    assert_validated_as(drill.mlflow_url, summary, reference_run)
 
-    happened = events()
-    recoveries = [(e.kind, e.world_size_before, e.world_size_after) for e in happened if isinstance(e, Recovered)]
-    assert recoveries == [("failure", 2, 1), ("resize", 1, 2)]
-    assert all(e.reshard_s == 0.0 for e in happened if isinstance(e, Recovered)), "no checkpoint read"
-    assert all(e.steps_lost <= (1 if e.kind == "failure" else 0) for e in happened if isinstance(e, Recovered))
-    assert [e.generation for e in happened if isinstance(e, Formed)] == [1, 2, 3], "one worker group throughout"
+    happened = drill.events()
+    assert recoveries(happened) == [("failure", 2, 1), ("resize", 1, 2)]
+    assert_recovered_in_process(happened)
+    assert [generation for generation, _ in generations(happened)] == [1, 2, 3], "one worker group throughout"
 
 
-def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(
-    worker_nodes, elastic_config, uninterrupted, rendezvous_servers, mlflow_url, tmp_path
-):
+def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(worker_nodes, in_process_drill, uninterrupted):
     """elastic.spares=1: beside a group of two, a third node holds a spare, started and ready.
     Rank 1's node dies: the spare takes its place in the re-form that drops it, and the group
     trains on at world size 2 from the peers' state, no step redone, the losses of an
@@ -387,15 +398,12 @@ def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(
     cluster = worker_nodes
     third = cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
     cluster.wait_for_nodes()
-    run = BackgroundRun(
-        elastic_config(f"spare-{tmp_path.name}", ON_WORKER_NODES, "elastic.in_process=true", "elastic.spares=1"),
-        JOIN_PACE,
-    )
-    events = functools.partial(run_events, run, mlflow_url, tmp_path)
+    drill = in_process_drill("spare", "elastic.spares=1")
+    run = drill.run
     # MLflow's view, as the assertions below read it: the gauge is logged at log steps, and
     # a spare taken in before one showed it would never show as ready.
     run.wait_until(lambda h: h and h[-1].value == 1, "a spare waiting, ready", 300, key="system/spares")
-    first = first_generation_nodes(rendezvous_servers)
+    first = drill.first_generation_nodes()
     spare_node = next(n.node_id for n in cluster.worker_nodes if n.node_id not in first)
     cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == first[1]), allow_graceful=False)
     run.wait_until(lambda h: h and h[-1].value == 0, "the spare taken in", 300, key="system/spares")
@@ -406,25 +414,17 @@ def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(
         cluster.remove_node(returned)  # the module's other tests find two worker nodes, even where this one failed
     reference_run = uninterrupted.join(600)
 
-    cfg = run.cfg
-    assert summary.final_metrics["step"] == STEPS
-    assert summary.final_metrics["tokens_seen"] == STEPS * cfg.train.global_batch_size * cfg.data.seq_len
+    assert_every_step_trained(run.cfg, summary)
     assert {m.value for m in run.reports("world_size")} == {2}, "the group never trained smaller"
     spares = [int(n) for n, _ in groupby(m.value for m in run.reports("system/spares"))]
     assert spares[spares.index(1) :] == [1, 0, 1], "ready, taken in, and the returned node's worker ready in its place"
-    client = MlflowClient(mlflow_url)
-    history = client.get_metric_history(summary.run_id, "loss")
-    assert sorted(m.step for m in history) == list(range(1, STEPS + 1)), "no step redone, none lost"
-    reference_losses = final_lineage(client.get_metric_history(reference_run.run_id, "loss"))
-    for m in history:
-        assert m.value == pytest.approx(reference_losses[m.step], rel=1e-3, abs=1e-3), f"step {m.step}"
+    assert_no_step_redone(drill.mlflow_url, summary)
+    assert_losses_as(drill.mlflow_url, summary, reference_run)
 
-    happened = events()
-    recoveries = [(e.kind, e.world_size_before, e.world_size_after) for e in happened if isinstance(e, Recovered)]
-    assert recoveries == [("failure", 2, 2)]
-    assert all(e.reshard_s == 0.0 and e.steps_lost <= 1 for e in happened if isinstance(e, Recovered))
-    generations = [(e.generation, e.nodes) for e in happened if isinstance(e, Formed)]
-    assert generations == [(1, first), (2, [first[0], spare_node])]
+    happened = drill.events()
+    assert recoveries(happened) == [("failure", 2, 2)]
+    assert_recovered_in_process(happened)
+    assert generations(happened) == [(1, first), (2, [first[0], spare_node])]
     assert third.node_id in first + [spare_node]
     # Ray Data's stats actor is the driver's (the head's), not lost with a worker's node and
     # started again beside the survivors as they re-form.
@@ -432,60 +432,37 @@ def test_a_spare_takes_a_lost_members_place_and_the_group_never_shrinks(
     assert stats.node_id == cluster.head_node.node_id
 
 
-def test_a_joiner_that_fails_falls_back_to_a_restart_from_the_checkpoint(
-    worker_nodes, elastic_config, uninterrupted, rendezvous_servers, mlflow_url, tmp_path
-):
-    """elastic.in_process: the worker that joins on the returned node raises in its first step
+def test_a_joiner_that_fails_falls_back_to_a_restart_from_the_checkpoint(in_process_drill, uninterrupted):
+    """In-process: the worker that joins on the returned node raises in its first step
     (chaos.fail_joiner, as on a broken node). The controller does not start the same failure
     again on that slot: Ray restarts the group at full size from the newest checkpoint, and the
     run ends as an uninterrupted one would."""
-    cluster = worker_nodes
-    run = BackgroundRun(
-        elastic_config(
-            f"joiner-fails-{tmp_path.name}",
-            ON_WORKER_NODES,
-            "data.record_samples=true",
-            "elastic.in_process=true",
-            "chaos.fail_joiner=true",
-        ),
-        JOIN_PACE,
-    )
-    events = functools.partial(run_events, run, mlflow_url, tmp_path)
-    first, returned = lose_a_rank_and_return_a_node(cluster, run, rendezvous_servers, rank=1)
-    summary = run.join(600)
+    drill = in_process_drill("joiner-fails", "chaos.fail_joiner=true")
+    first, returned = drill.lose_a_rank_and_return_a_node(rank=1)
+    summary = drill.run.join(600)
     reference_run = uninterrupted.join(600)
 
-    cfg = run.cfg
-    assert summary.final_metrics["step"] == STEPS
-    assert summary.final_metrics["tokens_seen"] == STEPS * cfg.train.global_batch_size * cfg.data.seq_len
-    assert (tmp_path / "runs" / cfg.run.name / "chaos_failed").exists(), "the joiner's drill fired"
-    client = MlflowClient(mlflow_url)
-    losses = final_lineage(client.get_metric_history(summary.run_id, "loss"))
-    reference_losses = final_lineage(client.get_metric_history(reference_run.run_id, "loss"))
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    for step, loss in reference_losses.items():
-        assert losses[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), f"step {step}"
+    cfg = drill.run.cfg
+    assert_every_step_trained(cfg, summary)
+    assert Path(layout_of(drill.run).chaos_failed).exists(), "the joiner's drill fired"
+    assert_losses_as(drill.mlflow_url, summary, reference_run)
 
     # The shrink recovered in-process; the joiner's failure ended that group, recorded with the
     # joiner's own error, and the group Ray restarted (a new one, at both nodes) restored a
     # committed checkpoint (a save still in flight when the joiner failed dies with the group:
     # the steps redone can be more than checkpoint.every).
-    happened = events()
+    happened = drill.events()
     failures = [e for e in happened if isinstance(e, Failure)]
     assert len(failures) == 2
     assert "joined on rank 1's slot failed" in failures[1].cause and "chaos.fail_joiner" in failures[1].cause
-    recoveries = [(e.kind, e.world_size_before, e.world_size_after) for e in happened if isinstance(e, Recovered)]
-    assert recoveries == [("failure", 2, 1), ("failure", 1, 2)]
+    assert recoveries(happened) == [("failure", 2, 1), ("failure", 1, 2)]
     assert next(e for e in reversed(happened) if isinstance(e, Recovered)).restored_step % cfg.checkpoint.every == 0
-    generations = [(e.generation, e.nodes) for e in happened if isinstance(e, Formed)]
-    assert generations[:2] == [(1, first), (2, [first[0]])]
-    restarted, nodes = generations[-1]
+    assert generations(happened)[:2] == [(1, first), (2, [first[0]])]
+    restarted, nodes = generations(happened)[-1]
     assert restarted == 1 and sorted(nodes) == sorted([first[0], returned.node_id])  # Ray ranks them anew
 
 
-def test_a_re_form_that_fails_falls_back_to_a_restart_from_the_checkpoint(
-    worker_nodes, elastic_config, rendezvous_servers, monkeypatch, mlflow_url, tmp_path
-):
+def test_a_re_form_that_fails_falls_back_to_a_restart_from_the_checkpoint(in_process_drill, monkeypatch):
     """The default, in-process: rank 1's node dies, and the rendezvous's owner fails at the
     re-form (staged: its first turn that reads a failed collective raises). The survivor's wait
     for the next generation ends in `RendezvousFailed`, unmasked: Ray restarts the group from
@@ -500,18 +477,14 @@ def test_a_re_form_that_fails_falls_back_to_a_restart_from_the_checkpoint(
         return turn(self, now, ending)
 
     monkeypatch.setattr(rendezvous.RendezvousOwner, "turn", failing_at_the_re_form)
-    cluster = worker_nodes
-    run = BackgroundRun(
-        elastic_config(f"reform-fails-{tmp_path.name}", ON_WORKER_NODES, "data.record_samples=true"), JOIN_PACE
-    )
-    lose_a_rank_and_return_a_node(cluster, run, rendezvous_servers, rank=1)
-    summary = run.join(600)
+    drill = in_process_drill("reform-fails")
+    drill.lose_a_rank_and_return_a_node(rank=1)
+    summary = drill.run.join(600)
 
-    cfg = run.cfg
+    cfg = drill.run.cfg
     assert staged, "the owner failed at the re-form"
-    assert summary.final_metrics["step"] == STEPS
-    assert summary.final_metrics["tokens_seen"] == STEPS * cfg.train.global_batch_size * cfg.data.seq_len
-    happened = run_events(run, mlflow_url, tmp_path)
+    assert_every_step_trained(cfg, summary)
+    happened = drill.events()
     assert [e for e in happened if isinstance(e, Failure)], "the restart is recorded as a failure"
     # No generation re-formed in-process: the first recovery is the group's restart (a new
     # group's first generation), from the newest checkpoint (none yet where the node went
@@ -519,7 +492,7 @@ def test_a_re_form_that_fails_falls_back_to_a_restart_from_the_checkpoint(
     first = next(e for e in happened if isinstance(e, Recovered))
     assert (first.world_size_before, first.world_size_after) == (2, 1)
     assert first.restored_step % cfg.checkpoint.every == 0
-    assert [e.generation for e in happened if isinstance(e, Formed)][:2] == [1, 1]
+    assert [generation for generation, _ in generations(happened)][:2] == [1, 1]
 
 
 class WildtrainStartProbe:
