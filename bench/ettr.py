@@ -41,7 +41,16 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from progress import say
-from recovery import RESTART, WORKER_SLOT, add_worker_node, fake_cluster, rank_node, tiny_services
+from recovery import (
+    RESTART,
+    WORKER_SLOT,
+    add_worker_node,
+    fake_cluster,
+    rank_node,
+    run_options,
+    run_overrides,
+    tiny_services,
+)
 from startup import start_up_phases
 
 from tests.helpers.chaos import BackgroundRun
@@ -300,21 +309,7 @@ def main() -> None:
         default=[],
         help="runs beside the default config's: restart, the restart path (elastic.in_process=false)",
     )
-    parser.add_argument(
-        "--zero-stages",
-        nargs="+",
-        type=int,
-        choices=[1, 2, 3],
-        default=[1],
-        help="deepspeed.zero_stage: every run at each",
-    )
-    parser.add_argument(
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a config override for every run, under the reference's own (repeatable)",
-    )
+    run_options(parser)
     parser.add_argument(
         "--settle-s",
         type=float,
@@ -357,12 +352,7 @@ def main() -> None:
         column_name(args, mode, stage, metrics, placement): chaos_run(
             args,
             column_name(args, mode, stage, metrics, placement),
-            [
-                *args.override,
-                *mode_overrides,
-                f"deepspeed.zero_stage={stage}",
-                f"cluster.placement_strategy={placement}",
-            ],
+            [*run_overrides(args, mode_overrides, stage), f"cluster.placement_strategy={placement}"],
             metrics,
         )
         for stage in args.zero_stages

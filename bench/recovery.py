@@ -14,6 +14,7 @@ death takes two), "in-process, rank 0's node" (the node removed holds rank 0, Ra
 generation's, where the others remove the last rank's) and "in-process, every ray worker
 lost" (rank 1's node, then, once its joiner is in, rank 0's: only a joiner is left).
 `--override KEY=VALUE` sets a config value in every scenario, under the scenario's own.
+A scenario takes a few minutes at each stage on a 2-core machine.
 Each scenario gets its own fake cluster (node health checks are set when the head starts,
 as `wildtrain up` sets them). Prints one row per interruption:
 
@@ -519,6 +520,32 @@ def against_bounds(rows: list[dict]) -> list[str]:
     return lines
 
 
+def run_options(parser: argparse.ArgumentParser) -> None:
+    """The options of a bench that runs each of its runs at each ZeRO stage, under the
+    user's config overrides (`run_overrides`)."""
+    parser.add_argument(
+        "--zero-stages",
+        nargs="+",
+        type=int,
+        choices=[1, 2, 3],
+        default=[1],
+        help="deepspeed.zero_stage: every run at each",
+    )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every run, under the run's own (its scenario's or reference's; repeatable)",
+    )
+
+
+def run_overrides(args: argparse.Namespace, own: list[str], stage: int) -> list[str]:
+    """A run's config overrides, as `run_options` asks for them: the user's, then the run's
+    `own` (which win), at ZeRO `stage`."""
+    return [*args.override, *own, f"deepspeed.zero_stage={stage}"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
@@ -529,21 +556,7 @@ def main() -> None:
         default=["default", RESTART],
         help="the scenarios to run (default: wildtrain's default config, and the restart path beside it)",
     )
-    parser.add_argument(
-        "--zero-stages",
-        nargs="+",
-        type=int,
-        choices=[1, 2, 3],
-        default=[1],
-        help="deepspeed.zero_stage: each scenario runs at each (a few minutes a scenario on a 2-core machine)",
-    )
-    parser.add_argument(
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a config override for every scenario, under the scenario's own (repeatable)",
-    )
+    run_options(parser)
     args = parser.parse_args()
     load = LoadSampler()
     rows = []
@@ -551,12 +564,7 @@ def main() -> None:
         for stage in args.zero_stages:
             for name in args.only:
                 scenario = SCENARIOS[name]
-                overrides = [
-                    f"data.datasets=[{{uri: {dataset}}}]",
-                    *args.override,
-                    *scenario["overrides"],
-                    f"deepspeed.zero_stage={stage}",
-                ]
+                overrides = [f"data.datasets=[{{uri: {dataset}}}]", *run_overrides(args, scenario["overrides"], stage)]
                 label = f"{name}, ZeRO-{stage}"
                 try:
                     rows += run_scenario(
