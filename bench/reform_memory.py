@@ -26,8 +26,16 @@ rank (the slowest rank's larger direction; gloo over TCP reaches less). The low-
 weights' all-gather after the load (2 bytes a parameter in bf16, as DeepSpeed does after every
 step) is a column of its own.
 
+Planned (`--plan-only`), for Llama 2's 7B and 70B shapes at ZeRO-3 (a piece per parameter) at
+64, 256 and 1,024 ranks, the last rank lost: what a rank spends planning the transfers, as it
+is (`plan_transfers` with its rank: the sources, and the transfers it sends or receives) and
+as it was at `--plan-reference-rev` (every rank planned every rank's transfers). The Transfer
+objects built, the seconds (best of 3) and the peak Python memory (tracemalloc), of the rank
+with the most transfers; the whole plans must be equal, and its plan their part that is its.
+
 Usage: PYTHONPATH=platform .venv/bin/python bench/reform_memory.py [--models tiny 125m]
        [--resizes 2:1 3:2 4:3 1:2 2:3 3:4] [--reference-rev REV] [--no-model] [--model-only]
+       [--plan-only] [--plan-reference-rev REV]
 """
 
 from __future__ import annotations
@@ -40,7 +48,10 @@ import re
 import sys
 import tempfile
 import time
+import tracemalloc
 import warnings
+from collections import Counter
+from dataclasses import astuple
 from datetime import timedelta
 from pathlib import Path
 from types import MethodType, ModuleType, SimpleNamespace
@@ -60,6 +71,20 @@ from wildtrain.model.transformer import Transformer
 
 # The last revision whose re-form gathered every partition onto every rank.
 REFERENCE_REV = "aa375d0"
+# The last revision whose every rank planned every rank's transfers.
+PLAN_REFERENCE_REV = "827bdc9"
+# Llama 2's shapes (Touvron et al. 2023): 7B is the 7b preset; 70B has no preset here.
+LLAMA = {
+    "7B": ["model=7b"],
+    "70B": [
+        "model=7b",
+        "model.dim=8192",
+        "model.n_layers=80",
+        "model.n_heads=64",
+        "model.n_kv_heads=8",
+        "model.ffn_dim=28672",
+    ],
+}
 STEP, GLOBAL_BATCH = 7, 12
 ROWS = 3  # fp32 weights, exp_avg, exp_avg_sq
 CHUNK = 1 << 22  # values a check compares at a time
@@ -314,10 +339,10 @@ def measured_table(models: list[str], resizes: list[tuple[int, int]], rev: str) 
                 )
 
 
-def moved(numels: list[int], old_world: int, new_world: int, per_node: int = 8) -> tuple[int, int]:
-    """The most bytes a rank sends and receives when a node of `per_node` ranks is lost
-    (`old_world` > `new_world`; the node of the last ranks) or joins (the reverse), with the
-    holders `mirror_ring` gives."""
+def ring_holders(old_world: int, new_world: int, per_node: int = 8) -> tuple[tuple[int, ...], ...]:
+    """By old rank, the new ranks that hold its partition when the last ranks are lost
+    (`old_world` > `new_world`) or joiners come (the reverse), each rank's mirror held by its
+    successor on the ring `mirror_ring` gives for nodes of `per_node` ranks."""
     world = max(old_world, new_world)
     nodes = [str(rank // per_node) for rank in range(world)]
     ring = mirror_ring(nodes[:old_world])
@@ -327,10 +352,16 @@ def moved(numels: list[int], old_world: int, new_world: int, per_node: int = 8) 
         held[old_rank][(1, old_world, old_rank)] = {STEP}
         if successor < new_world:
             held[successor][(1, old_world, old_rank)] = {STEP}
-    for old_rank in range(new_world, old_world):  # the lost node's partitions: on their mirrors' holders
+    for old_rank in range(new_world, old_world):  # the lost ranks' partitions: on their mirrors' holders
         successor = ring[(ring.index(old_rank) + 1) % len(ring)]
         held[successor][(1, old_world, old_rank)] = {STEP}
-    holders = plan_repartition(held).holders
+    return plan_repartition(held).holders
+
+
+def moved(numels: list[int], old_world: int, new_world: int) -> tuple[int, int]:
+    """The most bytes a rank sends and receives when a node of 8 ranks is lost (`old_world` >
+    `new_world`; the node of the last ranks) or joins (the reverse), with `ring_holders`."""
+    holders = ring_holders(old_world, new_world)
     plan = plan_transfers(numels, Cut.of(numels, old_world), Cut.of(numels, new_world), holders)
     sent, received = [0] * new_world, [0] * new_world
     for t in plan.transfers:
@@ -368,6 +399,71 @@ def model_table() -> None:
                 )
 
 
+def parameter_numels(overrides: list[str]) -> list[int]:
+    """Each parameter's values, in the order wildtrain's engine groups them (on meta: no memory)."""
+    cfg = load_config([*overrides, "model.compile=false", "deepspeed.zero_stage=3"])
+    with torch.device("meta"):
+        groups = param_groups(Transformer(cfg.model), cfg.optim)
+    return [p.numel() for group in groups for p in group["params"]]
+
+
+def cost(plan) -> tuple[object, float, float]:
+    """`plan()`'s result, its best seconds of 3, and its peak Python memory in bytes."""
+    seconds = []
+    for _ in range(3):
+        gc.collect()
+        started = time.perf_counter()
+        result = plan()
+        seconds.append(time.perf_counter() - started)
+        del result
+    gc.collect()
+    tracemalloc.start()
+    result = plan()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return result, min(seconds), peak
+
+
+def plan_table(rev: str) -> None:
+    reference = module_at(rev, "platform/wildtrain/elastic/membership.py")
+    print(
+        "\n| model | parameters (pieces) | resize | transfers built: ratio | seconds: ratio | peak memory: ratio "
+        "| transfers built (whole plan / this rank's) | seconds | peak Python memory (MiB) | exact |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, overrides in LLAMA.items():
+        numels = parameter_numels(overrides)
+        for world in (64, 256, 1024):
+            holders = ring_holders(world, world - 1)
+            old, new = Cut.of_parameters(numels, world), Cut.of_parameters(numels, world - 1)
+            whole = plan_transfers(numels, old, new, holders)
+            involved = Counter(r for t in whole.transfers for r in {t.src, t.dst})
+            rank = max(range(world - 1), key=lambda r: (involved[r], -r))
+            then, then_s, then_peak = cost(
+                lambda: reference.plan_transfers(
+                    numels,
+                    reference.Cut.of_parameters(numels, world),
+                    reference.Cut.of_parameters(numels, world - 1),
+                    holders,
+                )
+            )
+            mine, now_s, now_peak = cost(lambda: plan_transfers(numels, old, new, holders, rank))
+            exact = (
+                then.sources == whole.sources == mine.sources
+                and [astuple(t) for t in then.transfers] == [astuple(t) for t in whole.transfers]
+                and mine.transfers == tuple(t for t in whole.transfers if rank in (t.src, t.dst))
+            )
+            print(
+                f"| {name} | {len(numels)} | {world} -> {world - 1} "
+                f"| {len(then.transfers) / len(mine.transfers):,.0f} x fewer | {then_s / now_s:,.0f} x faster "
+                f"| {then_peak / now_peak:,.0f} x less "
+                f"| {len(then.transfers):,} / {len(mine.transfers):,} | {then_s:.3f} / {now_s:.4f} "
+                f"| {then_peak / 2**20:,.1f} / {now_peak / 2**20:,.2f} | {'yes' if exact else 'NO'} |",
+                flush=True,
+            )
+            del then, whole, mine
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["tiny", "125m"])
@@ -375,8 +471,13 @@ def main() -> None:
     parser.add_argument("--reference-rev", default=REFERENCE_REV)
     parser.add_argument("--no-model", action="store_true", help="the measured table only")
     parser.add_argument("--model-only", action="store_true", help="the modelled table only")
+    parser.add_argument("--plan-only", action="store_true", help="the planning cost table only")
+    parser.add_argument("--plan-reference-rev", default=PLAN_REFERENCE_REV)
     args = parser.parse_args()
     resizes = [tuple(int(w) for w in resize.split(":")) for resize in args.resizes]
+    if args.plan_only:
+        plan_table(args.plan_reference_rev)
+        return
     if not args.model_only:
         measured_table(args.models, resizes, args.reference_rev)
     if not args.no_model:

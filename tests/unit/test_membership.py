@@ -131,6 +131,13 @@ def test_a_shrink_sends_each_slice_once_from_a_holder_keeping_what_stays_put():
         plan_transfers([13], Cut.of([10], 3), Cut.of([13], 2), [(0,), (1,), (0, 1)])
 
 
+def test_a_source_counts_every_piece_of_a_kind_it_keeps():
+    # Old rank 1 holds values [2, 4) of each piece; new rank 1 keeps those of both pieces of 4
+    # (4 values), new rank 0 those of the piece of 6 (2): pieces alike are counted once each.
+    numels, holders = [6, 4, 4], [(0,), (1, 0), (1, 0)]
+    assert plan_transfers(numels, Cut.of(numels, 3), Cut.of(numels, 2), holders).sources == (0, 1, 1)
+
+
 def test_deepspeed_zero3_cuts_each_parameter_on_its_own_padded_to_the_world():
     # partition_parameters.py: a parameter padded to a multiple of the world, split evenly.
     assert [zero3_partition_size(10, world) for world in (1, 2, 3, 4)] == [10, 5, 4, 3]
@@ -185,6 +192,36 @@ def test_the_transfers_tile_every_new_partition_once_each_from_a_holder_of_its_o
         assert received[rank] <= sum(new.sizes)
         sourced = [r for r in range(old.world) if plan.sources[r] == rank]
         assert sent[rank] <= len(sourced) * sum(old.sizes)
+
+
+@given(resizes(), st.data())
+@settings(max_examples=300, deadline=None)
+def test_each_rank_s_plan_is_the_whole_plan_s_transfers_it_sends_or_receives_numbered_alike(resize, data):
+    numels, old, new, holders = resize
+    # Pieces of one size and cut, as a model's parameters mostly are, are counted once per kind.
+    repeats = data.draw(st.lists(st.integers(0, len(numels) - 1), max_size=4))
+    numels = [*numels, *(numels[p] for p in repeats)]
+    old, new = (Cut(cut.world, (*cut.sizes, *(cut.sizes[p] for p in repeats))) for cut in (old, new))
+    whole = plan_transfers(numels, old, new, holders)
+    tags = dict(zip(whole.transfers, whole.tags()))
+    ranks = [plan_transfers(numels, old, new, holders, rank) for rank in range(new.world)]
+    for rank, plan in enumerate(ranks):
+        assert plan.sources == whole.sources
+        assert plan.transfers == tuple(t for t in whole.transfers if rank in (t.src, t.dst))
+        # Sender and receiver tag each message as the whole plan numbers it between them.
+        assert all(tags[t] == tag for t, tag in zip(plan.transfers, plan.tags()))
+    assert {t for plan in ranks for t in plan.transfers} == set(whole.transfers)
+    # Each old partition's source as chosen with every piece counted on its own: the holder that
+    # would send the fewest values in all, then the one that keeps most of the partition.
+    sending, sources = Counter(), {}
+    for old_rank in sorted(range(old.world), key=lambda r: (len(set(holders[r])), r)):
+        away = {}
+        for holder in set(holders[old_rank]):
+            spans = [(old.span(p, old_rank, n), new.span(p, holder, n)) for p, n in enumerate(numels)]
+            away[holder] = sum(e - s - max(0, min(e, ne) - max(s, ns)) for (s, e), (ns, ne) in spans)
+        sources[old_rank] = min(away, key=lambda h: (sending[h] + away[h], away[h], h))
+        sending[sources[old_rank]] += away[sources[old_rank]]
+    assert whole.sources == tuple(sources[r] for r in range(old.world))
 
 
 @st.composite

@@ -8,6 +8,7 @@ order, followed by the workers that asked to join.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Collection, Iterable, Mapping, Optional, Sequence
 
@@ -264,17 +265,33 @@ class Transfer:
 @dataclass(frozen=True)
 class TransferPlan:
     sources: tuple[int, ...]  # by old rank: the new rank that sends from that partition
-    transfers: tuple[Transfer, ...]  # by piece, then destination, then offset
+    transfers: tuple[Transfer, ...]  # by piece, then destination, then offset: all, or those of one rank
+
+    def tags(self) -> tuple[int, ...]:
+        """Per transfer: how many transfers between its `src` and `dst` come before it in the
+        plan. Every rank's plan holds all the transfers between it and any peer, in one order,
+        so the sender and the receiver number each message alike."""
+        seen: dict[tuple[int, int], int] = {}
+        tags = []
+        for transfer in self.transfers:
+            pair = (transfer.src, transfer.dst)
+            tags.append(seen.get(pair, 0))
+            seen[pair] = tags[-1] + 1
+        return tuple(tags)
 
 
-def plan_transfers(numels: Sequence[int], old: Cut, new: Cut, holders: Sequence[Sequence[int]]) -> TransferPlan:
+def plan_transfers(
+    numels: Sequence[int], old: Cut, new: Cut, holders: Sequence[Sequence[int]], rank: Optional[int] = None
+) -> TransferPlan:
     """How the ranks of `new` assemble their partitions of pieces of `numels` values (parameter
     groups at ZeRO-1/2, parameters at ZeRO-3: `Pieces`) from the partitions of `old`
     (`holders[old_rank]`: the new ranks that hold it, from `plan_repartition`): every value of
     a piece, padding excluded, moves once, from one holder of the old partition it is in to the
     new partition it falls in. A rank receives at most its new partition and sends at most the
     old partitions it is the source of; the padding is no one's to send (each new partition's
-    is zeros).
+    is zeros). With `rank`, the plan holds only the transfers that new rank sends or receives,
+    in the whole plan's order: what a rank needs, without building every other rank's (at
+    ZeRO-3 a few per parameter and rank).
 
     Each old partition's source is, of its holders (those held by one holder first), the one
     that would then send the fewest values in all, and of those the one that keeps most of it:
@@ -289,42 +306,102 @@ def plan_transfers(numels: Sequence[int], old: Cut, new: Cut, holders: Sequence[
                 f"{cut.world} partitions of {cut.sizes} values cannot hold pieces of {list(numels)} "
                 "values: the state is of another model"
             )
+    sources = _sources(numels, old, new, holders)
+    if rank is None:
+        transfers = [
+            t
+            for piece in range(len(numels))
+            for dst in range(new.world)
+            for t in _arrivals(numels, old, new, sources, piece, dst)
+        ]
+    else:
+        sourced = [old_rank for old_rank, source in enumerate(sources) if source == rank]
+        transfers = []
+        for piece in range(len(numels)):
+            sent = (
+                t
+                for old_rank in sourced
+                for t in _departures(numels, old, new, sources, piece, old_rank)
+                if t.dst != rank
+            )
+            transfers += sorted(
+                (*sent, *_arrivals(numels, old, new, sources, piece, rank)), key=lambda t: (t.dst, t.dst_offset)
+            )
+    return TransferPlan(sources, tuple(transfers))
 
-    def kept(holder: int, old_rank: int) -> int:
-        """The values of `old_rank`'s partition that fall in `holder`'s new partition."""
+
+def _sources(numels: Sequence[int], old: Cut, new: Cut, holders: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """By old rank: the holder that sends from its partition (`plan_transfers`). Pieces alike
+    in their values and cuts overlap alike, so each kind is counted once, times its pieces: a
+    model's parameters are of a few shapes."""
+    kinds = Counter(zip(numels, old.sizes, new.sizes))
+
+    def values(old_rank: int, holder: Optional[int]) -> int:
+        """The values of `old_rank`'s partition, or of them those that fall in `holder`'s new partition."""
         total = 0
-        for piece, numel in enumerate(numels):
-            start, end = old.span(piece, old_rank, numel)
-            new_start, new_end = new.span(piece, holder, numel)
-            total += max(0, min(end, new_end) - max(start, new_start))
+        for (numel, old_size, new_size), count in kinds.items():
+            start, end = min(old_rank * old_size, numel), min((old_rank + 1) * old_size, numel)
+            if holder is not None:
+                start, end = max(start, min(holder * new_size, numel)), min(end, (holder + 1) * new_size)
+            total += count * max(0, end - start)
         return total
 
     sending: dict[int, int] = {}  # new rank -> values it sends so far
     sources: dict[int, int] = {}
     for old_rank in sorted(range(old.world), key=lambda r: (len(set(holders[r])), r)):
-        held = sum(end - start for start, end in (old.span(p, old_rank, n) for p, n in enumerate(numels)))
-        away = {holder: held - kept(holder, old_rank) for holder in set(holders[old_rank])}
+        held = values(old_rank, None)
+        away = {holder: held - values(old_rank, holder) for holder in set(holders[old_rank])}
         source = min(away, key=lambda h: (sending.get(h, 0) + away[h], away[h], h))
         sources[old_rank] = source
         sending[source] = sending.get(source, 0) + away[source]
+    return tuple(sources[r] for r in range(old.world))
+
+
+def _arrivals(
+    numels: Sequence[int], old: Cut, new: Cut, sources: Sequence[int], piece: int, dst: int
+) -> list[Transfer]:
+    """The transfers that fill `dst`'s new share of `piece`, by offset: its span cut where old partitions end."""
+    old_size = old.sizes[piece]
+    start, end = new.span(piece, dst, numels[piece])
     transfers = []
-    for piece, numel in enumerate(numels):
-        old_size = old.sizes[piece]
-        for dst in range(new.world):
-            start, end = new.span(piece, dst, numel)
-            while start < end:
-                old_rank = start // old_size
-                stop = min(end, (old_rank + 1) * old_size)
-                transfers.append(
-                    Transfer(
-                        piece,
-                        sources[old_rank],
-                        dst,
-                        old_rank,
-                        start - old_rank * old_size,
-                        start - dst * new.sizes[piece],
-                        stop - start,
-                    )
-                )
-                start = stop
-    return TransferPlan(tuple(sources[r] for r in range(old.world)), tuple(transfers))
+    while start < end:
+        old_rank = start // old_size
+        stop = min(end, (old_rank + 1) * old_size)
+        transfers.append(
+            Transfer(
+                piece,
+                sources[old_rank],
+                dst,
+                old_rank,
+                start - old_rank * old_size,
+                start - dst * new.sizes[piece],
+                stop - start,
+            )
+        )
+        start = stop
+    return transfers
+
+
+def _departures(
+    numels: Sequence[int], old: Cut, new: Cut, sources: Sequence[int], piece: int, old_rank: int
+) -> list[Transfer]:
+    """The transfers from `old_rank`'s share of `piece`, by destination: its span cut where new partitions end."""
+    new_size = new.sizes[piece]
+    start, end = old.span(piece, old_rank, numels[piece])
+    transfers = []
+    while start < end:
+        dst = start // new_size
+        stop = min(end, (dst + 1) * new_size)
+        transfers.append(
+            Transfer(
+                piece,
+                sources[old_rank],
+                dst,
+                old_rank,
+                start - old_rank * old.sizes[piece],
+                start - dst * new_size,
+                stop - start,
+            )
+        )
+        start = stop
+    return transfers

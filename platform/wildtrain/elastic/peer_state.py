@@ -448,9 +448,10 @@ def load_partitions(engine, mirrors: Mirrors, reform: Reform) -> None:
     from them (`publish_weights`).
 
     Each rank receives only the slices of old partitions that overlap its new one, piece by
-    piece (`membership.Pieces`), each from one rank that holds it (`membership.plan_transfers`),
-    and sends from its snapshots only what others' new partitions take of them: point to point,
-    no rank holding more than its partition at once. The values go straight into the engine's
+    piece (`membership.Pieces`), each from one rank that holds it (`membership.plan_transfers`,
+    of which each rank plans only what it sends and receives), and sends from its snapshots
+    only what others' new partitions take of them: point to point, no rank holding more than
+    its partition at once. The values go straight into the engine's
     tensors on the CPU, and through one host buffer of a parameter group's partition on a GPU
     (gloo moves host memory)."""
     held = sharded(engine)
@@ -465,13 +466,14 @@ def load_partitions(engine, mirrors: Mirrors, reform: Reform) -> None:
             "the state is of another model or ZeRO stage"
         )
     new = held.pieces.cut(world)
-    plan = plan_transfers(held.numels, old, new, reform.repartition.holders)
+    plan = plan_transfers(held.numels, old, new, reform.repartition.holders, rank)
+    tags = plan.tags()
     places = held.pieces.places()
     rows = 1 + len(MOMENTS)
     # Every send at once: they are views of the snapshots, and the receives below wait for them.
     sends = [
-        dist.isend(values, group=group, group_dst=transfer.dst, tag=rows * index + row)
-        for index, transfer in enumerate(plan.transfers)
+        dist.isend(values, group=group, group_dst=transfer.dst, tag=rows * tag + row)
+        for transfer, tag in zip(plan.transfers, tags)
         if transfer.src == rank != transfer.dst
         for row, values in enumerate(mirrors.slice_of(reform, transfer))
     ]
@@ -485,7 +487,7 @@ def load_partitions(engine, mirrors: Mirrors, reform: Reform) -> None:
             if landing is state:
                 fp32.zero_()  # the padding, which no one sends
             receives = []
-            for number, transfer in enumerate(plan.transfers):
+            for transfer, tag in zip(plan.transfers, tags):
                 in_group, offset = places[transfer.piece]
                 if in_group != index or transfer.dst != rank:
                     continue
@@ -495,7 +497,7 @@ def load_partitions(engine, mirrors: Mirrors, reform: Reform) -> None:
                         landing[row][at].copy_(values)
                     continue
                 receives += [
-                    dist.irecv(landing[row][at], group=group, group_src=transfer.src, tag=rows * number + row)
+                    dist.irecv(landing[row][at], group=group, group_src=transfer.src, tag=rows * tag + row)
                     for row in range(rows)
                 ]
             for work in receives:
