@@ -11,6 +11,7 @@ import torch
 
 from tests.helpers.pacing import Pace
 from wildtrain.config import ConfigError, load_config
+from wildtrain.layout import RunLayout
 from wildtrain.train import hooks
 from wildtrain.train.drills import Drills
 
@@ -35,13 +36,16 @@ def drills(
 ) -> Drills:
     cfg = load_config(["experiment=tiny", f"run.storage={tmp_path}", "run.name=drills", *overrides])
     return Drills(
-        cfg,
+        cfg.chaos,
         rank,
         restored_step,
+        chaos_failed=RunLayout.of(cfg.run, cfg.checkpoint).chaos_failed,
+        storage_config=cfg.storage,
         joiner=joiner,
         slowed=slowed,
         model=model if model is not None else torch.nn.Identity(),
         short_of_members=short_of_members,
+        spares_wanted=cfg.elastic.spares,
         spares_waiting=spares_waiting,
     )
 

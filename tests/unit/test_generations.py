@@ -6,7 +6,7 @@ which brought none of its own) carries the same."""
 import dataclasses
 
 from tests.helpers.ranks import spawned_pair
-from wildtrain.events import Resize
+from wildtrain.events import Failure, Resize
 from wildtrain.train import generations
 from wildtrain.train.generations import Leftovers
 from wildtrain.train.state import TrainState
@@ -51,6 +51,21 @@ def test_the_ranks_restore_from_their_peers_where_any_trained_and_from_the_check
     assert generations.plan_restore([True, False]) == generations.RestorePlan(peers, shared_by=0)
     # Every first attempt died during start-up.
     assert generations.plan_restore([False, False]) == generations.RestorePlan(checkpoint, shared_by=None)
+
+
+def test_a_loss_before_the_attempt_stepped_is_the_same_outage_as_the_one_it_recovered_from():
+    state = TrainState(step=6, world_size=2)
+    lost = generations.interrupted_by_loss(
+        RuntimeError("Connection closed by peer\nat ..."), 9.0, True, state, 2, ["node-a"], MEMBERS
+    )
+    assert (lost.at, lost.world_size, lost.last_step, lost.nodes) == (9.0, 2, 6, ["node-a"])
+    assert isinstance(lost, Failure) and lost.cause == "a member left the group of 2: Connection closed by peer"
+    again = generations.interrupted_by_loss(RuntimeError("lost"), 9.0, False, state, 2, ["node-a"], MEMBERS)
+    assert again is MEMBERS.interruption
+    # Nothing recovered from before (a first attempt, or a joiner's): a failure of its own.
+    for left in (None, Leftovers.joiner(None)):
+        first = generations.interrupted_by_loss(RuntimeError("lost"), 9.0, False, state, 2, ["node-a"], left)
+        assert first.last_step == 6 and first.at == 9.0
 
 
 def _restore_rank(rank: int, results) -> None:

@@ -17,7 +17,7 @@ from wildtrain.elastic.rendezvous import RendezvousFailed
 from wildtrain.elastic.signals import MembersJoining
 from wildtrain.train import loop
 from wildtrain.train.failures import FailureKind, Superseded, classify
-from wildtrain.train.generations import Leftovers
+from wildtrain.train.generations import Leftovers, Unreported
 from wildtrain.train.membership import RayTrainGroup, RestartMembership, Trained
 from wildtrain.train.state import TrainState
 
@@ -130,6 +130,13 @@ def test_the_restart_path_s_group_commits_each_step_as_it_trains_and_records_not
     commits.flush()
     state.step = 5
     assert commits.committed == 5
+    # What an attempt dropped leaves holds no state: no peer kept one, the checkpoint restores.
+    interruption = commits.failure(RuntimeError("lost"), 9.0, state, 2, ["n1"], None)
+    assert (interruption.at, interruption.last_step) == (9.0, 5)
+    unreported = Unreported([{"step": 5}], [interruption], ["step_4"], {})
+    left = commits.leftovers(interruption, unreported, [("runs/r", "step_4")], saving=None)
+    assert left.states == {} and left.interruption is interruption
+    assert (left.windows, left.committed, left.known_good) == ([{"step": 5}], ["step_4"], [("runs/r", "step_4")])
     group = RayTrainGroup.__new__(RayTrainGroup)  # no Ray Train context here: only what needs none
     assert group.left is None and not group.joined and not group.short_of_members
     assert group.spares_waiting is None and group.joiners_waiting is None

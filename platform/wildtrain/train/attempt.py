@@ -185,13 +185,16 @@ class Attempt:
         )
         # Drills (chaos.*), off by default.
         self.drills = Drills(
-            cfg,
+            cfg.chaos,
             rank,
             self.state.step,
+            chaos_failed=self.layout.chaos_failed,
+            storage_config=cfg.storage,
             joiner=group.joined,
             slowed=self.monitor.slowed_by_chaos,
             model=self.engine.module,
             short_of_members=group.short_of_members,
+            spares_wanted=cfg.elastic.spares,
             spares_waiting=group.spares_waiting,
         )
         # A generation that lost members grows back by the workers the controller starts on

@@ -55,6 +55,26 @@ class Leftovers:
         return dataclasses.replace(self, saving=self.saving.close_keeping_process(timeout_s=0))
 
     @classmethod
+    def dropped(
+        cls,
+        states: dict[int, TrainState],
+        interruption: Interrupted,
+        unreported: Unreported,
+        known_good: list[tuple[str, str]],
+        saving: Union[AsyncSaver, SaveProcess, None],
+    ) -> "Leftovers":
+        """What an attempt dropped at the states `states` leaves, with what its reports had not carried."""
+        return cls(
+            states=states,
+            windows=unreported.windows,
+            events=unreported.events,
+            committed=unreported.committed,
+            known_good=known_good,
+            interruption=interruption,
+            saving=saving,
+        )
+
+    @classmethod
     def joiner(cls, save_process: Optional[SaveProcess]) -> "Leftovers":
         return cls(
             states={}, windows=[], events=[], committed=[], known_good=[], interruption=None, saving=save_process
@@ -182,18 +202,10 @@ class PeerCommits:
         nodes: list[str],
         left: Optional[Leftovers],
     ) -> Interrupted:
-        """The interruption of an attempt that lost a member to `error` at `failed_at`: `left`'s
-        where it never stepped (the same outage). A step trained but not committed yet is
-        trained again: lost, in the failure's accounting."""
-        if max(self.states) > self.restored_step or left is None or left.interruption is None:
-            return Failure(
-                failed_at,
-                world_size,
-                state.step,
-                f"a member left the group of {world_size}: {str(error).splitlines()[0][:200]}",
-                nodes,
-            )
-        return left.interruption
+        """The interruption of an attempt that lost a member to `error` at `failed_at`. A step
+        trained but not committed yet is trained again: lost, in the failure's accounting."""
+        stepped = max(self.states) > self.restored_step
+        return interrupted_by_loss(error, failed_at, stepped, state, world_size, nodes, left)
 
     def leftovers(
         self,
@@ -204,15 +216,29 @@ class PeerCommits:
     ) -> Leftovers:
         """What the next generation needs of this attempt, dropped at its last committed step."""
         self.mirrors.forget_after(max(self.states))
-        return Leftovers(
-            states=dict(self.states),
-            windows=unreported.windows,
-            events=unreported.events,
-            committed=unreported.committed,
-            known_good=known_good,
-            interruption=interruption,
-            saving=saving,
+        return Leftovers.dropped(dict(self.states), interruption, unreported, known_good, saving)
+
+
+def interrupted_by_loss(
+    error: BaseException,
+    failed_at: float,
+    stepped: bool,
+    state: TrainState,
+    world_size: int,
+    nodes: list[str],
+    left: Optional[Leftovers],
+) -> Interrupted:
+    """The interruption of an attempt at `state` that lost a member to `error` at `failed_at`:
+    `left`'s where it never `stepped` past its restore (the same outage), else a new `Failure`."""
+    if stepped or left is None or left.interruption is None:
+        return Failure(
+            failed_at,
+            world_size,
+            state.step,
+            f"a member left the group of {world_size}: {str(error).splitlines()[0][:200]}",
+            nodes,
         )
+    return left.interruption
 
 
 def recovered(

@@ -20,29 +20,60 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Union
 
 import ray.train
 import torch.distributed as dist
 
 from wildtrain import ray_compat
+from wildtrain.checkpoint.async_save import AsyncSaver
+from wildtrain.checkpoint.save_process import SaveProcess
 from wildtrain.elastic.relay import RELAY
-from wildtrain.events import Event, Formed
+from wildtrain.events import Event, Formed, Interrupted
 from wildtrain.train import checkpointing
-from wildtrain.train.generations import InProcess, Leftovers, PeerCommits, agree_on_restore
+from wildtrain.train.generations import (
+    InProcess,
+    Leftovers,
+    PeerCommits,
+    Unreported,
+    agree_on_restore,
+    interrupted_by_loss,
+)
 from wildtrain.train.in_process import Member
 from wildtrain.train.state import TrainState
 from wildtrain.train.step import StepMetrics
 
 
 class Commits(Protocol):
-    """The steps an attempt committed: those a failure of its group never costs."""
+    """The steps an attempt committed: those a failure of its group never costs, and what an
+    attempt dropped at them leaves the next one (only a membership that goes on without a
+    lost member drops an attempt: `Membership.lost_member`)."""
 
     committed: int
 
     def commit(self, engine, state: TrainState, window: StepMetrics, flush: bool) -> None: ...
 
     def flush(self) -> None: ...
+
+    def failure(
+        self,
+        error: BaseException,
+        failed_at: float,
+        state: TrainState,
+        world_size: int,
+        nodes: list[str],
+        left: Optional[Leftovers],
+    ) -> Interrupted:
+        """The interruption of the attempt at `state`, which lost a member to `error` at `failed_at`."""
+
+    def leftovers(
+        self,
+        interruption: Interrupted,
+        unreported: Unreported,
+        known_good: list[tuple[str, str]],
+        saving: Union[AsyncSaver, SaveProcess, None],
+    ) -> Leftovers:
+        """What the next group needs of the attempt, dropped after `interruption`."""
 
 
 class Group(abc.ABC):
@@ -108,10 +139,12 @@ class Membership(abc.ABC):
 
 class Trained:
     """The restart path's commits: a step is as committed as it gets once trained (a failure
-    restarts the group from the checkpoint)."""
+    restarts the group from the checkpoint). No peer keeps its state: an attempt dropped
+    leaves none, and the next group restores from the checkpoint."""
 
     def __init__(self, state: TrainState) -> None:
         self._state = state
+        self.restored_step = state.step
 
     @property
     def committed(self) -> int:
@@ -122,6 +155,27 @@ class Trained:
 
     def flush(self) -> None:
         pass
+
+    def failure(
+        self,
+        error: BaseException,
+        failed_at: float,
+        state: TrainState,
+        world_size: int,
+        nodes: list[str],
+        left: Optional[Leftovers],
+    ) -> Interrupted:
+        stepped = state.step > self.restored_step
+        return interrupted_by_loss(error, failed_at, stepped, state, world_size, nodes, left)
+
+    def leftovers(
+        self,
+        interruption: Interrupted,
+        unreported: Unreported,
+        known_good: list[tuple[str, str]],
+        saving: Union[AsyncSaver, SaveProcess, None],
+    ) -> Leftovers:
+        return Leftovers.dropped({}, interruption, unreported, known_good, saving)
 
 
 class RayTrainGroup(Group):
