@@ -1,4 +1,4 @@
-"""One training run, from a validated config to `TorchTrainer.fit()`.
+"""One training run, from a validated config to Ray Train's `fit()`.
 
 Everything that can be checked without workers is checked before Ray starts any: the
 data exists and fits the model, the MLflow server answers, the cluster can hold the
@@ -147,7 +147,7 @@ def _run(
         # Typed inputs rather than Ray's `train_loop_config` dict.
         functools.partial(worker_main, inputs),
         scaling_config=scaling.scaling_config(cfg.cluster, cfg.elastic),
-        torch_config=ray_compat.TorchConfigOfLiveWorkers(
+        backend_config=ray_compat.ProcessGroupConfig(
             backend=scaling.backend(cfg.cluster), timeout_s=int(cfg.elastic.collective_timeout_s)
         ),
         run_config=RunConfig(

@@ -13,14 +13,17 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import ray
-from ray.exceptions import RayActorError
+from ray._private import ray_constants
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.experimental import internal_kv
-from ray.train.torch import TorchConfig, TorchTrainer
-from ray.train.torch.config import _TorchBackend
+from ray.train._internal.utils import get_address_and_port
+from ray.train.backend import Backend, BackendConfig
+from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.exceptions import (
     UserExceptionWithTraceback,
@@ -40,12 +43,15 @@ from ray.train.v2._internal.execution.controller import state as _states
 from ray.train.v2._internal.execution.training_report import _TrainingReport
 from ray.train.v2._internal.execution.worker_group import DefaultPlacementGroupHandle, ExecutionGroup, WorkerGroup
 from ray.train.v2._internal.execution.worker_group.poll import WorkerStatus
-from ray.train.v2._internal.util import invoke_context_managers
+from ray.train.v2._internal.util import TrainingFramework, invoke_context_managers
 from ray.train.v2.api import data_parallel_trainer as _trainer_module
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 from ray.util.placement_group import PlacementGroup, placement_group
 
 from wildtrain.resources import node_bundles, workers_held
+
+logger = logging.getLogger(__name__)
 
 # Ray Train's developer callback hooks (the controller's state changes, worker-group starts,
 # reports) and what wildtrain reads of its controller's states, scaling decisions and errors,
@@ -87,7 +93,7 @@ __all__ = [
     "worker_failures",
     "worker_lost",
     "worker_slot",
-    "TorchConfigOfLiveWorkers",
+    "ProcessGroupConfig",
     "TrainerWithoutDatasets",
 ]
 
@@ -154,8 +160,9 @@ def keep_ray_data_stats_here() -> None:
     get_or_create_stats_actor()
 
 
-class TrainerWithoutDatasets(TorchTrainer):
-    """Ray Train's TorchTrainer, less the dataset manager it starts for every worker group
+class TrainerWithoutDatasets(DataParallelTrainer):
+    """Ray Train's trainer (a `ProcessGroupConfig` makes it TorchTrainer's, without torch
+    imported where it does not train), less the dataset manager it starts for every worker group
     whether or not it was given datasets: a process of its own importing Ray Train, CPU
     taken from every attempt's start (docs/decisions/ray-internals.md), and wildtrain's
     workers read their datasets themselves (`data.stream`), never through
@@ -463,18 +470,88 @@ def live_workers(worker_group: WorkerGroup) -> _Workers:
     return _Workers(worker_group, [w for rank, w in enumerate(worker_group.get_workers()) if rank not in lost])
 
 
-class _LiveWorkersTorchBackend(_TorchBackend):
-    def on_shutdown(self, worker_group, backend_config) -> None:
-        # Ray's own asks every worker, and a lost one's ActorDiedError puts a traceback on the
-        # console (`BackendSetupCallback`), even of a run that went on without it and finished.
-        super().on_shutdown(live_workers(worker_group), backend_config)
-
-
 @dataclass
-class TorchConfigOfLiveWorkers(TorchConfig):
-    """Ray's TorchConfig, whose process groups are shut down on the workers still alive
-    only: a genuine failure there still shows as Ray's warning."""
+class ProcessGroupConfig(BackendConfig):
+    """What wildtrain uses of Ray's TorchConfig: a torch process group of each worker group,
+    rendezvoused at rank 0's address (`env://`), made without importing torch in the
+    processes that never train. Ray's TorchConfig and its backend import torch at their
+    tops, and the driver (which makes the config) and Ray Train's controller (which runs the
+    backend) would each import it before every run's first step (docs/benchmarks.md#start-up).
+    The workers set up and shut down their process groups with Ray's own functions."""
+
+    backend: str = "gloo"
+    timeout_s: int = 1800
 
     @property
     def backend_cls(self):
-        return _LiveWorkersTorchBackend
+        return _ProcessGroupBackend
+
+    @property
+    def train_func_context(self):
+        return _device_context
+
+    @property
+    def framework(self):
+        return TrainingFramework.TORCH
+
+
+@contextlib.contextmanager
+def _device_context():
+    """Ray's TorchConfig's context around the training function: the worker's CUDA device."""
+    from ray.train.torch.config import TorchConfigContextManager  # a worker, which imports torch anyway
+
+    with TorchConfigContextManager():
+        yield
+
+
+def _join_process_group(address: str, port: int, backend: str, rank: int, world_size: int, timeout_s: int) -> None:
+    from ray.train.torch import config  # a worker, which imports torch anyway
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
+    config._set_torch_distributed_env_vars()
+    config._setup_torch_process_group(backend, rank, world_size, "env://", timeout_s)
+
+
+def _leave_process_group(destroy: bool) -> None:
+    from ray.train.torch.config import _shutdown_torch  # a worker, which imports torch anyway
+
+    _shutdown_torch(destroy_process_group=destroy)
+
+
+class _ProcessGroupBackend(Backend):
+    """Ray's `_TorchBackend`, for `env://` on the backend the config names, in a module
+    that does not import torch; and its shutdown runs on the workers still alive only: Ray's
+    asks every worker, and a lost one's ActorDiedError puts a traceback on the console
+    (`BackendSetupCallback`), even of a run that went on without it and finished. A genuine
+    failure there still shows as Ray's warning."""
+
+    share_cuda_visible_devices = True
+
+    def on_start(self, worker_group, backend_config: ProcessGroupConfig) -> None:
+        address, port = worker_group.execute_single(0, get_address_and_port)
+        world_size = len(worker_group)
+        ray.get(
+            [
+                worker_group.execute_single_async(
+                    rank,
+                    _join_process_group,
+                    address,
+                    port,
+                    backend_config.backend,
+                    rank,
+                    world_size,
+                    backend_config.timeout_s,
+                )
+                for rank in range(world_size)
+            ]
+        )
+
+    def on_shutdown(self, worker_group, backend_config: ProcessGroupConfig) -> None:
+        futures = live_workers(worker_group).execute_async(_leave_process_group, destroy=len(worker_group) > 1)
+        timeout_s = ray_constants.env_integer(
+            TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
+        )
+        try:
+            ray.get(futures, timeout=timeout_s)
+        except GetTimeoutError:
+            logger.warning(f"Torch process group shutdown timed out after {timeout_s} seconds")

@@ -601,7 +601,7 @@ def finished_group(*actors) -> WorkerGroup:
 def test_the_shutdown_of_a_group_that_went_on_without_a_worker_logs_no_traceback(ray_cluster, caplog):
     """Ray's backend shutdown (`BackendSetupCallback`, in the controller) asks every worker of
     the group, and a dead one's ActorDiedError puts a traceback on the console, even after a
-    run that went on without it and finished. wildtrain's (`ray_compat.TorchConfigOfLiveWorkers`)
+    run that went on without it and finished. wildtrain's (`ray_compat.ProcessGroupConfig`)
     leaves it out; a live worker's failure still shows."""
     probe = ray.remote(WildtrainShutdownProbe).options(num_cpus=0)
     # Ray's loggers reach the console through the `ray` logger's own handler, not the root's.
@@ -620,12 +620,12 @@ def test_the_shutdown_of_a_group_that_went_on_without_a_worker_logs_no_traceback
         assert "Graceful shutdown of backend failed" in rays and "ActorDiedError" in rays, "Ray's own, unchanged"
 
         survivor = probe.remote()
-        ours = logged(ray_compat.TorchConfigOfLiveWorkers(backend="gloo"), finished_group(probe.remote(), survivor))
+        ours = logged(ray_compat.ProcessGroupConfig(backend="gloo"), finished_group(probe.remote(), survivor))
         assert "Graceful shutdown" not in ours and "Traceback" not in ours, ours
-        assert ray.get(survivor.asked.remote()) == ["_shutdown_torch"], "the survivor's process group is shut down"
+        assert ray.get(survivor.asked.remote()) == ["_leave_process_group"], "the survivor's process group is shut down"
 
         failing = finished_group(probe.remote(), probe.remote(fails=True))
-        shown = logged(ray_compat.TorchConfigOfLiveWorkers(backend="gloo"), failing)
+        shown = logged(ray_compat.ProcessGroupConfig(backend="gloo"), failing)
         assert "Graceful shutdown of backend failed" in shown and "would not close" in shown, "a live one's failure"
     finally:
         logger.removeHandler(caplog.handler)

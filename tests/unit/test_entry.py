@@ -7,12 +7,33 @@ import sys
 WORKERS_ONLY = ["wildtrain.train.loop", "wildtrain.engine", "wildtrain.model", "torch._dynamo"]
 
 
-def test_the_driver_imports_none_of_the_workers_modules():
-    # They were 1.3 s of the driver's 3.6-4.2 s of imports here, before each run's first step.
-    code = f"import sys, wildtrain.cli, wildtrain.driver; print(sorted(set({WORKERS_ONLY!r}) & set(sys.modules)))"
+def imported(modules: list[str], of: list[str]) -> list[str]:
+    """Those of `of` that importing `modules` imports, in a new Python."""
+    code = f"import sys; [__import__(m) for m in {modules!r}]; print(sorted(set({of!r}) & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    return eval(done.stdout)
+
+
+def test_the_driver_imports_none_of_the_workers_modules():
+    # They were 1.3 s of the driver's 3.6-4.2 s of imports here, before each run's first step.
+    assert imported(["wildtrain.cli", "wildtrain.driver"], WORKERS_ONLY) == []
+
+
+def test_the_driver_and_ray_trains_controller_start_without_torch():
+    """Torch is half of the controller's imports before it starts any worker: the driver's
+    trainer, backend and callbacks import none of it (the driver's in-process rendezvous
+    imports it when it opens its store, the controller once its group started)."""
+    controller = [
+        "ray.train.v2._internal.execution.controller",
+        "wildtrain.ray_compat",
+        "wildtrain.elastic.controller",
+        "wildtrain.elastic.survivors",
+        "wildtrain.elastic.missed_commits",
+        "wildtrain.tracking.controller.mlflow_run",
+        "wildtrain.train.entry",
+    ]
+    assert imported(["wildtrain.cli", "wildtrain.driver", *controller], ["torch"]) == []
 
 
 def test_a_joiner_begins_its_first_read_before_the_loops_imports():

@@ -19,6 +19,7 @@ from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinato
 from ray.exceptions import ActorDiedError
 from ray.experimental import internal_kv
 from ray.train.torch import TorchTrainer
+from ray.train.torch import config as torch_config
 from ray.train.v2._internal.execution import context as train_context
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.controller import state as controller_state
@@ -206,7 +207,8 @@ def test_ray_train_still_makes_its_controller_and_places_its_workers_where_node_
     """`NodeBundleWorkerGroup` replaces the placement group Ray Train's worker group makes and
     the bundle each worker goes in, through the controller's class and its worker group's."""
     assert data_parallel_trainer.TrainController is TrainController, "the name the trainer makes its controller of"
-    assert "(TrainController)" in inspect.getsource(TorchTrainer._initialize_and_run_controller)
+    starts = data_parallel_trainer.DataParallelTrainer._initialize_and_run_controller
+    assert "(TrainController)" in inspect.getsource(starts)
     assert TrainController.worker_group_cls is WorkerGroup
     assert issubclass(ray_compat.NodeBundleController, TrainController)
     assert list(inspect.signature(WorkerGroup._create_placement_group).parameters) == [
@@ -377,11 +379,10 @@ def test_a_report_past_the_barrier_lands_in_rays_result_queue_in_order_as_ray_s_
 
 
 def test_the_backends_shutdown_leaves_out_the_workers_shown_lost_and_ray_still_shuts_down_through_it():
-    """`TorchConfigOfLiveWorkers`: a group's backend shutdown runs on the workers its latest
+    """`ProcessGroupConfig`: a group's backend shutdown runs on the workers its latest
     poll did not show lost, as Ray shows a lost one or as the survivors show one in its place
     (masked, relayed, or with its joiner's error); Ray's own asks every worker, and logs a
     traceback for each dead one, even after a run that went on without it and finished."""
-    from ray.train.torch.config import _TorchBackend
     from ray.train.v2._internal.callbacks.backend_setup import BackendSetupCallback
     from ray.train.v2._internal.execution.worker_group.state import WorkerGroupContext
     from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
@@ -408,22 +409,12 @@ def test_the_backends_shutdown_leaves_out_the_workers_shown_lost_and_ray_still_s
     assert live.get_workers() == workers[4:] and len(live) == 2
     assert live.get_resources_per_worker() == {"CPU": 1}
 
-    config = ray_compat.TorchConfigOfLiveWorkers(backend="gloo", timeout_s=5)
-    assert issubclass(config.backend_cls, _TorchBackend) and config.to_dict() == {
-        "backend": "gloo",
-        "init_method": "env",
-        "timeout_s": 5,
-    }
     # Where Ray makes the backend of the config it was given, calls its shutdown, and logs a failure.
     assert "BackendSetupCallback(self.backend_config)" in inspect.getsource(TorchTrainer._create_default_callbacks)
-    assert "backend_config=torch_config" in inspect.getsource(TorchTrainer.__init__)
     assert "backend_config.backend_cls()" in inspect.getsource(BackendSetupCallback.__init__)
     shutdown = inspect.getsource(BackendSetupCallback.before_execution_group_shutdown)
     assert "self._backend.on_shutdown(execution_group, self._backend_config)" in shutdown
     assert "Graceful shutdown of backend failed" in shutdown and "exc_info=True" in shutdown
-    # Ray's torch shutdown reaches the workers through the group's execute_async alone.
-    torch_shutdown = inspect.getsource(_TorchBackend.on_shutdown)
-    assert set(re.findall(r"worker_group\.(\w+)", torch_shutdown)) == {"execute_async"}
     # The group's latest poll is the one its callbacks masked, still readable as it shuts down.
     poll = inspect.getsource(WorkerGroup.poll_status)
     assert poll.index("callback.after_worker_group_poll_status") < poll.index("self._latest_poll_status = ")
@@ -431,3 +422,35 @@ def test_the_backends_shutdown_leaves_out_the_workers_shown_lost_and_ray_still_s
     assert group_shutdown.index("callback.before_worker_group_shutdown(self)") < group_shutdown.index(
         "self._clear_state()"
     )
+
+
+def test_the_process_group_backend_does_what_rays_torch_backend_does_for_env_rendezvous():
+    """`ProcessGroupConfig` stands in for Ray's TorchConfig without importing torch where it
+    does not train: its backend runs the steps of Ray's for `env://`, through Ray's own
+    worker functions, with the same CUDA-device sharing, context and framework."""
+    ours = ray_compat.ProcessGroupConfig(backend="gloo", timeout_s=5)
+    rays = torch_config.TorchConfig(backend="gloo", timeout_s=5)
+    assert ours.backend_cls.share_cuda_visible_devices is rays.backend_cls.share_cuda_visible_devices is True
+    assert ours.framework == rays.framework
+    assert rays.train_func_context is torch_config.TorchConfigContextManager
+    start = inspect.getsource(torch_config._TorchBackend.on_start)
+    for step in (
+        "worker_group.execute_single(\n                0, get_address_and_port",
+        'os.environ["MASTER_ADDR"] = addr',
+        'os.environ["MASTER_PORT"] = str(port)',
+        'url = "env://"',
+        "worker_group.execute(_set_torch_distributed_env_vars)",
+        "_setup_torch_process_group,",
+    ):
+        assert step in start, step
+    assert list(inspect.signature(torch_config._setup_torch_process_group).parameters) == [
+        "backend",
+        "world_rank",
+        "world_size",
+        "init_method",
+        "timeout_s",
+    ]
+    assert list(inspect.signature(torch_config._shutdown_torch).parameters) == ["destroy_process_group"]
+    shutdown = inspect.getsource(torch_config._TorchBackend.on_shutdown)
+    assert "_shutdown_torch,\n            destroy_process_group=len(worker_group) > 1" in shutdown
+    assert "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S" in shutdown

@@ -382,3 +382,72 @@ def test_a_finished_trial_hashes_as_it_did_before_its_keys_moved(moved):
             ]
         )
     )
+
+
+def fake_trials(monkeypatch, count: int):
+    """`count` trials whose processes print their name once they run (where started ahead, once
+    a line comes on their stdin), and the (name, waits) of each process the sweep started."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from wildtrain.sweeps import execute
+
+    spawned = []
+    script = "import sys\nif sys.argv[1] == 'waits' and not sys.stdin.readline(): sys.exit(0)\nprint(sys.argv[2])"
+
+    def spawn(trial, tags, waits=False):
+        process = subprocess.Popen(
+            [sys.executable, "-c", script, "waits" if waits else "now", trial.run_name],
+            stdin=subprocess.PIPE if waits else None,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        spawned.append((trial.run_name, waits, process))
+        return process
+
+    monkeypatch.setattr(execute, "_spawn", spawn)
+    return [SimpleNamespace(run_name=f"t{i}", label=lambda: "") for i in range(count)], spawned
+
+
+def test_a_sweep_starts_the_next_trial_ahead_and_lets_it_run_on_its_turn(monkeypatch):
+    from wildtrain.sweeps.execute import _run_trials
+
+    trials, spawned = fake_trials(monkeypatch, 3)
+    lines = []
+    assert _run_trials(trials, 1, lambda t: {}, "s", lines.append) == (["t0", "t1", "t2"], [])
+    assert [(name, waits) for name, waits, _ in spawned] == [("t0", False), ("t1", True), ("t2", True)]
+    assert [line for line in lines if line.startswith("[")] == ["[t0] t0", "[t1] t1", "[t2] t2"]
+
+
+def test_a_trial_started_ahead_ends_without_running_where_the_sweep_ends_before_its_turn(monkeypatch):
+    from wildtrain.sweeps.execute import _run_trials
+
+    trials, spawned = fake_trials(monkeypatch, 2)
+
+    def say(line: str) -> None:
+        if line.startswith("sweep s: trial 2/2"):
+            raise RuntimeError("the sweep ends")
+
+    with pytest.raises(RuntimeError, match="the sweep ends"):
+        _run_trials(trials, 1, lambda t: {}, "s", say)
+    name, waits, process = spawned[-1]
+    assert (name, waits, process.returncode) == ("t1", True, 0)
+    assert process.stdout.read() == ""
+
+
+def test_a_trial_started_ahead_runs_on_a_line_and_not_on_the_end_of_its_input(monkeypatch):
+    import io
+    import os
+    import sys
+
+    from wildtrain.sweeps.execute import WAIT_FOR_TURN_ENV, wait_for_turn
+
+    monkeypatch.delenv(WAIT_FOR_TURN_ENV, raising=False)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert wait_for_turn()  # not started ahead: runs at once
+    for given, runs in (("\n", True), ("", False)):
+        monkeypatch.setenv(WAIT_FOR_TURN_ENV, "1")
+        monkeypatch.setattr(sys, "stdin", io.StringIO(given))
+        assert wait_for_turn() is runs and WAIT_FOR_TURN_ENV not in os.environ

@@ -26,7 +26,7 @@ from typing import Optional
 
 import pyarrow.fs as pafs
 
-from wildtrain.checkpoint import STATE_FILE, universal
+from wildtrain.checkpoint import STATE_FILE
 from wildtrain.checkpoint.format import CheckpointManifest, new_attempt_token
 from wildtrain.checkpoint.store import CommitError, StoreLike, as_store, commit, fetch, read_manifest, upload
 
@@ -75,6 +75,10 @@ def convert_in_store(
         fetched = fetch(store, name, manifest.files, str(original), deadline=deadline)
         if fetched.problems:
             raise CommitError(f"cannot convert {store.describe(name)}: " + "; ".join(fetched.problems))
+        # Imported here: it imports torch, which Ray Train's controller (converting ahead of a
+        # resize) would otherwise import at every run's start.
+        from wildtrain.checkpoint import universal
+
         utag = universal.convert(str(original), manifest.tag, in_process=in_process)
         # What a universal load reads, and nothing of the partitions it was made from.
         copy = staging / "copy"

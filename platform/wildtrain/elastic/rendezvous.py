@@ -14,12 +14,16 @@ import contextlib
 import threading
 import time
 from datetime import timedelta
-from typing import Optional
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Optional
 
 from wildtrain.elastic import rendezvous_keys
 from wildtrain.elastic.membership import Membership, NoMembersLeft, joiners_due, next_membership, stale
+
+if TYPE_CHECKING:
+    # Imported where a store is opened, not here: Ray Train's controller imports this module
+    # (`elastic.survivors`) before it starts any worker, and opens its store once they started;
+    # torch is half of the controller's imports (docs/benchmarks.md#start-up).
+    import torch.distributed as dist
 
 # The most keys one batched read asks for: TCPStore's multi_get slows faster than linearly in its keys past this.
 READ_BATCH = 1024
@@ -105,6 +109,8 @@ class Heartbeat:
     `prefix`: the worker group's keys (see `RendezvousServer`)."""
 
     def __init__(self, host: str, port: int, name: str, every_s: float, prefix: str = "") -> None:
+        import torch.distributed as dist
+
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
         self._store = dist.PrefixStore(prefix, store) if prefix else store
         self.name, self.every_s = name, every_s
@@ -114,6 +120,8 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
+        import torch.distributed as dist
+
         while not self._stopped.wait(self.every_s):
             try:
                 beat(self._store, self.name)
@@ -305,6 +313,8 @@ def current_token(store: dist.Store) -> Optional[str]:
 
 def current_group(store: dist.Store) -> Optional[dist.Store]:
     """The newest registered worker group's keys (None before the first)."""
+    import torch.distributed as dist
+
     token = current_token(store)
     return None if token is None else dist.PrefixStore(token, store)
 
@@ -323,6 +333,8 @@ class RendezvousServer:
     def __init__(
         self, host: str, dead_after_s: float, confirm_s: float, join_batch_s: float = 0.0, turn_s: float = 0.01
     ) -> None:
+        import torch.distributed as dist
+
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         self.host, self.port = host, self.store.port
         self.dead_after_s, self.confirm_s, self.join_batch_s, self.turn_s = (
@@ -338,6 +350,8 @@ class RendezvousServer:
         self._thread.start()
 
     def _run(self) -> None:
+        import torch.distributed as dist
+
         while not self._stopped.wait(self.turn_s):
             try:
                 self._turn()
@@ -355,6 +369,8 @@ class RendezvousServer:
                 self.owner = None
 
     def _turn(self) -> None:
+        import torch.distributed as dist
+
         groups = self.store.add(rendezvous_keys.GROUPS, 0)
         if groups > self._groups:
             self._groups, self.owner = groups, None  # the earlier group's owner is done, whatever comes
