@@ -26,7 +26,7 @@ from wildtrain.data.pins import OrderPins, order_changes, order_pins
 from wildtrain.elastic import scaling
 from wildtrain.elastic.controller import StorageSettings, controller_callbacks
 from wildtrain.elastic.missed_commits import MissedCommits
-from wildtrain.elastic.survivors import start_rendezvous, survivor_callbacks
+from wildtrain.elastic.survivors import import_rendezvous_ahead, start_rendezvous, survivor_callbacks
 from wildtrain.events import DataOrderChanged, ShardSkipped, Started, Stopped, StragglerCheckOff
 from wildtrain.layout import RunLayout, checkpoint_stores, run_record
 from wildtrain.tracking.controller.mlflow_run import FLUSH_TIMEOUT_S, MlflowRecorder, Tracker, log_event
@@ -60,6 +60,7 @@ def run(cfg: Config, tags: Optional[dict[str, str]] = None, step_hook: Optional[
     step. Refused (`lease.LeaseError`) before anything starts while another driver holds the
     run's lease."""
     started_at = time.time()
+    import_rendezvous_ahead(cfg)
     hook_env = hooks.worker_env(step_hook)
     with lease.Keeper(cfg.run, cfg.cluster.name, cfg.storage, RunLayout.of(cfg.run, cfg.checkpoint).lease) as keeper:
         return _run(cfg, tags, started_at, keeper, hook_env)

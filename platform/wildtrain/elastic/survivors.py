@@ -6,6 +6,8 @@ started on the dead one's placement slot that joins them once Ray places that sl
 
 from __future__ import annotations
 
+import importlib
+import threading
 import time
 from datetime import timedelta
 from typing import Callable, Iterable, Optional
@@ -20,6 +22,14 @@ from wildtrain.elastic.nodes import excluded_nodes, has_room_for_another_worker
 from wildtrain.elastic.scaling import spare_cpus
 from wildtrain.worker_inputs import LoopInputs
 from wildtrain.worker_report import rank_zero
+
+
+def import_rendezvous_ahead(cfg: Config) -> None:
+    """Begin importing torch.distributed, which the driver's rendezvous opens its store with,
+    in a thread: beside the driver's checks before it (they mostly wait on their servers),
+    rather than after them on the way to the run's first step."""
+    if cfg.elastic.in_process:
+        threading.Thread(target=importlib.import_module, args=("torch.distributed",), daemon=True).start()
 
 
 def start_rendezvous(cfg: Config) -> Optional[rendezvous.RendezvousServer]:
