@@ -35,12 +35,9 @@ def train(overrides: tuple[str, ...]) -> None:
     services.prepare_ray_client(cfg.cluster.ray_address)
     # Ray, DeepSpeed and MLflow load only once the config is known to be good.
     from wildtrain.driver import run
-    from wildtrain.sweeps.execute import wait_for_turn
     from wildtrain.tracking.mlflow_client import quiet_mlflow
 
     quiet_mlflow()
-    if not wait_for_turn():  # a sweep's trial started ahead of a turn that never came
-        return
     summary = run(cfg)  # a ConfigError here: a setting the cluster it joined cannot serve (cluster.use_gpu)
     click.echo(
         f"\nrun {cfg.run.name!r} finished: "

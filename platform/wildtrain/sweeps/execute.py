@@ -43,9 +43,6 @@ OVERRIDES_PARAM = "sweep.overrides"  # on the parent: the overrides common to ev
 ARGS_PARAM = "sweep.args."
 # A trial told to stop (the sweep was interrupted) has this long to close its run.
 STOP_GRACE_S = 60.0
-# Set on the process of the next trial to start, which the sweep starts ahead of its turn: it
-# imports and loads its config meanwhile, then waits for a line on its stdin before its run.
-WAIT_FOR_TURN_ENV = "WILDTRAIN_TRIAL_WAITS_FOR_TURN"
 
 
 class SweepError(RuntimeError):
@@ -153,19 +150,13 @@ def _run_trials(
     running: list[_Running] = []
     ended: queue.Queue[_Running] = queue.Queue()
     ran, failed = [], []
-    # The next trial's process, started ahead of its turn: its Python start is off the sweep's path.
-    ahead: Optional[tuple[Trial, subprocess.Popen]] = None
     try:
         while waiting or running:
             while waiting and len(running) < parallel:
                 trial = waiting.pop(0)
                 number = len(trials) - len(waiting)
                 say(f"sweep {sweep}: trial {number}/{len(trials)} {trial.run_name} ({trial.label()})")
-                process = ahead[1] if ahead is not None and ahead[0] is trial else _spawn(trial, tags(trial))
-                ahead = None
-                running.append(_start(trial, process, say, ended))
-            if waiting and ahead is None:
-                ahead = (waiting[0], _spawn(waiting[0], tags(waiting[0]), waits=True))
+                running.append(_start(trial, tags(trial), say, ended))
             finished = ended.get()
             running.remove(finished)
             if finished.process.returncode == 0:
@@ -181,42 +172,17 @@ def _run_trials(
     except BaseException:
         _stop(running, interrupt=True)
         raise
-    finally:
-        if ahead is not None:  # its turn never came: it ends without a run
-            ahead[1].stdin.close()
-            _stop([_Running(*ahead)], interrupt=False)
     return ran, failed
 
 
-def _spawn(trial: Trial, tags: dict[str, str], waits: bool = False) -> subprocess.Popen:
-    """The trial's `wildtrain train` process; where it `waits`, ready to run once a line comes on its stdin."""
-    return subprocess.Popen(
+def _start(trial: Trial, tags: dict[str, str], say: Callable[[str], None], ended: queue.Queue) -> _Running:
+    process = subprocess.Popen(
         [sys.executable, "-m", "wildtrain", "train", *trial.args, f"run.tags={json.dumps(tags)}"],
-        stdin=subprocess.PIPE if waits else None,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **({WAIT_FOR_TURN_ENV: "1"} if waits else {})},
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-
-
-def wait_for_turn() -> bool:
-    """In a trial's `wildtrain train`: whether it runs. A process the sweep started ahead of its
-    turn (`WAIT_FOR_TURN_ENV`) waits for it, and gets False where the sweep ended first."""
-    if os.environ.pop(WAIT_FOR_TURN_ENV, None) is None:
-        return True
-    try:
-        return bool(sys.stdin.readline())
-    except KeyboardInterrupt:  # Ctrl-C before its turn: it has no run to close
-        return False
-
-
-def _start(trial: Trial, process: subprocess.Popen, say: Callable[[str], None], ended: queue.Queue) -> _Running:
-    """Relay `process`'s lines to `say`, once it runs (a process started ahead: told its turn has come)."""
-    if process.stdin is not None:
-        with contextlib.suppress(BrokenPipeError):  # it ended before its turn: its lines and exit status say why
-            process.stdin.write("\n")
-            process.stdin.close()
     running = _Running(trial, process)
 
     def relay() -> None:
