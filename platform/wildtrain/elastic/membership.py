@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Collection, Iterable, Mapping, Optional, Sequence
+from typing import Collection, Iterable, Iterator, Mapping, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -361,47 +361,43 @@ def _arrivals(
     numels: Sequence[int], old: Cut, new: Cut, sources: Sequence[int], piece: int, dst: int
 ) -> list[Transfer]:
     """The transfers that fill `dst`'s new share of `piece`, by offset: its span cut where old partitions end."""
-    old_size = old.sizes[piece]
     start, end = new.span(piece, dst, numels[piece])
-    transfers = []
-    while start < end:
-        old_rank = start // old_size
-        stop = min(end, (old_rank + 1) * old_size)
-        transfers.append(
-            Transfer(
-                piece,
-                sources[old_rank],
-                dst,
-                old_rank,
-                start - old_rank * old_size,
-                start - dst * new.sizes[piece],
-                stop - start,
-            )
-        )
-        start = stop
-    return transfers
+    return [
+        _transfer(old, new, sources, piece, old_rank, dst, at, stop)
+        for old_rank, at, stop in _cut(start, end, old.sizes[piece])
+    ]
 
 
 def _departures(
     numels: Sequence[int], old: Cut, new: Cut, sources: Sequence[int], piece: int, old_rank: int
 ) -> list[Transfer]:
     """The transfers from `old_rank`'s share of `piece`, by destination: its span cut where new partitions end."""
-    new_size = new.sizes[piece]
     start, end = old.span(piece, old_rank, numels[piece])
-    transfers = []
+    return [
+        _transfer(old, new, sources, piece, old_rank, dst, at, stop)
+        for dst, at, stop in _cut(start, end, new.sizes[piece])
+    ]
+
+
+def _cut(start: int, end: int, size: int) -> Iterator[tuple[int, int, int]]:
+    """The values [start, end) cut where partitions of `size` values end: (partition, start, stop) of each part."""
     while start < end:
-        dst = start // new_size
-        stop = min(end, (dst + 1) * new_size)
-        transfers.append(
-            Transfer(
-                piece,
-                sources[old_rank],
-                dst,
-                old_rank,
-                start - old_rank * old.sizes[piece],
-                start - dst * new_size,
-                stop - start,
-            )
-        )
+        index = start // size
+        stop = min(end, (index + 1) * size)
+        yield index, start, stop
         start = stop
-    return transfers
+
+
+def _transfer(
+    old: Cut, new: Cut, sources: Sequence[int], piece: int, old_rank: int, dst: int, start: int, stop: int
+) -> Transfer:
+    """The move of `piece`'s values [start, stop), in `old_rank`'s old partition and `dst`'s new one."""
+    return Transfer(
+        piece,
+        sources[old_rank],
+        dst,
+        old_rank,
+        start - old_rank * old.sizes[piece],
+        start - dst * new.sizes[piece],
+        stop - start,
+    )
