@@ -334,15 +334,19 @@ def _sources(numels: Sequence[int], old: Cut, new: Cut, holders: Sequence[Sequen
     """By old rank: the holder that sends from its partition (`plan_transfers`). Pieces alike
     in their values and cuts overlap alike, so each kind is counted once, times its pieces: a
     model's parameters are of a few shapes."""
-    kinds = Counter(zip(numels, old.sizes, new.sizes))
+    kinds = list(zip(numels, old.sizes, new.sizes))
+    counts = Counter(kinds)
+    example = {kind: kinds.index(kind) for kind in counts}  # the first piece of each kind stands for them all
 
     def values(old_rank: int, holder: Optional[int]) -> int:
         """The values of `old_rank`'s partition, or of them those that fall in `holder`'s new partition."""
         total = 0
-        for (numel, old_size, new_size), count in kinds.items():
-            start, end = min(old_rank * old_size, numel), min((old_rank + 1) * old_size, numel)
+        for kind, count in counts.items():
+            piece, numel = example[kind], kind[0]
+            start, end = old.span(piece, old_rank, numel)
             if holder is not None:
-                start, end = max(start, min(holder * new_size, numel)), min(end, (holder + 1) * new_size)
+                new_start, new_end = new.span(piece, holder, numel)
+                start, end = max(start, new_start), min(end, new_end)
             total += count * max(0, end - start)
         return total
 
