@@ -369,10 +369,10 @@ class RendezvousServer:
                 self.owner = None
 
     def _turn(self) -> None:
-        import torch.distributed as dist
-
         groups = self.store.add(rendezvous_keys.GROUPS, 0)
         if groups > self._groups:
+            import torch.distributed as dist  # here, not at every 10 ms turn
+
             self._groups, self.owner = groups, None  # the earlier group's owner is done, whatever comes
             token, world = self.store.get(rendezvous_keys.group(groups)).decode().split()
             # Ray placed the group for `world` workers: joiners take lost members' places only.
